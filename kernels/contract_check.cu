@@ -1,0 +1,14 @@
+#include "contract.h"
+__global__ void k(float* x) { x[0] = ls::fma(x[1], x[2], x[3]); }
+// Every contract math function must compile for the device.
+__global__ void contract_math_check(const float* in, float* out, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float v = in[i];
+  out[6 * i + 0] = ls::cexp(v);
+  out[6 * i + 1] = ls::clog(v);
+  out[6 * i + 2] = ls::ctanh(v);
+  out[6 * i + 3] = ls::csigmoid(v);
+  out[6 * i + 4] = ls::csin(v);
+  out[6 * i + 5] = ls::ccos(v);
+}

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs dependencies, builds, and runs the whole test suite: the doctest
+# suites (unit, engine == reference, golden gate, CLI) and the scenario-loader
+# tests again under ASan+UBSan. Ends with one line: "N passed, N failed".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+./scripts/install-deps.sh || { echo "0 passed, 1 failed"; exit 1; }
+
+build() {  # build DIR [meson options...]
+  local dir=$1; shift
+  if [ ! -f "$dir/build.ninja" ]; then meson setup "$dir" "$@" >/dev/null || return 1; fi
+  ninja -C "$dir" >/dev/null || ninja -C "$dir"
+}
+
+status=0
+build build || status=1
+build build-asan -Dloader_only=true -Db_sanitize=address,undefined -Dbuildtype=debugoptimized || status=1
+if [ $status -ne 0 ]; then echo "build failed"; echo "0 passed, 1 failed"; exit 1; fi
+
+meson test -C build --print-errorlogs --num-processes "$(nproc)" || status=1
+meson test -C build-asan --print-errorlogs || status=1
+
+# Count doctest cases across every meson test's log.
+python3 - build/meson-logs/testlog.json build-asan/meson-logs/testlog.json <<'PY'
+import json, re, sys
+passed = failed = skipped = 0
+for path in sys.argv[1:]:
+    for line in open(path):
+        t = json.loads(line)
+        m = re.search(r"test cases:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed\s*\|\s*(\d+) skipped", t.get("stdout", ""))
+        if m:
+            passed += int(m.group(2)); failed += int(m.group(3)); skipped += int(m.group(4))
+            if t.get("result") != "OK" and int(m.group(3)) == 0:
+                failed += 1  # crashed or timed out after its summary
+        else:
+            failed += 0 if t.get("result") == "OK" else 1
+            passed += 1 if t.get("result") == "OK" else 0
+print(f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
+sys.exit(1 if failed else 0)
+PY
+rc=$?
+[ $status -ne 0 ] && rc=1
+exit $rc

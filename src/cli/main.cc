@@ -1,0 +1,242 @@
+// lockstep: the command line. Subcommands run, golden, check, keys.
+// Exit codes: 0 ok, 1 a check found different bits, 2 bad input.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include "common/error.h"
+#include "ops/gemm.h"
+#include "runner/golden.h"
+#include "runner/runner.h"
+#include "runner/scenario.h"
+
+namespace fs = std::filesystem;
+using namespace ls;
+
+namespace {
+
+nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw UserError(path + ": cannot open file");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw UserError(path + ": malformed JSON: " + e.what());
+  }
+}
+
+void write_file_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) throw UserError(path + ": cannot write file");
+    out << text;
+    if (!out) throw UserError(path + ": write failed");
+  }
+  fs::rename(tmp, path);
+}
+
+void print_summary(const RunResult& r, const Scenario& s) {
+  std::printf("scenario        %s (%s backend, %d thread%s)\n", r.scenario.c_str(), r.backend.c_str(), r.threads,
+              r.threads == 1 ? "" : "s");
+  std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
+              s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
+              s.batch);
+  if (!r.losses.empty())
+    std::printf("loss            %.4f -> %.4f nats/byte over %d steps\n", r.losses.front(), r.losses.back(), r.steps);
+  for (const EvalPoint& e : r.evals) std::printf("held-out        step %-6d %.4f bits/byte\n", e.step, e.bpb);
+  std::printf("speed           %.0f tokens/s (%.2f GFLOP/s model)\n", r.tokens_per_second,
+              r.tokens_per_second * r.train_flops_per_token * 1e-9);
+  std::printf("final_state_hash %s\n", r.final_state_hash.c_str());
+}
+
+struct RunArgs {
+  std::string scenario;
+  std::vector<std::string> sets;
+  int threads = 0;
+  std::string backend = "engine";
+  int steps = -1;
+  std::string out_dir;
+  bool json = false, progress = false, quiet = false;
+};
+
+int cmd_run(const RunArgs& a) {
+  Scenario s = load_scenario(a.scenario, a.sets);
+  RunOptions opt;
+  opt.backend = parse_backend(a.backend);
+  opt.threads = a.threads;
+  if (a.steps == 0 || a.steps < -1) throw UserError("--steps: must be at least 1");
+  opt.steps = a.steps;
+  opt.progress = a.progress || (!a.quiet && isatty(2));
+  RunResult r = run_scenario(s, opt);
+  nlohmann::json j = result_json(r);
+  if (!a.out_dir.empty()) {
+    fs::create_directories(a.out_dir);
+    write_file_atomic((fs::path(a.out_dir) / "summary.json").string(), j.dump(2) + "\n");
+    write_file_atomic((fs::path(a.out_dir) / "scenario.resolved.json").string(), s.resolved.dump(2) + "\n");
+  }
+  if (a.json) {
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    print_summary(r, s);
+  }
+  return 0;
+}
+
+struct GoldenArgs {
+  std::vector<std::string> scenarios;
+  std::string golden_dir = "golden";
+  bool no_reference = false;
+  int threads = 0;
+};
+
+int cmd_golden(const GoldenArgs& a) {
+  fs::create_directories(a.golden_dir);
+  for (const std::string& path : a.scenarios) {
+    Scenario s = load_scenario(path, {});
+    RunOptions opt;
+    opt.threads = a.threads;
+    opt.hash_at = golden_hash_steps(s.steps);
+    opt.eval = false;
+    std::fprintf(stderr, "golden %s: engine, %d steps\n", s.name.c_str(), s.steps);
+    RunResult r = run_scenario(s, opt);
+    nlohmann::json g = make_golden(path, r);
+    if (!a.no_reference) {
+      // An independent path: the scalar reference must produce the same bits.
+      std::fprintf(stderr, "golden %s: reference cross-check, %d steps\n", s.name.c_str(), s.steps);
+      opt.backend = Backend::kReference;
+      RunResult rr = run_scenario(s, opt);
+      std::string diff = compare_golden(g, rr);
+      if (!diff.empty()) {
+        std::fprintf(stderr, "golden %s: engine and reference disagree, not written: %s\n", s.name.c_str(),
+                     diff.c_str());
+        return 1;
+      }
+      g["reference_checked"] = true;
+    }
+    const std::string out = (fs::path(a.golden_dir) / (s.name + ".json")).string();
+    write_file_atomic(out, g.dump(2) + "\n");
+    std::printf("wrote %s (final_state_hash %s)\n", out.c_str(), r.final_state_hash.c_str());
+  }
+  return 0;
+}
+
+struct CheckArgs {
+  std::vector<std::string> scenarios;
+  std::string golden_dir = "golden";
+  int threads = 0;
+  std::string backend = "engine";
+};
+
+int cmd_check(const CheckArgs& a) {
+  // (golden file, scenario path) pairs.
+  std::vector<std::pair<std::string, std::string>> work;
+  if (a.scenarios.empty()) {
+    if (!fs::is_directory(a.golden_dir)) throw UserError(a.golden_dir + ": no golden directory");
+    std::vector<std::string> files;
+    for (auto& e : fs::directory_iterator(a.golden_dir))
+      if (e.path().extension() == ".json") files.push_back(e.path().string());
+    std::sort(files.begin(), files.end());
+    if (files.empty()) throw UserError(a.golden_dir + ": no golden files");
+    const fs::path root = fs::absolute(a.golden_dir).parent_path();
+    for (auto& f : files) work.push_back({f, (root / read_json_file(f).at("scenario").get<std::string>()).string()});
+  } else {
+    for (auto& sc : a.scenarios) {
+      Scenario s = load_scenario(sc, {});
+      work.push_back({(fs::path(a.golden_dir) / (s.name + ".json")).string(), sc});
+    }
+  }
+  int failed = 0;
+  for (auto& [gpath, spath] : work) {
+    nlohmann::json g = read_json_file(gpath);
+    Scenario s = load_scenario(spath, {});
+    RunOptions opt;
+    opt.threads = a.threads;
+    opt.backend = parse_backend(a.backend);
+    opt.hash_at = golden_hash_steps(s.steps);
+    opt.eval = false;
+    RunResult r = run_scenario(s, opt);
+    std::string diff = compare_golden(g, r);
+    if (diff.empty()) {
+      std::printf("ok    %-16s %d steps, %d threads, final_state_hash %s\n", s.name.c_str(), r.steps, r.threads,
+                  r.final_state_hash.c_str());
+    } else {
+      ++failed;
+      std::printf("FAIL  %-16s %s (golden %s)\n", s.name.c_str(), diff.c_str(), gpath.c_str());
+    }
+  }
+  std::printf("check: %zu scenario%s, %d failed\n", work.size(), work.size() == 1 ? "" : "s", failed);
+  return failed ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"lockstep: deterministic MoE training simulator and reproducibility harness.\n"
+               "Bits depend on the math, never on threads, SIMD or decomposition."};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "lockstep 0.1.0");
+
+  RunArgs ra;
+  auto* run = app.add_subcommand("run", "train a scenario and print a summary (--json: one JSON object, last line)");
+  run->add_option("scenario", ra.scenario, "scenario JSON file")->required();
+  run->add_option("--set", ra.sets, "override a scenario key: dotted.key=value (repeatable)");
+  run->add_option("--threads", ra.threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
+  run->add_option("--backend", ra.backend, "engine (fast) or reference (scalar spec)");
+  run->add_option("--steps", ra.steps, "train this many steps instead of train.steps");
+  run->add_option("--out", ra.out_dir, "write summary.json and scenario.resolved.json here");
+  run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");
+  run->add_flag("--progress", ra.progress, "progress lines on stderr even when it is not a terminal");
+  run->add_flag("--quiet", ra.quiet, "no progress lines");
+
+  GoldenArgs ga;
+  auto* golden = app.add_subcommand("golden", "write golden/<name>.json: per-step loss bits and state hashes");
+  golden->add_option("scenarios", ga.scenarios, "scenario JSON files")->required();
+  golden->add_option("--golden-dir", ga.golden_dir, "where golden files live (default: golden)");
+  golden->add_flag("--no-reference", ga.no_reference, "skip the cross-check against the scalar reference");
+  golden->add_option("--threads", ga.threads, "worker threads")->check(CLI::Range(1, 1024));
+
+  CheckArgs ca;
+  auto* check = app.add_subcommand("check", "rerun scenarios and compare with their golden files (default: all)");
+  check->add_option("scenarios", ca.scenarios, "scenario JSON files (default: every golden file's scenario)");
+  check->add_option("--golden-dir", ca.golden_dir, "where golden files live (default: golden)");
+  check->add_option("--threads", ca.threads, "worker threads")->check(CLI::Range(1, 1024));
+  check->add_option("--backend", ca.backend, "engine or reference");
+
+  bool keys_md = false;
+  auto* keys = app.add_subcommand("keys", "list every scenario key with its type, default and meaning");
+  keys->add_flag("--markdown", keys_md, "as the Markdown table of docs/SCENARIOS.md");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  try {
+    if (*run) return cmd_run(ra);
+    if (*golden) return cmd_golden(ga);
+    if (*check) return cmd_check(ca);
+    if (*keys) {
+      if (keys_md) {
+        std::printf("%s", scenario_keys_markdown().c_str());
+      } else {
+        for (const ScenarioKey& k : scenario_keys())
+          std::printf("%-24s %-8s %-12s %s\n", k.key.c_str(), k.type.c_str(), k.default_value.dump().c_str(),
+                      k.doc.c_str());
+      }
+      return 0;
+    }
+  } catch (const UserError& e) {
+    std::fprintf(stderr, "lockstep: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lockstep: internal error: %s\n", e.what());
+    return 3;
+  }
+  return 0;
+}

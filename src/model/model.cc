@@ -1,0 +1,576 @@
+// The engine's forward and backward. Each block names the reference loop it
+// must match bit for bit; threads split only independent outputs (tokens,
+// heads, expert row blocks, weight-gradient column slabs), never a fold.
+#include "model/model.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "contract.h"
+#include "ops/gemm.h"
+#include "ops/ops.h"
+
+namespace ls {
+
+namespace {
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> shapes_for(const ModelConfig& c) {
+  const int64_t V = c.vocab, D = c.d_model, F = c.d_ff, E = c.experts, T = c.seq_len;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out = {
+      {"tok_emb", {V, D}}, {"pos_emb", {T, D}}, {"final_norm", {D}}, {"lm_head", {D, V}}};
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    out.push_back({p + "attn_norm", {D}});
+    out.push_back({p + "wqkv", {D, 3 * D}});
+    out.push_back({p + "wo", {D, D}});
+    out.push_back({p + "moe_norm", {D}});
+    out.push_back({p + "router", {D, E}});
+    out.push_back({p + "experts.w1", {E, D, F}});
+    out.push_back({p + "experts.w3", {E, D, F}});
+    out.push_back({p + "experts.w2", {E, F, D}});
+    if (c.shared_expert) {
+      out.push_back({p + "shared.w1", {D, F}});
+      out.push_back({p + "shared.w3", {D, F}});
+      out.push_back({p + "shared.w2", {F, D}});
+    }
+  }
+  std::sort(out.begin(), out.end());  // canonical (bytewise) name order
+  return out;
+}
+
+// Rows of one expert block handled by one task.
+constexpr int64_t kExpertRowBlock = 64;
+
+}  // namespace
+
+// Saved activations of one layer plus the routing of its tokens.
+struct LayerActs {
+  std::vector<float> x, a, r1, qkv, att, o, xm, a2, r2, z, g, lse;
+  std::vector<int> sel;              // [N*K] expert of each (token, slot)
+  std::vector<int64_t> row_of;       // [N*K] row of (token, slot) in the expert buffers
+  std::vector<int64_t> expert_off;   // [E+1] first row of each expert
+  std::vector<int64_t> row_token;    // [N*K] token of each expert row
+  std::vector<float> xe, u, v, act, ye;     // expert buffers, rows grouped by expert
+  std::vector<float> su, sv, sact, ysh;     // shared expert
+};
+
+struct MoeTransformer::Workspace {
+  int batch = -1;
+  std::vector<LayerActs> layers;
+  std::vector<float> h, af, rf, logits, prob, lse, loss;
+  // backward scratch
+  std::vector<float> dh, dtmp, dlogits, dye, du, dv, dact, dxe, dg, dz, da2, dO, dqkv, sdu, sdv, sdx;
+};
+
+MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed)
+    : cfg_(cfg), leaf_samples_(leaf_samples), ws_(new Workspace) {
+  int64_t off = 0;
+  for (auto& [name, shape] : shapes_for(cfg)) {
+    ParamInfo p;
+    p.name = name;
+    p.shape = shape;
+    p.size = 1;
+    for (int64_t d : shape) p.size *= d;
+    p.offset = off;
+    p.decay = shape.size() > 1;
+    off += p.size;
+    infos_.push_back(p);
+  }
+  w_.resize(off);
+  g_.assign(off, 0.0f);
+  for (const ParamInfo& p : infos_) {
+    float* w = w_.data() + p.offset;
+    if (!p.decay) {
+      std::fill(w, w + p.size, 1.0f);  // norm gains start at one
+      continue;
+    }
+    const uint32_t id = tensor_id(p.name.c_str());
+#pragma omp parallel for schedule(static) if (p.size > 65536)
+    for (int64_t i = 0; i < p.size; ++i) w[i] = init_uniform(seed, id, (uint64_t)i, cfg.init_std);
+  }
+}
+
+MoeTransformer::~MoeTransformer() { delete ws_; }
+
+const ParamInfo& MoeTransformer::param(const std::string& name) const {
+  for (const ParamInfo& p : infos_)
+    if (p.name == name) return p;
+  throw std::out_of_range("engine: no parameter '" + name + "'");
+}
+
+double train_flops_per_token(const ModelConfig& c) {
+  const double D = c.d_model, F = c.d_ff, E = c.experts, K = c.top_k, V = c.vocab, S = c.seq_len;
+  double per_layer = 2 * D * 3 * D + 2 * D * D + 2 * D * E   // qkv, out, router
+                     + 2 * (S + 1) / 2 * D * 2               // causal scores and values
+                     + K * 3 * 2 * D * F                     // routed SwiGLU experts
+                     + (c.shared_expert ? 3 * 2 * D * F : 0);
+  double fwd = c.n_layers * per_layer + 2 * D * V;
+  return 3 * fwd;  // backward is about twice the forward
+}
+
+StepLosses MoeTransformer::forward(const uint8_t* tokens, int batch) { return run(tokens, batch, false); }
+StepLosses MoeTransformer::forward_backward(const uint8_t* tokens, int batch) { return run(tokens, batch, true); }
+
+namespace {
+
+// Causal attention of one (sample, head). q, k, v rows have stride ld.
+// Scores reduce over the head feature j; outputs over the key position u.
+void attention_forward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
+                       float* att, float* o, int64_t ldo, std::vector<float>& kT, std::vector<float>& s) {
+  kT.resize((size_t)hd * S);
+  s.resize(S);
+  for (int u = 0; u < S; ++u)
+    for (int j = 0; j < hd; ++j) kT[(size_t)j * S + u] = k[u * ld + j];
+  for (int t = 0; t < S; ++t) {
+    const float* qt = q + t * ld;
+    std::fill(s.begin(), s.begin() + t + 1, 0.0f);
+    for (int j = 0; j < hd; ++j) {  // lanes over u, each a sequential fold over j
+      const float qj = qt[j];
+      const float* kj = &kT[(size_t)j * S];
+      for (int u = 0; u <= t; ++u) s[u] = ls::fma(qj, kj[u], s[u]);
+    }
+    for (int u = 0; u <= t; ++u) s[u] = s[u] * scale;
+    float* p = att + (int64_t)t * S;
+    ops::softmax(s.data(), p, t + 1);
+    float* ot = o + t * ldo;
+    std::fill(ot, ot + hd, 0.0f);
+    for (int u = 0; u <= t; ++u) {  // lanes over j, each a sequential fold over u
+      const float pu = p[u];
+      const float* vu = v + u * ld;
+      for (int j = 0; j < hd; ++j) ot[j] = ls::fma(pu, vu[j], ot[j]);
+    }
+  }
+}
+
+// Backward of attention_forward. dq reduces over u <= t; dk and dv over the
+// query position t' >= u, folded in ascending t'.
+void attention_backward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
+                        const float* att, const float* dout, int64_t ldo, float* dq, float* dk, float* dv,
+                        int64_t ldd, std::vector<float>& vT, std::vector<float>& dp, std::vector<float>& ds) {
+  vT.resize((size_t)hd * S);
+  dp.resize(S);
+  ds.resize(S);
+  for (int u = 0; u < S; ++u)
+    for (int j = 0; j < hd; ++j) vT[(size_t)j * S + u] = v[u * ld + j];
+  for (int u = 0; u < S; ++u) {
+    std::fill(dk + u * ldd, dk + u * ldd + hd, 0.0f);
+    std::fill(dv + u * ldd, dv + u * ldd + hd, 0.0f);
+  }
+  for (int t = 0; t < S; ++t) {
+    const float* dot = dout + t * ldo;
+    const float* p = att + (int64_t)t * S;
+    std::fill(dp.begin(), dp.begin() + t + 1, 0.0f);
+    for (int j = 0; j < hd; ++j) {
+      const float dj = dot[j];
+      const float* vj = &vT[(size_t)j * S];
+      for (int u = 0; u <= t; ++u) dp[u] = ls::fma(dj, vj[u], dp[u]);
+    }
+    ops::softmax_backward(p, dp.data(), ds.data(), t + 1);
+    for (int u = 0; u <= t; ++u) ds[u] = ds[u] * scale;
+    float* dqt = dq + t * ldd;
+    std::fill(dqt, dqt + hd, 0.0f);
+    const float* qt = q + t * ld;
+    for (int u = 0; u <= t; ++u) {
+      const float dsu = ds[u], pu = p[u];
+      const float* ku = k + u * ld;
+      float* dku = dk + u * ldd;
+      float* dvu = dv + u * ldd;
+      for (int j = 0; j < hd; ++j) {
+        dqt[j] = ls::fma(dsu, ku[j], dqt[j]);
+        dku[j] = ls::fma(dsu, qt[j], dku[j]);
+        dvu[j] = ls::fma(pu, dot[j], dvu[j]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
+  const ModelConfig& c = cfg_;
+  const int S = c.seq_len, D = c.d_model, H = c.n_heads, hd = D / H, E = c.experts, K = c.top_k, F = c.d_ff,
+            V = c.vocab, L = c.n_layers;
+  const int64_t N = (int64_t)B * S, NK = N * K;
+  const int64_t leaf = (int64_t)leaf_samples_ * S, leaves = N / leaf;
+  if (B % leaf_samples_ != 0)
+    throw std::invalid_argument("engine: batch " + std::to_string(B) + " is not a multiple of numerics.leaf_samples");
+  const float scale = 1.0f / ls::sqrt((float)hd);
+  Workspace& ws = *ws_;
+  auto W = [&](const std::string& name) { return w_.data() + param(name).offset; };
+  auto G = [&](const std::string& name) { return g_.data() + param(name).offset; };
+  auto lname = [](int l, const char* s) { return "layers." + std::to_string(l) + "." + s; };
+  std::vector<int64_t> uniform_off(leaves + 1);
+  for (int64_t l = 0; l <= leaves; ++l) uniform_off[l] = l * leaf;
+  auto tok = [&](int64_t n) { return (int)tokens[(n / S) * (S + 1) + n % S]; };
+  auto target = [&](int64_t n) { return (int)tokens[(n / S) * (S + 1) + n % S + 1]; };
+
+  if (ws.batch != B) {
+    ws.layers.assign(L, LayerActs{});
+    ws.batch = B;
+  }
+  stats_.tokens_per_expert.assign((size_t)L * E, 0);
+
+  // Embedding: h = tok_emb[x] + pos_emb[t].
+  ws.h.resize(N * D);
+  {
+    const float *te = W("tok_emb"), *pe = W("pos_emb");
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n)
+      for (int i = 0; i < D; ++i) ws.h[n * D + i] = te[(int64_t)tok(n) * D + i] + pe[(n % S) * D + i];
+  }
+
+  std::vector<float> aux_l(L, 0.0f), z_l(L, 0.0f);
+  for (int l = 0; l < L; ++l) {
+    LayerActs& A = ws.layers[l];
+    const float *attn_norm = W(lname(l, "attn_norm")), *wqkv = W(lname(l, "wqkv")), *wo = W(lname(l, "wo")),
+                *moe_norm = W(lname(l, "moe_norm")), *router = W(lname(l, "router")),
+                *W1 = W(lname(l, "experts.w1")), *W3 = W(lname(l, "experts.w3")), *W2 = W(lname(l, "experts.w2"));
+    A.x = ws.h;
+    // --- attention block
+    A.a.resize(N * D);
+    A.r1.resize(N);
+    ops::rmsnorm(ws.h.data(), attn_norm, A.a.data(), A.r1.data(), N, D, c.rms_eps);
+    A.qkv.resize(N * 3 * D);
+    ops::linear(A.a.data(), N, D, wqkv, 3 * D, A.qkv.data());
+    A.att.resize((size_t)B * H * S * S);
+    A.o.resize(N * D);
+#pragma omp parallel
+    {
+      std::vector<float> kT, s;
+#pragma omp for schedule(dynamic, 1)
+      for (int bh = 0; bh < B * H; ++bh) {
+        const int b = bh / H, hh = bh % H;
+        const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
+        attention_forward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, A.att.data() + (int64_t)bh * S * S,
+                          A.o.data() + (int64_t)b * S * D + hh * hd, D, kT, s);
+      }
+    }
+    ws.dtmp.resize(N * D);
+    ops::linear(A.o.data(), N, D, wo, D, ws.dtmp.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < N * D; ++i) ws.h[i] = ws.h[i] + ws.dtmp[i];
+    A.xm = ws.h;
+
+    // --- MoE block: route
+    A.a2.resize(N * D);
+    A.r2.resize(N);
+    ops::rmsnorm(ws.h.data(), moe_norm, A.a2.data(), A.r2.data(), N, D, c.rms_eps);
+    A.z.resize(N * E);
+    A.g.resize(N * E);
+    A.lse.resize(N);
+    A.sel.resize(NK);
+    ops::linear(A.a2.data(), N, D, router, E, A.z.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* g = A.g.data() + n * E;
+      A.lse[n] = ops::softmax(A.z.data() + n * E, A.g.data() + n * E, E);
+      uint64_t taken[4] = {0, 0, 0, 0};  // E <= 256
+      for (int s = 0; s < K; ++s) {  // top-k by gate; ties to the lowest index
+        int best = -1;
+        for (int e = 0; e < E; ++e)
+          if (!((taken[e >> 6] >> (e & 63)) & 1) && (best < 0 || g[e] > g[best])) best = e;
+        taken[best >> 6] |= 1ull << (best & 63);
+        A.sel[n * K + s] = best;
+      }
+    }
+    // Dispatch: rows grouped by expert, in token order inside each expert.
+    A.expert_off.assign(E + 1, 0);
+    for (int64_t i = 0; i < NK; ++i) ++A.expert_off[A.sel[i] + 1];
+    for (int e = 0; e < E; ++e) {
+      stats_.tokens_per_expert[(size_t)l * E + e] = A.expert_off[e + 1];
+      A.expert_off[e + 1] += A.expert_off[e];
+    }
+    A.row_of.resize(NK);
+    A.row_token.resize(NK);
+    {
+      std::vector<int64_t> fill(A.expert_off.begin(), A.expert_off.end() - 1);
+      for (int64_t n = 0; n < N; ++n)
+        for (int s = 0; s < K; ++s) {
+          const int64_t row = fill[A.sel[n * K + s]]++;
+          A.row_of[n * K + s] = row;
+          A.row_token[row] = n;
+        }
+    }
+    A.xe.resize(NK * D);
+    A.u.resize(NK * F);
+    A.v.resize(NK * F);
+    A.act.resize(NK * F);
+    A.ye.resize(NK * D);
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < NK; ++row)
+      std::memcpy(&A.xe[row * D], &A.a2[A.row_token[row] * D], sizeof(float) * D);
+    // Tasks: (expert, block of rows). Rows are independent, so any split keeps the bits.
+    std::vector<std::pair<int, int64_t>> tasks;
+    for (int e = 0; e < E; ++e)
+      for (int64_t r = A.expert_off[e]; r < A.expert_off[e + 1]; r += kExpertRowBlock) tasks.push_back({e, r});
+#pragma omp parallel for schedule(dynamic, 1)
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      const int e = tasks[t].first;
+      const int64_t r0 = tasks[t].second, rows = std::min(kExpertRowBlock, A.expert_off[e + 1] - r0);
+      const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
+      ops::gemm(rows, F, D, {&A.xe[r0 * D], D, 1}, {w1, F, 1}, &A.u[r0 * F], F, false, 1);
+      ops::gemm(rows, F, D, {&A.xe[r0 * D], D, 1}, {w3, F, 1}, &A.v[r0 * F], F, false, 1);
+      for (int64_t i = r0 * F; i < (r0 + rows) * F; ++i) A.act[i] = ops::silu(A.u[i]) * A.v[i];
+      ops::gemm(rows, D, F, {&A.act[r0 * F], F, 1}, {w2, D, 1}, &A.ye[r0 * D], D, false, 1);
+    }
+    if (c.shared_expert) {
+      A.su.resize(N * F);
+      A.sv.resize(N * F);
+      A.sact.resize(N * F);
+      A.ysh.resize(N * D);
+      ops::linear(A.a2.data(), N, D, W(lname(l, "shared.w1")), F, A.su.data());
+      ops::linear(A.a2.data(), N, D, W(lname(l, "shared.w3")), F, A.sv.data());
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < N * F; ++i) A.sact[i] = ops::silu(A.su[i]) * A.sv[i];
+      ops::linear(A.sact.data(), N, F, W(lname(l, "shared.w2")), D, A.ysh.data());
+    }
+    // Combine: out = fold over slots of fma(gate, y_slot, out) from +0, then + shared.
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      float out[4096];
+      std::fill(out, out + D, 0.0f);
+      for (int s = 0; s < K; ++s) {
+        const float gate = A.g[n * E + A.sel[n * K + s]];
+        const float* y = &A.ye[A.row_of[n * K + s] * D];
+        for (int j = 0; j < D; ++j) out[j] = ls::fma(gate, y[j], out[j]);
+      }
+      if (c.shared_expert)
+        for (int j = 0; j < D; ++j) out[j] = out[j] + A.ysh[n * D + j];
+      for (int j = 0; j < D; ++j) ws.h[n * D + j] = ws.h[n * D + j] + out[j];
+    }
+    // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
+    {
+      std::vector<float> part((size_t)leaves * E), zpart(leaves);
+      for (int64_t lf = 0; lf < leaves; ++lf) {
+        float* acc = &part[(size_t)lf * E];
+        float zacc = 0.0f;
+        for (int64_t n = lf * leaf; n < (lf + 1) * leaf; ++n) {
+          for (int e = 0; e < E; ++e) acc[e] = acc[e] + A.g[n * E + e];
+          zacc = ls::fma(A.lse[n], A.lse[n], zacc);
+        }
+        zpart[lf] = zacc;
+      }
+      float dot = 0.0f;  // reduces over the expert index e
+      std::vector<float> col(leaves);
+      for (int e = 0; e < E; ++e) {
+        const float f = (float)(A.expert_off[e + 1] - A.expert_off[e]) / (float)NK;
+        for (int64_t lf = 0; lf < leaves; ++lf) col[lf] = part[(size_t)lf * E + e];
+        const float Pe = tree_sum(col.data(), leaves) / (float)N;
+        dot = ls::fma(f, Pe, dot);
+      }
+      aux_l[l] = (float)E * dot;
+      z_l[l] = tree_sum(zpart.data(), leaves) / (float)N;
+    }
+  }
+
+  // Final norm, head, cross-entropy.
+  const float *final_norm = W("final_norm"), *lm_head = W("lm_head");
+  ws.af.resize(N * D);
+  ws.rf.resize(N);
+  ws.logits.resize(N * V);
+  ws.prob.resize(N * V);
+  ws.lse.resize(N);
+  ws.loss.resize(N);
+  ops::rmsnorm(ws.h.data(), final_norm, ws.af.data(), ws.rf.data(), N, D, c.rms_eps);
+  ops::linear(ws.af.data(), N, D, lm_head, V, ws.logits.data());
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    ws.lse[n] = ops::softmax(&ws.logits[n * V], &ws.prob[n * V], V);
+    ws.loss[n] = ws.lse[n] - ws.logits[n * V + target(n)];
+  }
+  StepLosses out;
+  out.ce = ops::token_sum(ws.loss.data(), N, leaf) / (float)N;
+  for (int l = 0; l < L; ++l) out.aux = out.aux + aux_l[l];
+  for (int l = 0; l < L; ++l) out.z = out.z + z_l[l];
+  out.total = out.ce + c.aux_loss_weight * out.aux + c.z_loss_weight * out.z;
+  if (!backward) return out;
+
+  // ------------------------------------------------------------ backward --
+  ws.dlogits.resize(N * V);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const int y = target(n);
+    for (int v = 0; v < V; ++v) ws.dlogits[n * V + v] = (ws.prob[n * V + v] - (v == y ? 1.0f : 0.0f)) / (float)N;
+  }
+  ops::weight_grad(ws.af.data(), D, ws.dlogits.data(), V, D, V, uniform_off.data(), leaves, G("lm_head"));
+  ws.dtmp.resize(N * D);
+  ws.dh.resize(N * D);
+  ops::linear_input_grad(ws.dlogits.data(), N, V, lm_head, D, ws.dtmp.data(), false);
+  ops::rmsnorm_weight_grad(ws.h.data(), ws.rf.data(), ws.dtmp.data(), N, D, leaf, G("final_norm"));
+  ops::rmsnorm_backward(ws.h.data(), final_norm, ws.rf.data(), ws.dtmp.data(), ws.dh.data(), N, D, false);
+
+  for (int l = L - 1; l >= 0; --l) {
+    LayerActs& A = ws.layers[l];
+    const float *attn_norm = W(lname(l, "attn_norm")), *wqkv = W(lname(l, "wqkv")), *wo = W(lname(l, "wo")),
+                *moe_norm = W(lname(l, "moe_norm")), *router = W(lname(l, "router")),
+                *W1 = W(lname(l, "experts.w1")), *W3 = W(lname(l, "experts.w3")), *W2 = W(lname(l, "experts.w2"));
+    float *gW1 = G(lname(l, "experts.w1")), *gW3 = G(lname(l, "experts.w3")), *gW2 = G(lname(l, "experts.w2"));
+    // --- MoE block. dh is the gradient of the block output.
+    ws.dye.resize(NK * D);
+    ws.du.resize(NK * F);
+    ws.dv.resize(NK * F);
+    ws.dact.resize(NK * F);
+    ws.dxe.resize(NK * D);
+    ws.dg.assign(N * E, 0.0f);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n)
+      for (int s = 0; s < K; ++s) {
+        const int e = A.sel[n * K + s];
+        const int64_t row = A.row_of[n * K + s];
+        const float gate = A.g[n * E + e];
+        const float* dhn = &ws.dh[n * D];
+        const float* y = &A.ye[row * D];
+        float dgate = 0.0f;  // reduces over the model feature j
+        for (int j = 0; j < D; ++j) dgate = ls::fma(dhn[j], y[j], dgate);
+        ws.dg[n * E + e] = dgate;
+        for (int j = 0; j < D; ++j) ws.dye[row * D + j] = gate * dhn[j];
+      }
+    std::vector<std::pair<int, int64_t>> tasks;
+    for (int e = 0; e < E; ++e)
+      for (int64_t r = A.expert_off[e]; r < A.expert_off[e + 1]; r += kExpertRowBlock) tasks.push_back({e, r});
+#pragma omp parallel for schedule(dynamic, 1)
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      const int e = tasks[t].first;
+      const int64_t r0 = tasks[t].second, rows = std::min(kExpertRowBlock, A.expert_off[e + 1] - r0);
+      const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
+      ops::gemm(rows, F, D, {&ws.dye[r0 * D], D, 1}, {w2, 1, D}, &ws.dact[r0 * F], F, false, 1);
+      for (int64_t i = r0 * F; i < (r0 + rows) * F; ++i) {
+        ws.dv[i] = ws.dact[i] * ops::silu(A.u[i]);
+        ws.du[i] = (ws.dact[i] * A.v[i]) * ops::silu_grad(A.u[i]);
+      }
+      // dx folds over the hidden index of u, then continues over that of v.
+      ops::gemm(rows, D, F, {&ws.du[r0 * F], F, 1}, {w1, 1, F}, &ws.dxe[r0 * D], D, false, 1);
+      ops::gemm(rows, D, F, {&ws.dv[r0 * F], F, 1}, {w3, 1, F}, &ws.dxe[r0 * D], D, true, 1);
+    }
+    // Expert weight gradients: token reductions over the rows routed to e,
+    // which are in token order, so leaf l is a contiguous run of rows.
+    {
+      std::vector<int64_t> eoff((size_t)E * (leaves + 1));
+      for (int e = 0; e < E; ++e) {
+        int64_t* off = &eoff[(size_t)e * (leaves + 1)];
+        int64_t r = A.expert_off[e];
+        for (int64_t lf = 0; lf <= leaves; ++lf) {
+          while (r < A.expert_off[e + 1] && A.row_token[r] < lf * leaf) ++r;
+          off[lf] = r - A.expert_off[e];
+        }
+      }
+#pragma omp parallel for schedule(dynamic, 1)
+      for (int task = 0; task < 3 * E; ++task) {
+        const int e = task / 3, which = task % 3;
+        const int64_t r0 = A.expert_off[e];
+        const int64_t* off = &eoff[(size_t)e * (leaves + 1)];
+        if (which == 0)
+          ops::weight_grad(&A.xe[r0 * D], D, &ws.du[r0 * F], F, D, F, off, leaves, gW1 + (int64_t)e * D * F);
+        else if (which == 1)
+          ops::weight_grad(&A.xe[r0 * D], D, &ws.dv[r0 * F], F, D, F, off, leaves, gW3 + (int64_t)e * D * F);
+        else
+          ops::weight_grad(&A.act[r0 * F], F, &ws.dye[r0 * D], D, F, D, off, leaves, gW2 + (int64_t)e * F * D);
+      }
+    }
+    // da2 = (sum over slots, in slot order, from +0) + shared + router part.
+    ws.da2.resize(N * D);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      float* d = &ws.da2[n * D];
+      std::fill(d, d + D, 0.0f);
+      for (int s = 0; s < K; ++s) {
+        const float* x = &ws.dxe[A.row_of[n * K + s] * D];
+        for (int i = 0; i < D; ++i) d[i] = d[i] + x[i];
+      }
+    }
+    if (c.shared_expert) {
+      const float *s1 = W(lname(l, "shared.w1")), *s3 = W(lname(l, "shared.w3")), *s2 = W(lname(l, "shared.w2"));
+      ws.sdu.resize(N * F);
+      ws.sdv.resize(N * F);
+      ws.sdx.resize(N * D);
+      ops::linear_input_grad(ws.dh.data(), N, D, s2, F, ws.dact.data(), false);  // dact reused: N*F <= NK*F
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < N * F; ++i) {
+        ws.sdv[i] = ws.dact[i] * ops::silu(A.su[i]);
+        ws.sdu[i] = (ws.dact[i] * A.sv[i]) * ops::silu_grad(A.su[i]);
+      }
+      ops::linear_input_grad(ws.sdu.data(), N, F, s1, D, ws.sdx.data(), false);
+      ops::linear_input_grad(ws.sdv.data(), N, F, s3, D, ws.sdx.data(), true);
+      ops::weight_grad(A.a2.data(), D, ws.sdu.data(), F, D, F, uniform_off.data(), leaves, G(lname(l, "shared.w1")));
+      ops::weight_grad(A.a2.data(), D, ws.sdv.data(), F, D, F, uniform_off.data(), leaves, G(lname(l, "shared.w3")));
+      ops::weight_grad(A.sact.data(), F, ws.dh.data(), D, F, D, uniform_off.data(), leaves, G(lname(l, "shared.w2")));
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < N * D; ++i) ws.da2[i] = ws.da2[i] + ws.sdx[i];
+    }
+    // Router: combine gradient + aux term (counts are constants), softmax
+    // backward, + z-loss term.
+    {
+      std::vector<float> auxc(E);
+      for (int e = 0; e < E; ++e) {
+        const float f = (float)(A.expert_off[e + 1] - A.expert_off[e]) / (float)NK;
+        auxc[e] = ((c.aux_loss_weight * (float)E) * f) / (float)N;
+      }
+      ws.dz.resize(N * E);
+#pragma omp parallel for schedule(static)
+      for (int64_t n = 0; n < N; ++n) {
+        float* dg = &ws.dg[n * E];
+        for (int e = 0; e < E; ++e) dg[e] = dg[e] + auxc[e];
+        float* dz = &ws.dz[n * E];
+        ops::softmax_backward(&A.g[n * E], dg, dz, E);
+        const float zc = ((c.z_loss_weight * 2.0f) * A.lse[n]) / (float)N;
+        for (int e = 0; e < E; ++e) dz[e] = dz[e] + zc * A.g[n * E + e];
+      }
+      ops::weight_grad(A.a2.data(), D, ws.dz.data(), E, D, E, uniform_off.data(), leaves, G(lname(l, "router")));
+      ops::linear_input_grad(ws.dz.data(), N, E, router, D, ws.dtmp.data(), false);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < N * D; ++i) ws.da2[i] = ws.da2[i] + ws.dtmp[i];
+    }
+    ops::rmsnorm_weight_grad(A.xm.data(), A.r2.data(), ws.da2.data(), N, D, leaf, G(lname(l, "moe_norm")));
+    ops::rmsnorm_backward(A.xm.data(), moe_norm, A.r2.data(), ws.da2.data(), ws.dh.data(), N, D, true);
+
+    // --- attention block. dh is the gradient of the block output.
+    ops::weight_grad(A.o.data(), D, ws.dh.data(), D, D, D, uniform_off.data(), leaves, G(lname(l, "wo")));
+    ws.dO.resize(N * D);
+    ops::linear_input_grad(ws.dh.data(), N, D, wo, D, ws.dO.data(), false);
+    ws.dqkv.resize(N * 3 * D);
+#pragma omp parallel
+    {
+      std::vector<float> vT, dp, ds;
+#pragma omp for schedule(dynamic, 1)
+      for (int bh = 0; bh < B * H; ++bh) {
+        const int b = bh / H, hh = bh % H;
+        const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
+        float* dbase = ws.dqkv.data() + (int64_t)b * S * 3 * D + hh * hd;
+        attention_backward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, A.att.data() + (int64_t)bh * S * S,
+                           ws.dO.data() + (int64_t)b * S * D + hh * hd, D, dbase, dbase + D, dbase + 2 * D, 3 * D, vT,
+                           dp, ds);
+      }
+    }
+    ops::weight_grad(A.a.data(), D, ws.dqkv.data(), 3 * D, D, 3 * D, uniform_off.data(), leaves, G(lname(l, "wqkv")));
+    ops::linear_input_grad(ws.dqkv.data(), N, 3 * D, wqkv, D, ws.dtmp.data(), false);
+    ops::rmsnorm_weight_grad(A.x.data(), A.r1.data(), ws.dtmp.data(), N, D, leaf, G(lname(l, "attn_norm")));
+    ops::rmsnorm_backward(A.x.data(), attn_norm, A.r1.data(), ws.dtmp.data(), ws.dh.data(), N, D, true);
+  }
+
+  // Embedding gradients: per leaf, fold dh of the tokens with that byte (or
+  // position) in token order with plain adds; leaves by the canonical tree.
+  for (int which = 0; which < 2; ++which) {
+    const int64_t rows = which == 0 ? V : S;
+    const int64_t width = rows * D;
+    std::vector<float> scratch((size_t)LeafTree::levels_for(leaves) * width);
+    LeafTree tree(scratch.data(), width);
+    for (int64_t lf = 0; lf < leaves; ++lf) {
+      float* acc = tree.next_leaf();
+      std::fill(acc, acc + width, 0.0f);
+      for (int64_t n = lf * leaf; n < (lf + 1) * leaf; ++n) {
+        float* dst = acc + (int64_t)(which == 0 ? tok(n) : n % S) * D;
+        const float* src = &ws.dh[n * D];
+        for (int i = 0; i < D; ++i) dst[i] = dst[i] + src[i];
+      }
+      tree.push();
+    }
+    const float* sum = tree.finish();
+    std::copy(sum, sum + width, G(which == 0 ? "tok_emb" : "pos_emb"));
+  }
+  return out;
+}
+
+}  // namespace ls

@@ -1,0 +1,228 @@
+// The numerics contract: the one header shared by the engine, the reference
+// and the CUDA kernels. Everything here is a function of logical indices only.
+// docs/NUMERICS.md states the rules; this header is their executable form.
+//
+// Rules in short:
+//  1. binary32, round-to-nearest-even; only + - * / sqrt and explicit fma
+//     (ls::fma). Built with -ffp-contract=off (nvcc: -fmad=false), no FTZ.
+//  2. exp/log/tanh/sigmoid/sin/cos are ours (contract_math.h), built from (1).
+//  3. Feature reductions: one sequential fma fold over the index, from +0.
+//     Token reductions: a sequential fold inside each leaf of
+//     `leaf_samples` consecutive samples, leaves combined by the canonical
+//     tree (tree_split below). Parameter reductions: blocks of
+//     kParamBlock elements, same canonical tree over block index.
+//  4. Discrete choices break ties by the lowest index.
+//  5. Randomness: Philox4x32-10 keyed by (seed, purpose, logical index).
+//  6. State hash: XXH3-128 over the canonical serialization (StateHasher).
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define LS_HD __host__ __device__ __forceinline__
+#else
+#define LS_HD inline
+#endif
+
+namespace ls {
+
+// ---------------------------------------------------------------- bits ----
+LS_HD uint32_t bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+LS_HD float from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+
+// The only fused operation: fma where the contract says fma, nowhere else.
+LS_HD float fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);
+#endif
+}
+LS_HD float sqrt(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return __builtin_sqrtf(x);
+#endif
+}
+
+// bf16 is an explicit round-to-nearest-even of an fp32 value (NaN kept quiet).
+LS_HD uint16_t to_bf16(float x) {
+  uint32_t u = bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)((u + rounding) >> 16);
+}
+LS_HD float from_bf16(uint16_t h) { return from_bits((uint32_t)h << 16); }
+
+// ------------------------------------------------------- reduction tree ----
+// Contract constants.
+constexpr int kParamBlock = 1024;  // parameter-index reductions: block size
+
+// The canonical tree over n >= 2 ordered leaves: the left subtree holds the
+// largest power of two strictly below n, the right subtree the rest.
+// A binary counter that pushes leaves left to right and, at the end, folds
+// its stack right to left builds exactly this tree (LeafTree below).
+LS_HD int64_t tree_split(int64_t n) {
+  int64_t p = 1;
+  while (p * 2 < n) p *= 2;
+  return p;
+}
+
+// Sum of n scalars by the canonical tree (leaves are the values themselves).
+LS_HD float tree_sum(const float* v, int64_t n) {
+  if (n <= 0) return 0.0f;
+  if (n == 1) return v[0];
+  int64_t p = tree_split(n);
+  return tree_sum(v, p) + tree_sum(v + p, n - p);
+}
+
+// Sum of squares of n parameters: fma fold inside blocks of kParamBlock from
+// +0, blocks combined by the canonical tree over block index.
+LS_HD float sumsq_block(const float* v, int64_t n) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) acc = ls::fma(v[i], v[i], acc);
+  return acc;
+}
+LS_HD float param_sumsq(const float* v, int64_t n) {
+  if (n <= kParamBlock) return sumsq_block(v, n);
+  int64_t blocks = (n + kParamBlock - 1) / kParamBlock;
+  int64_t p = tree_split(blocks) * kParamBlock;
+  return param_sumsq(v, p) + param_sumsq(v + p, n - p);
+}
+
+// Binary-counter accumulator for the canonical leaf tree over vectors of
+// `width` floats, using O(log leaves) buffers. Storage is caller-provided
+// scratch of (levels * width) floats; push leaves in leaf order, then
+// finish(). Used for every reduction over tokens (weight gradients, loss).
+struct LeafTree {
+  float* slots;       // levels * width scratch
+  int64_t width;
+  int64_t sizes[64];  // leaves held by each stack entry
+  int depth = 0;
+
+  LS_HD LeafTree(float* scratch, int64_t w) : slots(scratch), width(w) {}
+  // Returns the buffer the next leaf must be written into (width floats).
+  LS_HD float* next_leaf() { return slots + (int64_t)depth * width; }
+  // Commits the leaf written into next_leaf(); merges equal-sized subtrees.
+  LS_HD void push() {
+    sizes[depth++] = 1;
+    while (depth >= 2 && sizes[depth - 1] == sizes[depth - 2]) {
+      float* l = slots + (int64_t)(depth - 2) * width;
+      const float* r = slots + (int64_t)(depth - 1) * width;
+      for (int64_t i = 0; i < width; ++i) l[i] = l[i] + r[i];
+      sizes[depth - 2] *= 2;
+      --depth;
+    }
+  }
+  // Folds the remaining stack right to left into slot 0; returns it.
+  // With no leaves pushed the result is +0.
+  LS_HD float* finish() {
+    if (depth == 0) {
+      for (int64_t i = 0; i < width; ++i) slots[i] = 0.0f;
+      return slots;
+    }
+    for (int d = depth - 1; d >= 1; --d) {
+      float* l = slots + (int64_t)(d - 1) * width;
+      const float* r = slots + (int64_t)d * width;
+      for (int64_t i = 0; i < width; ++i) l[i] = l[i] + r[i];
+    }
+    depth = 1;
+    return slots;
+  }
+  // Scratch levels needed for n leaves.
+  LS_HD static int levels_for(int64_t n) {
+    int l = 1;
+    while ((int64_t(1) << (l - 1)) < n) ++l;
+    return l + 1;
+  }
+};
+
+// --------------------------------------------------------------- Philox ----
+// Philox4x32-10 (Salmon et al., SC'11). Key = seed; counter = (index lo,
+// index hi, purpose, 0). A value depends only on (seed, purpose, index).
+struct U32x4 { uint32_t v[4]; };
+
+LS_HD U32x4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                          uint32_t k0, uint32_t k1) {
+  const uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
+  const uint32_t W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+  for (int r = 0; r < 10; ++r) {
+    uint64_t p0 = (uint64_t)M0 * c0, p1 = (uint64_t)M1 * c2;
+    uint32_t hi0 = (uint32_t)(p0 >> 32), lo0 = (uint32_t)p0;
+    uint32_t hi1 = (uint32_t)(p1 >> 32), lo1 = (uint32_t)p1;
+    uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+    k0 += W0; k1 += W1;
+  }
+  U32x4 out = {{c0, c1, c2, c3}};
+  return out;
+}
+
+// Purposes: one per independent random stream. Never reuse a value.
+enum class Purpose : uint32_t {
+  kInit = 1,       // parameter init; index = (tensor id << 40) | element
+  kDataWindow = 2, // training window start; index = step * batch + sample
+  kEvalWindow = 3, // held-out windows; index = eval sample
+  kCorpus = 4,     // synthetic corpus generation
+  kTest = 99,
+};
+
+LS_HD U32x4 philox(uint64_t seed, Purpose purpose, uint64_t index) {
+  return philox4x32_10((uint32_t)index, (uint32_t)(index >> 32), (uint32_t)purpose, 0u,
+                       (uint32_t)seed, (uint32_t)(seed >> 32));
+}
+LS_HD uint32_t random_u32(uint64_t seed, Purpose purpose, uint64_t index) {
+  return philox(seed, purpose, index).v[0];
+}
+LS_HD uint64_t random_u64(uint64_t seed, Purpose purpose, uint64_t index) {
+  U32x4 r = philox(seed, purpose, index);
+  return ((uint64_t)r.v[1] << 32) | r.v[0];
+}
+// Uniform in [0, 1): top 24 bits, exact in binary32.
+LS_HD float random_unit(uint64_t seed, Purpose purpose, uint64_t index) {
+  return (float)(random_u32(seed, purpose, index) >> 8) * (1.0f / 16777216.0f);
+}
+// Uniform in [-a, a): 2a*u - a.
+LS_HD float random_symmetric(uint64_t seed, Purpose purpose, uint64_t index, float a) {
+  float u = random_unit(seed, purpose, index);
+  return (2.0f * a) * u - a;
+}
+
+// Parameter init (contract rule 5): element i of the tensor named `name` is
+// uniform in [-a, a), a = std * sqrt(3), drawn at logical index
+// (tensor_id(name) << 40) | i, with tensor_id the 24-bit FNV-1a of the name.
+LS_HD uint32_t tensor_id(const char* name) {
+  uint32_t h = 2166136261u;
+  for (; *name; ++name) h = (h ^ (unsigned char)*name) * 16777619u;
+  return h & 0xffffffu;
+}
+LS_HD float init_uniform(uint64_t seed, uint32_t id, uint64_t i, float std) {
+  const float a = std * ls::sqrt(3.0f);
+  return random_symmetric(seed, Purpose::kInit, ((uint64_t)id << 40) | i, a);
+}
+
+}  // namespace ls
+
+#include "contract_math.h"
+
+#if !defined(__CUDA_ARCH__)
+#include "contract_hash.h"
+#endif

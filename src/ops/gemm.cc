@@ -1,0 +1,322 @@
+// Contract GEMM: GotoBLAS-style blocking with the k order kept intact.
+//
+// Loop nest: k blocks of kc (ascending, outermost); B packed into column
+// panels of NR (k-major, so a kernel step is NR/lanes contiguous loads);
+// A read in place (broadcasts need no packing; only a ragged last strip of
+// fewer than MR rows is copied, zero-padded); a register-blocked
+// micro-kernel per MR x NR tile of C, rows in blocks of MC for L2 reuse. Between k blocks the fp32 partial sums
+// are stored to C and reloaded: a stored binary32 is the same value, so each
+// C element is still the one sequential fma fold over k of gemm_naive.
+// Threads split output tiles only; no element is ever computed by two.
+#include "ops/gemm.h"
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <atomic>
+#include <new>
+
+#include "numerics/contract.h"
+
+namespace ls {
+namespace ops {
+namespace internal {
+
+// A micro-kernel: the C tile (mr x nr, row stride ldc) gets the fold over kc
+// k steps of A (element (r,k) at a[r*ars + k*acs]) times a packed B panel
+// (kc x nr, k-major), starting from C when `load`, else from +0.
+using UKernelFn = void (*)(int64_t kc, const float* a, int64_t ars, int64_t acs, const float* b,
+                           float* c, int64_t ldc, bool load);
+struct UKernelInfo {
+  int mr;
+  int nr;
+  UKernelFn fn;
+};
+// gemm_avx512.cc (built with AVX-512 flags; called only when the CPU has it).
+void gemm_ukernel_avx512_8x32(int64_t kc, const float* a, int64_t ars, int64_t acs,
+                              const float* b, float* c, int64_t ldc, bool load);
+
+}  // namespace internal
+
+namespace {
+
+using internal::UKernelInfo;
+
+// ------------------------------------------------------------ kernels ----
+
+// Scalar: one ls::fma per (row, column, k). Reduces over k sequentially.
+template <int MR, int NR>
+void ukernel_scalar(int64_t kc, const float* a, int64_t ars, int64_t acs, const float* b,
+                    float* c, int64_t ldc, bool load) {
+  float acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = load ? c[r * ldc + j] : 0.0f;
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NR; ++j) acc[r][j] = ls::fma(a[r * ars], b[j], acc[r][j]);
+    a += acs;
+    b += NR;
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) c[r * ldc + j] = acc[r][j];
+}
+
+// AVX2 + FMA: 6 x 16 tile in 12 ymm accumulators. Reduces over k
+// sequentially; each lane is one C element's fold.
+void ukernel_avx2(int64_t kc, const float* a, int64_t ars, int64_t acs, const float* b,
+                  float* c, int64_t ldc, bool load) {
+  constexpr int MR = 6;
+  __m256 acc[MR][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    acc[r][0] = load ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
+    acc[r][1] = load ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      __m256 ar = _mm256_broadcast_ss(a + r * ars);
+      acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
+    }
+    a += acs;
+    b += 16;
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
+  }
+}
+
+const UKernelInfo kScalarKernel = {4, 8, ukernel_scalar<4, 8>};
+const UKernelInfo kAvx2Kernel = {6, 16, ukernel_avx2};
+const UKernelInfo kAvx512Kernel = {8, 32, internal::gemm_ukernel_avx512_8x32};
+
+// ------------------------------------------------------------ dispatch ----
+
+std::atomic<int> g_forced{static_cast<int>(GemmPath::kAuto)};
+
+bool cpu_has(GemmPath p) {
+  switch (p) {
+    case GemmPath::kAuto:
+    case GemmPath::kScalar:
+      return true;
+    case GemmPath::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case GemmPath::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }
+  return false;
+}
+
+GemmPath effective_path() {
+  GemmPath p = static_cast<GemmPath>(g_forced.load(std::memory_order_relaxed));
+  if (p != GemmPath::kAuto && cpu_has(p)) return p;
+  if (cpu_has(GemmPath::kAvx512)) return GemmPath::kAvx512;
+  if (cpu_has(GemmPath::kAvx2)) return GemmPath::kAvx2;
+  return GemmPath::kScalar;
+}
+
+const UKernelInfo& kernel_for(GemmPath p) {
+  if (p == GemmPath::kAvx512) return kAvx512Kernel;
+  if (p == GemmPath::kAvx2) return kAvx2Kernel;
+  return kScalarKernel;
+}
+
+// ------------------------------------------------------------- packing ----
+
+// Grow-only 64-byte aligned scratch, one per thread.
+struct Scratch {
+  float* p = nullptr;
+  size_t n = 0;
+  ~Scratch() { free(p); }
+  float* get(size_t want) {
+    if (want > n) {
+      free(p);
+      n = std::max(want, n + n / 2);
+      p = static_cast<float*>(aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64));
+      if (!p) throw std::bad_alloc();
+    }
+    return p;
+  }
+};
+
+// dst[k*MR + r] = A(i0 + r, k0 + k) for r < mv, 0 for the padding rows.
+// Only edge strips are packed; full strips are read in place.
+void pack_a_edge(const ConstMat& A, int64_t i0, int mv, int MR, int64_t k0, int64_t kc,
+                 float* dst) {
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* src = A.p + (k0 + k) * A.cs + i0 * A.rs;
+    for (int r = 0; r < mv; ++r) dst[k * MR + r] = src[r * A.rs];
+    for (int r = mv; r < MR; ++r) dst[k * MR + r] = 0.0f;
+  }
+}
+
+// 8 x 8 transpose: dst[i*ds + j] = src[j*ss + i].
+inline void transpose8x8(const float* src, int64_t ss, float* dst, int64_t ds) {
+  __m256 r0 = _mm256_loadu_ps(src + 0 * ss), r1 = _mm256_loadu_ps(src + 1 * ss);
+  __m256 r2 = _mm256_loadu_ps(src + 2 * ss), r3 = _mm256_loadu_ps(src + 3 * ss);
+  __m256 r4 = _mm256_loadu_ps(src + 4 * ss), r5 = _mm256_loadu_ps(src + 5 * ss);
+  __m256 r6 = _mm256_loadu_ps(src + 6 * ss), r7 = _mm256_loadu_ps(src + 7 * ss);
+  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(dst + 0 * ds, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(dst + 1 * ds, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(dst + 2 * ds, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(dst + 3 * ds, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(dst + 4 * ds, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(dst + 5 * ds, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(dst + 6 * ds, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(dst + 7 * ds, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+// dst[k*NR + j] = B(k0 + k, j0 + j) for j < nv, 0 for the padding columns.
+void pack_b(const ConstMat& B, int64_t k0, int64_t kc, int64_t j0, int nv, int NR,
+            float* dst) {
+  if (B.cs == 1) {
+    for (int64_t k = 0; k < kc; ++k) {
+      memcpy(dst + k * NR, B.p + (k0 + k) * B.rs + j0, sizeof(float) * nv);
+      for (int j = nv; j < NR; ++j) dst[k * NR + j] = 0.0f;
+    }
+    return;
+  }
+  const float* src = B.p + k0 * B.rs + j0 * B.cs;
+  int64_t k = 0;
+  if (B.rs == 1 && nv % 8 == 0) {  // transposed view: 8 x 8 blocks
+    for (; k + 8 <= kc; k += 8)
+      for (int j = 0; j < nv; j += 8) transpose8x8(src + j * B.cs + k, B.cs, dst + k * NR + j, NR);
+  }
+  for (; k < kc; ++k)
+    for (int j = 0; j < nv; ++j) dst[k * NR + j] = src[k * B.rs + j * B.cs];
+  if (nv < NR)
+    for (k = 0; k < kc; ++k)
+      for (int j = nv; j < NR; ++j) dst[k * NR + j] = 0.0f;
+}
+
+// One micro-tile; partial tiles go through an MR x NR buffer so the kernel
+// always sees a full tile (padding lanes are computed and dropped).
+inline void run_tile(const UKernelInfo& uk, int64_t kc, const float* a, int64_t ars,
+                     int64_t acs, const float* b, float* c, int64_t ldc, int mv, int nv,
+                     bool load) {
+  if (mv == uk.mr && nv == uk.nr) {
+    uk.fn(kc, a, ars, acs, b, c, ldc, load);
+    return;
+  }
+  alignas(64) float tile[16 * 64];  // >= every kernel's MR x NR
+  if (load)
+    for (int r = 0; r < mv; ++r) memcpy(tile + r * uk.nr, c + r * ldc, sizeof(float) * nv);
+  uk.fn(kc, a, ars, acs, b, tile, uk.nr, load);
+  for (int r = 0; r < mv; ++r) memcpy(c + r * ldc, tile + r * uk.nr, sizeof(float) * nv);
+}
+
+constexpr int64_t kKC = 256;  // k block: B panel (kc x NR) stays in L1
+constexpr int64_t kMC = 96;   // rows per A block (rounded to MR): A block in L2
+
+}  // namespace
+
+void set_gemm_path(GemmPath path) { g_forced.store(static_cast<int>(path)); }
+
+bool gemm_path_supported(GemmPath path) { return cpu_has(path); }
+
+const char* gemm_path_name() {
+  switch (effective_path()) {
+    case GemmPath::kAvx512:
+      return "avx512";
+    case GemmPath::kAvx2:
+      return "avx2";
+    default:
+      return "scalar";
+  }
+}
+
+void gemm_naive(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C,
+                int64_t ldc, bool accumulate) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      float acc = accumulate ? C[i * ldc + j] : 0.0f;
+      // Reduces over k sequentially from C (or +0).
+      for (int64_t k = 0; k < K; ++k)
+        acc = ls::fma(A.p[i * A.rs + k * A.cs], B.p[k * B.rs + j * B.cs], acc);
+      C[i * ldc + j] = acc;
+    }
+}
+
+void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc,
+          bool accumulate, int threads) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) memset(C + i * ldc, 0, sizeof(float) * N);
+    return;
+  }
+  const UKernelInfo& uk = kernel_for(effective_path());
+  const int MR = uk.mr, NR = uk.nr;
+  const int64_t KC = std::min(K, kKC);
+  const int64_t MC = std::max<int64_t>(MR, kMC / MR * MR);
+  const int64_t panels = (N + NR - 1) / NR;
+  const int64_t mblocks = (M + MC - 1) / MC;
+
+  int T = threads > 0 ? threads : (omp_in_parallel() ? 1 : omp_get_max_threads());
+  // Tiny products are not worth waking threads (does not change any bit).
+  if (M * N * K < (int64_t(1) << 18)) T = 1;
+  // Tasks: A row blocks x groups of B panels; split N only when M is short.
+  int64_t groups = 1;
+  if (T > 1 && mblocks < 4 * T) groups = std::min(panels, (4 * T + mblocks - 1) / mblocks);
+  const int64_t per_group = (panels + groups - 1) / groups;
+  groups = (panels + per_group - 1) / per_group;
+  const int64_t tasks = mblocks * groups;
+  T = static_cast<int>(std::min<int64_t>(T, tasks));
+
+  static thread_local Scratch b_scratch;
+  float* bpack = b_scratch.get(static_cast<size_t>(KC * panels * NR));
+
+#pragma omp parallel num_threads(T) if (T > 1)
+  {
+    static thread_local Scratch a_scratch;
+    float* aedge = a_scratch.get(static_cast<size_t>(KC * MR));
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = std::min(KC, K - k0);
+      const bool load = accumulate || k0 > 0;
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < panels; ++p)
+        pack_b(B, k0, kc, p * NR, static_cast<int>(std::min<int64_t>(NR, N - p * NR)), NR,
+               bpack + p * kc * NR);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t ib = t / groups, g = t % groups;
+        const int64_t i0 = ib * MC, mc = std::min(MC, M - i0);
+        const int64_t strips = (mc + MR - 1) / MR;
+        const int medge = static_cast<int>(mc - (strips - 1) * MR);
+        if (medge < MR) pack_a_edge(A, i0 + (strips - 1) * MR, medge, MR, k0, kc, aedge);
+        const int64_t p_end = std::min(panels, (g + 1) * per_group);
+        for (int64_t p = g * per_group; p < p_end; ++p) {
+          const int nv = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
+          const float* bp = bpack + p * kc * NR;
+          for (int64_t s = 0; s < strips; ++s) {
+            const int64_t i = i0 + s * MR;
+            float* c = C + i * ldc + p * NR;
+            if (s + 1 < strips || medge == MR)
+              run_tile(uk, kc, A.p + i * A.rs + k0 * A.cs, A.rs, A.cs, bp, c, ldc, MR, nv, load);
+            else
+              run_tile(uk, kc, aedge, 1, MR, bp, c, ldc, medge, nv, load);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace ops
+}  // namespace ls

@@ -1,0 +1,144 @@
+#include "ops/ops.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "contract.h"
+#include "ops/gemm.h"
+
+namespace ls::ops {
+
+void linear(const float* X, int64_t N, int in, const float* W, int out, float* Y) {
+  gemm(N, out, in, ConstMat{X, in, 1}, ConstMat{W, out, 1}, Y, out, false);
+}
+
+void linear_input_grad(const float* dY, int64_t N, int out, const float* W, int in, float* dX,
+                       bool accumulate) {
+  // B(j, i) = W[i][j]: the transposed view of W.
+  gemm(N, in, out, ConstMat{dY, out, 1}, ConstMat{W, 1, out}, dX, in, accumulate);
+}
+
+void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                 const int64_t* leaf_off, int64_t leaves, float* dW) {
+  // Threads own column slabs of dW; each runs the whole leaf tree for its slab,
+  // so the tree (and every bit) is the same for any thread count.
+  const int slab = 64;
+  const int slabs = (out + slab - 1) / slab;
+  const int levels = LeafTree::levels_for(leaves);
+  auto run_slab = [&](int s, std::vector<float>& scratch) {
+    const int j0 = s * slab, w = std::min(slab, out - j0);
+    scratch.resize((size_t)levels * in * w);
+    LeafTree tree(scratch.data(), (int64_t)in * w);
+    for (int64_t l = 0; l < leaves; ++l) {
+      const int64_t r0 = leaf_off[l], rows = leaf_off[l + 1] - r0;
+      // A(i, k) = X[r0 + k][i]; B(k, j) = dY[r0 + k][j0 + j].
+      gemm(in, w, rows, ConstMat{X + r0 * ldx, 1, ldx}, ConstMat{dY + r0 * ldy + j0, ldy, 1},
+           tree.next_leaf(), w, false, 1);
+      tree.push();
+    }
+    const float* sum = tree.finish();
+    for (int i = 0; i < in; ++i)
+      std::copy(sum + (int64_t)i * w, sum + (int64_t)(i + 1) * w, dW + (int64_t)i * out + j0);
+  };
+  if (omp_in_parallel() || slabs == 1) {
+    std::vector<float> scratch;
+    for (int s = 0; s < slabs; ++s) run_slab(s, scratch);
+  } else {
+#pragma omp parallel
+    {
+      std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+      for (int s = 0; s < slabs; ++s) run_slab(s, scratch);
+    }
+  }
+}
+
+void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
+#pragma omp parallel for schedule(static) if (N >= 256 && !omp_in_parallel())
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xn = x + n * D;
+    float ss = 0.0f;
+    for (int i = 0; i < D; ++i) ss = ls::fma(xn[i], xn[i], ss);
+    float rn = 1.0f / ls::sqrt(ss / (float)D + eps);
+    r[n] = rn;
+    float* yn = y + n * D;
+    for (int i = 0; i < D; ++i) yn[i] = (xn[i] * rn) * w[i];
+  }
+}
+
+void rmsnorm_backward(const float* x, const float* w, const float* r, const float* dy, float* dh,
+                      int64_t N, int D, bool accumulate) {
+#pragma omp parallel for schedule(static) if (N >= 256 && !omp_in_parallel())
+  for (int64_t n = 0; n < N; ++n) {
+    const float *xn = x + n * D, *dyn = dy + n * D;
+    const float rn = r[n];
+    float dot = 0.0f;
+    for (int i = 0; i < D; ++i) dot = ls::fma(dyn[i] * w[i], xn[i] * rn, dot);
+    const float c = dot / (float)D;
+    float* dhn = dh + n * D;
+    if (accumulate) {
+      for (int i = 0; i < D; ++i) dhn[i] = dhn[i] + rn * (dyn[i] * w[i] - (xn[i] * rn) * c);
+    } else {
+      for (int i = 0; i < D; ++i) dhn[i] = rn * (dyn[i] * w[i] - (xn[i] * rn) * c);
+    }
+  }
+}
+
+void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_t N, int D,
+                         int64_t leaf_tokens, float* dw) {
+  const int64_t leaves = N / leaf_tokens;
+  std::vector<float> scratch((size_t)LeafTree::levels_for(leaves) * D);
+  LeafTree tree(scratch.data(), D);
+  for (int64_t l = 0; l < leaves; ++l) {
+    float* acc = tree.next_leaf();
+    std::fill(acc, acc + D, 0.0f);
+    for (int64_t n = l * leaf_tokens; n < (l + 1) * leaf_tokens; ++n) {
+      const float *xn = x + n * D, *dyn = dy + n * D;
+      const float rn = r[n];
+      for (int i = 0; i < D; ++i) acc[i] = ls::fma(dyn[i], xn[i] * rn, acc[i]);
+    }
+    tree.push();
+  }
+  const float* s = tree.finish();
+  std::copy(s, s + D, dw);
+}
+
+float softmax(const float* z, float* p, int n) {
+  float m = z[0];
+  for (int e = 1; e < n; ++e)
+    if (z[e] > m) m = z[e];
+  float S = 0.0f;
+  for (int e = 0; e < n; ++e) {
+    p[e] = ls::cexp(z[e] - m);
+    S = S + p[e];
+  }
+  for (int e = 0; e < n; ++e) p[e] = p[e] / S;
+  return m + ls::clog(S);
+}
+
+void softmax_backward(const float* p, const float* dp, float* dz, int n) {
+  float dot = 0.0f;
+  for (int e = 0; e < n; ++e) dot = ls::fma(dp[e], p[e], dot);
+  for (int e = 0; e < n; ++e) dz[e] = p[e] * (dp[e] - dot);
+}
+
+float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
+  const int64_t leaves = N / leaf_tokens;
+  std::vector<float> part((size_t)leaves);
+  for (int64_t l = 0; l < leaves; ++l) {
+    float acc = 0.0f;
+    for (int64_t n = l * leaf_tokens; n < (l + 1) * leaf_tokens; ++n) acc = acc + v[n];
+    part[(size_t)l] = acc;
+  }
+  return tree_sum(part.data(), leaves);
+}
+
+float silu(float u) { return u * ls::csigmoid(u); }
+float silu_grad(float u) {
+  const float s = ls::csigmoid(u);
+  return s * (1.0f + u * (1.0f - s));
+}
+
+}  // namespace ls::ops

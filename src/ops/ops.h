@@ -1,0 +1,48 @@
+// Engine ops with their backward passes, each the fast twin of a loop in
+// reference/reference.cc with the same bits. Tokens are rows; every op names
+// the logical index it reduces over. Token reductions take leaf offsets:
+// leaf l covers rows [leaf_off[l], leaf_off[l+1]) (empty leaves are +0).
+#pragma once
+
+#include <cstdint>
+
+namespace ls::ops {
+
+// Y[n][j] = sum_i X[n][i] W[i][j]; W is [in, out]. Reduces over the input feature i.
+void linear(const float* X, int64_t N, int in, const float* W, int out, float* Y);
+
+// dX[n][i] (+)= sum_j dY[n][j] W[i][j]. Reduces over the output feature j; with
+// accumulate the fold continues from dX's current value.
+void linear_input_grad(const float* dY, int64_t N, int out, const float* W, int in, float* dX,
+                       bool accumulate);
+
+// dW[i][j] = sum_n X[n][i] dY[n][j]. Reduces over the global token index n:
+// fma fold inside each leaf, the canonical tree over leaves.
+void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                 const int64_t* leaf_off, int64_t leaves, float* dW);
+
+// y = (x * r) * w with r = 1/sqrt(sum_i x_i^2 / D + eps). Reduces over the feature i.
+void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps);
+// dx = r * (dxhat - xhat * (dxhat . xhat) / D), dxhat = dy * w; written to dh,
+// or added to it (dh = dh + dx) with accumulate. Reduces over the feature i.
+void rmsnorm_backward(const float* x, const float* w, const float* r, const float* dy, float* dh,
+                      int64_t N, int D, bool accumulate);
+// dw_i = sum_n dy[n][i] * (x[n][i] * r[n]). Reduces over the token index n (leaves).
+void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_t N, int D,
+                         int64_t leaf_tokens, float* dw);
+
+// p = softmax(z) over n entries (max-shifted, sequential sum); returns
+// log-sum-exp. Reduces over the entry index.
+float softmax(const float* z, float* p, int n);
+// dz_e = p_e * (dp_e - sum_e' dp_e' p_e'). Reduces over the entry index.
+void softmax_backward(const float* p, const float* dp, float* dz, int n);
+
+// Sum over tokens of per-token scalars v[n]: sequential add inside each leaf
+// of leaf_tokens tokens, canonical tree over leaves.
+float token_sum(const float* v, int64_t N, int64_t leaf_tokens);
+
+// silu(u) = u * sigmoid(u) and its derivative s * (1 + u * (1 - s)).
+float silu(float u);
+float silu_grad(float u);
+
+}  // namespace ls::ops

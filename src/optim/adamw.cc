@@ -1,0 +1,70 @@
+#include "optim/adamw.h"
+
+#include <algorithm>
+
+#include "contract.h"
+
+namespace ls {
+
+AdamW::AdamW(const OptimConfig& cfg, int total_steps, const std::vector<ParamInfo>& params)
+    : cfg_(cfg), decay_steps_(cfg.decay_steps > 0 ? cfg.decay_steps : total_steps), params_(params) {
+  int64_t n = 0;
+  for (const ParamInfo& p : params) n = std::max(n, p.offset + p.size);
+  m_.assign(n, 0.0f);
+  v_.assign(n, 0.0f);
+}
+
+float AdamW::learning_rate(int step) const {
+  if (step < cfg_.warmup_steps) return cfg_.lr * (float)(step + 1) / (float)cfg_.warmup_steps;
+  const int span = std::max(1, decay_steps_ - cfg_.warmup_steps);
+  float progress = (float)(step - cfg_.warmup_steps) / (float)span;
+  if (progress > 1.0f) progress = 1.0f;
+  const float min_lr = cfg_.lr * cfg_.min_lr_ratio;
+  const float coef = 0.5f * (1.0f + ls::ccos(3.14159265358979323846f * progress));
+  return min_lr + (cfg_.lr - min_lr) * coef;
+}
+
+float AdamW::global_norm(const float* grads) const {
+  std::vector<float> per(params_.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t t = 0; t < params_.size(); ++t)
+    per[t] = param_sumsq(grads + params_[t].offset, params_[t].size);
+  float total = 0.0f;  // reduces over tensors in canonical name order
+  for (float s : per) total = total + s;
+  return ls::sqrt(total);
+}
+
+float AdamW::step(int step, float* w, float* g) {
+  const float norm = global_norm(g);
+  const int64_t n = (int64_t)m_.size();
+  if (cfg_.grad_clip > 0 && norm > cfg_.grad_clip) {
+    const float scale = cfg_.grad_clip / norm;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) g[i] = g[i] * scale;
+  }
+  const float lr = learning_rate(step);
+  const float b1 = cfg_.beta1, b2 = cfg_.beta2, omb1 = 1.0f - b1, omb2 = 1.0f - b2;
+  float p1 = 1.0f, p2 = 1.0f;  // beta^t by repeated multiplication, t = step + 1
+  for (int t = 0; t <= step; ++t) {
+    p1 = p1 * b1;
+    p2 = p2 * b2;
+  }
+  const float bc1 = 1.0f - p1, bc2 = 1.0f - p2, eps = cfg_.eps, wd = cfg_.weight_decay;
+  for (const ParamInfo& p : params_) {
+    float *pw = w + p.offset, *pg = g + p.offset, *pm = m_.data() + p.offset, *pv = v_.data() + p.offset;
+    const bool decay = p.decay;
+#pragma omp parallel for schedule(static) if (p.size > 16384)
+    for (int64_t i = 0; i < p.size; ++i) {
+      const float gi = pg[i];
+      pm[i] = b1 * pm[i] + omb1 * gi;
+      pv[i] = b2 * pv[i] + omb2 * (gi * gi);
+      const float mhat = pm[i] / bc1, vhat = pv[i] / bc2;
+      float upd = mhat / (ls::sqrt(vhat) + eps);
+      if (decay) upd = upd + wd * pw[i];
+      pw[i] = pw[i] - lr * upd;
+    }
+  }
+  return norm;
+}
+
+}  // namespace ls

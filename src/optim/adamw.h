@@ -1,0 +1,40 @@
+// AdamW with decoupled weight decay, linear warmup then cosine decay, and
+// global gradient-norm clipping, over the model's flat parameter arrays.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/model.h"
+#include "optim/config.h"
+
+namespace ls {
+
+class AdamW {
+ public:
+  // total_steps sets the cosine length when cfg.decay_steps is 0.
+  AdamW(const OptimConfig& cfg, int total_steps, const std::vector<ParamInfo>& params);
+
+  // Learning rate at 0-based step.
+  float learning_rate(int step) const;
+  // Clips grads in place by the global norm, then updates weights and the
+  // moments. Returns the pre-clip global gradient norm.
+  float step(int step, float* weights, float* grads);
+
+  // Global L2 norm of grads: per tensor a parameter-index reduction
+  // (contract blocks + canonical tree), tensors added in canonical order.
+  float global_norm(const float* grads) const;
+
+  const std::vector<float>& m() const { return m_; }
+  const std::vector<float>& v() const { return v_; }
+  std::vector<float>& m() { return m_; }
+  std::vector<float>& v() { return v_; }
+
+ private:
+  OptimConfig cfg_;
+  int decay_steps_;
+  std::vector<ParamInfo> params_;
+  std::vector<float> m_, v_;
+};
+
+}  // namespace ls

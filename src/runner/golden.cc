@@ -1,0 +1,62 @@
+#include "runner/golden.h"
+
+#include <algorithm>
+
+#include "contract.h"
+
+namespace ls {
+
+std::vector<int> golden_hash_steps(int steps) {
+  std::vector<int> out;
+  const int every = std::max(1, steps / 4);
+  for (int s = every; s < steps; s += every) out.push_back(s);
+  if (steps > 0) out.push_back(steps);
+  return out;
+}
+
+nlohmann::json make_golden(const std::string& scenario_path, const RunResult& r) {
+  nlohmann::json g;
+  g["format"] = "lockstep-golden-1";
+  g["scenario"] = scenario_path;
+  g["name"] = r.scenario;
+  g["fingerprint"] = r.fingerprint;
+  g["steps"] = r.steps;
+  std::vector<std::string> bits;
+  for (float l : r.losses) bits.push_back(hex_bits(l));
+  g["loss_bits"] = bits;
+  nlohmann::json hashes = nlohmann::json::object();
+  for (auto& [step, h] : r.state_hashes) hashes[std::to_string(step)] = h;
+  g["state_hashes"] = hashes;
+  g["final_state_hash"] = r.final_state_hash;
+  return g;
+}
+
+std::string compare_golden(const nlohmann::json& g, const RunResult& r) {
+  if (g.value("fingerprint", "") != r.fingerprint)
+    return "scenario fingerprint differs (golden " + g.value("fingerprint", "?") + ", now " + r.fingerprint +
+           "): the scenario file changed; regenerate with `lockstep golden` if that was intended";
+  const auto& bits = g.at("loss_bits");
+  const size_t n = std::min(bits.size(), r.losses.size());
+  for (size_t i = 0; i < n; ++i) {
+    const std::string want = bits[i].get<std::string>(), got = hex_bits(r.losses[i]);
+    if (want != got) {
+      const float wf = from_bits((uint32_t)std::stoul(want, nullptr, 16));
+      return "step " + std::to_string(i + 1) + ": loss_bits differ: golden " + want + " (" + std::to_string(wf) +
+             "), now " + got + " (" + std::to_string(r.losses[i]) + ")";
+    }
+  }
+  if (bits.size() != r.losses.size())
+    return "steps differ: golden has " + std::to_string(bits.size()) + ", run has " + std::to_string(r.losses.size());
+  for (auto& [step, h] : g.at("state_hashes").items()) {
+    auto it = r.state_hashes.find(std::stoi(step));
+    const std::string got = it == r.state_hashes.end() ? "(not recorded)" : it->second;
+    if (got != h.get<std::string>())
+      return "step " + step + ": state_hash differs: golden " + h.get<std::string>() + ", now " + got;
+  }
+  if (g.at("final_state_hash").get<std::string>() != r.final_state_hash)
+    return "final_state_hash differs: golden " + g.at("final_state_hash").get<std::string>() + ", now " +
+           r.final_state_hash;
+  return "";
+}
+
+}  // namespace ls

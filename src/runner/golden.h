@@ -1,0 +1,26 @@
+// Golden checksums: per-step loss bits and state hashes of a scenario, stored
+// in golden/<name>.json, written by `lockstep golden`, held by `lockstep check`.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runner/runner.h"
+
+namespace ls {
+
+// Steps (1-based) whose state hash a golden file records: every quarter of
+// the run and the last step.
+std::vector<int> golden_hash_steps(int steps);
+
+// The golden document for a finished run. scenario_path is stored as given
+// (relative to the repository root by convention).
+nlohmann::json make_golden(const std::string& scenario_path, const RunResult& r);
+
+// "" when r matches the golden document bit for bit; otherwise a message
+// naming the first step and field that differ, with both values.
+std::string compare_golden(const nlohmann::json& golden, const RunResult& r);
+
+}  // namespace ls

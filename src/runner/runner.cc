@@ -1,0 +1,198 @@
+#include "runner/runner.h"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "common/error.h"
+#include "contract.h"
+#include "data/corpus.h"
+#include "model/model.h"
+#include "optim/adamw.h"
+#include "reference.h"
+
+namespace ls {
+
+Backend parse_backend(const std::string& name) {
+  if (name == "engine") return Backend::kEngine;
+  if (name == "reference") return Backend::kReference;
+  throw UserError("--backend: unknown backend '" + name + "' (expected engine or reference)");
+}
+const char* backend_name(Backend b) { return b == Backend::kEngine ? "engine" : "reference"; }
+
+namespace {
+
+class EngineTrainer : public Trainer {
+ public:
+  explicit EngineTrainer(const Scenario& s)
+      : model_(s.model, s.leaf_samples, s.seed), opt_(s.optim, s.steps, model_.params()) {}
+  float train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) override {
+    StepLosses l = model_.forward_backward(tokens, batch);
+    *grad_norm = opt_.step(step, model_.weights(), model_.grads());
+    return l.ce;
+  }
+  float eval_loss(const uint8_t* tokens, int batch) override { return model_.forward(tokens, batch).ce; }
+  std::string state_hash() const override {
+    StateHasher hs;  // names: adam_m/<p>, adam_v/<p>, param/<p> in bytewise order
+    for (const char* kind : {"adam_m/", "adam_v/", "param/"})
+      for (const ParamInfo& p : model_.params()) {
+        const float* base = kind[0] == 'p' ? model_.weights() : kind[5] == 'm' ? opt_.m().data() : opt_.v().data();
+        hs.add(kind + p.name, p.shape, base + p.offset);
+      }
+    return hs.hex();
+  }
+  double train_flops_per_token() const override { return model_.train_flops_per_token(); }
+  std::vector<int64_t> tokens_per_expert() const override { return model_.moe_stats().tokens_per_expert; }
+
+ private:
+  MoeTransformer model_;
+  AdamW opt_;
+};
+
+ref::Config reference_config(const Scenario& s) {
+  ref::Config c;
+  const ModelConfig& m = s.model;
+  c.vocab = m.vocab;
+  c.d_model = m.d_model;
+  c.n_layers = m.n_layers;
+  c.n_heads = m.n_heads;
+  c.seq_len = m.seq_len;
+  c.d_ff = m.d_ff;
+  c.experts = m.experts;
+  c.top_k = m.top_k;
+  c.shared_expert = m.shared_expert;
+  c.init_std = m.init_std;
+  c.rms_eps = m.rms_eps;
+  c.aux_loss_weight = m.aux_loss_weight;
+  c.z_loss_weight = m.z_loss_weight;
+  c.batch = s.batch;
+  c.leaf_samples = s.leaf_samples;
+  const OptimConfig& o = s.optim;
+  c.lr = o.lr;
+  c.min_lr_ratio = o.min_lr_ratio;
+  c.beta1 = o.beta1;
+  c.beta2 = o.beta2;
+  c.eps = o.eps;
+  c.weight_decay = o.weight_decay;
+  c.grad_clip = o.grad_clip;
+  c.warmup_steps = o.warmup_steps;
+  c.decay_steps = o.decay_steps > 0 ? o.decay_steps : s.steps;
+  return c;
+}
+
+class ReferenceTrainer : public Trainer {
+ public:
+  explicit ReferenceTrainer(const Scenario& s) : model_(reference_config(s), s.seed), model_cfg_(s.model) {}
+  float train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) override {
+    ref::Losses<float> l = model_.forward_backward(tokens, batch);
+    *grad_norm = model_.optimizer_step(step);
+    return l.ce;
+  }
+  float eval_loss(const uint8_t* tokens, int batch) override { return model_.forward(tokens, batch).ce; }
+  std::string state_hash() const override { return model_.state_hash(); }
+  double train_flops_per_token() const override { return ls::train_flops_per_token(model_cfg_); }
+
+ private:
+  ref::Model<float> model_;
+  ModelConfig model_cfg_;
+};
+
+std::string fmt_duration(double s) {
+  char buf[32];
+  if (s < 90) std::snprintf(buf, sizeof buf, "%.0fs", s);
+  else if (s < 5400) std::snprintf(buf, sizeof buf, "%.0fm%02.0fs", std::floor(s / 60), std::fmod(s, 60));
+  else std::snprintf(buf, sizeof buf, "%.1fh", s / 3600);
+  return buf;
+}
+
+}  // namespace
+
+std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
+  if (b == Backend::kEngine) return std::make_unique<EngineTrainer>(s);
+  return std::make_unique<ReferenceTrainer>(s);
+}
+
+RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
+  if (opt.threads > 0) omp_set_num_threads(opt.threads);
+  RunResult r;
+  r.scenario = s.name;
+  r.fingerprint = scenario_fingerprint(s);
+  r.backend = backend_name(opt.backend);
+  r.threads = opt.backend == Backend::kReference ? 1 : omp_get_max_threads();
+  r.steps = opt.steps >= 0 ? opt.steps : s.steps;
+  const int T = s.model.seq_len, B = s.batch;
+  Corpus corpus = load_corpus(s.data, s.seed, T);
+  std::unique_ptr<Trainer> trainer = make_trainer(s, opt.backend);
+  r.train_flops_per_token = trainer->train_flops_per_token();
+  std::vector<uint8_t> batch((size_t)B * (T + 1));
+
+  auto evaluate = [&](int step) {
+    float acc = 0.0f;  // mean over eval batches, in batch order
+    for (int i = 0; i < s.eval_batches; ++i) {
+      eval_batch(corpus, s.seed, i, B, T, batch.data());
+      acc = acc + trainer->eval_loss(batch.data(), B);
+    }
+    const float bpb = (acc / (float)s.eval_batches) / 0.693147180559945309f;
+    r.evals.push_back({step, bpb});
+    if (opt.progress) std::fprintf(stderr, "eval  step %d  held-out %.4f bits/byte\n", step, bpb);
+  };
+
+  double train_seconds = 0;
+  auto t_start = std::chrono::steady_clock::now();
+  for (int step = 0; step < r.steps; ++step) {
+    train_batch(corpus, s.seed, step, B, T, batch.data());
+    auto t0 = std::chrono::steady_clock::now();
+    float norm = 0;
+    float loss = trainer->train_step(batch.data(), B, step, &norm);
+    train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.losses.push_back(loss);
+    r.grad_norms.push_back(norm);
+    const int done = step + 1;
+    for (int h : opt.hash_at)
+      if (h == done) r.state_hashes[done] = trainer->state_hash();
+    if (opt.progress) {
+      const double tps = (double)done * B * T / train_seconds;
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      const double eta = elapsed / done * (r.steps - done);
+      std::fprintf(stderr, "step %d/%d  loss %.4f  (%.3f bits/byte)  %.0f tok/s  ETA %s\n", done, r.steps, loss,
+                   loss / 0.6931471805599453, tps, fmt_duration(eta).c_str());
+    }
+    if (opt.eval && s.eval_every > 0 && done % s.eval_every == 0 && done != r.steps) evaluate(done);
+  }
+  if (opt.eval && r.steps > 0) evaluate(r.steps);
+  r.final_state_hash = trainer->state_hash();
+  r.seconds = train_seconds;
+  r.tokens_per_second = train_seconds > 0 ? (double)r.steps * B * T / train_seconds : 0;
+  r.last_tokens_per_expert = trainer->tokens_per_expert();
+  return r;
+}
+
+nlohmann::json result_json(const RunResult& r) {
+  nlohmann::json j;
+  j["scenario"] = r.scenario;
+  j["fingerprint"] = r.fingerprint;
+  j["backend"] = r.backend;
+  j["threads"] = r.threads;
+  j["steps"] = r.steps;
+  j["final_state_hash"] = r.final_state_hash;
+  j["losses"] = r.losses;
+  std::vector<std::string> bits;
+  for (float l : r.losses) bits.push_back(hex_bits(l));
+  j["loss_bits"] = bits;
+  nlohmann::json evals = nlohmann::json::array();
+  for (const EvalPoint& e : r.evals) evals.push_back({{"step", e.step}, {"bpb", e.bpb}});
+  j["evals"] = evals;
+  j["eval_bpb"] = r.evals.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.evals.back().bpb);
+  j["tokens_per_second"] = r.tokens_per_second;
+  j["seconds"] = r.seconds;
+  j["train_flops_per_token"] = r.train_flops_per_token;
+  nlohmann::json hashes = nlohmann::json::object();
+  for (auto& [step, h] : r.state_hashes) hashes[std::to_string(step)] = h;
+  j["state_hashes"] = hashes;
+  return j;
+}
+
+}  // namespace ls

@@ -1,0 +1,69 @@
+// Runs a scenario: builds the data, the model on the chosen backend and the
+// optimizer, trains, evaluates held-out bits per byte, and reports losses and
+// state hashes. Both backends see the same batches and must give the same bits.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runner/scenario.h"
+
+namespace ls {
+
+enum class Backend { kEngine, kReference };
+Backend parse_backend(const std::string& name);  // throws UserError
+const char* backend_name(Backend b);
+
+struct RunOptions {
+  Backend backend = Backend::kEngine;
+  int threads = 0;            // 0: all cores (OpenMP default)
+  int steps = -1;             // -1: scenario's train.steps
+  std::vector<int> hash_at;   // steps (1-based, after the update) whose state hash to record
+  bool progress = false;      // progress lines on stderr
+  bool eval = true;           // held-out BPB at eval steps
+};
+
+struct EvalPoint {
+  int step;    // evaluated after this many updates
+  float bpb;   // held-out bits per byte
+};
+
+struct RunResult {
+  std::string scenario;
+  std::string fingerprint;
+  std::string backend;
+  int threads = 1;
+  int steps = 0;
+  std::vector<float> losses;             // mean cross-entropy (nats/byte) of each step's batch, before its update
+  std::vector<float> grad_norms;
+  std::map<int, std::string> state_hashes;  // step -> hash, for RunOptions::hash_at
+  std::string final_state_hash;
+  std::vector<EvalPoint> evals;
+  double seconds = 0;                    // training loop wall time (eval excluded)
+  double tokens_per_second = 0;
+  double train_flops_per_token = 0;
+  std::vector<int64_t> last_tokens_per_expert;
+};
+
+// One training backend: model + optimizer behind one interface.
+class Trainer {
+ public:
+  virtual ~Trainer() = default;
+  virtual float train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) = 0;
+  virtual float eval_loss(const uint8_t* tokens, int batch) = 0;
+  virtual std::string state_hash() const = 0;
+  virtual double train_flops_per_token() const = 0;
+  virtual std::vector<int64_t> tokens_per_expert() const { return {}; }
+};
+std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b);
+
+RunResult run_scenario(const Scenario& s, const RunOptions& opt);
+
+// The --json summary object.
+nlohmann::json result_json(const RunResult& r);
+
+}  // namespace ls

@@ -1,0 +1,565 @@
+// Scenario loading: one table of rows (key, field accessor, doc, rules)
+// drives decoding, validation, defaults, the resolved JSON and the docs.
+// Adding a section (mesh.*, ckpt.*) means adding rows to rows(); a list-valued
+// key such as `faults` needs a row with its own decode/encode functions.
+#include "runner/scenario.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <set>
+#include <sstream>
+#include <type_traits>
+#include <utility>
+
+#include <xxhash.h>
+
+#include "common/error.h"
+
+namespace ls {
+namespace {
+
+using json = nlohmann::json;
+
+// ---------------------------------------------------------------- values ---
+
+// The shortest decimal that reads back as `f`, as a double, so the resolved
+// JSON shows 0.003 rather than 0.003000000026077032. Falls back to the exact
+// widening in the rare case where decimal->double->float would round twice.
+double float_for_json(float f) {
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf - 1, f);
+  *r.ptr = '\0';
+  double d = std::strtod(buf, nullptr);
+  return static_cast<float>(d) == f ? d : static_cast<double>(f);
+}
+
+// "string \"ten\"", "number 2.5", ... for error messages; long values cut.
+std::string describe(const json& v) {
+  std::string d = v.dump();
+  if (d.size() > 48) d = d.substr(0, 45) + "...";
+  switch (v.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "boolean " + d;
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned: return "integer " + d;
+    case json::value_t::number_float: return "number " + d;
+    case json::value_t::string: return "string " + d;
+    case json::value_t::array: return "array " + d;
+    case json::value_t::object: return "object " + d;
+    default: return d;
+  }
+}
+
+// A value in messages and docs: "0", "0.5", "1e-05" (no trailing ".0").
+template <class T> std::string show(T v) {
+  if constexpr (std::is_floating_point_v<T>) {
+    const double d = std::is_same_v<T, float> ? float_for_json(v) : v;
+    if (d == std::floor(d) && std::fabs(d) < 1e15) return std::to_string(static_cast<int64_t>(d));
+    return json(d).dump();
+  } else {
+    return std::to_string(v);
+  }
+}
+
+// Type name in the schema and in "expected ..." messages.
+template <class T> const char* type_name() {
+  if constexpr (std::is_same_v<T, bool>) return "boolean";
+  else if constexpr (std::is_integral_v<T>) return "integer";
+  else if constexpr (std::is_floating_point_v<T>) return "number";
+  else return "string";
+}
+
+// Decoders return "" on success, else the message (without key or origin).
+template <class T> std::string decode_integer(const json& v, T* out) {
+  using lim = std::numeric_limits<T>;
+  const std::string range = "out of range [" + std::to_string(lim::min()) + ", " +
+                            std::to_string(lim::max()) + "]";
+  if (v.is_number_unsigned()) {
+    uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(lim::max())) return describe(v) + " " + range;
+    *out = static_cast<T>(u);
+  } else if (v.is_number_integer()) {
+    int64_t i = v.get<int64_t>();
+    if (i < static_cast<int64_t>(lim::min()) ||
+        (i > 0 && static_cast<uint64_t>(i) > static_cast<uint64_t>(lim::max())))
+      return describe(v) + " " + range;
+    *out = static_cast<T>(i);
+  } else if (v.is_number_float()) {
+    // 1e6 is accepted as an integer; 2.5 is not.
+    double d = v.get<double>();
+    if (d != std::floor(d)) return "expected integer, got non-integral " + describe(v);
+    const double lo = static_cast<double>(lim::min());            // 0 or -2^k: exact
+    const double hi = std::ldexp(1.0, lim::digits);               // max + 1: exact
+    if (!(d >= lo && d < hi)) return describe(v) + " " + range;
+    *out = static_cast<T>(d);
+  } else {
+    return std::string("expected integer, got ") + describe(v);
+  }
+  return "";
+}
+
+template <class T> std::string decode_value(const json& v, T* out) {
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean()) return "expected boolean, got " + describe(v);
+    *out = v.get<bool>();
+  } else if constexpr (std::is_integral_v<T>) {
+    return decode_integer(v, out);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!v.is_number()) return "expected number, got " + describe(v);
+    double d = v.get<double>();
+    if (std::is_same_v<T, float> && !(std::fabs(d) <= std::numeric_limits<float>::max()))
+      return describe(v) + " out of range for binary32";
+    *out = static_cast<T>(d);
+  } else {
+    if (!v.is_string()) return "expected string, got " + describe(v);
+    *out = v.get<std::string>();
+  }
+  return "";
+}
+
+template <class T> json encode_value(const T& v) {
+  if constexpr (std::is_same_v<T, float>) return json(float_for_json(v));
+  else return json(v);
+}
+
+// ----------------------------------------------------------------- rules ---
+
+// A constraint: its text for the docs and a check that names the violation.
+template <class T> struct Rule {
+  std::string text;
+  std::function<std::string(const Scenario&, T)> fails;  // "" when v is fine
+};
+
+template <class T> Rule<T> in_range(T lo, T hi) {
+  std::string r = "[" + show(lo) + ", " + show(hi) + "]";
+  return {"in " + r, [=](const Scenario&, T v) {
+            return v >= lo && v <= hi ? std::string() : "must be in " + r + ", got " + show(v);
+          }};
+}
+template <class T> Rule<T> at_least(T lo) {
+  return {">= " + show(lo), [=](const Scenario&, T v) {
+            return v >= lo ? std::string() : "must be >= " + show(lo) + ", got " + show(v);
+          }};
+}
+template <class T> Rule<T> above(T lo) {
+  return {"> " + show(lo), [=](const Scenario&, T v) {
+            return v > lo ? std::string() : "must be > " + show(lo) + ", got " + show(v);
+          }};
+}
+template <class T> Rule<T> in_half_open(T lo, T hi) {  // [lo, hi)
+  std::string r = "[" + show(lo) + ", " + show(hi) + ")";
+  return {"in " + r, [=](const Scenario&, T v) {
+            return v >= lo && v < hi ? std::string() : "must be in " + r + ", got " + show(v);
+          }};
+}
+template <class T> Rule<T> in_open_closed(T lo, T hi) {  // (lo, hi]
+  std::string r = "(" + show(lo) + ", " + show(hi) + "]";
+  return {"in " + r, [=](const Scenario&, T v) {
+            return v > lo && v <= hi ? std::string() : "must be in " + r + ", got " + show(v);
+          }};
+}
+
+// ------------------------------------------------------------------ rows ---
+
+struct Row {
+  ScenarioKey info;  // default_value is filled from a default Scenario
+  std::function<std::string(Scenario&, const json&)> decode;
+  std::function<json(const Scenario&)> encode;
+  std::function<std::string(const Scenario&)> check;  // "" when valid
+};
+
+// A row bound to one scalar field; `access` returns a reference to it.
+template <class F>
+Row field(const char* key, F access, const char* doc,
+          std::vector<Rule<std::remove_reference_t<decltype(access(std::declval<Scenario&>()))>>>
+              rules = {}) {
+  using T = std::remove_reference_t<decltype(access(std::declval<Scenario&>()))>;
+  Row r;
+  r.info.key = key;
+  r.info.type = type_name<T>();
+  r.info.doc = doc;
+  for (const auto& rule : rules)
+    r.info.constraint += (r.info.constraint.empty() ? "" : "; ") + rule.text;
+  r.decode = [access](Scenario& s, const json& v) { return decode_value(v, &access(s)); };
+  r.encode = [access](const Scenario& s) {
+    return encode_value(access(const_cast<Scenario&>(s)));
+  };
+  r.check = [access, rules](const Scenario& s) {
+    T v = access(const_cast<Scenario&>(s));
+    for (const auto& rule : rules)
+      if (std::string e = rule.fails(s, v); !e.empty()) return e;
+    return std::string();
+  };
+  return r;
+}
+
+std::vector<Row> make_rows() {
+  using S = Scenario;
+  std::vector<Row> t = {
+      field("seed", [](S& s) -> uint64_t& { return s.seed; },
+            "Key of every random draw (init, data order): the Philox seed.",
+            {{"in [0, 2^64 - 1]", [](const S&, uint64_t) { return std::string(); }}}),
+      field("name", [](S& s) -> std::string& { return s.name; },
+            "Run name shown in reports and used for output names.",
+            {{"empty: the file's stem", [](const S&, std::string) { return std::string(); }}}),
+      field("description", [](S& s) -> std::string& { return s.description; },
+            "Free text shown in reports."),
+
+      field("model.d_model", [](S& s) -> int& { return s.model.d_model; },
+            "Width of the residual stream.", {in_range(1, 4096)}),
+      field("model.n_layers", [](S& s) -> int& { return s.model.n_layers; },
+            "Transformer blocks (attention + MoE each).", {in_range(1, 64)}),
+      field("model.n_heads", [](S& s) -> int& { return s.model.n_heads; },
+            "Attention heads; head_dim = d_model / n_heads.",
+            {at_least(1),
+             {"divides model.d_model", [](const S& s, int v) {
+                return s.model.d_model % v == 0
+                           ? std::string()
+                           : "must divide model.d_model = " + show(s.model.d_model) + ", got " +
+                                 show(v);
+              }}}),
+      field("model.seq_len", [](S& s) -> int& { return s.model.seq_len; },
+            "Tokens (bytes) per sample.", {in_range(1, 8192)}),
+      field("model.d_ff", [](S& s) -> int& { return s.model.d_ff; },
+            "Hidden width of each expert and of the shared expert.", {in_range(1, 16384)}),
+      field("model.shared_expert", [](S& s) -> bool& { return s.model.shared_expert; },
+            "Add a dense shared expert that every token passes through."),
+      field("model.init_std", [](S& s) -> float& { return s.model.init_std; },
+            "Standard deviation of the uniform weight init.", {above(0.0f)}),
+      field("model.rms_eps", [](S& s) -> float& { return s.model.rms_eps; },
+            "Epsilon inside RMSNorm.", {above(0.0f)}),
+
+      field("moe.experts", [](S& s) -> int& { return s.model.experts; },
+            "Routed experts per MoE layer.", {in_range(1, 256)}),
+      field("moe.top_k", [](S& s) -> int& { return s.model.top_k; },
+            "Experts each token is routed to.",
+            {{"in [1, moe.experts]", [](const S& s, int v) {
+                return v >= 1 && v <= s.model.experts
+                           ? std::string()
+                           : "must be in [1, moe.experts = " + show(s.model.experts) + "], got " +
+                                 show(v);
+              }}}),
+      field("moe.aux_loss_weight", [](S& s) -> float& { return s.model.aux_loss_weight; },
+            "Weight of the Switch load-balancing loss; 0 disables it.", {at_least(0.0f)}),
+      field("moe.z_loss_weight", [](S& s) -> float& { return s.model.z_loss_weight; },
+            "Weight of the router z-loss; 0 disables it.", {at_least(0.0f)}),
+
+      field("train.steps", [](S& s) -> int& { return s.steps; },
+            "Optimizer steps to run.", {at_least(1)}),
+      field("train.batch", [](S& s) -> int& { return s.batch; },
+            "Global batch in samples per step.",
+            {at_least(1),
+             {"multiple of numerics.leaf_samples", [](const S& s, int v) {
+                // leaf_samples < 1 is reported by its own row, later.
+                return s.leaf_samples < 1 || v % s.leaf_samples == 0
+                           ? std::string()
+                           : "must be a multiple of numerics.leaf_samples = " +
+                                 show(s.leaf_samples) + ", got " + show(v);
+              }}}),
+      field("train.lr", [](S& s) -> float& { return s.optim.lr; },
+            "Peak learning rate.", {above(0.0f)}),
+      field("train.min_lr_ratio", [](S& s) -> float& { return s.optim.min_lr_ratio; },
+            "Cosine decay ends at lr * min_lr_ratio.", {in_range(0.0f, 1.0f)}),
+      field("train.warmup_steps", [](S& s) -> int& { return s.optim.warmup_steps; },
+            "Linear warmup from lr / warmup_steps up to lr.", {at_least(0)}),
+      field("train.decay_steps", [](S& s) -> int& { return s.optim.decay_steps; },
+            "Length of the cosine decay; 0 means train.steps.", {at_least(0)}),
+      field("train.beta1", [](S& s) -> float& { return s.optim.beta1; },
+            "AdamW first-moment decay.", {in_half_open(0.0f, 1.0f)}),
+      field("train.beta2", [](S& s) -> float& { return s.optim.beta2; },
+            "AdamW second-moment decay.", {in_half_open(0.0f, 1.0f)}),
+      field("train.eps", [](S& s) -> float& { return s.optim.eps; },
+            "AdamW epsilon.", {above(0.0f)}),
+      field("train.weight_decay", [](S& s) -> float& { return s.optim.weight_decay; },
+            "Decoupled weight decay, applied to matrices, not norms.", {at_least(0.0f)}),
+      field("train.grad_clip", [](S& s) -> float& { return s.optim.grad_clip; },
+            "Clip the global gradient L2 norm to this; 0 disables.", {at_least(0.0f)}),
+      field("train.eval_every", [](S& s) -> int& { return s.eval_every; },
+            "Evaluate validation BPB every N steps; 0 = only after the last step.",
+            {at_least(0)}),
+      field("train.eval_batches", [](S& s) -> int& { return s.eval_batches; },
+            "Validation batches per evaluation.", {at_least(1)}),
+
+      field("data.path", [](S& s) -> std::string& { return s.data.path; },
+            "File of training bytes; empty = the built-in synthetic corpus."),
+      field("data.synthetic_bytes", [](S& s) -> uint64_t& { return s.data.synthetic_bytes; },
+            "Size of the synthetic corpus in bytes (used when data.path is empty).",
+            {in_range<uint64_t>(4096, uint64_t{1} << 32)}),
+      field("data.val_fraction", [](S& s) -> double& { return s.data.val_fraction; },
+            "Tail fraction of the corpus held out for validation BPB.",
+            {in_open_closed(0.0, 0.5)}),
+
+      field("numerics.leaf_samples", [](S& s) -> int& { return s.leaf_samples; },
+            "Samples per leaf of the token-reduction tree (a contract constant: "
+            "changing it changes bits).",
+            {at_least(1)}),
+  };
+  const Scenario defaults;
+  for (Row& r : t) r.info.default_value = r.encode(defaults);
+  return t;
+}
+
+const std::vector<Row>& rows() {
+  static const std::vector<Row> t = make_rows();
+  return t;
+}
+
+const Row* find_row(const std::string& key) {
+  for (const Row& r : rows())
+    if (r.info.key == key) return &r;
+  return nullptr;
+}
+
+// Sections are the proper dotted prefixes of keys: "model", "moe", ...
+const std::vector<std::string>& sections() {
+  static const std::vector<std::string> t = [] {
+    std::vector<std::string> out;
+    for (const Row& r : rows())
+      for (size_t p = r.info.key.find('.'); p != std::string::npos;
+           p = r.info.key.find('.', p + 1)) {
+        std::string s = r.info.key.substr(0, p);
+        if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+      }
+    return out;
+  }();
+  return t;
+}
+
+bool is_section(const std::string& key) {
+  const auto& s = sections();
+  return std::find(s.begin(), s.end(), key) != s.end();
+}
+
+// ---------------------------------------------------------- unknown keys ---
+
+// Optimal string alignment distance: insert, delete, substitute, swap.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i)
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+// "unknown key 'moe.topk' (did you mean 'moe.top_k'?)"; without a close
+// match, lists the keys of the enclosing section instead.
+std::string unknown_key(const std::string& key) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  auto consider = [&](const std::string& c) {
+    size_t d = edit_distance(key, c);
+    if (d < best_d) best_d = d, best = c;  // ties: first in table order
+  };
+  for (const Row& r : rows()) consider(r.info.key);
+  for (const std::string& s : sections()) consider(s);
+  std::string msg = "unknown key '" + key + "'";
+  // Short keys tolerate one edit ('foo' is not a typo of 'moe'), longer ones more.
+  const size_t limit = key.size() <= 5 ? 1 : key.size() <= 12 ? 2 : 3;
+  if (best_d <= limit) return msg + " (did you mean '" + best + "'?)";
+
+  // Otherwise list the keys of the deepest known section above `key`.
+  std::string parent = key;
+  do {
+    size_t dot = parent.rfind('.');
+    parent = dot == std::string::npos ? "" : parent.substr(0, dot);
+  } while (!parent.empty() && !is_section(parent));
+  std::string note;
+  if (parent.empty() && key.find('.') != std::string::npos)
+    note = "no section '" + key.substr(0, key.find('.')) + "'; ";
+  std::vector<std::string> names;
+  for (const Row& r : rows()) {
+    const std::string& k = r.info.key;
+    std::string rest;
+    if (parent.empty()) rest = k;
+    else if (k.compare(0, parent.size() + 1, parent + ".") == 0) rest = k.substr(parent.size() + 1);
+    else continue;
+    rest = rest.substr(0, rest.find('.'));
+    if (std::find(names.begin(), names.end(), rest) == names.end()) names.push_back(rest);
+  }
+  if (names.empty()) return msg;
+  std::string list;
+  for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+  return msg + " (" + note + (parent.empty() ? "top-level keys" : "keys in '" + parent + "'") +
+         ": " + list + ")";
+}
+
+// ---------------------------------------------------------------- loading ---
+
+struct Loader {
+  std::string origin;
+  std::map<std::string, std::string> set_text;  // key -> "--set key=value" that set it
+
+  std::string where(const std::string& key) const {
+    auto it = set_text.find(key);
+    return it != set_text.end() ? it->second : origin;
+  }
+  [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
+    throw UserError(where(key) + ": " + key + ": " + msg);
+  }
+
+  // Puts one override into the document, creating sections as needed.
+  void apply_set(json& doc, const std::string& set) {
+    size_t eq = set.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw UserError("--set '" + set + "': expected dotted.key=value");
+    const std::string key = set.substr(0, eq), raw = set.substr(eq + 1);
+    const std::string who = "--set " + set;
+    const Row* row = find_row(key);
+    if (!row) {
+      if (is_section(key)) {
+        std::string example;
+        for (const Row& r : rows())
+          if (example.empty() && r.info.key.compare(0, key.size() + 1, key + ".") == 0)
+            example = r.info.key;
+        throw UserError(who + ": '" + key + "' is a section; set one of its keys, e.g. '" +
+                        example + "'");
+      }
+      throw UserError(who + ": " + unknown_key(key));
+    }
+    json value;
+    try {
+      value = json::parse(raw);
+    } catch (const json::parse_error&) {
+      value = raw;  // not JSON: a bare string
+    }
+    // For a string key the text is the value (name=123 means "123") unless
+    // it was written as a quoted JSON string.
+    if (row->info.type == "string" && !value.is_string()) value = raw;
+
+    json* node = &doc;
+    size_t start = 0;
+    for (size_t dot = key.find('.'); dot != std::string::npos; dot = key.find('.', start)) {
+      const std::string part = key.substr(start, dot - start), path = key.substr(0, dot);
+      json& child = (*node)[part];
+      if (child.is_null()) child = json::object();
+      if (!child.is_object())
+        throw UserError(origin + ": " + path + ": expected object, got " + describe(child));
+      node = &child;
+      start = dot + 1;
+    }
+    (*node)[key.substr(start)] = std::move(value);
+    set_text[key] = who;
+  }
+
+  // Decodes every member of a section object into `s`.
+  void walk(const json& obj, const std::string& prefix, Scenario& s) const {
+    for (const auto& item : obj.items()) {
+      const std::string& k = item.key();
+      const std::string full = prefix.empty() ? k : prefix + "." + k;
+      if (k.find('.') != std::string::npos)
+        throw UserError(origin + ": key '" + full + "' contains '.'; nest it as an object " +
+                        "(e.g. {\"model\": {\"d_model\": 64}})");
+      if (const Row* row = find_row(full)) {
+        if (std::string e = row->decode(s, item.value()); !e.empty()) fail(full, e);
+      } else if (is_section(full)) {
+        if (!item.value().is_object())
+          fail(full, "expected object (a section), got " + describe(item.value()));
+        walk(item.value(), full, s);
+      } else {
+        throw UserError(where(full) + ": " + unknown_key(full));
+      }
+    }
+  }
+
+  Scenario load(const json& file, const std::vector<std::string>& sets) {
+    if (!file.is_object())
+      throw UserError(origin + ": expected a JSON object at top level, got " + describe(file));
+    json doc = file;
+    for (const std::string& set : sets) apply_set(doc, set);
+
+    Scenario s;
+    walk(doc, "", s);
+    if (s.name.empty()) s.name = std::filesystem::path(origin).stem().string();
+    for (const Row& r : rows())
+      if (std::string e = r.check(s); !e.empty()) fail(r.info.key, e);
+
+    s.resolved = json::object();
+    for (const Row& r : rows()) {
+      std::string ptr = "/" + r.info.key;
+      std::replace(ptr.begin(), ptr.end(), '.', '/');
+      s.resolved[json::json_pointer(ptr)] = r.encode(s);
+    }
+    return s;
+  }
+};
+
+}  // namespace
+
+const std::vector<ScenarioKey>& scenario_keys() {
+  static const std::vector<ScenarioKey> t = [] {
+    std::vector<ScenarioKey> out;
+    for (const Row& r : rows()) out.push_back(r.info);
+    return out;
+  }();
+  return t;
+}
+
+std::string scenario_keys_markdown() {
+  std::string md = "| key | type | default | meaning | constraints |\n"
+                   "| --- | --- | --- | --- | --- |\n";
+  for (const ScenarioKey& k : scenario_keys())
+    md += "| `" + k.key + "` | " + k.type + " | `" + k.default_value.dump() + "` | " + k.doc +
+          " | " + k.constraint + " |\n";
+  return md;
+}
+
+Scenario scenario_from_json(const nlohmann::json& j, const std::string& origin,
+                            const std::vector<std::string>& sets) {
+  Loader l;
+  l.origin = origin;
+  return l.load(j, sets);
+}
+
+Scenario load_scenario(const std::string& path, const std::vector<std::string>& sets) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (!fs::exists(st)) throw UserError(path + ": scenario file not found");
+  if (fs::is_directory(st)) throw UserError(path + ": is a directory, not a scenario file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UserError(path + ": cannot read scenario file: " + std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw UserError(path + ": cannot read scenario file: " + std::strerror(errno));
+
+  json j;
+  try {
+    // Comments (// and /* */) are allowed: scenarios are written by hand.
+    j = json::parse(text.str(), nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+  } catch (const json::parse_error& e) {
+    std::string what = e.what();
+    size_t p = what.find("] ");  // drop "[json.exception.parse_error.101] "
+    if (p != std::string::npos) what = what.substr(p + 2);
+    throw UserError(path + ": malformed JSON (byte " + std::to_string(e.byte) + "): " + what);
+  }
+  return scenario_from_json(j, path, sets);
+}
+
+std::string scenario_fingerprint(const Scenario& s) {
+  const std::string d = s.resolved.dump();
+  XXH128_canonical_t c;
+  XXH128_canonicalFromHash(&c, XXH3_128bits(d.data(), d.size()));
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : c.digest) {
+    out += hex[b >> 4];
+    out += hex[b & 15];
+  }
+  return out;
+}
+
+}  // namespace ls

@@ -1,0 +1,67 @@
+// A scenario: one JSON file that describes a training run (model, MoE,
+// optimizer, data, numerics), plus command-line `--set dotted.key=value`
+// overrides. The schema table (scenario_keys()) is the single source of truth
+// for key names, types, defaults and constraints; docs/SCENARIOS.md carries
+// the table rendered by scenario_keys_markdown(), checked by a test.
+//
+// Every error caused by the file or an override throws ls::UserError whose
+// message names the file and the key.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/config.h"
+#include "model/config.h"
+#include "optim/config.h"
+
+namespace ls {
+
+struct Scenario {
+  std::string name;          // key "name"; default: the file's stem
+  std::string description;   // key "description"
+  uint64_t seed = 1234;      // key "seed"
+  ModelConfig model;         // model.* and moe.* keys
+  OptimConfig optim;         // train.lr ... train.grad_clip
+  int steps = 200;           // train.steps
+  int batch = 16;            // train.batch: global batch in samples
+  int eval_every = 50;       // train.eval_every: 0 = evaluate only after the last step
+  int eval_batches = 4;      // train.eval_batches
+  int leaf_samples = 1;      // numerics.leaf_samples: samples per leaf of the token-reduction tree
+  DataConfig data;           // data.path, data.synthetic_bytes, data.val_fraction
+  nlohmann::json resolved;   // every key with its effective value, nested as in the file
+};
+
+// One row of the schema, as documented.
+struct ScenarioKey {
+  std::string key;               // dotted path, e.g. "moe.top_k"
+  std::string type;              // "integer", "number", "boolean" or "string"
+  nlohmann::json default_value;  // the value when the file does not set it
+  std::string doc;               // meaning
+  std::string constraint;        // what values are accepted ("" = any)
+};
+
+// The schema, in table order. Later sections (mesh.*, ckpt.*, faults) are
+// added as rows in scenario.cc.
+const std::vector<ScenarioKey>& scenario_keys();
+
+// The schema as a Markdown table (the one docs/SCENARIOS.md embeds).
+std::string scenario_keys_markdown();
+
+// Reads a JSON file, applies `sets` ("dotted.key=value"; value parsed as
+// JSON, else taken as a string), validates.
+Scenario load_scenario(const std::string& path, const std::vector<std::string>& sets);
+
+// Same, from an already parsed document; `origin` names it in errors and its
+// stem is the default name.
+Scenario scenario_from_json(const nlohmann::json& j, const std::string& origin,
+                            const std::vector<std::string>& sets);
+
+// 32 hex digits: XXH3-128 of resolved.dump(). Equal scenarios (after
+// defaults and overrides) have equal fingerprints.
+std::string scenario_fingerprint(const Scenario& s);
+
+}  // namespace ls
