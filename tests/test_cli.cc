@@ -1,2 +1,173 @@
+// The lockstep binary as a user runs it: exit codes, --json, clear errors.
 #include <doctest/doctest.h>
-TEST_SUITE("cli") {}
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kRoot = LOCKSTEP_SOURCE_DIR;
+
+struct Result {
+  int rc;
+  std::string out, err;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+fs::path temp_dir() {
+  static fs::path dir = [] {
+    char tmpl[] = "/tmp/lockstep-cli-XXXXXX";
+    return fs::path(mkdtemp(tmpl));
+  }();
+  return dir;
+}
+
+Result run(const std::string& args) {
+  const fs::path out = temp_dir() / "stdout", err = temp_dir() / "stderr";
+  const std::string cmd = std::string(LOCKSTEP_BIN) + " " + args + " >" + out.string() + " 2>" + err.string();
+  int status = std::system(cmd.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+}
+
+fs::path write(const std::string& name, const std::string& text) {
+  fs::path p = temp_dir() / name;
+  std::ofstream(p) << text;
+  return p;
+}
+
+std::string last_line(const std::string& s) {
+  std::string t = s;
+  while (!t.empty() && t.back() == '\n') t.pop_back();
+  size_t nl = t.rfind('\n');
+  return nl == std::string::npos ? t : t.substr(nl + 1);
+}
+
+const char* kTiny = R"({"model": {"d_model": 16, "n_heads": 2, "seq_len": 8, "d_ff": 8}, "moe": {"experts": 4},
+  "train": {"steps": 3, "batch": 4, "eval_every": 2, "eval_batches": 1}, "data": {"synthetic_bytes": 8192}})";
+
+}  // namespace
+
+TEST_SUITE("cli") {
+  TEST_CASE("run --json: the last stdout line is the summary object") {
+    fs::path sc = write("tiny.json", kTiny);
+    Result r = run("run " + sc.string() + " --json --threads 2");
+    REQUIRE(r.rc == 0);
+    nlohmann::json j = nlohmann::json::parse(last_line(r.out));
+    for (const char* key : {"final_state_hash", "steps", "losses", "loss_bits", "eval_bpb", "tokens_per_second",
+                            "threads", "backend"})
+      CHECK_MESSAGE(j.contains(key), key);
+    CHECK(j["final_state_hash"].get<std::string>().size() == 32);
+    CHECK(j["steps"] == 3);
+    CHECK(j["losses"].size() == 3);
+    CHECK(j["loss_bits"].size() == 3);
+    CHECK(j["threads"] == 2);
+    CHECK(j["backend"] == "engine");
+    CHECK(r.err.empty());  // not a terminal: quiet unless --progress
+  }
+
+  TEST_CASE("engine and reference print the same final_state_hash; --set and --steps apply") {
+    fs::path sc = write("tiny.json", kTiny);
+    Result a = run("run " + sc.string() + " --json --steps 2 --set moe.top_k=1");
+    Result b = run("run " + sc.string() + " --json --steps 2 --set moe.top_k=1 --backend reference");
+    REQUIRE(a.rc == 0);
+    REQUIRE(b.rc == 0);
+    nlohmann::json ja = nlohmann::json::parse(last_line(a.out)), jb = nlohmann::json::parse(last_line(b.out));
+    CHECK(ja["steps"] == 2);
+    CHECK(ja["final_state_hash"] == jb["final_state_hash"]);
+    CHECK(ja["loss_bits"] == jb["loss_bits"]);
+  }
+
+  TEST_CASE("--progress writes step, loss, tokens/s and ETA to stderr; --out writes files") {
+    fs::path sc = write("tiny.json", kTiny);
+    fs::path out = temp_dir() / "outdir";
+    Result r = run("run " + sc.string() + " --progress --out " + out.string());
+    REQUIRE(r.rc == 0);
+    CHECK(r.err.find("step 3/3") != std::string::npos);
+    CHECK(r.err.find("tok/s") != std::string::npos);
+    CHECK(r.err.find("ETA") != std::string::npos);
+    CHECK(fs::exists(out / "summary.json"));
+    CHECK(fs::exists(out / "scenario.resolved.json"));
+  }
+
+  TEST_CASE("bad input: exit 2 and one message naming the field or file") {
+    fs::path bad = write("bad.json", "{\"model\": {\"d_model\": 64,,}}");
+    Result r = run("run " + bad.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("bad.json") != std::string::npos);
+    CHECK(r.out.empty());
+
+    fs::path sc = write("tiny.json", kTiny);
+    r = run("run " + sc.string() + " --set moe.topk=2");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("moe.top_k") != std::string::npos);  // the suggestion
+
+    r = run("run " + sc.string() + " --set moe.top_k=5");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("moe.top_k") != std::string::npos);
+
+    r = run("run " + sc.string() + " --set model.n_heads=3");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("model.n_heads") != std::string::npos);
+
+    r = run("run " + sc.string() + " --backend gpu");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--backend") != std::string::npos);
+
+    r = run("run " + (temp_dir() / "missing.json").string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("missing.json") != std::string::npos);
+
+    r = run("run " + sc.string() + " --set data.path=" + (temp_dir() / "nofile.txt").string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("data.path") != std::string::npos);
+
+    r = run("frobnicate");
+    CHECK(r.rc == 2);
+    r = run("run " + sc.string() + " --threads 0");
+    CHECK(r.rc == 2);
+  }
+
+  TEST_CASE("check passes on the repository's golden files and fails loudly on a changed one") {
+    Result ok = run("check " + (kRoot / "scenarios" / "top1.json").string() + " --golden-dir " +
+                    (kRoot / "golden").string());
+    CHECK(ok.rc == 0);
+    CHECK(ok.out.find("ok") != std::string::npos);
+
+    // A golden directory whose top1 file has one loss bit flipped at step 3.
+    fs::path gdir = temp_dir() / "golden";
+    fs::create_directories(gdir);
+    nlohmann::json g = nlohmann::json::parse(slurp(kRoot / "golden" / "top1.json"));
+    std::string bits = g["loss_bits"][2];
+    bits.back() = bits.back() == '0' ? '1' : '0';
+    g["loss_bits"][2] = bits;
+    std::ofstream(gdir / "top1.json") << g.dump(2);
+    Result bad = run("check " + (kRoot / "scenarios" / "top1.json").string() + " --golden-dir " + gdir.string());
+    CHECK(bad.rc == 1);
+    CHECK(bad.out.find("FAIL") != std::string::npos);
+    CHECK(bad.out.find("step 3") != std::string::npos);
+  }
+
+  TEST_CASE("help and keys") {
+    Result r = run("--help");
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("run") != std::string::npos);
+    r = run("keys");
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("moe.top_k") != std::string::npos);
+  }
+}

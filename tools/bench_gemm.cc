@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
                                {1024, 256, 1024, false},  {1024, 1024, 256, false},
                                {8192, 64, 64, false},     {256, 64, 128, false},
                                {64, 1024, 64, false}};
-  printf("%-16s %3s  %12s  %12s  %7s  %7s  %7s\n", "shape M×K×N", "thr", "contract", "eigen",
+  printf("%-16s %3s  %12s  %12s  %7s  %7s  %7s\n", "shape MxKxN", "thr", "contract", "eigen",
          "ratio", "%peak", "eig%pk");
   printf("%-16s %3s  %12s  %12s  %7s  %7s  %7s\n", "", "", "GFLOP/s", "GFLOP/s", "c/e", "", "");
   for (const Shape& s : shapes) {
@@ -155,13 +155,28 @@ int main(int argc, char** argv) {
           flops, min_s, reps,
           [&] { ls::ops::gemm(s.m, s.n, s.k, A, B, c.data(), s.n, false, t); },
           [&] { c.noalias() = a * b; });
-      std::string name = std::to_string(s.m) + "×" + std::to_string(s.k) + "×" +
+      std::string name = std::to_string(s.m) + "x" + std::to_string(s.k) + "x" +
                          std::to_string(s.n);
-      // "×" is 2 bytes, 1 column: pad by hand.
-      printf("%-*s %3d  %12.1f  %12.1f  %7.2f  %6.1f%%  %6.1f%%\n", 16 + 2 * 2, name.c_str(), t,
+      printf("%-16s %3d  %12.1f  %12.1f  %7.2f  %6.1f%%  %6.1f%%\n", name.c_str(), t,
              g, e, g / e, 100.0 * g / peak[t], 100.0 * e / peak[t]);
       fflush(stdout);
     }
+  }
+  // The other paths (same bits, narrower vectors), for reference.
+  {
+    const int64_t n = 512;
+    RowMat a = RowMat::Ones(n, n), b = RowMat::Ones(n, n), c = RowMat::Zero(n, n);
+    ls::ops::ConstMat A{a.data(), n, 1}, B{b.data(), n, 1};
+    printf("\nother paths, 512x512x512, 1 thread:");
+    for (auto p : {ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kScalar}) {
+      if (!ls::ops::gemm_path_supported(p)) continue;
+      ls::ops::set_gemm_path(p);
+      double g = best_gflops(2.0 * n * n * n, min_s, 2,
+                             [&] { ls::ops::gemm(n, n, n, A, B, c.data(), n, false, 1); });
+      printf("  %s %.1f GFLOP/s", ls::ops::gemm_path_name(), g);
+    }
+    ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
+    printf("\n");
   }
   return 0;
 }

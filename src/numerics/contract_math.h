@@ -37,13 +37,14 @@ constexpr float kRoundMagic = 12582912.0f;  // 0x1.8p23
 // (Cephes expf), summed as A + B with A = 1 + r exact in two parts, so the
 // only large rounding is the last one. Results at or below 2^-126 are
 // rounded once, directly onto the subnormal grid (no double rounding).
-LS_HD float cexp(float x) {
-  using namespace cmath_detail;
-  if (is_nan(x)) return nan();
-  // ln(FLT_MAX) = 88.7228391...; the next float up overflows.
-  if (x > 88.72283172607421875f) return inf();
-  // e^x <= 2^-150 (half the least subnormal) rounds to +0; covers -inf.
-  if (x < -103.97207641601562f) return 0.0f;
+namespace cmath_detail {
+// e^x = 2^n * (a + b), a + b in [0.7, 1.42], |b| < 2^-3 * a; finite
+// -104 < x < 88.73 only.
+struct ExpParts {
+  int n;
+  float a, b;
+};
+LS_HD ExpParts exp_parts(float x) {
   const float kLog2e = 1.44269502162933349609375f;   // rn(1/ln2)
   const float kLn2Hi = 0.693147182464599609375f;     // rn(ln2)
   const float kLn2Lo = -1.9046542121259336e-09f;     // rn(ln2 - kLn2Hi)
@@ -65,8 +66,31 @@ LS_HD float cexp(float x) {
   p = ls::fma(p, r, 5.0000001201e-1f);
   float a = 1.0f + r;
   float a_lo = (1.0f - a) + r;  // Fast2Sum: 1 >= |r|
-  float b = a_lo + ls::fma(z, p, ls::fma(r, r_lo, r_lo));
-  float w = a + b;  // e^(r + r_lo), in [0.7, 1.42]
+  ExpParts out = {n, a, a_lo + ls::fma(z, p, ls::fma(r, r_lo, r_lo))};
+  return out;
+}
+// e^x as hi + lo (|lo| <= ulp(hi)/2) for -80 <= x <= 0, where both stay
+// normal enough: used by csigmoid and ctanh to avoid a second rounding.
+LS_HD void exp_dd(float x, float* hi, float* lo) {
+  ExpParts e = exp_parts(x);
+  float w = e.a + e.b;
+  float w_lo = (e.a - w) + e.b;  // Fast2Sum
+  float s = pow2(e.n);
+  *hi = w * s;
+  *lo = w_lo * s;
+}
+}  // namespace cmath_detail
+
+LS_HD float cexp(float x) {
+  using namespace cmath_detail;
+  if (is_nan(x)) return nan();
+  // ln(FLT_MAX) = 88.7228391...; the next float up overflows.
+  if (x > 88.72283172607421875f) return inf();
+  // e^x <= 2^-150 (half the least subnormal) rounds to +0; covers -inf.
+  if (x < -103.97207641601562f) return 0.0f;
+  ExpParts e = exp_parts(x);
+  int n = e.n;
+  float w = e.a + e.b;  // e^(r + r_lo)
   if (n > -126 || (n == -126 && w >= 1.0f)) {
     if (n == 128) return (w * pow2(127)) * 2.0f;  // 2^128 is not a float
     return w * pow2(n);  // exact: the result is normal
@@ -74,7 +98,7 @@ LS_HD float cexp(float x) {
   // Result <= 2^-126: v = (a + b) * 2^(n+149) < 2^23 counts units of 2^-149;
   // round it once to an integer with the 2^23 trick, a + b kept in two parts.
   float c = pow2(n + 149);
-  float ca = c * a, cb = c * b;  // exact scalings
+  float ca = c * e.a, cb = c * e.b;  // exact scalings
   const float kTwo23 = 8388608.0f;
   float h = kTwo23 + ca;
   float h_lo = ca - (h - kTwo23);  // Fast2Sum: 2^23 > ca
@@ -129,7 +153,8 @@ LS_HD float clog(float x) {
 // ---------------------------------------------------------------- tanh ----
 // Computed on |x|, sign copied back (exactly odd). |x| < 0.625:
 // x + x^3*P(x^2), P degree 4 (Cephes tanhf), no cancellation for tiny x.
-// 0.625 <= |x| < 9.1: 1 - 2/(e^{2|x|} + 1). |x| >= 9.1: exactly 1
+// 0.625 <= |x| < 9.1: 1 - 2/(e^{2|x|} + 1) in double-float steps.
+// |x| >= 9.1: exactly 1
 // (1 - tanh(9.1) < 2^-25, so the rounded value is 1 there already).
 LS_HD float ctanh(float x) {
   using namespace cmath_detail;
@@ -145,8 +170,19 @@ LS_HD float ctanh(float x) {
     p = ls::fma(p, s, -3.33332819422e-1f);
     t = ls::fma(a * s, p, a);
   } else if (a < 9.1f) {
-    float e = cexp(a + a);
-    t = 1.0f - 2.0f / (e + 1.0f);
+    // 2/(e^{2a} + 1) as q + q_lo from e^{-2a} = eh + el (no overflow):
+    // 2/(E + 1) = 2*e'/(1 + e'), then 1 - q by TwoSum.
+    float eh, el;
+    exp_dd(-(a + a), &eh, &el);
+    float d = 1.0f + eh;
+    float d_lo = ((1.0f - d) + eh) + el;  // Fast2Sum: 1 >= eh
+    float num = eh + eh, num_lo = el + el;
+    float q = num / d;
+    float q_lo = (ls::fma(-q, d, num) + (num_lo - q * d_lo)) / d;
+    float sum = 1.0f - q;  // TwoSum(1, -q)
+    float bv = sum - 1.0f;
+    float err = (1.0f - (sum - bv)) + (-q - bv);
+    t = sum + (err - q_lo);
   } else {
     t = 1.0f;
   }
@@ -156,20 +192,28 @@ LS_HD float ctanh(float x) {
 // ------------------------------------------------------------- sigmoid ----
 // 1/(1 + e^-x) for x >= 0 (e^-x <= 1: no overflow), e^x/(1 + e^x) for
 // x < 0 (e^x <= 1: no overflow, and tiny results underflow gradually
-// with e^x instead of collapsing to 1/inf = 0). The quotient n/(1 + e) gets
-// one correction step that removes the rounding of 1 + e and of the
-// division, so only cexp's error and one final rounding remain.
+// with e^x instead of collapsing to 1/inf = 0). e^-|x| is taken as a
+// double-float, 1 + e is kept exact, and the quotient gets one fma-based
+// correction step, so essentially one final rounding remains.
 LS_HD float csigmoid(float x) {
   using namespace cmath_detail;
   if (is_nan(x)) return nan();
-  float e = cexp(x >= 0.0f ? -x : x);  // in [0, 1]
+  float m = x >= 0.0f ? -x : x;  // -|x|
+  // e^m in [0, 1] as e + e_lo; below -80 the tail is dropped (e^x is then
+  // so small that sigma(x) rounds like e^x itself).
+  float e, e_lo = 0.0f;
+  if (m >= -80.0f) {
+    exp_dd(m, &e, &e_lo);
+  } else {
+    e = cexp(m);
+  }
   float num = x >= 0.0f ? 1.0f : e;
+  float num_lo = x >= 0.0f ? 0.0f : e_lo;
   float d = 1.0f + e;
-  float d_lo = (1.0f - d) + e;  // Fast2Sum: 1 >= e, so d + d_lo == 1 + e exactly
+  float d_lo = ((1.0f - d) + e) + e_lo;  // Fast2Sum: 1 >= e
   float q = num / d;
   float res = ls::fma(-q, d, num);  // exact remainder num - q*d
-  res = ls::fma(-q, d_lo, res);     // minus q*d_lo
-  return q + res / d;
+  return q + (res + (num_lo - q * d_lo)) / d;
 }
 
 // ------------------------------------------------------------ sin, cos ----

@@ -222,7 +222,7 @@ inline void run_tile(const UKernelInfo& uk, int64_t kc, const float* a, int64_t 
 }
 
 constexpr int64_t kKC = 256;  // k block: B panel (kc x NR) stays in L1
-constexpr int64_t kMC = 96;   // rows per A block (rounded to MR): A block in L2
+constexpr int64_t kMC = 192;  // rows per A block (rounded to MR): A block (192 KB) in L2
 
 }  // namespace
 
