@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "contract.h"
+#include "ops/attention.h"
 #include "ops/gemm.h"
 #include "ops/ops.h"
 
@@ -53,8 +54,8 @@ struct LayerActs {
   std::vector<int64_t> row_of;       // [N*K] row of (token, slot) in the expert buffers
   std::vector<int64_t> expert_off;   // [E+1] first row of each expert
   std::vector<int64_t> row_token;    // [N*K] token of each expert row
-  std::vector<float> xe, u, v, act, ye;     // expert buffers, rows grouped by expert
-  std::vector<float> su, sv, sact, ysh;     // shared expert
+  std::vector<float> xe, u, v, sg, act, ye;   // expert buffers, rows grouped by expert (sg = sigmoid(u))
+  std::vector<float> su, sv, ssg, sact, ysh;  // shared expert
 };
 
 struct MoeTransformer::Workspace {
@@ -114,81 +115,6 @@ double train_flops_per_token(const ModelConfig& c) {
 StepLosses MoeTransformer::forward(const uint8_t* tokens, int batch) { return run(tokens, batch, false); }
 StepLosses MoeTransformer::forward_backward(const uint8_t* tokens, int batch) { return run(tokens, batch, true); }
 
-namespace {
-
-// Causal attention of one (sample, head). q, k, v rows have stride ld.
-// Scores reduce over the head feature j; outputs over the key position u.
-void attention_forward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
-                       float* att, float* o, int64_t ldo, std::vector<float>& kT, std::vector<float>& s) {
-  kT.resize((size_t)hd * S);
-  s.resize(S);
-  for (int u = 0; u < S; ++u)
-    for (int j = 0; j < hd; ++j) kT[(size_t)j * S + u] = k[u * ld + j];
-  for (int t = 0; t < S; ++t) {
-    const float* qt = q + t * ld;
-    std::fill(s.begin(), s.begin() + t + 1, 0.0f);
-    for (int j = 0; j < hd; ++j) {  // lanes over u, each a sequential fold over j
-      const float qj = qt[j];
-      const float* kj = &kT[(size_t)j * S];
-      for (int u = 0; u <= t; ++u) s[u] = ls::fma(qj, kj[u], s[u]);
-    }
-    for (int u = 0; u <= t; ++u) s[u] = s[u] * scale;
-    float* p = att + (int64_t)t * S;
-    ops::softmax(s.data(), p, t + 1);
-    float* ot = o + t * ldo;
-    std::fill(ot, ot + hd, 0.0f);
-    for (int u = 0; u <= t; ++u) {  // lanes over j, each a sequential fold over u
-      const float pu = p[u];
-      const float* vu = v + u * ld;
-      for (int j = 0; j < hd; ++j) ot[j] = ls::fma(pu, vu[j], ot[j]);
-    }
-  }
-}
-
-// Backward of attention_forward. dq reduces over u <= t; dk and dv over the
-// query position t' >= u, folded in ascending t'.
-void attention_backward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
-                        const float* att, const float* dout, int64_t ldo, float* dq, float* dk, float* dv,
-                        int64_t ldd, std::vector<float>& vT, std::vector<float>& dp, std::vector<float>& ds) {
-  vT.resize((size_t)hd * S);
-  dp.resize(S);
-  ds.resize(S);
-  for (int u = 0; u < S; ++u)
-    for (int j = 0; j < hd; ++j) vT[(size_t)j * S + u] = v[u * ld + j];
-  for (int u = 0; u < S; ++u) {
-    std::fill(dk + u * ldd, dk + u * ldd + hd, 0.0f);
-    std::fill(dv + u * ldd, dv + u * ldd + hd, 0.0f);
-  }
-  for (int t = 0; t < S; ++t) {
-    const float* dot = dout + t * ldo;
-    const float* p = att + (int64_t)t * S;
-    std::fill(dp.begin(), dp.begin() + t + 1, 0.0f);
-    for (int j = 0; j < hd; ++j) {
-      const float dj = dot[j];
-      const float* vj = &vT[(size_t)j * S];
-      for (int u = 0; u <= t; ++u) dp[u] = ls::fma(dj, vj[u], dp[u]);
-    }
-    ops::softmax_backward(p, dp.data(), ds.data(), t + 1);
-    for (int u = 0; u <= t; ++u) ds[u] = ds[u] * scale;
-    float* dqt = dq + t * ldd;
-    std::fill(dqt, dqt + hd, 0.0f);
-    const float* qt = q + t * ld;
-    for (int u = 0; u <= t; ++u) {
-      const float dsu = ds[u], pu = p[u];
-      const float* ku = k + u * ld;
-      float* dku = dk + u * ldd;
-      float* dvu = dv + u * ldd;
-      for (int j = 0; j < hd; ++j) {
-        dqt[j] = ls::fma(dsu, ku[j], dqt[j]);
-        dku[j] = ls::fma(dsu, qt[j], dku[j]);
-        dvu[j] = ls::fma(pu, dot[j], dvu[j]);
-      }
-    }
-  }
-}
-
-}  // namespace
-
 StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   const ModelConfig& c = cfg_;
   const int S = c.seq_len, D = c.d_model, H = c.n_heads, hd = D / H, E = c.experts, K = c.top_k, F = c.d_ff,
@@ -239,13 +165,13 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     A.o.resize(N * D);
 #pragma omp parallel
     {
-      std::vector<float> kT, s;
+      ops::AttentionScratch scratch;
 #pragma omp for schedule(dynamic, 1)
       for (int bh = 0; bh < B * H; ++bh) {
         const int b = bh / H, hh = bh % H;
         const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
-        attention_forward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, A.att.data() + (int64_t)bh * S * S,
-                          A.o.data() + (int64_t)b * S * D + hh * hd, D, kT, s);
+        ops::attention_forward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, A.att.data() + (int64_t)bh * S * S,
+                               A.o.data() + (int64_t)b * S * D + hh * hd, D, scratch);
       }
     }
     ws.dtmp.resize(N * D);
@@ -297,6 +223,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     A.xe.resize(NK * D);
     A.u.resize(NK * F);
     A.v.resize(NK * F);
+    A.sg.resize(NK * F);
     A.act.resize(NK * F);
     A.ye.resize(NK * D);
 #pragma omp parallel for schedule(static)
@@ -313,18 +240,20 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
       ops::gemm(rows, F, D, {&A.xe[r0 * D], D, 1}, {w1, F, 1}, &A.u[r0 * F], F, false, 1);
       ops::gemm(rows, F, D, {&A.xe[r0 * D], D, 1}, {w3, F, 1}, &A.v[r0 * F], F, false, 1);
-      for (int64_t i = r0 * F; i < (r0 + rows) * F; ++i) A.act[i] = ops::silu(A.u[i]) * A.v[i];
+      ops::swiglu(&A.u[r0 * F], &A.v[r0 * F], &A.sg[r0 * F], &A.act[r0 * F], rows * F);
       ops::gemm(rows, D, F, {&A.act[r0 * F], F, 1}, {w2, D, 1}, &A.ye[r0 * D], D, false, 1);
     }
     if (c.shared_expert) {
       A.su.resize(N * F);
       A.sv.resize(N * F);
+      A.ssg.resize(N * F);
       A.sact.resize(N * F);
       A.ysh.resize(N * D);
       ops::linear(A.a2.data(), N, D, W(lname(l, "shared.w1")), F, A.su.data());
       ops::linear(A.a2.data(), N, D, W(lname(l, "shared.w3")), F, A.sv.data());
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < N * F; ++i) A.sact[i] = ops::silu(A.su[i]) * A.sv[i];
+      for (int64_t n = 0; n < N; ++n)
+        ops::swiglu(&A.su[n * F], &A.sv[n * F], &A.ssg[n * F], &A.sact[n * F], F);
       ops::linear(A.sact.data(), N, F, W(lname(l, "shared.w2")), D, A.ysh.data());
     }
     // Combine: out = fold over slots of fma(gate, y_slot, out) from +0, then + shared.
@@ -437,10 +366,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       const int64_t r0 = tasks[t].second, rows = std::min(kExpertRowBlock, A.expert_off[e + 1] - r0);
       const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
       ops::gemm(rows, F, D, {&ws.dye[r0 * D], D, 1}, {w2, 1, D}, &ws.dact[r0 * F], F, false, 1);
-      for (int64_t i = r0 * F; i < (r0 + rows) * F; ++i) {
-        ws.dv[i] = ws.dact[i] * ops::silu(A.u[i]);
-        ws.du[i] = (ws.dact[i] * A.v[i]) * ops::silu_grad(A.u[i]);
-      }
+      ops::swiglu_backward(&A.u[r0 * F], &A.v[r0 * F], &A.sg[r0 * F], &ws.dact[r0 * F], &ws.du[r0 * F],
+                           &ws.dv[r0 * F], rows * F);
       // dx folds over the hidden index of u, then continues over that of v.
       ops::gemm(rows, D, F, {&ws.du[r0 * F], F, 1}, {w1, 1, F}, &ws.dxe[r0 * D], D, false, 1);
       ops::gemm(rows, D, F, {&ws.dv[r0 * F], F, 1}, {w3, 1, F}, &ws.dxe[r0 * D], D, true, 1);
@@ -488,10 +415,9 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ws.sdx.resize(N * D);
       ops::linear_input_grad(ws.dh.data(), N, D, s2, F, ws.dact.data(), false);  // dact reused: N*F <= NK*F
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < N * F; ++i) {
-        ws.sdv[i] = ws.dact[i] * ops::silu(A.su[i]);
-        ws.sdu[i] = (ws.dact[i] * A.sv[i]) * ops::silu_grad(A.su[i]);
-      }
+      for (int64_t n = 0; n < N; ++n)
+        ops::swiglu_backward(&A.su[n * F], &A.sv[n * F], &A.ssg[n * F], &ws.dact[n * F], &ws.sdu[n * F],
+                             &ws.sdv[n * F], F);
       ops::linear_input_grad(ws.sdu.data(), N, F, s1, D, ws.sdx.data(), false);
       ops::linear_input_grad(ws.sdv.data(), N, F, s3, D, ws.sdx.data(), true);
       ops::weight_grad(A.a2.data(), D, ws.sdu.data(), F, D, F, uniform_off.data(), leaves, G(lname(l, "shared.w1")));
@@ -533,15 +459,15 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ws.dqkv.resize(N * 3 * D);
 #pragma omp parallel
     {
-      std::vector<float> vT, dp, ds;
+      ops::AttentionScratch scratch;
 #pragma omp for schedule(dynamic, 1)
       for (int bh = 0; bh < B * H; ++bh) {
         const int b = bh / H, hh = bh % H;
         const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
         float* dbase = ws.dqkv.data() + (int64_t)b * S * 3 * D + hh * hd;
-        attention_backward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, A.att.data() + (int64_t)bh * S * S,
-                           ws.dO.data() + (int64_t)b * S * D + hh * hd, D, dbase, dbase + D, dbase + 2 * D, 3 * D, vT,
-                           dp, ds);
+        ops::attention_backward(base, base + D, base + 2 * D, 3 * D, S, hd, scale,
+                                A.att.data() + (int64_t)bh * S * S, ws.dO.data() + (int64_t)b * S * D + hh * hd, D,
+                                dbase, dbase + D, dbase + 2 * D, 3 * D, scratch);
       }
     }
     ops::weight_grad(A.a.data(), D, ws.dqkv.data(), 3 * D, D, 3 * D, uniform_off.data(), leaves, G(lname(l, "wqkv")));

@@ -135,10 +135,17 @@ float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
   return tree_sum(part.data(), leaves);
 }
 
-float silu(float u) { return u * ls::csigmoid(u); }
-float silu_grad(float u) {
-  const float s = ls::csigmoid(u);
-  return s * (1.0f + u * (1.0f - s));
+void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) s[i] = ls::csigmoid(u[i]);
+  for (int64_t i = 0; i < n; ++i) act[i] = (u[i] * s[i]) * v[i];
+}
+
+void swiglu_backward(const float* u, const float* v, const float* s, const float* dact, float* du, float* dv,
+                     int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    dv[i] = dact[i] * (u[i] * s[i]);
+    du[i] = (dact[i] * v[i]) * (s[i] * (1.0f + u[i] * (1.0f - s[i])));
+  }
 }
 
 }  // namespace ls::ops

@@ -41,8 +41,11 @@ void softmax_backward(const float* p, const float* dp, float* dz, int n);
 // of leaf_tokens tokens, canonical tree over leaves.
 float token_sum(const float* v, int64_t N, int64_t leaf_tokens);
 
-// silu(u) = u * sigmoid(u) and its derivative s * (1 + u * (1 - s)).
-float silu(float u);
-float silu_grad(float u);
+// SwiGLU hidden of n elements: s = sigmoid(u) (kept for the backward),
+// act = (u * s) * v. Elementwise.
+void swiglu(const float* u, const float* v, float* s, float* act, int64_t n);
+// From dact: dv = dact * (u * s), du = (dact * v) * (s * (1 + u * (1 - s))).
+void swiglu_backward(const float* u, const float* v, const float* s, const float* dact, float* du, float* dv,
+                     int64_t n);
 
 }  // namespace ls::ops
