@@ -90,7 +90,7 @@ class Model(nn.Module):
         for b in self.blocks:
             h, a, z = b(h, B, T)
             aux, zl = aux + a, zl + z
-        ce = F.cross_entropy(self.head(self.norm(h)), y.view(-1))
+        ce = F.cross_entropy(self.head(self.norm(h)), y.reshape(-1))
         return ce + 0.01 * aux + 0.001 * zl
 
 

@@ -7,6 +7,7 @@
 
 #include "contract.h"
 #include "ops/gemm.h"
+#include "ops/vmath.h"
 
 namespace ls::ops {
 
@@ -68,6 +69,17 @@ void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int 
   }
 }
 
+void rmsnorm_debug_reversed(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xn = x + n * D;
+    float ss = 0.0f;
+    for (int i = D - 1; i >= 0; --i) ss = ls::fma(xn[i], xn[i], ss);
+    const float rn = 1.0f / ls::sqrt(ss / (float)D + eps);
+    r[n] = rn;
+    for (int i = 0; i < D; ++i) y[n * D + i] = (xn[i] * rn) * w[i];
+  }
+}
+
 void rmsnorm_backward(const float* x, const float* w, const float* r, const float* dy, float* dh,
                       int64_t N, int D, bool accumulate) {
 #pragma omp parallel for schedule(static) if (N >= 256 && !omp_in_parallel())
@@ -109,11 +121,9 @@ float softmax(const float* z, float* p, int n) {
   float m = z[0];
   for (int e = 1; e < n; ++e)
     if (z[e] > m) m = z[e];
+  exp_shifted_n(z, m, p, n);  // p[e] = exp(z[e] - m), bit for bit
   float S = 0.0f;
-  for (int e = 0; e < n; ++e) {
-    p[e] = ls::cexp(z[e] - m);
-    S = S + p[e];
-  }
+  for (int e = 0; e < n; ++e) S = S + p[e];
   for (int e = 0; e < n; ++e) p[e] = p[e] / S;
   return m + ls::clog(S);
 }
@@ -136,7 +146,7 @@ float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
 }
 
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) s[i] = ls::csigmoid(u[i]);
+  sigmoid_n(u, s, n);  // s[i] = csigmoid(u[i]), bit for bit
   for (int64_t i = 0; i < n; ++i) act[i] = (u[i] * s[i]) * v[i];
 }
 

@@ -23,6 +23,9 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
 
 // y = (x * r) * w with r = 1/sqrt(sum_i x_i^2 / D + eps). Reduces over the feature i.
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps);
+// Debug only: rmsnorm with the sum of squares folded in descending feature
+// order, violating the contract on purpose (drift-tool tests find it).
+void rmsnorm_debug_reversed(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps);
 // dx = r * (dxhat - xhat * (dxhat . xhat) / D), dxhat = dy * w; written to dh,
 // or added to it (dh = dh + dx) with accumulate. Reduces over the feature i.
 void rmsnorm_backward(const float* x, const float* w, const float* r, const float* dy, float* dh,

@@ -23,6 +23,11 @@ namespace internal {
 void exp_n_avx512(const float* x, float* y, int64_t n);
 void sigmoid_n_avx512(const float* x, float* y, int64_t n);
 void exp_shifted_n_avx512(const float* x, float m, float* y, int64_t n);
+
+// The scalar fallbacks of the AVX-512 path, out of line so that file needs
+// no contract.h inlines compiled with AVX-512 flags.
+float cexp_scalar(float x) { return ls::cexp(x); }
+float csigmoid_scalar(float x) { return ls::csigmoid(x); }
 }  // namespace internal
 
 namespace {
@@ -56,7 +61,9 @@ GemmPath effective_path() {
 
 // ---------------------------------------------------------------- AVX2 ----
 inline __m256 c8(float v) { return _mm256_set1_ps(v); }
-inline __m256 neg8(__m256 v) { return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))); }
+inline __m256 neg8(__m256 v) {  // exact negation, as the scalar unary minus
+  return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN)));
+}
 inline __m256 sel8(__m256 mask, __m256 yes, __m256 no) { return _mm256_blendv_ps(no, yes, mask); }
 
 // cmath_detail::exp_parts, lane by lane: e^x = 2^n * (a + b).
@@ -118,7 +125,7 @@ inline __m256 exp8(__m256 x, int* slow) {
   __m256 y = _mm256_mul_ps(w, pow2_normal8(_mm256_min_epi32(e.n, _mm256_set1_epi32(127))));
   y = sel8(_mm256_castsi256_ps(n128), _mm256_mul_ps(y, c8(2.0f)), y);
   __m256 special = _mm256_or_ps(is_nan, _mm256_or_ps(over, under));
-  *slow = _mm256_movemask_ps(_mm256_andnot_ps(_mm256_or_ps(special, normal), _mm256_castsi256_ps(_mm256_set1_epi32(-1))));
+  *slow = ~_mm256_movemask_ps(_mm256_or_ps(special, normal)) & 0xff;
   y = sel8(under, _mm256_setzero_ps(), y);
   y = sel8(over, c8(cmath_detail::inf()), y);
   return sel8(is_nan, c8(cmath_detail::nan()), y);
