@@ -91,6 +91,12 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
   auto P = [&](const std::string& s) -> Param<T>& { return param(s); };
   auto LP = [&](int l, const char* s) -> Param<T>& { return param("layers." + std::to_string(l) + "." + s); };
 
+  auto TR = [&](const char* phase, int layer, const char* op, const char* name, const std::vector<T>& data,
+                std::vector<int64_t> shape) {
+    if constexpr (sizeof(T) == sizeof(float))
+      if (backward && trace) trace(phase, layer, op, name, data.data(), shape);
+  };
+  for (auto& p : params) TR("params", -1, "param", p.name.c_str(), p.w, p.shape);
   // Saved activations, per layer.
   struct Layer {
     std::vector<T> x, a, r1, qkv, att, o, xm, a2, r2, z, g, lse, u, v, act, ye, su, sv, sact, ysh;
@@ -117,9 +123,11 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
     A.r1.resize(N);
     for (int64_t n = 0; n < N; ++n)
       A.r1[n] = rmsnorm(&h[n * D], attn_norm, &A.a[n * D], D, eps);
+    TR("fwd", l, "attn_norm", "out", A.a, {N, D});
     A.qkv.resize(N * 3 * D);
     for (int64_t n = 0; n < N; ++n)
       for (int j = 0; j < 3 * D; ++j) A.qkv[n * 3 * D + j] = dot_col(&A.a[n * D], wqkv, 3 * D, j, D);
+    TR("fwd", l, "qkv", "out", A.qkv, {N, 3 * D});
     A.att.assign((size_t)B * H * S * S, T(0));
     A.o.resize(N * D);
     for (int b = 0; b < B; ++b)
@@ -128,14 +136,17 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
         attention_head(base, base + D, base + 2 * D, 3 * D, S, hd, scale, &A.att[((int64_t)b * H + hh) * S * S],
                        &A.o[(int64_t)b * S * D + hh * hd], D);
       }
+    TR("fwd", l, "attention", "out", A.o, {N, D});
     for (int64_t n = 0; n < N; ++n)
       for (int j = 0; j < D; ++j) h[n * D + j] = h[n * D + j] + dot_col(&A.o[n * D], wo, D, j, D);
     A.xm = h;
+    TR("fwd", l, "attn_residual", "h", A.xm, {N, D});
     // --- MoE block
     A.a2.resize(N * D);
     A.r2.resize(N);
     for (int64_t n = 0; n < N; ++n)
       A.r2[n] = rmsnorm(&h[n * D], moe_norm, &A.a2[n * D], D, eps);
+    TR("fwd", l, "moe_norm", "out", A.a2, {N, D});
     A.z.resize(N * E);
     A.g.resize(N * E);
     A.lse.resize(N);
@@ -153,6 +164,8 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
         A.sel[n * K + s] = best;
       }
     }
+    TR("fwd", l, "router", "logits", A.z, {N, E});
+    TR("fwd", l, "router", "gates", A.g, {N, E});
     A.u.resize(N * K * F);
     A.v.resize(N * K * F);
     A.act.resize(N * K * F);
@@ -165,6 +178,7 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
         expert_forward(&A.a2[n * D], &W1.w[(int64_t)e * D * F], &W3.w[(int64_t)e * D * F], &W2.w[(int64_t)e * F * D], D, F,
                        &A.u[ns * F], &A.v[ns * F], &A.act[ns * F], &A.ye[ns * D]);
       }
+    TR("fwd", l, "moe.experts", "out", A.ye, {N, K, D});
     if (c.shared_expert) {
       A.su.resize(N * F);
       A.sv.resize(N * F);
@@ -182,6 +196,7 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
         if (c.shared_expert) out = out + A.ysh[n * D + j];
         h[n * D + j] = h[n * D + j] + out;
       }
+    TR("fwd", l, "moe.combine", "h", h, {N, D});
     // Switch load balancing: aux = E * sum_e f_e * P_e, f_e = count_e / (N K),
     // P_e = mean over tokens of g_e (a token reduction).
     T dot = 0;  // reduces over the expert index e
@@ -201,14 +216,19 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
   std::vector<T> af(N * D), rf(N), logits(N * V), lse(N);
   const T *final_norm = P("final_norm").w.data(), *lm_head = P("lm_head").w.data();
   for (int64_t n = 0; n < N; ++n) rf[n] = rmsnorm(&h[n * D], final_norm, &af[n * D], D, eps);
-  std::vector<T> prob(N * V);
-  for (int64_t n = 0; n < N; ++n) {
+  TR("fwd", -1, "final_norm", "out", af, {N, D});
+  std::vector<T> prob(N * V), loss(N);
+  for (int64_t n = 0; n < N; ++n)
     for (int v = 0; v < V; ++v) logits[n * V + v] = dot_col(&af[n * D], lm_head, V, v, D);
+  TR("fwd", -1, "lm_head", "logits", logits, {N, V});
+  for (int64_t n = 0; n < N; ++n) {
     lse[n] = softmax(&logits[n * V], &prob[n * V], V);
+    loss[n] = lse[n] - logits[n * V + target(n)];
   }
+  TR("fwd", -1, "loss", "per_token", loss, {N});
   Losses<T> out;
-  // Mean loss: a token reduction of lse - logit[target].
-  out.ce = token_reduce<T>(N, leaf, [&](int64_t n, T acc) { return acc + (lse[n] - logits[n * V + target(n)]); }) / T(N);
+  // Mean loss: a token reduction of the per-token loss lse - logit[target].
+  out.ce = token_reduce<T>(N, leaf, [&](int64_t n, T acc) { return acc + loss[n]; }) / T(N);
   for (int l = 0; l < L; ++l) out.aux = out.aux + aux_l[l];
   for (int l = 0; l < L; ++l) out.z = out.z + z_l[l];
   out.total = out.ce + T(c.aux_loss_weight) * out.aux + T(c.z_loss_weight) * out.z;
@@ -228,6 +248,7 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
   for (int64_t n = 0; n < N; ++n)
     for (int v = 0; v < V; ++v)
       dlogits[n * V + v] = (prob[n * V + v] - (v == target(n) ? T(1) : T(0))) / T(N);
+  TR("bwd", -1, "lm_head", "dlogits", dlogits, {N, V});
   weight_grad(P("lm_head").g.data(), af, D, dlogits, V, D, V);
   std::vector<T> dh(N * D), tmp(N * D), dx(D);
   // daf[n][i] = sum_v dlogits[n][v] * lm_head[i][v]: reduces over the vocab index v.
@@ -244,6 +265,7 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
   };
   norm_grad(P("final_norm").g.data(), h, rf, tmp);
   for (int64_t n = 0; n < N; ++n) rmsnorm_backward(&h[n * D], final_norm, rf[n], &tmp[n * D], &dh[n * D], D);
+  TR("bwd", -1, "final_norm", "dh", dh, {N, D});
 
   for (int l = L - 1; l >= 0; --l) {
     Layer& A = acts[l];
@@ -264,6 +286,7 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
         expert_backward(&A.u[ns * F], &A.v[ns * F], &W1.w[(int64_t)e * D * F], &W3.w[(int64_t)e * D * F],
                         &W2.w[(int64_t)e * F * D], &dye[ns * D], D, F, &du[ns * F], &dv[ns * F], &dxe[ns * D]);
       }
+    TR("bwd", l, "moe.experts", "dx", dxe, {N, K, D});
     // Expert weight gradients: token reductions over the tokens routed to e.
     for (int e = 0; e < E; ++e) {
       auto slot_of = [&](int64_t n) {
@@ -316,6 +339,7 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
       T zc = ((T(c.z_loss_weight) * T(2)) * A.lse[n]) / T(N);
       for (int e = 0; e < E; ++e) dz[n * E + e] = dz[n * E + e] + zc * A.g[n * E + e];
     }
+    TR("bwd", l, "router", "dz", dz, {N, E});
     weight_grad(LP(l, "router").g.data(), A.a2, D, dz, E, D, E);
     for (int64_t n = 0; n < N; ++n)
       for (int i = 0; i < D; ++i) {
@@ -328,6 +352,7 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
       rmsnorm_backward(&A.xm[n * D], moe_norm, A.r2[n], &da2[n * D], dx.data(), D);
       for (int i = 0; i < D; ++i) dh[n * D + i] = dh[n * D + i] + dx[i];
     }
+    TR("bwd", l, "moe_norm", "dh", dh, {N, D});
 
     // --- attention block backward. dh is the gradient of the block output.
     weight_grad(LP(l, "wo").g.data(), A.o, D, dh, D, D, D);
@@ -345,6 +370,7 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
         attention_head_backward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, &A.att[((int64_t)b * H + hh) * S * S],
                                 &dO[(int64_t)b * S * D + hh * hd], D, dbase, dbase + D, dbase + 2 * D, 3 * D);
       }
+    TR("bwd", l, "attention", "dqkv", dqkv, {N, 3 * D});
     weight_grad(LP(l, "wqkv").g.data(), A.a, D, dqkv, 3 * D, D, 3 * D);
     std::vector<T> da(N * D);
     for (int64_t n = 0; n < N; ++n)
@@ -358,6 +384,7 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
       rmsnorm_backward(&A.x[n * D], attn_norm, A.r1[n], &da[n * D], dx.data(), D);
       for (int i = 0; i < D; ++i) dh[n * D + i] = dh[n * D + i] + dx[i];
     }
+    TR("bwd", l, "attn_norm", "dh", dh, {N, D});
   }
   // Embedding gradients: token reductions of dh over the tokens with that
   // byte (tok_emb) or that position (pos_emb); fold is a plain add.
@@ -370,6 +397,7 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
     for (int i = 0; i < D; ++i)
       dpe[(int64_t)t * D + i] =
           token_reduce<T>(N, leaf, [&](int64_t n, T acc) { return n % S == t ? acc + dh[n * D + i] : acc; });
+  for (auto& p : params) TR("grad", -1, "param", p.name.c_str(), p.g, p.shape);
   return out;
 }
 

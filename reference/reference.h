@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,9 @@ class Model {
 
   Config cfg;
   std::vector<Param<T>> params;  // sorted by name: the canonical order
+  // Receives the tensors of forward_backward() (float model only), with the
+  // engine's names and layouts: phase, layer (-1: none), op, tensor, data, shape.
+  std::function<void(const char*, int, const char*, const char*, const float*, const std::vector<int64_t>&)> trace;
   Param<T>& param(const std::string& name);
 
  private:

@@ -13,6 +13,7 @@
 #include "runner/golden.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
+#include "trace/diff.h"
 
 namespace fs = std::filesystem;
 using namespace ls;
@@ -62,6 +63,8 @@ struct RunArgs {
   int steps = -1;
   std::string out_dir;
   bool json = false, progress = false, quiet = false;
+  std::string trace, trace_dump, debug_reorder;
+  std::vector<std::string> debug_bumps;
 };
 
 int cmd_run(const RunArgs& a) {
@@ -72,6 +75,16 @@ int cmd_run(const RunArgs& a) {
   if (a.steps == 0 || a.steps < -1) throw UserError("--steps: must be at least 1");
   opt.steps = a.steps;
   opt.progress = a.progress || (!a.quiet && isatty(2));
+  opt.trace_path = a.trace;
+  if (!a.trace_dump.empty()) {
+    if (a.trace.empty()) throw UserError("--trace-dump needs --trace FILE");
+    opt.trace_dump = DumpSpec::parse(a.trace_dump);
+  }
+  if (!a.debug_reorder.empty()) {
+    if (a.debug_reorder != "moe_norm") throw UserError("--debug-reorder: only 'moe_norm' exists");
+    opt.debug_reorder_moe_norm = true;
+  }
+  for (const std::string& b : a.debug_bumps) opt.debug_bumps.push_back(parse_bump(b));
   RunResult r = run_scenario(s, opt);
   nlohmann::json j = result_json(r);
   if (!a.out_dir.empty()) {
@@ -192,6 +205,13 @@ int main(int argc, char** argv) {
   run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");
   run->add_flag("--progress", ra.progress, "progress lines on stderr even when it is not a terminal");
   run->add_flag("--quiet", ra.quiet, "no progress lines");
+  run->add_option("--trace", ra.trace, "write a per-op trace (JSON Lines, docs/TRACE.md) to this file");
+  run->add_option("--trace-dump", ra.trace_dump, "keep full tensors in the trace for STEP or STEP:OP");
+  run->add_option("--debug-reorder", ra.debug_reorder,
+                  "debug only: break the contract in one op (moe_norm) so drift tools can be tested")
+      ->group("Debug");
+  run->add_option("--debug-bump", ra.debug_bumps, "debug only: PARAM[INDEX]@STEP adds one ulp to a weight")
+      ->group("Debug");
 
   GoldenArgs ga;
   auto* golden = app.add_subcommand("golden", "write golden/<name>.json: per-step loss bits and state hashes");
@@ -207,6 +227,14 @@ int main(int argc, char** argv) {
   check->add_option("--threads", ca.threads, "worker threads")->check(CLI::Range(1, 1024));
   check->add_option("--backend", ca.backend, "engine or reference");
 
+  std::string diff_a, diff_b;
+  bool diff_json_out = false;
+  auto* diff = app.add_subcommand("diff", "compare two traces: first divergent step/op/tensor/element and its spread "
+                                          "(exit 0 identical, 1 different)");
+  diff->add_option("a", diff_a, "first trace (from run --trace)")->required();
+  diff->add_option("b", diff_b, "second trace")->required();
+  diff->add_flag("--json", diff_json_out, "print the comparison as one JSON object");
+
   bool keys_md = false;
   auto* keys = app.add_subcommand("keys", "list every scenario key with its type, default and meaning");
   keys->add_flag("--markdown", keys_md, "as the Markdown table of docs/SCENARIOS.md");
@@ -221,6 +249,12 @@ int main(int argc, char** argv) {
     if (*run) return cmd_run(ra);
     if (*golden) return cmd_golden(ga);
     if (*check) return cmd_check(ca);
+    if (*diff) {
+      TraceDiff d = diff_traces(read_trace(diff_a), read_trace(diff_b));
+      if (diff_json_out) std::printf("%s\n", diff_json(d).dump().c_str());
+      else std::printf("%s", format_diff(d).c_str());
+      return d.identical ? 0 : 1;
+    }
     if (*keys) {
       if (keys_md) {
         std::printf("%s", scenario_keys_markdown().c_str());

@@ -137,6 +137,20 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ws.layers.assign(L, LayerActs{});
     ws.batch = B;
   }
+  TraceSink* tr = backward ? trace_ : nullptr;  // evaluation passes are not traced
+  auto T = [&](const char* phase, int layer, const char* op, const char* name, const float* data,
+               std::vector<int64_t> shape) {
+    if (tr) tr->tensor(phase, layer, op, name, data, shape);
+  };
+  // Expert rows in (token, slot) order, the layout the reference keeps.
+  auto token_slot_order = [&](const LayerActs& A, const std::vector<float>& rows, int width) {
+    std::vector<float> out((size_t)NK * width);
+    for (int64_t i = 0; i < NK; ++i)
+      std::memcpy(&out[i * width], &rows[A.row_of[i] * width], sizeof(float) * width);
+    return out;
+  };
+  if (tr)
+    for (const ParamInfo& p : infos_) T("params", -1, "param", p.name.c_str(), w_.data() + p.offset, p.shape);
   stats_.tokens_per_expert.assign((size_t)L * E, 0);
 
   // Embedding: h = tok_emb[x] + pos_emb[t].
@@ -159,8 +173,10 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     A.a.resize(N * D);
     A.r1.resize(N);
     ops::rmsnorm(ws.h.data(), attn_norm, A.a.data(), A.r1.data(), N, D, c.rms_eps);
+    T("fwd", l, "attn_norm", "out", A.a.data(), {N, D});
     A.qkv.resize(N * 3 * D);
     ops::linear(A.a.data(), N, D, wqkv, 3 * D, A.qkv.data());
+    T("fwd", l, "qkv", "out", A.qkv.data(), {N, 3 * D});
     A.att.resize((size_t)B * H * S * S);
     A.o.resize(N * D);
 #pragma omp parallel
@@ -174,16 +190,22 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
                                A.o.data() + (int64_t)b * S * D + hh * hd, D, scratch);
       }
     }
+    T("fwd", l, "attention", "out", A.o.data(), {N, D});
     ws.dtmp.resize(N * D);
     ops::linear(A.o.data(), N, D, wo, D, ws.dtmp.data());
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < N * D; ++i) ws.h[i] = ws.h[i] + ws.dtmp[i];
     A.xm = ws.h;
+    T("fwd", l, "attn_residual", "h", A.xm.data(), {N, D});
 
     // --- MoE block: route
     A.a2.resize(N * D);
     A.r2.resize(N);
-    ops::rmsnorm(ws.h.data(), moe_norm, A.a2.data(), A.r2.data(), N, D, c.rms_eps);
+    if (debug_reorder_moe_norm_)
+      ops::rmsnorm_debug_reversed(ws.h.data(), moe_norm, A.a2.data(), A.r2.data(), N, D, c.rms_eps);
+    else
+      ops::rmsnorm(ws.h.data(), moe_norm, A.a2.data(), A.r2.data(), N, D, c.rms_eps);
+    T("fwd", l, "moe_norm", "out", A.a2.data(), {N, D});
     A.z.resize(N * E);
     A.g.resize(N * E);
     A.lse.resize(N);
@@ -202,6 +224,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         A.sel[n * K + s] = best;
       }
     }
+    T("fwd", l, "router", "logits", A.z.data(), {N, E});
+    T("fwd", l, "router", "gates", A.g.data(), {N, E});
     // Dispatch: rows grouped by expert, in token order inside each expert.
     A.expert_off.assign(E + 1, 0);
     for (int64_t i = 0; i < NK; ++i) ++A.expert_off[A.sel[i] + 1];
@@ -243,6 +267,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ops::swiglu(&A.u[r0 * F], &A.v[r0 * F], &A.sg[r0 * F], &A.act[r0 * F], rows * F);
       ops::gemm(rows, D, F, {&A.act[r0 * F], F, 1}, {w2, D, 1}, &A.ye[r0 * D], D, false, 1);
     }
+    if (tr) T("fwd", l, "moe.experts", "out", token_slot_order(A, A.ye, D).data(), {N, K, D});
     if (c.shared_expert) {
       A.su.resize(N * F);
       A.sv.resize(N * F);
@@ -270,6 +295,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         for (int j = 0; j < D; ++j) out[j] = out[j] + A.ysh[n * D + j];
       for (int j = 0; j < D; ++j) ws.h[n * D + j] = ws.h[n * D + j] + out[j];
     }
+    T("fwd", l, "moe.combine", "h", ws.h.data(), {N, D});
     // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
     {
       std::vector<float> part((size_t)leaves * E), zpart(leaves);
@@ -304,12 +330,15 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   ws.lse.resize(N);
   ws.loss.resize(N);
   ops::rmsnorm(ws.h.data(), final_norm, ws.af.data(), ws.rf.data(), N, D, c.rms_eps);
+  T("fwd", -1, "final_norm", "out", ws.af.data(), {N, D});
   ops::linear(ws.af.data(), N, D, lm_head, V, ws.logits.data());
+  T("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V});
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     ws.lse[n] = ops::softmax(&ws.logits[n * V], &ws.prob[n * V], V);
     ws.loss[n] = ws.lse[n] - ws.logits[n * V + target(n)];
   }
+  T("fwd", -1, "loss", "per_token", ws.loss.data(), {N});
   StepLosses out;
   out.ce = ops::token_sum(ws.loss.data(), N, leaf) / (float)N;
   for (int l = 0; l < L; ++l) out.aux = out.aux + aux_l[l];
@@ -324,12 +353,14 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     const int y = target(n);
     for (int v = 0; v < V; ++v) ws.dlogits[n * V + v] = (ws.prob[n * V + v] - (v == y ? 1.0f : 0.0f)) / (float)N;
   }
+  T("bwd", -1, "lm_head", "dlogits", ws.dlogits.data(), {N, V});
   ops::weight_grad(ws.af.data(), D, ws.dlogits.data(), V, D, V, uniform_off.data(), leaves, G("lm_head"));
   ws.dtmp.resize(N * D);
   ws.dh.resize(N * D);
   ops::linear_input_grad(ws.dlogits.data(), N, V, lm_head, D, ws.dtmp.data(), false);
   ops::rmsnorm_weight_grad(ws.h.data(), ws.rf.data(), ws.dtmp.data(), N, D, leaf, G("final_norm"));
   ops::rmsnorm_backward(ws.h.data(), final_norm, ws.rf.data(), ws.dtmp.data(), ws.dh.data(), N, D, false);
+  T("bwd", -1, "final_norm", "dh", ws.dh.data(), {N, D});
 
   for (int l = L - 1; l >= 0; --l) {
     LayerActs& A = ws.layers[l];
@@ -372,6 +403,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ops::gemm(rows, D, F, {&ws.du[r0 * F], F, 1}, {w1, 1, F}, &ws.dxe[r0 * D], D, false, 1);
       ops::gemm(rows, D, F, {&ws.dv[r0 * F], F, 1}, {w3, 1, F}, &ws.dxe[r0 * D], D, true, 1);
     }
+    if (tr) T("bwd", l, "moe.experts", "dx", token_slot_order(A, ws.dxe, D).data(), {N, K, D});
     // Expert weight gradients: token reductions over the rows routed to e,
     // which are in token order, so leaf l is a contiguous run of rows.
     {
@@ -444,6 +476,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         const float zc = ((c.z_loss_weight * 2.0f) * A.lse[n]) / (float)N;
         for (int e = 0; e < E; ++e) dz[e] = dz[e] + zc * A.g[n * E + e];
       }
+      T("bwd", l, "router", "dz", ws.dz.data(), {N, E});
       ops::weight_grad(A.a2.data(), D, ws.dz.data(), E, D, E, uniform_off.data(), leaves, G(lname(l, "router")));
       ops::linear_input_grad(ws.dz.data(), N, E, router, D, ws.dtmp.data(), false);
 #pragma omp parallel for schedule(static)
@@ -451,6 +484,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     }
     ops::rmsnorm_weight_grad(A.xm.data(), A.r2.data(), ws.da2.data(), N, D, leaf, G(lname(l, "moe_norm")));
     ops::rmsnorm_backward(A.xm.data(), moe_norm, A.r2.data(), ws.da2.data(), ws.dh.data(), N, D, true);
+    T("bwd", l, "moe_norm", "dh", ws.dh.data(), {N, D});
 
     // --- attention block. dh is the gradient of the block output.
     ops::weight_grad(A.o.data(), D, ws.dh.data(), D, D, D, uniform_off.data(), leaves, G(lname(l, "wo")));
@@ -470,10 +504,12 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
                                 dbase, dbase + D, dbase + 2 * D, 3 * D, scratch);
       }
     }
+    T("bwd", l, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D});
     ops::weight_grad(A.a.data(), D, ws.dqkv.data(), 3 * D, D, 3 * D, uniform_off.data(), leaves, G(lname(l, "wqkv")));
     ops::linear_input_grad(ws.dqkv.data(), N, 3 * D, wqkv, D, ws.dtmp.data(), false);
     ops::rmsnorm_weight_grad(A.x.data(), A.r1.data(), ws.dtmp.data(), N, D, leaf, G(lname(l, "attn_norm")));
     ops::rmsnorm_backward(A.x.data(), attn_norm, A.r1.data(), ws.dtmp.data(), ws.dh.data(), N, D, true);
+    T("bwd", l, "attn_norm", "dh", ws.dh.data(), {N, D});
   }
 
   // Embedding gradients: per leaf, fold dh of the tokens with that byte (or
@@ -496,6 +532,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     const float* sum = tree.finish();
     std::copy(sum, sum + width, G(which == 0 ? "tok_emb" : "pos_emb"));
   }
+  if (tr)
+    for (const ParamInfo& p : infos_) T("grad", -1, "param", p.name.c_str(), g_.data() + p.offset, p.shape);
   return out;
 }
 

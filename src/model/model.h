@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "trace/sink.h"
 
 namespace ls {
 
@@ -61,6 +62,11 @@ class MoeTransformer {
   const float* grads() const { return g_.data(); }
   int64_t num_weights() const { return (int64_t)w_.size(); }
   const MoeStats& moe_stats() const { return stats_; }
+  // Tensors of forward_backward() go to `sink` (nullptr: no tracing).
+  void set_trace(TraceSink* sink) { trace_ = sink; }
+  // Debug only: fold the MoE RMSNorm's sum of squares in descending feature
+  // order, a deliberate contract violation that drift tools must locate.
+  void set_debug_reorder_moe_norm(bool on) { debug_reorder_moe_norm_ = on; }
   double train_flops_per_token() const { return ls::train_flops_per_token(cfg_); }
 
  private:
@@ -73,6 +79,8 @@ class MoeTransformer {
   std::vector<float> w_, g_;
   MoeStats stats_;
   Workspace* ws_ = nullptr;
+  TraceSink* trace_ = nullptr;
+  bool debug_reorder_moe_norm_ = false;
 };
 
 }  // namespace ls

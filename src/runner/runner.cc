@@ -46,6 +46,17 @@ class EngineTrainer : public Trainer {
   }
   double train_flops_per_token() const override { return model_.train_flops_per_token(); }
   std::vector<int64_t> tokens_per_expert() const override { return model_.moe_stats().tokens_per_expert; }
+  void set_trace(TraceSink* sink) override { model_.set_trace(sink); }
+  void debug_bump_weight(const std::string& param, int64_t index) override {
+    bool known = false;
+    for (const ParamInfo& q : model_.params()) known = known || q.name == param;
+    if (!known) throw UserError("--debug-bump: no parameter '" + param + "'");
+    const ParamInfo& p = model_.param(param);
+    if (index < 0 || index >= p.size) throw UserError("--debug-bump: index out of range for " + param);
+    float& w = model_.weights()[p.offset + index];
+    w = from_bits(bits(w) + (w >= 0 ? 1 : -1));
+  }
+  void set_debug_reorder_moe_norm(bool on) override { model_.set_debug_reorder_moe_norm(on); }
 
  private:
   MoeTransformer model_;
@@ -94,6 +105,26 @@ class ReferenceTrainer : public Trainer {
   float eval_loss(const uint8_t* tokens, int batch) override { return model_.forward(tokens, batch).ce; }
   std::string state_hash() const override { return model_.state_hash(); }
   double train_flops_per_token() const override { return ls::train_flops_per_token(model_cfg_); }
+  void set_trace(TraceSink* sink) override {
+    if (!sink) {
+      model_.trace = nullptr;
+      return;
+    }
+    model_.trace = [sink](const char* phase, int layer, const char* op, const char* name, const float* data,
+                          const std::vector<int64_t>& shape) { sink->tensor(phase, layer, op, name, data, shape); };
+  }
+  void debug_bump_weight(const std::string& param, int64_t index) override {
+    ref::Param<float>* p = nullptr;
+    for (auto& q : model_.params)
+      if (q.name == param) p = &q;
+    if (!p) throw UserError("--debug-bump: no parameter '" + param + "'");
+    if (index < 0 || index >= p->size()) throw UserError("--debug-bump: index out of range for " + param);
+    float& w = p->w[index];
+    w = from_bits(bits(w) + (w >= 0 ? 1 : -1));
+  }
+  void set_debug_reorder_moe_norm(bool on) override {
+    if (on) throw UserError("--debug-reorder: the reference has no debug reorderings (engine only)");
+  }
 
  private:
   ref::Model<float> model_;
@@ -109,6 +140,22 @@ std::string fmt_duration(double s) {
 }
 
 }  // namespace
+
+RunOptions::Bump parse_bump(const std::string& text) {
+  // PARAM[INDEX]@STEP
+  const size_t lb = text.find('['), rb = text.find(']'), at = text.find('@');
+  RunOptions::Bump b;
+  try {
+    if (lb == std::string::npos || rb < lb || at != rb + 1) throw std::invalid_argument("");
+    b.param = text.substr(0, lb);
+    b.index = std::stoll(text.substr(lb + 1, rb - lb - 1));
+    b.step = std::stoi(text.substr(at + 1));
+    if (b.step < 1 || b.param.empty()) throw std::invalid_argument("");
+  } catch (const std::exception&) {
+    throw UserError("--debug-bump: expected PARAM[INDEX]@STEP (e.g. layers.0.wo[5]@3), got '" + text + "'");
+  }
+  return b;
+}
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
   if (b == Backend::kEngine) return std::make_unique<EngineTrainer>(s);
@@ -127,6 +174,15 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   Corpus corpus = load_corpus(s.data, s.seed, T);
   std::unique_ptr<Trainer> trainer = make_trainer(s, opt.backend);
   r.train_flops_per_token = trainer->train_flops_per_token();
+  if (opt.debug_reorder_moe_norm) trainer->set_debug_reorder_moe_norm(true);
+  std::unique_ptr<TraceWriter> tracer;
+  if (!opt.trace_path.empty()) {
+    nlohmann::json header = {{"backend", backend_name(opt.backend)}, {"scenario", s.name}, {"fingerprint", r.fingerprint},
+                             {"resolved", s.resolved}, {"threads", r.threads}};
+    if (opt.debug_reorder_moe_norm) header["debug_reorder"] = "moe_norm";
+    tracer = std::make_unique<TraceWriter>(opt.trace_path, header, opt.trace_dump);
+    trainer->set_trace(tracer.get());
+  }
   std::vector<uint8_t> batch((size_t)B * (T + 1));
 
   auto evaluate = [&](int step) {
@@ -144,10 +200,14 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   auto t_start = std::chrono::steady_clock::now();
   for (int step = 0; step < r.steps; ++step) {
     train_batch(corpus, s.seed, step, B, T, batch.data());
+    for (const RunOptions::Bump& b : opt.debug_bumps)
+      if (b.step == step + 1) trainer->debug_bump_weight(b.param, b.index);
+    if (tracer) tracer->begin_step(step + 1);
     auto t0 = std::chrono::steady_clock::now();
     float norm = 0;
     float loss = trainer->train_step(batch.data(), B, step, &norm);
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (tracer) tracer->end_step(loss, norm, trainer->state_hash());
     r.losses.push_back(loss);
     r.grad_norms.push_back(norm);
     const int done = step + 1;
@@ -164,6 +224,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   }
   if (opt.eval && r.steps > 0) evaluate(r.steps);
   r.final_state_hash = trainer->state_hash();
+  if (tracer) tracer->finish(r.final_state_hash, r.steps);
   r.seconds = train_seconds;
   r.tokens_per_second = train_seconds > 0 ? (double)r.steps * B * T / train_seconds : 0;
   r.last_tokens_per_expert = trainer->tokens_per_expert();

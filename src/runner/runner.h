@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "runner/scenario.h"
+#include "trace/sink.h"
+#include "trace/writer.h"
 
 namespace ls {
 
@@ -25,6 +27,16 @@ struct RunOptions {
   std::vector<int> hash_at;   // steps (1-based, after the update) whose state hash to record
   bool progress = false;      // progress lines on stderr
   bool eval = true;           // held-out BPB at eval steps
+  std::string trace_path;     // --trace FILE: per-op trace (docs/TRACE.md)
+  DumpSpec trace_dump;        // --trace-dump STEP[:OP]
+  // Debug-only perturbations the drift tools are tested against.
+  bool debug_reorder_moe_norm = false;  // --debug-reorder moe_norm (engine only)
+  struct Bump {
+    std::string param;
+    int64_t index = 0;
+    int step = 0;  // 1-based: applied just before this step's forward
+  };
+  std::vector<Bump> debug_bumps;        // --debug-bump PARAM[INDEX]@STEP: +1 ulp
 };
 
 struct EvalPoint {
@@ -58,10 +70,17 @@ class Trainer {
   virtual std::string state_hash() const = 0;
   virtual double train_flops_per_token() const = 0;
   virtual std::vector<int64_t> tokens_per_expert() const { return {}; }
+  virtual void set_trace(TraceSink* sink) = 0;
+  // Debug only: the weight `param`[index] moves up by one ulp.
+  virtual void debug_bump_weight(const std::string& param, int64_t index) = 0;
+  virtual void set_debug_reorder_moe_norm(bool on) = 0;
 };
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b);
 
 RunResult run_scenario(const Scenario& s, const RunOptions& opt);
+
+// Parses --debug-bump "PARAM[INDEX]@STEP"; throws UserError.
+RunOptions::Bump parse_bump(const std::string& text);
 
 // The --json summary object.
 nlohmann::json result_json(const RunResult& r);

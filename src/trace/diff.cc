@@ -1,0 +1,254 @@
+#include "trace/diff.h"
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "common/error.h"
+#include "contract.h"
+#include "trace/writer.h"
+
+namespace ls {
+
+Trace read_trace(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw UserError(path + ": cannot open trace");
+  Trace t;
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.empty()) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      throw UserError(path + ":" + std::to_string(lineno) + ": not a trace record: " + e.what());
+    }
+    const std::string kind = j.value("kind", "");
+    if (kind == "header") t.header = j;
+    else if (kind == "tensor") t.tensors.push_back(std::move(j));
+    else if (kind == "step") t.steps.push_back(std::move(j));
+    else if (kind == "end") t.end = j;
+    else throw UserError(path + ":" + std::to_string(lineno) + ": unknown record kind '" + kind + "'");
+  }
+  if (t.header.is_null() || t.header.value("format", "") != "lockstep-trace-1")
+    throw UserError(path + ": not a lockstep trace (no lockstep-trace-1 header)");
+  return t;
+}
+
+uint64_t ulp_distance(float a, float b) {
+  auto ordered = [](float x) {
+    const uint32_t u = bits(x);
+    return (u & 0x80000000u) ? -(int64_t)(u & 0x7fffffffu) : (int64_t)u;
+  };
+  const int64_t d = ordered(a) - ordered(b);
+  return (uint64_t)(d < 0 ? -d : d) + ((bits(a) ^ bits(b)) == 0x80000000u ? 1 : 0);
+}
+
+std::string record_name(const nlohmann::json& r) {
+  std::string s = "step " + std::to_string(r.value("step", 0)) + ", " + r.value("phase", "?");
+  const int layer = r.value("layer", -1);
+  if (layer >= 0) s += ", layer " + std::to_string(layer);
+  s += ", op " + r.value("op", "?") + ", tensor " + r.value("tensor", "?");
+  return s;
+}
+
+namespace {
+
+std::string key_of(const nlohmann::json& r) {
+  return std::to_string(r.value("step", 0)) + "|" + r.value("phase", "") + "|" + std::to_string(r.value("layer", -1)) +
+         "|" + r.value("op", "") + "|" + r.value("tensor", "");
+}
+
+void flatten(const nlohmann::json& j, const std::string& prefix, std::map<std::string, nlohmann::json>& out) {
+  if (j.is_object()) {
+    for (auto& [k, v] : j.items()) flatten(v, prefix.empty() ? k : prefix + "." + k, out);
+  } else {
+    out[prefix] = j;
+  }
+}
+
+std::vector<float> decode_floats(const std::string& b64) {
+  std::vector<unsigned char> bytes = base64_decode(b64);
+  std::vector<float> f(bytes.size() / 4);
+  std::memcpy(f.data(), bytes.data(), f.size() * 4);
+  return f;
+}
+
+// Multi-dimensional index of flat element i in `shape`.
+std::string index_string(int64_t i, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> idx(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) {
+    idx[d] = i % shape[d];
+    i /= shape[d];
+  }
+  std::string s = "[";
+  for (size_t d = 0; d < idx.size(); ++d) s += (d ? ", " : "") + std::to_string(idx[d]);
+  return s + "]";
+}
+
+uint64_t sample_ulp(const nlohmann::json& a, const nlohmann::json& b) {
+  uint64_t worst = 0;
+  const auto& sa = a["sample"];
+  const auto& sb = b["sample"];
+  for (size_t i = 0; i < std::min(sa.size(), sb.size()); ++i) {
+    const float x = from_bits((uint32_t)std::stoul(sa[i].get<std::string>(), nullptr, 16));
+    const float y = from_bits((uint32_t)std::stoul(sb[i].get<std::string>(), nullptr, 16));
+    worst = std::max(worst, ulp_distance(x, y));
+  }
+  return worst;
+}
+
+}  // namespace
+
+TraceDiff diff_traces(const Trace& a, const Trace& b) {
+  TraceDiff d;
+  // Config keys that differ between the two runs.
+  std::map<std::string, nlohmann::json> ca, cb;
+  flatten(a.header.value("resolved", nlohmann::json::object()), "", ca);
+  flatten(b.header.value("resolved", nlohmann::json::object()), "", cb);
+  for (auto& [k, v] : ca)
+    if (!cb.count(k) || cb[k] != v) d.config_changes.push_back({{"key", k}, {"a", v}, {"b", cb.count(k) ? cb[k] : nullptr}});
+  for (auto& [k, v] : cb)
+    if (!ca.count(k)) d.config_changes.push_back({{"key", k}, {"a", nullptr}, {"b", v}});
+  for (const char* k : {"backend", "binary"})
+    if (a.header.value(k, "") != b.header.value(k, ""))
+      d.config_changes.push_back({{"key", std::string("(run) ") + k}, {"a", a.header.value(k, "")}, {"b", b.header.value(k, "")}});
+
+  for (size_t i = 0; i < std::min(a.steps.size(), b.steps.size()); ++i)
+    if (a.steps[i]["loss_bits"] != b.steps[i]["loss_bits"]) {
+      d.first_loss_step = a.steps[i]["step"];
+      break;
+    }
+
+  std::map<std::string, const nlohmann::json*> bidx;
+  for (const auto& r : b.tensors) bidx[key_of(r)] = &r;
+  std::map<int, std::pair<int, int>> per_step;  // step -> (differing, total)
+  std::map<int, std::vector<std::string>> step_ops;
+  std::map<std::pair<int, int>, int64_t> heat;
+  for (const auto& ra : a.tensors) {
+    const int step = ra["step"];
+    auto it = bidx.find(key_of(ra));
+    per_step[step].second++;
+    const bool differs = it == bidx.end() || (*it->second)["hash"] != ra["hash"];
+    auto& cell = heat[{step, ra.value("layer", -1)}];
+    if (!differs) continue;
+    per_step[step].first++;
+    const std::string opname = ra.value("phase", "") + " " +
+                               (ra.value("layer", -1) >= 0 ? "L" + std::to_string(ra.value("layer", -1)) + " " : "") +
+                               ra.value("op", "") + "/" + ra.value("tensor", "");
+    step_ops[step].push_back(opname);
+    if (it == bidx.end()) {
+      cell = std::max<int64_t>(cell, -1);
+      if (d.first.is_null()) d.first = {{"a", ra}, {"b", nullptr}};
+      continue;
+    }
+    const uint64_t u = sample_ulp(ra, *it->second);
+    cell = u == 0 ? (cell == 0 ? -1 : cell) : std::max<int64_t>(cell, (int64_t)std::min<uint64_t>(u, INT64_MAX));
+    if (d.first.is_null()) d.first = {{"a", ra}, {"b", *it->second}};
+  }
+  d.identical = d.first.is_null() && d.first_loss_step == 0 && a.tensors.size() == b.tensors.size() &&
+                (a.end.is_null() || b.end.is_null() || a.end["final_state_hash"] == b.end["final_state_hash"]);
+  if (d.first.is_null() && !d.identical && a.tensors.empty()) {
+    // Step-level traces only: the first differing step record.
+    for (size_t i = 0; i < std::min(a.steps.size(), b.steps.size()); ++i)
+      if (a.steps[i]["state_hash"] != b.steps[i]["state_hash"] || a.steps[i]["loss_bits"] != b.steps[i]["loss_bits"]) {
+        d.first = {{"a", a.steps[i]}, {"b", b.steps[i]}};
+        break;
+      }
+  }
+  for (auto& [step, c] : per_step)
+    if (c.first) {
+      nlohmann::json ops = nlohmann::json::array();
+      for (size_t i = 0; i < step_ops[step].size() && i < 6; ++i) ops.push_back(step_ops[step][i]);
+      d.spread.push_back({{"step", step}, {"differing", c.first}, {"total", c.second}, {"ops", ops}});
+    }
+  for (auto& [k, v] : heat) d.heat.push_back({{"step", k.first}, {"layer", k.second}, {"max_ulp", v}});
+
+  // Element level, when both sides kept the first divergent tensor whole.
+  if (!d.first.is_null() && d.first["b"].is_object() && d.first["a"].contains("data") && d.first["b"].contains("data")) {
+    const std::vector<float> x = decode_floats(d.first["a"]["data"]), y = decode_floats(d.first["b"]["data"]);
+    const std::vector<int64_t> shape = d.first["a"]["shape"];
+    nlohmann::json first = nlohmann::json::array();
+    int64_t count = 0;
+    double max_abs = 0, max_rel = 0;
+    uint64_t max_ulp = 0;
+    for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) {
+      if (bits(x[i]) == bits(y[i])) continue;
+      ++count;
+      const double ad = std::fabs((double)x[i] - (double)y[i]);
+      max_abs = std::max(max_abs, ad);
+      const double den = std::max(std::fabs((double)x[i]), std::fabs((double)y[i]));
+      if (den > 0) max_rel = std::max(max_rel, ad / den);
+      max_ulp = std::max(max_ulp, ulp_distance(x[i], y[i]));
+      if (first.size() < 5)
+        first.push_back({{"index", index_string((int64_t)i, shape)}, {"flat", i}, {"a", x[i]}, {"b", y[i]},
+                         {"a_bits", hex_bits(x[i])}, {"b_bits", hex_bits(y[i])}, {"ulp", ulp_distance(x[i], y[i])}});
+    }
+    d.elements = {{"first", first}, {"differing", count}, {"total", x.size()}, {"max_abs", max_abs},
+                  {"max_rel", max_rel}, {"max_ulp", max_ulp}};
+  }
+  return d;
+}
+
+std::string format_diff(const TraceDiff& d) {
+  std::ostringstream o;
+  if (d.identical) {
+    o << "traces identical: every traced tensor, loss and state hash has the same bits\n";
+    return o.str();
+  }
+  if (!d.config_changes.empty()) {
+    o << "config keys that differ:\n";
+    for (const auto& c : d.config_changes) o << "  " << c["key"].get<std::string>() << ": " << c["a"].dump() << " -> " << c["b"].dump() << "\n";
+  }
+  if (!d.first.is_null()) {
+    const auto& a = d.first["a"];
+    o << "first divergence: " << (a.value("kind", "") == "step" ? "step " + std::to_string(a.value("step", 0)) + " state"
+                                                               : record_name(a))
+      << "\n";
+    if (d.first["b"].is_null()) {
+      o << "  (missing from the second trace: the runs traced different tensors)\n";
+    } else if (a.value("kind", "") == "tensor") {
+      const auto& b = d.first["b"];
+      o << "  hash  " << a["hash"].get<std::string>() << " vs " << b["hash"].get<std::string>() << "\n";
+      for (const char* s : {"min", "max", "mean", "l2"})
+        o << "  " << s << std::string(6 - std::strlen(s), ' ') << a[s].dump() << " vs " << b[s].dump() << "\n";
+    }
+  }
+  if (!d.elements.is_null()) {
+    o << "differing elements: " << d.elements["differing"] << " of " << d.elements["total"]
+      << ", max abs error " << d.elements["max_abs"] << ", max rel error " << d.elements["max_rel"]
+      << ", max " << d.elements["max_ulp"] << " ulp\n";
+    for (const auto& e : d.elements["first"])
+      o << "  " << e["index"].get<std::string>() << "  " << e["a"].dump() << " (" << e["a_bits"].get<std::string>()
+        << ") vs " << e["b"].dump() << " (" << e["b_bits"].get<std::string>() << "), " << e["ulp"] << " ulp\n";
+  } else if (!d.first.is_null() && d.first["a"].value("kind", "") == "tensor") {
+    o << "  (rerun both with --trace-dump " << d.first["a"]["step"] << ":" << d.first["a"]["op"].get<std::string>()
+      << " to see the differing elements)\n";
+  }
+  if (d.first_loss_step) o << "first loss that differs: step " << d.first_loss_step << "\n";
+  if (!d.spread.empty()) {
+    o << "spread:\n";
+    size_t shown = 0;
+    for (const auto& s : d.spread) {
+      if (shown++ == 8) {
+        o << "  ... " << d.spread.size() - 8 << " more steps differ\n";
+        break;
+      }
+      o << "  step " << s["step"] << ": " << s["differing"] << " of " << s["total"] << " tensors differ (";
+      for (size_t i = 0; i < s["ops"].size(); ++i) o << (i ? ", " : "") << s["ops"][i].get<std::string>();
+      o << (s["differing"].get<int>() > (int)s["ops"].size() ? ", ...)" : ")") << "\n";
+    }
+  }
+  return o.str();
+}
+
+nlohmann::json diff_json(const TraceDiff& d) {
+  return {{"identical", d.identical}, {"config_changes", d.config_changes}, {"first_loss_step", d.first_loss_step},
+          {"first", d.first}, {"elements", d.elements}, {"spread", d.spread}, {"heat", d.heat}};
+}
+
+}  // namespace ls

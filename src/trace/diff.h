@@ -1,0 +1,45 @@
+// Compares two traces: the first divergent (step, phase, layer, op, tensor);
+// with dumps, the first differing elements (values, bits, ULP distance) and
+// error summary; then how the divergence spread over later ops and steps.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace ls {
+
+struct Trace {
+  nlohmann::json header;
+  std::vector<nlohmann::json> tensors;  // in emission order
+  std::vector<nlohmann::json> steps;    // one per step
+  nlohmann::json end;                   // null if the run did not finish
+};
+Trace read_trace(const std::string& path);  // throws UserError naming the file and line
+
+// Distance in units in the last place between two floats (0 when equal bits;
+// +0 and -0 are one apart).
+uint64_t ulp_distance(float a, float b);
+
+struct TraceDiff {
+  bool identical = true;
+  nlohmann::json config_changes = nlohmann::json::array();  // resolved keys that differ: {key, a, b}
+  int first_loss_step = 0;                    // first step whose loss bits differ (0: none)
+  nlohmann::json first;                       // first divergent tensor record pair: {a, b}, or null
+  nlohmann::json elements;                    // with dumps: first differing elements and error summary
+  nlohmann::json spread = nlohmann::json::array();  // per step: {step, differing, total, ops}
+  // Per (step, layer) the largest ULP distance over the sampled elements of
+  // the tensors of that layer (layer -1: outside the stack); -1 when hashes
+  // differ but the samples agree. Rows: {step, layer, max_ulp}.
+  nlohmann::json heat = nlohmann::json::array();
+};
+TraceDiff diff_traces(const Trace& a, const Trace& b);
+
+std::string format_diff(const TraceDiff& d);  // the human report
+nlohmann::json diff_json(const TraceDiff& d);
+
+// The (phase, layer, op, tensor) of a record as one readable name.
+std::string record_name(const nlohmann::json& r);
+
+}  // namespace ls

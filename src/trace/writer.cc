@@ -1,0 +1,175 @@
+#include "trace/writer.h"
+
+#include <xxhash.h>
+
+#include <cmath>
+
+#include "common/error.h"
+#include "contract.h"
+
+namespace ls {
+
+DumpSpec DumpSpec::parse(const std::string& text) {
+  DumpSpec d;
+  const size_t colon = text.find(':');
+  const std::string step = text.substr(0, colon);
+  try {
+    size_t used = 0;
+    d.step = std::stoi(step, &used);
+    if (used != step.size() || d.step < 1) throw std::invalid_argument("");
+  } catch (const std::exception&) {
+    throw UserError("--trace-dump: expected STEP or STEP:OP with STEP >= 1, got '" + text + "'");
+  }
+  if (colon != std::string::npos) d.op = text.substr(colon + 1);
+  return d;
+}
+
+TraceWriter::TraceWriter(const std::string& path, const nlohmann::json& header, DumpSpec dump)
+    : path_(path), dump_(std::move(dump)) {
+  f_ = std::fopen(path.c_str(), "w");
+  if (!f_) throw UserError("--trace: cannot write '" + path + "'");
+  nlohmann::json h = header;
+  h["kind"] = "header";
+  h["format"] = "lockstep-trace-1";
+  write(h);
+}
+
+TraceWriter::~TraceWriter() {
+  if (f_) std::fclose(f_);
+}
+
+void TraceWriter::write(const nlohmann::json& j) {
+  const std::string line = j.dump() + "\n";
+  std::fwrite(line.data(), 1, line.size(), f_);
+}
+
+std::vector<int64_t> trace_sample_indices(int64_t n) {
+  std::vector<int64_t> idx;
+  const int64_t k = std::min<int64_t>(16, n);
+  for (int64_t i = 0; i < k; ++i) idx.push_back(i * n / k);
+  return idx;
+}
+
+void TraceWriter::tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
+                         const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  const XXH128_hash_t h = XXH3_128bits(data, (size_t)n * 4);
+  char hex[33];
+  std::snprintf(hex, sizeof hex, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
+  // Summary stats in double over fixed chunks of 4096 elements, partials
+  // combined in chunk order: the same numbers for any thread count.
+  const int64_t chunk = 4096, chunks = (n + chunk - 1) / chunk;
+  std::vector<double> cmn(chunks), cmx(chunks), csum(chunks), csq(chunks);
+#pragma omp parallel for schedule(static) if (chunks > 4)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t lo = c * chunk, hi = std::min(n, lo + chunk);
+    float lmn = INFINITY, lmx = -INFINITY;
+    float mn8[8], mx8[8];
+    double s8[8] = {0}, q8[8] = {0};
+    for (int k = 0; k < 8; ++k) mn8[k] = INFINITY, mx8[k] = -INFINITY;
+    int64_t i = lo;
+    for (; i + 8 <= hi; i += 8)  // eight independent lanes: vectorizes
+      for (int k = 0; k < 8; ++k) {
+        const float x = data[i + k];
+        mn8[k] = x < mn8[k] ? x : mn8[k];
+        mx8[k] = x > mx8[k] ? x : mx8[k];
+        const double xd = (double)x;
+        s8[k] += xd;
+        q8[k] += xd * xd;
+      }
+    for (int k = 0; k < 8; ++k) {
+      lmn = mn8[k] < lmn ? mn8[k] : lmn;
+      lmx = mx8[k] > lmx ? mx8[k] : lmx;
+    }
+    for (; i < hi; ++i) {
+      const float x = data[i];
+      lmn = x < lmn ? x : lmn;
+      lmx = x > lmx ? x : lmx;
+      s8[0] += (double)x;
+      q8[0] += (double)x * (double)x;
+    }
+    double ls = 0, lq = 0;
+    for (int k = 0; k < 8; ++k) {
+      ls += s8[k];
+      lq += q8[k];
+    }
+    cmn[c] = lmn;
+    cmx[c] = lmx;
+    csum[c] = ls;
+    csq[c] = lq;
+  }
+  double mn = INFINITY, mx = -INFINITY, sum = 0, sq = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    mn = std::min(mn, cmn[c]);
+    mx = std::max(mx, cmx[c]);
+    sum += csum[c];
+    sq += csq[c];
+  }
+  nlohmann::json j = {{"kind", "tensor"}, {"step", step_}, {"phase", phase}, {"layer", layer}, {"op", op},
+                      {"tensor", name}, {"shape", shape}, {"hash", hex}};
+  j["min"] = mn;
+  j["max"] = mx;
+  j["mean"] = n ? sum / (double)n : 0.0;
+  j["l2"] = std::sqrt(sq);
+  std::vector<std::string> sample;
+  for (int64_t i : trace_sample_indices(n)) sample.push_back(hex_bits(data[i]));
+  j["sample"] = sample;
+  if (dump_.step == step_ &&
+      (dump_.op.empty() || dump_.op == op || dump_.op == std::string(op) + "/" + name))
+    j["data"] = base64_encode(data, (size_t)n * 4);
+  write(j);
+}
+
+void TraceWriter::end_step(float loss, float grad_norm, const std::string& state_hash) {
+  write({{"kind", "step"}, {"step", step_}, {"loss", loss}, {"loss_bits", hex_bits(loss)},
+         {"grad_norm_bits", hex_bits(grad_norm)}, {"state_hash", state_hash}});
+  std::fflush(f_);
+}
+
+void TraceWriter::finish(const std::string& final_state_hash, int steps) {
+  write({{"kind", "end"}, {"steps", steps}, {"final_state_hash", final_state_hash}});
+  std::fflush(f_);
+}
+
+namespace {
+const char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+}
+
+std::string base64_encode(const void* data, size_t n) {
+  const unsigned char* p = (const unsigned char*)data;
+  std::string out;
+  out.reserve((n + 2) / 3 * 4);
+  for (size_t i = 0; i < n; i += 3) {
+    uint32_t v = (uint32_t)p[i] << 16;
+    if (i + 1 < n) v |= (uint32_t)p[i + 1] << 8;
+    if (i + 2 < n) v |= p[i + 2];
+    out += kB64[(v >> 18) & 63];
+    out += kB64[(v >> 12) & 63];
+    out += i + 1 < n ? kB64[(v >> 6) & 63] : '=';
+    out += i + 2 < n ? kB64[v & 63] : '=';
+  }
+  return out;
+}
+
+std::vector<unsigned char> base64_decode(const std::string& s) {
+  int val[256];
+  for (int& v : val) v = -1;
+  for (int i = 0; i < 64; ++i) val[(unsigned char)kB64[i]] = i;
+  std::vector<unsigned char> out;
+  uint32_t acc = 0;
+  int bits = 0;
+  for (unsigned char c : s) {
+    if (c == '=') break;
+    if (val[c] < 0) throw UserError("trace: malformed base64 in a dumped tensor");
+    acc = (acc << 6) | (uint32_t)val[c];
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back((unsigned char)(acc >> bits));
+    }
+  }
+  return out;
+}
+
+}  // namespace ls

@@ -1,0 +1,50 @@
+// Writes a trace: JSON Lines, one record per traced tensor plus one per step
+// (format: docs/TRACE.md). Each tensor record carries the XXH3-128 of its
+// bits, min/max/mean/L2 (in double) and 16 sampled elements' bits; with
+// --trace-dump the full tensor travels along as base64 little-endian fp32.
+#pragma once
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "trace/sink.h"
+
+namespace ls {
+
+// Which tensors to keep whole: one step, all of its ops or one of them.
+struct DumpSpec {
+  int step = -1;   // -1: none
+  std::string op;  // "" = every op; else matches "op" or "op/tensor"
+  static DumpSpec parse(const std::string& text);  // "STEP" or "STEP:OP"; throws UserError
+};
+
+class TraceWriter : public TraceSink {
+ public:
+  // Writes the header record; throws UserError naming the path if it cannot.
+  TraceWriter(const std::string& path, const nlohmann::json& header, DumpSpec dump);
+  ~TraceWriter() override;
+
+  void begin_step(int step) { step_ = step; }  // 1-based
+  void tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
+              const std::vector<int64_t>& shape) override;
+  void end_step(float loss, float grad_norm, const std::string& state_hash);
+  void finish(const std::string& final_state_hash, int steps);
+  const std::string& path() const { return path_; }
+
+ private:
+  void write(const nlohmann::json& j);
+  std::string path_;
+  FILE* f_ = nullptr;
+  DumpSpec dump_;
+  int step_ = 0;
+};
+
+// 16 evenly spaced element indices of a tensor of n elements (the "sample").
+std::vector<int64_t> trace_sample_indices(int64_t n);
+std::string base64_encode(const void* data, size_t n);
+std::vector<unsigned char> base64_decode(const std::string& text);
+
+}  // namespace ls
