@@ -8,6 +8,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "cli/bisect.h"
 #include "common/error.h"
 #include "ops/gemm.h"
 #include "runner/golden.h"
@@ -235,6 +236,23 @@ int main(int argc, char** argv) {
   diff->add_option("b", diff_b, "second trace")->required();
   diff->add_flag("--json", diff_json_out, "print the comparison as one JSON object");
 
+  BisectArgs ba;
+  auto* bisect = app.add_subcommand(
+      "bisect", "two runs that disagree -> first divergent step/op/tensor/element and the smallest set of "
+                "differences (config keys, backend, binary, threads) that causes it (exit 0 agree, 1 differ)");
+  bisect->add_option("scenario_a", ba.scenario_a, "scenario of run A")->required();
+  bisect->add_option("scenario_b", ba.scenario_b, "scenario of run B (default: the same)");
+  bisect->add_option("--set-a", ba.sets_a, "override for run A: dotted.key=value (repeatable)");
+  bisect->add_option("--set-b", ba.sets_b, "override for run B (repeatable)");
+  bisect->add_option("--backend-a", ba.backend_a, "engine or reference");
+  bisect->add_option("--backend-b", ba.backend_b, "engine or reference");
+  bisect->add_option("--bin-a", ba.bin_a, "lockstep binary for run A (default: this one)");
+  bisect->add_option("--bin-b", ba.bin_b, "lockstep binary for run B");
+  bisect->add_option("--threads-a", ba.threads_a, "threads for run A")->check(CLI::Range(1, 1024));
+  bisect->add_option("--threads-b", ba.threads_b, "threads for run B")->check(CLI::Range(1, 1024));
+  bisect->add_option("--steps", ba.steps, "compare at most this many steps")->check(CLI::Range(1, 1000000));
+  bisect->add_option("--keep", ba.keep, "keep the traces in this directory");
+
   bool keys_md = false;
   auto* keys = app.add_subcommand("keys", "list every scenario key with its type, default and meaning");
   keys->add_flag("--markdown", keys_md, "as the Markdown table of docs/SCENARIOS.md");
@@ -249,6 +267,7 @@ int main(int argc, char** argv) {
     if (*run) return cmd_run(ra);
     if (*golden) return cmd_golden(ga);
     if (*check) return cmd_check(ca);
+    if (*bisect) return cmd_bisect(ba);
     if (*diff) {
       TraceDiff d = diff_traces(read_trace(diff_a), read_trace(diff_b));
       if (diff_json_out) std::printf("%s\n", diff_json(d).dump().c_str());

@@ -209,6 +209,9 @@ std::string format_diff(const TraceDiff& d) {
     o << "first divergence: " << (a.value("kind", "") == "step" ? "step " + std::to_string(a.value("step", 0)) + " state"
                                                                : record_name(a))
       << "\n";
+    if (a.value("phase", "") == "params" && a.value("step", 0) > 1)
+      o << "  (the weights entering step " << a["step"] << " differ: the optimizer update of step "
+        << a["step"].get<int>() - 1 << " or its gradients parted; every activation of the steps before agreed)\n";
     if (d.first["b"].is_null()) {
       o << "  (missing from the second trace: the runs traced different tensors)\n";
     } else if (a.value("kind", "") == "tensor") {

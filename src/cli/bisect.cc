@@ -1,0 +1,292 @@
+// lockstep bisect: two runs that disagree -> the first divergent step, op,
+// tensor and elements, and (delta debugging) the smallest set of differences
+// between the runs -- config keys, backend, binary, threads -- that alone
+// changes the bits. Every run is a child `lockstep run` process, so the two
+// sides may be different binaries.
+#include "cli/bisect.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "common/error.h"
+#include "runner/scenario.h"
+#include "trace/diff.h"
+
+namespace fs = std::filesystem;
+
+namespace ls {
+namespace {
+
+// One side of the comparison.
+struct Side {
+  std::string binary;
+  nlohmann::json resolved;  // the full scenario
+  std::string backend = "engine";
+  int threads = 0;
+};
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+struct Child {
+  int rc = -1;
+  nlohmann::json summary;  // the --json line
+  std::string err;
+};
+
+class Runner {
+ public:
+  explicit Runner(fs::path dir) : dir_(std::move(dir)) {}
+
+  // Runs `side` for `steps`; trace written to `trace` when non-empty.
+  Child run(const Side& side, int steps, const std::string& trace = "", const std::string& dump = "") {
+    const fs::path sc = dir_ / ("scenario-" + std::to_string(n_) + ".json");
+    const fs::path out = dir_ / "child.out", err = dir_ / "child.err";
+    ++n_;
+    std::ofstream(sc) << side.resolved.dump(2);
+    std::string cmd = quote(side.binary) + " run " + quote(sc.string()) + " --json --quiet --steps " +
+                      std::to_string(steps) + " --backend " + side.backend;
+    if (side.threads > 0) cmd += " --threads " + std::to_string(side.threads);
+    if (!trace.empty()) cmd += " --trace " + quote(trace);
+    if (!dump.empty()) cmd += " --trace-dump " + quote(dump);
+    cmd += " >" + quote(out.string()) + " 2>" + quote(err.string());
+    const int status = std::system(cmd.c_str());
+    ++runs_;
+    Child c;
+    c.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    std::ifstream eo(err);
+    std::stringstream es;
+    es << eo.rdbuf();
+    c.err = es.str();
+    if (c.rc == 0) {
+      std::ifstream o(out);
+      std::string line, last;
+      while (std::getline(o, line))
+        if (!line.empty()) last = line;
+      c.summary = nlohmann::json::parse(last);
+    }
+    return c;
+  }
+  int runs() const { return runs_; }
+  const fs::path& dir() const { return dir_; }
+
+ private:
+  fs::path dir_;
+  int n_ = 0, runs_ = 0;
+};
+
+void flatten(const nlohmann::json& j, const std::string& prefix, std::map<std::string, nlohmann::json>& out) {
+  if (j.is_object()) {
+    for (auto& [k, v] : j.items()) flatten(v, prefix.empty() ? k : prefix + "." + k, out);
+  } else {
+    out[prefix] = j;
+  }
+}
+
+// One difference between the sides: a config key, or a run setting.
+struct Change {
+  std::string key;      // dotted config key, or "(run) backend" / "(run) binary" / "(run) threads"
+  nlohmann::json a, b;  // values on each side
+  std::string text() const { return key.rfind("(run) ", 0) == 0 ? key.substr(6) + "=" + b.dump() : key + "=" + b.dump(); }
+};
+
+std::string pointer(const std::string& dotted) {
+  std::string p = "/";
+  for (char c : dotted) p += c == '.' ? '/' : c;
+  return p;
+}
+
+Side with_changes(const Side& a, const std::vector<Change>& changes) {
+  Side s = a;
+  for (const Change& c : changes) {
+    if (c.key == "(run) backend") s.backend = c.b.get<std::string>();
+    else if (c.key == "(run) binary") s.binary = c.b.get<std::string>();
+    else if (c.key == "(run) threads") s.threads = c.b.get<int>();
+    else s.resolved[nlohmann::json::json_pointer(pointer(c.key))] = c.b;
+  }
+  return s;
+}
+
+bool same_bits(const Child& a, const Child& b) {
+  return a.summary["final_state_hash"] == b.summary["final_state_hash"] && a.summary["loss_bits"] == b.summary["loss_bits"];
+}
+
+Child must(Runner& r, const Side& side, int steps, const std::string& label, const std::string& trace = "",
+           const std::string& dump = "") {
+  Child c = r.run(side, steps, trace, dump);
+  if (c.rc != 0) throw UserError("bisect: run " + label + " failed (exit " + std::to_string(c.rc) + "): " + c.err);
+  return c;
+}
+
+// Zeller's ddmin: a 1-minimal subset of `changes` for which `fails` holds.
+template <class Test>
+std::vector<Change> ddmin(std::vector<Change> c, Test fails) {
+  size_t n = 2;
+  while (c.size() >= 2) {
+    const size_t chunk = (c.size() + n - 1) / n;
+    std::vector<std::vector<Change>> parts;
+    for (size_t i = 0; i < c.size(); i += chunk)
+      parts.emplace_back(c.begin() + i, c.begin() + std::min(c.size(), i + chunk));
+    bool reduced = false;
+    for (auto& part : parts)
+      if (fails(part)) {
+        c = part;
+        n = 2;
+        reduced = true;
+        break;
+      }
+    if (!reduced && parts.size() > 2)
+      for (size_t i = 0; i < parts.size() && !reduced; ++i) {
+        std::vector<Change> rest;
+        for (size_t j = 0; j < parts.size(); ++j)
+          if (j != i) rest.insert(rest.end(), parts[j].begin(), parts[j].end());
+        if (fails(rest)) {
+          c = rest;
+          n = std::max<size_t>(n - 1, 2);
+          reduced = true;
+        }
+      }
+    if (!reduced) {
+      if (n >= c.size()) break;
+      n = std::min(c.size(), n * 2);
+    }
+  }
+  return c;
+}
+
+std::string where(const TraceDiff& d) {
+  if (d.first.is_null()) return "(no traced tensor differs)";
+  const nlohmann::json& r = d.first["a"];
+  if (r.value("kind", "") == "step") return "step " + std::to_string(r.value("step", 0)) + " (state)";
+  if (r.value("phase", "") == "params" && r.value("step", 0) > 1)
+    return "the optimizer update of step " + std::to_string(r.value("step", 0) - 1) + " (weights entering step " +
+           std::to_string(r.value("step", 0)) + ", first tensor " + r.value("tensor", "") + ")";
+  std::string s = "step " + std::to_string(r.value("step", 0)) + ", " + r.value("phase", "");
+  if (r.value("layer", -1) >= 0) s += ", layer " + std::to_string(r.value("layer", -1));
+  return s + ", op " + r.value("op", "") + " (tensor " + r.value("tensor", "") + ")";
+}
+
+std::string self_binary() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) throw UserError("bisect: cannot find the lockstep binary (/proc/self/exe)");
+  buf[n] = 0;
+  return buf;
+}
+
+}  // namespace
+
+int cmd_bisect(const BisectArgs& a) {
+  Side A, B;
+  A.binary = a.bin_a.empty() ? self_binary() : a.bin_a;
+  B.binary = a.bin_b.empty() ? self_binary() : a.bin_b;
+  for (const std::string* bin : {&A.binary, &B.binary})
+    if (access(bin->c_str(), X_OK) != 0) throw UserError("bisect: " + *bin + " is not an executable");
+  Scenario sa = load_scenario(a.scenario_a, a.sets_a);
+  Scenario sb = load_scenario(a.scenario_b.empty() ? a.scenario_a : a.scenario_b, a.sets_b);
+  A.resolved = sa.resolved;
+  B.resolved = sb.resolved;
+  A.backend = a.backend_a;
+  B.backend = a.backend_b;
+  A.threads = a.threads_a;
+  B.threads = a.threads_b;
+  const int steps = a.steps > 0 ? a.steps : sa.steps;
+
+  char tmpl[] = "/tmp/lockstep-bisect-XXXXXX";
+  const char* made = mkdtemp(tmpl);
+  if (!made) throw UserError("bisect: cannot create a temporary directory");
+  Runner r{fs::path(made)};
+  auto say = [&](const std::string& s) { std::fprintf(stderr, "bisect: %s\n", s.c_str()); };
+
+  // 1. Untraced, to the end (or --steps): do the runs disagree, and from which loss on?
+  say("running both sides for " + std::to_string(steps) + " steps");
+  Child ca = must(r, A, steps, "A"), cb = must(r, B, steps, "B");
+  if (same_bits(ca, cb)) {
+    std::printf("the runs agree: same loss bits at every step and final_state_hash %s\n",
+                ca.summary["final_state_hash"].get<std::string>().c_str());
+    fs::remove_all(r.dir());
+    return 0;
+  }
+  int limit = steps;
+  for (size_t i = 0; i < ca.summary["loss_bits"].size(); ++i)
+    if (ca.summary["loss_bits"][i] != cb.summary["loss_bits"][i]) {
+      limit = (int)i + 1;
+      break;
+    }
+  // 2. Traced, only as far as the first loss that differs.
+  say("tracing both sides to step " + std::to_string(limit));
+  const std::string ta = (r.dir() / "a.jsonl").string(), tb = (r.dir() / "b.jsonl").string();
+  must(r, A, limit, "A (traced)", ta);
+  must(r, B, limit, "B (traced)", tb);
+  TraceDiff coarse = diff_traces(read_trace(ta), read_trace(tb));
+  int step = limit;
+  std::string op;
+  if (!coarse.first.is_null()) {
+    step = coarse.first["a"].value("step", limit);
+    op = coarse.first["a"].value("op", "");
+  }
+  // 3. That step again, keeping the divergent op's tensors whole.
+  const std::string dump = std::to_string(step) + (op.empty() ? "" : ":" + op);
+  say("dumping step " + dump + " on both sides");
+  const std::string da = (r.dir() / "a-dump.jsonl").string(), db = (r.dir() / "b-dump.jsonl").string();
+  Child ra = must(r, A, step, "A (dump)", da, dump);
+  must(r, B, step, "B (dump)", db, dump);
+  TraceDiff fine = diff_traces(read_trace(da), read_trace(db));
+  fine.spread = coarse.spread;
+  std::printf("%s", format_diff(fine).c_str());
+
+  // 4. Delta debugging over the differences between the sides.
+  std::vector<Change> changes;
+  std::map<std::string, nlohmann::json> fa, fb;
+  flatten(A.resolved, "", fa);
+  flatten(B.resolved, "", fb);
+  for (auto& [k, v] : fb)
+    if (!fa.count(k) || fa[k] != v) changes.push_back({k, fa.count(k) ? fa[k] : nlohmann::json(nullptr), v});
+  if (A.backend != B.backend) changes.push_back({"(run) backend", A.backend, B.backend});
+  if (A.binary != B.binary) changes.push_back({"(run) binary", A.binary, B.binary});
+  if (A.threads != B.threads) changes.push_back({"(run) threads", A.threads, B.threads});
+  if (changes.empty()) {
+    std::printf("the two sides have the same scenario, backend, binary and threads: the bits differ run to run\n");
+    return 1;
+  }
+  const std::string base_hash = ra.summary["final_state_hash"];
+  auto fails = [&](const std::vector<Change>& subset) {
+    Child c = r.run(with_changes(A, subset), step);
+    return c.rc == 0 && c.summary["final_state_hash"] != base_hash;
+  };
+  std::vector<Change> minimal = changes;
+  if (changes.size() > 1) {
+    say("delta debugging over " + std::to_string(changes.size()) + " differences");
+    minimal = ddmin(changes, fails);
+  }
+  std::string names;
+  for (const Change& c : minimal) names += (names.empty() ? "" : ", ") + c.text();
+  // Where does the minimal change alone first show?
+  const std::string ma = (r.dir() / "min.jsonl").string();
+  must(r, with_changes(A, minimal), step, "A + minimal change", ma, dump);
+  TraceDiff alone = diff_traces(read_trace(da), read_trace(ma));
+  std::printf("%s %s the bits at %s (%zu of %zu differences; %d runs)\n", names.c_str(),
+              minimal.size() == 1 ? "alone changes" : "together change", where(alone).c_str(), minimal.size(),
+              changes.size(), r.runs());
+  if (a.keep.empty()) {
+    fs::remove_all(r.dir());
+  } else {
+    fs::create_directories(a.keep);
+    for (const char* f : {"a.jsonl", "b.jsonl", "a-dump.jsonl", "b-dump.jsonl", "min.jsonl"})
+      fs::copy_file(r.dir() / f, fs::path(a.keep) / f, fs::copy_options::overwrite_existing);
+    fs::remove_all(r.dir());
+    std::printf("traces kept in %s\n", a.keep.c_str());
+  }
+  return 1;
+}
+
+}  // namespace ls

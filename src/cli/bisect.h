@@ -1,0 +1,23 @@
+// `lockstep bisect`: from two runs that disagree to the first divergent
+// step/op/tensor/element and the smallest set of differences that causes it.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace ls {
+
+struct BisectArgs {
+  std::string scenario_a, scenario_b;  // b empty: the same scenario
+  std::vector<std::string> sets_a, sets_b;
+  std::string backend_a = "engine", backend_b = "engine";
+  std::string bin_a, bin_b;            // empty: this binary
+  int threads_a = 0, threads_b = 0;
+  int steps = 0;                       // 0: the scenario's train.steps
+  std::string keep;                    // copy the traces here
+};
+
+// Prints the report; returns 0 when the runs agree, 1 when they differ.
+int cmd_bisect(const BisectArgs& a);
+
+}  // namespace ls

@@ -1,0 +1,127 @@
+// Drift tools against known perturbations: each must be found at the right
+// step, op, tensor and element; and identical runs must trace identically.
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "trace/diff.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path tmp() {
+  static fs::path dir = [] {
+    char t[] = "/tmp/lockstep-trace-XXXXXX";
+    return fs::path(mkdtemp(t));
+  }();
+  return dir;
+}
+
+const char* kTiny = R"({"model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8, "d_ff": 8},
+  "moe": {"experts": 4, "top_k": 2}, "train": {"steps": 4, "batch": 4, "eval_every": 0, "eval_batches": 1},
+  "data": {"synthetic_bytes": 8192}})";
+
+fs::path scenario() {
+  fs::path p = tmp() / "tiny.json";
+  if (!fs::exists(p)) std::ofstream(p) << kTiny;
+  return p;
+}
+
+int lockstep(const std::string& args, std::string* out = nullptr) {
+  const fs::path o = tmp() / "out.txt";
+  const std::string cmd = std::string(LOCKSTEP_BIN) + " " + args + " >" + o.string() + " 2>" + (tmp() / "err.txt").string();
+  const int st = std::system(cmd.c_str());
+  if (out) {
+    std::ifstream in(o);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    *out = ss.str();
+  }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+ls::TraceDiff traced_diff(const std::string& args_a, const std::string& args_b, const std::string& dump) {
+  const fs::path a = tmp() / "a.jsonl", b = tmp() / "b.jsonl";
+  const std::string d = dump.empty() ? "" : " --trace-dump " + dump;
+  REQUIRE(lockstep("run " + scenario().string() + " --quiet --trace " + a.string() + d + " " + args_a) == 0);
+  REQUIRE(lockstep("run " + scenario().string() + " --quiet --trace " + b.string() + d + " " + args_b) == 0);
+  return ls::diff_traces(ls::read_trace(a.string()), ls::read_trace(b.string()));
+}
+
+}  // namespace
+
+TEST_SUITE("trace") {
+  TEST_CASE("engine and reference, 1 and 3 threads: identical traces, diff exits 0") {
+    ls::TraceDiff d = traced_diff("--threads 1", "--backend reference", "2");
+    CHECK(d.identical);
+    CHECK(d.first.is_null());
+    d = traced_diff("--threads 1", "--threads 3", "");
+    CHECK(d.identical);
+    const std::string a = (tmp() / "a.jsonl").string(), b = (tmp() / "b.jsonl").string();
+    CHECK(lockstep("diff " + a + " " + b) == 0);
+  }
+
+  TEST_CASE("one ulp added to one weight at step 3 is found there, to the element") {
+    ls::TraceDiff d = traced_diff("", "--debug-bump layers.1.wo[5]@3", "3:param");
+    REQUIRE(!d.identical);
+    const auto& r = d.first["a"];
+    CHECK(r["step"] == 3);
+    CHECK(r["phase"] == "params");
+    CHECK(r["tensor"] == "layers.1.wo");
+    REQUIRE(d.elements.is_object());
+    CHECK(d.elements["differing"] == 1);
+    CHECK(d.elements["max_ulp"] == 1);
+    CHECK(d.elements["first"][0]["flat"] == 5);
+    CHECK(d.elements["first"][0]["index"] == "[0, 5]");
+    // It spreads from layer 1 of step 3 on; nothing before step 3 differs.
+    CHECK(d.spread[0]["step"] == 3);
+    CHECK((d.first_loss_step == 0 || d.first_loss_step >= 3));  // a 1-ulp weight may not move the mean loss at once
+  }
+
+  TEST_CASE("a reduction order changed in one op is found at that op, step 1") {
+    ls::TraceDiff d = traced_diff("", "--debug-reorder moe_norm", "1:moe_norm");
+    REQUIRE(!d.identical);
+    const auto& r = d.first["a"];
+    CHECK(r["step"] == 1);
+    CHECK(r["phase"] == "fwd");
+    CHECK(r["layer"] == 0);
+    CHECK(r["op"] == "moe_norm");
+    REQUIRE(d.elements.is_object());
+    CHECK(d.elements["differing"].get<int>() > 0);
+    CHECK(d.elements["max_ulp"].get<int>() <= 4);  // a reordering moves bits by a few ulp, not more
+  }
+
+  TEST_CASE("diff exits 1 on different traces and names the step and op") {
+    traced_diff("", "--debug-reorder moe_norm", "");
+    std::string out;
+    CHECK(lockstep("diff " + (tmp() / "a.jsonl").string() + " " + (tmp() / "b.jsonl").string(), &out) == 1);
+    CHECK(out.find("first divergence: step 1, fwd, layer 0, op moe_norm") != std::string::npos);
+    CHECK(lockstep("diff " + (tmp() / "a.jsonl").string() + " " + scenario().string()) == 2);  // not a trace
+  }
+
+  TEST_CASE("bisect names the one changed key among harmless ones") {
+    nlohmann::json b = nlohmann::json::parse(kTiny);
+    b["description"] = "a harmless change";
+    b["train"]["eval_batches"] = 2;     // evaluation only: no effect on training bits
+    b["moe"]["aux_loss_weight"] = 0.02;  // the real change
+    const fs::path pb = tmp() / "tiny_b.json";
+    std::ofstream(pb) << b.dump();
+    std::string out;
+    CHECK(lockstep("bisect " + scenario().string() + " " + pb.string(), &out) == 1);
+    CHECK(out.find("moe.aux_loss_weight=0.02 alone changes the bits") != std::string::npos);
+    CHECK(out.find("description") != std::string::npos);  // listed as differing, but not blamed
+  }
+
+  TEST_CASE("bisect across backends and across --set: agree, or name the override") {
+    std::string out;
+    CHECK(lockstep("bisect " + scenario().string() + " --backend-b reference --threads-a 2", &out) == 0);
+    CHECK(out.find("the runs agree") != std::string::npos);
+    CHECK(lockstep("bisect " + scenario().string() + " --set-b moe.top_k=1 --set-b train.eval_batches=3", &out) == 1);
+    CHECK(out.find("moe.top_k=1 alone changes the bits at step 1, fwd, layer 0, op moe.experts") != std::string::npos);
+  }
+}
