@@ -64,6 +64,7 @@ struct MoeTransformer::Workspace {
   std::vector<float> h, af, rf, logits, prob, lse, loss;
   // backward scratch
   std::vector<float> dh, dtmp, dlogits, dye, du, dv, dact, dxe, dg, dz, da2, dO, dqkv, sdu, sdv, sdx;
+  std::vector<float> trace_rows;  // expert rows regathered in (token, slot) order for the trace
 };
 
 MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed)
@@ -143,11 +144,11 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     if (tr) tr->tensor(phase, layer, op, name, data, shape);
   };
   // Expert rows in (token, slot) order, the layout the reference keeps.
-  auto token_slot_order = [&](const LayerActs& A, const std::vector<float>& rows, int width) {
-    std::vector<float> out((size_t)NK * width);
+  auto token_slot_order = [&](const LayerActs& A, const std::vector<float>& rows, int width) -> const float* {
+    ws.trace_rows.resize((size_t)NK * width);
     for (int64_t i = 0; i < NK; ++i)
-      std::memcpy(&out[i * width], &rows[A.row_of[i] * width], sizeof(float) * width);
-    return out;
+      std::memcpy(&ws.trace_rows[i * width], &rows[A.row_of[i] * width], sizeof(float) * width);
+    return ws.trace_rows.data();
   };
   if (tr)
     for (const ParamInfo& p : infos_) T("params", -1, "param", p.name.c_str(), w_.data() + p.offset, p.shape);
@@ -267,7 +268,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ops::swiglu(&A.u[r0 * F], &A.v[r0 * F], &A.sg[r0 * F], &A.act[r0 * F], rows * F);
       ops::gemm(rows, D, F, {&A.act[r0 * F], F, 1}, {w2, D, 1}, &A.ye[r0 * D], D, false, 1);
     }
-    if (tr) T("fwd", l, "moe.experts", "out", token_slot_order(A, A.ye, D).data(), {N, K, D});
+    if (tr) T("fwd", l, "moe.experts", "out", token_slot_order(A, A.ye, D), {N, K, D});
     if (c.shared_expert) {
       A.su.resize(N * F);
       A.sv.resize(N * F);
@@ -403,7 +404,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ops::gemm(rows, D, F, {&ws.du[r0 * F], F, 1}, {w1, 1, F}, &ws.dxe[r0 * D], D, false, 1);
       ops::gemm(rows, D, F, {&ws.dv[r0 * F], F, 1}, {w3, 1, F}, &ws.dxe[r0 * D], D, true, 1);
     }
-    if (tr) T("bwd", l, "moe.experts", "dx", token_slot_order(A, ws.dxe, D).data(), {N, K, D});
+    if (tr) T("bwd", l, "moe.experts", "dx", token_slot_order(A, ws.dxe, D), {N, K, D});
     // Expert weight gradients: token reductions over the rows routed to e,
     // which are in token order, so leaf l is a contiguous run of rows.
     {

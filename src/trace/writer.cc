@@ -3,6 +3,9 @@
 #include <xxhash.h>
 
 #include <cmath>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "common/error.h"
 #include "contract.h"
@@ -65,19 +68,42 @@ void TraceWriter::tensor(const char* phase, int layer, const char* op, const cha
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t lo = c * chunk, hi = std::min(n, lo + chunk);
     float lmn = INFINITY, lmx = -INFINITY;
+    int64_t i = lo;
+#if defined(__AVX2__)
+    // Eight lanes: floats for min/max, doubles (two halves) for sum and sum of squares.
+    __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY);
+    __m256d s0 = _mm256_setzero_pd(), s1 = s0, q0 = s0, q1 = s0;
+    for (; i + 8 <= hi; i += 8) {
+      const __m256 x = _mm256_loadu_ps(data + i);
+      vmn = _mm256_min_ps(vmn, x);
+      vmx = _mm256_max_ps(vmx, x);
+      const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(x)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+      s0 = _mm256_add_pd(s0, a);
+      s1 = _mm256_add_pd(s1, b);
+      q0 = _mm256_add_pd(q0, _mm256_mul_pd(a, a));
+      q1 = _mm256_add_pd(q1, _mm256_mul_pd(b, b));
+    }
+    float mn8[8], mx8[8];
+    double s8[8], q8[8];
+    _mm256_storeu_ps(mn8, vmn);
+    _mm256_storeu_ps(mx8, vmx);
+    _mm256_storeu_pd(s8, s0);
+    _mm256_storeu_pd(s8 + 4, s1);
+    _mm256_storeu_pd(q8, q0);
+    _mm256_storeu_pd(q8 + 4, q1);
+#else
     float mn8[8], mx8[8];
     double s8[8] = {0}, q8[8] = {0};
     for (int k = 0; k < 8; ++k) mn8[k] = INFINITY, mx8[k] = -INFINITY;
-    int64_t i = lo;
-    for (; i + 8 <= hi; i += 8)  // eight independent lanes: vectorizes
+    for (; i + 8 <= hi; i += 8)
       for (int k = 0; k < 8; ++k) {
         const float x = data[i + k];
         mn8[k] = x < mn8[k] ? x : mn8[k];
         mx8[k] = x > mx8[k] ? x : mx8[k];
-        const double xd = (double)x;
-        s8[k] += xd;
-        q8[k] += xd * xd;
+        s8[k] += (double)x;
+        q8[k] += (double)x * (double)x;
       }
+#endif
     for (int k = 0; k < 8; ++k) {
       lmn = mn8[k] < lmn ? mn8[k] : lmn;
       lmx = mx8[k] > lmx ? mx8[k] : lmx;
