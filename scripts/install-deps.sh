@@ -3,7 +3,7 @@
 # Idempotent: skips apt entirely when every package is already present.
 set -euo pipefail
 PKGS=(meson ninja-build g++ pkg-config libeigen3-dev nlohmann-json3-dev libcli11-dev
-      doctest-dev libxxhash-dev python3)
+      doctest-dev libxxhash-dev python3 chromium)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

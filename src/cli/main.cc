@@ -15,6 +15,7 @@
 #include "runner/runner.h"
 #include "runner/scenario.h"
 #include "trace/diff.h"
+#include "trace/report.h"
 
 namespace fs = std::filesystem;
 using namespace ls;
@@ -236,6 +237,14 @@ int main(int argc, char** argv) {
   diff->add_option("b", diff_b, "second trace")->required();
   diff->add_flag("--json", diff_json_out, "print the comparison as one JSON object");
 
+  std::string report_a, report_b, report_out, report_title;
+  auto* report = app.add_subcommand("report", "compare two traces as one self-contained HTML page (loss curves, "
+                                              "first divergence, step x layer ULP heat map, spread)");
+  report->add_option("a", report_a, "first trace (from run --trace)")->required();
+  report->add_option("b", report_b, "second trace")->required();
+  report->add_option("-o,--out", report_out, "HTML file to write")->required();
+  report->add_option("--title", report_title, "page title (default: 'A vs B' from the file names)");
+
   BisectArgs ba;
   auto* bisect = app.add_subcommand(
       "bisect", "two runs that disagree -> first divergent step/op/tensor/element and the smallest set of "
@@ -268,6 +277,15 @@ int main(int argc, char** argv) {
     if (*golden) return cmd_golden(ga);
     if (*check) return cmd_check(ca);
     if (*bisect) return cmd_bisect(ba);
+    if (*report) {
+      const Trace ta = read_trace(report_a), tb = read_trace(report_b);
+      const TraceDiff d = diff_traces(ta, tb);
+      if (report_title.empty())
+        report_title = fs::path(report_a).filename().string() + " vs " + fs::path(report_b).filename().string();
+      write_file_atomic(report_out, render_report(ta, tb, d, report_title));
+      std::printf("wrote %s (%s)\n", report_out.c_str(), d.identical ? "identical" : "diverged");
+      return 0;
+    }
     if (*diff) {
       TraceDiff d = diff_traces(read_trace(diff_a), read_trace(diff_b));
       if (diff_json_out) std::printf("%s\n", diff_json(d).dump().c_str());

@@ -5,6 +5,13 @@
 
 namespace ls {
 
+// How routed tokens are scheduled onto experts (scenario key moe.policy).
+enum class MoePolicy {
+  kRounds,  // fixed capacity per round; overflow waits for the next round; never drops
+  kPeak,    // one round sized to the busiest expert (dropless by reservation)
+  kDrop,    // fixed capacity; overflow skips the expert (GShard/Switch); changes the math
+};
+
 struct ModelConfig {
   int vocab = 256;          // bytes; fixed
   int d_model = 64;
@@ -19,6 +26,11 @@ struct ModelConfig {
   float rms_eps = 1e-5f;
   float aux_loss_weight = 0.01f;  // Switch load-balancing loss; 0 disables
   float z_loss_weight = 0.001f;   // router z-loss; 0 disables
+  MoePolicy moe_policy = MoePolicy::kRounds;
+  float capacity_factor = 1.0f;   // slots per expert per round = factor x mean load
+  int moe_capacity = 0;           // if > 0: slots per expert per round, overriding the factor
+  int moe_group_size = 0;         // experts lending each other slots; 0 = all local experts
+  bool moe_borrow = true;         // borrowing of unused slots within a group
 
   int head_dim() const { return d_model / n_heads; }
 };

@@ -42,8 +42,6 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> shapes_for(const Model
   return out;
 }
 
-// Rows of one expert block handled by one task.
-constexpr int64_t kExpertRowBlock = 64;
 
 }  // namespace
 
@@ -54,7 +52,11 @@ struct LayerActs {
   std::vector<int64_t> row_of;       // [N*K] row of (token, slot) in the expert buffers
   std::vector<int64_t> expert_off;   // [E+1] first row of each expert
   std::vector<int64_t> row_token;    // [N*K] token of each expert row
-  std::vector<float> xe, u, v, sg, act, ye;   // expert buffers, rows grouped by expert (sg = sigmoid(u))
+  std::vector<int64_t> global_counts;  // [E] assignments per expert over every data-parallel rank
+  std::vector<float> ye;             // expert outputs in dispatch order (rows grouped by expert)
+  ExpertWork work;                   // the rows of the experts held here (from every rank of the EP group)
+  std::vector<int64_t> perm;         // expert parallel: work row -> row of the received buffer
+  std::vector<size_t> sent_rows, recv_rows;  // expert parallel: rows to / from each EP rank
   std::vector<float> su, sv, ssg, sact, ysh;  // shared expert
 };
 
@@ -67,15 +69,26 @@ struct MoeTransformer::Workspace {
   std::vector<float> trace_rows;  // expert rows regathered in (token, slot) order for the trace
 };
 
-MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed)
-    : cfg_(cfg), leaf_samples_(leaf_samples), ws_(new Workspace) {
+MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size, int ep_rank)
+    : cfg_(cfg), leaf_samples_(leaf_samples), ws_(new Workspace), ep_size_(ep_size), ep_rank_(ep_rank) {
+  if (ep_size < 1 || cfg.experts % ep_size != 0)
+    throw std::invalid_argument("engine: expert parallel size must divide the expert count");
+  const int64_t local_experts = cfg.experts / ep_size;
   int64_t off = 0;
   for (auto& [name, shape] : shapes_for(cfg)) {
     ParamInfo p;
     p.name = name;
+    p.global_shape = shape;
     p.shape = shape;
+    p.expert = name.find(".experts.") != std::string::npos;
+    int64_t global_size = 1;
+    for (int64_t d : shape) global_size *= d;
+    if (p.expert) {
+      p.shape[0] = local_experts;
+      p.global_offset = global_size / cfg.experts * local_experts * ep_rank;
+    }
     p.size = 1;
-    for (int64_t d : shape) p.size *= d;
+    for (int64_t d : p.shape) p.size *= d;
     p.offset = off;
     p.decay = shape.size() > 1;
     off += p.size;
@@ -91,7 +104,7 @@ MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_
     }
     const uint32_t id = tensor_id(p.name.c_str());
 #pragma omp parallel for schedule(static) if (p.size > 65536)
-    for (int64_t i = 0; i < p.size; ++i) w[i] = init_uniform(seed, id, (uint64_t)i, cfg.init_std);
+    for (int64_t i = 0; i < p.size; ++i) w[i] = init_uniform(seed, id, (uint64_t)(p.global_offset + i), cfg.init_std);
   }
 }
 
@@ -116,12 +129,56 @@ double train_flops_per_token(const ModelConfig& c) {
 StepLosses MoeTransformer::forward(const uint8_t* tokens, int batch) { return run(tokens, batch, false); }
 StepLosses MoeTransformer::forward_backward(const uint8_t* tokens, int batch) { return run(tokens, batch, true); }
 
+namespace {
+
+// Sends rows (width floats each, dispatch order: contiguous per destination)
+// to their owners and returns them in the owner's work order, or back.
+void to_owners(MeshHooks& m, const LayerActs& A, const float* rows, int width, std::vector<float>& out,
+               std::vector<float>& scratch) {
+  const int ep = m.ep_size();
+  std::vector<size_t> sb(ep), rb(ep);
+  size_t total = 0;
+  for (int d = 0; d < ep; ++d) {
+    sb[d] = A.sent_rows[d] * width * 4;
+    rb[d] = A.recv_rows[d] * width * 4;
+    total += A.recv_rows[d];
+  }
+  scratch.resize(total * width);
+  m.ep_all_to_all(rows, sb, scratch.data(), rb);
+  out.resize(A.perm.size() * width);
+  for (size_t r = 0; r < A.perm.size(); ++r)
+    std::memcpy(&out[r * width], &scratch[A.perm[r] * width], sizeof(float) * width);
+}
+
+void from_owners(MeshHooks& m, const LayerActs& A, const std::vector<float>& work_rows, int width, float* out,
+                 std::vector<float>& scratch) {
+  const int ep = m.ep_size();
+  scratch.resize(A.perm.size() * width);
+  for (size_t r = 0; r < A.perm.size(); ++r)
+    std::memcpy(&scratch[A.perm[r] * width], &work_rows[r * width], sizeof(float) * width);
+  std::vector<size_t> sb(ep), rb(ep);
+  for (int d = 0; d < ep; ++d) {
+    sb[d] = A.recv_rows[d] * width * 4;
+    rb[d] = A.sent_rows[d] * width * 4;
+  }
+  m.ep_all_to_all(scratch.data(), sb, out, rb);
+}
+
+}  // namespace
+
 StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   const ModelConfig& c = cfg_;
   const int S = c.seq_len, D = c.d_model, H = c.n_heads, hd = D / H, E = c.experts, K = c.top_k, F = c.d_ff,
             V = c.vocab, L = c.n_layers;
   const int64_t N = (int64_t)B * S, NK = N * K;
   const int64_t leaf = (int64_t)leaf_samples_ * S, leaves = N / leaf;
+  const int dp = mesh_ ? mesh_->dp_size() : 1, ep = mesh_ ? mesh_->ep_size() : 1;
+  if (ep != ep_size_) throw std::logic_error("engine: mesh hooks disagree with the model's expert parallel size");
+  const int El = E / ep;                              // experts held here
+  const float Ng = (float)(N * dp), NKg = (float)(NK * dp);  // global token and assignment counts
+  std::vector<float> xchg;                            // all-to-all scratch
+  stats_.rounds = 0;
+  stats_.borrowed = stats_.dropped = stats_.peak_expert_bytes = stats_.peak_dispatch_bytes = 0;
   if (B % leaf_samples_ != 0)
     throw std::invalid_argument("engine: batch " + std::to_string(B) + " is not a multiple of numerics.leaf_samples");
   const float scale = 1.0f / ls::sqrt((float)hd);
@@ -245,29 +302,74 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
           A.row_token[row] = n;
         }
     }
-    A.xe.resize(NK * D);
-    A.u.resize(NK * F);
-    A.v.resize(NK * F);
-    A.sg.resize(NK * F);
-    A.act.resize(NK * F);
+    // The rows of the experts held here: local rows, or every EP rank's rows
+    // for our experts (ordered by expert, then source rank, then token: the
+    // global token order, as the source ranks hold consecutive samples).
+    ExpertWork& X = A.work;
+    X.experts = El;
     A.ye.resize(NK * D);
+    if (ep == 1) {
+      X.off = A.expert_off;
+      X.x.resize(NK * D);
+      X.leaf.resize(NK);
 #pragma omp parallel for schedule(static)
-    for (int64_t row = 0; row < NK; ++row)
-      std::memcpy(&A.xe[row * D], &A.a2[A.row_token[row] * D], sizeof(float) * D);
-    // Tasks: (expert, block of rows). Rows are independent, so any split keeps the bits.
-    std::vector<std::pair<int, int64_t>> tasks;
-    for (int e = 0; e < E; ++e)
-      for (int64_t r = A.expert_off[e]; r < A.expert_off[e + 1]; r += kExpertRowBlock) tasks.push_back({e, r});
-#pragma omp parallel for schedule(dynamic, 1)
-    for (size_t t = 0; t < tasks.size(); ++t) {
-      const int e = tasks[t].first;
-      const int64_t r0 = tasks[t].second, rows = std::min(kExpertRowBlock, A.expert_off[e + 1] - r0);
-      const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
-      ops::gemm(rows, F, D, {&A.xe[r0 * D], D, 1}, {w1, F, 1}, &A.u[r0 * F], F, false, 1);
-      ops::gemm(rows, F, D, {&A.xe[r0 * D], D, 1}, {w3, F, 1}, &A.v[r0 * F], F, false, 1);
-      ops::swiglu(&A.u[r0 * F], &A.v[r0 * F], &A.sg[r0 * F], &A.act[r0 * F], rows * F);
-      ops::gemm(rows, D, F, {&A.act[r0 * F], F, 1}, {w2, D, 1}, &A.ye[r0 * D], D, false, 1);
+      for (int64_t row = 0; row < NK; ++row) {
+        std::memcpy(&X.x[row * D], &A.a2[A.row_token[row] * D], sizeof(float) * D);
+        X.leaf[row] = A.row_token[row] / leaf;
+      }
+    } else {
+      std::vector<float> xe(NK * D);
+      std::vector<int64_t> leaf_of(NK);
+      for (int64_t row = 0; row < NK; ++row) {
+        std::memcpy(&xe[row * D], &A.a2[A.row_token[row] * D], sizeof(float) * D);
+        leaf_of[row] = (int64_t)mesh_->ep_rank() * leaves + A.row_token[row] / leaf;  // leaf in the EP group
+      }
+      // Row counts per (destination, its local expert), then leaf ids, then rows.
+      std::vector<int64_t> counts_out(E), counts_in((size_t)ep * El);
+      for (int e = 0; e < E; ++e) counts_out[e] = A.expert_off[e + 1] - A.expert_off[e];
+      mesh_->ep_all_to_all(counts_out.data(), std::vector<size_t>(ep, El * 8), counts_in.data(),
+                           std::vector<size_t>(ep, El * 8));
+      A.sent_rows.assign(ep, 0);
+      A.recv_rows.assign(ep, 0);
+      for (int d = 0; d < ep; ++d) {
+        A.sent_rows[d] = A.expert_off[(d + 1) * El] - A.expert_off[d * El];
+        for (int e = 0; e < El; ++e) A.recv_rows[d] += counts_in[(size_t)d * El + e];
+      }
+      std::vector<size_t> sb(ep), rb(ep);
+      size_t total_in = 0;
+      for (int d = 0; d < ep; ++d) {
+        sb[d] = A.sent_rows[d] * 8;
+        rb[d] = A.recv_rows[d] * 8;
+        total_in += A.recv_rows[d];
+      }
+      std::vector<int64_t> leaf_in(total_in);
+      mesh_->ep_all_to_all(leaf_of.data(), sb, leaf_in.data(), rb);
+      // Work order: expert-major, then source rank.
+      X.off.assign(El + 1, 0);
+      A.perm.clear();
+      std::vector<size_t> src_base(ep + 1, 0);
+      for (int d = 0; d < ep; ++d) src_base[d + 1] = src_base[d] + A.recv_rows[d];
+      for (int e = 0; e < El; ++e) {
+        for (int src = 0; src < ep; ++src) {
+          size_t first = src_base[src];
+          for (int e2 = 0; e2 < e; ++e2) first += counts_in[(size_t)src * El + e2];
+          for (int64_t i = 0; i < counts_in[(size_t)src * El + e]; ++i) A.perm.push_back((int64_t)(first + i));
+        }
+        X.off[e + 1] = (int64_t)A.perm.size();
+      }
+      X.leaf.resize(A.perm.size());
+      for (size_t r = 0; r < A.perm.size(); ++r) X.leaf[r] = leaf_in[A.perm[r]];
+      to_owners(*mesh_, A, xe.data(), D, X.x, xchg);
+      stats_.peak_dispatch_bytes = std::max<int64_t>(stats_.peak_dispatch_bytes, (int64_t)(NK + total_in) * D * 4);
     }
+    const ScheduleStats sched = schedule_experts(c, X, N * (int64_t)ep);
+    stats_.rounds = std::max(stats_.rounds, sched.rounds);
+    stats_.borrowed += sched.borrowed;
+    stats_.dropped += sched.dropped;
+    stats_.peak_expert_bytes = std::max<int64_t>(stats_.peak_expert_bytes, sched.peak_rows * (2 * D + 4 * F) * 4);
+    experts_forward(X, W1, W3, W2, D, F);
+    if (ep == 1) std::copy(X.y.begin(), X.y.end(), A.ye.begin());
+    else from_owners(*mesh_, A, X.y, D, A.ye.data(), xchg);
     if (tr) T("fwd", l, "moe.experts", "out", token_slot_order(A, A.ye, D), {N, K, D});
     if (c.shared_expert) {
       A.su.resize(N * F);
@@ -309,16 +411,27 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         }
         zpart[lf] = zacc;
       }
-      float dot = 0.0f;  // reduces over the expert index e
-      std::vector<float> col(leaves);
+      // Per-rank subtrees, then the canonical tree over ranks.
+      std::vector<float> col(leaves), sums(E + 1);
       for (int e = 0; e < E; ++e) {
-        const float f = (float)(A.expert_off[e + 1] - A.expert_off[e]) / (float)NK;
         for (int64_t lf = 0; lf < leaves; ++lf) col[lf] = part[(size_t)lf * E + e];
-        const float Pe = tree_sum(col.data(), leaves) / (float)N;
+        sums[e] = tree_sum(col.data(), leaves);
+      }
+      sums[E] = tree_sum(zpart.data(), leaves);
+      A.global_counts.resize(E);
+      for (int e = 0; e < E; ++e) A.global_counts[e] = A.expert_off[e + 1] - A.expert_off[e];
+      if (mesh_) {
+        mesh_->sum_partials(sums.data(), sums.size());
+        mesh_->sum_counts(A.global_counts.data(), E);
+      }
+      float dot = 0.0f;  // reduces over the expert index e
+      for (int e = 0; e < E; ++e) {
+        const float f = (float)A.global_counts[e] / NKg;
+        const float Pe = sums[e] / Ng;
         dot = ls::fma(f, Pe, dot);
       }
       aux_l[l] = (float)E * dot;
-      z_l[l] = tree_sum(zpart.data(), leaves) / (float)N;
+      z_l[l] = sums[E] / Ng;
     }
   }
 
@@ -341,7 +454,11 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   }
   T("fwd", -1, "loss", "per_token", ws.loss.data(), {N});
   StepLosses out;
-  out.ce = ops::token_sum(ws.loss.data(), N, leaf) / (float)N;
+  {
+    float ce_sum = ops::token_sum(ws.loss.data(), N, leaf);  // this rank's subtree
+    if (mesh_) mesh_->sum_partials(&ce_sum, 1);
+    out.ce = ce_sum / Ng;
+  }
   for (int l = 0; l < L; ++l) out.aux = out.aux + aux_l[l];
   for (int l = 0; l < L; ++l) out.z = out.z + z_l[l];
   out.total = out.ce + c.aux_loss_weight * out.aux + c.z_loss_weight * out.z;
@@ -352,7 +469,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const int y = target(n);
-    for (int v = 0; v < V; ++v) ws.dlogits[n * V + v] = (ws.prob[n * V + v] - (v == y ? 1.0f : 0.0f)) / (float)N;
+    for (int v = 0; v < V; ++v) ws.dlogits[n * V + v] = (ws.prob[n * V + v] - (v == y ? 1.0f : 0.0f)) / Ng;
   }
   T("bwd", -1, "lm_head", "dlogits", ws.dlogits.data(), {N, V});
   ops::weight_grad(ws.af.data(), D, ws.dlogits.data(), V, D, V, uniform_off.data(), leaves, G("lm_head"));
@@ -371,9 +488,6 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     float *gW1 = G(lname(l, "experts.w1")), *gW3 = G(lname(l, "experts.w3")), *gW2 = G(lname(l, "experts.w2"));
     // --- MoE block. dh is the gradient of the block output.
     ws.dye.resize(NK * D);
-    ws.du.resize(NK * F);
-    ws.dv.resize(NK * F);
-    ws.dact.resize(NK * F);
     ws.dxe.resize(NK * D);
     ws.dg.assign(N * E, 0.0f);
 #pragma omp parallel for schedule(static)
@@ -389,47 +503,15 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         ws.dg[n * E + e] = dgate;
         for (int j = 0; j < D; ++j) ws.dye[row * D + j] = gate * dhn[j];
       }
-    std::vector<std::pair<int, int64_t>> tasks;
-    for (int e = 0; e < E; ++e)
-      for (int64_t r = A.expert_off[e]; r < A.expert_off[e + 1]; r += kExpertRowBlock) tasks.push_back({e, r});
-#pragma omp parallel for schedule(dynamic, 1)
-    for (size_t t = 0; t < tasks.size(); ++t) {
-      const int e = tasks[t].first;
-      const int64_t r0 = tasks[t].second, rows = std::min(kExpertRowBlock, A.expert_off[e + 1] - r0);
-      const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
-      ops::gemm(rows, F, D, {&ws.dye[r0 * D], D, 1}, {w2, 1, D}, &ws.dact[r0 * F], F, false, 1);
-      ops::swiglu_backward(&A.u[r0 * F], &A.v[r0 * F], &A.sg[r0 * F], &ws.dact[r0 * F], &ws.du[r0 * F],
-                           &ws.dv[r0 * F], rows * F);
-      // dx folds over the hidden index of u, then continues over that of v.
-      ops::gemm(rows, D, F, {&ws.du[r0 * F], F, 1}, {w1, 1, F}, &ws.dxe[r0 * D], D, false, 1);
-      ops::gemm(rows, D, F, {&ws.dv[r0 * F], F, 1}, {w3, 1, F}, &ws.dxe[r0 * D], D, true, 1);
-    }
+    ExpertWork& X = A.work;
+    if (ep == 1) X.dy.swap(ws.dye);
+    else to_owners(*mesh_, A, ws.dye.data(), D, X.dy, xchg);
+    experts_backward(X, W1, W3, W2, D, F);
+    if (ep == 1) std::copy(X.dx.begin(), X.dx.end(), ws.dxe.begin());
+    else from_owners(*mesh_, A, X.dx, D, ws.dxe.data(), xchg);
+    // Expert weight gradients: the leaf tree over the EP group's leaves.
+    experts_weight_grads(X, leaves * ep, D, F, gW1, gW3, gW2);
     if (tr) T("bwd", l, "moe.experts", "dx", token_slot_order(A, ws.dxe, D), {N, K, D});
-    // Expert weight gradients: token reductions over the rows routed to e,
-    // which are in token order, so leaf l is a contiguous run of rows.
-    {
-      std::vector<int64_t> eoff((size_t)E * (leaves + 1));
-      for (int e = 0; e < E; ++e) {
-        int64_t* off = &eoff[(size_t)e * (leaves + 1)];
-        int64_t r = A.expert_off[e];
-        for (int64_t lf = 0; lf <= leaves; ++lf) {
-          while (r < A.expert_off[e + 1] && A.row_token[r] < lf * leaf) ++r;
-          off[lf] = r - A.expert_off[e];
-        }
-      }
-#pragma omp parallel for schedule(dynamic, 1)
-      for (int task = 0; task < 3 * E; ++task) {
-        const int e = task / 3, which = task % 3;
-        const int64_t r0 = A.expert_off[e];
-        const int64_t* off = &eoff[(size_t)e * (leaves + 1)];
-        if (which == 0)
-          ops::weight_grad(&A.xe[r0 * D], D, &ws.du[r0 * F], F, D, F, off, leaves, gW1 + (int64_t)e * D * F);
-        else if (which == 1)
-          ops::weight_grad(&A.xe[r0 * D], D, &ws.dv[r0 * F], F, D, F, off, leaves, gW3 + (int64_t)e * D * F);
-        else
-          ops::weight_grad(&A.act[r0 * F], F, &ws.dye[r0 * D], D, F, D, off, leaves, gW2 + (int64_t)e * F * D);
-      }
-    }
     // da2 = (sum over slots, in slot order, from +0) + shared + router part.
     ws.da2.resize(N * D);
 #pragma omp parallel for schedule(static)
@@ -446,7 +528,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ws.sdu.resize(N * F);
       ws.sdv.resize(N * F);
       ws.sdx.resize(N * D);
-      ops::linear_input_grad(ws.dh.data(), N, D, s2, F, ws.dact.data(), false);  // dact reused: N*F <= NK*F
+      ws.dact.resize(N * F);
+      ops::linear_input_grad(ws.dh.data(), N, D, s2, F, ws.dact.data(), false);
 #pragma omp parallel for schedule(static)
       for (int64_t n = 0; n < N; ++n)
         ops::swiglu_backward(&A.su[n * F], &A.sv[n * F], &A.ssg[n * F], &ws.dact[n * F], &ws.sdu[n * F],
@@ -464,8 +547,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     {
       std::vector<float> auxc(E);
       for (int e = 0; e < E; ++e) {
-        const float f = (float)(A.expert_off[e + 1] - A.expert_off[e]) / (float)NK;
-        auxc[e] = ((c.aux_loss_weight * (float)E) * f) / (float)N;
+        const float f = (float)A.global_counts[e] / NKg;
+        auxc[e] = ((c.aux_loss_weight * (float)E) * f) / Ng;
       }
       ws.dz.resize(N * E);
 #pragma omp parallel for schedule(static)
@@ -474,7 +557,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         for (int e = 0; e < E; ++e) dg[e] = dg[e] + auxc[e];
         float* dz = &ws.dz[n * E];
         ops::softmax_backward(&A.g[n * E], dg, dz, E);
-        const float zc = ((c.z_loss_weight * 2.0f) * A.lse[n]) / (float)N;
+        const float zc = ((c.z_loss_weight * 2.0f) * A.lse[n]) / Ng;
         for (int e = 0; e < E; ++e) dz[e] = dz[e] + zc * A.g[n * E + e];
       }
       T("bwd", l, "router", "dz", ws.dz.data(), {N, E});

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/experts.h"
 #include "trace/sink.h"
 
 namespace ls {
@@ -17,10 +18,31 @@ namespace ls {
 // One named parameter tensor inside the flat parameter array.
 struct ParamInfo {
   std::string name;
-  std::vector<int64_t> shape;
-  int64_t offset = 0;  // into the flat arrays
+  std::vector<int64_t> shape;         // as held here (an expert-parallel rank holds a slice)
+  std::vector<int64_t> global_shape;  // the whole tensor
+  int64_t global_offset = 0;          // first element of the held slice inside the whole tensor
+  int64_t offset = 0;                 // into the flat arrays
   int64_t size = 0;
-  bool decay = true;   // AdamW weight decay applies (matrices, not norms)
+  bool decay = true;                  // AdamW weight decay applies (matrices, not norms)
+  bool expert = false;                // a routed-expert tensor (sliced by expert parallelism)
+};
+
+// What one data-parallel rank needs from the others inside a step. The model
+// calls these at fixed points; a single-rank model has none (nullptr).
+class MeshHooks {
+ public:
+  virtual ~MeshHooks() = default;
+  virtual int dp_size() const = 0;
+  // Per-rank partial sums (each a subtree of the canonical leaf tree) ->
+  // the global sums, combined by the canonical tree over ranks.
+  virtual void sum_partials(float* v, size_t n) = 0;
+  virtual void sum_counts(int64_t* v, size_t n) = 0;
+  // Expert parallel group: ep_size() consecutive data-parallel ranks; rank
+  // ep_rank() of it holds experts [ep_rank * E/ep, (ep_rank+1) * E/ep).
+  virtual int ep_size() const = 0;
+  virtual int ep_rank() const = 0;
+  virtual void ep_all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                             const std::vector<size_t>& recv_bytes) = 0;
 };
 
 struct StepLosses {
@@ -32,7 +54,11 @@ struct StepLosses {
 
 // Routing statistics of the last forward pass.
 struct MoeStats {
-  std::vector<int64_t> tokens_per_expert;  // layer-major: [layer * experts + e]
+  std::vector<int64_t> tokens_per_expert;  // layer-major: [layer * experts + e], this rank's tokens
+  int rounds = 0;                          // most rounds any layer used
+  int64_t borrowed = 0, dropped = 0;       // rows, summed over layers
+  int64_t peak_expert_bytes = 0;           // largest expert working buffers of one round
+  int64_t peak_dispatch_bytes = 0;         // largest all-to-all send + receive buffers
 };
 
 // Model FLOPs per token of one training step (forward + backward ~ 3x the
@@ -43,7 +69,10 @@ class MoeTransformer {
  public:
   // Parameters drawn by the contract init (Philox, purpose kInit), the same
   // values the reference draws. leaf_samples fixes the token-reduction tree.
-  MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed);
+  // ep_size/ep_rank: hold only experts [ep_rank * E/ep_size, ...) (expert parallel).
+  MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size = 1, int ep_rank = 0);
+  // Hooks to the other ranks (nullptr: a single rank). Must match ep_size.
+  void set_mesh(MeshHooks* hooks) { mesh_ = hooks; }
   ~MoeTransformer();
   MoeTransformer(const MoeTransformer&) = delete;
   MoeTransformer& operator=(const MoeTransformer&) = delete;
@@ -80,6 +109,8 @@ class MoeTransformer {
   MoeStats stats_;
   Workspace* ws_ = nullptr;
   TraceSink* trace_ = nullptr;
+  MeshHooks* mesh_ = nullptr;
+  int ep_size_ = 1, ep_rank_ = 0;
   bool debug_reorder_moe_norm_ = false;
 };
 

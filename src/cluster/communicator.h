@@ -1,0 +1,64 @@
+// How ranks talk: the only channel between them. Buffers and counts, no
+// shared objects, so an MPI or NCCL implementation fits behind the same
+// interface. Reductions combine contributions by the contract's canonical
+// tree over rank index (ranks hold aligned, power-of-two blocks of leaves, so
+// their partials are nodes of the global tree), never in arrival order.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ls {
+
+// Bytes this rank sent, by collective kind.
+struct CommStats {
+  std::map<std::string, uint64_t> bytes_sent;
+  std::map<std::string, uint64_t> calls;
+  void add(const char* kind, uint64_t bytes) {
+    bytes_sent[kind] += bytes;
+    calls[kind] += 1;
+  }
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual void barrier() = 0;
+  virtual void broadcast(void* buf, size_t bytes, int root) = 0;
+  // buf = canonical-tree sum over ranks of every rank's buf.
+  virtual void all_reduce_sum(float* buf, size_t count) = 0;
+  virtual void all_reduce_sum(int64_t* buf, size_t count) = 0;
+  // recv (counts[rank()] floats) = block rank() of the canonical-tree sum of
+  // the ranks' send buffers (sum of counts floats each, blocks in rank order).
+  virtual void reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) = 0;
+  // recv = every rank's send (bytes[r] from rank r), concatenated by rank.
+  virtual void all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) = 0;
+  // send_bytes[r] bytes go to rank r (consecutive in send); recv gets
+  // recv_bytes[r] from rank r, concatenated by rank.
+  virtual void all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                          const std::vector<size_t>& recv_bytes) = 0;
+  virtual void send(const void* buf, size_t bytes, int dst) = 0;
+  virtual void recv(void* buf, size_t bytes, int src) = 0;
+  // Collective: ranks with the same color form a new communicator, ordered
+  // by key then parent rank.
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  CommStats stats;
+};
+
+// An in-process world of `size` ranks, each run on its own thread. The body
+// runs once per rank with that rank's communicator; an exception in any rank
+// is rethrown here after every rank has stopped. `jitter_seed` != 0 makes
+// every collective sleep a random few microseconds per rank first (tests of
+// arrival-order independence).
+void run_in_process(int size, const std::function<void(Communicator&)>& body, uint64_t jitter_seed = 0);
+
+}  // namespace ls

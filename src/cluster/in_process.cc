@@ -1,0 +1,227 @@
+// The in-process Communicator: ranks are threads sharing one address space.
+// A collective has every rank post its buffer, wait for all, compute its own
+// result from the posted buffers in rank order (the canonical tree for sums),
+// and wait again before anyone may reuse a buffer. Arrival order never
+// enters a result.
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "cluster/communicator.h"
+#include "contract.h"
+
+namespace ls {
+namespace {
+
+struct Hub {
+  explicit Hub(int n) : size(n), posted(n), posted_bytes(n) {}
+  const int size;
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;
+  uint64_t generation = 0;
+  std::vector<const void*> posted;
+  std::vector<size_t> posted_bytes;
+  std::map<std::pair<int, int>, std::deque<std::vector<char>>> mail;  // (src, dst) -> messages
+  std::map<std::pair<uint64_t, int>, std::shared_ptr<Hub>> children;  // (split number, color)
+
+  void wait_all() {
+    std::unique_lock<std::mutex> lk(mu);
+    const uint64_t g = generation;
+    if (++arrived == size) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+    } else {
+      cv.wait(lk, [&] { return generation != g; });
+    }
+  }
+};
+
+class InProcessComm : public Communicator {
+ public:
+  InProcessComm(std::shared_ptr<Hub> hub, int rank, uint64_t jitter_seed)
+      : hub_(std::move(hub)), rank_(rank), jitter_(jitter_seed), rng_(jitter_seed * 7919 + rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return hub_->size; }
+
+  void barrier() override {
+    jitter();
+    hub_->wait_all();
+  }
+
+  void broadcast(void* buf, size_t bytes, int root) override {
+    stats.add("broadcast", rank_ == root ? bytes * (size() - 1) : 0);
+    post(buf, bytes);
+    if (rank_ != root) std::memcpy(buf, hub_->posted[root], bytes);
+    hub_->wait_all();
+  }
+
+  void all_reduce_sum(float* buf, size_t count) override {
+    // A ring all-reduce would send 2 (R-1)/R of the buffer.
+    stats.add("all_reduce", size() > 1 ? 2 * count * 4 * (size() - 1) / size() : 0);
+    post(buf, count * 4);
+    std::vector<float> out = tree_over_ranks(0, count);
+    hub_->wait_all();
+    std::memcpy(buf, out.data(), count * 4);
+  }
+
+  void all_reduce_sum(int64_t* buf, size_t count) override {
+    stats.add("all_reduce", size() > 1 ? 2 * count * 8 * (size() - 1) / size() : 0);
+    post(buf, count * 8);
+    std::vector<int64_t> out(count, 0);
+    for (int r = 0; r < size(); ++r) {
+      const int64_t* p = (const int64_t*)hub_->posted[r];
+      for (size_t i = 0; i < count; ++i) out[i] += p[i];  // integers: order is irrelevant
+    }
+    hub_->wait_all();
+    std::memcpy(buf, out.data(), count * 8);
+  }
+
+  void reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) override {
+    size_t total = 0, offset = 0;
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank_) offset = total;
+      total += counts[r];
+    }
+    stats.add("reduce_scatter", (total - counts[rank_]) * 4);
+    post(send, total * 4);
+    std::vector<float> out = tree_over_ranks(offset, counts[rank_]);
+    hub_->wait_all();
+    std::memcpy(recv, out.data(), counts[rank_] * 4);
+  }
+
+  void all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
+    stats.add("all_gather", bytes[rank_] * (size() - 1));
+    post(send, bytes[rank_]);
+    size_t off = 0;
+    for (int r = 0; r < size(); ++r) {
+      std::memcpy((char*)recv + off, hub_->posted[r], bytes[r]);
+      off += bytes[r];
+    }
+    hub_->wait_all();
+  }
+
+  void all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                  const std::vector<size_t>& recv_bytes) override {
+    uint64_t out = 0;
+    for (int r = 0; r < size(); ++r)
+      if (r != rank_) out += send_bytes[r];
+    stats.add("all_to_all", out);
+    // Post the send buffer and its per-destination offsets.
+    std::vector<size_t> offsets(size() + 1, 0);
+    for (int r = 0; r < size(); ++r) offsets[r + 1] = offsets[r] + send_bytes[r];
+    struct Posting {
+      const char* base;
+      const size_t* offsets;
+    } mine{(const char*)send, offsets.data()};
+    post(&mine, sizeof mine);
+    size_t off = 0;
+    for (int r = 0; r < size(); ++r) {
+      const Posting* p = (const Posting*)hub_->posted[r];
+      const size_t n = p->offsets[rank_ + 1] - p->offsets[rank_];
+      if (n != recv_bytes[r]) throw std::logic_error("all_to_all: rank " + std::to_string(r) + " sends " +
+                                                     std::to_string(n) + " bytes, expected " + std::to_string(recv_bytes[r]));
+      std::memcpy((char*)recv + off, p->base + p->offsets[rank_], n);
+      off += n;
+    }
+    hub_->wait_all();
+  }
+
+  void send(const void* buf, size_t bytes, int dst) override {
+    stats.add("send", bytes);
+    std::lock_guard<std::mutex> lk(hub_->mu);
+    hub_->mail[{rank_, dst}].emplace_back((const char*)buf, (const char*)buf + bytes);
+    hub_->cv.notify_all();
+  }
+
+  void recv(void* buf, size_t bytes, int src) override {
+    std::unique_lock<std::mutex> lk(hub_->mu);
+    auto& box = hub_->mail[{src, rank_}];
+    hub_->cv.wait(lk, [&] { return !box.empty(); });
+    if (box.front().size() != bytes) throw std::logic_error("recv: message size differs from the expected size");
+    std::memcpy(buf, box.front().data(), bytes);
+    box.pop_front();
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    const int n = size();
+    std::vector<int> mine = {color, key}, all(2 * n);
+    all_gather(mine.data(), all.data(), std::vector<size_t>(n, sizeof(int) * 2));
+    std::vector<std::pair<int, int>> members;  // (key, parent rank) of my color
+    for (int r = 0; r < n; ++r)
+      if (all[2 * r] == color) members.push_back({all[2 * r + 1], r});
+    std::sort(members.begin(), members.end());
+    int new_rank = 0;
+    for (size_t i = 0; i < members.size(); ++i)
+      if (members[i].second == rank_) new_rank = (int)i;
+    std::shared_ptr<Hub> child;
+    {
+      std::lock_guard<std::mutex> lk(hub_->mu);
+      auto& slot = hub_->children[{splits_, color}];
+      if (!slot) slot = std::make_shared<Hub>((int)members.size());
+      child = slot;
+    }
+    ++splits_;
+    hub_->wait_all();
+    return std::make_unique<InProcessComm>(child, new_rank, jitter_ ? jitter_ + 1000003ull * (splits_ + 1) : 0);
+  }
+
+ private:
+  void jitter() {
+    if (!jitter_) return;
+    std::this_thread::sleep_for(std::chrono::microseconds(rng_() % 200));
+    if (rng_() % 2) std::this_thread::yield();
+  }
+  void post(const void* p, size_t bytes) {
+    jitter();
+    hub_->posted[rank_] = p;
+    hub_->posted_bytes[rank_] = bytes;
+    hub_->wait_all();
+  }
+  // Elements [offset, offset+count) summed over ranks by the canonical tree.
+  std::vector<float> tree_over_ranks(size_t offset, size_t count) {
+    const int n = size();
+    std::vector<float> scratch((size_t)LeafTree::levels_for(n) * count);
+    LeafTree tree(scratch.data(), (int64_t)count);
+    for (int r = 0; r < n; ++r) {
+      std::memcpy(tree.next_leaf(), (const float*)hub_->posted[r] + offset, count * 4);
+      tree.push();
+    }
+    const float* s = tree.finish();
+    return std::vector<float>(s, s + count);
+  }
+
+  std::shared_ptr<Hub> hub_;
+  int rank_;
+  uint64_t jitter_;
+  std::mt19937_64 rng_;
+  uint64_t splits_ = 0;
+};
+
+}  // namespace
+
+void run_in_process(int size, const std::function<void(Communicator&)>& body, uint64_t jitter_seed) {
+  auto hub = std::make_shared<Hub>(size);
+  std::vector<std::exception_ptr> errors(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r)
+    threads.emplace_back([&, r] {
+      InProcessComm comm(hub, r, jitter_seed);
+      try {
+        body(comm);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace ls

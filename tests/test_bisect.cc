@@ -1,0 +1,166 @@
+// tools/bisect-commits on a throwaway toy repository: the build copies a
+// file, the check compares the number in it with GOOD's golden copy. It must
+// name the commit that changed the number, skip an unbuildable commit, and
+// leave the user's HEAD, branch and (dirty) working tree as they were.
+#include <doctest/doctest.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int rc;
+  std::string out, err;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// The toy "project": value.txt holds the numerics; the build copies it,
+// the golden keeps GOOD's copy, the check compares (exit 2 if the scenario
+// file is missing, as lockstep check would).
+const std::string kTemplates =
+    " --build-cmd " + quote("cp {src}/value.txt {build}/out.txt") +
+    " --golden-cmd " + quote("cp {build}/out.txt {golden}/golden.txt") +
+    " --check-cmd " + quote("test -f {scenario} || exit 2; test \"$(cat {build}/out.txt)\" = \"$(cat {golden}/golden.txt)\"");
+
+struct Toy {
+  fs::path dir, repo, tmp, scenario;
+  std::string shas[9];  // shas[1..8]
+
+  Toy() {
+    char tmpl[] = "/tmp/lockstep-bisect-test-XXXXXX";
+    dir = mkdtemp(tmpl);
+    repo = dir / "repo";
+    tmp = dir / "tmp";
+    scenario = dir / "toy.json";
+    fs::create_directories(repo);
+    fs::create_directories(tmp);
+    std::ofstream(scenario) << "{}\n";
+    // Commit 5 changes the number; commit 6 removes the file the build needs.
+    const std::string script =
+        "set -e; cd " + quote(repo.string()) +
+        "; git init -q . && git symbolic-ref HEAD refs/heads/main"
+        "; git config user.name toy; git config user.email toy@example.com; git config commit.gpgsign false"
+        "; c() { git add -A && git commit -q -m \"$1\"; }"
+        "; echo 'loss 2.5' > value.txt; echo 1 > notes.txt; c 'c1 init'"
+        "; echo 2 >> notes.txt; c 'c2 notes'"
+        "; echo 3 >> notes.txt; c 'c3 notes'"
+        "; echo 4 >> notes.txt; c 'c4 notes'"
+        "; echo 'loss 2.4999998' > value.txt; c 'c5 change numerics'"
+        "; git rm -q value.txt; c 'c6 break the build'"
+        "; echo 'loss 2.4999998' > value.txt; c 'c7 fix the build'"
+        "; echo 8 >> notes.txt; c 'c8 notes'"
+        "; echo dirty >> notes.txt; echo untracked > untracked.txt";
+    REQUIRE(std::system(script.c_str()) == 0);
+    for (int i = 1; i <= 8; ++i) shas[i] = git("rev-parse HEAD~" + std::to_string(8 - i));
+  }
+  ~Toy() { fs::remove_all(dir); }
+
+  std::string git(const std::string& args) const {
+    const fs::path out = dir / "git.out";
+    std::system(("git -C " + quote(repo.string()) + " " + args + " >" + out.string() + " 2>/dev/null").c_str());
+    std::string s = slurp(out);
+    while (!s.empty() && s.back() == '\n') s.pop_back();
+    return s;
+  }
+
+  Result bisect(const std::string& args, bool from_inside = false) const {
+    const fs::path out = dir / "stdout", err = dir / "stderr";
+    std::string cmd = "TMPDIR=" + quote(tmp.string()) + " ";
+    cmd += from_inside ? "cd " + quote(repo.string()) + " && " : "";
+    cmd += std::string(LOCKSTEP_SOURCE_DIR) + "/tools/bisect-commits " + args;
+    cmd += from_inside ? "" : " --repo " + quote(repo.string());
+    cmd += " >" + out.string() + " 2>" + err.string();
+    int status = std::system(cmd.c_str());
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+  }
+
+  // Everything a user would notice: HEAD, branch, working tree, worktrees, bisect state.
+  std::string state() const {
+    return git("rev-parse HEAD") + "|" + git("symbolic-ref HEAD") + "|" + git("status --porcelain") + "|" +
+           slurp(repo / "notes.txt") + "|" + git("worktree list --porcelain") + "|" +
+           git("for-each-ref refs/bisect") + "|" + std::to_string(fs::exists(repo / ".git/BISECT_LOG"));
+  }
+};
+
+std::string last_line(const std::string& s) {
+  std::string t = s;
+  while (!t.empty() && t.back() == '\n') t.pop_back();
+  size_t nl = t.rfind('\n');
+  return nl == std::string::npos ? t : t.substr(nl + 1);
+}
+
+}  // namespace
+
+TEST_SUITE("bisect") {
+  TEST_CASE("names the commit that changed the numerics, skips an unbuildable one, touches nothing") {
+    Toy toy;
+    const std::string before = toy.state();
+    CHECK(before.find(" M notes.txt") != std::string::npos);
+    CHECK(before.find("refs/heads/main") != std::string::npos);
+
+    Result r = toy.bisect(toy.shas[1] + " main " + toy.scenario.string() + kTemplates);
+    INFO("stdout: " << r.out << "\nstderr: " << r.err);
+    CHECK(r.rc == 0);
+    CHECK(last_line(r.out) ==
+          "first commit that changed the numerics of " + toy.scenario.string() + ": " + toy.shas[5] + " c5 change numerics");
+    CHECK(r.out.find("value.txt | 2 +-") != std::string::npos);  // the --stat summary
+    CHECK(r.err.find("c6 break the build: does not build -> skip") != std::string::npos);
+    CHECK(toy.state() == before);
+    CHECK(fs::is_empty(toy.tmp));  // its work dir is gone
+  }
+
+  TEST_CASE("default repository is the one around the current directory") {
+    Toy toy;
+    const std::string before = toy.state();
+    Result r = toy.bisect("HEAD~7 HEAD " + toy.scenario.string() + kTemplates, /*from_inside=*/true);
+    INFO("stdout: " << r.out << "\nstderr: " << r.err);
+    CHECK(r.rc == 0);
+    CHECK(last_line(r.out).find(toy.shas[5]) != std::string::npos);
+    CHECK(toy.state() == before);
+  }
+
+  TEST_CASE("same bits at GOOD and BAD: exit 1, nothing to find") {
+    Toy toy;
+    const std::string before = toy.state();
+    Result r = toy.bisect(toy.shas[1] + " " + toy.shas[4] + " " + toy.scenario.string() + kTemplates);
+    INFO("stdout: " << r.out << "\nstderr: " << r.err);
+    CHECK(r.rc == 1);
+    CHECK(r.out.find("nothing to find") != std::string::npos);
+    CHECK(toy.state() == before);
+    CHECK(fs::is_empty(toy.tmp));
+  }
+
+  TEST_CASE("bad arguments: exit 2, nothing touched") {
+    Toy toy;
+    const std::string before = toy.state();
+    const std::string sc = " " + toy.scenario.string() + kTemplates;
+    CHECK(toy.bisect(toy.shas[1] + " no-such-commit" + sc).rc == 2);
+    CHECK(toy.bisect(toy.shas[8] + " " + toy.shas[1] + sc).rc == 2);  // GOOD after BAD
+    CHECK(toy.bisect(toy.shas[1] + " main " + (toy.dir / "missing.json").string() + kTemplates).rc == 2);
+    CHECK(toy.bisect(toy.shas[1]).rc == 2);  // too few arguments
+    // GOOD itself does not build: nothing to compare against.
+    CHECK(toy.bisect(toy.shas[6] + " main" + sc).rc == 2);
+    CHECK(toy.state() == before);
+    CHECK(fs::is_empty(toy.tmp));
+  }
+}
