@@ -75,7 +75,9 @@ const char* kFull = R"({
   "name": "full", "description": "every key set", "seed": 18446744073709551615,
   "model": {"d_model": 512, "n_layers": 8, "n_heads": 8, "seq_len": 128, "d_ff": 1024,
             "shared_expert": true, "init_std": 0.03, "rms_eps": 1e-06},
-  "moe": {"experts": 64, "top_k": 4, "aux_loss_weight": 0.02, "z_loss_weight": 0.0},
+  "moe": {"experts": 64, "top_k": 4, "aux_loss_weight": 0.02, "z_loss_weight": 0.0,
+          "policy": "peak", "capacity_factor": 0.5, "capacity": 12, "group_size": 8, "borrow": false},
+  "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2},
   "train": {"steps": 300, "batch": 32, "lr": 0.0005, "min_lr_ratio": 0.05,
             "warmup_steps": 10, "decay_steps": 250, "beta1": 0.8, "beta2": 0.99,
             "eps": 1e-07, "weight_decay": 0.0, "grad_clip": 0.5,
@@ -187,6 +189,15 @@ TEST_SUITE("scenario") {
     CHECK(s.data.synthetic_bytes == 65536);
     CHECK(s.data.val_fraction == 0.25);
     CHECK(s.leaf_samples == 4);
+    CHECK(s.model.moe_policy == ls::MoePolicy::kPeak);
+    CHECK(s.model.capacity_factor == 0.5f);
+    CHECK(s.model.moe_capacity == 12);
+    CHECK(s.model.moe_group_size == 8);
+    CHECK(!s.model.moe_borrow);
+    CHECK(s.mesh.dp == 4);
+    CHECK(s.mesh.ep == 2);
+    CHECK(s.mesh.fsdp);
+    CHECK(s.mesh.replicate == 2);
 
     // Every key set: resolved is the file itself.
     json file = json::parse(kFull, nullptr, true, /*ignore_comments=*/true);
@@ -435,8 +446,34 @@ TEST_SUITE("scenario") {
     CHECK(fp({"train.steps=11"}) != a);
     CHECK(fp({"train.lr=0.0030001"}) != a);
     CHECK(fp({"model.shared_expert=true"}) != a);
-    CHECK(fp({"description=x"}) != a);
     CHECK(fp({"seed=1235"}) != a);
+    CHECK(fp({"moe.policy=drop"}) != a);  // drop changes the math
+    // Names and the decomposition (mesh, MoE schedule) must not change bits,
+    // so they do not change the fingerprint: a mesh variant shares its twin's golden.
+    CHECK(fp({"description=x"}) == a);
+    CHECK(fp({"name=other"}) == a);
+    CHECK(fp({"train.batch=16", "mesh.dp=4", "mesh.ep=2", "mesh.fsdp=true"}) == fp({"train.batch=16"}));
+    CHECK(fp({"moe.policy=peak", "moe.capacity_factor=0.5", "moe.borrow=false", "moe.group_size=2",
+              "moe.capacity=3"}) == a);
+  }
+
+  TEST_CASE("a mesh that cannot keep the bits is refused, naming the constraint") {
+    const json base = json::object();
+    auto err = [&](const std::vector<std::string>& sets) {
+      try {
+        ls::scenario_from_json(base, "m.json", sets);
+      } catch (const ls::UserError& e) {
+        return std::string(e.what());
+      }
+      return std::string();
+    };
+    CHECK(err({"mesh.dp=3"}).find("mesh.dp: must divide train.batch") != std::string::npos);
+    CHECK(err({"train.batch=24", "mesh.dp=2"}).find("power-of-two number of leaves") != std::string::npos);
+    CHECK(err({"mesh.dp=4", "mesh.ep=3"}).find("mesh.ep: must be a power of two") != std::string::npos);
+    CHECK(err({"mesh.dp=2", "mesh.ep=4"}).find("mesh.ep: must divide mesh.dp") != std::string::npos);
+    CHECK(err({"mesh.dp=4", "mesh.replicate=3"}).find("mesh.replicate: must divide mesh.dp") != std::string::npos);
+    CHECK(err({"moe.policy=greedy"}).find("moe.policy: must be one of rounds, peak, drop") != std::string::npos);
+    CHECK(err({"train.batch=24", "mesh.dp=3", "numerics.leaf_samples=2"}) == "");  // 4 leaves per rank
   }
 
   TEST_CASE("docs/SCENARIOS.md documents every key, in step with the schema") {

@@ -14,14 +14,37 @@ AdamW::AdamW(const OptimConfig& cfg, int total_steps, const std::vector<ParamInf
   v_.assign(n, 0.0f);
 }
 
-float AdamW::learning_rate(int step) const {
-  if (step < cfg_.warmup_steps) return cfg_.lr * (float)(step + 1) / (float)cfg_.warmup_steps;
-  const int span = std::max(1, decay_steps_ - cfg_.warmup_steps);
-  float progress = (float)(step - cfg_.warmup_steps) / (float)span;
+float learning_rate(const OptimConfig& cfg, int decay_steps, int step) {
+  if (step < cfg.warmup_steps) return cfg.lr * (float)(step + 1) / (float)cfg.warmup_steps;
+  const int span = std::max(1, decay_steps - cfg.warmup_steps);
+  float progress = (float)(step - cfg.warmup_steps) / (float)span;
   if (progress > 1.0f) progress = 1.0f;
-  const float min_lr = cfg_.lr * cfg_.min_lr_ratio;
+  const float min_lr = cfg.lr * cfg.min_lr_ratio;
   const float coef = 0.5f * (1.0f + ls::ccos(3.14159265358979323846f * progress));
-  return min_lr + (cfg_.lr - min_lr) * coef;
+  return min_lr + (cfg.lr - min_lr) * coef;
+}
+
+float AdamW::learning_rate(int step) const { return ls::learning_rate(cfg_, decay_steps_, step); }
+
+void adamw_update(const OptimConfig& cfg, float lr, int step, bool decay, float* pw, const float* pg, float* pm,
+                  float* pv, int64_t n) {
+  const float b1 = cfg.beta1, b2 = cfg.beta2, omb1 = 1.0f - b1, omb2 = 1.0f - b2;
+  float p1 = 1.0f, p2 = 1.0f;  // beta^t by repeated multiplication, t = step + 1
+  for (int t = 0; t <= step; ++t) {
+    p1 = p1 * b1;
+    p2 = p2 * b2;
+  }
+  const float bc1 = 1.0f - p1, bc2 = 1.0f - p2, eps = cfg.eps, wd = cfg.weight_decay;
+#pragma omp parallel for schedule(static) if (n > 16384)
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = pg[i];
+    pm[i] = b1 * pm[i] + omb1 * gi;
+    pv[i] = b2 * pv[i] + omb2 * (gi * gi);
+    const float mhat = pm[i] / bc1, vhat = pv[i] / bc2;
+    float upd = mhat / (ls::sqrt(vhat) + eps);
+    if (decay) upd = upd + wd * pw[i];
+    pw[i] = pw[i] - lr * upd;
+  }
 }
 
 float AdamW::global_norm(const float* grads) const {
@@ -43,27 +66,9 @@ float AdamW::step(int step, float* w, float* g) {
     for (int64_t i = 0; i < n; ++i) g[i] = g[i] * scale;
   }
   const float lr = learning_rate(step);
-  const float b1 = cfg_.beta1, b2 = cfg_.beta2, omb1 = 1.0f - b1, omb2 = 1.0f - b2;
-  float p1 = 1.0f, p2 = 1.0f;  // beta^t by repeated multiplication, t = step + 1
-  for (int t = 0; t <= step; ++t) {
-    p1 = p1 * b1;
-    p2 = p2 * b2;
-  }
-  const float bc1 = 1.0f - p1, bc2 = 1.0f - p2, eps = cfg_.eps, wd = cfg_.weight_decay;
-  for (const ParamInfo& p : params_) {
-    float *pw = w + p.offset, *pg = g + p.offset, *pm = m_.data() + p.offset, *pv = v_.data() + p.offset;
-    const bool decay = p.decay;
-#pragma omp parallel for schedule(static) if (p.size > 16384)
-    for (int64_t i = 0; i < p.size; ++i) {
-      const float gi = pg[i];
-      pm[i] = b1 * pm[i] + omb1 * gi;
-      pv[i] = b2 * pv[i] + omb2 * (gi * gi);
-      const float mhat = pm[i] / bc1, vhat = pv[i] / bc2;
-      float upd = mhat / (ls::sqrt(vhat) + eps);
-      if (decay) upd = upd + wd * pw[i];
-      pw[i] = pw[i] - lr * upd;
-    }
-  }
+  for (const ParamInfo& p : params_)
+    adamw_update(cfg_, lr, step, p.decay, w + p.offset, g + p.offset, m_.data() + p.offset, v_.data() + p.offset,
+                 p.size);
   return norm;
 }
 

@@ -10,6 +10,14 @@
 
 namespace ls {
 
+// Learning rate at 0-based step: linear warmup, then cosine to lr * min_lr_ratio.
+float learning_rate(const OptimConfig& cfg, int decay_steps, int step);
+
+// The AdamW update of n elements at 0-based step (elementwise: any split of
+// a tensor into shards gives the same bits). grads are already clipped.
+void adamw_update(const OptimConfig& cfg, float lr, int step, bool decay, float* w, const float* g, float* m,
+                  float* v, int64_t n);
+
 class AdamW {
  public:
   // total_steps sets the cosine length when cfg.decay_steps is 0.

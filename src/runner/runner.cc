@@ -13,6 +13,7 @@
 #include "model/model.h"
 #include "optim/adamw.h"
 #include "reference.h"
+#include "runner/cluster_trainer.h"
 
 namespace ls {
 
@@ -46,6 +47,15 @@ class EngineTrainer : public Trainer {
   }
   double train_flops_per_token() const override { return model_.train_flops_per_token(); }
   std::vector<int64_t> tokens_per_expert() const override { return model_.moe_stats().tokens_per_expert; }
+  MeshReport mesh_report() const override {
+    const MoeStats& st = model_.moe_stats();
+    MeshReport m;
+    m.rounds = st.rounds;
+    m.borrowed = st.borrowed;
+    m.dropped = st.dropped;
+    m.peak_expert_bytes = st.peak_expert_bytes;
+    return m;
+  }
   void set_trace(TraceSink* sink) override { model_.set_trace(sink); }
   void debug_bump_weight(const std::string& param, int64_t index) override {
     bool known = false;
@@ -157,8 +167,14 @@ RunOptions::Bump parse_bump(const std::string& text) {
   return b;
 }
 
+bool is_multi_rank(const Scenario& s) { return s.mesh.dp > 1 || s.mesh.ep > 1 || s.mesh.fsdp; }
+
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
+  if (b == Backend::kEngine && is_multi_rank(s)) return std::make_unique<ClusterTrainer>(s);
   if (b == Backend::kEngine) return std::make_unique<EngineTrainer>(s);
+  if (is_multi_rank(s) || s.model.moe_policy == MoePolicy::kDrop)
+    throw UserError("--backend reference: runs one rank and the dropless schedule only (mesh.* and moe.policy=drop "
+                    "are engine features)");
   return std::make_unique<ReferenceTrainer>(s);
 }
 
@@ -173,6 +189,10 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   const int T = s.model.seq_len, B = s.batch;
   Corpus corpus = load_corpus(s.data, s.seed, T);
   std::unique_ptr<Trainer> trainer = make_trainer(s, opt.backend);
+  if (auto* cluster = dynamic_cast<ClusterTrainer*>(trainer.get())) {
+    cluster->set_threads(opt.threads > 0 ? opt.threads : omp_get_max_threads());
+    cluster->set_jitter(opt.jitter_seed);
+  }
   r.train_flops_per_token = trainer->train_flops_per_token();
   if (opt.debug_reorder_moe_norm) trainer->set_debug_reorder_moe_norm(true);
   std::unique_ptr<TraceWriter> tracer;
@@ -196,6 +216,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     if (opt.progress) std::fprintf(stderr, "eval  step %d  held-out %.4f bits/byte\n", step, bpb);
   };
 
+  std::map<std::string, uint64_t> train_bytes;
   double train_seconds = 0;
   auto t_start = std::chrono::steady_clock::now();
   for (int step = 0; step < r.steps; ++step) {
@@ -210,6 +231,13 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     if (tracer) tracer->end_step(loss, norm, trainer->state_hash());
     r.losses.push_back(loss);
     r.grad_norms.push_back(norm);
+    const MeshReport mr = trainer->mesh_report();
+    r.moe_rounds.push_back(mr.rounds);
+    r.moe_borrowed.push_back(mr.borrowed);
+    r.moe_dropped.push_back(mr.dropped);
+    r.peak_expert_bytes = std::max(r.peak_expert_bytes, mr.peak_expert_bytes);
+    r.peak_dispatch_bytes = std::max(r.peak_dispatch_bytes, mr.peak_dispatch_bytes);
+    if (step + 1 == r.steps) train_bytes = mr.bytes_sent_max;
     const int done = step + 1;
     for (int h : opt.hash_at)
       if (h == done) r.state_hashes[done] = trainer->state_hash();
@@ -217,8 +245,9 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
       const double tps = (double)done * B * T / train_seconds;
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       const double eta = elapsed / done * (r.steps - done);
-      std::fprintf(stderr, "step %d/%d  loss %.4f  (%.3f bits/byte)  %.0f tok/s  ETA %s\n", done, r.steps, loss,
-                   loss / 0.6931471805599453, tps, fmt_duration(eta).c_str());
+      std::fprintf(stderr, "step %d/%d  loss %.4f  (%.3f bits/byte)  %.0f tok/s  ETA %s  moe rounds %d borrowed %lld dropped %lld\n",
+                   done, r.steps, loss, loss / 0.6931471805599453, tps, fmt_duration(eta).c_str(), mr.rounds,
+                   (long long)mr.borrowed, (long long)mr.dropped);
     }
     if (opt.eval && s.eval_every > 0 && done % s.eval_every == 0 && done != r.steps) evaluate(done);
   }
@@ -228,6 +257,9 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.seconds = train_seconds;
   r.tokens_per_second = train_seconds > 0 ? (double)r.steps * B * T / train_seconds : 0;
   r.last_tokens_per_expert = trainer->tokens_per_expert();
+  r.mesh = s.mesh;
+  // Collective bytes of the training steps (taken before evaluation adds its own).
+  for (auto& [k, b] : train_bytes) r.bytes_sent_per_step[k] = r.steps ? (double)b / r.steps : 0;
   return r;
 }
 
@@ -253,6 +285,11 @@ nlohmann::json result_json(const RunResult& r) {
   nlohmann::json hashes = nlohmann::json::object();
   for (auto& [step, h] : r.state_hashes) hashes[std::to_string(step)] = h;
   j["state_hashes"] = hashes;
+  j["mesh"] = {{"dp", r.mesh.dp}, {"ep", r.mesh.ep}, {"fsdp", r.mesh.fsdp}, {"replicate", r.mesh.replicate}};
+  j["moe"] = {{"rounds", r.moe_rounds}, {"borrowed", r.moe_borrowed}, {"dropped", r.moe_dropped},
+              {"peak_expert_bytes_per_rank", r.peak_expert_bytes},
+              {"peak_dispatch_bytes_per_rank", r.peak_dispatch_bytes}};
+  j["bytes_sent_per_rank_per_step"] = r.bytes_sent_per_step;
   return j;
 }
 

@@ -27,6 +27,7 @@ struct RunOptions {
   std::vector<int> hash_at;   // steps (1-based, after the update) whose state hash to record
   bool progress = false;      // progress lines on stderr
   bool eval = true;           // held-out BPB at eval steps
+  uint64_t jitter_seed = 0;   // multi-rank: random delays in every collective (tests)
   std::string trace_path;     // --trace FILE: per-op trace (docs/TRACE.md)
   DumpSpec trace_dump;        // --trace-dump STEP[:OP]
   // Debug-only perturbations the drift tools are tested against.
@@ -59,6 +60,19 @@ struct RunResult {
   double tokens_per_second = 0;
   double train_flops_per_token = 0;
   std::vector<int64_t> last_tokens_per_expert;
+  MeshConfig mesh;
+  std::vector<int> moe_rounds;               // per step
+  std::vector<int64_t> moe_borrowed, moe_dropped;  // per step
+  int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;
+  std::map<std::string, double> bytes_sent_per_step;  // by collective kind, busiest rank
+};
+
+// MoE schedule and mesh figures of the last training step.
+struct MeshReport {
+  int rounds = 0;
+  int64_t borrowed = 0, dropped = 0;                       // rows, summed over layers and ranks
+  int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;  // per rank, the largest
+  std::map<std::string, uint64_t> bytes_sent_max;          // by collective kind, the busiest rank, all steps
 };
 
 // One training backend: model + optimizer behind one interface.
@@ -74,6 +88,7 @@ class Trainer {
   // Debug only: the weight `param`[index] moves up by one ulp.
   virtual void debug_bump_weight(const std::string& param, int64_t index) = 0;
   virtual void set_debug_reorder_moe_norm(bool on) = 0;
+  virtual MeshReport mesh_report() const { return {}; }
 };
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b);
 

@@ -201,6 +201,33 @@ Row field(const char* key, F access, const char* doc,
   return r;
 }
 
+// moe.policy: a string naming a MoePolicy.
+Row policy_row() {
+  Row r;
+  r.info.key = "moe.policy";
+  r.info.type = "string";
+  r.info.doc = "Expert scheduling: rounds (fixed capacity per round, overflow waits, never drops), "
+               "peak (one round sized to the busiest expert), drop (overflow skips the expert; "
+               "changes the math).";
+  r.info.constraint = "one of rounds, peak, drop";
+  r.decode = [](Scenario& s, const json& v) -> std::string {
+    std::string name;
+    if (std::string e = decode_value(v, &name); !e.empty()) return e;
+    if (name == "rounds") s.model.moe_policy = MoePolicy::kRounds;
+    else if (name == "peak") s.model.moe_policy = MoePolicy::kPeak;
+    else if (name == "drop") s.model.moe_policy = MoePolicy::kDrop;
+    else return "must be one of rounds, peak, drop, got \"" + name + "\"";
+    return std::string();
+  };
+  r.encode = [](const Scenario& s) {
+    return json(s.model.moe_policy == MoePolicy::kRounds ? "rounds"
+                : s.model.moe_policy == MoePolicy::kPeak ? "peak"
+                                                         : "drop");
+  };
+  r.check = [](const Scenario&) { return std::string(); };
+  return r;
+}
+
 std::vector<Row> make_rows() {
   using S = Scenario;
   std::vector<Row> t = {
@@ -301,6 +328,66 @@ std::vector<Row> make_rows() {
             "Samples per leaf of the token-reduction tree (a contract constant: "
             "changing it changes bits).",
             {at_least(1)}),
+
+      policy_row(),
+      field("moe.capacity_factor", [](S& s) -> float& { return s.model.capacity_factor; },
+            "Expert slots per round = capacity_factor x mean load (tokens x top_k / experts).",
+            {above(0.0f)}),
+      field("moe.capacity", [](S& s) -> int& { return s.model.moe_capacity; },
+            "Expert slots per round in tokens; 0 = use moe.capacity_factor.", {at_least(0)}),
+      field("moe.group_size", [](S& s) -> int& { return s.model.moe_group_size; },
+            "Experts that lend each other unused slots (policy rounds with moe.borrow); 0 = all "
+            "experts a rank holds.",
+            {at_least(0)}),
+      field("moe.borrow", [](S& s) -> bool& { return s.model.moe_borrow; },
+            "Let an overflowing expert use slots another expert of its group leaves empty."),
+
+      field("mesh.dp", [](S& s) -> int& { return s.mesh.dp; },
+            "Data-parallel ranks (the simulated world). Each holds train.batch / mesh.dp "
+            "consecutive samples, which must be a power-of-two number of leaves so its partial "
+            "sums are nodes of the contract's tree.",
+            {in_range(1, 64),
+             {"divides train.batch into a power-of-two number of leaves per rank",
+              [](const S& s, int v) {
+                if (v == 1) return std::string();  // one rank computes the whole tree
+                if (s.batch % v != 0)
+                  return "must divide train.batch = " + show(s.batch) + ", got " + show(v);
+                const int per = s.batch / v;
+                if (s.leaf_samples < 1 || per % s.leaf_samples != 0)
+                  return "leaves train.batch / mesh.dp = " + show(per) +
+                         " samples per rank, not a multiple of numerics.leaf_samples = " +
+                         show(s.leaf_samples);
+                const int leaves = per / s.leaf_samples;
+                if (leaves & (leaves - 1))
+                  return "gives " + show(leaves) +
+                         " leaves per rank; the bits stay independent of the mesh only when "
+                         "each rank holds a power-of-two number of leaves "
+                         "(train.batch / mesh.dp / numerics.leaf_samples)";
+                return std::string();
+              }}}),
+      field("mesh.ep", [](S& s) -> int& { return s.mesh.ep; },
+            "Expert-parallel group size: experts are split over this many consecutive "
+            "data-parallel ranks, tokens travel by all-to-all.",
+            {in_range(1, 64),
+             {"a power of two dividing mesh.dp and moe.experts", [](const S& s, int v) {
+                if (v & (v - 1)) return "must be a power of two, got " + show(v);
+                if (s.mesh.dp % v != 0)
+                  return "must divide mesh.dp = " + show(s.mesh.dp) + ", got " + show(v);
+                if (s.model.experts % v != 0)
+                  return "must divide moe.experts = " + show(s.model.experts) + ", got " + show(v);
+                return std::string();
+              }}}),
+      field("mesh.fsdp", [](S& s) -> bool& { return s.mesh.fsdp; },
+            "Shard parameters, gradients and AdamW state across data-parallel ranks "
+            "(all-gather before use, reduce-scatter of gradients)."),
+      field("mesh.replicate", [](S& s) -> int& { return s.mesh.replicate; },
+            "With mesh.fsdp: replica groups (HSDP); each shards over mesh.dp / mesh.replicate "
+            "consecutive ranks and replicas all-reduce.",
+            {at_least(1),
+             {"divides mesh.dp", [](const S& s, int v) {
+                return s.mesh.dp % v == 0 ? std::string()
+                                          : "must divide mesh.dp = " + show(s.mesh.dp) + ", got " + show(v);
+              }}}),
   };
   const Scenario defaults;
   for (Row& r : t) r.info.default_value = r.encode(defaults);
@@ -550,7 +637,18 @@ Scenario load_scenario(const std::string& path, const std::vector<std::string>& 
 }
 
 std::string scenario_fingerprint(const Scenario& s) {
-  const std::string d = s.resolved.dump();
+  // The numerics: every key except names and the keys that only decide how
+  // the work is decomposed (mesh, MoE capacity schedule), which must not
+  // change one bit. A run on any mesh shares its single-rank twin's golden.
+  json j = s.resolved;
+  j.erase("name");
+  j.erase("description");
+  j.erase("mesh");
+  if (j.contains("moe")) {
+    for (const char* k : {"capacity_factor", "capacity", "group_size", "borrow"}) j["moe"].erase(k);
+    if (j["moe"].value("policy", "rounds") != "drop") j["moe"].erase("policy");
+  }
+  const std::string d = j.dump();
   XXH128_canonical_t c;
   XXH128_canonicalFromHash(&c, XXH3_128bits(d.data(), d.size()));
   static const char* hex = "0123456789abcdef";

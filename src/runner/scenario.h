@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cluster/config.h"
 #include "data/config.h"
 #include "model/config.h"
 #include "optim/config.h"
@@ -32,6 +33,7 @@ struct Scenario {
   int eval_batches = 4;      // train.eval_batches
   int leaf_samples = 1;      // numerics.leaf_samples: samples per leaf of the token-reduction tree
   DataConfig data;           // data.path, data.synthetic_bytes, data.val_fraction
+  MeshConfig mesh;           // mesh.dp, mesh.ep, mesh.fsdp, mesh.replicate
   nlohmann::json resolved;   // every key with its effective value, nested as in the file
 };
 
@@ -60,8 +62,10 @@ Scenario load_scenario(const std::string& path, const std::vector<std::string>& 
 Scenario scenario_from_json(const nlohmann::json& j, const std::string& origin,
                             const std::vector<std::string>& sets);
 
-// 32 hex digits: XXH3-128 of resolved.dump(). Equal scenarios (after
-// defaults and overrides) have equal fingerprints.
+// 32 hex digits: XXH3-128 of the resolved scenario less the keys that must
+// not change bits -- name, description, mesh.*, and the MoE schedule
+// (moe.capacity_factor, capacity, group_size, borrow, and policy unless it
+// is drop). Equal numerics, equal fingerprints, on any mesh.
 std::string scenario_fingerprint(const Scenario& s);
 
 }  // namespace ls

@@ -1,0 +1,341 @@
+// Training on a simulated cluster: mesh.dp ranks (threads), each owning its
+// model replica or shards, its slice of the batch and its optimizer state,
+// talking only through a Communicator. Every sum over ranks is the canonical
+// tree over rank index, every rank holds a power-of-two block of leaves, so
+// the bits equal the single-rank engine's whatever the mesh.
+#include "runner/cluster_trainer.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "cluster/communicator.h"
+#include "common/error.h"
+#include "contract.h"
+#include "model/model.h"
+#include "optim/adamw.h"
+#include "trace/sink.h"
+
+namespace ls {
+namespace {
+
+// A rank's view of the mesh for its model.
+class RankHooks : public MeshHooks {
+ public:
+  RankHooks(Communicator& world, Communicator& ep_group) : world_(world), ep_(ep_group) {}
+  int dp_size() const override { return world_.size(); }
+  void sum_partials(float* v, size_t n) override { world_.all_reduce_sum(v, n); }
+  void sum_counts(int64_t* v, size_t n) override { world_.all_reduce_sum(v, n); }
+  int ep_size() const override { return ep_.size(); }
+  int ep_rank() const override { return ep_.rank(); }
+  void ep_all_to_all(const void* send, const std::vector<size_t>& sb, void* recv,
+                     const std::vector<size_t>& rb) override {
+    ep_.all_to_all(send, sb, recv, rb);
+  }
+
+ private:
+  Communicator& world_;
+  Communicator& ep_;
+};
+
+// FSDP shard of one tensor: the block range [b0, b1) of kParamBlock blocks.
+struct Shard {
+  int64_t b0 = 0, b1 = 0;
+};
+
+}  // namespace
+
+struct ClusterTrainer::Rank {
+  int index = 0;
+  std::unique_ptr<MoeTransformer> model;
+  std::vector<float> m, v;          // AdamW moments for what this rank updates (shards with fsdp)
+  std::vector<float> shard_w;       // fsdp: the authoritative parameter shards, concatenated
+  std::vector<int64_t> shard_off;   // fsdp: per tensor, offset into shard_w / m / v
+  std::vector<Shard> shards;        // fsdp: per tensor, its block range
+  CommStats comm;                   // bytes sent, accumulated over steps
+};
+
+namespace {
+
+int64_t blocks_of(int64_t n) { return (n + kParamBlock - 1) / kParamBlock; }
+
+// Which tensors FSDP shards: all but the expert slices of an expert-parallel mesh.
+bool fsdp_sharded(const ParamInfo& p, const MeshConfig& mesh) { return mesh.fsdp && !(p.expert && mesh.ep > 1); }
+
+}  // namespace
+
+ClusterTrainer::ClusterTrainer(const Scenario& s) : s_(s) {
+  const MeshConfig& m = s.mesh;
+  if (m.fsdp && m.replicate > 1) {
+    const int shard = m.dp / m.replicate;
+    if (shard & (shard - 1))
+      throw UserError("mesh.replicate: HSDP shard groups of mesh.dp / mesh.replicate = " + std::to_string(shard) +
+                      " ranks must be a power of two to keep the reduction tree");
+  }
+  decay_steps_ = s.optim.decay_steps > 0 ? s.optim.decay_steps : s.steps;
+  const int ep = m.ep;
+  const int group = m.fsdp ? m.dp / m.replicate : 1;
+  for (int r = 0; r < m.dp; ++r) {
+    auto rank = std::make_unique<Rank>();
+    rank->index = r;
+    rank->model = std::make_unique<MoeTransformer>(s.model, s.leaf_samples, s.seed, ep, r % ep);
+    const auto& infos = rank->model->params();
+    const int pos = r % group;
+    int64_t off = 0;
+    for (const ParamInfo& p : infos) {
+      const int64_t nb = blocks_of(p.size);
+      Shard sh{0, nb};
+      if (fsdp_sharded(p, m)) sh = {nb * pos / group, nb * (pos + 1) / group};
+      rank->shards.push_back(sh);
+      rank->shard_off.push_back(off);
+      off += std::min(p.size, sh.b1 * kParamBlock) - std::min(p.size, sh.b0 * kParamBlock);
+    }
+    rank->m.assign(off, 0.0f);
+    rank->v.assign(off, 0.0f);
+    rank->shard_w.resize(off);
+    for (size_t t = 0; t < infos.size(); ++t) {
+      const auto [lo, hi] = range(*rank, t);
+      std::copy(rank->model->weights() + infos[t].offset + lo, rank->model->weights() + infos[t].offset + hi,
+                rank->shard_w.begin() + rank->shard_off[t]);
+    }
+    ranks_.push_back(std::move(rank));
+  }
+}
+
+ClusterTrainer::~ClusterTrainer() = default;
+
+std::pair<int64_t, int64_t> ClusterTrainer::range(const Rank& r, size_t t) const {
+  const int64_t n = r.model->params()[t].size;
+  return {std::min(n, r.shards[t].b0 * kParamBlock), std::min(n, r.shards[t].b1 * kParamBlock)};
+}
+
+double ClusterTrainer::train_flops_per_token() const { return ls::train_flops_per_token(s_.model); }
+
+void ClusterTrainer::set_trace(TraceSink* sink) {
+  if (sink) throw UserError("--trace: tracing a multi-rank mesh is not supported yet; trace with mesh.dp=1");
+}
+
+void ClusterTrainer::debug_bump_weight(const std::string&, int64_t) {
+  throw UserError("--debug-bump: only on a single-rank mesh (mesh.dp=1)");
+}
+
+void ClusterTrainer::set_debug_reorder_moe_norm(bool on) {
+  for (auto& r : ranks_) r->model->set_debug_reorder_moe_norm(on);
+}
+
+// Runs `body` once per rank, each on its own thread with its communicators:
+// world (all data-parallel ranks), its EP group, its expert-data-parallel
+// group (same experts, other EP groups), its FSDP shard group and replica group.
+void ClusterTrainer::each_rank(const std::function<void(RankCtx&)>& body) {
+  const int world = s_.mesh.dp, ep = s_.mesh.ep;
+  const int shard_size = s_.mesh.fsdp ? world / s_.mesh.replicate : 1;
+  const int threads_per_rank = std::max(1, (threads_ > 0 ? threads_ : omp_get_max_threads()) / world);
+  run_in_process(
+      world,
+      [&](Communicator& comm) {
+        omp_set_num_threads(threads_per_rank);
+        Rank& rank = *ranks_[comm.rank()];
+        std::unique_ptr<Communicator> epg = comm.split(comm.rank() / ep, comm.rank());
+        std::unique_ptr<Communicator> edp = comm.split(comm.rank() % ep, comm.rank());
+        std::unique_ptr<Communicator> shard = comm.split(comm.rank() / shard_size, comm.rank());
+        std::unique_ptr<Communicator> replica = comm.split(comm.rank() % shard_size, comm.rank());
+        RankHooks hooks(comm, *epg);
+        rank.model->set_mesh(&hooks);
+        RankCtx ctx{rank, comm, *epg, *edp, *shard, *replica};
+        body(ctx);
+        rank.model->set_mesh(nullptr);
+        for (Communicator* c : {&comm, epg.get(), edp.get(), shard.get(), replica.get()})
+          for (auto& [k, b] : c->stats.bytes_sent) {
+            rank.comm.bytes_sent[k] += b;
+            rank.comm.calls[k] += c->stats.calls[k];
+          }
+      },
+      jitter_seed_);
+}
+
+namespace {
+
+// Block counts of each rank of a shard group for a tensor of n elements.
+std::vector<size_t> shard_elems(int64_t n, int g) {
+  const int64_t nb = blocks_of(n);
+  std::vector<size_t> out(g);
+  for (int q = 0; q < g; ++q)
+    out[q] = (size_t)(std::min(n, nb * (q + 1) / g * kParamBlock) - std::min(n, nb * q / g * kParamBlock));
+  return out;
+}
+
+}  // namespace
+
+float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) {
+  const int world = s_.mesh.dp;
+  const int local = batch / world;
+  const int64_t sample_bytes = s_.model.seq_len + 1;
+  float loss = 0, norm0 = 0;
+  const bool ep_split = s_.mesh.ep > 1;
+  each_rank([&](RankCtx& c) {
+    Rank& rank = c.rank;
+    MoeTransformer& model = *rank.model;
+    const auto& infos = model.params();
+    // FSDP: all-gather every sharded tensor from the shard group before use.
+    for (size_t t = 0; t < infos.size(); ++t) {
+      if (!fsdp_sharded(infos[t], s_.mesh)) continue;
+      std::vector<size_t> bytes = shard_elems(infos[t].size, c.shard.size());
+      for (size_t& b : bytes) b *= 4;
+      c.shard.all_gather(rank.shard_w.data() + rank.shard_off[t], model.weights() + infos[t].offset, bytes);
+    }
+    const StepLosses l = model.forward_backward(tokens + (int64_t)rank.index * local * sample_bytes, local);
+    // Gradients: each rank's partials are subtrees; combine by the canonical
+    // tree over ranks: all-reduce, or reduce-scatter for FSDP shards.
+    float* g = model.grads();
+    for (size_t t = 0; t < infos.size(); ++t) {
+      const ParamInfo& p = infos[t];
+      float* gp = g + p.offset;
+      if (p.expert && ep_split) {
+        c.edp.all_reduce_sum(gp, p.size);  // the replicas of these experts, one per EP group
+      } else if (fsdp_sharded(p, s_.mesh)) {
+        const std::vector<size_t> counts = shard_elems(p.size, c.shard.size());
+        std::vector<float> mine(counts[c.shard.rank()]);
+        c.shard.reduce_scatter_sum(gp, mine.data(), counts);
+        if (c.replica.size() > 1) c.replica.all_reduce_sum(mine.data(), mine.size());  // HSDP
+        std::copy(mine.begin(), mine.end(), gp + range(rank, t).first);
+      } else {
+        c.world.all_reduce_sum(gp, p.size);
+      }
+    }
+    // Global norm, as AdamW::global_norm: per tensor the fma fold in blocks of
+    // kParamBlock of the whole tensor, blocks by the canonical tree; tensors
+    // added in canonical name order.
+    float total = 0.0f;
+    for (size_t t = 0; t < infos.size(); ++t) {
+      const ParamInfo& p = infos[t];
+      const float* gp = g + p.offset;
+      float sumsq;
+      if (p.expert && ep_split) {
+        // The whole tensor is the EP group's slices in rank order.
+        std::vector<float> whole((size_t)p.size * c.ep.size());
+        c.ep.all_gather(gp, whole.data(), std::vector<size_t>(c.ep.size(), (size_t)p.size * 4));
+        sumsq = param_sumsq(whole.data(), (int64_t)whole.size());
+      } else if (fsdp_sharded(p, s_.mesh)) {
+        const int gs = c.shard.size();
+        const int64_t nb = blocks_of(p.size);
+        std::vector<float> mine;
+        for (int64_t b = rank.shards[t].b0; b < rank.shards[t].b1; ++b)
+          mine.push_back(sumsq_block(gp + b * kParamBlock, std::min<int64_t>(kParamBlock, p.size - b * kParamBlock)));
+        std::vector<size_t> bytes(gs);
+        for (int q = 0; q < gs; ++q) bytes[q] = (size_t)(nb * (q + 1) / gs - nb * q / gs) * 4;
+        std::vector<float> all(nb);
+        c.shard.all_gather(mine.data(), all.data(), bytes);
+        sumsq = tree_sum(all.data(), nb);
+      } else {
+        sumsq = param_sumsq(gp, p.size);
+      }
+      total = total + sumsq;
+    }
+    const float norm = ls::sqrt(total);
+    // Clip and update what this rank owns (its shards; all of it without FSDP).
+    const float scale = s_.optim.grad_clip > 0 && norm > s_.optim.grad_clip ? s_.optim.grad_clip / norm : 1.0f;
+    const bool clip = s_.optim.grad_clip > 0 && norm > s_.optim.grad_clip;
+    const float lr = learning_rate(s_.optim, decay_steps_, step);
+    for (size_t t = 0; t < infos.size(); ++t) {
+      const auto [lo, hi] = range(rank, t);
+      float* gp = g + infos[t].offset + lo;
+      if (clip)
+        for (int64_t i = 0; i < hi - lo; ++i) gp[i] = gp[i] * scale;
+      float* w = fsdp_sharded(infos[t], s_.mesh) ? rank.shard_w.data() + rank.shard_off[t]
+                                                 : model.weights() + infos[t].offset + lo;
+      adamw_update(s_.optim, lr, step, infos[t].decay, w, gp, rank.m.data() + rank.shard_off[t],
+                   rank.v.data() + rank.shard_off[t], hi - lo);
+    }
+    if (rank.index == 0) {
+      loss = l.ce;
+      norm0 = norm;
+    }
+  });
+  *grad_norm = norm0;
+  return loss;
+}
+
+float ClusterTrainer::eval_loss(const uint8_t* tokens, int batch) {
+  const int local = batch / s_.mesh.dp;
+  const int64_t sample_bytes = s_.model.seq_len + 1;
+  float loss = 0;
+  each_rank([&](RankCtx& c) {
+    MoeTransformer& model = *c.rank.model;
+    const auto& infos = model.params();
+    for (size_t t = 0; t < infos.size(); ++t) {
+      if (!fsdp_sharded(infos[t], s_.mesh)) continue;
+      std::vector<size_t> bytes = shard_elems(infos[t].size, c.shard.size());
+      for (size_t& b : bytes) b *= 4;
+      c.shard.all_gather(c.rank.shard_w.data() + c.rank.shard_off[t], model.weights() + infos[t].offset, bytes);
+    }
+    const StepLosses l = model.forward(tokens + (int64_t)c.rank.index * local * sample_bytes, local);
+    if (c.rank.index == 0) loss = l.ce;
+  });
+  return loss;
+}
+
+// Assembles the global tensors from the ranks' shards, as a checkpoint
+// would, and hashes them canonically (contract rule 6).
+std::string ClusterTrainer::state_hash() const {
+  const MeshConfig& m = s_.mesh;
+  const auto& infos = ranks_[0]->model->params();
+  std::vector<std::vector<float>> param(infos.size()), mom1(infos.size()), mom2(infos.size());
+  for (size_t t = 0; t < infos.size(); ++t) {
+    const ParamInfo& p = infos[t];
+    int64_t global = 1;
+    for (int64_t d : p.global_shape) global *= d;
+    param[t].assign(global, 0.0f);
+    mom1[t].assign(global, 0.0f);
+    mom2[t].assign(global, 0.0f);
+    // Which ranks hold which part: EP slices from group 0's ranks; FSDP
+    // shards from shard group 0's ranks; else rank 0 holds it all.
+    for (int r = 0; r < m.dp; ++r) {
+      const Rank& rk = *ranks_[r];
+      const bool expert_slice = p.expert && m.ep > 1;
+      if (expert_slice ? r >= m.ep : fsdp_sharded(p, m) ? r >= m.dp / m.replicate : r > 0) continue;
+      const ParamInfo& q = rk.model->params()[t];
+      const auto [lo, hi] = range(rk, t);
+      const float* w = fsdp_sharded(q, m) ? rk.shard_w.data() + rk.shard_off[t] : rk.model->weights() + q.offset + lo;
+      std::copy(w, w + (hi - lo), param[t].begin() + q.global_offset + lo);
+      std::copy(rk.m.begin() + rk.shard_off[t], rk.m.begin() + rk.shard_off[t] + (hi - lo),
+                mom1[t].begin() + q.global_offset + lo);
+      std::copy(rk.v.begin() + rk.shard_off[t], rk.v.begin() + rk.shard_off[t] + (hi - lo),
+                mom2[t].begin() + q.global_offset + lo);
+    }
+  }
+  StateHasher hs;
+  for (int kind = 0; kind < 3; ++kind)
+    for (size_t t = 0; t < infos.size(); ++t) {
+      const char* prefix = kind == 0 ? "adam_m/" : kind == 1 ? "adam_v/" : "param/";
+      const auto& data = kind == 0 ? mom1[t] : kind == 1 ? mom2[t] : param[t];
+      hs.add(prefix + infos[t].name, infos[t].global_shape, data.data());
+    }
+  return hs.hex();
+}
+
+std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
+  std::vector<int64_t> out;
+  for (const auto& r : ranks_) {
+    const auto& t = r->model->moe_stats().tokens_per_expert;
+    if (out.empty()) out.assign(t.size(), 0);
+    for (size_t i = 0; i < t.size(); ++i) out[i] += t[i];
+  }
+  return out;
+}
+
+MeshReport ClusterTrainer::mesh_report() const {
+  MeshReport rep;
+  for (const auto& r : ranks_) {
+    const MoeStats& st = r->model->moe_stats();
+    rep.rounds = std::max(rep.rounds, st.rounds);
+    rep.borrowed += st.borrowed;
+    rep.dropped += st.dropped;
+    rep.peak_expert_bytes = std::max(rep.peak_expert_bytes, st.peak_expert_bytes);
+    rep.peak_dispatch_bytes = std::max(rep.peak_dispatch_bytes, st.peak_dispatch_bytes);
+    for (auto& [k, b] : r->comm.bytes_sent) rep.bytes_sent_max[k] = std::max(rep.bytes_sent_max[k], b);
+  }
+  return rep;
+}
+
+}  // namespace ls

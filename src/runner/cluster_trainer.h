@@ -1,0 +1,56 @@
+// A Trainer over a simulated cluster (scenario keys mesh.*): data-parallel
+// ranks with optional expert parallelism and FSDP/HSDP sharding, run as
+// in-process threads that share nothing but a Communicator.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cluster/communicator.h"
+#include "runner/runner.h"
+
+namespace ls {
+
+class ClusterTrainer : public Trainer {
+ public:
+  explicit ClusterTrainer(const Scenario& s);
+  ~ClusterTrainer() override;
+
+  float train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) override;
+  float eval_loss(const uint8_t* tokens, int batch) override;
+  std::string state_hash() const override;
+  double train_flops_per_token() const override;
+  std::vector<int64_t> tokens_per_expert() const override;
+  void set_trace(TraceSink* sink) override;
+  void debug_bump_weight(const std::string& param, int64_t index) override;
+  void set_debug_reorder_moe_norm(bool on) override;
+
+  void set_threads(int threads) { threads_ = threads; }
+  // Nonzero: every collective sleeps a random few microseconds per rank.
+  void set_jitter(uint64_t seed) { jitter_seed_ = seed; }
+  MeshReport mesh_report() const override;
+
+ private:
+  struct Rank;
+  struct RankCtx {
+    Rank& rank;
+    Communicator& world;
+    Communicator& ep;       // ranks sharing the experts (consecutive, size mesh.ep)
+    Communicator& edp;      // ranks holding the same experts, one per EP group
+    Communicator& shard;    // FSDP shard group
+    Communicator& replica;  // HSDP replicas of my shard
+  };
+  void each_rank(const std::function<void(RankCtx&)>& body);
+  std::pair<int64_t, int64_t> range(const Rank& r, size_t tensor) const;  // elements this rank owns
+
+  Scenario s_;
+  int decay_steps_ = 0;
+  int threads_ = 0;
+  uint64_t jitter_seed_ = 0;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+};
+
+}  // namespace ls
