@@ -153,6 +153,9 @@ Losses<T> Model<T>::run(const uint8_t* tokens, int B, bool backward) {
     A.sel.resize(N * K);
     for (int64_t n = 0; n < N; ++n) {
       for (int e = 0; e < E; ++e) A.z[n * E + e] = dot_col(&A.a2[n * D], router, E, e, D);
+      // A fixed preference for the first max(1, E/4) experts (skewed routing).
+      if (c.router_skew != 0)
+        for (int e = 0; e < std::max(1, E / 4); ++e) A.z[n * E + e] = A.z[n * E + e] + T(c.router_skew);
       A.lse[n] = softmax(&A.z[n * E], &A.g[n * E], E);
       // Top-k by gate probability; ties go to the lowest expert index.
       std::vector<bool> taken(E, false);

@@ -52,6 +52,24 @@ TEST_SUITE("golden") {
     omp_set_num_threads(omp_get_num_procs());
   }
 
+  TEST_CASE("every mesh variant reproduces its single-rank twin's golden file") {
+    int variants = 0;
+    for (auto& e : fs::directory_iterator(kRoot / "scenarios" / "variants")) {
+      ls::Scenario s = ls::load_scenario(e.path().string(), {});
+      CAPTURE(e.path().string());
+      REQUIRE(s.mesh.dp * s.mesh.ep > 1);  // a real multi-rank mesh
+      nlohmann::json g = read_golden(kRoot / "golden" / (s.name + ".json"));
+      ls::RunOptions opt;
+      opt.threads = 2;
+      opt.hash_at = ls::golden_hash_steps(s.steps);
+      opt.eval = false;
+      CHECK(ls::compare_golden(g, ls::run_scenario(s, opt)) == "");
+      ++variants;
+    }
+    CHECK(variants >= 5);
+    omp_set_num_threads(omp_get_num_procs());
+  }
+
   TEST_CASE("a changed loss bit is named by step and field") {
     nlohmann::json g = read_golden(kRoot / "golden" / "top1.json");
     ls::RunResult r = rerun(g, 2);

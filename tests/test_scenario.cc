@@ -76,7 +76,8 @@ const char* kFull = R"({
   "model": {"d_model": 512, "n_layers": 8, "n_heads": 8, "seq_len": 128, "d_ff": 1024,
             "shared_expert": true, "init_std": 0.03, "rms_eps": 1e-06},
   "moe": {"experts": 64, "top_k": 4, "aux_loss_weight": 0.02, "z_loss_weight": 0.0,
-          "policy": "peak", "capacity_factor": 0.5, "capacity": 12, "group_size": 8, "borrow": false},
+          "policy": "peak", "capacity_factor": 0.5, "capacity": 12, "group_size": 8, "borrow": false,
+          "router_skew": 1.5},
   "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2},
   "train": {"steps": 300, "batch": 32, "lr": 0.0005, "min_lr_ratio": 0.05,
             "warmup_steps": 10, "decay_steps": 250, "beta1": 0.8, "beta2": 0.99,
@@ -192,6 +193,7 @@ TEST_SUITE("scenario") {
     CHECK(s.model.moe_policy == ls::MoePolicy::kPeak);
     CHECK(s.model.capacity_factor == 0.5f);
     CHECK(s.model.moe_capacity == 12);
+    CHECK(s.model.router_skew == 1.5f);
     CHECK(s.model.moe_group_size == 8);
     CHECK(!s.model.moe_borrow);
     CHECK(s.mesh.dp == 4);

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 
 #include "cli/bisect.h"
 #include "common/error.h"
@@ -158,7 +159,22 @@ int cmd_check(const CheckArgs& a) {
     std::sort(files.begin(), files.end());
     if (files.empty()) throw UserError(a.golden_dir + ": no golden files");
     const fs::path root = fs::absolute(a.golden_dir).parent_path();
-    for (auto& f : files) work.push_back({f, (root / read_json_file(f).at("scenario").get<std::string>()).string()});
+    // Mesh variants (scenarios/variants/*.json) are held to their twin's golden
+    // file, found by the variant's name.
+    std::map<std::string, std::vector<std::string>> variants;
+    const fs::path vdir = root / "scenarios" / "variants";
+    if (fs::is_directory(vdir)) {
+      std::vector<std::string> vfiles;
+      for (auto& e : fs::directory_iterator(vdir))
+        if (e.path().extension() == ".json") vfiles.push_back(e.path().string());
+      std::sort(vfiles.begin(), vfiles.end());
+      for (auto& v : vfiles) variants[load_scenario(v, {}).name].push_back(v);
+    }
+    for (auto& f : files) {
+      const nlohmann::json g = read_json_file(f);
+      work.push_back({f, (root / g.at("scenario").get<std::string>()).string()});
+      for (auto& v : variants[g.value("name", "")]) work.push_back({f, v});
+    }
   } else {
     for (auto& sc : a.scenarios) {
       Scenario s = load_scenario(sc, {});
@@ -177,8 +193,8 @@ int cmd_check(const CheckArgs& a) {
     RunResult r = run_scenario(s, opt);
     std::string diff = compare_golden(g, r);
     if (diff.empty()) {
-      std::printf("ok    %-16s %d steps, %d threads, final_state_hash %s\n", s.name.c_str(), r.steps, r.threads,
-                  r.final_state_hash.c_str());
+      std::printf("ok    %-16s %-28s %d steps, %d threads, final_state_hash %s\n", s.name.c_str(),
+                  fs::path(spath).filename().string().c_str(), r.steps, r.threads, r.final_state_hash.c_str());
     } else {
       ++failed;
       std::printf("FAIL  %-16s %s (golden %s)\n", s.name.c_str(), diff.c_str(), gpath.c_str());

@@ -26,6 +26,7 @@ struct ModelConfig {
   float rms_eps = 1e-5f;
   float aux_loss_weight = 0.01f;  // Switch load-balancing loss; 0 disables
   float z_loss_weight = 0.001f;   // router z-loss; 0 disables
+  float router_skew = 0.0f;       // fixed logit bonus for experts [0, max(1, E/4)): skewed routing
   MoePolicy moe_policy = MoePolicy::kRounds;
   float capacity_factor = 1.0f;   // slots per expert per round = factor x mean load
   int moe_capacity = 0;           // if > 0: slots per expert per round, overriding the factor

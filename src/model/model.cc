@@ -269,6 +269,9 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     A.lse.resize(N);
     A.sel.resize(NK);
     ops::linear(A.a2.data(), N, D, router, E, A.z.data());
+    if (c.router_skew != 0)  // a fixed preference for the first max(1, E/4) experts
+      for (int64_t n = 0; n < N; ++n)
+        for (int e = 0; e < std::max(1, E / 4); ++e) A.z[n * E + e] = A.z[n * E + e] + c.router_skew;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const float* g = A.g.data() + n * E;

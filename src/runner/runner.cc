@@ -89,6 +89,7 @@ ref::Config reference_config(const Scenario& s) {
   c.rms_eps = m.rms_eps;
   c.aux_loss_weight = m.aux_loss_weight;
   c.z_loss_weight = m.z_loss_weight;
+  c.router_skew = m.router_skew;
   c.batch = s.batch;
   c.leaf_samples = s.leaf_samples;
   const OptimConfig& o = s.optim;

@@ -329,6 +329,10 @@ std::vector<Row> make_rows() {
             "changing it changes bits).",
             {at_least(1)}),
 
+      field("moe.router_skew", [](S& s) -> float& { return s.model.router_skew; },
+            "A fixed bonus added to the router logits of the first max(1, experts/4) experts: "
+            "skewed routing, for studying capacity and rounds. 0 = none.",
+            {at_least(0.0f)}),
       policy_row(),
       field("moe.capacity_factor", [](S& s) -> float& { return s.model.capacity_factor; },
             "Expert slots per round = capacity_factor x mean load (tokens x top_k / experts).",
@@ -640,13 +644,18 @@ std::string scenario_fingerprint(const Scenario& s) {
   // The numerics: every key except names and the keys that only decide how
   // the work is decomposed (mesh, MoE capacity schedule), which must not
   // change one bit. A run on any mesh shares its single-rank twin's golden.
-  json j = s.resolved;
-  j.erase("name");
-  j.erase("description");
-  j.erase("mesh");
-  if (j.contains("moe")) {
-    for (const char* k : {"capacity_factor", "capacity", "group_size", "borrow"}) j["moe"].erase(k);
-    if (j["moe"].value("policy", "rounds") != "drop") j["moe"].erase("policy");
+  // Keys at their default are left out too, so adding a key (with a default
+  // that keeps the old behaviour) leaves every existing fingerprint alone.
+  json j = json::object();
+  for (const Row& r : rows()) {
+    const std::string& k = r.info.key;
+    if (k == "name" || k == "description" || k.rfind("mesh.", 0) == 0 || k == "moe.capacity_factor" ||
+        k == "moe.capacity" || k == "moe.group_size" || k == "moe.borrow")
+      continue;
+    const json v = r.encode(s);
+    if (k == "moe.policy" && v != "drop") continue;
+    if (v == r.info.default_value) continue;
+    j[k] = v;
   }
   const std::string d = j.dump();
   XXH128_canonical_t c;

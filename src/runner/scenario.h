@@ -65,7 +65,9 @@ Scenario scenario_from_json(const nlohmann::json& j, const std::string& origin,
 // 32 hex digits: XXH3-128 of the resolved scenario less the keys that must
 // not change bits -- name, description, mesh.*, and the MoE schedule
 // (moe.capacity_factor, capacity, group_size, borrow, and policy unless it
-// is drop). Equal numerics, equal fingerprints, on any mesh.
+// is drop) -- and less every key at its default value, so adding a key
+// changes no existing fingerprint. Equal numerics, equal fingerprints, on
+// any mesh.
 std::string scenario_fingerprint(const Scenario& s);
 
 }  // namespace ls

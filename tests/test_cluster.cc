@@ -1,0 +1,220 @@
+// The simulated cluster: collectives combine in the contract's order whatever
+// the arrival order, and the final state does not change by one bit across
+// meshes, MoE schedules and thread counts.
+#include <doctest/doctest.h>
+#include <omp.h>
+
+#include <string>
+#include <vector>
+
+#include "cluster/communicator.h"
+#include "common/error.h"
+#include "contract.h"
+#include "runner/runner.h"
+#include "runner/scenario.h"
+
+namespace {
+
+const char* kTiny = R"({"model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8, "d_ff": 8},
+  "moe": {"experts": 8, "top_k": 2, "aux_loss_weight": 0.05, "z_loss_weight": 0.01},
+  "train": {"steps": 3, "batch": 8, "warmup_steps": 1, "eval_every": 0, "eval_batches": 1},
+  "data": {"synthetic_bytes": 8192}})";
+
+struct Outcome {
+  std::string hash;
+  std::vector<std::string> loss_bits;
+  ls::RunResult result;
+};
+
+Outcome run(std::vector<std::string> sets, int threads = 2, ls::Backend backend = ls::Backend::kEngine,
+            uint64_t jitter = 0) {
+  ls::Scenario s = ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json", sets);
+  ls::RunOptions opt;
+  opt.threads = threads;
+  opt.backend = backend;
+  opt.eval = false;
+  opt.jitter_seed = jitter;
+  Outcome o;
+  o.result = ls::run_scenario(s, opt);
+  o.hash = o.result.final_state_hash;
+  for (float l : o.result.losses) o.loss_bits.push_back(ls::hex_bits(l));
+  omp_set_num_threads(omp_get_num_procs());
+  return o;
+}
+
+std::vector<float> rank_values(int rank, size_t n) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = ls::random_symmetric(rank + 1, ls::Purpose::kTest, i, 1.0f) * (float)(1 << (rank % 11));
+  return v;
+}
+
+}  // namespace
+
+TEST_SUITE("cluster") {
+  TEST_CASE("all-reduce and reduce-scatter are the canonical tree over ranks, under jittered arrival") {
+    for (int size : {1, 2, 3, 5, 8}) {
+      const size_t n = 37;
+      std::vector<float> want(n);
+      for (size_t i = 0; i < n; ++i) {
+        std::vector<float> col(size);
+        for (int r = 0; r < size; ++r) col[r] = rank_values(r, n)[i];
+        want[i] = ls::tree_sum(col.data(), size);
+      }
+      for (uint64_t jitter : {0ull, 11ull, 12ull, 13ull}) {
+        std::vector<std::vector<float>> got(size), scattered(size);
+        ls::run_in_process(size, [&](ls::Communicator& c) {
+          std::vector<float> v = rank_values(c.rank(), n);
+          c.all_reduce_sum(v.data(), n);
+          got[c.rank()] = v;
+          std::vector<size_t> counts(size, n / size);
+          counts[size - 1] += n % size;
+          std::vector<float> mine(counts[c.rank()]);
+          c.reduce_scatter_sum(rank_values(c.rank(), n).data(), mine.data(), counts);
+          scattered[c.rank()] = mine;
+        }, jitter);
+        std::vector<float> joined;
+        for (int r = 0; r < size; ++r) {
+          CHECK(got[r] == want);  // bitwise: float == on finite values
+          joined.insert(joined.end(), scattered[r].begin(), scattered[r].end());
+        }
+        CHECK(joined == want);
+      }
+    }
+  }
+
+  TEST_CASE("all-gather, all-to-all, broadcast, send/recv and split move the right bytes") {
+    ls::run_in_process(4, [&](ls::Communicator& c) {
+      const int r = c.rank();
+      std::vector<int> mine(r + 1, r), all(1 + 2 + 3 + 4);
+      c.all_gather(mine.data(), all.data(), {4, 8, 12, 16});
+      CHECK(all == std::vector<int>{0, 1, 1, 2, 2, 2, 3, 3, 3, 3});
+      // Rank r sends (r*10 + d) to rank d.
+      std::vector<int> send(4), recv(4);
+      for (int d = 0; d < 4; ++d) send[d] = r * 10 + d;
+      c.all_to_all(send.data(), std::vector<size_t>(4, 4), recv.data(), std::vector<size_t>(4, 4));
+      for (int s = 0; s < 4; ++s) CHECK(recv[s] == s * 10 + r);
+      int token = r == 2 ? 42 : 0;
+      c.broadcast(&token, sizeof token, 2);
+      CHECK(token == 42);
+      if (r == 0) {
+        int x = 7;
+        c.send(&x, sizeof x, 3);
+      } else if (r == 3) {
+        int x = 0;
+        c.recv(&x, sizeof x, 0);
+        CHECK(x == 7);
+      }
+      auto half = c.split(r / 2, r);
+      CHECK(half->size() == 2);
+      CHECK(half->rank() == r % 2);
+      float v = (float)r;
+      half->all_reduce_sum(&v, 1);
+      CHECK(v == (r < 2 ? 1.0f : 5.0f));
+    }, 5);
+  }
+
+  TEST_CASE("final_state_hash is the same on every mesh: dp x ep x fsdp, HSDP; equals the reference") {
+    const Outcome ref = run({}, 1, ls::Backend::kReference);
+    const Outcome one = run({}, 1);
+    REQUIRE(one.hash == ref.hash);
+    REQUIRE(one.loss_bits == ref.loss_bits);
+    int meshes = 0;
+    for (int dp : {1, 2, 4, 8})
+      for (int ep : {1, 2, 4, 8}) {
+        if (ep > dp) continue;
+        for (bool fsdp : {false, true}) {
+          CAPTURE(dp);
+          CAPTURE(ep);
+          CAPTURE(fsdp);
+          const Outcome o = run({"mesh.dp=" + std::to_string(dp), "mesh.ep=" + std::to_string(ep),
+                                 std::string("mesh.fsdp=") + (fsdp ? "true" : "false")});
+          CHECK(o.hash == one.hash);
+          CHECK(o.loss_bits == one.loss_bits);
+          ++meshes;
+        }
+      }
+    for (auto sets : std::vector<std::vector<std::string>>{
+             {"mesh.dp=4", "mesh.fsdp=true", "mesh.replicate=2"},
+             {"mesh.dp=8", "mesh.fsdp=true", "mesh.replicate=4"},
+             {"mesh.dp=8", "mesh.ep=2", "mesh.fsdp=true", "mesh.replicate=2"}}) {
+      CAPTURE(sets[0]);
+      CHECK(run(sets).hash == one.hash);
+      ++meshes;
+    }
+    CHECK(meshes == 23);  // 20 dp x ep x fsdp meshes + 3 HSDP
+  }
+
+  TEST_CASE("every rounds/peak capacity and borrowing setting, and every thread count, gives the same bits") {
+    const Outcome one = run({}, 1);
+    for (auto sets : std::vector<std::vector<std::string>>{
+             {"moe.policy=peak"},
+             {"moe.capacity_factor=0.25", "moe.borrow=false"},
+             {"moe.capacity_factor=0.25", "moe.borrow=true", "moe.group_size=2"},
+             {"moe.capacity_factor=2"},
+             {"moe.capacity=1"},
+             {"mesh.dp=4", "mesh.ep=4", "moe.capacity_factor=0.5"},
+             {"mesh.dp=8", "mesh.ep=4", "moe.capacity_factor=0.5", "moe.borrow=false"}}) {
+      CAPTURE(sets[0]);
+      const Outcome o = run(sets);
+      CHECK(o.hash == one.hash);
+      CHECK(o.loss_bits == one.loss_bits);
+    }
+    // Small capacity without borrowing really does take several rounds.
+    const Outcome tight = run({"moe.capacity=1", "moe.borrow=false"});
+    CHECK(*std::max_element(tight.result.moe_rounds.begin(), tight.result.moe_rounds.end()) > 1);
+    for (int threads : {1, 2, 3, 4}) {
+      CAPTURE(threads);
+      CHECK(run({"mesh.dp=4", "mesh.ep=2"}, threads).hash == one.hash);
+    }
+  }
+
+  TEST_CASE("jittered rank timing never changes the bits") {
+    const Outcome base = run({"mesh.dp=4", "mesh.ep=2", "mesh.fsdp=true"});
+    for (uint64_t seed = 1; seed <= 6; ++seed) {
+      CAPTURE(seed);
+      CHECK(run({"mesh.dp=4", "mesh.ep=2", "mesh.fsdp=true"}, 2, ls::Backend::kEngine, seed).hash == base.hash);
+    }
+  }
+
+  TEST_CASE("a non-power-of-two world works when each rank holds a power-of-two block of leaves") {
+    const Outcome one = run({"train.batch=12", "numerics.leaf_samples=4"}, 1);
+    CHECK(run({"train.batch=12", "numerics.leaf_samples=4", "mesh.dp=3"}).hash == one.hash);
+  }
+
+  TEST_CASE("drop changes the math, and says so") {
+    const Outcome one = run({}, 1);
+    const Outcome drop = run({"moe.policy=drop", "moe.capacity_factor=0.25"});
+    CHECK(drop.hash != one.hash);
+    int64_t dropped = 0;
+    for (int64_t d : drop.result.moe_dropped) dropped += d;
+    CHECK(dropped > 0);
+  }
+
+  TEST_CASE("meshes that cannot keep the bits are refused naming the constraint") {
+    auto error = [](std::vector<std::string> sets) {
+      try {
+        ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json", sets);
+      } catch (const ls::UserError& e) {
+        return std::string(e.what());
+      }
+      return std::string("(accepted)");
+    };
+    CHECK(error({"mesh.dp=3"}).find("mesh.dp") != std::string::npos);
+    CHECK(error({"mesh.dp=2", "mesh.ep=4"}).find("mesh.ep") != std::string::npos);
+    CHECK(error({"train.batch=12", "mesh.dp=2"}).find("power-of-two number of leaves") != std::string::npos);
+    CHECK(error({"mesh.dp=4", "mesh.ep=4", "moe.experts=6", "moe.top_k=2"}).find("moe.experts") != std::string::npos);
+    // The reference runs one rank only.
+    ls::Scenario s = ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json", {"mesh.dp=2"});
+    ls::RunOptions opt;
+    opt.backend = ls::Backend::kReference;
+    CHECK_THROWS_AS(ls::run_scenario(s, opt), ls::UserError);
+  }
+
+  TEST_CASE("the summary reports bytes sent per rank by collective kind") {
+    const Outcome o = run({"mesh.dp=4", "mesh.ep=4"});
+    const auto& b = o.result.bytes_sent_per_step;
+    CHECK(b.count("all_reduce"));
+    CHECK(b.count("all_to_all"));
+    CHECK(b.at("all_to_all") > 0);
+  }
+}
