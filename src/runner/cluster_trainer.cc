@@ -314,6 +314,64 @@ std::string ClusterTrainer::state_hash() const {
   return hs.hex();
 }
 
+float* ClusterTrainer::storage(Rank& r, size_t t, const std::string& kind) const {
+  const ParamInfo& p = r.model->params()[t];
+  if (kind == "adam_m") return r.m.data() + r.shard_off[t];
+  if (kind == "adam_v") return r.v.data() + r.shard_off[t];
+  if (fsdp_sharded(p, s_.mesh)) return r.shard_w.data() + r.shard_off[t];
+  return r.model->weights() + p.offset + range(r, t).first;
+}
+
+bool ClusterTrainer::stages(int rank, size_t t) const {
+  const ParamInfo& p = ranks_[rank]->model->params()[t];
+  const MeshConfig& m = s_.mesh;
+  if (p.expert && m.ep > 1) return rank < m.ep;                    // EP group 0 holds one copy of each slice
+  if (fsdp_sharded(p, m)) return rank < m.dp / m.replicate;         // replica 0's shards
+  return rank == (int)(t % m.dp);                                   // replicated: spread writers by tensor
+}
+
+std::vector<StatePiece> ClusterTrainer::state_needs(int rank) const {
+  std::vector<StatePiece> out;
+  const Rank& r = *ranks_[rank];
+  const auto& infos = r.model->params();
+  for (const char* kind : {"param/", "adam_m/", "adam_v/"})
+    for (size_t t = 0; t < infos.size(); ++t) {
+      const auto [lo, hi] = range(r, t);
+      if (hi <= lo) continue;
+      out.push_back({kind + infos[t].name, infos[t].global_shape, infos[t].global_offset + lo,
+                     infos[t].global_offset + hi, {}});
+    }
+  return out;
+}
+
+std::vector<std::vector<StatePiece>> ClusterTrainer::stage_state() {
+  std::vector<std::vector<StatePiece>> out(ranks_.size());
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    const auto& infos = ranks_[r]->model->params();
+    for (StatePiece& p : state_needs((int)r)) {
+      const size_t slash = p.name.find('/');
+      const std::string kind = p.name.substr(0, slash), name = p.name.substr(slash + 1);
+      size_t t = 0;
+      while (infos[t].name != name) ++t;
+      if (!stages((int)r, t)) continue;
+      const float* src = storage(*ranks_[r], t, kind);
+      p.data.assign(src, src + (p.global_end - p.global_begin));
+      out[r].push_back(std::move(p));
+    }
+  }
+  return out;
+}
+
+void ClusterTrainer::load_piece(int rank, const StatePiece& need, const float* data) {
+  Rank& r = *ranks_[rank];
+  const auto& infos = r.model->params();
+  const size_t slash = need.name.find('/');
+  const std::string kind = need.name.substr(0, slash), name = need.name.substr(slash + 1);
+  size_t t = 0;
+  while (infos[t].name != name) ++t;
+  std::copy(data, data + (need.global_end - need.global_begin), storage(r, t, kind));
+}
+
 std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
   std::vector<int64_t> out;
   for (const auto& r : ranks_) {

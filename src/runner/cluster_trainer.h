@@ -32,6 +32,10 @@ class ClusterTrainer : public Trainer {
   // Nonzero: every collective sleeps a random few microseconds per rank.
   void set_jitter(uint64_t seed) { jitter_seed_ = seed; }
   MeshReport mesh_report() const override;
+  int world() const override { return s_.mesh.dp; }
+  std::vector<std::vector<StatePiece>> stage_state() override;
+  std::vector<StatePiece> state_needs(int rank) const override;
+  void load_piece(int rank, const StatePiece& need, const float* data) override;
 
  private:
   struct Rank;
@@ -45,6 +49,9 @@ class ClusterTrainer : public Trainer {
   };
   void each_rank(const std::function<void(RankCtx&)>& body);
   std::pair<int64_t, int64_t> range(const Rank& r, size_t tensor) const;  // elements this rank owns
+  // Where rank r keeps kind ("param", "adam_m", "adam_v") of tensor t's owned range.
+  float* storage(Rank& r, size_t tensor, const std::string& kind) const;
+  bool stages(int rank, size_t tensor) const;  // the one rank that writes this range to a checkpoint
 
   Scenario s_;
   int decay_steps_ = 0;

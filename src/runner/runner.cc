@@ -68,7 +68,34 @@ class EngineTrainer : public Trainer {
   }
   void set_debug_reorder_moe_norm(bool on) override { model_.set_debug_reorder_moe_norm(on); }
 
+  std::vector<std::vector<StatePiece>> stage_state() override {
+    std::vector<StatePiece> pieces = state_needs(0);
+    for (StatePiece& p : pieces) {
+      const float* src = source(p);
+      p.data.assign(src, src + (p.global_end - p.global_begin));
+    }
+    return {pieces};
+  }
+  std::vector<StatePiece> state_needs(int) const override {
+    std::vector<StatePiece> out;
+    for (const char* kind : {"param/", "adam_m/", "adam_v/"})
+      for (const ParamInfo& p : model_.params()) out.push_back({kind + p.name, p.global_shape, 0, p.size, {}});
+    return out;
+  }
+  void load_piece(int, const StatePiece& need, const float* data) override {
+    float* dst = const_cast<float*>(source(need));
+    std::copy(data, data + (need.global_end - need.global_begin), dst);
+  }
+
  private:
+  // The storage of a whole-tensor piece named kind/param.
+  const float* source(const StatePiece& p) const {
+    const size_t slash = p.name.find('/');
+    const std::string kind = p.name.substr(0, slash), name = p.name.substr(slash + 1);
+    const ParamInfo& info = model_.param(name);
+    const float* base = kind == "param" ? model_.weights() : kind == "adam_m" ? opt_.m().data() : opt_.v().data();
+    return base + info.offset;
+  }
   MoeTransformer model_;
   AdamW opt_;
 };
@@ -135,6 +162,13 @@ class ReferenceTrainer : public Trainer {
   }
   void set_debug_reorder_moe_norm(bool on) override {
     if (on) throw UserError("--debug-reorder: the reference has no debug reorderings (engine only)");
+  }
+  std::vector<std::vector<StatePiece>> stage_state() override {
+    throw UserError("ckpt: checkpoints are saved by the engine backend (the reference is the spec, not a trainer)");
+  }
+  std::vector<StatePiece> state_needs(int) const override { return {}; }
+  void load_piece(int, const StatePiece&, const float*) override {
+    throw UserError("--resume: the reference backend does not resume from checkpoints");
   }
 
  private:

@@ -75,6 +75,15 @@ struct MeshReport {
   std::map<std::string, uint64_t> bytes_sent_max;          // by collective kind, the busiest rank, all steps
 };
 
+// A piece of training state: elements [global_begin, global_end) of the
+// flattened global tensor `name` ("param/<p>", "adam_m/<p>" or "adam_v/<p>").
+struct StatePiece {
+  std::string name;
+  std::vector<int64_t> global_shape;
+  int64_t global_begin = 0, global_end = 0;
+  std::vector<float> data;  // the staged copy (empty for a restore need)
+};
+
 // One training backend: model + optimizer behind one interface.
 class Trainer {
  public:
@@ -89,6 +98,15 @@ class Trainer {
   virtual void debug_bump_weight(const std::string& param, int64_t index) = 0;
   virtual void set_debug_reorder_moe_norm(bool on) = 0;
   virtual MeshReport mesh_report() const { return {}; }
+  // Checkpoints. Ranks of the (simulated) job; a single-rank trainer has one.
+  virtual int world() const { return 1; }
+  // Copies the state into per-rank pieces (the part of a save that blocks
+  // training); every global element is staged by exactly one rank.
+  virtual std::vector<std::vector<StatePiece>> stage_state() = 0;
+  // The global ranges rank `rank` holds (data empty): what a restore must
+  // deliver to it, whatever mesh the checkpoint was saved on.
+  virtual std::vector<StatePiece> state_needs(int rank) const = 0;
+  virtual void load_piece(int rank, const StatePiece& need, const float* data) = 0;
 };
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b);
 
