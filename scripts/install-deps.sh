@@ -3,18 +3,30 @@
 # Idempotent: skips apt entirely when every package is already present.
 set -euo pipefail
 PKGS=(meson ninja-build g++ pkg-config libeigen3-dev nlohmann-json3-dev libcli11-dev
-      doctest-dev libxxhash-dev python3 chromium)
+      doctest-dev libxxhash-dev python3 python3-numpy chromium libcurl4-openssl-dev)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# The S3 test server runs on Node; a node from elsewhere (e.g. NodeSource,
+# which bundles npm) is fine, so Debian's packages only fill a gap.
+command -v node >/dev/null 2>&1 || missing+=(nodejs)
+command -v npm >/dev/null 2>&1 || missing+=(npm)
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all packages present" >&2
-  exit 0
+else
+  echo "install-deps: installing ${missing[*]}" >&2
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-echo "install-deps: installing ${missing[*]}" >&2
-SUDO=""
-[ "$(id -u)" -ne 0 ] && SUDO="sudo"
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+
+# S3 test server for tests/test_store.cc, kept inside the repository (ignored by git).
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ ! -x "$REPO/.s3rver/node_modules/.bin/s3rver" ]; then
+  echo "install-deps: installing s3rver@3.7.1 into $REPO/.s3rver" >&2
+  mkdir -p "$REPO/.s3rver"
+  npm install --no-save --no-audit --no-fund --prefix "$REPO/.s3rver" s3rver@3.7.1 >/dev/null
+fi

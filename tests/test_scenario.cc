@@ -79,6 +79,8 @@ const char* kFull = R"({
           "policy": "peak", "capacity_factor": 0.5, "capacity": 12, "group_size": 8, "borrow": false,
           "router_skew": 1.5},
   "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2},
+  "ckpt": {"url": "s3://bucket/run", "every": 50, "async": false, "keep_last": 3, "max_inflight": 2,
+           "restore": "naive", "s3_endpoint": "http://127.0.0.1:9000"},
   "train": {"steps": 300, "batch": 32, "lr": 0.0005, "min_lr_ratio": 0.05,
             "warmup_steps": 10, "decay_steps": 250, "beta1": 0.8, "beta2": 0.99,
             "eps": 1e-07, "weight_decay": 0.0, "grad_clip": 0.5,
@@ -200,6 +202,13 @@ TEST_SUITE("scenario") {
     CHECK(s.mesh.ep == 2);
     CHECK(s.mesh.fsdp);
     CHECK(s.mesh.replicate == 2);
+    CHECK(s.ckpt.url == "s3://bucket/run");
+    CHECK(s.ckpt.every == 50);
+    CHECK(!s.ckpt.async);
+    CHECK(s.ckpt.keep_last == 3);
+    CHECK(s.ckpt.max_inflight == 2);
+    CHECK(s.ckpt.restore == "naive");
+    CHECK(s.ckpt.s3_endpoint == "http://127.0.0.1:9000");
 
     // Every key set: resolved is the file itself.
     json file = json::parse(kFull, nullptr, true, /*ignore_comments=*/true);

@@ -12,7 +12,9 @@
 #include "cli/bisect.h"
 #include "common/error.h"
 #include "ops/gemm.h"
+#include "ckpt/checkpointer.h"
 #include "runner/golden.h"
+#include "store/store.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
 #include "trace/diff.h"
@@ -66,7 +68,7 @@ struct RunArgs {
   int steps = -1;
   std::string out_dir;
   bool json = false, progress = false, quiet = false;
-  std::string trace, trace_dump, debug_reorder;
+  std::string trace, trace_dump, debug_reorder, resume;
   std::vector<std::string> debug_bumps;
 };
 
@@ -79,6 +81,7 @@ int cmd_run(const RunArgs& a) {
   opt.steps = a.steps;
   opt.progress = a.progress || (!a.quiet && isatty(2));
   opt.trace_path = a.trace;
+  opt.resume = a.resume;
   if (!a.trace_dump.empty()) {
     if (a.trace.empty()) throw UserError("--trace-dump needs --trace FILE");
     opt.trace_dump = DumpSpec::parse(a.trace_dump);
@@ -204,6 +207,65 @@ int cmd_check(const CheckArgs& a) {
   return failed ? 1 : 0;
 }
 
+int cmd_ckpt(const std::string& verb, std::string url, const std::string& endpoint, bool as_json) {
+  int64_t at = -1;
+  const size_t amp = url.rfind('@');
+  if (amp != std::string::npos && amp + 1 < url.size() &&
+      url.find_first_not_of("0123456789", amp + 1) == std::string::npos) {
+    at = std::stoll(url.substr(amp + 1));
+    url = url.substr(0, amp);
+  }
+  std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{endpoint});
+  if (verb == "ls") {
+    const std::vector<int64_t> steps = committed_steps(*store);
+    if (steps.empty()) std::printf("no committed checkpoint in %s\n", store->url().c_str());
+    for (int64_t s : steps) {
+      const Manifest m = read_manifest(*store, s);
+      uint64_t bytes = 0;
+      for (const ManifestObject& o : m.objects) bytes += o.size;
+      std::printf("step %-8lld %3zu objects %12llu bytes  mesh %s  state_hash %s\n", (long long)s, m.objects.size(),
+                  (unsigned long long)bytes, m.mesh.dump().c_str(), m.state_hash.empty() ? "-" : m.state_hash.c_str());
+    }
+    return 0;
+  }
+  const Manifest m = read_manifest(*store, at);
+  if (verb == "inspect") {
+    if (as_json) {
+      std::printf("%s\n", manifest_to_json(m).dump(2).c_str());
+      return 0;
+    }
+    std::printf("checkpoint of step %lld in %s\n  fingerprint %s\n  mesh %s\n  %zu objects, %zu tensors\n",
+                (long long)m.step, store->url().c_str(), m.fingerprint.c_str(), m.mesh.dump().c_str(),
+                m.objects.size(), m.tensors.size());
+    for (const ManifestObject& o : m.objects)
+      std::printf("  %-40s %12llu bytes  xxh128 %s  rank %d\n", o.key.c_str(), (unsigned long long)o.size,
+                  o.xxh128.c_str(), o.writer_rank);
+    for (const ManifestTensor& t : m.tensors) {
+      std::string shape;
+      for (int64_t d : t.global_shape) shape += (shape.empty() ? "" : "x") + std::to_string(d);
+      std::printf("  %-40s [%s] in %zu piece%s\n", t.name.c_str(), shape.c_str(), t.pieces.size(),
+                  t.pieces.size() == 1 ? "" : "s");
+    }
+    return 0;
+  }
+  // verify
+  int bad = 0;
+  for (const ManifestObject& o : m.objects) {
+    std::string why;
+    try {
+      const std::vector<uint8_t> b = store->get(o.key);
+      if (b.size() != o.size) why = "size " + std::to_string(b.size()) + ", manifest says " + std::to_string(o.size);
+      else if (xxh128_hex(b.data(), b.size()) != o.xxh128) why = "checksum mismatch";
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    std::printf("%s  %s%s\n", why.empty() ? "ok  " : "BAD ", o.key.c_str(), why.empty() ? "" : ("  (" + why + ")").c_str());
+    bad += !why.empty();
+  }
+  std::printf("verify: step %lld, %zu objects, %d bad\n", (long long)m.step, m.objects.size(), bad);
+  return bad ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -223,6 +285,8 @@ int main(int argc, char** argv) {
   run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");
   run->add_flag("--progress", ra.progress, "progress lines on stderr even when it is not a terminal");
   run->add_flag("--quiet", ra.quiet, "no progress lines");
+  run->add_option("--resume", ra.resume,
+                  "continue from the latest committed checkpoint at URL (or URL@STEP), on this run's mesh");
   run->add_option("--trace", ra.trace, "write a per-op trace (JSON Lines, docs/TRACE.md) to this file");
   run->add_option("--trace-dump", ra.trace_dump, "keep full tensors in the trace for STEP or STEP:OP");
   run->add_option("--debug-reorder", ra.debug_reorder,
@@ -278,6 +342,19 @@ int main(int argc, char** argv) {
   bisect->add_option("--steps", ba.steps, "compare at most this many steps")->check(CLI::Range(1, 1000000));
   bisect->add_option("--keep", ba.keep, "keep the traces in this directory");
 
+  std::string ckpt_url, ckpt_endpoint;
+  bool ckpt_json = false;
+  auto* ckpt = app.add_subcommand("ckpt", "list, inspect and verify checkpoints in an object store");
+  ckpt->require_subcommand(1);
+  auto* ckpt_ls = ckpt->add_subcommand("ls", "list committed checkpoints (those with a manifest)");
+  auto* ckpt_inspect = ckpt->add_subcommand("inspect", "print a checkpoint's manifest (URL or URL@STEP)");
+  auto* ckpt_verify = ckpt->add_subcommand("verify", "read every object of a checkpoint and check its checksum");
+  for (CLI::App* sub : {ckpt_ls, ckpt_inspect, ckpt_verify}) {
+    sub->add_option("url", ckpt_url, "file://DIR, a path, or s3://bucket/prefix")->required();
+    sub->add_option("--s3-endpoint", ckpt_endpoint, "S3 endpoint (default: env LOCKSTEP_S3_ENDPOINT)");
+  }
+  ckpt_inspect->add_flag("--json", ckpt_json, "the manifest as JSON");
+
   bool keys_md = false;
   auto* keys = app.add_subcommand("keys", "list every scenario key with its type, default and meaning");
   keys->add_flag("--markdown", keys_md, "as the Markdown table of docs/SCENARIOS.md");
@@ -293,6 +370,7 @@ int main(int argc, char** argv) {
     if (*golden) return cmd_golden(ga);
     if (*check) return cmd_check(ca);
     if (*bisect) return cmd_bisect(ba);
+    if (*ckpt) return cmd_ckpt(*ckpt_ls ? "ls" : *ckpt_inspect ? "inspect" : "verify", ckpt_url, ckpt_endpoint, ckpt_json);
     if (*report) {
       const Trace ta = read_trace(report_a), tb = read_trace(report_b);
       const TraceDiff d = diff_traces(ta, tb);
@@ -321,6 +399,9 @@ int main(int argc, char** argv) {
   } catch (const UserError& e) {
     std::fprintf(stderr, "lockstep: error: %s\n", e.what());
     return 2;
+  } catch (const StoreError& e) {
+    std::fprintf(stderr, "lockstep: storage error: %s\n", e.what());
+    return 3;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lockstep: internal error: %s\n", e.what());
     return 3;

@@ -14,6 +14,8 @@
 #include "optim/adamw.h"
 #include "reference.h"
 #include "runner/cluster_trainer.h"
+#include "ckpt/checkpointer.h"
+#include "store/store.h"
 
 namespace ls {
 
@@ -252,9 +254,49 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   };
 
   std::map<std::string, uint64_t> train_bytes;
+  // Resume: the latest (or the named) committed checkpoint, on this mesh.
+  int start = 0;
+  if (!opt.resume.empty()) {
+    std::string url = opt.resume;
+    int64_t at = -1;
+    const size_t amp = url.rfind('@');
+    if (amp != std::string::npos && amp + 1 < url.size() &&
+        url.find_first_not_of("0123456789", amp + 1) == std::string::npos) {
+      at = std::stoll(url.substr(amp + 1));
+      url = url.substr(0, amp);
+    }
+    std::unique_ptr<ObjectStore> from = open_store(url, StoreOptions{s.ckpt.s3_endpoint});
+    const Manifest m = read_manifest(*from, at);
+    if (m.fingerprint != r.fingerprint)
+      throw UserError("--resume: the checkpoint of step " + std::to_string(m.step) + " in " + url +
+                      " was saved by a scenario with other numerics (fingerprint " + m.fingerprint + ", this run " +
+                      r.fingerprint + ")");
+    if (m.step >= r.steps)
+      throw UserError("--resume: the checkpoint is at step " + std::to_string(m.step) + ", nothing left of " +
+                      std::to_string(r.steps) + " steps");
+    const RestoreReport rep = restore_state(*trainer, *from, m, s.ckpt.restore);
+    start = (int)m.step;
+    r.resumed_from = start;
+    r.restore = {{"step", rep.step}, {"url", rep.url}, {"mode", rep.mode}, {"store_bytes_read", rep.store_bytes_read},
+                 {"checkpoint_bytes", rep.checkpoint_bytes}, {"seconds", rep.seconds},
+                 {"saved_mesh", nlohmann::json::parse(rep.saved_mesh)}};
+    if (opt.progress)
+      std::fprintf(stderr, "resumed from step %lld of %s (%s restore, %llu of %llu bytes read)\n", (long long)m.step,
+                   url.c_str(), rep.mode.c_str(), (unsigned long long)rep.store_bytes_read,
+                   (unsigned long long)rep.checkpoint_bytes);
+  }
+  std::unique_ptr<CheckpointWriter> writer;
+  if (!s.ckpt.url.empty() && s.ckpt.every > 0) {
+    if (opt.backend != Backend::kEngine) throw UserError("ckpt.every: checkpoints are saved by the engine backend");
+    std::shared_ptr<ObjectStore> to = open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint});
+    writer = std::make_unique<CheckpointWriter>(
+        s.ckpt, to, s.resolved, r.fingerprint,
+        nlohmann::json{{"dp", s.mesh.dp}, {"ep", s.mesh.ep}, {"fsdp", s.mesh.fsdp}, {"replicate", s.mesh.replicate}});
+  }
+
   double train_seconds = 0;
   auto t_start = std::chrono::steady_clock::now();
-  for (int step = 0; step < r.steps; ++step) {
+  for (int step = start; step < r.steps; ++step) {
     train_batch(corpus, s.seed, step, B, T, batch.data());
     for (const RunOptions::Bump& b : opt.debug_bumps)
       if (b.step == step + 1) trainer->debug_bump_weight(b.param, b.index);
@@ -277,24 +319,33 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     for (int h : opt.hash_at)
       if (h == done) r.state_hashes[done] = trainer->state_hash();
     if (opt.progress) {
-      const double tps = (double)done * B * T / train_seconds;
+      const double tps = (double)(done - start) * B * T / train_seconds;
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-      const double eta = elapsed / done * (r.steps - done);
+      const double eta = elapsed / (done - start) * (r.steps - done);
       std::fprintf(stderr, "step %d/%d  loss %.4f  (%.3f bits/byte)  %.0f tok/s  ETA %s  moe rounds %d borrowed %lld dropped %lld\n",
                    done, r.steps, loss, loss / 0.6931471805599453, tps, fmt_duration(eta).c_str(), mr.rounds,
                    (long long)mr.borrowed, (long long)mr.dropped);
     }
+    if (writer && done % s.ckpt.every == 0) writer->save(done, *trainer);
     if (opt.eval && s.eval_every > 0 && done % s.eval_every == 0 && done != r.steps) evaluate(done);
+  }
+  if (writer) {
+    writer->finish();
+    nlohmann::json saves = nlohmann::json::array();
+    for (const SaveRecord& rec : writer->records())
+      saves.push_back({{"step", rec.step}, {"stall_seconds", rec.stall_seconds}, {"upload_seconds", rec.upload_seconds},
+                       {"bytes", rec.bytes}, {"committed", rec.committed}});
+    r.checkpoint = {{"url", s.ckpt.url}, {"async", s.ckpt.async}, {"saves", saves}};
   }
   if (opt.eval && r.steps > 0) evaluate(r.steps);
   r.final_state_hash = trainer->state_hash();
   if (tracer) tracer->finish(r.final_state_hash, r.steps);
   r.seconds = train_seconds;
-  r.tokens_per_second = train_seconds > 0 ? (double)r.steps * B * T / train_seconds : 0;
+  r.tokens_per_second = train_seconds > 0 ? (double)(r.steps - start) * B * T / train_seconds : 0;
   r.last_tokens_per_expert = trainer->tokens_per_expert();
   r.mesh = s.mesh;
   // Collective bytes of the training steps (taken before evaluation adds its own).
-  for (auto& [k, b] : train_bytes) r.bytes_sent_per_step[k] = r.steps ? (double)b / r.steps : 0;
+  for (auto& [k, b] : train_bytes) r.bytes_sent_per_step[k] = r.steps > start ? (double)b / (r.steps - start) : 0;
   return r;
 }
 
@@ -325,6 +376,9 @@ nlohmann::json result_json(const RunResult& r) {
               {"peak_expert_bytes_per_rank", r.peak_expert_bytes},
               {"peak_dispatch_bytes_per_rank", r.peak_dispatch_bytes}};
   j["bytes_sent_per_rank_per_step"] = r.bytes_sent_per_step;
+  if (r.resumed_from) j["resumed_from"] = r.resumed_from;
+  if (!r.checkpoint.is_null()) j["checkpoint"] = r.checkpoint;
+  if (!r.restore.is_null()) j["restore"] = r.restore;
   return j;
 }
 

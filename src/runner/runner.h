@@ -28,6 +28,7 @@ struct RunOptions {
   bool progress = false;      // progress lines on stderr
   bool eval = true;           // held-out BPB at eval steps
   uint64_t jitter_seed = 0;   // multi-rank: random delays in every collective (tests)
+  std::string resume;         // --resume URL[@STEP]: continue from a committed checkpoint
   std::string trace_path;     // --trace FILE: per-op trace (docs/TRACE.md)
   DumpSpec trace_dump;        // --trace-dump STEP[:OP]
   // Debug-only perturbations the drift tools are tested against.
@@ -65,6 +66,9 @@ struct RunResult {
   std::vector<int64_t> moe_borrowed, moe_dropped;  // per step
   int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;
   std::map<std::string, double> bytes_sent_per_step;  // by collective kind, busiest rank
+  int resumed_from = 0;                       // steps already done by the checkpoint resumed from
+  nlohmann::json checkpoint;                  // saves: stall/upload seconds, bytes
+  nlohmann::json restore;                     // store_bytes_read, checkpoint_bytes, seconds
 };
 
 // MoE schedule and mesh figures of the last training step.

@@ -381,6 +381,25 @@ std::vector<Row> make_rows() {
                   return "must divide moe.experts = " + show(s.model.experts) + ", got " + show(v);
                 return std::string();
               }}}),
+      field("ckpt.url", [](S& s) -> std::string& { return s.ckpt.url; },
+            "Where checkpoints go: file://DIR (or a plain path) or s3://bucket/prefix; empty = none."),
+      field("ckpt.every", [](S& s) -> int& { return s.ckpt.every; },
+            "Save a checkpoint after every N steps; 0 = never.", {at_least(0)}),
+      field("ckpt.async", [](S& s) -> bool& { return s.ckpt.async; },
+            "Upload in the background: only the copy to DRAM staging blocks training."),
+      field("ckpt.keep_last", [](S& s) -> int& { return s.ckpt.keep_last; },
+            "Committed checkpoints to keep; older ones are deleted after a newer one commits (0 = keep all).",
+            {at_least(0)}),
+      field("ckpt.max_inflight", [](S& s) -> int& { return s.ckpt.max_inflight; },
+            "Checkpoints uploading at once; a save waits (back-pressure) beyond this.", {at_least(1)}),
+      field("ckpt.restore", [](S& s) -> std::string& { return s.ckpt.restore; },
+            "broadcast: every object read once by one rank and broadcast; naive: each rank reads what it needs.",
+            {{"broadcast or naive", [](const S&, std::string v) {
+                return v == "broadcast" || v == "naive" ? std::string()
+                                                        : "must be broadcast or naive, got \"" + v + "\"";
+              }}}),
+      field("ckpt.s3_endpoint", [](S& s) -> std::string& { return s.ckpt.s3_endpoint; },
+            "S3 endpoint for s3:// URLs (e.g. http://127.0.0.1:4569); empty = env LOCKSTEP_S3_ENDPOINT."),
       field("mesh.fsdp", [](S& s) -> bool& { return s.mesh.fsdp; },
             "Shard parameters, gradients and AdamW state across data-parallel ranks "
             "(all-gather before use, reduce-scatter of gradients)."),
@@ -649,7 +668,8 @@ std::string scenario_fingerprint(const Scenario& s) {
   json j = json::object();
   for (const Row& r : rows()) {
     const std::string& k = r.info.key;
-    if (k == "name" || k == "description" || k.rfind("mesh.", 0) == 0 || k == "moe.capacity_factor" ||
+    if (k == "name" || k == "description" || k.rfind("mesh.", 0) == 0 || k.rfind("ckpt.", 0) == 0 ||
+        k == "moe.capacity_factor" ||
         k == "moe.capacity" || k == "moe.group_size" || k == "moe.borrow")
       continue;
     const json v = r.encode(s);

@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ckpt/config.h"
 #include "cluster/config.h"
 #include "data/config.h"
 #include "model/config.h"
@@ -34,6 +35,7 @@ struct Scenario {
   int leaf_samples = 1;      // numerics.leaf_samples: samples per leaf of the token-reduction tree
   DataConfig data;           // data.path, data.synthetic_bytes, data.val_fraction
   MeshConfig mesh;           // mesh.dp, mesh.ep, mesh.fsdp, mesh.replicate
+  CheckpointConfig ckpt;     // ckpt.*
   nlohmann::json resolved;   // every key with its effective value, nested as in the file
 };
 
@@ -63,7 +65,7 @@ Scenario scenario_from_json(const nlohmann::json& j, const std::string& origin,
                             const std::vector<std::string>& sets);
 
 // 32 hex digits: XXH3-128 of the resolved scenario less the keys that must
-// not change bits -- name, description, mesh.*, and the MoE schedule
+// not change bits -- name, description, mesh.*, ckpt.*, and the MoE schedule
 // (moe.capacity_factor, capacity, group_size, borrow, and policy unless it
 // is drop) -- and less every key at its default value, so adding a key
 // changes no existing fingerprint. Equal numerics, equal fingerprints, on

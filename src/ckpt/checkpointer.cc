@@ -1,0 +1,335 @@
+#include "ckpt/checkpointer.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+
+#include "ckpt/safetensors.h"
+#include "cluster/communicator.h"
+#include "common/error.h"
+#include "contract.h"
+
+namespace ls {
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The stored name of a piece inside its object: the tensor name plus its
+// global element range, unique within one rank's object.
+std::string stored_name(const StatePiece& p) {
+  return p.name + "@" + std::to_string(p.global_begin) + "-" + std::to_string(p.global_end);
+}
+
+}  // namespace
+
+struct CheckpointWriter::Job {
+  int64_t step = 0;
+  std::vector<std::vector<StatePiece>> staged;  // per rank
+  size_t record = 0;
+};
+
+CheckpointWriter::CheckpointWriter(const CheckpointConfig& cfg, std::shared_ptr<ObjectStore> store,
+                                   nlohmann::json scenario, std::string fingerprint, nlohmann::json mesh)
+    : cfg_(cfg), store_(std::move(store)), scenario_(std::move(scenario)), mesh_(std::move(mesh)),
+      fingerprint_(std::move(fingerprint)) {}
+
+CheckpointWriter::~CheckpointWriter() {
+  try {
+    finish();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lockstep: checkpoint upload failed: %s\n", e.what());
+  }
+}
+
+void CheckpointWriter::save(int64_t step, Trainer& trainer) {
+  const double t0 = now();
+  {
+    // Back-pressure: at most max_inflight uploads; earlier errors surface here.
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return inflight_ < std::max(1, cfg_.max_inflight) || error_; });
+    if (error_) std::rethrow_exception(error_);
+    ++inflight_;
+  }
+  auto job = std::make_shared<Job>();
+  job->step = step;
+  job->staged = trainer.stage_state();  // the copy to DRAM: the blocking part
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    job->record = records_.size();
+    SaveRecord rec;
+    rec.step = step;
+    rec.stall_seconds = now() - t0;
+    records_.push_back(rec);
+  }
+  auto run = [this, job] {
+    try {
+      upload(*job);
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!error_) error_ = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    --inflight_;
+    cv_.notify_all();
+  };
+  if (cfg_.async) {
+    threads_.emplace_back(run);
+  } else {
+    run();
+    std::lock_guard<std::mutex> lk(mu_);
+    records_[job->record].stall_seconds = now() - t0;  // a synchronous save blocks for all of it
+    if (error_) std::rethrow_exception(error_);
+  }
+}
+
+void CheckpointWriter::upload(Job& job) {
+  const double t0 = now();
+  Manifest m;
+  m.step = job.step;
+  m.fingerprint = fingerprint_;
+  m.scenario = scenario_;
+  m.mesh = mesh_;
+  std::map<std::string, size_t> tensor_index;
+  uint64_t bytes = 0;
+  // Each rank's pieces become one safetensors object, uploaded by that rank's
+  // uploader thread.
+  const int ranks = (int)job.staged.size();
+  std::vector<ManifestObject> objects(ranks);
+  std::vector<std::exception_ptr> errors(ranks);
+  std::vector<std::thread> uploaders;
+  for (int r = 0; r < ranks; ++r)
+    uploaders.emplace_back([&, r] {
+      try {
+        std::vector<TensorSlice> slices;
+        for (const StatePiece& p : job.staged[r])
+          slices.push_back({stored_name(p), {p.global_end - p.global_begin}, p.data.data()});
+        const std::vector<uint8_t> obj =
+            encode_safetensors(slices, {{"step", std::to_string(job.step)}, {"rank", std::to_string(r)}});
+        objects[r] = {shard_key(job.step, r), obj.size(), xxh128_hex(obj.data(), obj.size()), r};
+        with_retries([&] { store_->put(objects[r].key, obj.data(), obj.size()); });
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : uploaders) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);  // no manifest: the torn checkpoint stays uncommitted
+  for (int r = 0; r < ranks; ++r) {
+    bytes += objects[r].size;
+    m.objects.push_back(objects[r]);
+    for (const StatePiece& p : job.staged[r]) {
+      auto it = tensor_index.find(p.name);
+      if (it == tensor_index.end()) {
+        it = tensor_index.emplace(p.name, m.tensors.size()).first;
+        m.tensors.push_back({p.name, p.global_shape, {}});
+      }
+      m.tensors[it->second].pieces.push_back({objects[r].key, stored_name(p), p.global_begin, p.global_end});
+    }
+  }
+  for (ManifestTensor& t : m.tensors)
+    std::sort(t.pieces.begin(), t.pieces.end(),
+              [](const ManifestPiece& a, const ManifestPiece& b) { return a.global_begin < b.global_begin; });
+  std::sort(m.tensors.begin(), m.tensors.end(),
+            [](const ManifestTensor& a, const ManifestTensor& b) { return a.name < b.name; });
+  // The contract state hash of what was staged: global tensors in name order.
+  {
+    std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>> whole;
+    for (const auto& rank : job.staged)
+      for (const StatePiece& p : rank) {
+        auto& [shape, data] = whole[p.name];
+        if (data.empty()) {
+          shape = p.global_shape;
+          int64_t n = 1;
+          for (int64_t d : shape) n *= d;
+          data.assign(n, 0.0f);
+        }
+        std::copy(p.data.begin(), p.data.end(), data.begin() + p.global_begin);
+      }
+    StateHasher hs;
+    for (auto& [name, t] : whole) hs.add(name, t.first, t.second.data());
+    m.state_hash = hs.hex();
+  }
+  validate_manifest(m, "checkpoint of step " + std::to_string(job.step));
+  const std::string text = manifest_to_json(m).dump(1);
+  // The commit: the manifest, written last and only once.
+  const bool written = with_retries([&] { return store_->put_if_absent(manifest_key(job.step), text.data(), text.size()); });
+  if (!written)
+    throw UserError("ckpt.url: a committed checkpoint of step " + std::to_string(job.step) + " already exists in " +
+                    store_->url() + "; use a fresh URL or --resume from it");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    SaveRecord& rec = records_[job.record];
+    rec.upload_seconds = now() - t0;
+    rec.bytes = bytes;
+    rec.committed = true;
+  }
+  collect_garbage();
+}
+
+void CheckpointWriter::collect_garbage() {
+  if (cfg_.keep_last <= 0) return;
+  std::vector<int64_t> steps = committed_steps(*store_);
+  if ((int)steps.size() <= cfg_.keep_last) return;
+  // Delete committed checkpoints older than the newest keep_last, manifest first
+  // (so a half-deleted one is never taken for committed).
+  for (size_t i = 0; i + cfg_.keep_last < steps.size(); ++i) {
+    const std::string dir = step_dir(steps[i]);
+    store_->remove(manifest_key(steps[i]));
+    for (const std::string& key : store_->list(dir + "/")) store_->remove(key);
+  }
+}
+
+void CheckpointWriter::finish() {
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    threads.swap(threads_);
+  }
+  for (auto& t : threads) t.join();
+  std::lock_guard<std::mutex> lk(mu_);
+  if (error_) {
+    std::exception_ptr e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+std::vector<SaveRecord> CheckpointWriter::records() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return records_;
+}
+
+std::vector<int64_t> committed_steps(ObjectStore& store) {
+  std::vector<int64_t> steps;
+  for (const std::string& key : with_retries([&] { return store.list("step-"); })) {
+    const int64_t s = step_of_manifest_key(key);
+    if (s >= 0) steps.push_back(s);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+Manifest read_manifest(ObjectStore& store, int64_t step) {
+  const std::vector<int64_t> steps = committed_steps(store);
+  if (steps.empty()) throw UserError("--resume: no committed checkpoint (no manifest) in " + store.url());
+  if (step < 0) step = steps.back();
+  if (std::find(steps.begin(), steps.end(), step) == steps.end())
+    throw UserError("--resume: no committed checkpoint of step " + std::to_string(step) + " in " + store.url());
+  const std::string key = manifest_key(step);
+  const std::vector<uint8_t> bytes = with_retries([&] { return store.get(key); });
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(bytes.begin(), bytes.end());
+  } catch (const nlohmann::json::parse_error& e) {
+    throw UserError(store.url() + "/" + key + ": corrupt manifest: " + e.what());
+  }
+  Manifest m = manifest_from_json(j, store.url() + "/" + key);
+  validate_manifest(m, store.url() + "/" + key);
+  return m;
+}
+
+RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode) {
+  if (mode != "broadcast" && mode != "naive")
+    throw UserError("ckpt.restore: must be broadcast or naive, got \"" + mode + "\"");
+  const double t0 = now();
+  const uint64_t read_before = store.metrics_snapshot().bytes_read;
+  RestoreReport rep;
+  rep.step = m.step;
+  rep.url = store.url();
+  rep.mode = mode;
+  rep.saved_mesh = m.mesh.dump();
+  for (const ManifestObject& o : m.objects) rep.checkpoint_bytes += o.size;
+  // Where each stored piece lives: object -> (stored name -> tensor name, range).
+  std::map<std::string, std::map<std::string, std::pair<std::string, std::pair<int64_t, int64_t>>>> where;
+  for (const ManifestTensor& t : m.tensors)
+    for (const ManifestPiece& p : t.pieces) where[p.object][p.stored_name] = {t.name, {p.global_begin, p.global_end}};
+  const int world = trainer.world();
+  std::vector<std::vector<StatePiece>> needs(world);
+  std::vector<std::vector<std::vector<float>>> buffers(world);
+  std::vector<std::vector<int64_t>> filled(world);
+  for (int r = 0; r < world; ++r) {
+    needs[r] = trainer.state_needs(r);
+    for (const StatePiece& n : needs[r]) buffers[r].emplace_back(n.global_end - n.global_begin);
+    filled[r].assign(needs[r].size(), 0);
+  }
+  // Fetches and checks one object.
+  auto fetch = [&](const ManifestObject& o) {
+    std::vector<uint8_t> bytes = with_retries([&] { return store.get(o.key); });
+    if (bytes.size() != o.size || xxh128_hex(bytes.data(), bytes.size()) != o.xxh128)
+      throw UserError(store.url() + "/" + o.key + ": checksum mismatch: the object is corrupt (manifest of step " +
+                      std::to_string(m.step) + " says " + o.xxh128 + ", " + std::to_string(o.size) + " bytes)");
+    return bytes;
+  };
+  // Copies what rank r holds out of one object.
+  auto take = [&](int r, const ManifestObject& o, const std::vector<uint8_t>& bytes) {
+    const SafetensorsView v = parse_safetensors(bytes.data(), bytes.size(), o.key);
+    const auto wo = where.find(o.key);
+    if (wo == where.end()) return;
+    for (const StoredTensor& st : v.tensors) {
+      auto it = wo->second.find(st.name);
+      if (it == wo->second.end()) continue;
+      const std::string& name = it->second.first;
+      const int64_t b = it->second.second.first, e = it->second.second.second;
+      if ((int64_t)((st.end - st.begin) / 4) != e - b)
+        throw UserError(store.url() + "/" + o.key + ": stored tensor " + st.name + " holds " +
+                        std::to_string((st.end - st.begin) / 4) + " elements, the manifest says " +
+                        std::to_string(e - b));
+      for (size_t i = 0; i < needs[r].size(); ++i) {
+        const StatePiece& n = needs[r][i];
+        if (n.name != name) continue;
+        const int64_t lo = std::max(b, n.global_begin), hi = std::min(e, n.global_end);
+        if (lo >= hi) continue;
+        std::memcpy(&buffers[r][i][lo - n.global_begin], bytes.data() + v.data_start + st.begin + (lo - b) * 4,
+                    (size_t)(hi - lo) * 4);
+        filled[r][i] += hi - lo;
+      }
+    }
+  };
+  auto holds_any = [&](int r, const ManifestObject& o) {
+    const auto wo = where.find(o.key);
+    if (wo == where.end()) return false;
+    for (auto& [stored, loc] : wo->second)
+      for (const StatePiece& n : needs[r])
+        if (n.name == loc.first && std::max(loc.second.first, n.global_begin) < std::min(loc.second.second, n.global_end))
+          return true;
+    return false;
+  };
+  run_in_process(world, [&](Communicator& comm) {
+    const int r = comm.rank();
+    for (size_t i = 0; i < m.objects.size(); ++i) {
+      const ManifestObject& o = m.objects[i];
+      if (mode == "naive") {
+        if (holds_any(r, o)) take(r, o, fetch(o));
+        continue;
+      }
+      // Read once by the reader rank, then broadcast to every rank.
+      const int reader = (int)(i % world);
+      std::vector<uint8_t> bytes;
+      uint64_t n = 0;
+      if (r == reader) {
+        bytes = fetch(o);
+        n = bytes.size();
+      }
+      comm.broadcast(&n, sizeof n, reader);
+      bytes.resize(n);
+      comm.broadcast(bytes.data(), n, reader);
+      take(r, o, bytes);
+    }
+  });
+  for (int r = 0; r < world; ++r)
+    for (size_t i = 0; i < needs[r].size(); ++i) {
+      const StatePiece& n = needs[r][i];
+      if (filled[r][i] != n.global_end - n.global_begin)
+        throw UserError(store.url() + ": checkpoint of step " + std::to_string(m.step) + " does not cover " + n.name +
+                        " [" + std::to_string(n.global_begin) + ", " + std::to_string(n.global_end) + ")");
+      trainer.load_piece(r, n, buffers[r][i].data());
+    }
+  rep.store_bytes_read = store.metrics_snapshot().bytes_read - read_before;
+  rep.seconds = now() - t0;
+  return rep;
+}
+
+}  // namespace ls

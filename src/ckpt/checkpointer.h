@@ -1,0 +1,89 @@
+// Saving and restoring training state through an object store.
+//
+// Save: the trainer stages its state into DRAM (the only part that blocks
+// training); a background job encodes each rank's pieces as one safetensors
+// object, uploads them, then commits by writing the manifest last, and only
+// then deletes checkpoints beyond keep_last. An upload error surfaces at the
+// next save() or at finish(), never lost in a thread, and never leaves a
+// manifest pointing at missing objects.
+//
+// Restore: read the manifest(s), then every object exactly once, by a reader
+// rank chosen round-robin, and broadcast its bytes to the ranks; each rank
+// keeps the parts of the global tensors it holds on its own mesh, whatever
+// mesh saved them (resharding).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ckpt/config.h"
+#include "ckpt/manifest.h"
+#include "runner/runner.h"
+#include "store/store.h"
+
+namespace ls {
+
+struct SaveRecord {
+  int64_t step = 0;
+  double stall_seconds = 0;   // training blocked: staging + waiting for a free upload slot
+  double upload_seconds = 0;  // background: encode, upload objects, commit the manifest
+  uint64_t bytes = 0;         // object bytes written
+  bool committed = false;
+};
+
+class CheckpointWriter {
+ public:
+  CheckpointWriter(const CheckpointConfig& cfg, std::shared_ptr<ObjectStore> store, nlohmann::json scenario,
+                   std::string fingerprint, nlohmann::json mesh);
+  ~CheckpointWriter();  // waits for uploads; errors then are reported on stderr
+
+  // Stages the trainer's state and starts the upload (or uploads now when not
+  // async). Rethrows the error of an earlier failed upload.
+  void save(int64_t step, Trainer& trainer);
+  // Waits for every upload; rethrows the first error.
+  void finish();
+  std::vector<SaveRecord> records();
+
+ private:
+  struct Job;
+  void upload(Job& job);
+  void collect_garbage();
+
+  CheckpointConfig cfg_;
+  std::shared_ptr<ObjectStore> store_;
+  nlohmann::json scenario_, mesh_;
+  std::string fingerprint_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int inflight_ = 0;
+  std::exception_ptr error_;
+  std::vector<std::thread> threads_;
+  std::vector<SaveRecord> records_;
+};
+
+struct RestoreReport {
+  int64_t step = 0;
+  std::string url, mode;
+  uint64_t store_bytes_read = 0;  // bytes fetched from the store, all ranks
+  uint64_t checkpoint_bytes = 0;  // bytes of the checkpoint's objects
+  double seconds = 0;
+  std::string saved_mesh;
+};
+
+// Committed checkpoints under the store, oldest first: the manifests found.
+std::vector<int64_t> committed_steps(ObjectStore& store);
+// The manifest of `step` (-1: the latest committed), validated.
+Manifest read_manifest(ObjectStore& store, int64_t step);
+// Loads the manifest's state into every rank of the trainer.
+RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode);
+
+}  // namespace ls

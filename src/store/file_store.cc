@@ -1,0 +1,282 @@
+// FileStore: one file per key under a root directory. A put writes a temp
+// file in the key's directory, fsyncs it, renames it over the key and fsyncs
+// the directory, so a reader (or a crash) sees the old object or the new one.
+// put_if_absent link()s the temp file to the key instead: link fails with
+// EEXIST rather than replacing, which makes the check-and-write one step.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+
+#include "common/error.h"
+#include "store/store.h"
+
+namespace ls {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Temp files start with this; list() skips them and keys may not use it.
+const char kTmpPrefix[] = ".lockstep-tmp.";
+
+bool is_tmp_name(const std::string& name) { return name.rfind(kTmpPrefix, 0) == 0; }
+
+// Process-wide, so two stores on one directory never pick the same temp name.
+std::atomic<uint64_t> tmp_seq{0};
+
+class FileStore : public ObjectStore {
+ public:
+  FileStore(std::string root, std::string url) : root_(std::move(root)), url_(std::move(url)) {}
+
+  void put(const std::string& key, const void* data, size_t n) override {
+    Timer t(this);
+    check_key(key);
+    const std::string path = full(key);
+    const std::string tmp = write_temp(key, path, data, n);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      const int e = errno;
+      ::unlink(tmp.c_str());
+      fail("rename", key, e);
+    }
+    sync_dir(key, path);
+    std::lock_guard<std::mutex> g(metrics_mu);
+    metrics.puts++;
+    metrics.bytes_written += n;
+  }
+
+  bool put_if_absent(const std::string& key, const void* data, size_t n) override {
+    Timer t(this);
+    check_key(key);
+    const std::string path = full(key);
+    const std::string tmp = write_temp(key, path, data, n);
+    const int rc = ::link(tmp.c_str(), path.c_str());
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    if (rc != 0) {
+      if (e == EEXIST) return false;
+      fail("link", key, e);
+    }
+    sync_dir(key, path);
+    std::lock_guard<std::mutex> g(metrics_mu);
+    metrics.puts++;
+    metrics.bytes_written += n;
+    return true;
+  }
+
+  std::vector<uint8_t> get(const std::string& key) override {
+    Timer t(this);
+    check_key(key);
+    Fd fd = open_object(key);
+    std::vector<uint8_t> out(fd.size);
+    read_at(fd.fd, key, out.data(), out.size(), 0);
+    std::lock_guard<std::mutex> g(metrics_mu);
+    metrics.gets++;
+    metrics.bytes_read += out.size();
+    return out;
+  }
+
+  std::vector<uint8_t> get_range(const std::string& key, uint64_t offset, uint64_t n) override {
+    Timer t(this);
+    check_key(key);
+    if (n == 0) return {};
+    Fd fd = open_object(key);
+    if (offset > fd.size || n > fd.size - offset)
+      throw StoreError(where(key) + ": range [" + std::to_string(offset) + ", +" + std::to_string(n) +
+                           ") past the end of a " + std::to_string(fd.size) + "-byte object",
+                       false);
+    std::vector<uint8_t> out(n);
+    read_at(fd.fd, key, out.data(), n, offset);
+    std::lock_guard<std::mutex> g(metrics_mu);
+    metrics.ranged_gets++;
+    metrics.bytes_read += n;
+    return out;
+  }
+
+  bool exists(const std::string& key) override {
+    Timer t(this);
+    check_key(key);
+    struct stat st;
+    if (::stat(full(key).c_str(), &st) != 0) {
+      if (errno == ENOENT || errno == ENOTDIR) return false;
+      fail("stat", key, errno);
+    }
+    return S_ISREG(st.st_mode);
+  }
+
+  std::vector<std::string> list(const std::string& prefix) override {
+    Timer t(this);
+    // Walk only the directory that holds every possible match.
+    const size_t slash = prefix.rfind('/');
+    const std::string dir = slash == std::string::npos ? "" : prefix.substr(0, slash);
+    if (!dir.empty()) check_key(dir);
+    if (!prefix.empty() && prefix[0] == '/')
+      throw UserError("store " + url_ + ": list prefix '" + prefix + "' must be relative");
+    std::vector<std::string> keys;
+    const fs::path base = dir.empty() ? fs::path(root_) : fs::path(root_) / dir;
+    std::error_code ec;
+    if (fs::is_directory(base, ec)) {
+      fs::recursive_directory_iterator it(base, ec), end;
+      if (ec) fail("list", prefix, ec.value());
+      for (; it != end; it.increment(ec)) {
+        if (ec) fail("list", prefix, ec.value());
+        if (!it->is_regular_file(ec) || is_tmp_name(it->path().filename().string())) continue;
+        std::string key = it->path().lexically_relative(root_).generic_string();
+        if (key.compare(0, prefix.size(), prefix) == 0) keys.push_back(std::move(key));
+      }
+    }
+    std::sort(keys.begin(), keys.end());
+    std::lock_guard<std::mutex> g(metrics_mu);
+    metrics.lists++;
+    return keys;
+  }
+
+  void remove(const std::string& key) override {
+    Timer t(this);
+    check_key(key);
+    if (::unlink(full(key).c_str()) != 0 && errno != ENOENT && errno != ENOTDIR) fail("unlink", key, errno);
+    std::lock_guard<std::mutex> g(metrics_mu);
+    metrics.deletes++;
+  }
+
+  std::string url() const override { return url_; }
+
+ private:
+  // Adds the call's wall time to metrics.seconds, however the call ends.
+  struct Timer {
+    explicit Timer(ObjectStore* s) : s(s), t0(std::chrono::steady_clock::now()) {}
+    ~Timer() {
+      const double d = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::lock_guard<std::mutex> g(s->metrics_mu);
+      s->metrics.seconds += d;
+    }
+    ObjectStore* s;
+    std::chrono::steady_clock::time_point t0;
+  };
+
+  struct Fd {
+    int fd = -1;
+    uint64_t size = 0;
+    Fd() = default;
+    Fd(Fd&& o) noexcept : fd(o.fd), size(o.size) { o.fd = -1; }
+    Fd& operator=(Fd&&) = delete;
+    ~Fd() {
+      if (fd >= 0) ::close(fd);
+    }
+  };
+
+  std::string where(const std::string& key) const { return "store " + url_ + ": key '" + key + "'"; }
+
+  [[noreturn]] void fail(const char* what, const std::string& key, int err) const {
+    const bool transient = err == EINTR || err == EAGAIN || err == EBUSY || err == EIO;
+    throw StoreError(where(key) + ": " + what + ": " + std::strerror(err), transient);
+  }
+
+  // Keys stay inside the root: relative, no empty, "." or ".." segments.
+  void check_key(const std::string& key) const {
+    auto bad = [&](const std::string& why) {
+      throw UserError("store " + url_ + ": bad key '" + key + "': " + why);
+    };
+    if (key.empty()) bad("empty");
+    if (key[0] == '/') bad("absolute");
+    if (key.find('\0') != std::string::npos) bad("contains NUL");
+    size_t b = 0;
+    while (b <= key.size()) {
+      size_t e = key.find('/', b);
+      if (e == std::string::npos) e = key.size();
+      const std::string seg = key.substr(b, e - b);
+      if (seg.empty()) bad("empty segment");
+      if (seg == "." || seg == "..") bad("segment '" + seg + "'");
+      if (is_tmp_name(seg)) bad("reserved temp-file name");
+      b = e + 1;
+    }
+  }
+
+  std::string full(const std::string& key) const { return root_ + "/" + key; }
+
+  // Writes data to a fresh temp file next to `path` and fsyncs it.
+  std::string write_temp(const std::string& key, const std::string& path, const void* data, size_t n) {
+    const std::string parent = fs::path(path).parent_path().string();
+    std::error_code ec;
+    fs::create_directories(parent, ec);
+    if (ec) fail("mkdir", key, ec.value());
+    const std::string tmp = parent + "/" + kTmpPrefix + std::to_string(::getpid()) + "." +
+                            std::to_string(tmp_seq.fetch_add(1));
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) fail("create temp file", key, errno);
+    const char* p = static_cast<const char*>(data);
+    size_t left = n;
+    while (left > 0) {
+      const ssize_t w = ::write(fd, p, left);
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) {
+        const int e = errno;
+        ::close(fd);
+        ::unlink(tmp.c_str());
+        fail("write", key, e);
+      }
+      p += w;
+      left -= static_cast<size_t>(w);
+    }
+    if (::fsync(fd) != 0 || ::close(fd) != 0) {
+      const int e = errno;
+      ::unlink(tmp.c_str());
+      fail("fsync", key, e);
+    }
+    return tmp;
+  }
+
+  // Makes the new directory entry durable.
+  void sync_dir(const std::string& key, const std::string& path) const {
+    const std::string parent = fs::path(path).parent_path().string();
+    const int fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) fail("open directory", key, errno);
+    const int rc = ::fsync(fd);
+    const int e = errno;
+    ::close(fd);
+    if (rc != 0) fail("fsync directory", key, e);
+  }
+
+  Fd open_object(const std::string& key) const {
+    Fd f;
+    f.fd = ::open(full(key).c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (f.fd < 0) {
+      if (errno == ENOENT || errno == ENOTDIR) throw StoreError(where(key) + ": no such object", false);
+      fail("open", key, errno);
+    }
+    if (::fstat(f.fd, &st) != 0) fail("fstat", key, errno);
+    if (!S_ISREG(st.st_mode)) throw StoreError(where(key) + ": no such object", false);
+    f.size = static_cast<uint64_t>(st.st_size);
+    return f;
+  }
+
+  void read_at(int fd, const std::string& key, uint8_t* out, size_t n, uint64_t offset) const {
+    size_t got = 0;
+    while (got < n) {
+      const ssize_t r = ::pread(fd, out + got, n - got, static_cast<off_t>(offset + got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) fail("read", key, errno);
+      if (r == 0) throw StoreError(where(key) + ": object shrank while being read", true);
+      got += static_cast<size_t>(r);
+    }
+  }
+
+  std::string root_, url_;
+};
+
+}  // namespace
+
+std::unique_ptr<ObjectStore> make_file_store(const std::string& root, const std::string& url) {
+  std::string r = root;
+  while (r.size() > 1 && r.back() == '/') r.pop_back();
+  return std::make_unique<FileStore>(r, url);
+}
+
+}  // namespace ls
