@@ -53,14 +53,24 @@ void CheckpointWriter::save(int64_t step, Trainer& trainer) {
     if (error_) std::rethrow_exception(error_);
     ++inflight_;
   }
+  const double t1 = now();
   auto job = std::make_shared<Job>();
   job->step = step;
-  job->staged = trainer.stage_state();  // the copy to DRAM: the blocking part
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!spare_.empty()) {
+      job->staged = std::move(spare_.back());
+      spare_.pop_back();
+    }
+  }
+  trainer.stage_state(job->staged);  // the copy to DRAM: the blocking part
   {
     std::lock_guard<std::mutex> lk(mu_);
     job->record = records_.size();
     SaveRecord rec;
     rec.step = step;
+    rec.wait_seconds = t1 - t0;
+    rec.stage_seconds = now() - t1;
     rec.stall_seconds = now() - t0;
     records_.push_back(rec);
   }
@@ -72,6 +82,7 @@ void CheckpointWriter::save(int64_t step, Trainer& trainer) {
       if (!error_) error_ = std::current_exception();
     }
     std::lock_guard<std::mutex> lk(mu_);
+    spare_.push_back(std::move(job->staged));
     --inflight_;
     cv_.notify_all();
   };
@@ -99,6 +110,7 @@ void CheckpointWriter::upload(Job& job) {
   const int ranks = (int)job.staged.size();
   std::vector<ManifestObject> objects(ranks);
   std::vector<std::exception_ptr> errors(ranks);
+  std::vector<double> put_seconds(ranks, 0.0);
   std::vector<std::thread> uploaders;
   for (int r = 0; r < ranks; ++r)
     uploaders.emplace_back([&, r] {
@@ -109,7 +121,9 @@ void CheckpointWriter::upload(Job& job) {
         const std::vector<uint8_t> obj =
             encode_safetensors(slices, {{"step", std::to_string(job.step)}, {"rank", std::to_string(r)}});
         objects[r] = {shard_key(job.step, r), obj.size(), xxh128_hex(obj.data(), obj.size()), r};
+        const double p0 = now();
         with_retries([&] { store_->put(objects[r].key, obj.data(), obj.size()); });
+        put_seconds[r] = now() - p0;
       } catch (...) {
         errors[r] = std::current_exception();
       }
@@ -134,22 +148,18 @@ void CheckpointWriter::upload(Job& job) {
               [](const ManifestPiece& a, const ManifestPiece& b) { return a.global_begin < b.global_begin; });
   std::sort(m.tensors.begin(), m.tensors.end(),
             [](const ManifestTensor& a, const ManifestTensor& b) { return a.name < b.name; });
-  // The contract state hash of what was staged: global tensors in name order.
+  // The contract state hash of what was staged: each global tensor streamed
+  // from its pieces in order (they tile it exactly: validate_manifest below).
   {
-    std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>> whole;
+    std::map<std::string, std::vector<const StatePiece*>> parts;
     for (const auto& rank : job.staged)
-      for (const StatePiece& p : rank) {
-        auto& [shape, data] = whole[p.name];
-        if (data.empty()) {
-          shape = p.global_shape;
-          int64_t n = 1;
-          for (int64_t d : shape) n *= d;
-          data.assign(n, 0.0f);
-        }
-        std::copy(p.data.begin(), p.data.end(), data.begin() + p.global_begin);
-      }
+      for (const StatePiece& p : rank) parts[p.name].push_back(&p);
     StateHasher hs;
-    for (auto& [name, t] : whole) hs.add(name, t.first, t.second.data());
+    for (auto& [name, ps] : parts) {
+      std::sort(ps.begin(), ps.end(), [](const StatePiece* a, const StatePiece* b) { return a->global_begin < b->global_begin; });
+      hs.begin_tensor(name, ps.front()->global_shape);
+      for (const StatePiece* p : ps) hs.update(p->data.data(), p->data.size());
+    }
     m.state_hash = hs.hex();
   }
   validate_manifest(m, "checkpoint of step " + std::to_string(job.step));
@@ -163,6 +173,7 @@ void CheckpointWriter::upload(Job& job) {
     std::lock_guard<std::mutex> lk(mu_);
     SaveRecord& rec = records_[job.record];
     rec.upload_seconds = now() - t0;
+    rec.put_seconds = *std::max_element(put_seconds.begin(), put_seconds.end());
     rec.bytes = bytes;
     rec.committed = true;
   }

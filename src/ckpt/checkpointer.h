@@ -34,8 +34,11 @@ namespace ls {
 
 struct SaveRecord {
   int64_t step = 0;
-  double stall_seconds = 0;   // training blocked: staging + waiting for a free upload slot
+  double stall_seconds = 0;   // training blocked: wait_seconds + stage_seconds
+  double wait_seconds = 0;    // waiting for a free upload slot (back-pressure)
+  double stage_seconds = 0;   // copying the state to DRAM staging
   double upload_seconds = 0;  // background: encode, upload objects, commit the manifest
+  double put_seconds = 0;     // of which writing the objects to the store (slowest rank)
   uint64_t bytes = 0;         // object bytes written
   bool committed = false;
 };
@@ -68,6 +71,7 @@ class CheckpointWriter {
   std::exception_ptr error_;
   std::vector<std::thread> threads_;
   std::vector<SaveRecord> records_;
+  std::vector<std::vector<std::vector<StatePiece>>> spare_;  // staging buffers of finished uploads, for reuse
 };
 
 struct RestoreReport {

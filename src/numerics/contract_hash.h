@@ -25,17 +25,26 @@ class StateHasher {
   StateHasher& operator=(const StateHasher&) = delete;
 
   void add(const std::string& name, const std::vector<int64_t>& dims, const float* data) {
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    begin_tensor(name, dims);
+    update(data, (size_t)n);
+  }
+  // The same serialization streamed: the header, then the data in order in
+  // any number of update() calls (which must add up to the tensor's size).
+  void begin_tensor(const std::string& name, const std::vector<int64_t>& dims) {
     if (!last_.empty() && !(last_ < name))
       throw std::logic_error("StateHasher: tensor '" + name + "' added out of canonical order after '" + last_ + "'");
     last_ = name;
     put_u32((uint32_t)name.size());
     XXH3_128bits_update(state_, name.data(), name.size());
     put_u32((uint32_t)dims.size());
-    int64_t n = 1;
-    for (int64_t d : dims) { put_u64((uint64_t)d); n *= d; }
+    for (int64_t d : dims) put_u64((uint64_t)d);
+  }
+  void update(const float* data, size_t count) {
     // x86 and every CUDA host are little-endian; the serialization is LE fp32.
     static_assert(sizeof(float) == 4, "binary32");
-    XXH3_128bits_update(state_, data, (size_t)n * 4);
+    XXH3_128bits_update(state_, data, count * 4);
   }
 
   std::string hex() const {

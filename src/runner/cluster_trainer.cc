@@ -344,22 +344,27 @@ std::vector<StatePiece> ClusterTrainer::state_needs(int rank) const {
   return out;
 }
 
-std::vector<std::vector<StatePiece>> ClusterTrainer::stage_state() {
-  std::vector<std::vector<StatePiece>> out(ranks_.size());
+void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
+  out.resize(ranks_.size());
   for (size_t r = 0; r < ranks_.size(); ++r) {
     const auto& infos = ranks_[r]->model->params();
+    size_t k = 0;  // pieces staged by rank r; buffers of an earlier save are reused in order
     for (StatePiece& p : state_needs((int)r)) {
       const size_t slash = p.name.find('/');
       const std::string kind = p.name.substr(0, slash), name = p.name.substr(slash + 1);
       size_t t = 0;
       while (infos[t].name != name) ++t;
       if (!stages((int)r, t)) continue;
+      if (k == out[r].size()) out[r].emplace_back();
+      std::vector<float> buffer = std::move(out[r][k].data);
       const float* src = storage(*ranks_[r], t, kind);
-      p.data.assign(src, src + (p.global_end - p.global_begin));
-      out[r].push_back(std::move(p));
+      buffer.assign(src, src + (p.global_end - p.global_begin));
+      out[r][k] = std::move(p);
+      out[r][k].data = std::move(buffer);
+      ++k;
     }
+    out[r].resize(k);
   }
-  return out;
 }
 
 void ClusterTrainer::load_piece(int rank, const StatePiece& need, const float* data) {

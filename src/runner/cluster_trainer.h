@@ -33,7 +33,7 @@ class ClusterTrainer : public Trainer {
   void set_jitter(uint64_t seed) { jitter_seed_ = seed; }
   MeshReport mesh_report() const override;
   int world() const override { return s_.mesh.dp; }
-  std::vector<std::vector<StatePiece>> stage_state() override;
+  void stage_state(std::vector<std::vector<StatePiece>>& out) override;
   std::vector<StatePiece> state_needs(int rank) const override;
   void load_piece(int rank, const StatePiece& need, const float* data) override;
 

@@ -70,13 +70,17 @@ class EngineTrainer : public Trainer {
   }
   void set_debug_reorder_moe_norm(bool on) override { model_.set_debug_reorder_moe_norm(on); }
 
-  std::vector<std::vector<StatePiece>> stage_state() override {
-    std::vector<StatePiece> pieces = state_needs(0);
-    for (StatePiece& p : pieces) {
-      const float* src = source(p);
-      p.data.assign(src, src + (p.global_end - p.global_begin));
+  void stage_state(std::vector<std::vector<StatePiece>>& out) override {
+    std::vector<StatePiece> needs = state_needs(0);
+    out.resize(1);
+    out[0].resize(needs.size());
+    for (size_t i = 0; i < needs.size(); ++i) {
+      std::vector<float> buffer = std::move(out[0][i].data);  // reused capacity
+      out[0][i] = std::move(needs[i]);
+      const float* src = source(out[0][i]);
+      buffer.assign(src, src + (out[0][i].global_end - out[0][i].global_begin));
+      out[0][i].data = std::move(buffer);
     }
-    return {pieces};
   }
   std::vector<StatePiece> state_needs(int) const override {
     std::vector<StatePiece> out;
@@ -165,7 +169,7 @@ class ReferenceTrainer : public Trainer {
   void set_debug_reorder_moe_norm(bool on) override {
     if (on) throw UserError("--debug-reorder: the reference has no debug reorderings (engine only)");
   }
-  std::vector<std::vector<StatePiece>> stage_state() override {
+  void stage_state(std::vector<std::vector<StatePiece>>&) override {
     throw UserError("ckpt: checkpoints are saved by the engine backend (the reference is the spec, not a trainer)");
   }
   std::vector<StatePiece> state_needs(int) const override { return {}; }
@@ -333,8 +337,9 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     writer->finish();
     nlohmann::json saves = nlohmann::json::array();
     for (const SaveRecord& rec : writer->records())
-      saves.push_back({{"step", rec.step}, {"stall_seconds", rec.stall_seconds}, {"upload_seconds", rec.upload_seconds},
-                       {"bytes", rec.bytes}, {"committed", rec.committed}});
+      saves.push_back({{"step", rec.step}, {"stall_seconds", rec.stall_seconds}, {"wait_seconds", rec.wait_seconds},
+                       {"stage_seconds", rec.stage_seconds}, {"upload_seconds", rec.upload_seconds},
+                       {"put_seconds", rec.put_seconds}, {"bytes", rec.bytes}, {"committed", rec.committed}});
     r.checkpoint = {{"url", s.ckpt.url}, {"async", s.ckpt.async}, {"saves", saves}};
   }
   if (opt.eval && r.steps > 0) evaluate(r.steps);

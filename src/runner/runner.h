@@ -105,8 +105,10 @@ class Trainer {
   // Checkpoints. Ranks of the (simulated) job; a single-rank trainer has one.
   virtual int world() const { return 1; }
   // Copies the state into per-rank pieces (the part of a save that blocks
-  // training); every global element is staged by exactly one rank.
-  virtual std::vector<std::vector<StatePiece>> stage_state() = 0;
+  // training); every global element is staged by exactly one rank. `out`
+  // may hold the buffers of an earlier save: they are reused, so a save
+  // touches no fresh memory.
+  virtual void stage_state(std::vector<std::vector<StatePiece>>& out) = 0;
   // The global ranges rank `rank` holds (data empty): what a restore must
   // deliver to it, whatever mesh the checkpoint was saved on.
   virtual std::vector<StatePiece> state_needs(int rank) const = 0;
