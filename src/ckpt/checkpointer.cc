@@ -213,6 +213,14 @@ std::vector<SaveRecord> CheckpointWriter::records() {
   return records_;
 }
 
+std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text) {
+  const size_t at = text.rfind('@');
+  if (at != std::string::npos && at + 1 < text.size() &&
+      text.find_first_not_of("0123456789", at + 1) == std::string::npos)
+    return {text.substr(0, at), std::stoll(text.substr(at + 1))};
+  return {text, -1};
+}
+
 std::vector<int64_t> committed_steps(ObjectStore& store) {
   std::vector<int64_t> steps;
   for (const std::string& key : with_retries([&] { return store.list("step-"); })) {

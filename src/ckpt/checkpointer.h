@@ -83,6 +83,9 @@ struct RestoreReport {
   std::string saved_mesh;
 };
 
+// "URL@STEP" -> (URL, STEP); a URL without "@digits" -> (URL, -1): the latest.
+std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text);
+
 // Committed checkpoints under the store, oldest first: the manifests found.
 std::vector<int64_t> committed_steps(ObjectStore& store);
 // The manifest of `step` (-1: the latest committed), validated.

@@ -207,14 +207,8 @@ int cmd_check(const CheckArgs& a) {
   return failed ? 1 : 0;
 }
 
-int cmd_ckpt(const std::string& verb, std::string url, const std::string& endpoint, bool as_json) {
-  int64_t at = -1;
-  const size_t amp = url.rfind('@');
-  if (amp != std::string::npos && amp + 1 < url.size() &&
-      url.find_first_not_of("0123456789", amp + 1) == std::string::npos) {
-    at = std::stoll(url.substr(amp + 1));
-    url = url.substr(0, amp);
-  }
+int cmd_ckpt(const std::string& verb, const std::string& target, const std::string& endpoint, bool as_json) {
+  const auto [url, at] = split_checkpoint_url(target);
   std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{endpoint});
   if (verb == "ls") {
     const std::vector<int64_t> steps = committed_steps(*store);

@@ -21,12 +21,9 @@ nlohmann::json make_golden(const std::string& scenario_path, const RunResult& r)
   g["name"] = r.scenario;
   g["fingerprint"] = r.fingerprint;
   g["steps"] = r.steps;
-  std::vector<std::string> bits;
-  for (float l : r.losses) bits.push_back(hex_bits(l));
-  g["loss_bits"] = bits;
-  nlohmann::json hashes = nlohmann::json::object();
-  for (auto& [step, h] : r.state_hashes) hashes[std::to_string(step)] = h;
-  g["state_hashes"] = hashes;
+  const nlohmann::json summary = result_json(r);  // the same loss_bits and state_hashes as --json prints
+  g["loss_bits"] = summary["loss_bits"];
+  g["state_hashes"] = summary["state_hashes"];
   g["final_state_hash"] = r.final_state_hash;
   return g;
 }

@@ -261,14 +261,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   // Resume: the latest (or the named) committed checkpoint, on this mesh.
   int start = 0;
   if (!opt.resume.empty()) {
-    std::string url = opt.resume;
-    int64_t at = -1;
-    const size_t amp = url.rfind('@');
-    if (amp != std::string::npos && amp + 1 < url.size() &&
-        url.find_first_not_of("0123456789", amp + 1) == std::string::npos) {
-      at = std::stoll(url.substr(amp + 1));
-      url = url.substr(0, amp);
-    }
+    const auto [url, at] = split_checkpoint_url(opt.resume);
     std::unique_ptr<ObjectStore> from = open_store(url, StoreOptions{s.ckpt.s3_endpoint});
     const Manifest m = read_manifest(*from, at);
     if (m.fingerprint != r.fingerprint)
