@@ -166,9 +166,21 @@ void CheckpointWriter::upload(Job& job) {
   const std::string text = manifest_to_json(m).dump(1);
   // The commit: the manifest, written last and only once.
   const bool written = with_retries([&] { return store_->put_if_absent(manifest_key(job.step), text.data(), text.size()); });
-  if (!written)
-    throw UserError("ckpt.url: a committed checkpoint of step " + std::to_string(job.step) + " already exists in " +
-                    store_->url() + "; use a fresh URL or --resume from it");
+  if (!written) {
+    // A checkpoint of this step was committed before (a run resumed from an
+    // older one). The bits are deterministic: if it holds the same state, the
+    // objects just re-uploaded are its objects, byte for byte (healing any
+    // that rotted), and it stays committed. Anything else is another run.
+    const std::vector<uint8_t> old = with_retries([&] { return store_->get(manifest_key(job.step)); });
+    std::string old_hash;
+    try {
+      old_hash = nlohmann::json::parse(old.begin(), old.end()).value("state_hash", "");
+    } catch (const std::exception&) {
+    }
+    if (old_hash != m.state_hash)
+      throw UserError("ckpt.url: " + store_->url() + " already holds a different checkpoint of step " +
+                      std::to_string(job.step) + "; use a fresh URL or --resume from it");
+  }
   {
     std::lock_guard<std::mutex> lk(mu_);
     SaveRecord& rec = records_[job.record];
@@ -177,6 +189,7 @@ void CheckpointWriter::upload(Job& job) {
     rec.bytes = bytes;
     rec.committed = true;
   }
+  if (commit_hook_) commit_hook_(job.step);
   collect_garbage();
 }
 

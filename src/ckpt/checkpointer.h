@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -55,6 +56,8 @@ class CheckpointWriter {
   // Waits for every upload; rethrows the first error.
   void finish();
   std::vector<SaveRecord> records();
+  // Called (on the uploader thread) after a checkpoint's manifest committed.
+  void set_commit_hook(std::function<void(int64_t step)> hook) { commit_hook_ = std::move(hook); }
 
  private:
   struct Job;
@@ -71,7 +74,8 @@ class CheckpointWriter {
   std::exception_ptr error_;
   std::vector<std::thread> threads_;
   std::vector<SaveRecord> records_;
-  std::vector<std::vector<std::vector<StatePiece>>> spare_;  // staging buffers of finished uploads, for reuse
+  std::vector<std::vector<std::vector<StatePiece>>> spare_;
+  std::function<void(int64_t)> commit_hook_;  // staging buffers of finished uploads, for reuse
 };
 
 struct RestoreReport {

@@ -13,7 +13,11 @@
 #include "common/error.h"
 #include "ops/gemm.h"
 #include "ckpt/checkpointer.h"
+#include "ckpt/gc.h"
 #include "runner/golden.h"
+#include "runner/supervisor.h"
+#include "faults/fault_spec.h"
+#include "faults/injector.h"
 #include "store/store.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
@@ -69,11 +73,42 @@ struct RunArgs {
   std::string out_dir;
   bool json = false, progress = false, quiet = false;
   std::string trace, trace_dump, debug_reorder, resume;
+  std::vector<std::string> faults;
+  bool supervise = false;
+  std::string fault_state, heartbeat;  // set by the supervisor for its child
+  int max_restarts = 8;
+  double heartbeat_timeout = 120;
   std::vector<std::string> debug_bumps;
 };
 
-int cmd_run(const RunArgs& a) {
+std::string self_path();
+
+int cmd_run(const RunArgs& a, const char* self) {
   Scenario s = load_scenario(a.scenario, a.sets);
+  std::vector<FaultSpec> faults = s.faults;
+  for (const std::string& f : a.faults) faults.push_back(parse_fault(f));
+  const bool child = !a.fault_state.empty();
+  if (!child && (a.supervise || !faults.empty())) {
+    // The supervisor: this process runs the job as children and restarts them.
+    SuperviseOptions so;
+    so.binary = self;
+    so.scenario = a.scenario;
+    so.sets = a.sets;
+    so.faults = a.faults;
+    so.threads = a.threads;
+    so.max_restarts = a.max_restarts;
+    so.heartbeat_timeout = a.heartbeat_timeout;
+    so.progress = a.progress || (!a.quiet && isatty(2));
+    if (a.steps > 0) so.extra_args = {"--steps", std::to_string(a.steps)};
+    if (!a.backend.empty() && a.backend != "engine") throw UserError("--supervise: the engine backend only");
+    SuperviseResult r = supervise(so);
+    if (!r.error.empty()) std::fprintf(stderr, "lockstep: error: %s\n", r.error.c_str());
+    if (a.json) std::printf("%s\n", r.summary.dump().c_str());
+    else if (r.exit_code == 0)
+      std::printf("final_state_hash %s after %zu restart%s\n", r.summary.value("final_state_hash", "").c_str(),
+                  r.summary["restarts"].size(), r.summary["restarts"].size() == 1 ? "" : "s");
+    return r.exit_code;
+  }
   RunOptions opt;
   opt.backend = parse_backend(a.backend);
   opt.threads = a.threads;
@@ -82,6 +117,10 @@ int cmd_run(const RunArgs& a) {
   opt.progress = a.progress || (!a.quiet && isatty(2));
   opt.trace_path = a.trace;
   opt.resume = a.resume;
+  opt.faults = faults;
+  opt.fault_state = a.fault_state;
+  opt.heartbeat = a.heartbeat;
+  if (child) opt.fired = read_fault_state(a.fault_state).indices;
   if (!a.trace_dump.empty()) {
     if (a.trace.empty()) throw UserError("--trace-dump needs --trace FILE");
     opt.trace_dump = DumpSpec::parse(a.trace_dump);
@@ -260,6 +299,38 @@ int cmd_ckpt(const std::string& verb, const std::string& target, const std::stri
   return bad ? 1 : 0;
 }
 
+// ckpt gc: objects of torn checkpoints (docs in ckpt/gc.h); a dry run unless do_delete.
+int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_delete) {
+  std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{endpoint});
+  const GcReport r = collect_garbage(*store, do_delete);
+  auto steps = [](const std::vector<int64_t>& v) {
+    std::string s;
+    for (int64_t x : v) s += (s.empty() ? "" : ", ") + std::to_string(x);
+    return s.empty() ? std::string("none") : s;
+  };
+  for (size_t i = 0; i < r.orphan_keys.size(); ++i)
+    std::printf("%s %-44s %12llu bytes\n", r.deleted ? "deleted " : "orphan  ", r.orphan_keys[i].c_str(),
+                (unsigned long long)r.orphan_sizes[i]);
+  if (!r.newest_in_progress.empty())
+    std::printf("kept: step %s torn but newer than every commit (possibly in progress)\n",
+                steps(r.newest_in_progress).c_str());
+  if (!r.unreadable_steps.empty())
+    std::printf("kept: step %s committed, manifest unreadable (directory left alone)\n", steps(r.unreadable_steps).c_str());
+  std::printf("gc: %zu orphan object%s, %llu bytes (torn steps: %s; committed: %s) %s\n", r.orphan_keys.size(),
+              r.orphan_keys.size() == 1 ? "" : "s", (unsigned long long)r.orphan_bytes, steps(r.torn_steps).c_str(),
+              steps(r.committed_steps).c_str(),
+              r.deleted ? "deleted" : "would be deleted (dry run; --delete to delete)");
+  return 0;
+}
+
+std::string self_path() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) throw UserError("cannot find the lockstep binary (/proc/self/exe)");
+  buf[n] = 0;
+  return buf;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -281,6 +352,13 @@ int main(int argc, char** argv) {
   run->add_flag("--quiet", ra.quiet, "no progress lines");
   run->add_option("--resume", ra.resume,
                   "continue from the latest committed checkpoint at URL (or URL@STEP), on this run's mesh");
+  run->add_option("--fault", ra.faults,
+                  "inject a fault: KIND@STEP[:key=value,...] (docs/FAULTS.md); runs supervised (repeatable)");
+  run->add_flag("--supervise", ra.supervise, "run as a supervised child process, restarted from checkpoints on failure");
+  run->add_option("--max-restarts", ra.max_restarts, "supervisor: restart budget (default 8)");
+  run->add_option("--heartbeat-timeout", ra.heartbeat_timeout, "supervisor: seconds without progress that count as a hang");
+  run->add_option("--fault-state", ra.fault_state, "(set by the supervisor for its child)")->group("");
+  run->add_option("--heartbeat", ra.heartbeat, "(set by the supervisor for its child)")->group("");
   run->add_option("--trace", ra.trace, "write a per-op trace (JSON Lines, docs/TRACE.md) to this file");
   run->add_option("--trace-dump", ra.trace_dump, "keep full tensors in the trace for STEP or STEP:OP");
   run->add_option("--debug-reorder", ra.debug_reorder,
@@ -338,12 +416,15 @@ int main(int argc, char** argv) {
 
   std::string ckpt_url, ckpt_endpoint;
   bool ckpt_json = false;
-  auto* ckpt = app.add_subcommand("ckpt", "list, inspect and verify checkpoints in an object store");
+  auto* ckpt = app.add_subcommand("ckpt", "list, inspect, verify and garbage-collect checkpoints in an object store");
   ckpt->require_subcommand(1);
   auto* ckpt_ls = ckpt->add_subcommand("ls", "list committed checkpoints (those with a manifest)");
   auto* ckpt_inspect = ckpt->add_subcommand("inspect", "print a checkpoint's manifest (URL or URL@STEP)");
   auto* ckpt_verify = ckpt->add_subcommand("verify", "read every object of a checkpoint and check its checksum");
-  for (CLI::App* sub : {ckpt_ls, ckpt_inspect, ckpt_verify}) {
+  auto* ckpt_gc = ckpt->add_subcommand("gc", "find (--delete: delete) objects of torn checkpoints; dry run by default");
+  bool ckpt_delete = false;
+  ckpt_gc->add_flag("--delete", ckpt_delete, "delete the orphans (default: only list them)");
+  for (CLI::App* sub : {ckpt_ls, ckpt_inspect, ckpt_verify, ckpt_gc}) {
     sub->add_option("url", ckpt_url, "file://DIR, a path, or s3://bucket/prefix")->required();
     sub->add_option("--s3-endpoint", ckpt_endpoint, "S3 endpoint (default: env LOCKSTEP_S3_ENDPOINT)");
   }
@@ -360,10 +441,11 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   }
   try {
-    if (*run) return cmd_run(ra);
+    if (*run) return cmd_run(ra, self_path().c_str());
     if (*golden) return cmd_golden(ga);
     if (*check) return cmd_check(ca);
     if (*bisect) return cmd_bisect(ba);
+    if (*ckpt && *ckpt_gc) return cmd_ckpt_gc(ckpt_url, ckpt_endpoint, ckpt_delete);
     if (*ckpt) return cmd_ckpt(*ckpt_ls ? "ls" : *ckpt_inspect ? "inspect" : "verify", ckpt_url, ckpt_endpoint, ckpt_json);
     if (*report) {
       const Trace ta = read_trace(report_a), tb = read_trace(report_b);

@@ -196,6 +196,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ws.batch = B;
   }
   TraceSink* tr = backward ? trace_ : nullptr;  // evaluation passes are not traced
+  if (backward && phase_hook_) phase_hook_("forward");
   auto T = [&](const char* phase, int layer, const char* op, const char* name, const float* data,
                std::vector<int64_t> shape) {
     if (tr) tr->tensor(phase, layer, op, name, data, shape);
@@ -468,6 +469,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   if (!backward) return out;
 
   // ------------------------------------------------------------ backward --
+  if (phase_hook_) phase_hook_("backward");
   ws.dlogits.resize(N * V);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -96,6 +97,9 @@ class MoeTransformer {
   // Debug only: fold the MoE RMSNorm's sum of squares in descending feature
   // order, a deliberate contract violation that drift tools must locate.
   void set_debug_reorder_moe_norm(bool on) { debug_reorder_moe_norm_ = on; }
+  // Called with "forward" and "backward" as a training pass enters each
+  // (fault injection triggers on it); empty: none.
+  void set_phase_hook(std::function<void(const char*)> hook) { phase_hook_ = std::move(hook); }
   double train_flops_per_token() const { return ls::train_flops_per_token(cfg_); }
 
  private:
@@ -112,6 +116,7 @@ class MoeTransformer {
   MeshHooks* mesh_ = nullptr;
   int ep_size_ = 1, ep_rank_ = 0;
   bool debug_reorder_moe_norm_ = false;
+  std::function<void(const char*)> phase_hook_;
 };
 
 }  // namespace ls

@@ -184,7 +184,10 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
       for (size_t& b : bytes) b *= 4;
       c.shard.all_gather(rank.shard_w.data() + rank.shard_off[t], model.weights() + infos[t].offset, bytes);
     }
+    if (phase_hook_) model.set_phase_hook([&](const char* phase) { phase_hook_(phase, rank.index); });
     const StepLosses l = model.forward_backward(tokens + (int64_t)rank.index * local * sample_bytes, local);
+    model.set_phase_hook(nullptr);
+    if (phase_hook_) phase_hook_("optimizer", rank.index);
     // Gradients: each rank's partials are subtrees; combine by the canonical
     // tree over ranks: all-reduce, or reduce-scatter for FSDP shards.
     float* g = model.grads();

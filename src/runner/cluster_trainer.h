@@ -36,6 +36,7 @@ class ClusterTrainer : public Trainer {
   void stage_state(std::vector<std::vector<StatePiece>>& out) override;
   std::vector<StatePiece> state_needs(int rank) const override;
   void load_piece(int rank, const StatePiece& need, const float* data) override;
+  void set_phase_hook(std::function<void(const char*, int)> hook) override { phase_hook_ = std::move(hook); }
 
  private:
   struct Rank;
@@ -58,6 +59,7 @@ class ClusterTrainer : public Trainer {
   int threads_ = 0;
   uint64_t jitter_seed_ = 0;
   std::vector<std::unique_ptr<Rank>> ranks_;
+  std::function<void(const char*, int)> phase_hook_;
 };
 
 }  // namespace ls

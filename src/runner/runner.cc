@@ -15,6 +15,7 @@
 #include "reference.h"
 #include "runner/cluster_trainer.h"
 #include "ckpt/checkpointer.h"
+#include "faults/injector.h"
 #include "store/store.h"
 
 namespace ls {
@@ -34,8 +35,14 @@ class EngineTrainer : public Trainer {
       : model_(s.model, s.leaf_samples, s.seed), opt_(s.optim, s.steps, model_.params()) {}
   float train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) override {
     StepLosses l = model_.forward_backward(tokens, batch);
+    if (phase_hook_) phase_hook_("optimizer", 0);
     *grad_norm = opt_.step(step, model_.weights(), model_.grads());
     return l.ce;
+  }
+  void set_phase_hook(std::function<void(const char*, int)> hook) override {
+    phase_hook_ = hook;
+    if (hook) model_.set_phase_hook([hook](const char* phase) { hook(phase, 0); });
+    else model_.set_phase_hook(nullptr);
   }
   float eval_loss(const uint8_t* tokens, int batch) override { return model_.forward(tokens, batch).ce; }
   std::string state_hash() const override {
@@ -104,6 +111,7 @@ class EngineTrainer : public Trainer {
   }
   MoeTransformer model_;
   AdamW opt_;
+  std::function<void(const char*, int)> phase_hook_;
 };
 
 ref::Config reference_config(const Scenario& s) {
@@ -236,6 +244,15 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   }
   r.train_flops_per_token = trainer->train_flops_per_token();
   if (opt.debug_reorder_moe_norm) trainer->set_debug_reorder_moe_norm(true);
+  std::unique_ptr<FaultInjector> injector;
+  if (!opt.faults.empty()) {
+    injector = std::make_unique<FaultInjector>(opt.faults, opt.fired, opt.fault_state);
+    trainer->set_phase_hook([&injector](const char* phase, int rank) {
+      const std::string p = phase;
+      injector->at(-1, p == "forward" ? FaultPhase::kForward : p == "backward" ? FaultPhase::kBackward
+                                                                              : FaultPhase::kOptimizer, rank);
+    });
+  }
   std::unique_ptr<TraceWriter> tracer;
   if (!opt.trace_path.empty()) {
     nlohmann::json header = {{"backend", backend_name(opt.backend)}, {"scenario", s.name}, {"fingerprint", r.fingerprint},
@@ -263,20 +280,46 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   if (!opt.resume.empty()) {
     const auto [url, at] = split_checkpoint_url(opt.resume);
     std::unique_ptr<ObjectStore> from = open_store(url, StoreOptions{s.ckpt.s3_endpoint});
-    const Manifest m = read_manifest(*from, at);
-    if (m.fingerprint != r.fingerprint)
-      throw UserError("--resume: the checkpoint of step " + std::to_string(m.step) + " in " + url +
-                      " was saved by a scenario with other numerics (fingerprint " + m.fingerprint + ", this run " +
-                      r.fingerprint + ")");
-    if (m.step >= r.steps)
-      throw UserError("--resume: the checkpoint is at step " + std::to_string(m.step) + ", nothing left of " +
-                      std::to_string(r.steps) + " steps");
-    const RestoreReport rep = restore_state(*trainer, *from, m, s.ckpt.restore);
+    // The named checkpoint; or the latest committed one, falling back to older
+    // committed ones when a restore finds an object corrupt.
+    std::vector<int64_t> candidates = {at};
+    if (at < 0) {
+      candidates = committed_steps(*from);
+      std::reverse(candidates.begin(), candidates.end());
+      if (candidates.empty()) throw UserError("--resume: no committed checkpoint (no manifest) in " + from->url());
+    }
+    nlohmann::json fallbacks = nlohmann::json::array();
+    RestoreReport rep;
+    Manifest m;
+    for (size_t c = 0; c < candidates.size(); ++c) {
+      m = read_manifest(*from, candidates[c]);
+      if (m.fingerprint != r.fingerprint)
+        throw UserError("--resume: the checkpoint of step " + std::to_string(m.step) + " in " + url +
+                        " was saved by a scenario with other numerics (fingerprint " + m.fingerprint + ", this run " +
+                        r.fingerprint + ")");
+      if (m.step >= r.steps)
+        throw UserError("--resume: the checkpoint is at step " + std::to_string(m.step) + ", nothing left of " +
+                        std::to_string(r.steps) + " steps");
+      try {
+        rep = restore_state(*trainer, *from, m, s.ckpt.restore);
+        break;
+      } catch (const UserError& e) {
+        if (at >= 0 || c + 1 == candidates.size()) throw;
+        std::fprintf(stderr, "restore: checkpoint of step %lld unusable (%s); falling back to step %lld\n",
+                     (long long)m.step, e.what(), (long long)candidates[c + 1]);
+        fallbacks.push_back({{"step", m.step}, {"why", e.what()}});
+        if (!opt.fault_state.empty())
+          if (FILE* f = std::fopen(opt.fault_state.c_str(), "a")) {
+            std::fprintf(f, "fallback from=%lld to=%lld\n", (long long)m.step, (long long)candidates[c + 1]);
+            std::fclose(f);
+          }
+      }
+    }
     start = (int)m.step;
     r.resumed_from = start;
     r.restore = {{"step", rep.step}, {"url", rep.url}, {"mode", rep.mode}, {"store_bytes_read", rep.store_bytes_read},
                  {"checkpoint_bytes", rep.checkpoint_bytes}, {"seconds", rep.seconds},
-                 {"saved_mesh", nlohmann::json::parse(rep.saved_mesh)}};
+                 {"saved_mesh", nlohmann::json::parse(rep.saved_mesh)}, {"fallbacks", fallbacks}};
     if (opt.progress)
       std::fprintf(stderr, "resumed from step %lld of %s (%s restore, %llu of %llu bytes read)\n", (long long)m.step,
                    url.c_str(), rep.mode.c_str(), (unsigned long long)rep.store_bytes_read,
@@ -286,14 +329,27 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   if (!s.ckpt.url.empty() && s.ckpt.every > 0) {
     if (opt.backend != Backend::kEngine) throw UserError("ckpt.every: checkpoints are saved by the engine backend");
     std::shared_ptr<ObjectStore> to = open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint});
+    if (injector) to = injector->wrap(to);
     writer = std::make_unique<CheckpointWriter>(
         s.ckpt, to, s.resolved, r.fingerprint,
         nlohmann::json{{"dp", s.mesh.dp}, {"ep", s.mesh.ep}, {"fsdp", s.mesh.fsdp}, {"replicate", s.mesh.replicate}});
+    if (injector) writer->set_commit_hook([&injector](int64_t step) { injector->after_commit(step); });
   }
 
   double train_seconds = 0;
   auto t_start = std::chrono::steady_clock::now();
   for (int step = start; step < r.steps; ++step) {
+    if (!opt.heartbeat.empty()) {
+      // The supervisor's liveness signal: the step being run.
+      if (FILE* hb = std::fopen(opt.heartbeat.c_str(), "w")) {
+        std::fprintf(hb, "%d\n", step + 1);
+        std::fclose(hb);
+      }
+    }
+    if (injector) {
+      injector->set_step(step + 1);
+      for (int rank = 0; rank < trainer->world(); ++rank) injector->at(step + 1, FaultPhase::kStepStart, rank);
+    }
     train_batch(corpus, s.seed, step, B, T, batch.data());
     for (const RunOptions::Bump& b : opt.debug_bumps)
       if (b.step == step + 1) trainer->debug_bump_weight(b.param, b.index);
@@ -323,7 +379,10 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
                    done, r.steps, loss, loss / 0.6931471805599453, tps, fmt_duration(eta).c_str(), mr.rounds,
                    (long long)mr.borrowed, (long long)mr.dropped);
     }
-    if (writer && done % s.ckpt.every == 0) writer->save(done, *trainer);
+    if (writer && done % s.ckpt.every == 0) {
+      if (injector) injector->at(done, FaultPhase::kCkptStaging);
+      writer->save(done, *trainer);
+    }
     if (opt.eval && s.eval_every > 0 && done % s.eval_every == 0 && done != r.steps) evaluate(done);
   }
   if (writer) {

@@ -13,6 +13,8 @@
 #include "runner/scenario.h"
 #include "trace/sink.h"
 #include "trace/writer.h"
+#include "faults/fault_spec.h"
+#include <set>
 
 namespace ls {
 
@@ -29,6 +31,11 @@ struct RunOptions {
   bool eval = true;           // held-out BPB at eval steps
   uint64_t jitter_seed = 0;   // multi-rank: random delays in every collective (tests)
   std::string resume;         // --resume URL[@STEP]: continue from a committed checkpoint
+  // Fault injection (a supervised child): the plan, the faults that already
+  // fired in earlier attempts, the supervisor's state and heartbeat files.
+  std::vector<FaultSpec> faults;
+  std::set<int> fired;
+  std::string fault_state, heartbeat;
   std::string trace_path;     // --trace FILE: per-op trace (docs/TRACE.md)
   DumpSpec trace_dump;        // --trace-dump STEP[:OP]
   // Debug-only perturbations the drift tools are tested against.
@@ -69,6 +76,7 @@ struct RunResult {
   int resumed_from = 0;                       // steps already done by the checkpoint resumed from
   nlohmann::json checkpoint;                  // saves: stall/upload seconds, bytes
   nlohmann::json restore;                     // store_bytes_read, checkpoint_bytes, seconds
+  nlohmann::json restarts;                    // supervised runs: the failure/restore timeline
 };
 
 // MoE schedule and mesh figures of the last training step.
@@ -113,6 +121,9 @@ class Trainer {
   // deliver to it, whatever mesh the checkpoint was saved on.
   virtual std::vector<StatePiece> state_needs(int rank) const = 0;
   virtual void load_piece(int rank, const StatePiece& need, const float* data) = 0;
+  // Called with (phase, rank) as a training step enters "forward", "backward"
+  // and "optimizer" on a rank (fault injection triggers on it).
+  virtual void set_phase_hook(std::function<void(const char*, int)> hook) { (void)hook; }
 };
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b);
 

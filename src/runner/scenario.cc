@@ -14,6 +14,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <type_traits>
@@ -22,6 +23,7 @@
 #include <xxhash.h>
 
 #include "common/error.h"
+#include "faults/fault_spec.h"
 
 namespace ls {
 namespace {
@@ -228,6 +230,88 @@ Row policy_row() {
   return r;
 }
 
+const Row* find_row(const std::string& key);
+
+// faults: a list of fault objects. fault_from_json checks each one alone;
+// the checks against the rest of the scenario are here, naming faults[i].
+std::string check_faults(const Scenario& s) {
+  // In step order (list order within a step), so that each fault sees the
+  // mesh.dp left by the shrink/grow faults before it.
+  std::vector<size_t> order(s.faults.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return s.faults[a].step < s.faults[b].step; });
+  int dp = s.mesh.dp;
+  std::string dp_from = "mesh.dp = " + show(dp);
+  for (size_t i : order) {
+    const FaultSpec& f = s.faults[i];
+    const std::string at = "faults[" + std::to_string(i) + "].";
+    const std::string kind = fault_kind_name(f.kind);
+    if (f.step > s.steps)
+      return at + "step: must be <= train.steps = " + show(s.steps) + ", got " + show(f.step);
+    const bool ckpt_phase = is_checkpoint_phase(f.phase);
+    if (ckpt_phase || f.kind == FaultKind::kUploadCrash || f.kind == FaultKind::kBitrot ||
+        f.kind == FaultKind::kStoreTransient || f.kind == FaultKind::kStoreDown) {
+      if (s.ckpt.url.empty() || s.ckpt.every < 1)
+        return at + (ckpt_phase ? "phase: " + std::string(fault_phase_name(f.phase)) : "kind: " + kind) +
+               " needs checkpoints; set ckpt.url and ckpt.every >= 1";
+      if (ckpt_phase && f.step % s.ckpt.every != 0)
+        return at + "step: no checkpoint is saved after step " + show(f.step) + " (ckpt.every = " +
+               show(s.ckpt.every) + "); a fault at phase " + fault_phase_name(f.phase) +
+               " fires while its step's checkpoint is saved";
+      if (f.kind == FaultKind::kBitrot && f.step <= s.ckpt.every)
+        return at + "step: must be > ckpt.every = " + show(s.ckpt.every) +
+               " so that a checkpoint exists to corrupt, got " + show(f.step);
+    }
+    if ((f.kind == FaultKind::kRankCrash || f.kind == FaultKind::kStraggler) && f.rank >= dp)
+      return at + "rank: must be < " + dp_from + ", got " + show(f.rank);
+    if (f.kind == FaultKind::kShrink || f.kind == FaultKind::kGrow) {
+      const bool shrink = f.kind == FaultKind::kShrink;
+      if (shrink ? f.dp >= dp : f.dp <= dp)
+        return at + "dp: " + kind + " must restart on " + (shrink ? "fewer" : "more") + " ranks than " +
+               dp_from + ", got " + show(f.dp);
+      // The new mesh must keep the bits, as mesh.dp itself must.
+      Scenario next = s;
+      next.mesh.dp = f.dp;
+      if (std::string e = find_row("mesh.dp")->check(next); !e.empty())
+        return at + "dp: cannot restart on mesh.dp = " + show(f.dp) + ": " + e;
+      dp = f.dp;
+      dp_from = "mesh.dp = " + show(dp) + " (after " + kind + " at step " + show(f.step) + ")";
+    }
+  }
+  return std::string();
+}
+
+Row faults_row() {
+  Row r;
+  r.info.key = "faults";
+  r.info.type = "array";
+  r.info.doc = "Faults to inject, each an object {\"kind\", \"step\", options} as in docs/FAULTS.md; "
+               "not part of the fingerprint.";
+  r.info.constraint = "step <= train.steps; rank < mesh.dp; shrink/grow dp below/above mesh.dp; "
+                      "checkpoint faults need ckpt.url and ckpt.every";
+  r.decode = [](Scenario& s, const json& v) -> std::string {
+    if (!v.is_array()) return "expected an array of fault objects, got " + describe(v);
+    std::vector<FaultSpec> out;
+    for (size_t i = 0; i < v.size(); ++i) {
+      try {
+        out.push_back(fault_from_json(v[i], "faults[" + std::to_string(i) + "]"));
+      } catch (const UserError& e) {
+        return e.what();  // "faults[i].field: ..."
+      }
+    }
+    s.faults = std::move(out);
+    return std::string();
+  };
+  r.encode = [](const Scenario& s) {
+    json a = json::array();
+    for (const FaultSpec& f : s.faults) a.push_back(fault_to_json(f));
+    return a;
+  };
+  r.check = check_faults;
+  return r;
+}
+
 std::vector<Row> make_rows() {
   using S = Scenario;
   std::vector<Row> t = {
@@ -411,6 +495,7 @@ std::vector<Row> make_rows() {
                 return s.mesh.dp % v == 0 ? std::string()
                                           : "must divide mesh.dp = " + show(s.mesh.dp) + ", got " + show(v);
               }}}),
+      faults_row(),  // last: its checks rely on train.*, mesh.* and ckpt.* being valid
   };
   const Scenario defaults;
   for (Row& r : t) r.info.default_value = r.encode(defaults);
@@ -518,6 +603,8 @@ struct Loader {
     return it != set_text.end() ? it->second : origin;
   }
   [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
+    // A list row's message names the element itself: "faults[2].phase: ...".
+    if (msg.compare(0, key.size() + 1, key + "[") == 0) throw UserError(where(key) + ": " + msg);
     throw UserError(where(key) + ": " + key + ": " + msg);
   }
 
@@ -668,7 +755,7 @@ std::string scenario_fingerprint(const Scenario& s) {
   json j = json::object();
   for (const Row& r : rows()) {
     const std::string& k = r.info.key;
-    if (k == "name" || k == "description" || k.rfind("mesh.", 0) == 0 || k.rfind("ckpt.", 0) == 0 ||
+    if (k == "name" || k == "description" || k.rfind("mesh.", 0) == 0 || k.rfind("ckpt.", 0) == 0 || k == "faults" ||
         k == "moe.capacity_factor" ||
         k == "moe.capacity" || k == "moe.group_size" || k == "moe.borrow")
       continue;

@@ -17,6 +17,7 @@
 #include "ckpt/config.h"
 #include "cluster/config.h"
 #include "data/config.h"
+#include "faults/fault_spec.h"
 #include "model/config.h"
 #include "optim/config.h"
 
@@ -36,13 +37,14 @@ struct Scenario {
   DataConfig data;           // data.path, data.synthetic_bytes, data.val_fraction
   MeshConfig mesh;           // mesh.dp, mesh.ep, mesh.fsdp, mesh.replicate
   CheckpointConfig ckpt;     // ckpt.*
+  std::vector<FaultSpec> faults;  // key "faults": faults to inject (docs/FAULTS.md)
   nlohmann::json resolved;   // every key with its effective value, nested as in the file
 };
 
 // One row of the schema, as documented.
 struct ScenarioKey {
   std::string key;               // dotted path, e.g. "moe.top_k"
-  std::string type;              // "integer", "number", "boolean" or "string"
+  std::string type;              // "integer", "number", "boolean", "string" or "array" (faults)
   nlohmann::json default_value;  // the value when the file does not set it
   std::string doc;               // meaning
   std::string constraint;        // what values are accepted ("" = any)
@@ -65,7 +67,7 @@ Scenario scenario_from_json(const nlohmann::json& j, const std::string& origin,
                             const std::vector<std::string>& sets);
 
 // 32 hex digits: XXH3-128 of the resolved scenario less the keys that must
-// not change bits -- name, description, mesh.*, ckpt.*, and the MoE schedule
+// not change bits -- name, description, mesh.*, ckpt.*, faults, and the MoE schedule
 // (moe.capacity_factor, capacity, group_size, borrow, and policy unless it
 // is drop) -- and less every key at its default value, so adding a key
 // changes no existing fingerprint. Equal numerics, equal fingerprints, on

@@ -1,0 +1,137 @@
+#include "faults/injector.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "ckpt/checkpointer.h"
+#include "ckpt/manifest.h"
+
+namespace ls {
+
+FaultInjector::FaultInjector(std::vector<FaultSpec> faults, std::set<int> fired, std::string state_path)
+    : faults_(std::move(faults)), fired_(std::move(fired)), state_path_(std::move(state_path)) {}
+
+void FaultInjector::fire(int index, const std::string& detail) {
+  fired_.insert(index);
+  const FaultSpec& f = faults_[index];
+  // Record first, durably: the process may be gone a microsecond later.
+  std::string line = "fired " + std::to_string(index) + " " + f.text() + " step=" + std::to_string(step_);
+  if (f.kind == FaultKind::kShrink || f.kind == FaultKind::kGrow) line += " dp=" + std::to_string(f.dp);
+  line += " " + detail + "\n";
+  if (!state_path_.empty()) {
+    const int fd = ::open(state_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      (void)!::write(fd, line.data(), line.size());
+      ::fsync(fd);
+      ::close(fd);
+    }
+  }
+  std::fprintf(stderr, "fault: %s", line.c_str() + 6);
+  std::fflush(stderr);
+  switch (f.kind) {
+    case FaultKind::kRankCrash:
+      ::_exit(kExitRankCrash);
+    case FaultKind::kProcessKill:
+    case FaultKind::kUploadCrash:
+      ::raise(SIGKILL);
+      ::_exit(137);
+    case FaultKind::kShrink:
+    case FaultKind::kGrow:
+      ::_exit(kExitMeshChange);
+    case FaultKind::kStoreTransient:
+      if (store_) store_->fail_next(f.calls, f.latency);
+      break;
+    case FaultKind::kStoreDown:
+      if (store_) store_->set_down(true);
+      break;
+    default:
+      break;
+  }
+}
+
+void FaultInjector::at(int step, FaultPhase phase, int rank) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (step < 0) step = step_;  // a phase inside the current step
+  else step_ = step;
+  for (size_t i = 0; i < faults_.size(); ++i) {
+    const FaultSpec& f = faults_[i];
+    if (f.kind == FaultKind::kStraggler) {
+      // Slows its rank from its step on; shows in timing, never in bits.
+      if (step >= f.step && rank == f.rank && phase == FaultPhase::kStepStart) {
+        if (pending((int)i)) fire((int)i, "slowing rank " + std::to_string(f.rank));
+        std::this_thread::sleep_for(std::chrono::duration<double>(f.slow));
+      }
+      continue;
+    }
+    if (!pending((int)i) || f.step != step) continue;
+    if (f.kind == FaultKind::kUploadCrash || f.kind == FaultKind::kBitrot) continue;  // fire elsewhere
+    if (f.phase == FaultPhase::kCkptUpload || f.phase == FaultPhase::kManifestWrite) continue;  // the put hook
+    const bool phase_ok = f.phase == phase || (f.phase == FaultPhase::kAny && phase == FaultPhase::kStepStart);
+    const bool rank_ok = f.kind != FaultKind::kRankCrash || f.rank == rank;
+    if (phase_ok && rank_ok) fire((int)i, std::string("at ") + fault_phase_name(phase));
+  }
+}
+
+std::shared_ptr<ObjectStore> FaultInjector::wrap(std::shared_ptr<ObjectStore> store) {
+  inner_ = store;
+  store_ = std::make_shared<FaultyStore>(store);
+  store_->set_put_hook([this](const std::string& key, int puts_before, uint64_t bytes_before) {
+    std::lock_guard<std::mutex> lk(mu_);
+    const bool manifest = step_of_manifest_key(key) >= 0;
+    for (size_t i = 0; i < faults_.size(); ++i) {
+      const FaultSpec& f = faults_[i];
+      if (!pending((int)i) || step_ < f.step) continue;
+      if (f.kind != FaultKind::kUploadCrash && f.kind != FaultKind::kProcessKill && f.kind != FaultKind::kRankCrash)
+        continue;
+      if (f.phase == FaultPhase::kManifestWrite && manifest)
+        fire((int)i, "before writing " + key);
+      if (f.phase == FaultPhase::kCkptUpload && !manifest &&
+          ((f.after_objects >= 0 && puts_before >= f.after_objects) ||
+           (f.after_bytes >= 0 && (int64_t)bytes_before >= f.after_bytes) || (f.after_objects < 0 && f.after_bytes < 0)))
+        fire((int)i, "before uploading " + key + " (" + std::to_string(puts_before) + " objects, " +
+                         std::to_string(bytes_before) + " bytes done)");
+    }
+  });
+  return store_;
+}
+
+void FaultInjector::after_commit(int64_t step) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (size_t i = 0; i < faults_.size(); ++i) {
+    const FaultSpec& f = faults_[i];
+    if (f.kind != FaultKind::kBitrot || !pending((int)i) || step < f.step || !inner_) continue;
+    // Silently corrupt the first object of the checkpoint just committed, at rest.
+    const std::string key = shard_key(step, 0);
+    std::vector<uint8_t> bytes = inner_->get(key);
+    if (bytes.size() > 64) bytes[bytes.size() / 2] ^= 0x5a;
+    inner_->put(key, bytes.data(), bytes.size());
+    fire((int)i, "corrupted " + key);
+  }
+}
+
+FiredFaults read_fault_state(const std::string& path) {
+  FiredFaults out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream ss(line);
+    std::string word;
+    int index = -1;
+    ss >> word >> index;
+    if (word != "fired" || index < 0) continue;
+    out.indices.insert(index);
+    out.lines.push_back(line);
+    const size_t dp = line.find(" dp=");
+    if (dp != std::string::npos) out.new_dp = std::atoi(line.c_str() + dp + 4);
+  }
+  return out;
+}
+
+}  // namespace ls

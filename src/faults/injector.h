@@ -1,0 +1,59 @@
+// The child side of fault injection: fires each planned fault once, at its
+// trigger (step and phase), for real -- the process exits or is SIGKILLed,
+// the store starts failing, a committed object rots -- and first records
+// the firing in the supervisor's state file, so a restarted child skips it.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "faults/fault_spec.h"
+#include "store/faulty_store.h"
+
+namespace ls {
+
+// Exit codes a child uses to say why it stopped.
+constexpr int kExitRankCrash = 86;   // a rank died: the job lost every rank's memory
+constexpr int kExitMeshChange = 87;  // shrink/grow: restart on another mesh
+
+class FaultInjector {
+ public:
+  // `fired`: indices of faults that already fired in earlier attempts.
+  FaultInjector(std::vector<FaultSpec> faults, std::set<int> fired, std::string state_path);
+
+  // Trigger points. step is 1-based; phases as in FaultPhase names.
+  void at(int step, FaultPhase phase, int rank = 0);
+  // Wraps the checkpoint store so store faults and upload crashes can fire.
+  std::shared_ptr<ObjectStore> wrap(std::shared_ptr<ObjectStore> store);
+  // After the checkpoint of `step` committed (bitrot fires here).
+  void after_commit(int64_t step);
+  void set_step(int step) { step_ = step; }
+
+  const std::vector<FaultSpec>& faults() const { return faults_; }
+
+ private:
+  void fire(int index, const std::string& detail);  // records, then acts
+  bool pending(int index) const { return !fired_.count(index); }
+
+  std::vector<FaultSpec> faults_;
+  std::set<int> fired_;
+  std::string state_path_;
+  std::shared_ptr<FaultyStore> store_;
+  std::shared_ptr<ObjectStore> inner_;
+  std::mutex mu_;
+  int step_ = 0;
+};
+
+// Reads a supervisor state file: the fired fault indices and, for
+// shrink/grow, the new data-parallel size (0 if none).
+struct FiredFaults {
+  std::set<int> indices;
+  int new_dp = 0;
+  std::vector<std::string> lines;
+};
+FiredFaults read_fault_state(const std::string& path);
+
+}  // namespace ls

@@ -1,0 +1,36 @@
+// The supervisor: runs a training job as a child process, detects failure
+// (exit, signal, or a heartbeat that stops -- a hang), and restarts it from
+// the latest committed checkpoint, within a restart budget and with backoff.
+// The role Ray plays in the large-lab reports this follows.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace ls {
+
+struct SuperviseOptions {
+  std::string binary;                  // the lockstep binary to run as the child
+  std::string scenario;                // scenario file
+  std::vector<std::string> sets;       // --set overrides
+  std::vector<std::string> faults;     // --fault specs (in addition to the scenario's faults list)
+  int threads = 0;
+  int max_restarts = 8;
+  double heartbeat_timeout = 120;      // seconds without a new step: a hang
+  double backoff_seconds = 0.05;       // base of the exponential backoff (with jitter)
+  bool progress = true;                // the timeline on stderr
+  std::vector<std::string> extra_args; // passed to every child (e.g. --steps)
+};
+
+struct SuperviseResult {
+  int exit_code = 0;                   // 0 ok; else the failing child's (2 bad input, 3 storage, ...)
+  nlohmann::json summary;              // the last child's --json summary, plus "restarts" and "faults_fired"
+  std::string error;                   // why it gave up
+};
+
+// Checkpoint URL of a scenario after overrides (what restarts resume from).
+SuperviseResult supervise(const SuperviseOptions& opt);
+
+}  // namespace ls
