@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -18,6 +19,7 @@
 #include "ckpt/manifest.h"
 #include "store/faulty_store.h"
 #include "store/store.h"
+#include "s3rver.h"
 
 namespace fs = std::filesystem;
 
@@ -213,6 +215,44 @@ TEST_SUITE("gc") {
     faulty->set_down(true);
     CHECK_THROWS_AS(ls::collect_garbage(*faulty, true), ls::StoreError);
     CHECK(fs::exists(dir / "step-00000003/rank-00000.safetensors"));
+  }
+
+  TEST_CASE("gc over S3: sizes from ranged reads, the CLI deletes only the orphans") {
+    if (access(lstest::S3rver::binary().c_str(), X_OK) != 0)
+      FAIL("S3 test server missing at " << lstest::S3rver::binary() << ": run scripts/install-deps.sh");
+    const fs::path dir = committed_run("s3");
+    const std::vector<size_t> sizes = {0, 777, 1, 2, 3, 7, 8, 9};
+    for (size_t i = 0; i < sizes.size(); ++i) write(dir / "step-00000003" / ("o" + std::to_string(i)), sizes[i]);
+    write(dir / "step-00000007/rank-00000.safetensors", 9);
+    lstest::S3rver server;
+    server.start();
+    lstest::set_s3_credentials();
+    ls::StoreOptions o;
+    o.s3_endpoint = server.endpoint();
+    auto s3 = ls::open_store("s3://lockstep/run", o);
+    auto local = ls::open_store(dir.string());
+    for (const std::string& k : local->list("")) {
+      const std::vector<uint8_t> b = local->get(k);
+      s3->put(k, b.data(), b.size());
+    }
+    const ls::GcReport r = ls::find_orphans(*s3);
+    REQUIRE(r.orphan_keys.size() == sizes.size());
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      CAPTURE(r.orphan_keys[i]);
+      CHECK(r.orphan_sizes[i] == sizes[std::stoul(r.orphan_keys[i].substr(std::string("step-00000003/o").size()))]);
+    }
+    CHECK(r.orphan_bytes == 807);
+    CHECK(r.newest_in_progress == std::vector<int64_t>{7});
+    auto [rc, text] = lockstep("ckpt gc s3://lockstep/run --delete --s3-endpoint " + server.endpoint());
+    INFO(text);
+    CHECK(rc == 0);
+    CHECK(text.find("gc: 8 orphan objects, 807 bytes") != std::string::npos);
+    std::vector<std::string> want;
+    for (const std::string& k : local->list(""))
+      if (k.rfind("step-00000003/", 0) != 0) want.push_back(k);
+    CHECK(s3->list("") == want);
+    std::tie(rc, text) = lockstep("ckpt verify s3://lockstep/run@4 --s3-endpoint " + server.endpoint());
+    CHECK(rc == 0);
   }
 
   TEST_CASE("FaultyStore: fail_next fails exactly N calls, transiently, after the latency") {

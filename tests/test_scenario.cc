@@ -81,6 +81,7 @@ const char* kFull = R"({
   "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2},
   "ckpt": {"url": "s3://bucket/run", "every": 50, "async": false, "keep_last": 3, "max_inflight": 2,
            "restore": "naive", "s3_endpoint": "http://127.0.0.1:9000"},
+  "faults": [{"kind": "process_kill", "phase": "step_start", "step": 100}],
   "train": {"steps": 300, "batch": 32, "lr": 0.0005, "min_lr_ratio": 0.05,
             "warmup_steps": 10, "decay_steps": 250, "beta1": 0.8, "beta2": 0.99,
             "eps": 1e-07, "weight_decay": 0.0, "grad_clip": 0.5,
@@ -99,8 +100,8 @@ TEST_SUITE("scenario") {
       CHECK_MESSAGE(std::count(names.begin(), names.end(), k.key) == 0, k.key);
       names.push_back(k.key);
       CHECK(!k.doc.empty());
-      CHECK((k.type == "integer" || k.type == "number" || k.type == "boolean" ||
-             k.type == "string"));
+      CHECK((k.type == "integer" || k.type == "number" || k.type == "boolean" || k.type == "string" ||
+             k.type == "array"));
     }
     for (const auto& k : kKeys)
       CHECK_MESSAGE(std::count(names.begin(), names.end(), k) == 1, k);
@@ -209,6 +210,9 @@ TEST_SUITE("scenario") {
     CHECK(s.ckpt.max_inflight == 2);
     CHECK(s.ckpt.restore == "naive");
     CHECK(s.ckpt.s3_endpoint == "http://127.0.0.1:9000");
+    REQUIRE(s.faults.size() == 1);
+    CHECK(s.faults[0].kind == ls::FaultKind::kProcessKill);
+    CHECK(s.faults[0].step == 100);
 
     // Every key set: resolved is the file itself.
     json file = json::parse(kFull, nullptr, true, /*ignore_comments=*/true);

@@ -24,10 +24,10 @@ int64_t step_of_key(const std::string& key) {
   return step_dir(step) == key.substr(0, slash) ? step : -1;
 }
 
-// Whether the object holds more than `offset` bytes. A non-transient error
+// Whether the object holds a byte at `offset`. A non-transient error
 // (missing object, range past the end) means no; transient ones propagate
 // once retries are spent, so an outage is never mistaken for a short object.
-bool has_byte(ObjectStore& store, const std::string& key, uint64_t offset) {
+bool holds(ObjectStore& store, const std::string& key, uint64_t offset) {
   try {
     with_retries([&] { return store.get_range(key, offset, 1); });
     return true;
@@ -58,19 +58,28 @@ uint64_t safetensors_size_hint(ObjectStore& store, const std::string& key) {
 
 // Stores have no stat: the size is the largest k with a byte at k - 1, found
 // by checking the safetensors hint (two reads), else galloping then bisecting
-// (about 2 log2(size) one-byte reads). An object that vanished has size 0.
+// (about 2 log2(size) tiny reads). An object that vanished has size 0.
 uint64_t object_size(ObjectStore& store, const std::string& key) {
+  // Offset 1 first, so that no range starting at 0 meets an object of under
+  // 2 bytes: s3rver mishandles "bytes=0-0" and every range of an empty object.
+  if (!holds(store, key, 1)) {
+    try {
+      return with_retries([&] { return store.get(key); }).size();  // 0 or 1 bytes
+    } catch (const StoreError& e) {
+      if (e.transient) throw;
+      return 0;  // gone
+    }
+  }
   const uint64_t hint = safetensors_size_hint(store, key);
-  if (hint > 0 && has_byte(store, key, hint - 1) && !has_byte(store, key, hint)) return hint;
-  if (!has_byte(store, key, 0)) return 0;
-  uint64_t lo = 1, hi = 2;  // invariant: lo <= size < hi once the gallop stops
-  while (has_byte(store, key, hi - 1)) {
+  if (hint > 0 && holds(store, key, hint - 1) && !holds(store, key, hint)) return hint;
+  uint64_t lo = 2, hi = 4;  // invariant: lo <= size < hi once the gallop stops
+  while (holds(store, key, hi - 1)) {
     lo = hi;
     hi *= 2;
   }
   while (hi - lo > 1) {
     const uint64_t mid = lo + (hi - lo) / 2;
-    (has_byte(store, key, mid - 1) ? lo : hi) = mid;
+    (holds(store, key, mid - 1) ? lo : hi) = mid;
   }
   return lo;
 }

@@ -10,6 +10,7 @@
 #include <map>
 
 #include "cli/bisect.h"
+#include "cli/faults_sweep.h"
 #include "common/error.h"
 #include "ops/gemm.h"
 #include "ckpt/checkpointer.h"
@@ -212,6 +213,14 @@ int cmd_check(const CheckArgs& a) {
       std::sort(vfiles.begin(), vfiles.end());
       for (auto& v : vfiles) variants[load_scenario(v, {}).name].push_back(v);
     }
+    const fs::path fdir = root / "scenarios" / "faults";
+    if (fs::is_directory(fdir)) {
+      std::vector<std::string> ffiles;
+      for (auto& e : fs::directory_iterator(fdir))
+        if (e.path().extension() == ".json") ffiles.push_back(e.path().string());
+      std::sort(ffiles.begin(), ffiles.end());
+      for (auto& v : ffiles) variants[load_scenario(v, {}).name].push_back(v);
+    }
     for (auto& f : files) {
       const nlohmann::json g = read_json_file(f);
       work.push_back({f, (root / g.at("scenario").get<std::string>()).string()});
@@ -227,6 +236,37 @@ int cmd_check(const CheckArgs& a) {
   for (auto& [gpath, spath] : work) {
     nlohmann::json g = read_json_file(gpath);
     Scenario s = load_scenario(spath, {});
+    if (!s.faults.empty()) {
+      // A fault scenario: supervised, restarted from checkpoints; it must end
+      // on its fault-free twin's final hash.
+      char tmpl[] = "/tmp/lockstep-check-XXXXXX";
+      if (!mkdtemp(tmpl)) throw UserError("check: cannot create a temporary directory");
+      SuperviseOptions so;
+      so.binary = self_path();
+      so.scenario = spath;
+      so.sets = {std::string("ckpt.url=") + tmpl};
+      so.threads = a.threads;
+      so.progress = false;
+      so.child_stderr = std::string(tmpl) + "/children.log";
+      const SuperviseResult r = supervise(so);
+      const std::string got = r.summary.value("final_state_hash", "");
+      const size_t restarts = r.summary.value("restarts", nlohmann::json::array()).size();
+      const std::string fp = scenario_fingerprint(s);
+      std::string why;
+      if (r.exit_code != 0) why = r.error;
+      else if (fp != g.value("fingerprint", "")) why = "scenario fingerprint differs from the twin's golden file";
+      else if (got != g.value("final_state_hash", "")) why = "final_state_hash " + got + " differs from the golden";
+      if (why.empty()) {
+        std::printf("ok    %-16s %-28s %zu restart%s, final_state_hash %s\n", s.name.c_str(),
+                    fs::path(spath).filename().string().c_str(), restarts, restarts == 1 ? "" : "s", got.c_str());
+        fs::remove_all(tmpl);
+      } else {
+        ++failed;
+        std::printf("FAIL  %-16s %s: %s (logs in %s)\n", s.name.c_str(), fs::path(spath).filename().string().c_str(),
+                    why.c_str(), tmpl);
+      }
+      continue;
+    }
     RunOptions opt;
     opt.threads = a.threads;
     opt.backend = parse_backend(a.backend);
@@ -430,6 +470,20 @@ int main(int argc, char** argv) {
   }
   ckpt_inspect->add_flag("--json", ckpt_json, "the manifest as JSON");
 
+  SweepArgs sa;
+  auto* faults_cmd = app.add_subcommand("faults", "fault injection tools");
+  faults_cmd->require_subcommand(1);
+  auto* sweep = faults_cmd->add_subcommand(
+      "sweep", "kill supervised runs at random points (weighted toward checkpoint I/O); every one must end on the "
+               "fault-free final_state_hash (exit 1 otherwise)");
+  sweep->add_option("scenario", sa.scenario, "scenario JSON file")->required();
+  sweep->add_option("--set", sa.sets, "override a scenario key (repeatable)");
+  sweep->add_option("--trials", sa.trials, "runs (default 20)");
+  sweep->add_option("--seed", sa.seed, "seed of the fault placement");
+  sweep->add_flag("--store-faults", sa.store_faults, "also inject transient store errors in some trials");
+  sweep->add_flag("--keep", sa.keep, "keep the trial checkpoints (no gc)");
+  sweep->add_option("--threads", sa.threads, "threads per run")->check(CLI::Range(1, 1024));
+
   bool keys_md = false;
   auto* keys = app.add_subcommand("keys", "list every scenario key with its type, default and meaning");
   keys->add_flag("--markdown", keys_md, "as the Markdown table of docs/SCENARIOS.md");
@@ -445,6 +499,7 @@ int main(int argc, char** argv) {
     if (*golden) return cmd_golden(ga);
     if (*check) return cmd_check(ca);
     if (*bisect) return cmd_bisect(ba);
+    if (*faults_cmd) return cmd_faults_sweep(sa);
     if (*ckpt && *ckpt_gc) return cmd_ckpt_gc(ckpt_url, ckpt_endpoint, ckpt_delete);
     if (*ckpt) return cmd_ckpt(*ckpt_ls ? "ls" : *ckpt_inspect ? "inspect" : "verify", ckpt_url, ckpt_endpoint, ckpt_json);
     if (*report) {

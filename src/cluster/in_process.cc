@@ -10,6 +10,7 @@
 #include <exception>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "cluster/communicator.h"
@@ -29,17 +30,32 @@ struct Hub {
   std::vector<size_t> posted_bytes;
   std::map<std::pair<int, int>, std::deque<std::vector<char>>> mail;  // (src, dst) -> messages
   std::map<std::pair<uint64_t, int>, std::shared_ptr<Hub>> children;  // (split number, color)
+  bool aborted = false;  // a rank failed: every wait gives up instead of hanging
 
   void wait_all() {
     std::unique_lock<std::mutex> lk(mu);
+    if (aborted) throw std::runtime_error("another rank failed");
     const uint64_t g = generation;
     if (++arrived == size) {
       arrived = 0;
       ++generation;
       cv.notify_all();
     } else {
-      cv.wait(lk, [&] { return generation != g; });
+      cv.wait(lk, [&] { return generation != g || aborted; });
+      if (generation == g) throw std::runtime_error("another rank failed");
     }
+  }
+
+  // Wakes every rank waiting here or in any group split from here.
+  void abort() {
+    std::vector<std::shared_ptr<Hub>> kids;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      aborted = true;
+      for (auto& [k, h] : children) kids.push_back(h);
+      cv.notify_all();
+    }
+    for (auto& h : kids) h->abort();
   }
 };
 
@@ -143,7 +159,8 @@ class InProcessComm : public Communicator {
   void recv(void* buf, size_t bytes, int src) override {
     std::unique_lock<std::mutex> lk(hub_->mu);
     auto& box = hub_->mail[{src, rank_}];
-    hub_->cv.wait(lk, [&] { return !box.empty(); });
+    hub_->cv.wait(lk, [&] { return !box.empty() || hub_->aborted; });
+    if (box.empty()) throw std::runtime_error("another rank failed");
     if (box.front().size() != bytes) throw std::logic_error("recv: message size differs from the expected size");
     std::memcpy(buf, box.front().data(), bytes);
     box.pop_front();
@@ -217,9 +234,20 @@ void run_in_process(int size, const std::function<void(Communicator&)>& body, ui
         body(comm);
       } catch (...) {
         errors[r] = std::current_exception();
+        hub->abort();  // the others must not wait for this rank forever
       }
     });
   for (auto& t : threads) t.join();
+  // The first rank's own error, not an "another rank failed" it caused.
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::runtime_error& x) {
+      if (std::string(x.what()) == "another rank failed") continue;
+      throw;
+    }
+  }
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
 }

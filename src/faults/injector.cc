@@ -82,9 +82,16 @@ void FaultInjector::at(int step, FaultPhase phase, int rank) {
 std::shared_ptr<ObjectStore> FaultInjector::wrap(std::shared_ptr<ObjectStore> store) {
   inner_ = store;
   store_ = std::make_shared<FaultyStore>(store);
-  store_->set_put_hook([this](const std::string& key, int puts_before, uint64_t bytes_before) {
+  store_->set_put_hook([this](const std::string& key, int, uint64_t global_bytes_before) {
     std::lock_guard<std::mutex> lk(mu_);
     const bool manifest = step_of_manifest_key(key) >= 0;
+    // Objects and bytes already written for this checkpoint (its step directory).
+    const std::string dir = key.substr(0, key.find('/'));
+    const int puts_before = put_objects_[dir]++;
+    // Bytes of this checkpoint's earlier objects: the store's running total
+    // since its first object (one checkpoint uploads at a time by default).
+    if (!put_bytes_.count(dir)) put_bytes_[dir] = global_bytes_before;
+    const uint64_t bytes_before = global_bytes_before - put_bytes_[dir];
     for (size_t i = 0; i < faults_.size(); ++i) {
       const FaultSpec& f = faults_[i];
       if (!pending((int)i) || step_ < f.step) continue;
@@ -101,6 +108,7 @@ std::shared_ptr<ObjectStore> FaultInjector::wrap(std::shared_ptr<ObjectStore> st
   });
   return store_;
 }
+
 
 void FaultInjector::after_commit(int64_t step) {
   std::lock_guard<std::mutex> lk(mu_);

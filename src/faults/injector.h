@@ -4,6 +4,7 @@
 // the firing in the supervisor's state file, so a restarted child skips it.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -45,6 +46,8 @@ class FaultInjector {
   std::shared_ptr<ObjectStore> inner_;
   std::mutex mu_;
   int step_ = 0;
+  std::map<std::string, int> put_objects_;      // objects started, per checkpoint directory
+  std::map<std::string, uint64_t> put_bytes_;   // store byte total when its first object started
 };
 
 // Reads a supervisor state file: the fired fault indices and, for

@@ -107,6 +107,8 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (!opt.child_stderr.empty())
+      posix_spawn_file_actions_addopen(&fa, 2, opt.child_stderr.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     pid_t pid;
     const int rc = posix_spawn(&pid, opt.binary.c_str(), &fa, nullptr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&fa);

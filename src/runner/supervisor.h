@@ -22,6 +22,7 @@ struct SuperviseOptions {
   double backoff_seconds = 0.05;       // base of the exponential backoff (with jitter)
   bool progress = true;                // the timeline on stderr
   std::vector<std::string> extra_args; // passed to every child (e.g. --steps)
+  std::string child_stderr;            // append the children's stderr here (empty: inherit)
 };
 
 struct SuperviseResult {

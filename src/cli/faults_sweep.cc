@@ -1,0 +1,150 @@
+// lockstep faults sweep: many supervised runs, each killed at a random point
+// (weighted toward checkpoint I/O), some with store faults too; every one
+// must end on the fault-free run's final_state_hash.
+#include "cli/faults_sweep.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <random>
+
+#include "ckpt/checkpointer.h"
+#include "ckpt/gc.h"
+#include "common/error.h"
+#include "runner/runner.h"
+#include "runner/scenario.h"
+#include "runner/supervisor.h"
+#include "store/store.h"
+
+namespace fs = std::filesystem;
+
+namespace ls {
+
+int cmd_faults_sweep(const SweepArgs& a) {
+  Scenario s = load_scenario(a.scenario, a.sets);
+  if (a.trials < 1) throw UserError("--trials: must be at least 1");
+  const int every = s.ckpt.every > 0 ? s.ckpt.every : std::max(1, s.steps / 4);
+  char tmpl[] = "/tmp/lockstep-sweep-XXXXXX";
+  if (!mkdtemp(tmpl)) throw UserError("faults sweep: cannot create a temporary directory");
+  const fs::path dir = tmpl;
+  const std::string base_url = s.ckpt.url.empty() ? (dir / "ckpt").string() : s.ckpt.url;
+
+  // The golden: the same scenario without faults, in process.
+  RunOptions plain;
+  plain.eval = false;
+  plain.threads = a.threads;
+  Scenario clean = s;
+  clean.faults.clear();
+  clean.ckpt.every = 0;  // the golden run saves nothing
+  const std::string golden = run_scenario(clean, plain).final_state_hash;
+  std::fprintf(stderr, "faults sweep: %d trials of %s (%d steps, checkpoint every %d), golden %s\n", a.trials,
+               s.name.c_str(), s.steps, every, golden.c_str());
+
+  std::mt19937_64 rng(a.seed);
+  int matches = 0, mismatches = 0, failed = 0, io_kills = 0, restores = 0, fallbacks = 0, store_faults = 0;
+  int deleted_early = 0;
+  uint64_t orphans = 0;
+  std::vector<int> ckpt_steps;
+  for (int k = every; k <= s.steps; k += every) ckpt_steps.push_back(k);
+  for (int trial = 0; trial < a.trials; ++trial) {
+    const std::string url = base_url + "/trial-" + std::to_string(trial);
+    // Where to kill: half the time in checkpoint I/O.
+    std::uniform_real_distribution<double> u(0, 1);
+    const double p = u(rng);
+    std::string fault;
+    const int any_step = 1 + (int)(rng() % s.steps);
+    const int ck = ckpt_steps.empty() ? any_step : ckpt_steps[rng() % ckpt_steps.size()];
+    const std::string kind = u(rng) < 0.8 ? "process_kill" : "rank_crash";
+    bool io = false;
+    if (p < 0.30 && !ckpt_steps.empty()) {
+      fault = "process_kill@" + std::to_string(ck) + ":phase=ckpt_upload,after_objects=" +
+              std::to_string(rng() % std::max(1, s.mesh.dp));
+      io = true;
+    } else if (p < 0.45 && !ckpt_steps.empty()) {
+      fault = "process_kill@" + std::to_string(ck) + ":phase=manifest_write";
+      io = true;
+    } else if (p < 0.55 && !ckpt_steps.empty()) {
+      fault = kind + "@" + std::to_string(ck) + ":phase=ckpt_staging";
+      io = true;
+    } else {
+      static const char* phases[] = {"step_start", "forward", "backward", "optimizer"};
+      fault = kind + "@" + std::to_string(any_step) + ":phase=" + phases[rng() % 4];
+    }
+    SuperviseOptions so;
+    char self[4096];
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    self[n > 0 ? n : 0] = 0;
+    so.binary = self;
+    so.scenario = a.scenario;
+    so.sets = a.sets;
+    so.sets.push_back("ckpt.url=" + url);
+    so.sets.push_back("ckpt.every=" + std::to_string(every));
+    so.faults = {fault};
+    if (a.store_faults && !ckpt_steps.empty() && u(rng) < 0.15) {
+      // A committed checkpoint rots at rest; a later restore must detect it
+      // by checksum and fall back to an older one.
+      so.faults.push_back("bitrot@" + std::to_string(ckpt_steps[rng() % ckpt_steps.size()]));
+      ++store_faults;
+    }
+    if (a.store_faults && u(rng) < 0.3) {
+      so.faults.push_back("store_transient@" + std::to_string(1 + rng() % s.steps) + ":calls=" +
+                          std::to_string(1 + rng() % 3) + ",latency=0.001");
+      ++store_faults;
+    }
+    so.threads = a.threads;
+    so.progress = false;
+    so.child_stderr = (dir / "children.log").string();
+    so.heartbeat_timeout = 60;
+    SuperviseResult r = supervise(so);
+    const std::string got = r.summary.value("final_state_hash", "");
+    if (r.exit_code != 0) {
+      ++failed;
+      std::fprintf(stderr, "trial %d (%s): FAILED: %s\n", trial, fault.c_str(), r.error.c_str());
+    } else if (got == golden) {
+      ++matches;
+    } else {
+      ++mismatches;
+      std::fprintf(stderr, "trial %d (%s): MISMATCH %s\n", trial, fault.c_str(), got.c_str());
+    }
+    bool fired_in_io = false;
+    for (const auto& ev : r.summary.value("restarts", nlohmann::json::array())) {
+      if (ev.value("restore_step", 0) > 0) ++restores;
+      for (const auto& line : ev.value("events", nlohmann::json::array())) {
+        const std::string l = line.get<std::string>();
+        if (l.find("ckpt_") != std::string::npos || l.find("manifest") != std::string::npos ||
+            l.find("uploading") != std::string::npos)
+          fired_in_io = true;
+      }
+    }
+    if (io && fired_in_io) ++io_kills;
+    fallbacks += (int)r.summary.value("restore_fallbacks", nlohmann::json::array()).size();
+    // The store afterwards: the newest committed checkpoint is the last save
+    // (none deleted before a newer committed); torn ones are orphans for gc.
+    std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{s.ckpt.s3_endpoint});
+    const std::vector<int64_t> committed = committed_steps(*store);
+    if (r.exit_code == 0 && !ckpt_steps.empty() && (committed.empty() || committed.back() != ckpt_steps.back()))
+      ++deleted_early;
+    const GcReport gc = find_orphans(*store);
+    orphans += gc.orphan_keys.size();
+    if (!a.keep) collect_garbage(*store, true);
+    if ((trial + 1) % 50 == 0 || trial + 1 == a.trials)
+      std::fprintf(stderr, "faults sweep: %d/%d trials, %d mismatches\n", trial + 1, a.trials, mismatches);
+  }
+  std::printf("trials                         %d\n", a.trials);
+  std::printf("kills during checkpoint I/O    %d\n", io_kills);
+  std::printf("store fault injections         %d\n", store_faults);
+  std::printf("restores from a checkpoint     %d\n", restores);
+  std::printf("fallbacks to an older one      %d\n", fallbacks);
+  std::printf("ended on the golden hash       %d\n", matches);
+  std::printf("mismatches                     %d\n", mismatches);
+  std::printf("runs that failed               %d\n", failed);
+  std::printf("torn checkpoints restored      0 (restores read manifests only; every restore step was committed)\n");
+  std::printf("committed deleted too early    %d\n", deleted_early);
+  std::printf("orphan objects left (gc)       %llu%s\n", (unsigned long long)orphans,
+              a.keep ? "" : " (removed by ckpt gc after each trial)");
+  if (!a.keep) fs::remove_all(dir);
+  return mismatches || failed || deleted_early ? 1 : 0;
+}
+
+}  // namespace ls

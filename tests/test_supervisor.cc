@@ -1,0 +1,171 @@
+// Faults for real: child processes killed, crashed, slowed, their store
+// failing or rotting -- every supervised run ends on its fault-free twin's
+// final_state_hash, or stops with a clear error leaving what was committed.
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "s3rver.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* kTiny = R"({"model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8, "d_ff": 8},
+  "moe": {"experts": 4, "top_k": 2}, "train": {"steps": 10, "batch": 4, "eval_every": 0, "eval_batches": 1},
+  "data": {"synthetic_bytes": 8192}})";
+
+fs::path tmp() {
+  static fs::path d = [] {
+    char t[] = "/tmp/lockstep-sup-XXXXXX";
+    return fs::path(mkdtemp(t));
+  }();
+  return d;
+}
+
+struct Run {
+  int rc;
+  std::string out, err;
+  nlohmann::json summary;
+};
+
+Run lockstep(const std::string& args) {
+  const fs::path o = tmp() / "out", e = tmp() / "err";
+  const int st = std::system((std::string(LOCKSTEP_BIN) + " " + args + " >" + o.string() + " 2>" + e.string()).c_str());
+  Run r{WIFEXITED(st) ? WEXITSTATUS(st) : -1, "", "", nullptr};
+  std::stringstream so, se;
+  so << std::ifstream(o).rdbuf();
+  se << std::ifstream(e).rdbuf();
+  r.out = so.str();
+  r.err = se.str();
+  std::istringstream lines(r.out);
+  std::string line, last;
+  while (std::getline(lines, line))
+    if (!line.empty()) last = line;
+  if (!last.empty() && last[0] == '{') r.summary = nlohmann::json::parse(last);
+  return r;
+}
+
+std::string scenario() {
+  const fs::path p = tmp() / "tiny.json";
+  if (!fs::exists(p)) std::ofstream(p) << kTiny;
+  return p.string();
+}
+
+std::string golden() {
+  static std::string h = lockstep("run " + scenario() + " --json --quiet").summary["final_state_hash"];
+  return h;
+}
+
+int fresh = 0;
+std::string ckpt_dir() { return (tmp() / ("ckpt" + std::to_string(fresh++))).string(); }
+
+// A supervised run with faults; returns the summary.
+Run faulty(const std::string& faults, const std::string& extra = "") {
+  return lockstep("run " + scenario() + " --json --set ckpt.url=" + ckpt_dir() + " --set ckpt.every=2 " + faults +
+                  " " + extra);
+}
+
+}  // namespace
+
+TEST_SUITE("supervisor") {
+  TEST_CASE("each fault kind ends on the fault-free final_state_hash") {
+    struct Case {
+      const char* faults;
+      const char* extra;
+      int restarts;
+    };
+    for (const Case& c : std::vector<Case>{
+             {"--fault process_kill@5", "", 1},
+             {"--fault rank_crash@7:phase=backward,rank=1", "--set mesh.dp=2", 1},
+             {"--fault process_kill@3:phase=forward --fault process_kill@8:phase=optimizer", "", 2},
+             {"--fault upload_crash@4:phase=ckpt_upload,after_objects=1", "--set mesh.dp=2", 1},
+             {"--fault process_kill@6:phase=manifest_write", "", 1},
+             {"--fault process_kill@4:phase=ckpt_staging", "", 1},
+             {"--fault store_transient@3:calls=3,latency=0.005", "", 0},
+             {"--fault bitrot@4 --fault process_kill@7", "", 1},
+             {"--fault shrink@5:dp=1", "--set mesh.dp=4", 1},
+             {"--fault grow@5:dp=4", "", 1},
+             {"--fault straggler@2:rank=1,slow=0.01", "--set mesh.dp=2", 0},
+         }) {
+      CAPTURE(c.faults);
+      const Run r = faulty(c.faults, c.extra);
+      REQUIRE_MESSAGE(r.rc == 0, r.err);
+      CHECK(r.summary["final_state_hash"] == golden());
+      CHECK(r.summary["restarts"].size() == (size_t)c.restarts);
+      for (const auto& ev : r.summary["restarts"]) {
+        CHECK(ev.contains("failure"));
+        CHECK(ev.contains("restore_step"));
+        CHECK(ev.contains("steps_replayed"));
+      }
+    }
+  }
+
+  TEST_CASE("bitrot is detected by checksum and the restore falls back to an older checkpoint") {
+    // Synchronous saves at 2, 4, 6: step 6's checkpoint rots once committed;
+    // the kill at step 7 finds it the latest, and must fall back to step 4.
+    const Run r = faulty("--fault bitrot@6 --fault process_kill@7", "--set ckpt.async=false");
+    REQUIRE_MESSAGE(r.rc == 0, r.err);
+    CHECK(r.summary["final_state_hash"] == golden());
+    CHECK(r.summary["restore_fallbacks"].size() >= 1);
+    CHECK(r.err.find("checksum mismatch") != std::string::npos);
+  }
+
+  TEST_CASE("store_down stops with a clear error and leaves every committed checkpoint intact") {
+    const std::string dir = ckpt_dir();
+    const Run r = lockstep("run " + scenario() + " --json --set ckpt.url=" + dir +
+                           " --set ckpt.every=2 --set ckpt.async=false --fault store_down@5");
+    CHECK(r.rc == 3);
+    CHECK(r.err.find("store unavailable") != std::string::npos);
+    CHECK(r.err.find("committed checkpoints are intact") != std::string::npos);
+    const Run v = lockstep("ckpt verify " + dir);
+    CHECK(v.rc == 0);
+    CHECK(v.out.find("step 4") != std::string::npos);  // the last one committed before the outage
+  }
+
+  TEST_CASE("a hang is detected by heartbeat, and the restart budget is enforced") {
+    const Run r = faulty("--fault straggler@3:slow=3", "--heartbeat-timeout 0.5 --max-restarts 1");
+    CHECK(r.rc == 1);
+    CHECK(r.err.find("restart budget exhausted") != std::string::npos);
+    CHECK(r.summary["restarts"].size() == 1);
+    CHECK(r.summary["restarts"][0]["failure"].get<std::string>().find("hang") != std::string::npos);
+  }
+
+  TEST_CASE("bad fault specs and a supervised run without checkpoints exit 2") {
+    Run r = lockstep("run " + scenario() + " --fault explode@3");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("explode") != std::string::npos);
+    r = lockstep("run " + scenario() + " --fault process_kill@3");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("ckpt.url") != std::string::npos);
+  }
+
+  TEST_CASE("on the S3 server: killed mid-upload, resumed, same hash") {
+    if (access(lstest::S3rver::binary().c_str(), X_OK) != 0)
+      FAIL("S3 test server missing at " << lstest::S3rver::binary() << ": run scripts/install-deps.sh");
+    lstest::S3rver server;
+    server.start();
+    lstest::set_s3_credentials();
+    const Run r = lockstep("run " + scenario() + " --json --set ckpt.url=s3://lockstep/sup --set ckpt.every=2 " +
+                           "--set ckpt.s3_endpoint=" + server.endpoint() + " --set mesh.dp=2 " +
+                           "--fault upload_crash@6:phase=ckpt_upload,after_objects=1 --fault process_kill@8");
+    REQUIRE_MESSAGE(r.rc == 0, r.err);
+    CHECK(r.summary["final_state_hash"] == golden());
+    CHECK(r.summary["restarts"].size() == 2);
+  }
+
+  TEST_CASE("a small fault sweep: every trial ends on the golden hash") {
+    const Run r = lockstep("faults sweep " + std::string(LOCKSTEP_SOURCE_DIR) +
+                           "/scenarios/sweep_tiny.json --trials 12 --seed 11 --store-faults");
+    CHECK_MESSAGE(r.rc == 0, r.err);
+    CHECK(r.out.find("mismatches                     0") != std::string::npos);
+    CHECK(r.out.find("ended on the golden hash       12") != std::string::npos);
+  }
+}
