@@ -291,6 +291,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     nlohmann::json fallbacks = nlohmann::json::array();
     RestoreReport rep;
     Manifest m;
+    bool restored = false;
     for (size_t c = 0; c < candidates.size(); ++c) {
       m = read_manifest(*from, candidates[c]);
       if (m.fingerprint != r.fingerprint)
@@ -302,21 +303,28 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
                         std::to_string(r.steps) + " steps");
       try {
         rep = restore_state(*trainer, *from, m, s.ckpt.restore);
+        restored = true;
         break;
       } catch (const UserError& e) {
-        if (at >= 0 || c + 1 == candidates.size()) throw;
-        std::fprintf(stderr, "restore: checkpoint of step %lld unusable (%s); falling back to step %lld\n",
-                     (long long)m.step, e.what(), (long long)candidates[c + 1]);
+        if (at >= 0) throw;  // the named checkpoint, or nothing
+        // The trainer is untouched (pieces load only once every object read
+        // clean): fall back to the previous committed checkpoint, or, with
+        // none left, to the start -- the same bits, only later.
+        const int64_t to = c + 1 < candidates.size() ? candidates[c + 1] : 0;
+        std::fprintf(stderr, "restore: checkpoint of step %lld unusable (%s); falling back to %s\n",
+                     (long long)m.step, e.what(),
+                     to ? ("step " + std::to_string(to)).c_str() : "the start (no older committed checkpoint)");
         fallbacks.push_back({{"step", m.step}, {"why", e.what()}});
         if (!opt.fault_state.empty())
           if (FILE* f = std::fopen(opt.fault_state.c_str(), "a")) {
-            std::fprintf(f, "fallback from=%lld to=%lld\n", (long long)m.step, (long long)candidates[c + 1]);
+            std::fprintf(f, "fallback from=%lld to=%lld\n", (long long)m.step, (long long)to);
             std::fclose(f);
           }
       }
     }
-    start = (int)m.step;
+    start = restored ? (int)m.step : 0;
     r.resumed_from = start;
+    if (!restored) rep.saved_mesh = "null";
     r.restore = {{"step", rep.step}, {"url", rep.url}, {"mode", rep.mode}, {"store_bytes_read", rep.store_bytes_read},
                  {"checkpoint_bytes", rep.checkpoint_bytes}, {"seconds", rep.seconds},
                  {"saved_mesh", nlohmann::json::parse(rep.saved_mesh)}, {"fallbacks", fallbacks}};
