@@ -73,16 +73,15 @@ Run faulty(const std::string& faults, const std::string& extra = "") {
                   " " + extra);
 }
 
-}  // namespace
+struct Case {
+  const char* faults;
+  const char* extra;
+  int restarts;
+};
 
-TEST_SUITE("supervisor") {
-  TEST_CASE("each fault kind ends on the fault-free final_state_hash") {
-    struct Case {
-      const char* faults;
-      const char* extra;
-      int restarts;
-    };
-    for (const Case& c : std::vector<Case>{
+// One case of every fault kind (and of every kill phase).
+const std::vector<Case>& every_kind() {
+  static const std::vector<Case> cases = {
              {"--fault process_kill@5", "", 1},
              {"--fault rank_crash@7:phase=backward,rank=1", "--set mesh.dp=2", 1},
              {"--fault process_kill@3:phase=forward --fault process_kill@8:phase=optimizer", "", 2},
@@ -94,7 +93,15 @@ TEST_SUITE("supervisor") {
              {"--fault shrink@5:dp=1", "--set mesh.dp=4", 1},
              {"--fault grow@5:dp=4", "", 1},
              {"--fault straggler@2:rank=1,slow=0.01", "--set mesh.dp=2", 0},
-         }) {
+  };
+  return cases;
+}
+
+}  // namespace
+
+TEST_SUITE("supervisor") {
+  TEST_CASE("each fault kind ends on the fault-free final_state_hash") {
+    for (const Case& c : every_kind()) {
       CAPTURE(c.faults);
       const Run r = faulty(c.faults, c.extra);
       REQUIRE_MESSAGE(r.rc == 0, r.err);
@@ -147,18 +154,38 @@ TEST_SUITE("supervisor") {
     CHECK(r.err.find("ckpt.url") != std::string::npos);
   }
 
-  TEST_CASE("on the S3 server: killed mid-upload, resumed, same hash") {
+  TEST_CASE("on the S3 server: every fault kind ends on the fault-free final_state_hash") {
     if (access(lstest::S3rver::binary().c_str(), X_OK) != 0)
       FAIL("S3 test server missing at " << lstest::S3rver::binary() << ": run scripts/install-deps.sh");
     lstest::S3rver server;
     server.start();
     lstest::set_s3_credentials();
-    const Run r = lockstep("run " + scenario() + " --json --set ckpt.url=s3://lockstep/sup --set ckpt.every=2 " +
-                           "--set ckpt.s3_endpoint=" + server.endpoint() + " --set mesh.dp=2 " +
-                           "--fault upload_crash@6:phase=ckpt_upload,after_objects=1 --fault process_kill@8");
-    REQUIRE_MESSAGE(r.rc == 0, r.err);
-    CHECK(r.summary["final_state_hash"] == golden());
-    CHECK(r.summary["restarts"].size() == 2);
+    int n = 0;
+    for (const Case& c : every_kind()) {
+      CAPTURE(c.faults);
+      const Run r = lockstep("run " + scenario() + " --json --set ckpt.url=s3://lockstep/sup" + std::to_string(n++) +
+                             " --set ckpt.every=2 --set ckpt.s3_endpoint=" + server.endpoint() + " " + c.faults +
+                             " " + c.extra);
+      REQUIRE_MESSAGE(r.rc == 0, r.err);
+      CHECK(r.summary["final_state_hash"] == golden());
+      CHECK(r.summary["restarts"].size() == (size_t)c.restarts);
+    }
+    // The outage: a clear error, the committed checkpoints intact.
+    const Run down = lockstep("run " + scenario() + " --json --set ckpt.url=s3://lockstep/down --set ckpt.every=2 " +
+                              "--set ckpt.async=false --set ckpt.s3_endpoint=" + server.endpoint() +
+                              " --fault store_down@5");
+    CHECK(down.rc == 3);
+    CHECK(lockstep("ckpt verify s3://lockstep/down --s3-endpoint " + server.endpoint()).rc == 0);
+  }
+
+  TEST_CASE("every fault scenario under scenarios/faults ends on its twin's golden hash (lockstep check)") {
+    std::string files;
+    for (auto& e : fs::directory_iterator(fs::path(LOCKSTEP_SOURCE_DIR) / "scenarios" / "faults"))
+      files += " " + e.path().string();
+    const Run r = lockstep("check" + files + " --golden-dir " + std::string(LOCKSTEP_SOURCE_DIR) + "/golden");
+    CHECK_MESSAGE(r.rc == 0, r.out);
+    CHECK(r.out.find("FAIL") == std::string::npos);
+    CHECK(r.out.find("0 failed") != std::string::npos);
   }
 
   TEST_CASE("a small fault sweep: every trial ends on the golden hash") {
