@@ -143,6 +143,19 @@ TEST_SUITE("checkpoint") {
     CHECK(r.resumed_from == 4);
     CHECK(r.final_state_hash == want);
     CHECK(r.restore["store_bytes_read"] == r.restore["checkpoint_bytes"]);
+
+    // A golden scenario: saved on 2 ranks to S3, resumed on 1, ends on its golden hash.
+    const std::string top1 = std::string(LOCKSTEP_SOURCE_DIR) + "/scenarios/top1.json";
+    std::ifstream gin(std::string(LOCKSTEP_SOURCE_DIR) + "/golden/top1.json");
+    const nlohmann::json g = nlohmann::json::parse(gin);
+    ls::RunOptions opt;
+    opt.eval = false;
+    ls::run_scenario(ls::load_scenario(top1, {"mesh.dp=2", "ckpt.url=s3://lockstep/top1", "ckpt.every=8", ep}), opt);
+    opt.resume = "s3://lockstep/top1@8";
+    ls::RunResult g1 = ls::run_scenario(ls::load_scenario(top1, {ep}), opt);
+    CHECK(g1.resumed_from == 8);
+    CHECK(g1.final_state_hash == g["final_state_hash"]);
+    omp_set_num_threads(omp_get_num_procs());
   }
 
   TEST_CASE("the manifest's state hash is the run's state hash at that step") {

@@ -176,6 +176,11 @@ TEST_SUITE("cluster") {
     }
   }
 
+  TEST_CASE("64 ranks on this machine: same bits") {
+    const Outcome one = run({"train.batch=64", "train.steps=2"}, 1);
+    CHECK(run({"train.batch=64", "train.steps=2", "mesh.dp=64", "mesh.ep=8", "mesh.fsdp=true"}).hash == one.hash);
+  }
+
   TEST_CASE("a non-power-of-two world works when each rank holds a power-of-two block of leaves") {
     const Outcome one = run({"train.batch=12", "numerics.leaf_samples=4"}, 1);
     CHECK(run({"train.batch=12", "numerics.leaf_samples=4", "mesh.dp=3"}).hash == one.hash);
