@@ -4,6 +4,7 @@
 // changes the bits. Every run is a child `lockstep run` process, so the two
 // sides may be different binaries.
 #include "cli/bisect.h"
+#include "cli/self_exe.h"
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -175,20 +176,13 @@ std::string where(const TraceDiff& d) {
   return s + ", op " + r.value("op", "") + " (tensor " + r.value("tensor", "") + ")";
 }
 
-std::string self_binary() {
-  char buf[4096];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) throw UserError("bisect: cannot find the lockstep binary (/proc/self/exe)");
-  buf[n] = 0;
-  return buf;
-}
 
 }  // namespace
 
 int cmd_bisect(const BisectArgs& a) {
   Side A, B;
-  A.binary = a.bin_a.empty() ? self_binary() : a.bin_a;
-  B.binary = a.bin_b.empty() ? self_binary() : a.bin_b;
+  A.binary = a.bin_a.empty() ? self_executable() : a.bin_a;
+  B.binary = a.bin_b.empty() ? self_executable() : a.bin_b;
   for (const std::string* bin : {&A.binary, &B.binary})
     if (access(bin->c_str(), X_OK) != 0) throw UserError("bisect: " + *bin + " is not an executable");
   Scenario sa = load_scenario(a.scenario_a, a.sets_a);

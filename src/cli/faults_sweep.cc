@@ -2,6 +2,7 @@
 // (weighted toward checkpoint I/O), some with store faults too; every one
 // must end on the fault-free run's final_state_hash.
 #include "cli/faults_sweep.h"
+#include "cli/self_exe.h"
 
 #include <unistd.h>
 
@@ -72,10 +73,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
       fault = kind + "@" + std::to_string(any_step) + ":phase=" + phases[rng() % 4];
     }
     SuperviseOptions so;
-    char self[4096];
-    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    self[n > 0 ? n : 0] = 0;
-    so.binary = self;
+    so.binary = self_executable();
     so.scenario = a.scenario;
     so.sets = a.sets;
     so.sets.push_back("ckpt.url=" + url);

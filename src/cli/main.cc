@@ -10,6 +10,7 @@
 #include <map>
 
 #include "cli/bisect.h"
+#include "cli/self_exe.h"
 #include "cli/faults_sweep.h"
 #include "common/error.h"
 #include "ops/gemm.h"
@@ -81,8 +82,6 @@ struct RunArgs {
   double heartbeat_timeout = 120;
   std::vector<std::string> debug_bumps;
 };
-
-std::string self_path();
 
 int cmd_run(const RunArgs& a, const char* self) {
   Scenario s = load_scenario(a.scenario, a.sets);
@@ -242,7 +241,7 @@ int cmd_check(const CheckArgs& a) {
       char tmpl[] = "/tmp/lockstep-check-XXXXXX";
       if (!mkdtemp(tmpl)) throw UserError("check: cannot create a temporary directory");
       SuperviseOptions so;
-      so.binary = self_path();
+      so.binary = self_executable();
       so.scenario = spath;
       so.sets = {std::string("ckpt.url=") + tmpl};
       so.threads = a.threads;
@@ -363,13 +362,6 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
   return 0;
 }
 
-std::string self_path() {
-  char buf[4096];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) throw UserError("cannot find the lockstep binary (/proc/self/exe)");
-  buf[n] = 0;
-  return buf;
-}
 
 }  // namespace
 
@@ -495,7 +487,7 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   }
   try {
-    if (*run) return cmd_run(ra, self_path().c_str());
+    if (*run) return cmd_run(ra, self_executable().c_str());
     if (*golden) return cmd_golden(ga);
     if (*check) return cmd_check(ca);
     if (*bisect) return cmd_bisect(ba);
