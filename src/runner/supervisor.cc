@@ -40,7 +40,7 @@ std::string slurp(const fs::path& p) {
   return ss.str();
 }
 
-// Lines of the state file after the first `skip`.
+// Lines of the state file after the first `seen`; advances `seen`.
 std::vector<std::string> new_lines(const std::string& path, size_t& seen) {
   std::vector<std::string> out;
   std::ifstream in(path);
@@ -163,7 +163,8 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       res.summary["restarts"] = timeline;
       res.summary["faults_fired"] = read_fault_state(state).lines;
       nlohmann::json fallbacks = nlohmann::json::array();
-      for (const std::string& l : new_lines(state, (seen = 0, seen)))
+      size_t from_start = 0;
+      for (const std::string& l : new_lines(state, from_start))
         if (l.rfind("fallback", 0) == 0) fallbacks.push_back(l);
       res.summary["restore_fallbacks"] = fallbacks;
       fs::remove_all(dir);
