@@ -118,9 +118,7 @@ bool cpu_has(GemmPath p) {
 GemmPath effective_path() {
   GemmPath p = static_cast<GemmPath>(g_forced.load(std::memory_order_relaxed));
   if (p != GemmPath::kAuto && cpu_has(p)) return p;
-  if (cpu_has(GemmPath::kAvx512)) return GemmPath::kAvx512;
-  if (cpu_has(GemmPath::kAvx2)) return GemmPath::kAvx2;
-  return GemmPath::kScalar;
+  return best_cpu_path();
 }
 
 const UKernelInfo& kernel_for(GemmPath p) {
@@ -229,6 +227,13 @@ constexpr int64_t kMC = 192;  // rows per A block (rounded to MR): A block (192 
 void set_gemm_path(GemmPath path) { g_forced.store(static_cast<int>(path)); }
 
 bool gemm_path_supported(GemmPath path) { return cpu_has(path); }
+
+GemmPath best_cpu_path() {
+  static const GemmPath best = cpu_has(GemmPath::kAvx512) ? GemmPath::kAvx512
+                               : cpu_has(GemmPath::kAvx2) ? GemmPath::kAvx2
+                                                          : GemmPath::kScalar;
+  return best;
+}
 
 const char* gemm_path_name() {
   switch (effective_path()) {

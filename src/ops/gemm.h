@@ -35,6 +35,9 @@ enum class GemmPath { kAuto, kScalar, kAvx2, kAvx512 };
 void set_gemm_path(GemmPath path);
 const char* gemm_path_name();  // "scalar", "avx2" or "avx512": the path in use
 bool gemm_path_supported(GemmPath path);
+// The best path this CPU supports (probed once); the default of every
+// dispatching op (GEMM, vectorized math).
+GemmPath best_cpu_path();
 
 }  // namespace ops
 }  // namespace ls

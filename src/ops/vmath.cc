@@ -35,28 +35,10 @@ namespace {
 // ------------------------------------------------------------ dispatch ----
 std::atomic<int> g_forced{static_cast<int>(GemmPath::kAuto)};
 
-bool cpu_has(GemmPath p) {
-  switch (p) {
-    case GemmPath::kAuto:
-    case GemmPath::kScalar:
-      return true;
-    case GemmPath::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case GemmPath::kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  }
-  return false;
-}
-
 GemmPath effective_path() {
   GemmPath p = static_cast<GemmPath>(g_forced.load(std::memory_order_relaxed));
-  if (p != GemmPath::kAuto && cpu_has(p)) return p;
-  // Probed once: __builtin_cpu_supports is cheap but the hot loops call often.
-  static const GemmPath best = cpu_has(GemmPath::kAvx512) ? GemmPath::kAvx512
-                               : cpu_has(GemmPath::kAvx2) ? GemmPath::kAvx2
-                                                          : GemmPath::kScalar;
-  return best;
+  if (p != GemmPath::kAuto && gemm_path_supported(p)) return p;
+  return best_cpu_path();
 }
 
 // ---------------------------------------------------------------- AVX2 ----
@@ -232,7 +214,7 @@ void exp_shifted_n(const float* x, float m, float* y, int64_t n) {
 
 void set_vmath_path(GemmPath path) { g_forced.store(static_cast<int>(path)); }
 
-bool vmath_path_supported(GemmPath path) { return cpu_has(path); }
+bool vmath_path_supported(GemmPath path) { return gemm_path_supported(path); }
 
 const char* vmath_path_name() {
   switch (effective_path()) {

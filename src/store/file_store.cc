@@ -36,7 +36,7 @@ class FileStore : public ObjectStore {
   FileStore(std::string root, std::string url) : root_(std::move(root)), url_(std::move(url)) {}
 
   void put(const std::string& key, const void* data, size_t n) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     const std::string path = full(key);
     const std::string tmp = write_temp(key, path, data, n);
@@ -52,7 +52,7 @@ class FileStore : public ObjectStore {
   }
 
   bool put_if_absent(const std::string& key, const void* data, size_t n) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     const std::string path = full(key);
     const std::string tmp = write_temp(key, path, data, n);
@@ -71,7 +71,7 @@ class FileStore : public ObjectStore {
   }
 
   std::vector<uint8_t> get(const std::string& key) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     Fd fd = open_object(key);
     std::vector<uint8_t> out(fd.size);
@@ -83,7 +83,7 @@ class FileStore : public ObjectStore {
   }
 
   std::vector<uint8_t> get_range(const std::string& key, uint64_t offset, uint64_t n) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     if (n == 0) return {};
     Fd fd = open_object(key);
@@ -100,7 +100,7 @@ class FileStore : public ObjectStore {
   }
 
   bool exists(const std::string& key) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     struct stat st;
     if (::stat(full(key).c_str(), &st) != 0) {
@@ -111,7 +111,7 @@ class FileStore : public ObjectStore {
   }
 
   std::vector<std::string> list(const std::string& prefix) override {
-    Timer t(this);
+    CallTimer t(this);
     // Walk only the directory that holds every possible match.
     const size_t slash = prefix.rfind('/');
     const std::string dir = slash == std::string::npos ? "" : prefix.substr(0, slash);
@@ -138,7 +138,7 @@ class FileStore : public ObjectStore {
   }
 
   void remove(const std::string& key) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     if (::unlink(full(key).c_str()) != 0 && errno != ENOENT && errno != ENOTDIR) fail("unlink", key, errno);
     std::lock_guard<std::mutex> g(metrics_mu);
@@ -148,18 +148,6 @@ class FileStore : public ObjectStore {
   std::string url() const override { return url_; }
 
  private:
-  // Adds the call's wall time to metrics.seconds, however the call ends.
-  struct Timer {
-    explicit Timer(ObjectStore* s) : s(s), t0(std::chrono::steady_clock::now()) {}
-    ~Timer() {
-      const double d = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      std::lock_guard<std::mutex> g(s->metrics_mu);
-      s->metrics.seconds += d;
-    }
-    ObjectStore* s;
-    std::chrono::steady_clock::time_point t0;
-  };
-
   struct Fd {
     int fd = -1;
     uint64_t size = 0;

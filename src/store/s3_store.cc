@@ -153,7 +153,7 @@ class S3Store : public ObjectStore {
   }
 
   void put(const std::string& key, const void* data, size_t n) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     if (n > part_size_) {
       multipart(key, data, n, false);
@@ -170,7 +170,7 @@ class S3Store : public ObjectStore {
   // that ignore the header (s3rver) get only the HEAD check before it, which
   // leaves a race window between two writers of the same key.
   bool put_if_absent(const std::string& key, const void* data, size_t n) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     if (head(key)) return false;
     if (n > part_size_) {
@@ -187,7 +187,7 @@ class S3Store : public ObjectStore {
   }
 
   std::vector<uint8_t> get(const std::string& key) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     Response r = request("GET", key, "", nullptr, 0, {});
     if (r.status != 200) fail("GET", key, r);
@@ -198,7 +198,7 @@ class S3Store : public ObjectStore {
   }
 
   std::vector<uint8_t> get_range(const std::string& key, uint64_t offset, uint64_t n) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     if (n == 0) return {};
     const std::string range = "Range: bytes=" + std::to_string(offset) + "-" + std::to_string(offset + n - 1);
@@ -220,13 +220,13 @@ class S3Store : public ObjectStore {
   }
 
   bool exists(const std::string& key) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     return head(key);
   }
 
   std::vector<std::string> list(const std::string& prefix) override {
-    Timer t(this);
+    CallTimer t(this);
     std::vector<std::string> keys;
     std::string token;
     for (;;) {
@@ -253,7 +253,7 @@ class S3Store : public ObjectStore {
   }
 
   void remove(const std::string& key) override {
-    Timer t(this);
+    CallTimer t(this);
     check_key(key);
     Response r = request("DELETE", key, "", nullptr, 0, {});
     if (r.status != 204 && r.status != 200 && r.status != 404) fail("DELETE", key, r);
@@ -264,18 +264,6 @@ class S3Store : public ObjectStore {
   std::string url() const override { return url_; }
 
  private:
-  // Adds the call's wall time to metrics.seconds, however the call ends.
-  struct Timer {
-    explicit Timer(ObjectStore* s) : s(s), t0(std::chrono::steady_clock::now()) {}
-    ~Timer() {
-      const double d = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      std::lock_guard<std::mutex> g(s->metrics_mu);
-      s->metrics.seconds += d;
-    }
-    ObjectStore* s;
-    std::chrono::steady_clock::time_point t0;
-  };
-
   // Easy handles are pooled so that connections stay alive between calls.
   struct Handle {
     S3Store* s;

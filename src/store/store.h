@@ -5,6 +5,7 @@
 // from several threads (one uploader thread per rank).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -58,6 +59,19 @@ class ObjectStore {
     std::lock_guard<std::mutex> g(metrics_mu);
     return metrics;
   }
+
+ protected:
+  // Adds one call's wall time to metrics.seconds, however the call ends.
+  struct CallTimer {
+    explicit CallTimer(ObjectStore* s) : s(s), t0(std::chrono::steady_clock::now()) {}
+    ~CallTimer() {
+      const double d = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::lock_guard<std::mutex> g(s->metrics_mu);
+      s->metrics.seconds += d;
+    }
+    ObjectStore* s;
+    std::chrono::steady_clock::time_point t0;
+  };
 };
 
 struct StoreOptions {
