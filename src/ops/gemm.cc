@@ -287,38 +287,53 @@ void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int
   static thread_local Scratch b_scratch;
   float* bpack = b_scratch.get(static_cast<size_t>(KC * panels * NR));
 
-#pragma omp parallel num_threads(T) if (T > 1)
+  // One k block: pack B, then run the tasks. Each output keeps its sequential fold over k
+  // whatever the split, so the serial and threaded paths give the same bits.
+  auto run_task = [&](int64_t t, int64_t k0, int64_t kc, bool load, float* aedge) {
+    const int64_t ib = t / groups, g = t % groups;
+    const int64_t i0 = ib * MC, mc = std::min(MC, M - i0);
+    const int64_t strips = (mc + MR - 1) / MR;
+    const int medge = static_cast<int>(mc - (strips - 1) * MR);
+    if (medge < MR) pack_a_edge(A, i0 + (strips - 1) * MR, medge, MR, k0, kc, aedge);
+    const int64_t p_end = std::min(panels, (g + 1) * per_group);
+    for (int64_t p = g * per_group; p < p_end; ++p) {
+      const int nv = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
+      const float* bp = bpack + p * kc * NR;
+      for (int64_t s = 0; s < strips; ++s) {
+        const int64_t i = i0 + s * MR;
+        float* c = C + i * ldc + p * NR;
+        if (s + 1 < strips || medge == MR)
+          run_tile(uk, kc, A.p + i * A.rs + k0 * A.cs, A.rs, A.cs, bp, c, ldc, MR, nv, load);
+        else
+          run_tile(uk, kc, aedge, 1, MR, bp, c, ldc, medge, nv, load);
+      }
+    }
+  };
+  auto pack_panel = [&](int64_t p, int64_t k0, int64_t kc) {
+    pack_b(B, k0, kc, p * NR, static_cast<int>(std::min<int64_t>(NR, N - p * NR)), NR, bpack + p * kc * NR);
+  };
+
+  if (T == 1) {
+    // No OpenMP construct at all: even a team of one pays a futex wake per barrier.
+    static thread_local Scratch a_scratch;
+    float* aedge = a_scratch.get(static_cast<size_t>(KC * MR));
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = std::min(KC, K - k0);
+      for (int64_t p = 0; p < panels; ++p) pack_panel(p, k0, kc);
+      for (int64_t t = 0; t < tasks; ++t) run_task(t, k0, kc, accumulate || k0 > 0, aedge);
+    }
+    return;
+  }
+#pragma omp parallel num_threads(T)
   {
     static thread_local Scratch a_scratch;
     float* aedge = a_scratch.get(static_cast<size_t>(KC * MR));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
       const int64_t kc = std::min(KC, K - k0);
-      const bool load = accumulate || k0 > 0;
 #pragma omp for schedule(static)
-      for (int64_t p = 0; p < panels; ++p)
-        pack_b(B, k0, kc, p * NR, static_cast<int>(std::min<int64_t>(NR, N - p * NR)), NR,
-               bpack + p * kc * NR);
+      for (int64_t p = 0; p < panels; ++p) pack_panel(p, k0, kc);
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t ib = t / groups, g = t % groups;
-        const int64_t i0 = ib * MC, mc = std::min(MC, M - i0);
-        const int64_t strips = (mc + MR - 1) / MR;
-        const int medge = static_cast<int>(mc - (strips - 1) * MR);
-        if (medge < MR) pack_a_edge(A, i0 + (strips - 1) * MR, medge, MR, k0, kc, aedge);
-        const int64_t p_end = std::min(panels, (g + 1) * per_group);
-        for (int64_t p = g * per_group; p < p_end; ++p) {
-          const int nv = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
-          const float* bp = bpack + p * kc * NR;
-          for (int64_t s = 0; s < strips; ++s) {
-            const int64_t i = i0 + s * MR;
-            float* c = C + i * ldc + p * NR;
-            if (s + 1 < strips || medge == MR)
-              run_tile(uk, kc, A.p + i * A.rs + k0 * A.cs, A.rs, A.cs, bp, c, ldc, MR, nv, load);
-            else
-              run_tile(uk, kc, aedge, 1, MR, bp, c, ldc, medge, nv, load);
-          }
-        }
-      }
+      for (int64_t t = 0; t < tasks; ++t) run_task(t, k0, kc, accumulate || k0 > 0, aedge);
     }
   }
 }
