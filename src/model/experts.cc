@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/parallel.h"
 #include "contract.h"
 #include "ops/gemm.h"
 #include "ops/ops.h"
@@ -95,8 +96,7 @@ void experts_forward(ExpertWork& w, const float* W1, const float* W3, const floa
   w.act.resize(R * F);
   w.y.resize(R * D);
   const auto tasks = row_tasks(w);
-#pragma omp parallel for schedule(dynamic, 1)
-  for (size_t t = 0; t < tasks.size(); ++t) {
+  parallel_tasks((int64_t)tasks.size(), [&](int64_t t) {
     const int e = tasks[t].first;
     const int64_t r0 = tasks[t].second, rows = std::min(kRowBlock, w.off[e + 1] - r0);
     const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
@@ -107,7 +107,7 @@ void experts_forward(ExpertWork& w, const float* W1, const float* W3, const floa
     ops::gemm(rows, D, F, {&w.act[r0 * F], F, 1}, {w2, D, 1}, &w.y[r0 * D], D, false, 1);
     for (int64_t r = r0; r < r0 + rows; ++r)
       if (!w.dropped.empty() && w.dropped[r]) std::fill(&w.y[r * D], &w.y[(r + 1) * D], 0.0f);
-  }
+  });
 }
 
 void experts_backward(ExpertWork& w, const float* W1, const float* W3, const float* W2, int D, int F) {
@@ -117,8 +117,7 @@ void experts_backward(ExpertWork& w, const float* W1, const float* W3, const flo
   w.dv.resize(R * F);
   w.dx.resize(R * D);
   const auto tasks = row_tasks(w);
-#pragma omp parallel for schedule(dynamic, 1)
-  for (size_t t = 0; t < tasks.size(); ++t) {
+  parallel_tasks((int64_t)tasks.size(), [&](int64_t t) {
     const int e = tasks[t].first;
     const int64_t r0 = tasks[t].second, rows = std::min(kRowBlock, w.off[e + 1] - r0);
     const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
@@ -134,7 +133,7 @@ void experts_backward(ExpertWork& w, const float* W1, const float* W3, const flo
         std::fill(&w.du[r * F], &w.du[(r + 1) * F], 0.0f);
         std::fill(&w.dv[r * F], &w.dv[(r + 1) * F], 0.0f);
       }
-  }
+  });
 }
 
 void experts_weight_grads(const ExpertWork& w, int64_t leaves, int D, int F, float* gW1, float* gW3, float* gW2) {
@@ -148,8 +147,7 @@ void experts_weight_grads(const ExpertWork& w, int64_t leaves, int D, int F, flo
       off[lf] = r - w.off[e];
     }
   }
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int task = 0; task < 3 * w.experts; ++task) {
+  parallel_tasks(3 * w.experts, [&](int64_t task) {
     const int e = task / 3, which = task % 3;
     const int64_t r0 = w.off[e];
     const int64_t* off = &eoff[(size_t)e * (leaves + 1)];
@@ -160,7 +158,7 @@ void experts_weight_grads(const ExpertWork& w, int64_t leaves, int D, int F, flo
       ops::weight_grad(&w.x[r0 * D], D, &w.dv[r0 * F], F, D, F, off, leaves, gW3 + (int64_t)e * D * F);
     else
       ops::weight_grad(&w.act[r0 * F], F, &w.dy[r0 * D], D, F, D, off, leaves, gW2 + (int64_t)e * F * D);
-  }
+  });
 }
 
 }  // namespace ls

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "common/parallel.h"
 #include "contract.h"
 #include "ops/attention.h"
 #include "ops/gemm.h"
@@ -103,8 +104,7 @@ MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_
       continue;
     }
     const uint32_t id = tensor_id(p.name.c_str());
-#pragma omp parallel for schedule(static) if (p.size > 65536)
-    for (int64_t i = 0; i < p.size; ++i) w[i] = init_uniform(seed, id, (uint64_t)(p.global_offset + i), cfg.init_std);
+    parallel_for(p.size, [&](int64_t i) { w[i] = init_uniform(seed, id, (uint64_t)(p.global_offset + i), cfg.init_std); }, 65537);
   }
 }
 
@@ -216,9 +216,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   ws.h.resize(N * D);
   {
     const float *te = W("tok_emb"), *pe = W("pos_emb");
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n)
-      for (int i = 0; i < D; ++i) ws.h[n * D + i] = te[(int64_t)tok(n) * D + i] + pe[(n % S) * D + i];
+    parallel_for(N, [&](int64_t n) { for (int i = 0; i < D; ++i) ws.h[n * D + i] = te[(int64_t)tok(n) * D + i] + pe[(n % S) * D + i]; });
   }
 
   std::vector<float> aux_l(L, 0.0f), z_l(L, 0.0f);
@@ -238,22 +236,16 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     T("fwd", l, "qkv", "out", A.qkv.data(), {N, 3 * D});
     A.att.resize((size_t)B * H * S * S);
     A.o.resize(N * D);
-#pragma omp parallel
-    {
-      ops::AttentionScratch scratch;
-#pragma omp for schedule(dynamic, 1)
-      for (int bh = 0; bh < B * H; ++bh) {
-        const int b = bh / H, hh = bh % H;
-        const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
-        ops::attention_forward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, A.att.data() + (int64_t)bh * S * S,
-                               A.o.data() + (int64_t)b * S * D + hh * hd, D, scratch);
-      }
-    }
+    parallel_tasks_with<ops::AttentionScratch>(B * H, [&](ops::AttentionScratch& scratch, int64_t bh) {
+      const int b = bh / H, hh = bh % H;
+      const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
+      ops::attention_forward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, A.att.data() + (int64_t)bh * S * S,
+                             A.o.data() + (int64_t)b * S * D + hh * hd, D, scratch);
+    });
     T("fwd", l, "attention", "out", A.o.data(), {N, D});
     ws.dtmp.resize(N * D);
     ops::linear(A.o.data(), N, D, wo, D, ws.dtmp.data());
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N * D; ++i) ws.h[i] = ws.h[i] + ws.dtmp[i];
+    parallel_for(N * D, [&](int64_t i) { ws.h[i] = ws.h[i] + ws.dtmp[i]; });
     A.xm = ws.h;
     T("fwd", l, "attn_residual", "h", A.xm.data(), {N, D});
 
@@ -273,8 +265,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     if (c.router_skew != 0)  // a fixed preference for the first max(1, E/4) experts
       for (int64_t n = 0; n < N; ++n)
         for (int e = 0; e < std::max(1, E / 4); ++e) A.z[n * E + e] = A.z[n * E + e] + c.router_skew;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
+    parallel_for(N, [&](int64_t n) {
       const float* g = A.g.data() + n * E;
       A.lse[n] = ops::softmax(A.z.data() + n * E, A.g.data() + n * E, E);
       uint64_t taken[4] = {0, 0, 0, 0};  // E <= 256
@@ -285,7 +276,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         taken[best >> 6] |= 1ull << (best & 63);
         A.sel[n * K + s] = best;
       }
-    }
+    });
     T("fwd", l, "router", "logits", A.z.data(), {N, E});
     T("fwd", l, "router", "gates", A.g.data(), {N, E});
     // Dispatch: rows grouped by expert, in token order inside each expert.
@@ -316,11 +307,10 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       X.off = A.expert_off;
       X.x.resize(NK * D);
       X.leaf.resize(NK);
-#pragma omp parallel for schedule(static)
-      for (int64_t row = 0; row < NK; ++row) {
+      parallel_for(NK, [&](int64_t row) {
         std::memcpy(&X.x[row * D], &A.a2[A.row_token[row] * D], sizeof(float) * D);
         X.leaf[row] = A.row_token[row] / leaf;
-      }
+      });
     } else {
       std::vector<float> xe(NK * D);
       std::vector<int64_t> leaf_of(NK);
@@ -383,14 +373,11 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       A.ysh.resize(N * D);
       ops::linear(A.a2.data(), N, D, W(lname(l, "shared.w1")), F, A.su.data());
       ops::linear(A.a2.data(), N, D, W(lname(l, "shared.w3")), F, A.sv.data());
-#pragma omp parallel for schedule(static)
-      for (int64_t n = 0; n < N; ++n)
-        ops::swiglu(&A.su[n * F], &A.sv[n * F], &A.ssg[n * F], &A.sact[n * F], F);
+      parallel_for(N, [&](int64_t n) { ops::swiglu(&A.su[n * F], &A.sv[n * F], &A.ssg[n * F], &A.sact[n * F], F); });
       ops::linear(A.sact.data(), N, F, W(lname(l, "shared.w2")), D, A.ysh.data());
     }
     // Combine: out = fold over slots of fma(gate, y_slot, out) from +0, then + shared.
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
+    parallel_for(N, [&](int64_t n) {
       float out[4096];
       std::fill(out, out + D, 0.0f);
       for (int s = 0; s < K; ++s) {
@@ -401,7 +388,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       if (c.shared_expert)
         for (int j = 0; j < D; ++j) out[j] = out[j] + A.ysh[n * D + j];
       for (int j = 0; j < D; ++j) ws.h[n * D + j] = ws.h[n * D + j] + out[j];
-    }
+    });
     T("fwd", l, "moe.combine", "h", ws.h.data(), {N, D});
     // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
     {
@@ -451,11 +438,10 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   T("fwd", -1, "final_norm", "out", ws.af.data(), {N, D});
   ops::linear(ws.af.data(), N, D, lm_head, V, ws.logits.data());
   T("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V});
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
+  parallel_for(N, [&](int64_t n) {
     ws.lse[n] = ops::softmax(&ws.logits[n * V], &ws.prob[n * V], V);
     ws.loss[n] = ws.lse[n] - ws.logits[n * V + target(n)];
-  }
+  });
   T("fwd", -1, "loss", "per_token", ws.loss.data(), {N});
   StepLosses out;
   {
@@ -471,11 +457,13 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   // ------------------------------------------------------------ backward --
   if (phase_hook_) phase_hook_("backward");
   ws.dlogits.resize(N * V);
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
+  parallel_for(N, [&](int64_t n) {
     const int y = target(n);
-    for (int v = 0; v < V; ++v) ws.dlogits[n * V + v] = (ws.prob[n * V + v] - (v == y ? 1.0f : 0.0f)) / Ng;
-  }
+    const float ng = Ng;  // a local, so the stores below cannot alias it
+    float* dl = &ws.dlogits[n * V];
+    const float* pr = &ws.prob[n * V];
+    for (int v = 0; v < V; ++v) dl[v] = (pr[v] - (v == y ? 1.0f : 0.0f)) / ng;
+  });
   T("bwd", -1, "lm_head", "dlogits", ws.dlogits.data(), {N, V});
   ops::weight_grad(ws.af.data(), D, ws.dlogits.data(), V, D, V, uniform_off.data(), leaves, G("lm_head"));
   ws.dtmp.resize(N * D);
@@ -495,8 +483,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ws.dye.resize(NK * D);
     ws.dxe.resize(NK * D);
     ws.dg.assign(N * E, 0.0f);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n)
+    parallel_for(N, [&](int64_t n) {
       for (int s = 0; s < K; ++s) {
         const int e = A.sel[n * K + s];
         const int64_t row = A.row_of[n * K + s];
@@ -508,6 +495,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         ws.dg[n * E + e] = dgate;
         for (int j = 0; j < D; ++j) ws.dye[row * D + j] = gate * dhn[j];
       }
+    });
     ExpertWork& X = A.work;
     if (ep == 1) X.dy.swap(ws.dye);
     else to_owners(*mesh_, A, ws.dye.data(), D, X.dy, xchg);
@@ -519,15 +507,14 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     if (tr) T("bwd", l, "moe.experts", "dx", token_slot_order(A, ws.dxe, D), {N, K, D});
     // da2 = (sum over slots, in slot order, from +0) + shared + router part.
     ws.da2.resize(N * D);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
+    parallel_for(N, [&](int64_t n) {
       float* d = &ws.da2[n * D];
       std::fill(d, d + D, 0.0f);
       for (int s = 0; s < K; ++s) {
         const float* x = &ws.dxe[A.row_of[n * K + s] * D];
         for (int i = 0; i < D; ++i) d[i] = d[i] + x[i];
       }
-    }
+    });
     if (c.shared_expert) {
       const float *s1 = W(lname(l, "shared.w1")), *s3 = W(lname(l, "shared.w3")), *s2 = W(lname(l, "shared.w2"));
       ws.sdu.resize(N * F);
@@ -535,17 +522,16 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ws.sdx.resize(N * D);
       ws.dact.resize(N * F);
       ops::linear_input_grad(ws.dh.data(), N, D, s2, F, ws.dact.data(), false);
-#pragma omp parallel for schedule(static)
-      for (int64_t n = 0; n < N; ++n)
+      parallel_for(N, [&](int64_t n) {
         ops::swiglu_backward(&A.su[n * F], &A.sv[n * F], &A.ssg[n * F], &ws.dact[n * F], &ws.sdu[n * F],
                              &ws.sdv[n * F], F);
+      });
       ops::linear_input_grad(ws.sdu.data(), N, F, s1, D, ws.sdx.data(), false);
       ops::linear_input_grad(ws.sdv.data(), N, F, s3, D, ws.sdx.data(), true);
       ops::weight_grad(A.a2.data(), D, ws.sdu.data(), F, D, F, uniform_off.data(), leaves, G(lname(l, "shared.w1")));
       ops::weight_grad(A.a2.data(), D, ws.sdv.data(), F, D, F, uniform_off.data(), leaves, G(lname(l, "shared.w3")));
       ops::weight_grad(A.sact.data(), F, ws.dh.data(), D, F, D, uniform_off.data(), leaves, G(lname(l, "shared.w2")));
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < N * D; ++i) ws.da2[i] = ws.da2[i] + ws.sdx[i];
+      parallel_for(N * D, [&](int64_t i) { ws.da2[i] = ws.da2[i] + ws.sdx[i]; });
     }
     // Router: combine gradient + aux term (counts are constants), softmax
     // backward, + z-loss term.
@@ -556,20 +542,18 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         auxc[e] = ((c.aux_loss_weight * (float)E) * f) / Ng;
       }
       ws.dz.resize(N * E);
-#pragma omp parallel for schedule(static)
-      for (int64_t n = 0; n < N; ++n) {
+      parallel_for(N, [&](int64_t n) {
         float* dg = &ws.dg[n * E];
         for (int e = 0; e < E; ++e) dg[e] = dg[e] + auxc[e];
         float* dz = &ws.dz[n * E];
         ops::softmax_backward(&A.g[n * E], dg, dz, E);
         const float zc = ((c.z_loss_weight * 2.0f) * A.lse[n]) / Ng;
         for (int e = 0; e < E; ++e) dz[e] = dz[e] + zc * A.g[n * E + e];
-      }
+      });
       T("bwd", l, "router", "dz", ws.dz.data(), {N, E});
       ops::weight_grad(A.a2.data(), D, ws.dz.data(), E, D, E, uniform_off.data(), leaves, G(lname(l, "router")));
       ops::linear_input_grad(ws.dz.data(), N, E, router, D, ws.dtmp.data(), false);
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < N * D; ++i) ws.da2[i] = ws.da2[i] + ws.dtmp[i];
+      parallel_for(N * D, [&](int64_t i) { ws.da2[i] = ws.da2[i] + ws.dtmp[i]; });
     }
     ops::rmsnorm_weight_grad(A.xm.data(), A.r2.data(), ws.da2.data(), N, D, leaf, G(lname(l, "moe_norm")));
     ops::rmsnorm_backward(A.xm.data(), moe_norm, A.r2.data(), ws.da2.data(), ws.dh.data(), N, D, true);
@@ -580,19 +564,14 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ws.dO.resize(N * D);
     ops::linear_input_grad(ws.dh.data(), N, D, wo, D, ws.dO.data(), false);
     ws.dqkv.resize(N * 3 * D);
-#pragma omp parallel
-    {
-      ops::AttentionScratch scratch;
-#pragma omp for schedule(dynamic, 1)
-      for (int bh = 0; bh < B * H; ++bh) {
-        const int b = bh / H, hh = bh % H;
-        const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
-        float* dbase = ws.dqkv.data() + (int64_t)b * S * 3 * D + hh * hd;
-        ops::attention_backward(base, base + D, base + 2 * D, 3 * D, S, hd, scale,
-                                A.att.data() + (int64_t)bh * S * S, ws.dO.data() + (int64_t)b * S * D + hh * hd, D,
-                                dbase, dbase + D, dbase + 2 * D, 3 * D, scratch);
-      }
-    }
+    parallel_tasks_with<ops::AttentionScratch>(B * H, [&](ops::AttentionScratch& scratch, int64_t bh) {
+      const int b = bh / H, hh = bh % H;
+      const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
+      float* dbase = ws.dqkv.data() + (int64_t)b * S * 3 * D + hh * hd;
+      ops::attention_backward(base, base + D, base + 2 * D, 3 * D, S, hd, scale,
+                              A.att.data() + (int64_t)bh * S * S, ws.dO.data() + (int64_t)b * S * D + hh * hd, D,
+                              dbase, dbase + D, dbase + 2 * D, 3 * D, scratch);
+    });
     T("bwd", l, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D});
     ops::weight_grad(A.a.data(), D, ws.dqkv.data(), 3 * D, D, 3 * D, uniform_off.data(), leaves, G(lname(l, "wqkv")));
     ops::linear_input_grad(ws.dqkv.data(), N, 3 * D, wqkv, D, ws.dtmp.data(), false);

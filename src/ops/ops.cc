@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/parallel.h"
 #include "contract.h"
 #include "ops/gemm.h"
 #include "ops/vmath.h"
@@ -43,22 +44,13 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
     for (int i = 0; i < in; ++i)
       std::copy(sum + (int64_t)i * w, sum + (int64_t)(i + 1) * w, dW + (int64_t)i * out + j0);
   };
-  if (omp_in_parallel() || slabs == 1) {
-    std::vector<float> scratch;
-    for (int s = 0; s < slabs; ++s) run_slab(s, scratch);
-  } else {
-#pragma omp parallel
-    {
-      std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 1)
-      for (int s = 0; s < slabs; ++s) run_slab(s, scratch);
-    }
-  }
+  parallel_tasks_with<std::vector<float>>(slabs, [&](std::vector<float>& scratch, int64_t s) {
+    run_slab((int)s, scratch);
+  });
 }
 
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
-#pragma omp parallel for schedule(static) if (N >= 256 && !omp_in_parallel())
-  for (int64_t n = 0; n < N; ++n) {
+  parallel_for(N, [&](int64_t n) {
     const float* xn = x + n * D;
     float ss = 0.0f;
     for (int i = 0; i < D; ++i) ss = ls::fma(xn[i], xn[i], ss);
@@ -66,7 +58,7 @@ void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int 
     r[n] = rn;
     float* yn = y + n * D;
     for (int i = 0; i < D; ++i) yn[i] = (xn[i] * rn) * w[i];
-  }
+  }, 256);
 }
 
 void rmsnorm_debug_reversed(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
@@ -82,8 +74,7 @@ void rmsnorm_debug_reversed(const float* x, const float* w, float* y, float* r, 
 
 void rmsnorm_backward(const float* x, const float* w, const float* r, const float* dy, float* dh,
                       int64_t N, int D, bool accumulate) {
-#pragma omp parallel for schedule(static) if (N >= 256 && !omp_in_parallel())
-  for (int64_t n = 0; n < N; ++n) {
+  parallel_for(N, [&](int64_t n) {
     const float *xn = x + n * D, *dyn = dy + n * D;
     const float rn = r[n];
     float dot = 0.0f;
@@ -95,7 +86,7 @@ void rmsnorm_backward(const float* x, const float* w, const float* r, const floa
     } else {
       for (int i = 0; i < D; ++i) dhn[i] = rn * (dyn[i] * w[i] - (xn[i] * rn) * c);
     }
-  }
+  }, 256);
 }
 
 void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_t N, int D,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/parallel.h"
 #include "contract.h"
 
 namespace ls {
@@ -35,8 +36,8 @@ void adamw_update(const OptimConfig& cfg, float lr, int step, bool decay, float*
     p2 = p2 * b2;
   }
   const float bc1 = 1.0f - p1, bc2 = 1.0f - p2, eps = cfg.eps, wd = cfg.weight_decay;
-#pragma omp parallel for schedule(static) if (n > 16384)
-  for (int64_t i = 0; i < n; ++i) {
+  // By value: a float captured by reference could alias the stores, which stops vectorization.
+  parallel_for(n, [=](int64_t i) {
     const float gi = pg[i];
     pm[i] = b1 * pm[i] + omb1 * gi;
     pv[i] = b2 * pv[i] + omb2 * (gi * gi);
@@ -44,14 +45,12 @@ void adamw_update(const OptimConfig& cfg, float lr, int step, bool decay, float*
     float upd = mhat / (ls::sqrt(vhat) + eps);
     if (decay) upd = upd + wd * pw[i];
     pw[i] = pw[i] - lr * upd;
-  }
+  }, 16385);
 }
 
 float AdamW::global_norm(const float* grads) const {
   std::vector<float> per(params_.size());
-#pragma omp parallel for schedule(dynamic, 1)
-  for (size_t t = 0; t < params_.size(); ++t)
-    per[t] = param_sumsq(grads + params_[t].offset, params_[t].size);
+  parallel_tasks((int64_t)params_.size(), [&](int64_t t) { per[t] = param_sumsq(grads + params_[t].offset, params_[t].size); });
   float total = 0.0f;  // reduces over tensors in canonical name order
   for (float s : per) total = total + s;
   return ls::sqrt(total);
@@ -62,8 +61,7 @@ float AdamW::step(int step, float* w, float* g) {
   const int64_t n = (int64_t)m_.size();
   if (cfg_.grad_clip > 0 && norm > cfg_.grad_clip) {
     const float scale = cfg_.grad_clip / norm;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) g[i] = g[i] * scale;
+    parallel_for(n, [&](int64_t i) { g[i] = g[i] * scale; });
   }
   const float lr = learning_rate(step);
   for (const ParamInfo& p : params_)
