@@ -9,6 +9,7 @@
 #include "contract.h"
 #include "data/corpus.h"
 #include "ops.h"  // reference/ops.h
+#include "ops/attention.h"
 #include "ops/ops.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
@@ -108,6 +109,37 @@ TEST_SUITE("engine") {
       CHECK(ls::bits(lse) == ls::bits(rlse));
       CHECK(same_bits(p, rp));
       CHECK(same_bits(dz, rdz));
+    }
+  }
+
+  TEST_CASE("causal attention head, forward and backward, equals the reference bitwise") {
+    // Every head width path (register-blocked 8/16/32-multiples, scalar otherwise), sequences
+    // shorter and longer than a row block, and strided q/k/v as the model lays them out.
+    for (int hd : {3, 8, 16, 24, 32, 64, 96}) {
+      for (int S : {1, 5, 13, 64}) {
+        CAPTURE(hd);
+        CAPTURE(S);
+        const int64_t ld = 3 * hd + 5, ldo = hd + 3, ldd = 3 * hd + 1;
+        const float scale = 1.0f / ls::sqrt((float)hd);
+        auto qkv = random_vec((size_t)S * ld, 1000 + hd * 7 + S, 2.0f), dO = random_vec((size_t)S * ldo, 2000 + S);
+        const float *q = qkv.data(), *k = q + hd, *v = q + 2 * hd;
+        std::vector<float> P((size_t)S * S), o((size_t)S * ldo), rP((size_t)S * S), ro((size_t)S * ldo);
+        ls::ops::AttentionScratch sc;
+        ls::ops::attention_forward(q, k, v, ld, S, hd, scale, P.data(), o.data(), ldo, sc);
+        ref::attention_head(q, k, v, ld, S, hd, scale, rP.data(), ro.data(), ldo);
+        for (int t = 0; t < S; ++t)  // P's row t holds u <= t; o's rows hold hd features
+          for (int u = 0; u <= t; ++u) REQUIRE(ls::bits(P[(size_t)t * S + u]) == ls::bits(rP[(size_t)t * S + u]));
+        for (int t = 0; t < S; ++t)
+          for (int j = 0; j < hd; ++j) REQUIRE(ls::bits(o[(size_t)t * ldo + j]) == ls::bits(ro[(size_t)t * ldo + j]));
+        std::vector<float> d((size_t)S * ldd * 3, 0.0f), rd((size_t)S * ldd * 3, 0.0f);
+        ls::ops::attention_backward(q, k, v, ld, S, hd, scale, P.data(), dO.data(), ldo, d.data(), d.data() + hd,
+                                    d.data() + 2 * hd, ldd, sc);
+        ref::attention_head_backward(q, k, v, ld, S, hd, scale, rP.data(), dO.data(), ldo, rd.data(), rd.data() + hd,
+                                     rd.data() + 2 * hd, ldd);
+        for (int t = 0; t < S; ++t)
+          for (int j = 0; j < 3 * hd; ++j)
+            REQUIRE(ls::bits(d[(size_t)t * ldd + j]) == ls::bits(rd[(size_t)t * ldd + j]));
+      }
     }
   }
 

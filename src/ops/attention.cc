@@ -1,131 +1,159 @@
 #include "ops/attention.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 
 #include "contract.h"
+#include "ops/gemm.h"
 #include "ops/ops.h"
 
 namespace ls::ops {
 namespace {
 
-// HD > 0: the head width known at compile time (loops over j unroll into
-// whole vectors); HD == 0: runtime width hd. Lanes always run over
-// independent outputs; every fold stays sequential in its logical index.
-template <int HD>
-void forward_impl(const float* __restrict q, const float* __restrict k, const float* __restrict v, int64_t ld, int S,
-                  int hd_rt, float scale, float* __restrict P, float* __restrict o, int64_t ldo,
-                  AttentionScratch& sc) {
-  const int hd = HD > 0 ? HD : hd_rt;
-  sc.t0.resize((size_t)hd * S);
-  sc.t1.resize(S);
-  float* __restrict kT = sc.t0.data();
-  float* __restrict s = sc.t1.data();
-  for (int u = 0; u < S; ++u)
-    for (int j = 0; j < hd; ++j) kT[(size_t)j * S + u] = k[u * ld + j];
-  for (int t = 0; t < S; ++t) {
-    const float* qt = q + t * ld;
-    for (int u = 0; u <= t; ++u) s[u] = 0.0f;
-    for (int j = 0; j < hd; ++j) {  // lanes over u, each a fold over j
-      const float qj = qt[j];
-      const float* __restrict kj = kT + (size_t)j * S;
-      for (int u = 0; u <= t; ++u) s[u] = ls::fma(qj, kj[u], s[u]);
+// out[t][:] = fold over u = 0..t, ascending, from +0, of A[t][u] * M[u][:].
+// Reduces over the key position u <= t (the causal prefix of row t).
+void causal_rows_scalar(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
+                        int hd) {
+  for (int t = 0; t < S; ++t)
+    for (int j = 0; j < hd; ++j) {
+      float acc = 0.0f;
+      for (int u = 0; u <= t; ++u) acc = ls::fma(A[(int64_t)t * lda + u], M[(int64_t)u * ldm + j], acc);
+      out[(int64_t)t * ldo + j] = acc;
     }
-    for (int u = 0; u <= t; ++u) s[u] = s[u] * scale;
-    float* __restrict p = P + (int64_t)t * S;
-    softmax(s, p, t + 1);
-    float acc[HD > 0 ? HD : 1024];
-    for (int j = 0; j < hd; ++j) acc[j] = 0.0f;
-    for (int u = 0; u <= t; ++u) {  // lanes over j, each a fold over u
-      const float pu = p[u];
-      const float* __restrict vu = v + u * ld;
-      for (int j = 0; j < hd; ++j) acc[j] = ls::fma(pu, vu[j], acc[j]);
-    }
-    float* ot = o + t * ldo;
-    for (int j = 0; j < hd; ++j) ot[j] = acc[j];
-  }
 }
 
-template <int HD>
-void backward_impl(const float* __restrict q, const float* __restrict k, const float* __restrict v, int64_t ld,
-                   int S, int hd_rt, float scale, const float* __restrict P, const float* __restrict dO, int64_t ldo,
-                   float* dq, float* dk, float* dv, int64_t ldd, AttentionScratch& sc) {
-  const int hd = HD > 0 ? HD : hd_rt;
-  sc.t0.resize((size_t)hd * S);
-  sc.t1.resize((size_t)S * 2);
-  sc.t2.resize((size_t)S * hd * 2);
-  float* __restrict vT = sc.t0.data();
-  float* __restrict dp = sc.t1.data();
-  float* __restrict ds = sc.t1.data() + S;
-  // dk, dv accumulate in contiguous scratch (rows of hd), copied out at the end.
-  float* __restrict dK = sc.t2.data();
-  float* __restrict dV = sc.t2.data() + (size_t)S * hd;
+// out[u][:] = fold over t = u..S-1, ascending, from +0, of A[t][u] * M[t][:].
+// Reduces over the query position t >= u (the causal suffix of column u).
+void causal_cols_scalar(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
+                        int hd) {
   for (int u = 0; u < S; ++u)
-    for (int j = 0; j < hd; ++j) vT[(size_t)j * S + u] = v[u * ld + j];
-  std::fill(dK, dK + (size_t)S * hd * 2, 0.0f);
-  for (int t = 0; t < S; ++t) {
-    const float* __restrict dot = dO + t * ldo;
-    const float* __restrict p = P + (int64_t)t * S;
-    for (int u = 0; u <= t; ++u) dp[u] = 0.0f;
-    for (int j = 0; j < hd; ++j) {  // lanes over u, each a fold over j
-      const float dj = dot[j];
-      const float* __restrict vj = vT + (size_t)j * S;
-      for (int u = 0; u <= t; ++u) dp[u] = ls::fma(dj, vj[u], dp[u]);
-    }
-    softmax_backward(p, dp, ds, t + 1);
-    for (int u = 0; u <= t; ++u) ds[u] = ds[u] * scale;
-    const float* __restrict qt = q + t * ld;
-    float dqa[HD > 0 ? HD : 1024], qv[HD > 0 ? HD : 1024], dov[HD > 0 ? HD : 1024];
     for (int j = 0; j < hd; ++j) {
-      dqa[j] = 0.0f;
-      qv[j] = qt[j];
-      dov[j] = dot[j];
+      float acc = 0.0f;
+      for (int t = u; t < S; ++t) acc = ls::fma(A[(int64_t)t * lda + u], M[(int64_t)t * ldm + j], acc);
+      out[(int64_t)u * ldo + j] = acc;
     }
-    for (int u = 0; u <= t; ++u) {  // t ascending outside: dK[u], dV[u] fold over t' in order
-      const float dsu = ds[u], pu = p[u];
-      const float* __restrict ku = k + u * ld;
-      float* __restrict dku = dK + (size_t)u * hd;
-      float* __restrict dvu = dV + (size_t)u * hd;
-      for (int j = 0; j < hd; ++j) {
-        dqa[j] = ls::fma(dsu, ku[j], dqa[j]);
-        dku[j] = ls::fma(dsu, qv[j], dku[j]);
-        dvu[j] = ls::fma(pu, dov[j], dvu[j]);
-      }
+}
+
+// The same folds, register-blocked: R output rows x JV vectors of 8 features
+// stay in registers for the whole fold, and each M row loaded serves all R
+// outputs. Lanes run over the feature j; every fold keeps its order.
+template <int R, int JV>
+void causal_rows_block(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int t0,
+                       int rows, int j0) {
+  __m256 acc[R][JV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_setzero_ps();
+  // u <= t0: every row of the block takes the term.
+  for (int u = 0; u <= t0; ++u) {
+    __m256 m[JV];
+    for (int v = 0; v < JV; ++v) m[v] = _mm256_loadu_ps(M + (int64_t)u * ldm + j0 + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      if (r >= rows) break;
+      const __m256 a = _mm256_broadcast_ss(A + (int64_t)(t0 + r) * lda + u);
+      for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_fmadd_ps(a, m[v], acc[r][v]);
     }
-    float* dqt = dq + t * ldd;
-    for (int j = 0; j < hd; ++j) dqt[j] = dqa[j];
   }
-  for (int u = 0; u < S; ++u)
-    for (int j = 0; j < hd; ++j) {
-      dk[u * ldd + j] = dK[(size_t)u * hd + j];
-      dv[u * ldd + j] = dV[(size_t)u * hd + j];
+  // t0 < u < t0 + rows: only rows t >= u.
+  for (int u = t0 + 1; u < t0 + rows; ++u) {
+    __m256 m[JV];
+    for (int v = 0; v < JV; ++v) m[v] = _mm256_loadu_ps(M + (int64_t)u * ldm + j0 + 8 * v);
+    for (int r = u - t0; r < rows; ++r) {
+      const __m256 a = _mm256_broadcast_ss(A + (int64_t)(t0 + r) * lda + u);
+      for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_fmadd_ps(a, m[v], acc[r][v]);
     }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int v = 0; v < JV; ++v) _mm256_storeu_ps(out + (int64_t)(t0 + r) * ldo + j0 + 8 * v, acc[r][v]);
+}
+
+template <int R, int JV>
+void causal_cols_block(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
+                       int u0, int rows, int j0) {
+  __m256 acc[R][JV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_setzero_ps();
+  // u0 <= t < u0 + rows: only outputs u <= t.
+  for (int t = u0; t < u0 + rows; ++t) {
+    __m256 m[JV];
+    for (int v = 0; v < JV; ++v) m[v] = _mm256_loadu_ps(M + (int64_t)t * ldm + j0 + 8 * v);
+    for (int r = 0; r <= t - u0; ++r) {
+      const __m256 a = _mm256_broadcast_ss(A + (int64_t)t * lda + u0 + r);
+      for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_fmadd_ps(a, m[v], acc[r][v]);
+    }
+  }
+  // t >= u0 + rows: every output of the block takes the term.
+  for (int t = u0 + rows; t < S; ++t) {
+    __m256 m[JV];
+    for (int v = 0; v < JV; ++v) m[v] = _mm256_loadu_ps(M + (int64_t)t * ldm + j0 + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      if (r >= rows) break;
+      const __m256 a = _mm256_broadcast_ss(A + (int64_t)t * lda + u0 + r);
+      for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_fmadd_ps(a, m[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int v = 0; v < JV; ++v) _mm256_storeu_ps(out + (int64_t)(u0 + r) * ldo + j0 + 8 * v, acc[r][v]);
+}
+
+// Eight accumulators in flight: R rows x JV vectors with R * JV = 8.
+template <bool kRows, int JV>
+void causal_blocked(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
+                    int hd) {
+  constexpr int R = 8 / JV;
+  for (int j0 = 0; j0 < hd; j0 += 8 * JV)
+    for (int i0 = 0; i0 < S; i0 += R) {
+      const int rows = std::min(R, S - i0);
+      if (kRows)
+        causal_rows_block<R, JV>(A, lda, M, ldm, out, ldo, i0, rows, j0);
+      else
+        causal_cols_block<R, JV>(A, lda, M, ldm, out, ldo, S, i0, rows, j0);
+    }
+}
+
+template <bool kRows>
+void causal(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S, int hd) {
+  if (hd % 32 == 0) return causal_blocked<kRows, 4>(A, lda, M, ldm, out, ldo, S, hd);
+  if (hd % 16 == 0) return causal_blocked<kRows, 2>(A, lda, M, ldm, out, ldo, S, hd);
+  if (hd % 8 == 0) return causal_blocked<kRows, 1>(A, lda, M, ldm, out, ldo, S, hd);
+  if (kRows) return causal_rows_scalar(A, lda, M, ldm, out, ldo, S, hd);
+  causal_cols_scalar(A, lda, M, ldm, out, ldo, S, hd);
 }
 
 }  // namespace
 
 void attention_forward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                        float* P, float* o, int64_t ldo, AttentionScratch& sc) {
-  switch (hd) {
-    case 8: return forward_impl<8>(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
-    case 16: return forward_impl<16>(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
-    case 32: return forward_impl<32>(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
-    case 64: return forward_impl<64>(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
-    case 128: return forward_impl<128>(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
-    default: return forward_impl<0>(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
+  sc.t0.resize((size_t)S * S);
+  float* s = sc.t0.data();
+  // s[t][u] = fold over j of q[t][j] k[u][j] (the GEMM's sequential fold from +0);
+  // the entries u > t are computed and never read.
+  gemm(S, S, hd, ConstMat{q, ld, 1}, ConstMat{k, 1, ld}, s, S, false, 1);
+  for (int t = 0; t < S; ++t) {
+    float* st = s + (int64_t)t * S;
+    for (int u = 0; u <= t; ++u) st[u] = st[u] * scale;
+    softmax(st, P + (int64_t)t * S, t + 1);
   }
+  causal<true>(P, S, v, ld, o, ldo, S, hd);
 }
 
 void attention_backward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                         const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv, int64_t ldd,
                         AttentionScratch& sc) {
-  switch (hd) {
-    case 8: return backward_impl<8>(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
-    case 16: return backward_impl<16>(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
-    case 32: return backward_impl<32>(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
-    case 64: return backward_impl<64>(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
-    case 128: return backward_impl<128>(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
-    default: return backward_impl<0>(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
+  sc.t0.resize((size_t)S * S);
+  sc.t1.resize((size_t)S * S);
+  float* dp = sc.t0.data();
+  float* dS = sc.t1.data();
+  // dp[t][u] = fold over j of dO[t][j] v[u][j]; entries u > t are never read.
+  gemm(S, S, hd, ConstMat{dO, ldo, 1}, ConstMat{v, 1, ld}, dp, S, false, 1);
+  for (int t = 0; t < S; ++t) {
+    float* dst = dS + (int64_t)t * S;
+    softmax_backward(P + (int64_t)t * S, dp + (int64_t)t * S, dst, t + 1);
+    for (int u = 0; u <= t; ++u) dst[u] = dst[u] * scale;
   }
+  causal<true>(dS, S, k, ld, dq, ldd, S, hd);    // dq over u <= t
+  causal<false>(dS, S, q, ld, dk, ldd, S, hd);   // dk over t >= u
+  causal<false>(P, S, dO, ldo, dv, ldd, S, hd);  // dv over t >= u
 }
 
 }  // namespace ls::ops
