@@ -26,10 +26,11 @@ namespace ops {
 namespace internal {
 
 // A micro-kernel: the C tile (mr x nr, row stride ldc) gets the fold over kc
-// k steps of A (element (r,k) at a[r*ars + k*acs]) times a packed B panel
-// (kc x nr, k-major), starting from C when `load`, else from +0.
+// k steps of A (element (r,k) at a[r*ars + k*acs]) times a B panel (kc x nr,
+// row k at b + k*ldb: packed with ldb = nr, or read in place from a row-major
+// B), starting from C when `load`, else from +0.
 using UKernelFn = void (*)(int64_t kc, const float* a, int64_t ars, int64_t acs, const float* b,
-                           float* c, int64_t ldc, bool load);
+                           int64_t ldb, float* c, int64_t ldc, bool load);
 struct UKernelInfo {
   int mr;
   int nr;
@@ -37,7 +38,7 @@ struct UKernelInfo {
 };
 // gemm_avx512.cc (built with AVX-512 flags; called only when the CPU has it).
 void gemm_ukernel_avx512_8x32(int64_t kc, const float* a, int64_t ars, int64_t acs,
-                              const float* b, float* c, int64_t ldc, bool load);
+                              const float* b, int64_t ldb, float* c, int64_t ldc, bool load);
 
 }  // namespace internal
 
@@ -50,7 +51,7 @@ using internal::UKernelInfo;
 // Scalar: one ls::fma per (row, column, k). Reduces over k sequentially.
 template <int MR, int NR>
 void ukernel_scalar(int64_t kc, const float* a, int64_t ars, int64_t acs, const float* b,
-                    float* c, int64_t ldc, bool load) {
+                    int64_t ldb, float* c, int64_t ldc, bool load) {
   float acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j] = load ? c[r * ldc + j] : 0.0f;
@@ -58,7 +59,7 @@ void ukernel_scalar(int64_t kc, const float* a, int64_t ars, int64_t acs, const 
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NR; ++j) acc[r][j] = ls::fma(a[r * ars], b[j], acc[r][j]);
     a += acs;
-    b += NR;
+    b += ldb;
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) c[r * ldc + j] = acc[r][j];
@@ -67,7 +68,7 @@ void ukernel_scalar(int64_t kc, const float* a, int64_t ars, int64_t acs, const 
 // AVX2 + FMA: 6 x 16 tile in 12 ymm accumulators. Reduces over k
 // sequentially; each lane is one C element's fold.
 void ukernel_avx2(int64_t kc, const float* a, int64_t ars, int64_t acs, const float* b,
-                  float* c, int64_t ldc, bool load) {
+                  int64_t ldb, float* c, int64_t ldc, bool load) {
   constexpr int MR = 6;
   __m256 acc[MR][2];
 #pragma GCC unroll 8
@@ -84,7 +85,7 @@ void ukernel_avx2(int64_t kc, const float* a, int64_t ars, int64_t acs, const fl
       acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
     }
     a += acs;
-    b += 16;
+    b += ldb;
   }
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
@@ -206,16 +207,16 @@ void pack_b(const ConstMat& B, int64_t k0, int64_t kc, int64_t j0, int nv, int N
 // One micro-tile; partial tiles go through an MR x NR buffer so the kernel
 // always sees a full tile (padding lanes are computed and dropped).
 inline void run_tile(const UKernelInfo& uk, int64_t kc, const float* a, int64_t ars,
-                     int64_t acs, const float* b, float* c, int64_t ldc, int mv, int nv,
+                     int64_t acs, const float* b, int64_t ldb, float* c, int64_t ldc, int mv, int nv,
                      bool load) {
   if (mv == uk.mr && nv == uk.nr) {
-    uk.fn(kc, a, ars, acs, b, c, ldc, load);
+    uk.fn(kc, a, ars, acs, b, ldb, c, ldc, load);
     return;
   }
   alignas(64) float tile[16 * 64];  // >= every kernel's MR x NR
   if (load)
     for (int r = 0; r < mv; ++r) memcpy(tile + r * uk.nr, c + r * ldc, sizeof(float) * nv);
-  uk.fn(kc, a, ars, acs, b, tile, uk.nr, load);
+  uk.fn(kc, a, ars, acs, b, ldb, tile, uk.nr, load);
   for (int r = 0; r < mv; ++r) memcpy(c + r * ldc, tile + r * uk.nr, sizeof(float) * nv);
 }
 
@@ -287,6 +288,11 @@ void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int
   static thread_local Scratch b_scratch;
   float* bpack = b_scratch.get(static_cast<size_t>(KC * panels * NR));
 
+  // A full panel of a row-major B is read where it lies when packing would not
+  // pay back: one row block of A, and a row stride that is not a multiple of
+  // 1 KiB (whose rows would crowd a few L1 sets). The others are packed.
+  const bool b_in_place = B.cs == 1 && mblocks == 1 && B.rs % 256 != 0;
+  auto in_place = [&](int nv) { return b_in_place && nv == NR; };
   // One k block: pack B, then run the tasks. Each output keeps its sequential fold over k
   // whatever the split, so the serial and threaded paths give the same bits.
   auto run_task = [&](int64_t t, int64_t k0, int64_t kc, bool load, float* aedge) {
@@ -298,18 +304,21 @@ void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int
     const int64_t p_end = std::min(panels, (g + 1) * per_group);
     for (int64_t p = g * per_group; p < p_end; ++p) {
       const int nv = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
-      const float* bp = bpack + p * kc * NR;
+      const bool direct = in_place(nv);
+      const float* bp = direct ? B.p + k0 * B.rs + p * NR : bpack + p * kc * NR;
+      const int64_t ldb = direct ? B.rs : NR;
       for (int64_t s = 0; s < strips; ++s) {
         const int64_t i = i0 + s * MR;
         float* c = C + i * ldc + p * NR;
         if (s + 1 < strips || medge == MR)
-          run_tile(uk, kc, A.p + i * A.rs + k0 * A.cs, A.rs, A.cs, bp, c, ldc, MR, nv, load);
+          run_tile(uk, kc, A.p + i * A.rs + k0 * A.cs, A.rs, A.cs, bp, ldb, c, ldc, MR, nv, load);
         else
-          run_tile(uk, kc, aedge, 1, MR, bp, c, ldc, medge, nv, load);
+          run_tile(uk, kc, aedge, 1, MR, bp, ldb, c, ldc, medge, nv, load);
       }
     }
   };
   auto pack_panel = [&](int64_t p, int64_t k0, int64_t kc) {
+    if (in_place(static_cast<int>(std::min<int64_t>(NR, N - p * NR)))) return;
     pack_b(B, k0, kc, p * NR, static_cast<int>(std::min<int64_t>(NR, N - p * NR)), NR, bpack + p * kc * NR);
   };
 

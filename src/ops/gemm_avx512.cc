@@ -9,11 +9,12 @@ namespace ops {
 namespace internal {
 
 // C tile (MR x 16*NV) gets the fold of A strip (element (r,k) at
-// a[r*ars + k*acs]) times packed B panel (kc x 16*NV, k-major). Reduces over
+// a[r*ars + k*acs]) times B panel (kc x 16*NV, row k at b + k*ldb: packed, or
+// read in place). Reduces over
 // k sequentially, in registers; `load` = start from C, else from +0.
 template <int MR, int NV>
 static void ukernel(int64_t kc, const float* a, int64_t ars, int64_t acs, const float* b,
-                    float* c, int64_t ldc, bool load) {
+                    int64_t ldb, float* c, int64_t ldc, bool load) {
   __m512 acc[MR][NV];
   if (load) {
 #pragma GCC unroll 16
@@ -37,7 +38,7 @@ static void ukernel(int64_t kc, const float* a, int64_t ars, int64_t acs, const 
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
     }
     a += acs;
-    b += 16 * NV;
+    b += ldb;
   }
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
@@ -49,8 +50,8 @@ static void ukernel(int64_t kc, const float* a, int64_t ars, int64_t acs, const 
 // latency on two pipes), 2 B loads + 8 broadcasts per k. 8 and 32 divide the
 // engine's usual row and column counts, so few tiles take the edge path.
 void gemm_ukernel_avx512_8x32(int64_t kc, const float* a, int64_t ars, int64_t acs,
-                              const float* b, float* c, int64_t ldc, bool load) {
-  ukernel<8, 2>(kc, a, ars, acs, b, c, ldc, load);
+                              const float* b, int64_t ldb, float* c, int64_t ldc, bool load) {
+  ukernel<8, 2>(kc, a, ars, acs, b, ldb, c, ldc, load);
 }
 
 }  // namespace internal
