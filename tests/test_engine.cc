@@ -170,6 +170,15 @@ TEST_SUITE("engine") {
     omp_set_num_threads(omp_get_num_procs());
   }
 
+  TEST_CASE("param_sumsq: eight blocks side by side give the contract's bits") {
+    const int64_t B = ls::kParamBlock;
+    for (int64_t n : {int64_t(0), int64_t(1), B - 1, B, B + 1, 8 * B, 8 * B + 5, 17 * B + 3, int64_t(100003)}) {
+      CAPTURE(n);
+      auto v = random_vec((size_t)n, 77 + n, 3.0f);
+      CHECK(ls::bits(ls::ops::param_sumsq(v.data(), n)) == ls::bits(ls::param_sumsq(v.data(), n)));
+    }
+  }
+
   TEST_CASE("token_sum is the leaf tree, not a running sum") {
     // Leaves of 8: 3 | 1e8 | -1e8 | 3 | 0...: a running sum keeps the last 3,
     // the tree (3 + 1e8) + (-1e8 + 3) loses both.

@@ -125,6 +125,27 @@ void softmax_backward(const float* p, const float* dp, float* dz, int n) {
   for (int e = 0; e < n; ++e) dz[e] = p[e] * (dp[e] - dot);
 }
 
+float param_sumsq(const float* v, int64_t n) {
+  const int64_t blocks = (n + kParamBlock - 1) / kParamBlock;
+  if (blocks <= 1) return ls::sumsq_block(v, n);
+  std::vector<float> sums((size_t)blocks);
+  const int64_t full = n / kParamBlock;
+  int64_t b = 0;
+  for (; b + 8 <= full; b += 8) {
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    const float* base = v + b * kParamBlock;
+    for (int64_t i = 0; i < kParamBlock; ++i)
+      for (int r = 0; r < 8; ++r) {
+        const float x = base[r * kParamBlock + i];
+        acc[r] = ls::fma(x, x, acc[r]);
+      }
+    for (int r = 0; r < 8; ++r) sums[(size_t)(b + r)] = acc[r];
+  }
+  for (; b < blocks; ++b)
+    sums[(size_t)b] = ls::sumsq_block(v + b * kParamBlock, std::min<int64_t>(kParamBlock, n - b * kParamBlock));
+  return tree_sum(sums.data(), blocks);
+}
+
 float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
   const int64_t leaves = N / leaf_tokens;
   std::vector<float> part((size_t)leaves);

@@ -44,6 +44,11 @@ void softmax_backward(const float* p, const float* dp, float* dz, int n);
 // of leaf_tokens tokens, canonical tree over leaves.
 float token_sum(const float* v, int64_t N, int64_t leaf_tokens);
 
+// Engine twin of ls::param_sumsq, same bits: reduces over the parameter index,
+// an fma fold inside each kParamBlock block, blocks by the canonical tree.
+// Eight blocks fold side by side (independent chains instead of one).
+float param_sumsq(const float* v, int64_t n);
+
 // SwiGLU hidden of n elements: s = sigmoid(u) (kept for the backward),
 // act = (u * s) * v. Elementwise.
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n);

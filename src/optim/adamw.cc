@@ -4,6 +4,7 @@
 
 #include "common/parallel.h"
 #include "contract.h"
+#include "ops/ops.h"
 
 namespace ls {
 
@@ -50,7 +51,8 @@ void adamw_update(const OptimConfig& cfg, float lr, int step, bool decay, float*
 
 float AdamW::global_norm(const float* grads) const {
   std::vector<float> per(params_.size());
-  parallel_tasks((int64_t)params_.size(), [&](int64_t t) { per[t] = param_sumsq(grads + params_[t].offset, params_[t].size); });
+  parallel_tasks((int64_t)params_.size(),
+                 [&](int64_t t) { per[t] = ops::param_sumsq(grads + params_[t].offset, params_[t].size); });
   float total = 0.0f;  // reduces over tensors in canonical name order
   for (float s : per) total = total + s;
   return ls::sqrt(total);

@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "contract.h"
 #include "model/model.h"
+#include "ops/ops.h"
 #include "optim/adamw.h"
 #include "trace/sink.h"
 
@@ -218,7 +219,7 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
         // The whole tensor is the EP group's slices in rank order.
         std::vector<float> whole((size_t)p.size * c.ep.size());
         c.ep.all_gather(gp, whole.data(), std::vector<size_t>(c.ep.size(), (size_t)p.size * 4));
-        sumsq = param_sumsq(whole.data(), (int64_t)whole.size());
+        sumsq = ops::param_sumsq(whole.data(), (int64_t)whole.size());
       } else if (fsdp_sharded(p, s_.mesh)) {
         const int gs = c.shard.size();
         const int64_t nb = blocks_of(p.size);
@@ -231,7 +232,7 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
         c.shard.all_gather(mine.data(), all.data(), bytes);
         sumsq = tree_sum(all.data(), nb);
       } else {
-        sumsq = param_sumsq(gp, p.size);
+        sumsq = ops::param_sumsq(gp, p.size);
       }
       total = total + sumsq;
     }
