@@ -112,6 +112,32 @@ TEST_SUITE("engine") {
     }
   }
 
+  TEST_CASE("softmax_rows and softmax_backward_rows equal softmax row by row") {
+    // Uniform rows (lm_head, router) and causal rows of growing length (attention).
+    for (int rows : {1, 7, 8, 9, 19}) {
+      for (auto [n0, step] : {std::pair{256, 0}, std::pair{8, 0}, std::pair{1, 1}, std::pair{3, 2}}) {
+        CAPTURE(rows);
+        CAPTURE(n0);
+        const int ld = n0 + step * rows + 3;
+        auto z = random_vec((size_t)rows * ld, 300 + rows + n0, 8.0f), dp = random_vec((size_t)rows * ld, 400 + rows);
+        std::vector<float> p((size_t)rows * ld), lse(rows), dz((size_t)rows * ld), rp((size_t)rows * ld),
+            rdz((size_t)rows * ld);
+        ls::ops::softmax_rows(z.data(), ld, p.data(), ld, rows, n0, step, lse.data());
+        ls::ops::softmax_backward_rows(p.data(), ld, dp.data(), ld, dz.data(), ld, rows, n0, step);
+        for (int r = 0; r < rows; ++r) {
+          const int n = n0 + r * step;
+          const float rl = ls::ops::softmax(&z[(size_t)r * ld], &rp[(size_t)r * ld], n);
+          ls::ops::softmax_backward(&rp[(size_t)r * ld], &dp[(size_t)r * ld], &rdz[(size_t)r * ld], n);
+          CHECK(ls::bits(lse[r]) == ls::bits(rl));
+          for (int e = 0; e < n; ++e) {
+            REQUIRE(ls::bits(p[(size_t)r * ld + e]) == ls::bits(rp[(size_t)r * ld + e]));
+            REQUIRE(ls::bits(dz[(size_t)r * ld + e]) == ls::bits(rdz[(size_t)r * ld + e]));
+          }
+        }
+      }
+    }
+  }
+
   TEST_CASE("causal attention head, forward and backward, equals the reference bitwise") {
     // Every head width path (register-blocked 8/16/32-multiples, scalar otherwise), sequences
     // shorter and longer than a row block, and strided q/k/v as the model lays them out.

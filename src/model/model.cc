@@ -265,9 +265,12 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     if (c.router_skew != 0)  // a fixed preference for the first max(1, E/4) experts
       for (int64_t n = 0; n < N; ++n)
         for (int e = 0; e < std::max(1, E / 4); ++e) A.z[n * E + e] = A.z[n * E + e] + c.router_skew;
+    parallel_for((N + 7) / 8, [&](int64_t b) {
+      const int rows = (int)std::min<int64_t>(8, N - 8 * b);
+      ops::softmax_rows(&A.z[8 * b * E], E, &A.g[8 * b * E], E, rows, E, 0, &A.lse[8 * b]);
+    });
     parallel_for(N, [&](int64_t n) {
       const float* g = A.g.data() + n * E;
-      A.lse[n] = ops::softmax(A.z.data() + n * E, A.g.data() + n * E, E);
       uint64_t taken[4] = {0, 0, 0, 0};  // E <= 256
       for (int s = 0; s < K; ++s) {  // top-k by gate; ties to the lowest index
         int best = -1;
@@ -438,9 +441,10 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   T("fwd", -1, "final_norm", "out", ws.af.data(), {N, D});
   ops::linear(ws.af.data(), N, D, lm_head, V, ws.logits.data());
   T("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V});
-  parallel_for(N, [&](int64_t n) {
-    ws.lse[n] = ops::softmax(&ws.logits[n * V], &ws.prob[n * V], V);
-    ws.loss[n] = ws.lse[n] - ws.logits[n * V + target(n)];
+  parallel_for((N + 7) / 8, [&](int64_t b) {
+    const int rows = (int)std::min<int64_t>(8, N - 8 * b);
+    ops::softmax_rows(&ws.logits[8 * b * V], V, &ws.prob[8 * b * V], V, rows, V, 0, &ws.lse[8 * b]);
+    for (int64_t n = 8 * b; n < 8 * b + rows; ++n) ws.loss[n] = ws.lse[n] - ws.logits[n * V + target(n)];
   });
   T("fwd", -1, "loss", "per_token", ws.loss.data(), {N});
   StepLosses out;
@@ -542,13 +546,15 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         auxc[e] = ((c.aux_loss_weight * (float)E) * f) / Ng;
       }
       ws.dz.resize(N * E);
-      parallel_for(N, [&](int64_t n) {
-        float* dg = &ws.dg[n * E];
-        for (int e = 0; e < E; ++e) dg[e] = dg[e] + auxc[e];
-        float* dz = &ws.dz[n * E];
-        ops::softmax_backward(&A.g[n * E], dg, dz, E);
-        const float zc = ((c.z_loss_weight * 2.0f) * A.lse[n]) / Ng;
-        for (int e = 0; e < E; ++e) dz[e] = dz[e] + zc * A.g[n * E + e];
+      parallel_for((N + 7) / 8, [&](int64_t b) {
+        const int64_t n0 = 8 * b, rows = std::min<int64_t>(8, N - n0);
+        for (int64_t n = n0; n < n0 + rows; ++n)
+          for (int e = 0; e < E; ++e) ws.dg[n * E + e] = ws.dg[n * E + e] + auxc[e];
+        ops::softmax_backward_rows(&A.g[n0 * E], E, &ws.dg[n0 * E], E, &ws.dz[n0 * E], E, (int)rows, E, 0);
+        for (int64_t n = n0; n < n0 + rows; ++n) {
+          const float zc = ((c.z_loss_weight * 2.0f) * A.lse[n]) / Ng;
+          for (int e = 0; e < E; ++e) ws.dz[n * E + e] = ws.dz[n * E + e] + zc * A.g[n * E + e];
+        }
       });
       T("bwd", l, "router", "dz", ws.dz.data(), {N, E});
       ops::weight_grad(A.a2.data(), D, ws.dz.data(), E, D, E, uniform_off.data(), leaves, G(lname(l, "router")));

@@ -132,8 +132,8 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t l
   for (int t = 0; t < S; ++t) {
     float* st = s + (int64_t)t * S;
     for (int u = 0; u <= t; ++u) st[u] = st[u] * scale;
-    softmax(st, P + (int64_t)t * S, t + 1);
   }
+  softmax_rows(s, S, P, S, S, 1, 1, nullptr);  // row t over u <= t
   causal<true>(P, S, v, ld, o, ldo, S, hd);
 }
 
@@ -146,9 +146,9 @@ void attention_backward(const float* q, const float* k, const float* v, int64_t 
   float* dS = sc.t1.data();
   // dp[t][u] = fold over j of dO[t][j] v[u][j]; entries u > t are never read.
   gemm(S, S, hd, ConstMat{dO, ldo, 1}, ConstMat{v, 1, ld}, dp, S, false, 1);
+  softmax_backward_rows(P, S, dp, S, dS, S, S, 1, 1);  // row t over u <= t
   for (int t = 0; t < S; ++t) {
     float* dst = dS + (int64_t)t * S;
-    softmax_backward(P + (int64_t)t * S, dp + (int64_t)t * S, dst, t + 1);
     for (int u = 0; u <= t; ++u) dst[u] = dst[u] * scale;
   }
   causal<true>(dS, S, k, ld, dq, ldd, S, hd);    // dq over u <= t

@@ -125,6 +125,57 @@ void softmax_backward(const float* p, const float* dp, float* dz, int n) {
   for (int e = 0; e < n; ++e) dz[e] = p[e] * (dp[e] - dot);
 }
 
+void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, int n0, int step, float* lse) {
+  for (int g = 0; g < rows; g += 8) {
+    const int R = std::min(8, rows - g);
+    float m[8], sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    int n[8];
+    float* pr[8];
+    for (int r = 0; r < R; ++r) {
+      const float* zr = z + (int64_t)(g + r) * ldz;
+      n[r] = n0 + (g + r) * step;
+      pr[r] = p + (int64_t)(g + r) * ldp;
+      m[r] = zr[0];
+      for (int e = 1; e < n[r]; ++e)
+        if (zr[e] > m[r]) m[r] = zr[e];
+      exp_shifted_n(zr, m[r], pr[r], n[r]);
+    }
+    int e = 0;
+    if (R == 8)  // the prefix every row has: eight sequential sums side by side
+      for (; e < n[0]; ++e)
+        for (int r = 0; r < 8; ++r) sum[r] = sum[r] + pr[r][e];
+    for (int r = 0; r < R; ++r) {
+      for (int k = e; k < n[r]; ++k) sum[r] = sum[r] + pr[r][k];
+      for (int k = 0; k < n[r]; ++k) pr[r][k] = pr[r][k] / sum[r];
+      if (lse) lse[g + r] = m[r] + ls::clog(sum[r]);
+    }
+  }
+}
+
+void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t lddp, float* dz, int64_t lddz,
+                           int rows, int n0, int step) {
+  for (int g = 0; g < rows; g += 8) {
+    const int R = std::min(8, rows - g);
+    float dot[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    const float *pr[8], *dpr[8];
+    int n[8];
+    for (int r = 0; r < R; ++r) {
+      n[r] = n0 + (g + r) * step;
+      pr[r] = p + (int64_t)(g + r) * ldp;
+      dpr[r] = dp + (int64_t)(g + r) * lddp;
+    }
+    int e = 0;
+    if (R == 8)
+      for (; e < n[0]; ++e)
+        for (int r = 0; r < 8; ++r) dot[r] = ls::fma(dpr[r][e], pr[r][e], dot[r]);
+    for (int r = 0; r < R; ++r) {
+      for (int k = e; k < n[r]; ++k) dot[r] = ls::fma(dpr[r][k], pr[r][k], dot[r]);
+      float* dzr = dz + (int64_t)(g + r) * lddz;
+      for (int k = 0; k < n[r]; ++k) dzr[k] = pr[r][k] * (dpr[r][k] - dot[r]);
+    }
+  }
+}
+
 float param_sumsq(const float* v, int64_t n) {
   const int64_t blocks = (n + kParamBlock - 1) / kParamBlock;
   if (blocks <= 1) return ls::sumsq_block(v, n);

@@ -40,6 +40,17 @@ float softmax(const float* z, float* p, int n);
 // dz_e = p_e * (dp_e - sum_e' dp_e' p_e'). Reduces over the entry index.
 void softmax_backward(const float* p, const float* dp, float* dz, int n);
 
+// softmax() over `rows` rows, bit for bit, with the sequential sums of eight
+// rows run side by side (independent chains). Row r has n0 + r * step entries
+// (step >= 0) at z + r*ldz -> p + r*ldp; lse[r] gets softmax()'s return value
+// (lse may be null).
+void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, int n0, int step, float* lse);
+
+// softmax_backward() over rows laid out as in softmax_rows, bit for bit, with
+// the dot products of eight rows side by side.
+void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t lddp, float* dz, int64_t lddz,
+                           int rows, int n0, int step);
+
 // Sum over tokens of per-token scalars v[n]: sequential add inside each leaf
 // of leaf_tokens tokens, canonical tree over leaves.
 float token_sum(const float* v, int64_t N, int64_t leaf_tokens);
