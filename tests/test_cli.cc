@@ -69,8 +69,11 @@ TEST_SUITE("cli") {
     REQUIRE(r.rc == 0);
     nlohmann::json j = nlohmann::json::parse(last_line(r.out));
     for (const char* key : {"final_state_hash", "steps", "losses", "loss_bits", "eval_bpb", "tokens_per_second",
-                            "threads", "backend"})
+                            "steady_tokens_per_second", "threads", "backend"})
       CHECK_MESSAGE(j.contains(key), key);
+    // 3 steps: the steady rate times the one step after the two warm-ups.
+    CHECK(j["steady_tokens_per_second"].get<double>() > 0);
+    CHECK(j["seconds"].get<double>() > 0);
     CHECK(j["final_state_hash"].get<std::string>().size() == 32);
     CHECK(j["steps"] == 3);
     CHECK(j["losses"].size() == 3);

@@ -344,7 +344,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     if (injector) writer->set_commit_hook([&injector](int64_t step) { injector->after_commit(step); });
   }
 
-  double train_seconds = 0;
+  double train_seconds = 0, steady_seconds = 0;
   auto t_start = std::chrono::steady_clock::now();
   for (int step = start; step < r.steps; ++step) {
     if (!opt.heartbeat.empty()) {
@@ -365,7 +365,9 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     auto t0 = std::chrono::steady_clock::now();
     float norm = 0;
     float loss = trainer->train_step(batch.data(), B, step, &norm);
-    train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    train_seconds += step_seconds;
+    if (step >= start + 2) steady_seconds += step_seconds;
     if (tracer) tracer->end_step(loss, norm, trainer->state_hash());
     r.losses.push_back(loss);
     r.grad_norms.push_back(norm);
@@ -407,6 +409,8 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   if (tracer) tracer->finish(r.final_state_hash, r.steps);
   r.seconds = train_seconds;
   r.tokens_per_second = train_seconds > 0 ? (double)(r.steps - start) * B * T / train_seconds : 0;
+  r.steady_tokens_per_second =
+      steady_seconds > 0 ? (double)(r.steps - start - 2) * B * T / steady_seconds : r.tokens_per_second;
   r.last_tokens_per_expert = trainer->tokens_per_expert();
   r.mesh = s.mesh;
   // Collective bytes of the training steps (taken before evaluation adds its own).
@@ -431,6 +435,7 @@ nlohmann::json result_json(const RunResult& r) {
   j["evals"] = evals;
   j["eval_bpb"] = r.evals.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.evals.back().bpb);
   j["tokens_per_second"] = r.tokens_per_second;
+  j["steady_tokens_per_second"] = r.steady_tokens_per_second;
   j["seconds"] = r.seconds;
   j["train_flops_per_token"] = r.train_flops_per_token;
   nlohmann::json hashes = nlohmann::json::object();

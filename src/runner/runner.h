@@ -66,6 +66,9 @@ struct RunResult {
   std::vector<EvalPoint> evals;
   double seconds = 0;                    // training loop wall time (eval excluded)
   double tokens_per_second = 0;
+  // The same after two warm-up steps (first-touch page faults, buffer growth),
+  // as peers are usually timed; equals tokens_per_second when <= 2 steps ran.
+  double steady_tokens_per_second = 0;
   double train_flops_per_token = 0;
   std::vector<int64_t> last_tokens_per_expert;
   MeshConfig mesh;
