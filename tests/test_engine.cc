@@ -169,29 +169,33 @@ TEST_SUITE("engine") {
     }
   }
 
-  TEST_CASE("weight_grad: leaf tree over tokens, any leaf sizes, any threads") {
-    const int N = 53, in = 19, out = 150;  // out spans several column slabs
-    auto X = random_vec(N * in, 4, 2.0f), dY = random_vec(N * out, 5, 2.0f);
-    // Uneven leaves including empty ones (as an expert sees them).
-    std::vector<int64_t> off = {0, 5, 5, 17, 18, 30, 30, 30, 53};
-    const int64_t leaves = (int64_t)off.size() - 1;
-    std::vector<float> want(in * out);
-    for (int i = 0; i < in; ++i)
-      for (int j = 0; j < out; ++j) {
-        std::vector<float> part(leaves);
-        for (int64_t l = 0; l < leaves; ++l) {
-          float acc = 0.0f;
-          for (int64_t n = off[l]; n < off[l + 1]; ++n) acc = ls::fma(X[n * in + i], dY[n * out + j], acc);
-          part[l] = acc;
+  TEST_CASE("weight_grad: leaf tree over tokens, any leaf sizes, any threads, any tiling") {
+    // 19 x 150 spans several column slabs; 70 x 40 is one slab split into row bands.
+    for (auto [in, out] : {std::pair{19, 150}, std::pair{70, 40}}) {
+      const int N = 53;
+      auto X = random_vec(N * in, 4, 2.0f), dY = random_vec(N * out, 5, 2.0f);
+      // Uneven leaves including empty ones (as an expert sees them).
+      std::vector<int64_t> off = {0, 5, 5, 17, 18, 30, 30, 30, 53};
+      const int64_t leaves = (int64_t)off.size() - 1;
+      std::vector<float> want(in * out);
+      for (int i = 0; i < in; ++i)
+        for (int j = 0; j < out; ++j) {
+          std::vector<float> part(leaves);
+          for (int64_t l = 0; l < leaves; ++l) {
+            float acc = 0.0f;
+            for (int64_t n = off[l]; n < off[l + 1]; ++n) acc = ls::fma(X[n * in + i], dY[n * out + j], acc);
+            part[l] = acc;
+          }
+          want[i * out + j] = ref::tree(part.data(), leaves);
         }
-        want[i * out + j] = ref::tree(part.data(), leaves);
+      for (int threads : {1, 2, 3, 4}) {
+        omp_set_num_threads(threads);
+        std::vector<float> got(in * out, -1.0f);
+        ls::ops::weight_grad(X.data(), in, dY.data(), out, in, out, off.data(), leaves, got.data());
+        CAPTURE(threads);
+        CAPTURE(in);
+        CHECK(same_bits(got, want));
       }
-    for (int threads : {1, 2, 3, 4}) {
-      omp_set_num_threads(threads);
-      std::vector<float> got(in * out, -1.0f);
-      ls::ops::weight_grad(X.data(), in, dY.data(), out, in, out, off.data(), leaves, got.data());
-      CAPTURE(threads);
-      CHECK(same_bits(got, want));
     }
     omp_set_num_threads(omp_get_num_procs());
   }

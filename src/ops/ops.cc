@@ -24,28 +24,37 @@ void linear_input_grad(const float* dY, int64_t N, int out, const float* W, int 
 
 void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                  const int64_t* leaf_off, int64_t leaves, float* dW) {
-  // Threads own column slabs of dW; each runs the whole leaf tree for its slab,
-  // so the tree (and every bit) is the same for any thread count.
+  // Threads own tiles of dW (row bands x 64-column slabs); each runs the whole
+  // leaf tree for its tile, so the tree (and every bit) is the same for any
+  // thread count and any tiling.
   const int slab = 64;
   const int slabs = (out + slab - 1) / slab;
+  // Narrow gradients (wo, router) have one slab: split rows too, so both
+  // threads have work (bands of at least 16 rows).
+  int bands = 1;
+  const int threads = run_inline(2) ? 1 : omp_get_max_threads();
+  while (slabs * bands < 2 * threads && in / (2 * bands) >= 16) bands *= 2;
+  const int band = (in + bands - 1) / bands;
   const int levels = LeafTree::levels_for(leaves);
-  auto run_slab = [&](int s, std::vector<float>& scratch) {
+  auto run_tile = [&](int s, int b, std::vector<float>& scratch) {
     const int j0 = s * slab, w = std::min(slab, out - j0);
-    scratch.resize((size_t)levels * in * w);
-    LeafTree tree(scratch.data(), (int64_t)in * w);
+    const int i0 = b * band, h = std::min(band, in - i0);
+    if (h <= 0) return;
+    scratch.resize((size_t)levels * h * w);
+    LeafTree tree(scratch.data(), (int64_t)h * w);
     for (int64_t l = 0; l < leaves; ++l) {
       const int64_t r0 = leaf_off[l], rows = leaf_off[l + 1] - r0;
-      // A(i, k) = X[r0 + k][i]; B(k, j) = dY[r0 + k][j0 + j].
-      gemm(in, w, rows, ConstMat{X + r0 * ldx, 1, ldx}, ConstMat{dY + r0 * ldy + j0, ldy, 1},
+      // A(i, k) = X[r0 + k][i0 + i]; B(k, j) = dY[r0 + k][j0 + j].
+      gemm(h, w, rows, ConstMat{X + r0 * ldx + i0, 1, ldx}, ConstMat{dY + r0 * ldy + j0, ldy, 1},
            tree.next_leaf(), w, false, 1);
       tree.push();
     }
     const float* sum = tree.finish();
-    for (int i = 0; i < in; ++i)
-      std::copy(sum + (int64_t)i * w, sum + (int64_t)(i + 1) * w, dW + (int64_t)i * out + j0);
+    for (int i = 0; i < h; ++i)
+      std::copy(sum + (int64_t)i * w, sum + (int64_t)(i + 1) * w, dW + (int64_t)(i0 + i) * out + j0);
   };
-  parallel_tasks_with<std::vector<float>>(slabs, [&](std::vector<float>& scratch, int64_t s) {
-    run_slab((int)s, scratch);
+  parallel_tasks_with<std::vector<float>>((int64_t)slabs * bands, [&](std::vector<float>& scratch, int64_t t) {
+    run_tile((int)(t / bands), (int)(t % bands), scratch);
   });
 }
 
