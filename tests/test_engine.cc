@@ -10,6 +10,7 @@
 #include "data/corpus.h"
 #include "ops.h"  // reference/ops.h
 #include "ops/attention.h"
+#include "ops/gemm.h"
 #include "ops/ops.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
@@ -139,34 +140,42 @@ TEST_SUITE("engine") {
   }
 
   TEST_CASE("causal attention head, forward and backward, equals the reference bitwise") {
-    // Every head width path (register-blocked 8/16/32-multiples, scalar otherwise), sequences
-    // shorter and longer than a row block, and strided q/k/v as the model lays them out.
-    for (int hd : {3, 8, 16, 24, 32, 64, 96}) {
-      for (int S : {1, 5, 13, 64}) {
-        CAPTURE(hd);
-        CAPTURE(S);
-        const int64_t ld = 3 * hd + 5, ldo = hd + 3, ldd = 3 * hd + 1;
-        const float scale = 1.0f / ls::sqrt((float)hd);
-        auto qkv = random_vec((size_t)S * ld, 1000 + hd * 7 + S, 2.0f), dO = random_vec((size_t)S * ldo, 2000 + S);
-        const float *q = qkv.data(), *k = q + hd, *v = q + 2 * hd;
-        std::vector<float> P((size_t)S * S), o((size_t)S * ldo), rP((size_t)S * S), ro((size_t)S * ldo);
-        ls::ops::AttentionScratch sc;
-        ls::ops::attention_forward(q, k, v, ld, S, hd, scale, P.data(), o.data(), ldo, sc);
-        ref::attention_head(q, k, v, ld, S, hd, scale, rP.data(), ro.data(), ldo);
-        for (int t = 0; t < S; ++t)  // P's row t holds u <= t; o's rows hold hd features
-          for (int u = 0; u <= t; ++u) REQUIRE(ls::bits(P[(size_t)t * S + u]) == ls::bits(rP[(size_t)t * S + u]));
-        for (int t = 0; t < S; ++t)
-          for (int j = 0; j < hd; ++j) REQUIRE(ls::bits(o[(size_t)t * ldo + j]) == ls::bits(ro[(size_t)t * ldo + j]));
-        std::vector<float> d((size_t)S * ldd * 3, 0.0f), rd((size_t)S * ldd * 3, 0.0f);
-        ls::ops::attention_backward(q, k, v, ld, S, hd, scale, P.data(), dO.data(), ldo, d.data(), d.data() + hd,
-                                    d.data() + 2 * hd, ldd, sc);
-        ref::attention_head_backward(q, k, v, ld, S, hd, scale, rP.data(), dO.data(), ldo, rd.data(), rd.data() + hd,
-                                     rd.data() + 2 * hd, ldd);
-        for (int t = 0; t < S; ++t)
-          for (int j = 0; j < 3 * hd; ++j)
-            REQUIRE(ls::bits(d[(size_t)t * ldd + j]) == ls::bits(rd[(size_t)t * ldd + j]));
+    // Every head width path (register-blocked 8/16/32-multiples, scalar otherwise) on every
+    // instruction-set path, sequences shorter and longer than a row block, and strided q/k/v
+    // as the model lays them out.
+    for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {
+      if (!ls::ops::gemm_path_supported(path)) continue;
+      ls::ops::set_gemm_path(path);
+      const std::string path_name = ls::ops::gemm_path_name();
+      CAPTURE(path_name);
+      for (int hd : {3, 8, 16, 24, 32, 48, 64, 96, 128}) {
+        for (int S : {1, 5, 13, 64}) {
+          CAPTURE(hd);
+          CAPTURE(S);
+          const int64_t ld = 3 * hd + 5, ldo = hd + 3, ldd = 3 * hd + 1;
+          const float scale = 1.0f / ls::sqrt((float)hd);
+          auto qkv = random_vec((size_t)S * ld, 1000 + hd * 7 + S, 2.0f), dO = random_vec((size_t)S * ldo, 2000 + S);
+          const float *q = qkv.data(), *k = q + hd, *v = q + 2 * hd;
+          std::vector<float> P((size_t)S * S), o((size_t)S * ldo), rP((size_t)S * S), ro((size_t)S * ldo);
+          ls::ops::AttentionScratch sc;
+          ls::ops::attention_forward(q, k, v, ld, S, hd, scale, P.data(), o.data(), ldo, sc);
+          ref::attention_head(q, k, v, ld, S, hd, scale, rP.data(), ro.data(), ldo);
+          for (int t = 0; t < S; ++t)  // P's row t holds u <= t; o's rows hold hd features
+            for (int u = 0; u <= t; ++u) REQUIRE(ls::bits(P[(size_t)t * S + u]) == ls::bits(rP[(size_t)t * S + u]));
+          for (int t = 0; t < S; ++t)
+            for (int j = 0; j < hd; ++j) REQUIRE(ls::bits(o[(size_t)t * ldo + j]) == ls::bits(ro[(size_t)t * ldo + j]));
+          std::vector<float> d((size_t)S * ldd * 3, 0.0f), rd((size_t)S * ldd * 3, 0.0f);
+          ls::ops::attention_backward(q, k, v, ld, S, hd, scale, P.data(), dO.data(), ldo, d.data(), d.data() + hd,
+                                      d.data() + 2 * hd, ldd, sc);
+          ref::attention_head_backward(q, k, v, ld, S, hd, scale, rP.data(), dO.data(), ldo, rd.data(), rd.data() + hd,
+                                       rd.data() + 2 * hd, ldd);
+          for (int t = 0; t < S; ++t)
+            for (int j = 0; j < 3 * hd; ++j)
+              REQUIRE(ls::bits(d[(size_t)t * ldd + j]) == ls::bits(rd[(size_t)t * ldd + j]));
+        }
       }
     }
+    ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
   }
 
   TEST_CASE("weight_grad: leaf tree over tokens, any leaf sizes, any threads, any tiling") {

@@ -9,6 +9,13 @@
 #include "ops/ops.h"
 
 namespace ls::ops {
+namespace internal {
+// attention_avx512.cc: the same folds with 16-lane vectors (hd % 16 == 0).
+void causal_rows_avx512(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
+                        int hd);
+void causal_cols_avx512(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
+                        int hd);
+}  // namespace internal
 namespace {
 
 // out[t][:] = fold over u = 0..t, ascending, from +0, of A[t][u] * M[u][:].
@@ -113,6 +120,15 @@ void causal_blocked(const float* A, int64_t lda, const float* M, int64_t ldm, fl
 
 template <bool kRows>
 void causal(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S, int hd) {
+  const GemmPath path = gemm_path();
+  if (path == GemmPath::kAvx512 && hd % 16 == 0) {
+    if (kRows) return internal::causal_rows_avx512(A, lda, M, ldm, out, ldo, S, hd);
+    return internal::causal_cols_avx512(A, lda, M, ldm, out, ldo, S, hd);
+  }
+  if (path == GemmPath::kScalar) {  // the plain loops, as on a CPU without AVX2
+    if (kRows) return causal_rows_scalar(A, lda, M, ldm, out, ldo, S, hd);
+    return causal_cols_scalar(A, lda, M, ldm, out, ldo, S, hd);
+  }
   if (hd % 32 == 0) return causal_blocked<kRows, 4>(A, lda, M, ldm, out, ldo, S, hd);
   if (hd % 16 == 0) return causal_blocked<kRows, 2>(A, lda, M, ldm, out, ldo, S, hd);
   if (hd % 8 == 0) return causal_blocked<kRows, 1>(A, lda, M, ldm, out, ldo, S, hd);

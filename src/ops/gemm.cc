@@ -236,6 +236,8 @@ GemmPath best_cpu_path() {
   return best;
 }
 
+GemmPath gemm_path() { return effective_path(); }
+
 const char* gemm_path_name() {
   switch (effective_path()) {
     case GemmPath::kAvx512:

@@ -34,6 +34,7 @@ void gemm_naive(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* 
 enum class GemmPath { kAuto, kScalar, kAvx2, kAvx512 };
 void set_gemm_path(GemmPath path);
 const char* gemm_path_name();  // "scalar", "avx2" or "avx512": the path in use
+GemmPath gemm_path();          // the path in use (also picks the attention kernels)
 bool gemm_path_supported(GemmPath path);
 // The best path this CPU supports (probed once); the default of every
 // dispatching op (GEMM, vectorized math).
