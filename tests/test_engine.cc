@@ -97,6 +97,11 @@ TEST_SUITE("engine") {
     CHECK(same_bits(y, ry));
     CHECK(same_bits(r, rr));
     CHECK(same_bits(dh, rdx));
+    // accumulate = true adds the same gradient to what dh holds.
+    std::vector<float> acc = dy, want(N * D);
+    ls::ops::rmsnorm_backward(x.data(), w.data(), r.data(), dy.data(), acc.data(), N, D, true);
+    for (int i = 0; i < N * D; ++i) want[i] = dy[i] + rdx[i];
+    CHECK(same_bits(acc, want));
   }
 
   TEST_CASE("softmax and its backward equal the reference bitwise") {

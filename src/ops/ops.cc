@@ -59,15 +59,28 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
 }
 
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
-  parallel_for(N, [&](int64_t n) {
-    const float* xn = x + n * D;
-    float ss = 0.0f;
-    for (int i = 0; i < D; ++i) ss = ls::fma(xn[i], xn[i], ss);
-    float rn = 1.0f / ls::sqrt(ss / (float)D + eps);
-    r[n] = rn;
-    float* yn = y + n * D;
-    for (int i = 0; i < D; ++i) yn[i] = (xn[i] * rn) * w[i];
-  }, 256);
+  // Eight tokens at a time: their sums of squares (each a sequential fold
+  // over the feature) run as independent chains side by side.
+  parallel_for((N + 7) / 8, [&](int64_t g) {
+    const int64_t n0 = 8 * g;
+    const int R = (int)std::min<int64_t>(8, N - n0);
+    float ss[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    const float* xg = x + n0 * D;
+    if (R == 8) {
+      for (int i = 0; i < D; ++i)
+        for (int k = 0; k < 8; ++k) ss[k] = ls::fma(xg[k * D + i], xg[k * D + i], ss[k]);
+    } else {
+      for (int k = 0; k < R; ++k)
+        for (int i = 0; i < D; ++i) ss[k] = ls::fma(xg[k * D + i], xg[k * D + i], ss[k]);
+    }
+    for (int k = 0; k < R; ++k) {
+      const float rn = 1.0f / ls::sqrt(ss[k] / (float)D + eps);
+      r[n0 + k] = rn;
+      const float* xn = xg + k * D;
+      float* yn = y + (n0 + k) * D;
+      for (int i = 0; i < D; ++i) yn[i] = (xn[i] * rn) * w[i];
+    }
+  }, 32);
 }
 
 void rmsnorm_debug_reversed(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
@@ -83,19 +96,31 @@ void rmsnorm_debug_reversed(const float* x, const float* w, float* y, float* r, 
 
 void rmsnorm_backward(const float* x, const float* w, const float* r, const float* dy, float* dh,
                       int64_t N, int D, bool accumulate) {
-  parallel_for(N, [&](int64_t n) {
-    const float *xn = x + n * D, *dyn = dy + n * D;
-    const float rn = r[n];
-    float dot = 0.0f;
-    for (int i = 0; i < D; ++i) dot = ls::fma(dyn[i] * w[i], xn[i] * rn, dot);
-    const float c = dot / (float)D;
-    float* dhn = dh + n * D;
-    if (accumulate) {
-      for (int i = 0; i < D; ++i) dhn[i] = dhn[i] + rn * (dyn[i] * w[i] - (xn[i] * rn) * c);
+  // Eight tokens at a time, their dot products (sequential folds over the
+  // feature) side by side.
+  parallel_for((N + 7) / 8, [&](int64_t g) {
+    const int64_t n0 = 8 * g;
+    const int R = (int)std::min<int64_t>(8, N - n0);
+    float dot[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    const float *xg = x + n0 * D, *dyg = dy + n0 * D, *rg = r + n0;
+    if (R == 8) {
+      for (int i = 0; i < D; ++i)
+        for (int k = 0; k < 8; ++k) dot[k] = ls::fma(dyg[k * D + i] * w[i], xg[k * D + i] * rg[k], dot[k]);
     } else {
-      for (int i = 0; i < D; ++i) dhn[i] = rn * (dyn[i] * w[i] - (xn[i] * rn) * c);
+      for (int k = 0; k < R; ++k)
+        for (int i = 0; i < D; ++i) dot[k] = ls::fma(dyg[k * D + i] * w[i], xg[k * D + i] * rg[k], dot[k]);
     }
-  }, 256);
+    for (int k = 0; k < R; ++k) {
+      const float rn = rg[k], c = dot[k] / (float)D;
+      const float *xn = xg + k * D, *dyn = dyg + k * D;
+      float* dhn = dh + (n0 + k) * D;
+      if (accumulate) {
+        for (int i = 0; i < D; ++i) dhn[i] = dhn[i] + rn * (dyn[i] * w[i] - (xn[i] * rn) * c);
+      } else {
+        for (int i = 0; i < D; ++i) dhn[i] = rn * (dyn[i] * w[i] - (xn[i] * rn) * c);
+      }
+    }
+  }, 32);
 }
 
 void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_t N, int D,
