@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "contract.h"
+#include "ops/causal_fold.h"
 #include "ops/gemm.h"
 #include "ops/ops.h"
 
@@ -42,81 +43,16 @@ void causal_cols_scalar(const float* A, int64_t lda, const float* M, int64_t ldm
     }
 }
 
-// The same folds, register-blocked: R output rows x JV vectors of 8 features
-// stay in registers for the whole fold, and each M row loaded serves all R
-// outputs. Lanes run over the feature j; every fold keeps its order.
-template <int R, int JV>
-void causal_rows_block(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int t0,
-                       int rows, int j0) {
-  __m256 acc[R][JV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_setzero_ps();
-  // u <= t0: every row of the block takes the term.
-  for (int u = 0; u <= t0; ++u) {
-    __m256 m[JV];
-    for (int v = 0; v < JV; ++v) m[v] = _mm256_loadu_ps(M + (int64_t)u * ldm + j0 + 8 * v);
-    for (int r = 0; r < R; ++r) {
-      if (r >= rows) break;
-      const __m256 a = _mm256_broadcast_ss(A + (int64_t)(t0 + r) * lda + u);
-      for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_fmadd_ps(a, m[v], acc[r][v]);
-    }
-  }
-  // t0 < u < t0 + rows: only rows t >= u.
-  for (int u = t0 + 1; u < t0 + rows; ++u) {
-    __m256 m[JV];
-    for (int v = 0; v < JV; ++v) m[v] = _mm256_loadu_ps(M + (int64_t)u * ldm + j0 + 8 * v);
-    for (int r = u - t0; r < rows; ++r) {
-      const __m256 a = _mm256_broadcast_ss(A + (int64_t)(t0 + r) * lda + u);
-      for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_fmadd_ps(a, m[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < rows; ++r)
-    for (int v = 0; v < JV; ++v) _mm256_storeu_ps(out + (int64_t)(t0 + r) * ldo + j0 + 8 * v, acc[r][v]);
-}
-
-template <int R, int JV>
-void causal_cols_block(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
-                       int u0, int rows, int j0) {
-  __m256 acc[R][JV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_setzero_ps();
-  // u0 <= t < u0 + rows: only outputs u <= t.
-  for (int t = u0; t < u0 + rows; ++t) {
-    __m256 m[JV];
-    for (int v = 0; v < JV; ++v) m[v] = _mm256_loadu_ps(M + (int64_t)t * ldm + j0 + 8 * v);
-    for (int r = 0; r <= t - u0; ++r) {
-      const __m256 a = _mm256_broadcast_ss(A + (int64_t)t * lda + u0 + r);
-      for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_fmadd_ps(a, m[v], acc[r][v]);
-    }
-  }
-  // t >= u0 + rows: every output of the block takes the term.
-  for (int t = u0 + rows; t < S; ++t) {
-    __m256 m[JV];
-    for (int v = 0; v < JV; ++v) m[v] = _mm256_loadu_ps(M + (int64_t)t * ldm + j0 + 8 * v);
-    for (int r = 0; r < R; ++r) {
-      if (r >= rows) break;
-      const __m256 a = _mm256_broadcast_ss(A + (int64_t)t * lda + u0 + r);
-      for (int v = 0; v < JV; ++v) acc[r][v] = _mm256_fmadd_ps(a, m[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < rows; ++r)
-    for (int v = 0; v < JV; ++v) _mm256_storeu_ps(out + (int64_t)(u0 + r) * ldo + j0 + 8 * v, acc[r][v]);
-}
-
-// Eight accumulators in flight: R rows x JV vectors with R * JV = 8.
-template <bool kRows, int JV>
-void causal_blocked(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
-                    int hd) {
-  constexpr int R = 8 / JV;
-  for (int j0 = 0; j0 < hd; j0 += 8 * JV)
-    for (int i0 = 0; i0 < S; i0 += R) {
-      const int rows = std::min(R, S - i0);
-      if (kRows)
-        causal_rows_block<R, JV>(A, lda, M, ldm, out, ldo, i0, rows, j0);
-      else
-        causal_cols_block<R, JV>(A, lda, M, ldm, out, ldo, S, i0, rows, j0);
-    }
-}
+// The register-blocked folds with AVX2 vectors (causal_fold.h).
+struct Avx2 {
+  using T = __m256;
+  static constexpr int kLanes = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+};
 
 template <bool kRows>
 void causal(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S, int hd) {
@@ -129,9 +65,7 @@ void causal(const float* A, int64_t lda, const float* M, int64_t ldm, float* out
     if (kRows) return causal_rows_scalar(A, lda, M, ldm, out, ldo, S, hd);
     return causal_cols_scalar(A, lda, M, ldm, out, ldo, S, hd);
   }
-  if (hd % 32 == 0) return causal_blocked<kRows, 4>(A, lda, M, ldm, out, ldo, S, hd);
-  if (hd % 16 == 0) return causal_blocked<kRows, 2>(A, lda, M, ldm, out, ldo, S, hd);
-  if (hd % 8 == 0) return causal_blocked<kRows, 1>(A, lda, M, ldm, out, ldo, S, hd);
+  if (hd % 8 == 0) return causal_fold::fold<Avx2, kRows>(A, lda, M, ldm, out, ldo, S, hd);
   if (kRows) return causal_rows_scalar(A, lda, M, ldm, out, ldo, S, hd);
   causal_cols_scalar(A, lda, M, ldm, out, ldo, S, hd);
 }
