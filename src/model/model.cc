@@ -487,17 +487,32 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ws.dye.resize(NK * D);
     ws.dxe.resize(NK * D);
     ws.dg.assign(N * E, 0.0f);
-    parallel_for(N, [&](int64_t n) {
-      for (int s = 0; s < K; ++s) {
-        const int e = A.sel[n * K + s];
-        const int64_t row = A.row_of[n * K + s];
+    // Over (token, slot) pairs q = n*K + s, eight at a time: each gate gradient
+    // is a sequential fold over the model feature j; eight run side by side.
+    parallel_for((NK + 7) / 8, [&](int64_t b) {
+      const int64_t q0 = 8 * b;
+      const int R = (int)std::min<int64_t>(8, NK - q0);
+      const float *dh[8], *y[8];
+      float dgate[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      for (int r = 0; r < R; ++r) {
+        const int64_t q = q0 + r;
+        dh[r] = &ws.dh[(q / K) * D];
+        y[r] = &A.ye[A.row_of[q] * D];
+      }
+      if (R == 8) {
+        for (int j = 0; j < D; ++j)
+          for (int r = 0; r < 8; ++r) dgate[r] = ls::fma(dh[r][j], y[r][j], dgate[r]);
+      } else {
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < D; ++j) dgate[r] = ls::fma(dh[r][j], y[r][j], dgate[r]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t q = q0 + r, n = q / K;
+        const int e = A.sel[q];
         const float gate = A.g[n * E + e];
-        const float* dhn = &ws.dh[n * D];
-        const float* y = &A.ye[row * D];
-        float dgate = 0.0f;  // reduces over the model feature j
-        for (int j = 0; j < D; ++j) dgate = ls::fma(dhn[j], y[j], dgate);
-        ws.dg[n * E + e] = dgate;
-        for (int j = 0; j < D; ++j) ws.dye[row * D + j] = gate * dhn[j];
+        ws.dg[n * E + e] = dgate[r];
+        float* dye = &ws.dye[A.row_of[q] * D];
+        for (int j = 0; j < D; ++j) dye[j] = gate * dh[r][j];
       }
     });
     ExpertWork& X = A.work;
