@@ -2,21 +2,32 @@
 //
 // Which thread runs an index never changes a bit (every op reduces over
 // logical indices, docs/NUMERICS.md), so these helpers decide speed only.
-// A loop runs inline, with no OpenMP construct at all, when one thread would
-// run it anyway (one thread configured, already inside a parallel loop, or too
-// few indices): libgomp builds a team even for one thread and ends every
-// barrier with a futex wake, a system call that costs microseconds on a VM.
+// The thread count is OpenMP's (--threads sets it); the threads are the
+// calling thread's small pool (common/thread_pool.h), whose helpers spin
+// between the step's many short loops instead of paying libgomp's futex system
+// call at every region start and barrier. A loop runs inline when one thread
+// would run it anyway: one thread set, already inside a parallel loop, or too
+// few indices.
 #pragma once
 
 #include <omp.h>
 
+#include <atomic>
 #include <cstdint>
+
+#include "common/thread_pool.h"
 
 namespace ls {
 
 // True when a loop of n indices should run on the calling thread alone.
 inline bool run_inline(int64_t n, int64_t min_parallel = 2) {
-  return n < min_parallel || omp_in_parallel() || omp_get_max_threads() == 1;
+  return n < min_parallel || in_pool_job() || omp_in_parallel() || omp_get_max_threads() == 1;
+}
+
+// Threads for a loop of n indices: the OpenMP thread count (--threads), at most n.
+inline int loop_threads(int64_t n) {
+  const int t = omp_get_max_threads();
+  return n < t ? (int)n : t;
 }
 
 // body(i) for i in [0, n): equal contiguous shares per thread.
@@ -31,8 +42,13 @@ void parallel_for(int64_t n, Body&& body, int64_t min_parallel = 2) {
     for (int64_t i = 0; i < n; ++i) local(i);
     return;
   }
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) body(i);
+  const int T = loop_threads(n);
+  run_on_threads(T, [&](int tid) {
+    auto local = body;
+    const int64_t lo = n * tid / T, hi = n * (tid + 1) / T;
+#pragma GCC ivdep
+    for (int64_t i = lo; i < hi; ++i) local(i);
+  });
 }
 
 // body(state, i) for i in [0, n), tasks of uneven cost handed out one at a
@@ -44,12 +60,13 @@ void parallel_tasks_with(int64_t n, Body&& body) {
     for (int64_t i = 0; i < n; ++i) body(state, i);
     return;
   }
-#pragma omp parallel
-  {
+  std::atomic<int64_t> next{0};
+  run_on_threads(loop_threads(n), [&](int) {
     State state{};
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) body(state, i);
-  }
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      body(state, i);
+  });
 }
 
 // body(i) for i in [0, n), tasks of uneven cost handed out one at a time.

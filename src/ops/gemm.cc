@@ -19,6 +19,7 @@
 #include <atomic>
 #include <new>
 
+#include "common/thread_pool.h"
 #include "numerics/contract.h"
 
 namespace ls {
@@ -276,7 +277,7 @@ void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int
   const int64_t panels = (N + NR - 1) / NR;
   const int64_t mblocks = (M + MC - 1) / MC;
 
-  int T = threads > 0 ? threads : (omp_in_parallel() ? 1 : omp_get_max_threads());
+  int T = threads > 0 ? threads : (omp_in_parallel() || in_pool_job() ? 1 : omp_get_max_threads());
   // Tiny products are not worth waking threads (does not change any bit).
   if (M * N * K < (int64_t(1) << 18)) T = 1;
   // Tasks: A row blocks x groups of B panels; split N only when M is short.
@@ -335,17 +336,22 @@ void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int
     }
     return;
   }
-#pragma omp parallel num_threads(T)
-  {
-    static thread_local Scratch a_scratch;
-    float* aedge = a_scratch.get(static_cast<size_t>(KC * MR));
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-      const int64_t kc = std::min(KC, K - k0);
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < panels; ++p) pack_panel(p, k0, kc);
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < tasks; ++t) run_task(t, k0, kc, accumulate || k0 > 0, aedge);
-    }
+  // Threads: helpers of the calling thread's pool; two short jobs per k block
+  // (pack B, then the tasks), each ending when all its threads are done.
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    if (!(b_in_place && N % NR == 0))
+      run_on_threads(T, [&](int tid) {
+        for (int64_t p = panels * tid / T; p < panels * (tid + 1) / T; ++p) pack_panel(p, k0, kc);
+      });
+    std::atomic<int64_t> next{0};
+    run_on_threads(T, [&](int) {
+      static thread_local Scratch a_scratch;
+      float* aedge = a_scratch.get(static_cast<size_t>(KC * MR));
+      for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
+           t = next.fetch_add(1, std::memory_order_relaxed))
+        run_task(t, k0, kc, accumulate || k0 > 0, aedge);
+    });
   }
 }
 
