@@ -51,6 +51,14 @@ void parallel_for(int64_t n, Body&& body, int64_t min_parallel = 2) {
   });
 }
 
+// body(first, count) for [0, n) cut into groups of 8 consecutive indices (the
+// last may be shorter): for ops that run eight independent folds side by side.
+template <class Body>
+void parallel_for_groups_of_8(int64_t n, Body&& body, int64_t min_parallel_groups = 2) {
+  parallel_for((n + 7) / 8, [&](int64_t g) { body(8 * g, (int)(n - 8 * g < 8 ? n - 8 * g : 8)); },
+               min_parallel_groups);
+}
+
 // body(state, i) for i in [0, n), tasks of uneven cost handed out one at a
 // time; each thread makes its own State once (scratch buffers).
 template <class State, class Body>

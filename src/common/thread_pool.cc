@@ -15,8 +15,8 @@ namespace {
 
 thread_local bool t_in_job = false;
 
-// How long a helper spins for the next job before it sleeps (pause loops;
-// about 50-100 microseconds): long enough to bridge the gaps between the
+// How long a helper spins for the next job before it sleeps (pause loops; a
+// few hundred microseconds on the CPUs here): long enough to bridge the gaps between the
 // loops of one training step, short enough not to burn a core when idle.
 constexpr int kSpins = 1 << 14;
 

@@ -265,9 +265,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     if (c.router_skew != 0)  // a fixed preference for the first max(1, E/4) experts
       for (int64_t n = 0; n < N; ++n)
         for (int e = 0; e < std::max(1, E / 4); ++e) A.z[n * E + e] = A.z[n * E + e] + c.router_skew;
-    parallel_for((N + 7) / 8, [&](int64_t b) {
-      const int rows = (int)std::min<int64_t>(8, N - 8 * b);
-      ops::softmax_rows(&A.z[8 * b * E], E, &A.g[8 * b * E], E, rows, E, 0, &A.lse[8 * b]);
+    parallel_for_groups_of_8(N, [&](int64_t n0, int rows) {
+      ops::softmax_rows(&A.z[n0 * E], E, &A.g[n0 * E], E, rows, E, 0, &A.lse[n0]);
     });
     parallel_for(N, [&](int64_t n) {
       const float* g = A.g.data() + n * E;
@@ -441,10 +440,9 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   T("fwd", -1, "final_norm", "out", ws.af.data(), {N, D});
   ops::linear(ws.af.data(), N, D, lm_head, V, ws.logits.data());
   T("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V});
-  parallel_for((N + 7) / 8, [&](int64_t b) {
-    const int rows = (int)std::min<int64_t>(8, N - 8 * b);
-    ops::softmax_rows(&ws.logits[8 * b * V], V, &ws.prob[8 * b * V], V, rows, V, 0, &ws.lse[8 * b]);
-    for (int64_t n = 8 * b; n < 8 * b + rows; ++n) ws.loss[n] = ws.lse[n] - ws.logits[n * V + target(n)];
+  parallel_for_groups_of_8(N, [&](int64_t n0, int rows) {
+    ops::softmax_rows(&ws.logits[n0 * V], V, &ws.prob[n0 * V], V, rows, V, 0, &ws.lse[n0]);
+    for (int64_t n = n0; n < n0 + rows; ++n) ws.loss[n] = ws.lse[n] - ws.logits[n * V + target(n)];
   });
   T("fwd", -1, "loss", "per_token", ws.loss.data(), {N});
   StepLosses out;
@@ -489,9 +487,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ws.dg.assign(N * E, 0.0f);
     // Over (token, slot) pairs q = n*K + s, eight at a time: each gate gradient
     // is a sequential fold over the model feature j; eight run side by side.
-    parallel_for((NK + 7) / 8, [&](int64_t b) {
-      const int64_t q0 = 8 * b;
-      const int R = (int)std::min<int64_t>(8, NK - q0);
+    parallel_for_groups_of_8(NK, [&](int64_t q0, int R) {
       const float *dh[8], *y[8];
       float dgate[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
       for (int r = 0; r < R; ++r) {
@@ -561,11 +557,10 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         auxc[e] = ((c.aux_loss_weight * (float)E) * f) / Ng;
       }
       ws.dz.resize(N * E);
-      parallel_for((N + 7) / 8, [&](int64_t b) {
-        const int64_t n0 = 8 * b, rows = std::min<int64_t>(8, N - n0);
+      parallel_for_groups_of_8(N, [&](int64_t n0, int rows) {
         for (int64_t n = n0; n < n0 + rows; ++n)
           for (int e = 0; e < E; ++e) ws.dg[n * E + e] = ws.dg[n * E + e] + auxc[e];
-        ops::softmax_backward_rows(&A.g[n0 * E], E, &ws.dg[n0 * E], E, &ws.dz[n0 * E], E, (int)rows, E, 0);
+        ops::softmax_backward_rows(&A.g[n0 * E], E, &ws.dg[n0 * E], E, &ws.dz[n0 * E], E, rows, E, 0);
         for (int64_t n = n0; n < n0 + rows; ++n) {
           const float zc = ((c.z_loss_weight * 2.0f) * A.lse[n]) / Ng;
           for (int e = 0; e < E; ++e) ws.dz[n * E + e] = ws.dz[n * E + e] + zc * A.g[n * E + e];

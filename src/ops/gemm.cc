@@ -325,9 +325,11 @@ void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int
     pack_b(B, k0, kc, p * NR, static_cast<int>(std::min<int64_t>(NR, N - p * NR)), NR, bpack + p * kc * NR);
   };
 
+  // Each thread's buffer for a packed A edge strip.
+  static thread_local Scratch a_scratch;
   if (T == 1) {
-    // No OpenMP construct at all: even a team of one pays a futex wake per barrier.
-    static thread_local Scratch a_scratch;
+    // The same two phases inline, without a pool job (and its std::function)
+    // per k block: weight gradients make many small single-thread calls.
     float* aedge = a_scratch.get(static_cast<size_t>(KC * MR));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
       const int64_t kc = std::min(KC, K - k0);
@@ -346,7 +348,6 @@ void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int
       });
     std::atomic<int64_t> next{0};
     run_on_threads(T, [&](int) {
-      static thread_local Scratch a_scratch;
       float* aedge = a_scratch.get(static_cast<size_t>(KC * MR));
       for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
            t = next.fetch_add(1, std::memory_order_relaxed))

@@ -21,7 +21,8 @@ struct ConstMat {
 // Reduces over k (the caller's logical index) sequentially: bits equal
 // gemm_naive for any path and any thread count. K = 0 leaves C (accumulate)
 // or zeroes it. threads = 0: omp_get_max_threads(), or 1 when called inside
-// an OpenMP parallel region. Parallel only over output tiles, never over k.
+// a parallel loop (common/parallel.h) or an OpenMP parallel region. Parallel
+// only over output tiles, never over k.
 void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc,
           bool accumulate, int threads = 0);
 

@@ -61,9 +61,7 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
   // Eight tokens at a time: their sums of squares (each a sequential fold
   // over the feature) run as independent chains side by side.
-  parallel_for((N + 7) / 8, [&](int64_t g) {
-    const int64_t n0 = 8 * g;
-    const int R = (int)std::min<int64_t>(8, N - n0);
+  parallel_for_groups_of_8(N, [&](int64_t n0, int R) {
     float ss[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     const float* xg = x + n0 * D;
     if (R == 8) {
@@ -98,9 +96,7 @@ void rmsnorm_backward(const float* x, const float* w, const float* r, const floa
                       int64_t N, int D, bool accumulate) {
   // Eight tokens at a time, their dot products (sequential folds over the
   // feature) side by side.
-  parallel_for((N + 7) / 8, [&](int64_t g) {
-    const int64_t n0 = 8 * g;
-    const int R = (int)std::min<int64_t>(8, N - n0);
+  parallel_for_groups_of_8(N, [&](int64_t n0, int R) {
     float dot[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     const float *xg = x + n0 * D, *dyg = dy + n0 * D, *rg = r + n0;
     if (R == 8) {
