@@ -30,7 +30,7 @@ inline int loop_threads(int64_t n) {
   return n < t ? (int)n : t;
 }
 
-// body(i) for i in [0, n): equal contiguous shares per thread.
+// body(i) for i in [0, n): contiguous chunks, a few per thread.
 template <class Body>
 void parallel_for(int64_t n, Body&& body, int64_t min_parallel = 2) {
   if (run_inline(n, min_parallel)) {
@@ -42,12 +42,17 @@ void parallel_for(int64_t n, Body&& body, int64_t min_parallel = 2) {
     for (int64_t i = 0; i < n; ++i) local(i);
     return;
   }
+  // Contiguous chunks, a few per thread, handed out to whichever thread asks:
+  // a helper that starts late just gets fewer of them.
   const int T = loop_threads(n);
-  run_on_threads(T, [&](int tid) {
+  const int64_t chunks = n < 8 * T ? n : 8 * T;
+  run_on_threads(T, chunks, [&](JobIndices& job) {
     auto local = body;
-    const int64_t lo = n * tid / T, hi = n * (tid + 1) / T;
+    for (int64_t c; job.next(&c);) {
+      const int64_t lo = n * c / chunks, hi = n * (c + 1) / chunks;
 #pragma GCC ivdep
-    for (int64_t i = lo; i < hi; ++i) local(i);
+      for (int64_t i = lo; i < hi; ++i) local(i);
+    }
   });
 }
 
@@ -68,12 +73,9 @@ void parallel_tasks_with(int64_t n, Body&& body) {
     for (int64_t i = 0; i < n; ++i) body(state, i);
     return;
   }
-  std::atomic<int64_t> next{0};
-  run_on_threads(loop_threads(n), [&](int) {
+  run_on_threads(loop_threads(n), n, [&](JobIndices& job) {
     State state{};
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-         i = next.fetch_add(1, std::memory_order_relaxed))
-      body(state, i);
+    for (int64_t i; job.next(&i);) body(state, i);
   });
 }
 

@@ -3,10 +3,12 @@
 #include <immintrin.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -15,10 +17,29 @@ namespace {
 
 thread_local bool t_in_job = false;
 
-// How long a helper spins for the next job before it sleeps (pause loops; a
-// few hundred microseconds on the CPUs here): long enough to bridge the gaps between the
-// loops of one training step, short enough not to burn a core when idle.
-constexpr int kSpins = 1 << 14;
+// How a helper waits for the next job. It spins first, long enough to bridge
+// the gaps between the loops of one training step even when the host pauses
+// the calling thread for a while. Then it naps in short timed sleeps, which
+// cost the caller nothing (a caller that wakes a sleeper pays a system call,
+// from microseconds to near a millisecond under the hypervisors here); a job
+// posted meanwhile is joined at the next wake, the caller working alone until
+// then. Only after a long idle stretch does it sleep until woken, so an idle
+// process burns no core.
+constexpr std::chrono::microseconds kSpinTime{2000};
+constexpr std::chrono::microseconds kNapTime{200};
+constexpr std::chrono::milliseconds kNapPhase{200};
+
+// A job's indices are cut into one contiguous range per thread; each thread
+// claims from its own range first (so consecutive loops over the same tokens
+// keep their data in the same core's cache), then from the others'. A range
+// word holds the job number in the high 32 bits and the range's next
+// unclaimed index in the low 32; claims are compare-and-swaps on the whole
+// word, so a late helper can never claim an index of a job that has moved on.
+constexpr int kMaxRanges = 64;
+constexpr uint64_t job_word(uint32_t job, uint32_t index) { return (uint64_t)job << 32 | index; }
+constexpr uint32_t job_of(uint64_t word) { return (uint32_t)(word >> 32); }
+
+}  // namespace
 
 class Pool {
  public:
@@ -26,95 +47,182 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(mu_);
       shutdown_.store(true, std::memory_order_relaxed);
-      generation_.store(((generation_.load(std::memory_order_relaxed) >> 16) + 1) << 16, std::memory_order_release);
+      word_.store(job_word(job_of(word_.load(std::memory_order_relaxed)) + 1, 0), std::memory_order_release);
     }
     cv_.notify_all();
     for (std::thread& t : helpers_) t.join();
   }
 
-  void run(int threads, const std::function<void(int)>& job) {
+  void run(int threads, int64_t n, const std::function<void(JobIndices&)>& job) {
+    if (n <= 0) return;
+    if (threads > kMaxRanges) threads = kMaxRanges;
+    if (n > (int64_t)UINT32_MAX) throw std::length_error("thread pool: more than 2^32 indices in one job");
     while ((int)helpers_.size() < threads - 1) {
-      // The helper starts from the generation before this job, so it cannot
-      // miss the job even if the thread starts after it was posted.
+      // The helper starts from the job before this one, so it cannot miss
+      // this job even if the thread starts after it was posted.
       const int tid = (int)helpers_.size() + 1;
-      const uint64_t before = generation_.load(std::memory_order_acquire);
+      const uint32_t before = job_of(word_.load(std::memory_order_acquire));
       helpers_.emplace_back([this, tid, before] { helper_loop(tid, before); });
     }
+    // Job fields first, then the word that publishes them (release).
     job_ = &job;
+    n_.store(n, std::memory_order_relaxed);
+    threads_.store(threads, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
-    remaining_.store(threads - 1, std::memory_order_relaxed);
+    const uint32_t id = job_of(word_.load(std::memory_order_relaxed)) + 1;
+    for (int r = 0; r < threads; ++r)
+      ranges_[r].word.store(job_word(id, (uint32_t)range_begin(n, threads, r)), std::memory_order_relaxed);
     {
-      // The job's thread count travels in the generation word itself, so a
-      // helper that is not part of this job can never pair an old count with
-      // a new job.
       std::lock_guard<std::mutex> lock(mu_);  // pairs with a helper about to sleep
-      const uint64_t next = (generation_.load(std::memory_order_relaxed) >> 16) + 1;
-      generation_.store(next << 16 | (uint64_t)threads, std::memory_order_release);
+      word_.store(job_word(id, 0), std::memory_order_release);
     }
-    if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
-    run_one(0);
-    while (remaining_.load(std::memory_order_acquire) > 0) _mm_pause();
+    // One wake per sleep: a helper on its way up needs no second system call.
+    if (sleepers_.load(std::memory_order_acquire) > 0 && !wake_sent_.exchange(true, std::memory_order_acq_rel))
+      cv_.notify_all();
+    JobIndices mine(this, id, 0, n);
+    run_one(job, mine);
+    // Only indices a helper has claimed and not finished are left to wait for.
+    while (done_.load(std::memory_order_acquire) < n) _mm_pause();
     if (error_) std::rethrow_exception(error_);
   }
 
+  // Claims the next index of job `id` for thread `tid`: from its own range,
+  // else from the next range with indices left. False once the job has none
+  // left (or has been replaced by the next one).
+  bool claim(uint32_t id, int tid, int64_t* i) {
+    // n_ and threads_ may already belong to a later job; the compare-and-swap then fails.
+    const int64_t n = n_.load(std::memory_order_relaxed);
+    const int ranges = threads_.load(std::memory_order_relaxed);
+    for (int k = 0; k < ranges; ++k) {
+      const int r = (tid + k) % ranges;
+      const int64_t end = range_begin(n, ranges, r + 1);
+      std::atomic<uint64_t>& word = ranges_[r].word;
+      uint64_t w = word.load(std::memory_order_acquire);
+      for (;;) {
+        if (job_of(w) != id) return false;
+        const uint32_t index = (uint32_t)w;
+        if ((int64_t)index >= end) break;
+        if (word.compare_exchange_weak(w, job_word(id, index + 1), std::memory_order_acq_rel,
+                                       std::memory_order_acquire)) {
+          *i = index;
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+
+  void report_done() { done_.fetch_add(1, std::memory_order_release); }
+
  private:
-  void run_one(int tid) {
+  void run_one(const std::function<void(JobIndices&)>& job, JobIndices& indices) {
     t_in_job = true;
     try {
-      (*job_)(tid);
+      job(indices);
     } catch (...) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!error_) error_ = std::current_exception();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+      // Skip the indices left (each still counts as done) so the job ends.
+      int64_t i;
+      while (indices.next(&i)) {
+      }
     }
+    indices.finish();
     t_in_job = false;
   }
 
-  void helper_loop(int tid, uint64_t seen) {
+  void helper_loop(int tid, uint32_t seen) {
     for (;;) {
-      int spins = 0;
-      while (generation_.load(std::memory_order_acquire) == seen && spins < kSpins) {
+      const auto spin_end = std::chrono::steady_clock::now() + kSpinTime;
+      for (int spins = 1; job_of(word_.load(std::memory_order_acquire)) == seen; ++spins) {
         _mm_pause();
-        ++spins;
+        if (spins % 256 == 0 && std::chrono::steady_clock::now() > spin_end) break;
       }
-      if (generation_.load(std::memory_order_acquire) == seen) {
+      const auto nap_end = std::chrono::steady_clock::now() + kNapPhase;
+      while (job_of(word_.load(std::memory_order_acquire)) == seen && std::chrono::steady_clock::now() < nap_end)
+        std::this_thread::sleep_for(kNapTime);
+      if (job_of(word_.load(std::memory_order_acquire)) == seen) {
         std::unique_lock<std::mutex> lock(mu_);
         sleepers_.fetch_add(1, std::memory_order_acq_rel);
-        cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+        wake_sent_.store(false, std::memory_order_release);
+        cv_.wait(lock, [&] { return job_of(word_.load(std::memory_order_acquire)) != seen; });
         sleepers_.fetch_sub(1, std::memory_order_acq_rel);
       }
-      seen = generation_.load(std::memory_order_acquire);
+      seen = job_of(word_.load(std::memory_order_acquire));
       if (shutdown_.load(std::memory_order_relaxed)) return;
-      if (tid < (int)(seen & 0xffff)) {
-        run_one(tid);
-        remaining_.fetch_sub(1, std::memory_order_acq_rel);
-      }
+      if (tid >= threads_.load(std::memory_order_relaxed)) continue;
+      // Join only with an index in hand: until it is reported done the job
+      // (and job_) cannot end.
+      JobIndices mine(this, seen, tid, 0);
+      if (!claim(seen, tid, &mine.first_)) continue;
+      mine.has_first_ = true;
+      run_one(*job_, mine);
     }
   }
 
   std::vector<std::thread> helpers_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> remaining_{0};
+  static int64_t range_begin(int64_t n, int ranges, int r) { return n * r / ranges; }
+
+  struct alignas(64) Range {
+    std::atomic<uint64_t> word{0};
+  };
+  Range ranges_[kMaxRanges];
+  std::atomic<uint64_t> word_{0};  // the job number (high 32 bits): helpers wait for it to change
+  std::atomic<int64_t> n_{0};
+  std::atomic<int> threads_{0};
+  std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
-  const std::function<void(int)>* job_ = nullptr;
+  std::atomic<bool> wake_sent_{false};  // a notify is on its way to the sleepers
+  const std::function<void(JobIndices&)>* job_ = nullptr;
   std::exception_ptr error_;
   std::atomic<bool> shutdown_{false};
 };
 
-}  // namespace
+bool JobIndices::next(int64_t* i) {
+  if (!pool_) {
+    if (next_ >= n_) return false;
+    *i = next_++;
+    return true;
+  }
+  finish();
+  if (has_first_) {
+    has_first_ = false;
+    *i = first_;
+  } else if (!pool_->claim(job_, tid_, i)) {
+    return false;
+  }
+  held_ = true;
+  return true;
+}
 
-void run_on_threads(int threads, const std::function<void(int)>& job) {
-  if (threads <= 1) {
+void JobIndices::finish() {
+  if (held_ && pool_) pool_->report_done();
+  held_ = false;
+}
+
+void run_on_threads(int threads, int64_t n, const std::function<void(JobIndices&)>& job) {
+  if (threads <= 1 || n <= 1 || t_in_job) {
+    // Alone, without waking anyone: one thread, one index, or a nested job.
+    JobIndices alone(nullptr, 0, 0, n);
     const bool outer = t_in_job;
     t_in_job = true;
-    job(0);
+    try {
+      job(alone);
+    } catch (...) {
+      t_in_job = outer;
+      throw;
+    }
     t_in_job = outer;
     return;
   }
   thread_local std::unique_ptr<Pool> pool;
   if (!pool) pool = std::make_unique<Pool>();
-  pool->run(threads, job);
+  pool->run(threads, n, job);
 }
 
 bool in_pool_job() { return t_in_job; }

@@ -339,19 +339,16 @@ void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int
     return;
   }
   // Threads: helpers of the calling thread's pool; two short jobs per k block
-  // (pack B, then the tasks), each ending when all its threads are done.
+  // (pack B, then the tasks), each ending when all its indices have run.
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     if (!(b_in_place && N % NR == 0))
-      run_on_threads(T, [&](int tid) {
-        for (int64_t p = panels * tid / T; p < panels * (tid + 1) / T; ++p) pack_panel(p, k0, kc);
+      run_on_threads(T, panels, [&](JobIndices& job) {
+        for (int64_t p; job.next(&p);) pack_panel(p, k0, kc);
       });
-    std::atomic<int64_t> next{0};
-    run_on_threads(T, [&](int) {
+    run_on_threads(T, tasks, [&](JobIndices& job) {
       float* aedge = a_scratch.get(static_cast<size_t>(KC * MR));
-      for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
-           t = next.fetch_add(1, std::memory_order_relaxed))
-        run_task(t, k0, kc, accumulate || k0 > 0, aedge);
+      for (int64_t t; job.next(&t);) run_task(t, k0, kc, accumulate || k0 > 0, aedge);
     });
   }
 }

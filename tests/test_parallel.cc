@@ -1,0 +1,132 @@
+// The thread pool behind every parallel loop: each index runs exactly once
+// whatever the thread count, the job sizes in a row, a helper that arrives
+// late or sleeps, nesting, or an exception.
+#include <doctest/doctest.h>
+#include <omp.h>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "common/parallel.h"
+#include "common/thread_pool.h"
+
+namespace {
+
+// Restores the OpenMP thread count (which --threads sets) when a case ends.
+struct ThreadsGuard {
+  int saved = omp_get_max_threads();
+  ~ThreadsGuard() { omp_set_num_threads(saved); }
+};
+
+// Runs each index of [0, n) through run_on_threads and returns how often each ran.
+std::vector<int> hits_of_job(int threads, int64_t n) {
+  std::vector<std::atomic<int>> hits(n);
+  ls::run_on_threads(threads, n, [&](ls::JobIndices& job) {
+    for (int64_t i; job.next(&i);) hits[i].fetch_add(1, std::memory_order_relaxed);
+  });
+  std::vector<int> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = hits[i].load();
+  return out;
+}
+
+}  // namespace
+
+TEST_SUITE("parallel") {
+  TEST_CASE("run_on_threads runs every index exactly once, for any thread count and size") {
+    for (int threads : {1, 2, 3, 4, 7})
+      for (int64_t n : {0, 1, 2, 3, 5, 64, 1000, 65537}) {
+        const std::vector<int> hits = hits_of_job(threads, n);
+        int64_t wrong = 0;
+        for (int h : hits) wrong += h != 1;
+        INFO("threads " << threads << ", n " << n);
+        CHECK(wrong == 0);
+      }
+  }
+
+  TEST_CASE("thousands of short jobs in a row, thread counts changing between them") {
+    // Stresses the hand-over between jobs: a helper still leaving one job
+    // must never claim (or count) an index of the next.
+    int64_t bad = 0;
+    for (int round = 0; round < 4000; ++round) {
+      const int threads = 1 + round % 4;
+      const int64_t n = 1 + (round * 7919) % 97;
+      std::vector<int> hits = hits_of_job(threads, n);
+      for (int h : hits) bad += h != 1;
+    }
+    CHECK(bad == 0);
+  }
+
+  TEST_CASE("a job completes after the helpers spun, napped or went to sleep") {
+    // After an idle stretch longer than the helpers' spin and nap phases they
+    // sleep until woken; a job must still complete.
+    for (int idle_ms : {0, 5, 300}) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(idle_ms));
+      const std::vector<int> hits = hits_of_job(2, 256);
+      int64_t wrong = 0;
+      for (int h : hits) wrong += h != 1;
+      INFO("idle " << idle_ms << " ms");
+      CHECK(wrong == 0);
+    }
+  }
+
+  TEST_CASE("a slow helper index does not lose the others") {
+    // One index is slow: the other thread takes what is left of its range.
+    std::vector<std::atomic<int>> hits(64);
+    ls::run_on_threads(2, 64, [&](ls::JobIndices& job) {
+      for (int64_t i; job.next(&i);) {
+        if (i == 40) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        hits[i].fetch_add(1);
+      }
+    });
+    int64_t wrong = 0;
+    for (auto& h : hits) wrong += h.load() != 1;
+    CHECK(wrong == 0);
+  }
+
+  TEST_CASE("an exception in one index reaches the caller; the pool keeps working") {
+    for (int threads : {1, 2, 3}) {
+      INFO("threads " << threads);
+      CHECK_THROWS_WITH_AS(ls::run_on_threads(threads, 100,
+                                              [&](ls::JobIndices& job) {
+                                                for (int64_t i; job.next(&i);)
+                                                  if (i == 37) throw std::runtime_error("index 37 failed");
+                                              }),
+                           "index 37 failed", std::runtime_error);
+      const std::vector<int> hits = hits_of_job(threads, 1000);
+      int64_t wrong = 0;
+      for (int h : hits) wrong += h != 1;
+      CHECK(wrong == 0);
+    }
+  }
+
+  TEST_CASE("parallel_for, parallel_for_groups_of_8 and parallel_tasks cover their range; nested loops run inline") {
+    ThreadsGuard guard;
+    for (int threads : {1, 2, 4}) {
+      omp_set_num_threads(threads);
+      for (int64_t n : {1, 7, 8, 9, 100, 4099}) {
+        INFO("threads " << threads << ", n " << n);
+        std::vector<int> a(n, 0), b(n, 0);
+        std::vector<std::atomic<int>> c(n);
+        ls::parallel_for(n, [&](int64_t i) { a[i] += 1; });
+        ls::parallel_for_groups_of_8(n, [&](int64_t first, int count) {
+          CHECK(count >= 1);
+          CHECK(count <= 8);
+          CHECK(first % 8 == 0);
+          for (int k = 0; k < count; ++k) b[first + k] += 1;
+        });
+        std::atomic<int> nested_inline{0};
+        ls::parallel_tasks(n, [&](int64_t i) {
+          if (ls::run_inline(1000)) nested_inline.fetch_add(1);
+          ls::parallel_for(3, [&](int64_t k) { c[i].fetch_add((int)k); });
+        });
+        int64_t wrong = 0;
+        for (int64_t i = 0; i < n; ++i) wrong += (a[i] != 1) + (b[i] != 1) + (c[i] != 3);
+        CHECK(wrong == 0);
+        if (n >= 2) CHECK(nested_inline.load() == n);  // a loop inside a pool job runs inline
+      }
+    }
+  }
+}
