@@ -54,7 +54,8 @@ struct LayerActs {
   std::vector<int64_t> expert_off;   // [E+1] first row of each expert
   std::vector<int64_t> row_token;    // [N*K] token of each expert row
   std::vector<int64_t> global_counts;  // [E] assignments per expert over every data-parallel rank
-  std::vector<float> ye;             // expert outputs in dispatch order (rows grouped by expert)
+  std::vector<float> ye;             // expert outputs in dispatch order, received (expert parallel)
+  const float* ye_rows = nullptr;    // expert outputs in dispatch order: ye, or work.y without expert parallelism
   ExpertWork work;                   // the rows of the experts held here (from every rank of the EP group)
   std::vector<int64_t> perm;         // expert parallel: work row -> row of the received buffer
   std::vector<size_t> sent_rows, recv_rows;  // expert parallel: rows to / from each EP rank
@@ -202,7 +203,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     if (tr) tr->tensor(phase, layer, op, name, data, shape);
   };
   // Expert rows in (token, slot) order, the layout the reference keeps.
-  auto token_slot_order = [&](const LayerActs& A, const std::vector<float>& rows, int width) -> const float* {
+  auto token_slot_order = [&](const LayerActs& A, const float* rows, int width) -> const float* {
     ws.trace_rows.resize((size_t)NK * width);
     for (int64_t i = 0; i < NK; ++i)
       std::memcpy(&ws.trace_rows[i * width], &rows[A.row_of[i] * width], sizeof(float) * width);
@@ -212,11 +213,18 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     for (const ParamInfo& p : infos_) T("params", -1, "param", p.name.c_str(), w_.data() + p.offset, p.shape);
   stats_.tokens_per_expert.assign((size_t)L * E, 0);
 
-  // Embedding: h = tok_emb[x] + pos_emb[t].
+  // The residual stream lives in the saved layer inputs: layer l reads A.x,
+  // writes A.xm (after attention) and the next layer's x (ws.h after the last).
   ws.h.resize(N * D);
+  for (LayerActs& A : ws.layers) {
+    A.x.resize(N * D);
+    A.xm.resize(N * D);
+  }
+  // Embedding: h = tok_emb[x] + pos_emb[t].
   {
     const float *te = W("tok_emb"), *pe = W("pos_emb");
-    parallel_for(N, [&](int64_t n) { for (int i = 0; i < D; ++i) ws.h[n * D + i] = te[(int64_t)tok(n) * D + i] + pe[(n % S) * D + i]; });
+    float* h0 = L > 0 ? ws.layers[0].x.data() : ws.h.data();
+    parallel_for(N, [&](int64_t n) { for (int i = 0; i < D; ++i) h0[n * D + i] = te[(int64_t)tok(n) * D + i] + pe[(n % S) * D + i]; });
   }
 
   std::vector<float> aux_l(L, 0.0f), z_l(L, 0.0f);
@@ -225,11 +233,11 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     const float *attn_norm = W(lname(l, "attn_norm")), *wqkv = W(lname(l, "wqkv")), *wo = W(lname(l, "wo")),
                 *moe_norm = W(lname(l, "moe_norm")), *router = W(lname(l, "router")),
                 *W1 = W(lname(l, "experts.w1")), *W3 = W(lname(l, "experts.w3")), *W2 = W(lname(l, "experts.w2"));
-    A.x = ws.h;
+    float* hout = l + 1 < L ? ws.layers[l + 1].x.data() : ws.h.data();  // this layer's output
     // --- attention block
     A.a.resize(N * D);
     A.r1.resize(N);
-    ops::rmsnorm(ws.h.data(), attn_norm, A.a.data(), A.r1.data(), N, D, c.rms_eps);
+    ops::rmsnorm(A.x.data(), attn_norm, A.a.data(), A.r1.data(), N, D, c.rms_eps);
     T("fwd", l, "attn_norm", "out", A.a.data(), {N, D});
     A.qkv.resize(N * 3 * D);
     ops::linear(A.a.data(), N, D, wqkv, 3 * D, A.qkv.data());
@@ -245,17 +253,16 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     T("fwd", l, "attention", "out", A.o.data(), {N, D});
     ws.dtmp.resize(N * D);
     ops::linear(A.o.data(), N, D, wo, D, ws.dtmp.data());
-    parallel_for(N * D, [&](int64_t i) { ws.h[i] = ws.h[i] + ws.dtmp[i]; });
-    A.xm = ws.h;
+    parallel_for(N * D, [&](int64_t i) { A.xm[i] = A.x[i] + ws.dtmp[i]; });
     T("fwd", l, "attn_residual", "h", A.xm.data(), {N, D});
 
     // --- MoE block: route
     A.a2.resize(N * D);
     A.r2.resize(N);
     if (debug_reorder_moe_norm_)
-      ops::rmsnorm_debug_reversed(ws.h.data(), moe_norm, A.a2.data(), A.r2.data(), N, D, c.rms_eps);
+      ops::rmsnorm_debug_reversed(A.xm.data(), moe_norm, A.a2.data(), A.r2.data(), N, D, c.rms_eps);
     else
-      ops::rmsnorm(ws.h.data(), moe_norm, A.a2.data(), A.r2.data(), N, D, c.rms_eps);
+      ops::rmsnorm(A.xm.data(), moe_norm, A.a2.data(), A.r2.data(), N, D, c.rms_eps);
     T("fwd", l, "moe_norm", "out", A.a2.data(), {N, D});
     A.z.resize(N * E);
     A.g.resize(N * E);
@@ -304,7 +311,6 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     // global token order, as the source ranks hold consecutive samples).
     ExpertWork& X = A.work;
     X.experts = El;
-    A.ye.resize(NK * D);
     if (ep == 1) {
       X.off = A.expert_off;
       X.x.resize(NK * D);
@@ -364,9 +370,15 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     stats_.dropped += sched.dropped;
     stats_.peak_expert_bytes = std::max<int64_t>(stats_.peak_expert_bytes, sched.peak_rows * (2 * D + 4 * F) * 4);
     experts_forward(X, W1, W3, W2, D, F);
-    if (ep == 1) std::copy(X.y.begin(), X.y.end(), A.ye.begin());
-    else from_owners(*mesh_, A, X.y, D, A.ye.data(), xchg);
-    if (tr) T("fwd", l, "moe.experts", "out", token_slot_order(A, A.ye, D), {N, K, D});
+    // Expert outputs in dispatch order: the work rows themselves without expert parallelism.
+    if (ep == 1) {
+      A.ye_rows = X.y.data();
+    } else {
+      A.ye.resize(NK * D);
+      from_owners(*mesh_, A, X.y, D, A.ye.data(), xchg);
+      A.ye_rows = A.ye.data();
+    }
+    if (tr) T("fwd", l, "moe.experts", "out", token_slot_order(A, A.ye_rows, D), {N, K, D});
     if (c.shared_expert) {
       A.su.resize(N * F);
       A.sv.resize(N * F);
@@ -384,14 +396,14 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       std::fill(out, out + D, 0.0f);
       for (int s = 0; s < K; ++s) {
         const float gate = A.g[n * E + A.sel[n * K + s]];
-        const float* y = &A.ye[A.row_of[n * K + s] * D];
+        const float* y = &A.ye_rows[A.row_of[n * K + s] * D];
         for (int j = 0; j < D; ++j) out[j] = ls::fma(gate, y[j], out[j]);
       }
       if (c.shared_expert)
         for (int j = 0; j < D; ++j) out[j] = out[j] + A.ysh[n * D + j];
-      for (int j = 0; j < D; ++j) ws.h[n * D + j] = ws.h[n * D + j] + out[j];
+      for (int j = 0; j < D; ++j) hout[n * D + j] = A.xm[n * D + j] + out[j];
     });
-    T("fwd", l, "moe.combine", "h", ws.h.data(), {N, D});
+    T("fwd", l, "moe.combine", "h", hout, {N, D});
     // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
     {
       std::vector<float> part((size_t)leaves * E), zpart(leaves);
@@ -483,7 +495,6 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     float *gW1 = G(lname(l, "experts.w1")), *gW3 = G(lname(l, "experts.w3")), *gW2 = G(lname(l, "experts.w2"));
     // --- MoE block. dh is the gradient of the block output.
     ws.dye.resize(NK * D);
-    ws.dxe.resize(NK * D);
     ws.dg.assign(N * E, 0.0f);
     // Over (token, slot) pairs q = n*K + s, eight at a time: each gate gradient
     // is a sequential fold over the model feature j; eight run side by side.
@@ -493,7 +504,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       for (int r = 0; r < R; ++r) {
         const int64_t q = q0 + r;
         dh[r] = &ws.dh[(q / K) * D];
-        y[r] = &A.ye[A.row_of[q] * D];
+        y[r] = &A.ye_rows[A.row_of[q] * D];
       }
       if (R == 8) {
         for (int j = 0; j < D; ++j)
@@ -515,18 +526,22 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     if (ep == 1) X.dy.swap(ws.dye);
     else to_owners(*mesh_, A, ws.dye.data(), D, X.dy, xchg);
     experts_backward(X, W1, W3, W2, D, F);
-    if (ep == 1) std::copy(X.dx.begin(), X.dx.end(), ws.dxe.begin());
-    else from_owners(*mesh_, A, X.dx, D, ws.dxe.data(), xchg);
+    const float* dxe = X.dx.data();  // dispatch order
+    if (ep > 1) {
+      ws.dxe.resize(NK * D);
+      from_owners(*mesh_, A, X.dx, D, ws.dxe.data(), xchg);
+      dxe = ws.dxe.data();
+    }
     // Expert weight gradients: the leaf tree over the EP group's leaves.
     experts_weight_grads(X, leaves * ep, D, F, gW1, gW3, gW2);
-    if (tr) T("bwd", l, "moe.experts", "dx", token_slot_order(A, ws.dxe, D), {N, K, D});
+    if (tr) T("bwd", l, "moe.experts", "dx", token_slot_order(A, dxe, D), {N, K, D});
     // da2 = (sum over slots, in slot order, from +0) + shared + router part.
     ws.da2.resize(N * D);
     parallel_for(N, [&](int64_t n) {
       float* d = &ws.da2[n * D];
       std::fill(d, d + D, 0.0f);
       for (int s = 0; s < K; ++s) {
-        const float* x = &ws.dxe[A.row_of[n * K + s] * D];
+        const float* x = &dxe[A.row_of[n * K + s] * D];
         for (int i = 0; i < D; ++i) d[i] = d[i] + x[i];
       }
     });
@@ -598,23 +613,33 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
 
   // Embedding gradients: per leaf, fold dh of the tokens with that byte (or
   // position) in token order with plain adds; leaves by the canonical tree.
-  for (int which = 0; which < 2; ++which) {
-    const int64_t rows = which == 0 ? V : S;
-    const int64_t width = rows * D;
-    std::vector<float> scratch((size_t)LeafTree::levels_for(leaves) * width);
-    LeafTree tree(scratch.data(), width);
-    for (int64_t lf = 0; lf < leaves; ++lf) {
-      float* acc = tree.next_leaf();
-      std::fill(acc, acc + width, 0.0f);
-      for (int64_t n = lf * leaf; n < (lf + 1) * leaf; ++n) {
-        float* dst = acc + (int64_t)(which == 0 ? tok(n) : n % S) * D;
-        const float* src = &ws.dh[n * D];
-        for (int i = 0; i < D; ++i) dst[i] = dst[i] + src[i];
+  // Tasks own blocks of 16 rows (bytes or positions), each with its own leaf
+  // tree: a row's fold does not depend on the block that holds it.
+  {
+    constexpr int64_t kRows = 16;
+    const int64_t tok_blocks = (V + kRows - 1) / kRows, pos_blocks = (S + kRows - 1) / kRows;
+    float *gtok = G("tok_emb"), *gpos = G("pos_emb");
+    parallel_tasks_with<std::vector<float>>(tok_blocks + pos_blocks, [&](std::vector<float>& scratch, int64_t t) {
+      const bool by_token = t < tok_blocks;
+      const int64_t r0 = (by_token ? t : t - tok_blocks) * kRows;
+      const int64_t rows = std::min(kRows, (by_token ? V : S) - r0), width = rows * D;
+      scratch.resize((size_t)LeafTree::levels_for(leaves) * width);
+      LeafTree tree(scratch.data(), width);
+      for (int64_t lf = 0; lf < leaves; ++lf) {
+        float* acc = tree.next_leaf();
+        std::fill(acc, acc + width, 0.0f);
+        for (int64_t n = lf * leaf; n < (lf + 1) * leaf; ++n) {
+          const int64_t row = (by_token ? tok(n) : n % S) - r0;
+          if (row < 0 || row >= rows) continue;
+          float* dst = acc + row * D;
+          const float* src = &ws.dh[n * D];
+          for (int i = 0; i < D; ++i) dst[i] = dst[i] + src[i];
+        }
+        tree.push();
       }
-      tree.push();
-    }
-    const float* sum = tree.finish();
-    std::copy(sum, sum + width, G(which == 0 ? "tok_emb" : "pos_emb"));
+      const float* sum = tree.finish();
+      std::copy(sum, sum + width, (by_token ? gtok : gpos) + r0 * D);
+    });
   }
   if (tr)
     for (const ParamInfo& p : infos_) T("grad", -1, "param", p.name.c_str(), g_.data() + p.offset, p.shape);

@@ -122,20 +122,27 @@ void rmsnorm_backward(const float* x, const float* w, const float* r, const floa
 void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_t N, int D,
                          int64_t leaf_tokens, float* dw) {
   const int64_t leaves = N / leaf_tokens;
-  std::vector<float> scratch((size_t)LeafTree::levels_for(leaves) * D);
-  LeafTree tree(scratch.data(), D);
-  for (int64_t l = 0; l < leaves; ++l) {
-    float* acc = tree.next_leaf();
-    std::fill(acc, acc + D, 0.0f);
-    for (int64_t n = l * leaf_tokens; n < (l + 1) * leaf_tokens; ++n) {
-      const float *xn = x + n * D, *dyn = dy + n * D;
-      const float rn = r[n];
-      for (int i = 0; i < D; ++i) acc[i] = ls::fma(dyn[i], xn[i] * rn, acc[i]);
+  // Blocks of 16 features, each with its own leaf tree: a feature's fold
+  // does not depend on which block (or thread) holds it.
+  constexpr int kCols = 16;
+  const int blocks = (D + kCols - 1) / kCols;
+  parallel_tasks_with<std::vector<float>>(blocks, [&](std::vector<float>& scratch, int64_t b) {
+    const int i0 = (int)b * kCols, w = std::min(kCols, D - i0);
+    scratch.resize((size_t)LeafTree::levels_for(leaves) * w);
+    LeafTree tree(scratch.data(), w);
+    for (int64_t l = 0; l < leaves; ++l) {
+      float* acc = tree.next_leaf();
+      std::fill(acc, acc + w, 0.0f);
+      for (int64_t n = l * leaf_tokens; n < (l + 1) * leaf_tokens; ++n) {
+        const float *xn = x + n * D + i0, *dyn = dy + n * D + i0;
+        const float rn = r[n];
+        for (int i = 0; i < w; ++i) acc[i] = ls::fma(dyn[i], xn[i] * rn, acc[i]);
+      }
+      tree.push();
     }
-    tree.push();
-  }
-  const float* s = tree.finish();
-  std::copy(s, s + D, dw);
+    const float* sum = tree.finish();
+    std::copy(sum, sum + w, dw + i0);
+  });
 }
 
 float softmax(const float* z, float* p, int n) {

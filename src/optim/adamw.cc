@@ -28,8 +28,8 @@ float learning_rate(const OptimConfig& cfg, int decay_steps, int step) {
 
 float AdamW::learning_rate(int step) const { return ls::learning_rate(cfg_, decay_steps_, step); }
 
-void adamw_update(const OptimConfig& cfg, float lr, int step, bool decay, float* pw, const float* pg, float* pm,
-                  float* pv, int64_t n) {
+void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float clip_scale,
+                  const std::vector<AdamWSlice>& slices) {
   const float b1 = cfg.beta1, b2 = cfg.beta2, omb1 = 1.0f - b1, omb2 = 1.0f - b2;
   float p1 = 1.0f, p2 = 1.0f;  // beta^t by repeated multiplication, t = step + 1
   for (int t = 0; t <= step; ++t) {
@@ -37,16 +37,35 @@ void adamw_update(const OptimConfig& cfg, float lr, int step, bool decay, float*
     p2 = p2 * b2;
   }
   const float bc1 = 1.0f - p1, bc2 = 1.0f - p2, eps = cfg.eps, wd = cfg.weight_decay;
-  // By value: a float captured by reference could alias the stores, which stops vectorization.
-  parallel_for(n, [=](int64_t i) {
-    const float gi = pg[i];
-    pm[i] = b1 * pm[i] + omb1 * gi;
-    pv[i] = b2 * pv[i] + omb2 * (gi * gi);
-    const float mhat = pm[i] / bc1, vhat = pv[i] / bc2;
-    float upd = mhat / (ls::sqrt(vhat) + eps);
-    if (decay) upd = upd + wd * pw[i];
-    pw[i] = pw[i] - lr * upd;
-  }, 16385);
+  // One loop over chunks of every slice: small tensors (norm gains, the
+  // router) no longer run alone between jobs.
+  constexpr int64_t kChunk = 4096;
+  std::vector<std::pair<int, int64_t>> chunks;  // (slice, first element)
+  for (size_t s = 0; s < slices.size(); ++s)
+    for (int64_t i = 0; i < slices[s].n; i += kChunk) chunks.push_back({(int)s, i});
+  parallel_tasks((int64_t)chunks.size(), [&](int64_t c) {
+    const AdamWSlice& s = slices[chunks[c].first];
+    const int64_t lo = chunks[c].second, hi = std::min(s.n, lo + kChunk);
+    // Locals: values read through the closure could alias the stores below,
+    // which stops vectorization.
+    float *pw = s.w, *pg = s.g, *pm = s.m, *pv = s.v;
+    const bool decay = s.decay, clip_g = clip;
+    const float B1 = b1, B2 = b2, OMB1 = omb1, OMB2 = omb2, BC1 = bc1, BC2 = bc2, EPS = eps, WD = wd, LR = lr,
+                scale = clip_scale;
+    for (int64_t i = lo; i < hi; ++i) {
+      float gi = pg[i];
+      if (clip_g) {
+        gi = gi * scale;
+        pg[i] = gi;
+      }
+      pm[i] = B1 * pm[i] + OMB1 * gi;
+      pv[i] = B2 * pv[i] + OMB2 * (gi * gi);
+      const float mhat = pm[i] / BC1, vhat = pv[i] / BC2;
+      float upd = mhat / (ls::sqrt(vhat) + EPS);
+      if (decay) upd = upd + WD * pw[i];
+      pw[i] = pw[i] - LR * upd;
+    }
+  });
 }
 
 float AdamW::global_norm(const float* grads) const {
@@ -60,15 +79,11 @@ float AdamW::global_norm(const float* grads) const {
 
 float AdamW::step(int step, float* w, float* g) {
   const float norm = global_norm(g);
-  const int64_t n = (int64_t)m_.size();
-  if (cfg_.grad_clip > 0 && norm > cfg_.grad_clip) {
-    const float scale = cfg_.grad_clip / norm;
-    parallel_for(n, [&](int64_t i) { g[i] = g[i] * scale; });
-  }
-  const float lr = learning_rate(step);
+  const bool clip = cfg_.grad_clip > 0 && norm > cfg_.grad_clip;
+  std::vector<AdamWSlice> slices;
   for (const ParamInfo& p : params_)
-    adamw_update(cfg_, lr, step, p.decay, w + p.offset, g + p.offset, m_.data() + p.offset, v_.data() + p.offset,
-                 p.size);
+    slices.push_back({w + p.offset, g + p.offset, m_.data() + p.offset, v_.data() + p.offset, p.size, p.decay});
+  adamw_update(cfg_, learning_rate(step), step, clip, clip ? cfg_.grad_clip / norm : 1.0f, slices);
   return norm;
 }
 

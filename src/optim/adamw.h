@@ -13,10 +13,18 @@ namespace ls {
 // Learning rate at 0-based step: linear warmup, then cosine to lr * min_lr_ratio.
 float learning_rate(const OptimConfig& cfg, int decay_steps, int step);
 
-// The AdamW update of n elements at 0-based step (elementwise: any split of
-// a tensor into shards gives the same bits). grads are already clipped.
-void adamw_update(const OptimConfig& cfg, float lr, int step, bool decay, float* w, const float* g, float* m,
-                  float* v, int64_t n);
+// n elements of a tensor (or of its shard) and their gradient and moments.
+struct AdamWSlice {
+  float *w, *g, *m, *v;
+  int64_t n;
+  bool decay;  // decoupled weight decay applies (matrices, not norm gains)
+};
+
+// The AdamW update at 0-based step of every slice, as one parallel loop
+// (elementwise: any split of a tensor into shards gives the same bits). With
+// clip, each gradient is first scaled, g = g * clip_scale, and stored back.
+void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float clip_scale,
+                  const std::vector<AdamWSlice>& slices);
 
 class AdamW {
  public:

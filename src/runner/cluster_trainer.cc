@@ -241,16 +241,15 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
     const float scale = s_.optim.grad_clip > 0 && norm > s_.optim.grad_clip ? s_.optim.grad_clip / norm : 1.0f;
     const bool clip = s_.optim.grad_clip > 0 && norm > s_.optim.grad_clip;
     const float lr = learning_rate(s_.optim, decay_steps_, step);
+    std::vector<AdamWSlice> slices;
     for (size_t t = 0; t < infos.size(); ++t) {
       const auto [lo, hi] = range(rank, t);
-      float* gp = g + infos[t].offset + lo;
-      if (clip)
-        for (int64_t i = 0; i < hi - lo; ++i) gp[i] = gp[i] * scale;
       float* w = fsdp_sharded(infos[t], s_.mesh) ? rank.shard_w.data() + rank.shard_off[t]
                                                  : model.weights() + infos[t].offset + lo;
-      adamw_update(s_.optim, lr, step, infos[t].decay, w, gp, rank.m.data() + rank.shard_off[t],
-                   rank.v.data() + rank.shard_off[t], hi - lo);
+      slices.push_back({w, g + infos[t].offset + lo, rank.m.data() + rank.shard_off[t],
+                        rank.v.data() + rank.shard_off[t], hi - lo, infos[t].decay});
     }
+    adamw_update(s_.optim, lr, step, clip, scale, slices);
     if (rank.index == 0) {
       loss = l.ce;
       norm0 = norm;
