@@ -59,6 +59,26 @@ TEST_SUITE("parallel") {
     CHECK(bad == 0);
   }
 
+  TEST_CASE("back-to-back jobs of very different sizes never hand out an index twice") {
+    // A helper late from one job must not claim from the next one's ranges
+    // with the previous job's bounds (or the reverse). Jobs follow each other
+    // with no gap, small and large alternating; every index run counts once.
+    std::atomic<int64_t> ran{0}, out_of_range{0};
+    int64_t expected = 0;
+    for (int round = 0; round < 200000; ++round) {
+      const int64_t n = round % 2 ? 2 : 64 + round % 5;
+      expected += n;
+      ls::run_on_threads(2, n, [&](ls::JobIndices& job) {
+        for (int64_t i; job.next(&i);) {
+          ran.fetch_add(1, std::memory_order_relaxed);
+          if (i < 0 || i >= n) out_of_range.fetch_add(1, std::memory_order_relaxed);
+        }
+      });
+    }
+    CHECK(ran.load() == expected);
+    CHECK(out_of_range.load() == 0);
+  }
+
   TEST_CASE("a job completes after the helpers spun, napped or went to sleep") {
     // After an idle stretch longer than the helpers' spin and nap phases they
     // sleep until woken; a job must still complete.

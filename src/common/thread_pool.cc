@@ -64,15 +64,19 @@ class Pool {
       const uint32_t before = job_of(word_.load(std::memory_order_acquire));
       helpers_.emplace_back([this, tid, before] { helper_loop(tid, before); });
     }
-    // Job fields first, then the word that publishes them (release).
+    // Job fields first, then the word that publishes them (release). The
+    // range words are written before threads_ and n_ (release): a helper
+    // still claiming for the previous job that reads either new value is
+    // then sure to see the new range words too, so it can never pair the new
+    // bounds with an old word (see claim).
     job_ = &job;
-    n_.store(n, std::memory_order_relaxed);
-    threads_.store(threads, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
     const uint32_t id = job_of(word_.load(std::memory_order_relaxed)) + 1;
     for (int r = 0; r < threads; ++r)
       ranges_[r].word.store(job_word(id, (uint32_t)range_begin(n, threads, r)), std::memory_order_relaxed);
+    threads_.store(threads, std::memory_order_release);
+    n_.store(n, std::memory_order_release);
     {
       std::lock_guard<std::mutex> lock(mu_);  // pairs with a helper about to sleep
       word_.store(job_word(id, 0), std::memory_order_release);
@@ -91,9 +95,10 @@ class Pool {
   // else from the next range with indices left. False once the job has none
   // left (or has been replaced by the next one).
   bool claim(uint32_t id, int tid, int64_t* i) {
-    // n_ and threads_ may already belong to a later job; the compare-and-swap then fails.
-    const int64_t n = n_.load(std::memory_order_relaxed);
-    const int ranges = threads_.load(std::memory_order_relaxed);
+    // n_ and threads_ may already belong to a later job; then (acquire, see
+    // run) every range word below does too, and no claim for `id` succeeds.
+    const int64_t n = n_.load(std::memory_order_acquire);
+    const int ranges = threads_.load(std::memory_order_acquire);
     for (int k = 0; k < ranges; ++k) {
       const int r = (tid + k) % ranges;
       const int64_t end = range_begin(n, ranges, r + 1);
