@@ -183,34 +183,54 @@ TEST_SUITE("engine") {
     ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
   }
 
-  TEST_CASE("weight_grad: leaf tree over tokens, any leaf sizes, any threads, any tiling") {
-    // 19 x 150 spans several column slabs; 70 x 40 is one slab split into row bands.
-    for (auto [in, out] : {std::pair{19, 150}, std::pair{70, 40}}) {
-      const int N = 53;
-      auto X = random_vec(N * in, 4, 2.0f), dY = random_vec(N * out, 5, 2.0f);
-      // Uneven leaves including empty ones (as an expert sees them).
-      std::vector<int64_t> off = {0, 5, 5, 17, 18, 30, 30, 30, 53};
-      const int64_t leaves = (int64_t)off.size() - 1;
-      std::vector<float> want(in * out);
-      for (int i = 0; i < in; ++i)
-        for (int j = 0; j < out; ++j) {
-          std::vector<float> part(leaves);
-          for (int64_t l = 0; l < leaves; ++l) {
-            float acc = 0.0f;
-            for (int64_t n = off[l]; n < off[l + 1]; ++n) acc = ls::fma(X[n * in + i], dY[n * out + j], acc);
-            part[l] = acc;
+  TEST_CASE("weight_grad: leaf tree over tokens, any leaf sizes, any threads, any tiling, every ISA path") {
+    // Shapes: full register tiles (64 x 128), edge rows and columns, one
+    // 8-row block, several column groups, a single column; row strides wider
+    // than the rows (as the expert buffers are read).
+    struct Shape {
+      int in, out;
+    };
+    // Leaf offsets: uneven with empty leaves (as an expert sees them), one
+    // leaf, no rows at all, and 37 leaves (a deep, irregular tree).
+    std::vector<std::vector<int64_t>> offsets = {{0, 5, 5, 17, 18, 30, 30, 30, 53}, {0, 53}, {0, 0, 0}, {}};
+    for (int l = 0; l <= 37; ++l) offsets.back().push_back(l * 53 / 37);
+    const int N = 53;
+    for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {
+      if (!ls::ops::gemm_path_supported(path)) continue;
+      ls::ops::set_gemm_path(path);
+      const std::string path_name = ls::ops::gemm_path_name();
+      for (Shape sh : {Shape{19, 150}, Shape{70, 40}, Shape{64, 128}, Shape{8, 32}, Shape{13, 37}, Shape{6, 1},
+                       Shape{33, 300}}) {
+        const int in = sh.in, out = sh.out, ldx = in + 3, ldy = out + 5;
+        auto X = random_vec(N * ldx, 4 + in, 2.0f), dY = random_vec(N * ldy, 5 + out, 2.0f);
+        for (const std::vector<int64_t>& off : offsets) {
+          const int64_t leaves = (int64_t)off.size() - 1;
+          std::vector<float> want(in * out);
+          for (int i = 0; i < in; ++i)
+            for (int j = 0; j < out; ++j) {
+              std::vector<float> part(leaves);
+              for (int64_t l = 0; l < leaves; ++l) {
+                float acc = 0.0f;
+                for (int64_t n = off[l]; n < off[l + 1]; ++n) acc = ls::fma(X[n * ldx + i], dY[n * ldy + j], acc);
+                part[l] = acc;
+              }
+              want[i * out + j] = ref::tree(part.data(), leaves);
+            }
+          for (int threads : {1, 2, 3, 4}) {
+            omp_set_num_threads(threads);
+            std::vector<float> got(in * out, -1.0f);
+            ls::ops::weight_grad(X.data(), ldx, dY.data(), ldy, in, out, off.data(), leaves, got.data());
+            CAPTURE(path_name);
+            CAPTURE(threads);
+            CAPTURE(in);
+            CAPTURE(out);
+            CAPTURE(leaves);
+            CHECK(same_bits(got, want));
           }
-          want[i * out + j] = ref::tree(part.data(), leaves);
         }
-      for (int threads : {1, 2, 3, 4}) {
-        omp_set_num_threads(threads);
-        std::vector<float> got(in * out, -1.0f);
-        ls::ops::weight_grad(X.data(), in, dY.data(), out, in, out, off.data(), leaves, got.data());
-        CAPTURE(threads);
-        CAPTURE(in);
-        CHECK(same_bits(got, want));
       }
     }
+    ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
     omp_set_num_threads(omp_get_num_procs());
   }
 

@@ -8,6 +8,7 @@
 #include "ops/causal_fold.h"
 #include "ops/gemm.h"
 #include "ops/ops.h"
+#include "ops/vec_avx2.h"
 
 namespace ls::ops {
 namespace internal {
@@ -43,17 +44,6 @@ void causal_cols_scalar(const float* A, int64_t lda, const float* M, int64_t ldm
     }
 }
 
-// The register-blocked folds with AVX2 vectors (causal_fold.h).
-struct Avx2 {
-  using T = __m256;
-  static constexpr int kLanes = 8;
-  static T zero() { return _mm256_setzero_ps(); }
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static T set1(float x) { return _mm256_set1_ps(x); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-};
-
 template <bool kRows>
 void causal(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S, int hd) {
   const GemmPath path = gemm_path();
@@ -65,7 +55,7 @@ void causal(const float* A, int64_t lda, const float* M, int64_t ldm, float* out
     if (kRows) return causal_rows_scalar(A, lda, M, ldm, out, ldo, S, hd);
     return causal_cols_scalar(A, lda, M, ldm, out, ldo, S, hd);
   }
-  if (hd % 8 == 0) return causal_fold::fold<Avx2, kRows>(A, lda, M, ldm, out, ldo, S, hd);
+  if (hd % 8 == 0) return causal_fold::fold<internal::Avx2, kRows>(A, lda, M, ldm, out, ldo, S, hd);
   if (kRows) return causal_rows_scalar(A, lda, M, ldm, out, ldo, S, hd);
   causal_cols_scalar(A, lda, M, ldm, out, ldo, S, hd);
 }

@@ -8,6 +8,8 @@
 #include "common/parallel.h"
 #include "contract.h"
 #include "ops/gemm.h"
+#include "ops/leaf_grad.h"
+#include "ops/vec_avx2.h"
 #include "ops/vmath.h"
 
 namespace ls::ops {
@@ -22,11 +24,19 @@ void linear_input_grad(const float* dY, int64_t N, int out, const float* W, int 
   gemm(N, in, out, ConstMat{dY, out, 1}, ConstMat{W, 1, out}, dX, in, accumulate);
 }
 
-void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
-                 const int64_t* leaf_off, int64_t leaves, float* dW) {
-  // Threads own tiles of dW (row bands x 64-column slabs); each runs the whole
-  // leaf tree for its tile, so the tree (and every bit) is the same for any
-  // thread count and any tiling.
+namespace internal {
+// weight_grad_avx512.cc: the leaf_grad.h kernel with 8 x 32 tiles.
+int64_t leaf_grad_stack_floats_avx512(int64_t leaves);
+void leaf_grad_tiles_avx512(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64_t* leaf_off,
+                            int64_t leaves, int i0, int rows, int j0, int j1, float* dW, int64_t ldw, float* stack);
+}  // namespace internal
+
+namespace {
+
+// The scalar path: per tile (row bands x 64-column slabs) one contract GEMM
+// per leaf into the LeafTree, as on a CPU without AVX2.
+void weight_grad_by_leaf_gemm(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                              const int64_t* leaf_off, int64_t leaves, float* dW) {
   const int slab = 64;
   const int slabs = (out + slab - 1) / slab;
   // Narrow gradients (wo, router) have one slab: split rows too, so both
@@ -55,6 +65,33 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
   };
   parallel_tasks_with<std::vector<float>>((int64_t)slabs * bands, [&](std::vector<float>& scratch, int64_t t) {
     run_tile((int)(t / bands), (int)(t % bands), scratch);
+  });
+}
+
+}  // namespace
+
+void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                 const int64_t* leaf_off, int64_t leaves, float* dW) {
+  const GemmPath path = gemm_path();
+  if (path == GemmPath::kScalar) return weight_grad_by_leaf_gemm(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
+  // Register tiles (leaf_grad.h), each running its whole leaf tree, so bits do
+  // not depend on the tiling or the threads. Tasks: a block of R rows x up
+  // to four tiles of columns.
+  const bool avx512 = path == GemmPath::kAvx512;
+  const int R = avx512 ? 8 : 6, C = avx512 ? 32 : 16, group = 4 * C;
+  const int row_blocks = (in + R - 1) / R, col_groups = (out + group - 1) / group;
+  const int64_t stack = avx512 ? internal::leaf_grad_stack_floats_avx512(leaves)
+                               : leaf_grad::stack_floats<internal::Avx2, 6, 2>(leaves);
+  parallel_tasks_with<std::vector<float>>((int64_t)row_blocks * col_groups, [&](std::vector<float>& scratch,
+                                                                                 int64_t t) {
+    scratch.resize((size_t)stack);
+    const int i0 = (int)(t / col_groups) * R, rows = std::min(R, in - i0);
+    const int j0 = (int)(t % col_groups) * group, j1 = std::min(out, j0 + group);
+    if (avx512)
+      internal::leaf_grad_tiles_avx512(X, ldx, dY, ldy, leaf_off, leaves, i0, rows, j0, j1, dW, out, scratch.data());
+    else
+      leaf_grad::tiles<internal::Avx2, 6, 2>(X, ldx, dY, ldy, leaf_off, leaves, i0, rows, j0, j1, dW, out,
+                                             scratch.data());
   });
 }
 
