@@ -619,6 +619,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     constexpr int64_t kRows = 16;
     const int64_t tok_blocks = (V + kRows - 1) / kRows, pos_blocks = (S + kRows - 1) / kRows;
     float *gtok = G("tok_emb"), *gpos = G("pos_emb");
+    std::vector<int> tok_id(N);  // each task scans every token: no division per look-up
+    for (int64_t n = 0; n < N; ++n) tok_id[n] = tok(n);
     parallel_tasks_with<std::vector<float>>(tok_blocks + pos_blocks, [&](std::vector<float>& scratch, int64_t t) {
       const bool by_token = t < tok_blocks;
       const int64_t r0 = (by_token ? t : t - tok_blocks) * kRows;
@@ -628,12 +630,18 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       for (int64_t lf = 0; lf < leaves; ++lf) {
         float* acc = tree.next_leaf();
         std::fill(acc, acc + width, 0.0f);
-        for (int64_t n = lf * leaf; n < (lf + 1) * leaf; ++n) {
-          const int64_t row = (by_token ? tok(n) : n % S) - r0;
-          if (row < 0 || row >= rows) continue;
+        // Each row takes its tokens in ascending order.
+        auto add_token = [&](int64_t n, int64_t row) {
           float* dst = acc + row * D;
           const float* src = &ws.dh[n * D];
           for (int i = 0; i < D; ++i) dst[i] = dst[i] + src[i];
+        };
+        if (by_token) {
+          for (int64_t n = lf * leaf; n < (lf + 1) * leaf; ++n)
+            if (tok_id[n] >= r0 && tok_id[n] < r0 + rows) add_token(n, tok_id[n] - r0);
+        } else {  // a leaf is whole samples: position p is token s0 + p of each
+          for (int64_t s0 = lf * leaf; s0 < (lf + 1) * leaf; s0 += S)
+            for (int64_t row = 0; row < rows; ++row) add_token(s0 + r0 + row, row);
         }
         tree.push();
       }

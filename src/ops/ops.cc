@@ -168,13 +168,17 @@ void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_
     scratch.resize((size_t)LeafTree::levels_for(leaves) * w);
     LeafTree tree(scratch.data(), w);
     for (int64_t l = 0; l < leaves; ++l) {
-      float* acc = tree.next_leaf();
-      std::fill(acc, acc + w, 0.0f);
+      // A local block the compiler keeps in registers across the leaf's tokens.
+      float a[kCols] = {};
       for (int64_t n = l * leaf_tokens; n < (l + 1) * leaf_tokens; ++n) {
         const float *xn = x + n * D + i0, *dyn = dy + n * D + i0;
         const float rn = r[n];
-        for (int i = 0; i < w; ++i) acc[i] = ls::fma(dyn[i], xn[i] * rn, acc[i]);
+        if (w == kCols)
+          for (int i = 0; i < kCols; ++i) a[i] = ls::fma(dyn[i], xn[i] * rn, a[i]);
+        else
+          for (int i = 0; i < w; ++i) a[i] = ls::fma(dyn[i], xn[i] * rn, a[i]);
       }
+      std::copy(a, a + w, tree.next_leaf());
       tree.push();
     }
     const float* sum = tree.finish();
