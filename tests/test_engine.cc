@@ -12,6 +12,7 @@
 #include "ops/attention.h"
 #include "ops/gemm.h"
 #include "ops/ops.h"
+#include "runner/data_lanes.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
 
@@ -63,10 +64,21 @@ Trace train(const ls::Scenario& s, ls::Backend backend, int threads) {
   return t;
 }
 
+// Turns data lanes (runner/data_lanes.h) on or off while alive, back on after.
+struct LanesGuard {
+  explicit LanesGuard(bool on) { ls::set_data_lanes_enabled(on); }
+  ~LanesGuard() { ls::set_data_lanes_enabled(true); }
+};
+
 void check_engine_matches_reference(const ls::Scenario& s) {
   const Trace ref = train(s, ls::Backend::kReference, 1);
-  for (int threads : {1, 2, 3, 4}) {
+  // Several threads run either as data lanes (where they keep the bits) or
+  // split every op; both must give the reference's bits.
+  for (auto [threads, lanes] : {std::pair{1, true}, std::pair{2, true}, std::pair{2, false}, std::pair{3, true},
+                                std::pair{4, true}, std::pair{4, false}}) {
     CAPTURE(threads);
+    CAPTURE(lanes);
+    LanesGuard guard(lanes);
     const Trace eng = train(s, ls::Backend::kEngine, threads);
     for (size_t i = 0; i < ref.losses.size(); ++i) {
       CAPTURE(i);
@@ -276,6 +288,63 @@ TEST_SUITE("engine") {
   TEST_CASE("training steps equal the reference: grad clipping active, no aux losses") {
     check_engine_matches_reference(tiny_scenario(
         R"({"moe": {"aux_loss_weight": 0, "z_loss_weight": 0}, "train": {"grad_clip": 0.01, "lr": 0.01}})"));
+  }
+
+  TEST_CASE("data lanes: one model's bits and routing statistics, at 2 and 4 lanes") {
+    // The default shape with 2-4 leaves per lane; a skewed router so the
+    // rounds and borrowed rows (reported per step) are not trivial.
+    nlohmann::json j = nlohmann::json::parse(R"({"train": {"steps": 2, "batch": 8, "eval_every": 0},
+        "moe": {"router_skew": 1.0, "capacity_factor": 0.5, "borrow": true},
+        "data": {"synthetic_bytes": 65536}})");
+    const ls::Scenario s = ls::scenario_from_json(j, "lanes.json", {});
+    ls::Corpus corpus = ls::load_corpus(s.data, s.seed, s.model.seq_len);
+    std::vector<uint8_t> batch((size_t)s.batch * (s.model.seq_len + 1));
+    auto run = [&](int threads, bool lanes) {
+      LanesGuard guard(lanes);
+      omp_set_num_threads(threads);
+      auto trainer = ls::make_trainer(s, ls::Backend::kEngine);
+      std::vector<std::string> out;
+      for (int step = 0; step < s.steps; ++step) {
+        ls::train_batch(corpus, s.seed, step, s.batch, s.model.seq_len, batch.data());
+        float norm = 0;
+        const float loss = trainer->train_step(batch.data(), s.batch, step, &norm);
+        const ls::MeshReport m = trainer->mesh_report();
+        std::string line = ls::hex_bits(loss) + " " + ls::hex_bits(norm) + " " + trainer->state_hash() + " rounds " +
+                           std::to_string(m.rounds) + " borrowed " + std::to_string(m.borrowed) + " peak " +
+                           std::to_string(m.peak_expert_bytes) + " tokens";
+        for (int64_t c : trainer->tokens_per_expert()) line += " " + std::to_string(c);
+        out.push_back(line);
+      }
+      return out;
+    };
+    const auto one = run(1, false);
+    for (int threads : {2, 4}) {
+      CAPTURE(threads);
+      REQUIRE(ls::DataLanes::applicable(s.model, s.leaf_samples, 100000, s.batch, threads));  // not vacuous
+      CHECK(run(threads, true) == one);
+      CHECK(run(threads, false) == one);
+    }
+    omp_set_num_threads(omp_get_num_procs());
+  }
+
+  TEST_CASE("data lanes apply only where they keep the bits") {
+    ls::ModelConfig m;
+    CHECK(ls::DataLanes::applicable(m, 1, 1000, 16, 2));
+    CHECK(ls::DataLanes::applicable(m, 2, 1000, 16, 4));      // 2 leaves per lane
+    CHECK_FALSE(ls::DataLanes::applicable(m, 1, 1000, 16, 3));  // 16 samples do not split in 3
+    CHECK_FALSE(ls::DataLanes::applicable(m, 1, 1000, 12, 2));  // 6 leaves per lane: not a tree node
+    CHECK(ls::DataLanes::applicable(m, 3, 1000, 12, 2));        // 6 samples per lane: 2 leaves of 3
+    CHECK_FALSE(ls::DataLanes::applicable(m, 3, 1000, 18, 2));  // 9 samples per lane: 3 leaves of 3
+    CHECK_FALSE(ls::DataLanes::applicable(m, 3, 1000, 12, 3));  // 4 samples per lane: not whole leaves
+    CHECK(ls::DataLanes::applicable(m, 3, 1000, 12, 4));        // 3 samples: one leaf per lane
+    CHECK_FALSE(ls::DataLanes::applicable(m, 1, 1000, 16, 1));
+    CHECK_FALSE(ls::DataLanes::applicable(m, 1, int64_t(1) << 28, 16, 2));  // a 1 GiB gradient per lane
+    m.moe_policy = ls::MoePolicy::kDrop;  // capacity counts one model's tokens
+    CHECK_FALSE(ls::DataLanes::applicable(m, 1, 1000, 16, 2));
+    {
+      LanesGuard off(false);
+      CHECK_FALSE(ls::DataLanes::applicable(ls::ModelConfig{}, 1, 1000, 16, 2));
+    }
   }
 
   TEST_CASE("default shape: engine bits do not depend on the thread count") {

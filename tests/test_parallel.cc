@@ -79,6 +79,38 @@ TEST_SUITE("parallel") {
     CHECK(out_of_range.load() == 0);
   }
 
+  TEST_CASE("run_on_each_thread: every tid on its own thread, so they can wait for each other") {
+    for (int threads : {1, 2, 3, 4}) {
+      for (int round = 0; round < 50; ++round) {
+        std::atomic<int> arrived{0};
+        std::vector<std::thread::id> ids(threads);
+        std::atomic<int> timed_out{0};
+        ls::run_on_each_thread(threads, [&](int tid) {
+          ids[tid] = std::this_thread::get_id();
+          arrived.fetch_add(1);
+          // A barrier: it completes only if all tids run at once.
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          while (arrived.load() < threads)
+            if (std::chrono::steady_clock::now() > deadline) {
+              timed_out.fetch_add(1);
+              break;
+            }
+        });
+        INFO("threads " << threads);
+        REQUIRE(timed_out.load() == 0);
+        for (int a = 0; a < threads; ++a)
+          for (int b = a + 1; b < threads; ++b) CHECK((ids[a] != ids[b]));
+      }
+    }
+    // An exception in one tid reaches the caller; the pool keeps working.
+    CHECK_THROWS_WITH_AS(ls::run_on_each_thread(2,
+                                                [](int tid) {
+                                                  if (tid == 1) throw std::runtime_error("lane 1 failed");
+                                                }),
+                         "lane 1 failed", std::runtime_error);
+    CHECK(hits_of_job(2, 100) == std::vector<int>(100, 1));
+  }
+
   TEST_CASE("a job completes after the helpers spun, napped or went to sleep") {
     // After an idle stretch longer than the helpers' spin and nap phases they
     // sleep until woken; a job must still complete.

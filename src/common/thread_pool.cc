@@ -53,7 +53,9 @@ class Pool {
     for (std::thread& t : helpers_) t.join();
   }
 
-  void run(int threads, int64_t n, const std::function<void(JobIndices&)>& job) {
+  // steal: threads may take indices from the others' ranges (else each runs
+  // exactly its own range, as run_on_each_thread needs).
+  void run(int threads, int64_t n, const std::function<void(JobIndices&)>& job, bool steal = true) {
     if (n <= 0) return;
     if (threads > kMaxRanges) threads = kMaxRanges;
     if (n > (int64_t)UINT32_MAX) throw std::length_error("thread pool: more than 2^32 indices in one job");
@@ -75,7 +77,7 @@ class Pool {
     const uint32_t id = job_of(word_.load(std::memory_order_relaxed)) + 1;
     for (int r = 0; r < threads; ++r)
       ranges_[r].word.store(job_word(id, (uint32_t)range_begin(n, threads, r)), std::memory_order_relaxed);
-    threads_.store(threads, std::memory_order_release);
+    threads_.store(threads | (steal ? 0 : kNoSteal), std::memory_order_release);
     n_.store(n, std::memory_order_release);
     {
       std::lock_guard<std::mutex> lock(mu_);  // pairs with a helper about to sleep
@@ -98,8 +100,9 @@ class Pool {
     // n_ and threads_ may already belong to a later job; then (acquire, see
     // run) every range word below does too, and no claim for `id` succeeds.
     const int64_t n = n_.load(std::memory_order_acquire);
-    const int ranges = threads_.load(std::memory_order_acquire);
-    for (int k = 0; k < ranges; ++k) {
+    const int shape = threads_.load(std::memory_order_acquire), ranges = shape & kRangeMask;
+    const int tries = shape & kNoSteal ? 1 : ranges;
+    for (int k = 0; k < tries; ++k) {
       const int r = (tid + k) % ranges;
       const int64_t end = range_begin(n, ranges, r + 1);
       std::atomic<uint64_t>& word = ranges_[r].word;
@@ -158,7 +161,7 @@ class Pool {
       }
       seen = job_of(word_.load(std::memory_order_acquire));
       if (shutdown_.load(std::memory_order_relaxed)) return;
-      if (tid >= threads_.load(std::memory_order_relaxed)) continue;
+      if (tid >= (threads_.load(std::memory_order_relaxed) & kRangeMask)) continue;
       // Join only with an index in hand: until it is reported done the job
       // (and job_) cannot end.
       JobIndices mine(this, seen, tid, 0);
@@ -179,7 +182,8 @@ class Pool {
   Range ranges_[kMaxRanges];
   std::atomic<uint64_t> word_{0};  // the job number (high 32 bits): helpers wait for it to change
   std::atomic<int64_t> n_{0};
-  std::atomic<int> threads_{0};
+  std::atomic<int> threads_{0};  // ranges (threads) of the job, | kNoSteal
+  static constexpr int kRangeMask = 0xffff, kNoSteal = 1 << 16;
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> wake_sent_{false};  // a notify is on its way to the sleepers
@@ -210,6 +214,15 @@ void JobIndices::finish() {
   held_ = false;
 }
 
+namespace {
+// The calling thread's helpers (created on first use).
+Pool& pool_of_this_thread() {
+  thread_local std::unique_ptr<Pool> pool;
+  if (!pool) pool = std::make_unique<Pool>();
+  return *pool;
+}
+}  // namespace
+
 void run_on_threads(int threads, int64_t n, const std::function<void(JobIndices&)>& job) {
   if (threads <= 1 || n <= 1 || t_in_job) {
     // Alone, without waking anyone: one thread, one index, or a nested job.
@@ -225,9 +238,29 @@ void run_on_threads(int threads, int64_t n, const std::function<void(JobIndices&
     t_in_job = outer;
     return;
   }
-  thread_local std::unique_ptr<Pool> pool;
-  if (!pool) pool = std::make_unique<Pool>();
-  pool->run(threads, n, job);
+  pool_of_this_thread().run(threads, n, job);
+}
+
+void run_on_each_thread(int threads, const std::function<void(int)>& job) {
+  if (threads < 1) threads = 1;
+  if (threads > kMaxRanges) throw std::invalid_argument("thread pool: more than 64 threads in run_on_each_thread");
+  if (t_in_job) throw std::logic_error("thread pool: run_on_each_thread inside a pool job");
+  auto each = [&](JobIndices& indices) {
+    for (int64_t tid; indices.next(&tid);) job((int)tid);
+  };
+  if (threads == 1) {
+    JobIndices alone(nullptr, 0, 0, 1);
+    t_in_job = true;
+    try {
+      each(alone);
+    } catch (...) {
+      t_in_job = false;
+      throw;
+    }
+    t_in_job = false;
+    return;
+  }
+  pool_of_this_thread().run(threads, threads, each, /*steal=*/false);
 }
 
 bool in_pool_job() { return t_in_job; }

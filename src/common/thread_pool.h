@@ -25,6 +25,7 @@ class JobIndices {
  private:
   friend class Pool;
   friend void run_on_threads(int, int64_t, const std::function<void(JobIndices&)>&);
+  friend void run_on_each_thread(int, const std::function<void(int)>&);
   JobIndices(Pool* pool, uint32_t job, int tid, int64_t n) : pool_(pool), job_(job), tid_(tid), n_(n) {}
   void finish();  // reports a held index done
 
@@ -44,6 +45,11 @@ class JobIndices {
 // false: the caller may already have returned. Rethrows the first exception
 // a thread threw (the indices left are then skipped).
 void run_on_threads(int threads, int64_t n, const std::function<void(JobIndices&)>& job);
+
+// Runs job(tid) for each tid in [0, threads), each on its own thread (the
+// caller runs tid 0), so the calls may wait for each other. Returns when all
+// have returned; rethrows the first exception.
+void run_on_each_thread(int threads, const std::function<void(int)>& job);
 
 // True on a thread that is running a job of run_on_threads.
 bool in_pool_job();

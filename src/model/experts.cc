@@ -24,33 +24,24 @@ std::vector<std::pair<int, int64_t>> row_tasks(const ExpertWork& w) {
 
 }  // namespace
 
-ScheduleStats schedule_experts(const ModelConfig& c, ExpertWork& w, int64_t seen_tokens) {
+ScheduleStats schedule_loads(const ModelConfig& c, const std::vector<int64_t>& load, int64_t seen_tokens) {
   ScheduleStats st;
-  const int n = w.experts;
-  w.dropped.assign(w.rows(), 0);
-  std::vector<int64_t> load(n);
+  const int n = (int)load.size();
   int64_t busiest = 0;
-  for (int e = 0; e < n; ++e) busiest = std::max(busiest, load[e] = w.off[e + 1] - w.off[e]);
+  for (int64_t l : load) busiest = std::max(busiest, l);
   int64_t C = c.moe_capacity > 0 ? c.moe_capacity
                                  : (int64_t)std::ceil(c.capacity_factor * (double)seen_tokens * c.top_k / c.experts);
   C = std::max<int64_t>(C, 1);
   if (c.moe_policy == MoePolicy::kPeak) {
     st.capacity = busiest;
     st.rounds = busiest > 0 ? 1 : 0;
-    int64_t total = 0;
-    for (int64_t l : load) total += l;
     st.peak_rows = busiest * n;  // reserved: every expert sized to the busiest
-    (void)total;
     return st;
   }
   st.capacity = C;
   if (c.moe_policy == MoePolicy::kDrop) {
     st.rounds = busiest > 0 ? 1 : 0;
-    for (int e = 0; e < n; ++e)
-      for (int64_t r = w.off[e] + C; r < w.off[e + 1]; ++r) {
-        w.dropped[r] = 1;
-        ++st.dropped;
-      }
+    for (int64_t l : load) st.dropped += std::max<int64_t>(0, l - C);
     st.peak_rows = C * n;
     return st;
   }
@@ -85,6 +76,17 @@ ScheduleStats schedule_experts(const ModelConfig& c, ExpertWork& w, int64_t seen
     for (int64_t l : left) remaining += l;
     st.peak_rows = std::max(st.peak_rows, std::max(resident, C * n));
   }
+  return st;
+}
+
+ScheduleStats schedule_experts(const ModelConfig& c, ExpertWork& w, int64_t seen_tokens) {
+  std::vector<int64_t> load(w.experts);
+  for (int e = 0; e < w.experts; ++e) load[e] = w.off[e + 1] - w.off[e];
+  const ScheduleStats st = schedule_loads(c, load, seen_tokens);
+  w.dropped.assign(w.rows(), 0);
+  if (c.moe_policy == MoePolicy::kDrop)  // rows past the capacity, in token order
+    for (int e = 0; e < w.experts; ++e)
+      for (int64_t r = w.off[e] + st.capacity; r < w.off[e + 1]; ++r) w.dropped[r] = 1;
   return st;
 }
 

@@ -37,6 +37,8 @@ struct ScheduleStats {
 // token order). `seen_tokens` is the number of tokens these experts drew
 // from (sets C from capacity_factor).
 ScheduleStats schedule_experts(const ModelConfig& cfg, ExpertWork& w, int64_t seen_tokens);
+// The same decision from the rows per expert alone (marks no rows).
+ScheduleStats schedule_loads(const ModelConfig& cfg, const std::vector<int64_t>& load, int64_t seen_tokens);
 
 // Forward/backward of w's rows with the experts' weights W1, W3 [experts, D, F]
 // and W2 [experts, F, D]. Rows are independent: threads split rows freely.

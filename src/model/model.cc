@@ -109,6 +109,17 @@ MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_
   }
 }
 
+MoeTransformer::MoeTransformer(const MoeTransformer& main, LaneTag)
+    : cfg_(main.cfg_), leaf_samples_(main.leaf_samples_), infos_(main.infos_), ws_(new Workspace),
+      ep_size_(main.ep_size_), ep_rank_(main.ep_rank_) {
+  g_.assign(main.w_.size(), 0.0f);
+  wsrc_ = main.weights();
+}
+
+std::unique_ptr<MoeTransformer> MoeTransformer::lane_of(const MoeTransformer& main) {
+  return std::unique_ptr<MoeTransformer>(new MoeTransformer(main, LaneTag{}));
+}
+
 MoeTransformer::~MoeTransformer() { delete ws_; }
 
 const ParamInfo& MoeTransformer::param(const std::string& name) const {
@@ -125,6 +136,27 @@ double train_flops_per_token(const ModelConfig& c) {
                      + (c.shared_expert ? 3 * 2 * D * F : 0);
   double fwd = c.n_layers * per_layer + 2 * D * V;
   return 3 * fwd;  // backward is about twice the forward
+}
+
+void MoeTransformer::set_moe_stats_from_lanes(const std::vector<const MoeStats*>& lanes, int64_t tokens) {
+  const ModelConfig& c = cfg_;
+  const int E = c.experts;
+  MoeStats st;
+  st.tokens_per_expert.assign((size_t)c.n_layers * E, 0);
+  for (const MoeStats* lane : lanes)
+    for (size_t i = 0; i < st.tokens_per_expert.size(); ++i) st.tokens_per_expert[i] += lane->tokens_per_expert[i];
+  // The schedule of each layer over the whole batch's rows, as run() decides it.
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::vector<int64_t> load(st.tokens_per_expert.begin() + (size_t)l * E,
+                                    st.tokens_per_expert.begin() + (size_t)(l + 1) * E);
+    const ScheduleStats sched = schedule_loads(c, load, tokens);
+    st.rounds = std::max(st.rounds, sched.rounds);
+    st.borrowed += sched.borrowed;
+    st.dropped += sched.dropped;
+    st.peak_expert_bytes =
+        std::max<int64_t>(st.peak_expert_bytes, sched.peak_rows * (2 * c.d_model + 4 * c.d_ff) * 4);
+  }
+  stats_ = st;
 }
 
 StepLosses MoeTransformer::forward(const uint8_t* tokens, int batch) { return run(tokens, batch, false); }
@@ -184,7 +216,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     throw std::invalid_argument("engine: batch " + std::to_string(B) + " is not a multiple of numerics.leaf_samples");
   const float scale = 1.0f / ls::sqrt((float)hd);
   Workspace& ws = *ws_;
-  auto W = [&](const std::string& name) { return w_.data() + param(name).offset; };
+  const float* wbase = wsrc_ ? wsrc_ : w_.data();
+  auto W = [&](const std::string& name) { return wbase + param(name).offset; };
   auto G = [&](const std::string& name) { return g_.data() + param(name).offset; };
   auto lname = [](int l, const char* s) { return "layers." + std::to_string(l) + "." + s; };
   std::vector<int64_t> uniform_off(leaves + 1);
@@ -210,7 +243,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     return ws.trace_rows.data();
   };
   if (tr)
-    for (const ParamInfo& p : infos_) T("params", -1, "param", p.name.c_str(), w_.data() + p.offset, p.shape);
+    for (const ParamInfo& p : infos_) T("params", -1, "param", p.name.c_str(), wbase + p.offset, p.shape);
   stats_.tokens_per_expert.assign((size_t)L * E, 0);
 
   // The residual stream lives in the saved layer inputs: layer l reads A.x,

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -72,6 +73,9 @@ class MoeTransformer {
   // values the reference draws. leaf_samples fixes the token-reduction tree.
   // ep_size/ep_rank: hold only experts [ep_rank * E/ep_size, ...) (expert parallel).
   MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size = 1, int ep_rank = 0);
+  // A model that reads `main`'s weights (no copy, no init) and has gradients
+  // and a workspace of its own: a data-parallel lane (runner/data_lanes.h).
+  static std::unique_ptr<MoeTransformer> lane_of(const MoeTransformer& main);
   // Hooks to the other ranks (nullptr: a single rank). Must match ep_size.
   void set_mesh(MeshHooks* hooks) { mesh_ = hooks; }
   ~MoeTransformer();
@@ -88,15 +92,23 @@ class MoeTransformer {
   const ParamInfo& param(const std::string& name) const;
   float* weights() { return w_.data(); }
   const float* weights() const { return w_.data(); }
+  // Passes read their weights from `w` (another model's weights(), laid out
+  // the same) instead of this model's own; nullptr: its own.
+  void read_weights_from(const float* w) { wsrc_ = w; }
   float* grads() { return g_.data(); }
   const float* grads() const { return g_.data(); }
   int64_t num_weights() const { return (int64_t)w_.size(); }
   const MoeStats& moe_stats() const { return stats_; }
+  // The routing statistics of a step that other models ran in data-parallel
+  // lanes (each over consecutive samples, `lanes` of them), as this model
+  // would have reported them running the whole batch itself.
+  void set_moe_stats_from_lanes(const std::vector<const MoeStats*>& lanes, int64_t tokens);
   // Tensors of forward_backward() go to `sink` (nullptr: no tracing).
   void set_trace(TraceSink* sink) { trace_ = sink; }
   // Debug only: fold the MoE RMSNorm's sum of squares in descending feature
   // order, a deliberate contract violation that drift tools must locate.
   void set_debug_reorder_moe_norm(bool on) { debug_reorder_moe_norm_ = on; }
+  bool debug_reorder_moe_norm() const { return debug_reorder_moe_norm_; }
   // Called with "forward" and "backward" as a training pass enters each
   // (fault injection triggers on it); empty: none.
   void set_phase_hook(std::function<void(const char*)> hook) { phase_hook_ = std::move(hook); }
@@ -104,12 +116,15 @@ class MoeTransformer {
 
  private:
   struct Workspace;
+  struct LaneTag {};
+  MoeTransformer(const MoeTransformer& main, LaneTag);
   StepLosses run(const uint8_t* tokens, int batch, bool backward);
 
   ModelConfig cfg_;
   int leaf_samples_;
   std::vector<ParamInfo> infos_;
   std::vector<float> w_, g_;
+  const float* wsrc_ = nullptr;  // read_weights_from
   MoeStats stats_;
   Workspace* ws_ = nullptr;
   TraceSink* trace_ = nullptr;

@@ -14,6 +14,7 @@
 #include "optim/adamw.h"
 #include "reference.h"
 #include "runner/cluster_trainer.h"
+#include "runner/data_lanes.h"
 #include "ckpt/checkpointer.h"
 #include "faults/injector.h"
 #include "store/store.h"
@@ -32,9 +33,21 @@ namespace {
 class EngineTrainer : public Trainer {
  public:
   explicit EngineTrainer(const Scenario& s)
-      : model_(s.model, s.leaf_samples, s.seed), opt_(s.optim, s.steps, model_.params()) {}
+      : model_(s.model, s.leaf_samples, s.seed), opt_(s.optim, s.steps, model_.params()),
+        leaf_samples_(s.leaf_samples) {}
   float train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) override {
-    StepLosses l = model_.forward_backward(tokens, batch);
+    // With several threads, whole lanes of samples side by side when that
+    // keeps the bits (runner/data_lanes.h); else every op split over threads.
+    // Traced and hooked steps run as one model: sinks and hooks see one rank.
+    const int threads = omp_get_max_threads();
+    StepLosses l;
+    if (!traced_ && !phase_hook_ &&
+        DataLanes::applicable(model_.config(), leaf_samples_, model_.num_weights(), batch, threads)) {
+      if (!lanes_ || lanes_->lanes() != threads) lanes_ = std::make_unique<DataLanes>(model_, threads);
+      l = lanes_->forward_backward(model_, tokens, batch);
+    } else {
+      l = model_.forward_backward(tokens, batch);
+    }
     if (phase_hook_) phase_hook_("optimizer", 0);
     *grad_norm = opt_.step(step, model_.weights(), model_.grads());
     return l.ce;
@@ -65,7 +78,10 @@ class EngineTrainer : public Trainer {
     m.peak_expert_bytes = st.peak_expert_bytes;
     return m;
   }
-  void set_trace(TraceSink* sink) override { model_.set_trace(sink); }
+  void set_trace(TraceSink* sink) override {
+    model_.set_trace(sink);
+    traced_ = sink != nullptr;
+  }
   void debug_bump_weight(const std::string& param, int64_t index) override {
     bool known = false;
     for (const ParamInfo& q : model_.params()) known = known || q.name == param;
@@ -111,6 +127,9 @@ class EngineTrainer : public Trainer {
   }
   MoeTransformer model_;
   AdamW opt_;
+  int leaf_samples_;
+  std::unique_ptr<DataLanes> lanes_;
+  bool traced_ = false;
   std::function<void(const char*, int)> phase_hook_;
 };
 

@@ -1,0 +1,167 @@
+#include "runner/data_lanes.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "common/thread_pool.h"
+#include "contract.h"
+
+namespace ls {
+namespace {
+
+// Thrown in the lanes still waiting once another lane has failed.
+struct LaneAborted : std::runtime_error {
+  LaneAborted() : std::runtime_error("data lanes: another lane failed") {}
+};
+
+std::atomic<int>& lanes_switch() {
+  static std::atomic<int> on{[] {
+    const char* v = std::getenv("LOCKSTEP_DATA_LANES");
+    return v && std::string(v) == "0" ? 0 : 1;
+  }()};
+  return on;
+}
+
+}  // namespace
+
+bool data_lanes_enabled() { return lanes_switch().load() != 0; }
+void set_data_lanes_enabled(bool on) { lanes_switch().store(on ? 1 : 0); }
+
+// A lane's view of the others, as a rank's MeshHooks are of the other ranks.
+class DataLanes::Hooks : public MeshHooks {
+ public:
+  Hooks(DataLanes& lanes, int lane) : lanes_(lanes), lane_(lane) {}
+  int dp_size() const override { return lanes_.lanes_; }
+  int ep_size() const override { return 1; }
+  int ep_rank() const override { return 0; }
+
+  // Each lane's partial sums are a subtree of the leaf tree; the canonical
+  // tree over lanes (in lane order, as over ranks) gives the whole tree. Every
+  // lane computes it alike from the buffers the others posted.
+  void sum_partials(float* v, size_t n) override {
+    lanes_.posted_[lane_] = v;
+    lanes_.barrier();
+    std::vector<float> scratch((size_t)LeafTree::levels_for(lanes_.lanes_) * n);
+    LeafTree tree(scratch.data(), (int64_t)n);
+    for (int r = 0; r < lanes_.lanes_; ++r) {
+      std::memcpy(tree.next_leaf(), lanes_.posted_[r], n * sizeof(float));
+      tree.push();
+    }
+    const float* sum = tree.finish();
+    std::vector<float> out(sum, sum + n);
+    lanes_.barrier();  // every lane has read every buffer
+    std::copy(out.begin(), out.end(), v);
+  }
+
+  void sum_counts(int64_t* v, size_t n) override {
+    lanes_.posted_[lane_] = v;
+    lanes_.barrier();
+    std::vector<int64_t> out(n, 0);
+    for (int r = 0; r < lanes_.lanes_; ++r)
+      for (size_t i = 0; i < n; ++i) out[i] += ((const int64_t*)lanes_.posted_[r])[i];  // integers: any order
+    lanes_.barrier();
+    std::copy(out.begin(), out.end(), v);
+  }
+
+  void ep_all_to_all(const void*, const std::vector<size_t>&, void*, const std::vector<size_t>&) override {
+    throw std::logic_error("data lanes: no expert parallelism inside one rank");
+  }
+
+ private:
+  DataLanes& lanes_;
+  int lane_;
+};
+
+DataLanes::DataLanes(const MoeTransformer& main, int lanes) : lanes_(lanes), posted_(lanes, nullptr) {
+  for (int r = 1; r < lanes; ++r) models_.push_back(MoeTransformer::lane_of(main));
+  for (int r = 0; r < lanes; ++r) hooks_.push_back(std::make_unique<Hooks>(*this, r));
+}
+
+DataLanes::~DataLanes() = default;
+
+bool DataLanes::applicable(const ModelConfig& cfg, int leaf_samples, int64_t num_weights, int batch, int lanes) {
+  if (!data_lanes_enabled() || lanes < 2 || leaf_samples < 1 || batch % lanes != 0) return false;
+  const int per = batch / lanes;
+  if (per % leaf_samples != 0) return false;
+  const int leaves = per / leaf_samples;
+  if (leaves & (leaves - 1)) return false;  // each lane's sums must be nodes of the tree
+  if (cfg.moe_policy == MoePolicy::kDrop) return false;  // capacity counts one model's tokens
+  // Each extra lane holds a gradient as large as the weights.
+  return (int64_t)(lanes - 1) * num_weights * (int64_t)sizeof(float) <= (int64_t(512) << 20);
+}
+
+void DataLanes::barrier() {
+  const uint64_t gen = barrier_gen_.load(std::memory_order_acquire);
+  if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == lanes_) {
+    arrived_.store(0, std::memory_order_relaxed);
+    barrier_gen_.store(gen + 1, std::memory_order_release);
+    return;
+  }
+  for (int spins = 1; barrier_gen_.load(std::memory_order_acquire) == gen; ++spins) {
+    if (failed_.load(std::memory_order_acquire)) throw LaneAborted();
+    _mm_pause();
+    if (spins % 4096 == 0) std::this_thread::yield();  // a lane's core may be busy elsewhere
+  }
+}
+
+StepLosses DataLanes::forward_backward(MoeTransformer& main, const uint8_t* tokens, int batch) {
+  const int per = batch / lanes_;
+  const int64_t sample_bytes = main.config().seq_len + 1, weights = main.num_weights();
+  arrived_.store(0);
+  failed_.store(false);
+  error_ = nullptr;
+  std::vector<MoeTransformer*> lane_models = {&main};
+  for (auto& m : models_) {
+    m->set_debug_reorder_moe_norm(main.debug_reorder_moe_norm());
+    lane_models.push_back(m.get());
+  }
+  StepLosses out;
+  run_on_each_thread(lanes_, [&](int lane) {
+    try {
+      MoeTransformer& m = *lane_models[lane];
+      m.set_mesh(hooks_[lane].get());
+      const StepLosses l = m.forward_backward(tokens + (int64_t)lane * per * sample_bytes, per);
+      if (lane == 0) out = l;  // the loss sums went through the tree: every lane holds the batch's
+      barrier();               // every lane's gradient is complete
+      // The canonical tree over lanes, element by element; each lane owns a
+      // slice of the parameters and writes the result into lane 0's gradient.
+      const int64_t lo = weights * lane / lanes_, hi = weights * (lane + 1) / lanes_;
+      float* g0 = main.grads();
+      if (lanes_ == 2) {
+        const float* g1 = models_[0]->grads();
+        for (int64_t i = lo; i < hi; ++i) g0[i] = g0[i] + g1[i];
+      } else {
+        constexpr int64_t kChunk = 1024;
+        std::vector<float> scratch((size_t)LeafTree::levels_for(lanes_) * kChunk);
+        for (int64_t i0 = lo; i0 < hi; i0 += kChunk) {
+          const int64_t w = std::min(kChunk, hi - i0);
+          LeafTree tree(scratch.data(), w);
+          for (int r = 0; r < lanes_; ++r) {
+            std::memcpy(tree.next_leaf(), lane_models[r]->grads() + i0, w * sizeof(float));
+            tree.push();
+          }
+          std::memcpy(g0 + i0, tree.finish(), w * sizeof(float));
+        }
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mu_);
+      // The first real failure wins over the lanes it stopped.
+      if (!error_ || !failed_.load()) error_ = std::current_exception();
+      failed_.store(true, std::memory_order_release);
+    }
+  });
+  for (MoeTransformer* m : lane_models) m->set_mesh(nullptr);
+  if (error_) std::rethrow_exception(error_);
+  std::vector<const MoeStats*> stats;
+  for (MoeTransformer* m : lane_models) stats.push_back(&m->moe_stats());
+  main.set_moe_stats_from_lanes(stats, (int64_t)batch * main.config().seq_len);
+  return out;
+}
+
+}  // namespace ls
