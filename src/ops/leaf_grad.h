@@ -80,18 +80,20 @@ void tile(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64
     }
 }
 
-// Every tile of the rows i0 .. i0+rows-1 (rows <= R) and the columns
-// j0 .. j1-1 of dW.
+// The tiles of one column block (j0 .. j1-1, at most JV * lanes wide) for
+// the rows i0 .. i1-1, a block of R rows at a time: the block's dY columns
+// stay in L1 while the rows of X stream past.
 template <class V, int R, int JV>
-void tiles(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64_t* leaf_off, int64_t leaves,
-           int i0, int rows, int j0, int j1, float* dW, int64_t ldw, float* stack) {
+void column_tiles(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64_t* leaf_off,
+                  int64_t leaves, int i0, int i1, int j0, int j1, float* dW, int64_t ldw, float* stack) {
   constexpr int C = JV * V::kLanes;
-  for (int j = j0; j < j1; j += C) {
-    const int cols = j1 - j < C ? j1 - j : C;
+  const int cols = j1 - j0;
+  for (int i = i0; i < i1; i += R) {
+    const int rows = i1 - i < R ? i1 - i : R;
     if (rows == R && cols == C)
-      tile<V, R, JV, true>(X, ldx, dY, ldy, leaf_off, leaves, i0, rows, j, cols, dW, ldw, stack);
+      tile<V, R, JV, true>(X, ldx, dY, ldy, leaf_off, leaves, i, rows, j0, cols, dW, ldw, stack);
     else
-      tile<V, R, JV, false>(X, ldx, dY, ldy, leaf_off, leaves, i0, rows, j, cols, dW, ldw, stack);
+      tile<V, R, JV, false>(X, ldx, dY, ldy, leaf_off, leaves, i, rows, j0, cols, dW, ldw, stack);
   }
 }
 

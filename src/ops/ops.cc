@@ -27,8 +27,9 @@ void linear_input_grad(const float* dY, int64_t N, int out, const float* W, int 
 namespace internal {
 // weight_grad_avx512.cc: the leaf_grad.h kernel with 8 x 32 tiles.
 int64_t leaf_grad_stack_floats_avx512(int64_t leaves);
-void leaf_grad_tiles_avx512(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64_t* leaf_off,
-                            int64_t leaves, int i0, int rows, int j0, int j1, float* dW, int64_t ldw, float* stack);
+void leaf_grad_column_tiles_avx512(const float* X, int64_t ldx, const float* dY, int64_t ldy,
+                                   const int64_t* leaf_off, int64_t leaves, int i0, int i1, int j0, int j1, float* dW,
+                                   int64_t ldw, float* stack);
 }  // namespace internal
 
 namespace {
@@ -75,23 +76,28 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
   const GemmPath path = gemm_path();
   if (path == GemmPath::kScalar) return weight_grad_by_leaf_gemm(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   // Register tiles (leaf_grad.h), each running its whole leaf tree, so bits do
-  // not depend on the tiling or the threads. Tasks: a block of R rows x up
-  // to four tiles of columns.
+  // not depend on the tiling or the threads. Tasks: one column block of C
+  // columns x a group of row blocks (all of them unless the threads need more
+  // tasks).
   const bool avx512 = path == GemmPath::kAvx512;
-  const int R = avx512 ? 8 : 6, C = avx512 ? 32 : 16, group = 4 * C;
-  const int row_blocks = (in + R - 1) / R, col_groups = (out + group - 1) / group;
+  const int R = avx512 ? 8 : 6, C = avx512 ? 32 : 16;
+  const int row_blocks = (in + R - 1) / R, col_blocks = (out + C - 1) / C;
+  const int threads = run_inline(2) ? 1 : omp_get_max_threads();
+  int groups = 1;
+  while (col_blocks * groups < 2 * threads && groups * 2 <= row_blocks) groups *= 2;
   const int64_t stack = avx512 ? internal::leaf_grad_stack_floats_avx512(leaves)
                                : leaf_grad::stack_floats<internal::Avx2, 6, 2>(leaves);
-  parallel_tasks_with<std::vector<float>>((int64_t)row_blocks * col_groups, [&](std::vector<float>& scratch,
-                                                                                 int64_t t) {
+  parallel_tasks_with<std::vector<float>>((int64_t)col_blocks * groups, [&](std::vector<float>& scratch, int64_t t) {
     scratch.resize((size_t)stack);
-    const int i0 = (int)(t / col_groups) * R, rows = std::min(R, in - i0);
-    const int j0 = (int)(t % col_groups) * group, j1 = std::min(out, j0 + group);
+    const int jb = (int)(t / groups), g = (int)(t % groups);
+    const int i0 = row_blocks * g / groups * R, i1 = std::min(in, row_blocks * (g + 1) / groups * R);
+    const int j0 = jb * C, j1 = std::min(out, j0 + C);
     if (avx512)
-      internal::leaf_grad_tiles_avx512(X, ldx, dY, ldy, leaf_off, leaves, i0, rows, j0, j1, dW, out, scratch.data());
+      internal::leaf_grad_column_tiles_avx512(X, ldx, dY, ldy, leaf_off, leaves, i0, i1, j0, j1, dW, out,
+                                              scratch.data());
     else
-      leaf_grad::tiles<internal::Avx2, 6, 2>(X, ldx, dY, ldy, leaf_off, leaves, i0, rows, j0, j1, dW, out,
-                                             scratch.data());
+      leaf_grad::column_tiles<internal::Avx2, 6, 2>(X, ldx, dY, ldy, leaf_off, leaves, i0, i1, j0, j1, dW, out,
+                                                    scratch.data());
   });
 }
 
