@@ -112,34 +112,36 @@ void experts_forward(ExpertWork& w, const float* W1, const float* W3, const floa
   });
 }
 
-void experts_backward(ExpertWork& w, const float* W1, const float* W3, const float* W2, int D, int F) {
+namespace {
+
+// Backward of rows [r0, r0 + rows) of expert e.
+void backward_rows(ExpertWork& w, int e, int64_t r0, int64_t rows, const float* W1, const float* W3, const float* W2,
+                   int D, int F) {
+  const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
+  // dact reduces over the model feature; dx over the hidden index of u, then continues over that of v.
+  ops::gemm(rows, F, D, {&w.dy[r0 * D], D, 1}, {w2, 1, D}, &w.dact[r0 * F], F, false, 1);
+  ops::swiglu_backward(&w.u[r0 * F], &w.v[r0 * F], &w.sg[r0 * F], &w.dact[r0 * F], &w.du[r0 * F], &w.dv[r0 * F],
+                       rows * F);
+  ops::gemm(rows, D, F, {&w.du[r0 * F], F, 1}, {w1, 1, F}, &w.dx[r0 * D], D, false, 1);
+  ops::gemm(rows, D, F, {&w.dv[r0 * F], F, 1}, {w3, 1, F}, &w.dx[r0 * D], D, true, 1);
+  for (int64_t r = r0; r < r0 + rows; ++r)
+    if (!w.dropped.empty() && w.dropped[r]) {
+      std::fill(&w.dx[r * D], &w.dx[(r + 1) * D], 0.0f);
+      std::fill(&w.du[r * F], &w.du[(r + 1) * F], 0.0f);
+      std::fill(&w.dv[r * F], &w.dv[(r + 1) * F], 0.0f);
+    }
+}
+
+void size_backward(ExpertWork& w, int D, int F) {
   const int64_t R = w.rows();
   w.dact.resize(R * F);
   w.du.resize(R * F);
   w.dv.resize(R * F);
   w.dx.resize(R * D);
-  const auto tasks = row_tasks(w);
-  parallel_tasks((int64_t)tasks.size(), [&](int64_t t) {
-    const int e = tasks[t].first;
-    const int64_t r0 = tasks[t].second, rows = std::min(kRowBlock, w.off[e + 1] - r0);
-    const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
-    // dact reduces over the model feature; dx over the hidden index of u, then continues over that of v.
-    ops::gemm(rows, F, D, {&w.dy[r0 * D], D, 1}, {w2, 1, D}, &w.dact[r0 * F], F, false, 1);
-    ops::swiglu_backward(&w.u[r0 * F], &w.v[r0 * F], &w.sg[r0 * F], &w.dact[r0 * F], &w.du[r0 * F], &w.dv[r0 * F],
-                         rows * F);
-    ops::gemm(rows, D, F, {&w.du[r0 * F], F, 1}, {w1, 1, F}, &w.dx[r0 * D], D, false, 1);
-    ops::gemm(rows, D, F, {&w.dv[r0 * F], F, 1}, {w3, 1, F}, &w.dx[r0 * D], D, true, 1);
-    for (int64_t r = r0; r < r0 + rows; ++r)
-      if (!w.dropped.empty() && w.dropped[r]) {
-        std::fill(&w.dx[r * D], &w.dx[(r + 1) * D], 0.0f);
-        std::fill(&w.du[r * F], &w.du[(r + 1) * F], 0.0f);
-        std::fill(&w.dv[r * F], &w.dv[(r + 1) * F], 0.0f);
-      }
-  });
 }
 
-void experts_weight_grads(const ExpertWork& w, int64_t leaves, int D, int F, float* gW1, float* gW3, float* gW2) {
-  // Leaf offsets of each expert's rows (rows are in leaf order).
+// Leaf offsets of each expert's rows (rows are in leaf order): [experts][leaves + 1].
+std::vector<int64_t> expert_leaf_offsets(const ExpertWork& w, int64_t leaves) {
   std::vector<int64_t> eoff((size_t)w.experts * (leaves + 1));
   for (int e = 0; e < w.experts; ++e) {
     int64_t* off = &eoff[(size_t)e * (leaves + 1)];
@@ -149,17 +151,58 @@ void experts_weight_grads(const ExpertWork& w, int64_t leaves, int D, int F, flo
       off[lf] = r - w.off[e];
     }
   }
+  return eoff;
+}
+
+// One of expert e's three weight gradients (which: 0 = W1, 1 = W3, 2 = W2).
+// Each reduces over the global token index of the expert's rows (leaf tree).
+void weight_grad_of(const ExpertWork& w, int e, int which, const int64_t* off, int64_t leaves, int D, int F,
+                    float* gW1, float* gW3, float* gW2) {
+  const int64_t r0 = w.off[e];
+  if (which == 0)
+    ops::weight_grad(&w.x[r0 * D], D, &w.du[r0 * F], F, D, F, off, leaves, gW1 + (int64_t)e * D * F);
+  else if (which == 1)
+    ops::weight_grad(&w.x[r0 * D], D, &w.dv[r0 * F], F, D, F, off, leaves, gW3 + (int64_t)e * D * F);
+  else
+    ops::weight_grad(&w.act[r0 * F], F, &w.dy[r0 * D], D, F, D, off, leaves, gW2 + (int64_t)e * F * D);
+}
+
+}  // namespace
+
+void experts_backward(ExpertWork& w, const float* W1, const float* W3, const float* W2, int D, int F) {
+  size_backward(w, D, F);
+  const auto tasks = row_tasks(w);
+  parallel_tasks((int64_t)tasks.size(), [&](int64_t t) {
+    const int e = tasks[t].first;
+    const int64_t r0 = tasks[t].second, rows = std::min(kRowBlock, w.off[e + 1] - r0);
+    backward_rows(w, e, r0, rows, W1, W3, W2, D, F);
+  });
+}
+
+void experts_backward_with_weight_grads(ExpertWork& w, const float* W1, const float* W3, const float* W2, int D,
+                                        int F, int64_t leaves, float* gW1, float* gW3, float* gW2) {
+  if (!run_inline(2)) {  // threads: rows and gradients as separate, evenly split loops
+    experts_backward(w, W1, W3, W2, D, F);
+    experts_weight_grads(w, leaves, D, F, gW1, gW3, gW2);
+    return;
+  }
+  // One thread: each expert's gradients right after its rows' backward,
+  // while its du, dv, dy and x are still in cache.
+  size_backward(w, D, F);
+  const std::vector<int64_t> eoff = expert_leaf_offsets(w, leaves);
+  for (int e = 0; e < w.experts; ++e) {
+    for (int64_t r0 = w.off[e]; r0 < w.off[e + 1]; r0 += kRowBlock)
+      backward_rows(w, e, r0, std::min(kRowBlock, w.off[e + 1] - r0), W1, W3, W2, D, F);
+    for (int which = 0; which < 3; ++which)
+      weight_grad_of(w, e, which, &eoff[(size_t)e * (leaves + 1)], leaves, D, F, gW1, gW3, gW2);
+  }
+}
+
+void experts_weight_grads(const ExpertWork& w, int64_t leaves, int D, int F, float* gW1, float* gW3, float* gW2) {
+  const std::vector<int64_t> eoff = expert_leaf_offsets(w, leaves);
   parallel_tasks(3 * w.experts, [&](int64_t task) {
-    const int e = task / 3, which = task % 3;
-    const int64_t r0 = w.off[e];
-    const int64_t* off = &eoff[(size_t)e * (leaves + 1)];
-    // Each reduces over the global token index of the expert's rows (leaf tree).
-    if (which == 0)
-      ops::weight_grad(&w.x[r0 * D], D, &w.du[r0 * F], F, D, F, off, leaves, gW1 + (int64_t)e * D * F);
-    else if (which == 1)
-      ops::weight_grad(&w.x[r0 * D], D, &w.dv[r0 * F], F, D, F, off, leaves, gW3 + (int64_t)e * D * F);
-    else
-      ops::weight_grad(&w.act[r0 * F], F, &w.dy[r0 * D], D, F, D, off, leaves, gW2 + (int64_t)e * F * D);
+    const int e = task / 3;
+    weight_grad_of(w, e, task % 3, &eoff[(size_t)e * (leaves + 1)], leaves, D, F, gW1, gW3, gW2);
   });
 }
 

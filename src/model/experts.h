@@ -44,6 +44,11 @@ ScheduleStats schedule_loads(const ModelConfig& cfg, const std::vector<int64_t>&
 // and W2 [experts, F, D]. Rows are independent: threads split rows freely.
 void experts_forward(ExpertWork& w, const float* W1, const float* W3, const float* W2, int D, int F);
 void experts_backward(ExpertWork& w, const float* W1, const float* W3, const float* W2, int D, int F);
+// experts_backward and experts_weight_grads together; on one thread each
+// expert's gradients follow its rows' backward while their data are in cache
+// (the same bits either way).
+void experts_backward_with_weight_grads(ExpertWork& w, const float* W1, const float* W3, const float* W2, int D,
+                                        int F, int64_t leaves, float* gW1, float* gW3, float* gW2);
 // Weight gradients: per expert, the leaf tree over its rows (leaves
 // 0..leaves-1 of the reduction group; empty leaves are +0).
 void experts_weight_grads(const ExpertWork& w, int64_t leaves, int D, int F, float* gW1, float* gW3, float* gW2);

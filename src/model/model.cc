@@ -558,15 +558,14 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ExpertWork& X = A.work;
     if (ep == 1) X.dy.swap(ws.dye);
     else to_owners(*mesh_, A, ws.dye.data(), D, X.dy, xchg);
-    experts_backward(X, W1, W3, W2, D, F);
+    // Expert weight gradients: the leaf tree over the EP group's leaves.
+    experts_backward_with_weight_grads(X, W1, W3, W2, D, F, leaves * ep, gW1, gW3, gW2);
     const float* dxe = X.dx.data();  // dispatch order
     if (ep > 1) {
       ws.dxe.resize(NK * D);
       from_owners(*mesh_, A, X.dx, D, ws.dxe.data(), xchg);
       dxe = ws.dxe.data();
     }
-    // Expert weight gradients: the leaf tree over the EP group's leaves.
-    experts_weight_grads(X, leaves * ep, D, F, gW1, gW3, gW2);
     if (tr) T("bwd", l, "moe.experts", "dx", token_slot_order(A, dxe, D), {N, K, D});
     // da2 = (sum over slots, in slot order, from +0) + shared + router part.
     ws.da2.resize(N * D);
