@@ -3,6 +3,8 @@
 #include <doctest/doctest.h>
 #include <omp.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -152,6 +154,38 @@ TEST_SUITE("engine") {
             REQUIRE(ls::bits(dz[(size_t)r * ld + e]) == ls::bits(rdz[(size_t)r * ld + e]));
           }
         }
+      }
+    }
+  }
+
+  TEST_CASE("softmax_rows finds the scan's maximum: signed zeros, NaN, infinities, ties") {
+    // Rows where a vector max could differ from `m = z[0]; if (z[e] > m) m = z[e]`:
+    // the maximum is +0 or -0 (first one kept), a NaN first or later, +-inf,
+    // every entry equal; lengths below, at and above the vector paths.
+    const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+    for (int n : {1, 7, 8, 15, 16, 17, 31, 40, 256}) {
+      for (int kind = 0; kind < 9; ++kind) {
+        std::vector<float> z = random_vec(n, 900 + n + kind, 4.0f);
+        for (float& x : z) x = -std::fabs(x) - 1.0f;  // all negative ...
+        const int a = n / 3, b = (2 * n) / 3;
+        switch (kind) {
+          case 0: z[a] = -0.0f; z[b] = 0.0f; break;   // ... but a -0 first, then a +0
+          case 1: z[a] = 0.0f; z[b] = -0.0f; break;
+          case 2: z[0] = nan; break;
+          case 3: z[b] = nan; break;
+          case 4: z[a] = inf; break;
+          case 5: z[a] = -inf; z[b] = -inf; break;
+          case 6: std::fill(z.begin(), z.end(), -inf); break;
+          case 7: std::fill(z.begin(), z.end(), 2.5f); break;
+          default: z[n - 1] = 3.0f; break;               // the maximum in the scalar tail
+        }
+        CAPTURE(n);
+        CAPTURE(kind);
+        std::vector<float> p(n), rp(n), lse(1);
+        ls::ops::softmax_rows(z.data(), n, p.data(), n, 1, n, 0, lse.data());
+        const float rl = ls::ops::softmax(z.data(), rp.data(), n);
+        CHECK(ls::bits(lse[0]) == ls::bits(rl));
+        for (int e = 0; e < n; ++e) REQUIRE(ls::bits(p[e]) == ls::bits(rp[e]));
       }
     }
   }

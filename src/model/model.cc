@@ -507,9 +507,11 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   parallel_for(N, [&](int64_t n) {
     const int y = target(n);
     const float ng = Ng;  // a local, so the stores below cannot alias it
-    float* dl = &ws.dlogits[n * V];
-    const float* pr = &ws.prob[n * V];
-    for (int v = 0; v < V; ++v) dl[v] = (pr[v] - (v == y ? 1.0f : 0.0f)) / ng;
+    float* __restrict dl = &ws.dlogits[n * V];
+    const float* __restrict pr = &ws.prob[n * V];
+    // (p - onehot) / Ng; p - 0 is p itself (also for -0), so only the target subtracts.
+    for (int v = 0; v < V; ++v) dl[v] = pr[v] / ng;
+    dl[y] = (pr[y] - 1.0f) / ng;
   });
   T("bwd", -1, "lm_head", "dlogits", ws.dlogits.data(), {N, V});
   ops::weight_grad(ws.af.data(), D, ws.dlogits.data(), V, D, V, uniform_off.data(), leaves, G("lm_head"));

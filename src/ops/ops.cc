@@ -1,5 +1,6 @@
 #include "ops/ops.h"
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -209,6 +210,39 @@ void softmax_backward(const float* p, const float* dp, float* dz, int n) {
   for (int e = 0; e < n; ++e) dz[e] = p[e] * (dp[e] - dot);
 }
 
+namespace {
+
+// The maximum the sequential scan `m = z[0]; if (z[e] > m) m = z[e]` finds.
+// Without NaNs the maximum is order-free, up to the sign of a zero maximum
+// (+0 and -0 compare equal, and the scan keeps the first); eight lanes find
+// it, and the scan itself runs when a NaN is present or the maximum is zero.
+float scan_max(const float* z, int n) {
+  if (n >= 16) {
+    __m256 mx = _mm256_loadu_ps(z), nan = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+    int e = 8;
+    for (; e + 8 <= n; e += 8) {
+      const __m256 v = _mm256_loadu_ps(z + e);
+      mx = _mm256_max_ps(mx, v);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    float m = lanes[0];
+    for (int k = 1; k < 8; ++k) m = lanes[k] > m ? lanes[k] : m;
+    for (; e < n; ++e) {
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(_mm256_set1_ps(z[e]), _mm256_set1_ps(z[e]), _CMP_UNORD_Q));
+      m = z[e] > m ? z[e] : m;
+    }
+    if (_mm256_movemask_ps(nan) == 0 && m != 0.0f) return m;
+  }
+  float m = z[0];
+  for (int e = 1; e < n; ++e)
+    if (z[e] > m) m = z[e];
+  return m;
+}
+
+}  // namespace
+
 void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, int n0, int step, float* lse) {
   for (int g = 0; g < rows; g += 8) {
     const int R = std::min(8, rows - g);
@@ -219,9 +253,7 @@ void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, 
       const float* zr = z + (int64_t)(g + r) * ldz;
       n[r] = n0 + (g + r) * step;
       pr[r] = p + (int64_t)(g + r) * ldp;
-      m[r] = zr[0];
-      for (int e = 1; e < n[r]; ++e)
-        if (zr[e] > m[r]) m[r] = zr[e];
+      m[r] = scan_max(zr, n[r]);
       exp_shifted_n(zr, m[r], pr[r], n[r]);
     }
     int e = 0;
