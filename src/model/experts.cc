@@ -187,12 +187,12 @@ void experts_backward_with_weight_grads(ExpertWork& w, const float* W1, const fl
     return;
   }
   // One thread: each expert's gradients right after its rows' backward,
-  // while its du, dv, dy and x are still in cache.
+  // while its du, dv, dy and x are still in cache; all its rows in one GEMM
+  // each, so the transposed weights are packed once per expert.
   size_backward(w, D, F);
   const std::vector<int64_t> eoff = expert_leaf_offsets(w, leaves);
   for (int e = 0; e < w.experts; ++e) {
-    for (int64_t r0 = w.off[e]; r0 < w.off[e + 1]; r0 += kRowBlock)
-      backward_rows(w, e, r0, std::min(kRowBlock, w.off[e + 1] - r0), W1, W3, W2, D, F);
+    if (w.off[e + 1] > w.off[e]) backward_rows(w, e, w.off[e], w.off[e + 1] - w.off[e], W1, W3, W2, D, F);
     for (int which = 0; which < 3; ++which)
       weight_grad_of(w, e, which, &eoff[(size_t)e * (leaves + 1)], leaves, D, F, gW1, gW3, gW2);
   }
