@@ -223,21 +223,24 @@ Pool& pool_of_this_thread() {
 }
 }  // namespace
 
-void run_on_threads(int threads, int64_t n, const std::function<void(JobIndices&)>& job) {
-  if (threads <= 1 || n <= 1 || t_in_job) {
-    // Alone, without waking anyone: one thread, one index, or a nested job.
-    JobIndices alone(nullptr, 0, 0, n);
-    const bool outer = t_in_job;
-    t_in_job = true;
-    try {
-      job(alone);
-    } catch (...) {
-      t_in_job = outer;
-      throw;
-    }
+// Runs a job's n indices on the calling thread, marked as inside a job so
+// loops nested in it run inline too.
+void run_alone(int64_t n, const std::function<void(JobIndices&)>& job) {
+  JobIndices alone(nullptr, 0, 0, n);
+  const bool outer = t_in_job;
+  t_in_job = true;
+  try {
+    job(alone);
+  } catch (...) {
     t_in_job = outer;
-    return;
+    throw;
   }
+  t_in_job = outer;
+}
+
+void run_on_threads(int threads, int64_t n, const std::function<void(JobIndices&)>& job) {
+  // Alone, without waking anyone: one thread, one index, or a nested job.
+  if (threads <= 1 || n <= 1 || t_in_job) return run_alone(n, job);
   pool_of_this_thread().run(threads, n, job);
 }
 
@@ -245,21 +248,10 @@ void run_on_each_thread(int threads, const std::function<void(int)>& job) {
   if (threads < 1) threads = 1;
   if (threads > kMaxRanges) throw std::invalid_argument("thread pool: more than 64 threads in run_on_each_thread");
   if (t_in_job) throw std::logic_error("thread pool: run_on_each_thread inside a pool job");
-  auto each = [&](JobIndices& indices) {
+  const std::function<void(JobIndices&)> each = [&](JobIndices& indices) {
     for (int64_t tid; indices.next(&tid);) job((int)tid);
   };
-  if (threads == 1) {
-    JobIndices alone(nullptr, 0, 0, 1);
-    t_in_job = true;
-    try {
-      each(alone);
-    } catch (...) {
-      t_in_job = false;
-      throw;
-    }
-    t_in_job = false;
-    return;
-  }
+  if (threads == 1) return run_alone(1, each);
   pool_of_this_thread().run(threads, threads, each, /*steal=*/false);
 }
 

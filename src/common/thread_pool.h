@@ -26,6 +26,7 @@ class JobIndices {
   friend class Pool;
   friend void run_on_threads(int, int64_t, const std::function<void(JobIndices&)>&);
   friend void run_on_each_thread(int, const std::function<void(int)>&);
+  friend void run_alone(int64_t, const std::function<void(JobIndices&)>&);
   JobIndices(Pool* pool, uint32_t job, int tid, int64_t n) : pool_(pool), job_(job), tid_(tid), n_(n) {}
   void finish();  // reports a held index done
 
