@@ -26,6 +26,11 @@ struct CommStats {
   }
 };
 
+// out[i] = the canonical-tree sum over ranks r = 0..count-1 (contract.h's
+// LeafTree, in rank order) of parts[r][offset + i], for i < n. out may be one
+// of the parts' own elements (it is written only after every part is read).
+void tree_over_ranks(const float* const* parts, int count, size_t offset, size_t n, float* out);
+
 class Communicator {
  public:
   virtual ~Communicator() = default;

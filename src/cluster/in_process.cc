@@ -17,6 +17,21 @@
 #include "contract.h"
 
 namespace ls {
+
+void tree_over_ranks(const float* const* parts, int count, size_t offset, size_t n, float* out) {
+  if (count == 2) {  // the tree of two leaves: left + right, element by element
+    for (size_t i = 0; i < n; ++i) out[i] = parts[0][offset + i] + parts[1][offset + i];
+    return;
+  }
+  std::vector<float> scratch((size_t)LeafTree::levels_for(count) * n);
+  LeafTree tree(scratch.data(), (int64_t)n);
+  for (int r = 0; r < count; ++r) {
+    std::memcpy(tree.next_leaf(), parts[r] + offset, n * sizeof(float));
+    tree.push();
+  }
+  std::memcpy(out, tree.finish(), n * sizeof(float));
+}
+
 namespace {
 
 struct Hub {
@@ -201,17 +216,13 @@ class InProcessComm : public Communicator {
     hub_->posted_bytes[rank_] = bytes;
     hub_->wait_all();
   }
-  // Elements [offset, offset+count) summed over ranks by the canonical tree.
+  // Elements [offset, offset+count) of the posted buffers, summed over ranks by the canonical tree.
   std::vector<float> tree_over_ranks(size_t offset, size_t count) {
-    const int n = size();
-    std::vector<float> scratch((size_t)LeafTree::levels_for(n) * count);
-    LeafTree tree(scratch.data(), (int64_t)count);
-    for (int r = 0; r < n; ++r) {
-      std::memcpy(tree.next_leaf(), (const float*)hub_->posted[r] + offset, count * 4);
-      tree.push();
-    }
-    const float* s = tree.finish();
-    return std::vector<float>(s, s + count);
+    std::vector<const float*> parts(size());
+    for (int r = 0; r < size(); ++r) parts[r] = (const float*)hub_->posted[r];
+    std::vector<float> out(count);
+    ls::tree_over_ranks(parts.data(), size(), offset, count, out.data());
+    return out;
   }
 
   std::shared_ptr<Hub> hub_;

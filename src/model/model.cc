@@ -44,6 +44,16 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> shapes_for(const Model
 }
 
 
+// One layer's schedule into the step's statistics: most rounds, rows
+// borrowed and dropped summed, the largest expert buffers (x and y rows of D,
+// u, v, gate and activation rows of F floats).
+void add_layer_schedule(const ModelConfig& c, const ScheduleStats& sched, MoeStats& st) {
+  st.rounds = std::max(st.rounds, sched.rounds);
+  st.borrowed += sched.borrowed;
+  st.dropped += sched.dropped;
+  st.peak_expert_bytes = std::max<int64_t>(st.peak_expert_bytes, sched.peak_rows * (2 * c.d_model + 4 * c.d_ff) * 4);
+}
+
 }  // namespace
 
 // Saved activations of one layer plus the routing of its tokens.
@@ -149,12 +159,7 @@ void MoeTransformer::set_moe_stats_from_lanes(const std::vector<const MoeStats*>
   for (int l = 0; l < c.n_layers; ++l) {
     const std::vector<int64_t> load(st.tokens_per_expert.begin() + (size_t)l * E,
                                     st.tokens_per_expert.begin() + (size_t)(l + 1) * E);
-    const ScheduleStats sched = schedule_loads(c, load, tokens);
-    st.rounds = std::max(st.rounds, sched.rounds);
-    st.borrowed += sched.borrowed;
-    st.dropped += sched.dropped;
-    st.peak_expert_bytes =
-        std::max<int64_t>(st.peak_expert_bytes, sched.peak_rows * (2 * c.d_model + 4 * c.d_ff) * 4);
+    add_layer_schedule(c, schedule_loads(c, load, tokens), st);
   }
   stats_ = st;
 }
@@ -398,10 +403,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       stats_.peak_dispatch_bytes = std::max<int64_t>(stats_.peak_dispatch_bytes, (int64_t)(NK + total_in) * D * 4);
     }
     const ScheduleStats sched = schedule_experts(c, X, N * (int64_t)ep);
-    stats_.rounds = std::max(stats_.rounds, sched.rounds);
-    stats_.borrowed += sched.borrowed;
-    stats_.dropped += sched.dropped;
-    stats_.peak_expert_bytes = std::max<int64_t>(stats_.peak_expert_bytes, sched.peak_rows * (2 * D + 4 * F) * 4);
+    add_layer_schedule(c, sched, stats_);
     experts_forward(X, W1, W3, W2, D, F);
     // Expert outputs in dispatch order: the work rows themselves without expert parallelism.
     if (ep == 1) {

@@ -12,6 +12,8 @@
 
 #include <stdint.h>
 
+#include "contract.h"
+
 namespace ls {
 namespace ops {
 namespace leaf_grad {
@@ -19,9 +21,7 @@ namespace leaf_grad {
 // Scratch floats a tile needs for `leaves` leaves.
 template <class V, int R, int JV>
 int64_t stack_floats(int64_t leaves) {
-  int levels = 1;
-  while ((int64_t(1) << (levels - 1)) < leaves) ++levels;
-  return (int64_t)(levels + 1) * R * JV * V::kLanes;
+  return (int64_t)LeafTree::levels_for(leaves) * R * JV * V::kLanes;
 }
 
 // dW[i0 + r][j0 + c] for r < rows (<= R), c < cols (<= JV * lanes). kFull:

@@ -4,13 +4,12 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <thread>
 
+#include "cluster/communicator.h"
 #include "common/thread_pool.h"
-#include "contract.h"
 
 namespace ls {
 namespace {
@@ -47,14 +46,10 @@ class DataLanes::Hooks : public MeshHooks {
   void sum_partials(float* v, size_t n) override {
     lanes_.posted_[lane_] = v;
     lanes_.barrier();
-    std::vector<float> scratch((size_t)LeafTree::levels_for(lanes_.lanes_) * n);
-    LeafTree tree(scratch.data(), (int64_t)n);
-    for (int r = 0; r < lanes_.lanes_; ++r) {
-      std::memcpy(tree.next_leaf(), lanes_.posted_[r], n * sizeof(float));
-      tree.push();
-    }
-    const float* sum = tree.finish();
-    std::vector<float> out(sum, sum + n);
+    std::vector<const float*> parts(lanes_.lanes_);
+    for (int r = 0; r < lanes_.lanes_; ++r) parts[r] = (const float*)lanes_.posted_[r];
+    std::vector<float> out(n);
+    tree_over_ranks(parts.data(), lanes_.lanes_, 0, n, out.data());
     lanes_.barrier();  // every lane has read every buffer
     std::copy(out.begin(), out.end(), v);
   }
@@ -121,6 +116,8 @@ StepLosses DataLanes::forward_backward(MoeTransformer& main, const uint8_t* toke
     m->set_debug_reorder_moe_norm(main.debug_reorder_moe_norm());
     lane_models.push_back(m.get());
   }
+  std::vector<const float*> grads;
+  for (MoeTransformer* m : lane_models) grads.push_back(m->grads());
   StepLosses out;
   run_on_each_thread(lanes_, [&](int lane) {
     try {
@@ -132,23 +129,7 @@ StepLosses DataLanes::forward_backward(MoeTransformer& main, const uint8_t* toke
       // The canonical tree over lanes, element by element; each lane owns a
       // slice of the parameters and writes the result into lane 0's gradient.
       const int64_t lo = weights * lane / lanes_, hi = weights * (lane + 1) / lanes_;
-      float* g0 = main.grads();
-      if (lanes_ == 2) {
-        const float* g1 = models_[0]->grads();
-        for (int64_t i = lo; i < hi; ++i) g0[i] = g0[i] + g1[i];
-      } else {
-        constexpr int64_t kChunk = 1024;
-        std::vector<float> scratch((size_t)LeafTree::levels_for(lanes_) * kChunk);
-        for (int64_t i0 = lo; i0 < hi; i0 += kChunk) {
-          const int64_t w = std::min(kChunk, hi - i0);
-          LeafTree tree(scratch.data(), w);
-          for (int r = 0; r < lanes_; ++r) {
-            std::memcpy(tree.next_leaf(), lane_models[r]->grads() + i0, w * sizeof(float));
-            tree.push();
-          }
-          std::memcpy(g0 + i0, tree.finish(), w * sizeof(float));
-        }
-      }
+      tree_over_ranks(grads.data(), lanes_, lo, hi - lo, main.grads() + lo);
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mu_);
       // The first real failure wins over the lanes it stopped.
