@@ -375,7 +375,7 @@ int main(int argc, char** argv) {
   auto* run = app.add_subcommand("run", "train a scenario and print a summary (--json: one JSON object, last line)");
   run->add_option("scenario", ra.scenario, "scenario JSON file")->required();
   run->add_option("--set", ra.sets, "override a scenario key: dotted.key=value (repeatable)");
-  run->add_option("--threads", ra.threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
+  run->add_option("--threads", ra.threads, "worker threads (default: all cores); the engine runs them as data lanes of whole samples where the bits allow, else splits each op (README, Speed)")->check(CLI::Range(1, 1024));
   run->add_option("--backend", ra.backend, "engine (fast) or reference (scalar spec)");
   run->add_option("--steps", ra.steps, "train this many steps instead of train.steps");
   run->add_option("--out", ra.out_dir, "write summary.json and scenario.resolved.json here");

@@ -3,9 +3,10 @@
 // contiguous share of a job's indices and then takes indices left in the
 // others' shares: on a shared or virtual machine a helper can start tens of
 // microseconds to milliseconds late, and the caller then simply runs more of
-// the indices instead of waiting for it. Helpers spin briefly between jobs and then sleep,
-// so a step's many short loops start and end without system calls. Which
-// thread runs which index never changes a bit; this decides speed only.
+// the indices instead of waiting for it. Between jobs helpers spin, then nap,
+// then sleep until woken, so a step's many short loops start and end without
+// system calls. Which thread runs which index never changes a bit; this
+// decides speed only.
 #pragma once
 
 #include <cstdint>
