@@ -207,12 +207,14 @@ TEST_SUITE("engine") {
           const float scale = 1.0f / ls::sqrt((float)hd);
           auto qkv = random_vec((size_t)S * ld, 1000 + hd * 7 + S, 2.0f), dO = random_vec((size_t)S * ldo, 2000 + S);
           const float *q = qkv.data(), *k = q + hd, *v = q + 2 * hd;
-          std::vector<float> P((size_t)S * S), o((size_t)S * ldo), rP((size_t)S * S), ro((size_t)S * ldo);
+          std::vector<float> P((size_t)ls::ops::attention_probs_floats(S)), o((size_t)S * ldo), rP((size_t)S * S),
+              ro((size_t)S * ldo);
           ls::ops::AttentionScratch sc;
           ls::ops::attention_forward(q, k, v, ld, S, hd, scale, P.data(), o.data(), ldo, sc);
           ref::attention_head(q, k, v, ld, S, hd, scale, rP.data(), ro.data(), ldo);
           for (int t = 0; t < S; ++t)  // P's row t holds u <= t; o's rows hold hd features
-            for (int u = 0; u <= t; ++u) REQUIRE(ls::bits(P[(size_t)t * S + u]) == ls::bits(rP[(size_t)t * S + u]));
+            for (int u = 0; u <= t; ++u)
+              REQUIRE(ls::bits(ls::ops::attention_prob(P.data(), S, t, u)) == ls::bits(rP[(size_t)t * S + u]));
           for (int t = 0; t < S; ++t)
             for (int j = 0; j < hd; ++j) REQUIRE(ls::bits(o[(size_t)t * ldo + j]) == ls::bits(ro[(size_t)t * ldo + j]));
           std::vector<float> d((size_t)S * ldd * 3, 0.0f), rd((size_t)S * ldd * 3, 0.0f);
@@ -225,6 +227,49 @@ TEST_SUITE("engine") {
               REQUIRE(ls::bits(d[(size_t)t * ldd + j]) == ls::bits(rd[(size_t)t * ldd + j]));
         }
       }
+    }
+    ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
+  }
+
+  TEST_CASE("causal attention head: NaN, infinite and tied scores give the reference's bits") {
+    // Special scores (NaN, +-inf, inf - inf, all-equal rows) through the
+    // blocked softmax and the folds must come out as the reference's bits,
+    // NaN payloads included, on every instruction-set path.
+    const int S = 37, hd = 16;
+    const int64_t ld = 3 * hd, ldo = hd, ldd = 3 * hd;
+    const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+    for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {
+      if (!ls::ops::gemm_path_supported(path)) continue;
+      ls::ops::set_gemm_path(path);
+      const std::string path_name = ls::ops::gemm_path_name();
+      CAPTURE(path_name);
+      auto qkv = random_vec((size_t)S * ld, 77, 2.0f), dO = random_vec((size_t)S * ldo, 78);
+      float *q = qkv.data(), *k = q + hd, *v = q + 2 * hd;
+      q[3 * ld + 2] = nan;                                  // row 3: every score NaN
+      k[7 * ld + 0] = inf;                                  // key 7: +-inf or NaN scores
+      for (int j = 0; j < hd; ++j) q[20 * ld + j] = 0.0f;   // row 20: all scores +0 (a tie)
+      k[30 * ld + 5] = -inf;                                // key 30: -inf or NaN scores
+      k[9 * ld + 0] = inf;                                  // key 9: inf - inf = NaN for some rows
+      k[9 * ld + 1] = -inf;
+      k[12 * ld + 3] = nan;                                 // key 12: a NaN inside finite rows
+      std::vector<float> P((size_t)ls::ops::attention_probs_floats(S)), o((size_t)S * ldo), rP((size_t)S * S),
+          ro((size_t)S * ldo);
+      ls::ops::AttentionScratch sc;
+      ls::ops::attention_forward(q, k, v, ld, S, hd, 0.25f, P.data(), o.data(), ldo, sc);
+      ref::attention_head(q, k, v, ld, S, hd, 0.25f, rP.data(), ro.data(), ldo);
+      for (int t = 0; t < S; ++t)
+        for (int u = 0; u <= t; ++u) {
+          CAPTURE(t);
+          CAPTURE(u);
+          REQUIRE(ls::bits(ls::ops::attention_prob(P.data(), S, t, u)) == ls::bits(rP[(size_t)t * S + u]));
+        }
+      for (size_t i = 0; i < o.size(); ++i) REQUIRE(ls::bits(o[i]) == ls::bits(ro[i]));
+      std::vector<float> d((size_t)S * ldd, 0.0f), rd((size_t)S * ldd, 0.0f);
+      ls::ops::attention_backward(q, k, v, ld, S, hd, 0.25f, P.data(), dO.data(), ldo, d.data(), d.data() + hd,
+                                  d.data() + 2 * hd, ldd, sc);
+      ref::attention_head_backward(q, k, v, ld, S, hd, 0.25f, rP.data(), dO.data(), ldo, rd.data(), rd.data() + hd,
+                                   rd.data() + 2 * hd, ldd);
+      for (size_t i = 0; i < d.size(); ++i) REQUIRE(ls::bits(d[i]) == ls::bits(rd[i]));
     }
     ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
   }

@@ -280,12 +280,13 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     A.qkv.resize(N * 3 * D);
     ops::linear(A.a.data(), N, D, wqkv, 3 * D, A.qkv.data());
     T("fwd", l, "qkv", "out", A.qkv.data(), {N, 3 * D});
-    A.att.resize((size_t)B * H * S * S);
+    const int64_t probs = ops::attention_probs_floats(S);
+    A.att.resize((size_t)B * H * probs);
     A.o.resize(N * D);
     parallel_tasks_with<ops::AttentionScratch>(B * H, [&](ops::AttentionScratch& scratch, int64_t bh) {
       const int b = bh / H, hh = bh % H;
       const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
-      ops::attention_forward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, A.att.data() + (int64_t)bh * S * S,
+      ops::attention_forward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, A.att.data() + bh * probs,
                              A.o.data() + (int64_t)b * S * D + hh * hd, D, scratch);
     });
     T("fwd", l, "attention", "out", A.o.data(), {N, D});
@@ -636,7 +637,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
       float* dbase = ws.dqkv.data() + (int64_t)b * S * 3 * D + hh * hd;
       ops::attention_backward(base, base + D, base + 2 * D, 3 * D, S, hd, scale,
-                              A.att.data() + (int64_t)bh * S * S, ws.dO.data() + (int64_t)b * S * D + hh * hd, D,
+                              A.att.data() + bh * ops::attention_probs_floats(S),
+                              ws.dO.data() + (int64_t)b * S * D + hh * hd, D,
                               dbase, dbase + D, dbase + 2 * D, 3 * D, scratch);
     });
     T("bwd", l, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D});

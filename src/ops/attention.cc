@@ -5,95 +5,171 @@
 #include <algorithm>
 
 #include "contract.h"
-#include "ops/causal_fold.h"
+#include "ops/attention_kernels.h"
 #include "ops/gemm.h"
-#include "ops/ops.h"
 #include "ops/vec_avx2.h"
+#include "ops/vmath.h"
 
 namespace ls::ops {
 namespace internal {
-// attention_avx512.cc: the same folds with 16-lane vectors (hd % 16 == 0).
-void causal_rows_avx512(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
-                        int hd);
-void causal_cols_avx512(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
-                        int hd);
+// attention_avx512.cc: the same kernels with 16-lane vectors.
+void causal_rows_avx512(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd);
+void causal_cols_avx512(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd);
+void causal_scores_avx512(const float* X, int64_t ldx, const float* Y, int64_t ldy, int S, int hd, float* out,
+                          float* xt);
+void softmax_blocks_avx512(float* s, int S, float scale);
+void softmax_backward_blocks_avx512(const float* P, float* dp, int S, float scale);
 }  // namespace internal
 namespace {
 
-// out[t][:] = fold over u = 0..t, ascending, from +0, of A[t][u] * M[u][:].
+using attention_kernels::blocked_index;
+using attention_kernels::kBlock;
+
+// out[t][:] = fold over u = 0..t, ascending, from +0, of A(t, u) * M[u][:].
 // Reduces over the key position u <= t (the causal prefix of row t).
-void causal_rows_scalar(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
-                        int hd) {
+void causal_rows_scalar(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd) {
   for (int t = 0; t < S; ++t)
     for (int j = 0; j < hd; ++j) {
       float acc = 0.0f;
-      for (int u = 0; u <= t; ++u) acc = ls::fma(A[(int64_t)t * lda + u], M[(int64_t)u * ldm + j], acc);
+      for (int u = 0; u <= t; ++u) acc = ls::fma(A[blocked_index(S, t, u)], M[(int64_t)u * ldm + j], acc);
       out[(int64_t)t * ldo + j] = acc;
     }
 }
 
-// out[u][:] = fold over t = u..S-1, ascending, from +0, of A[t][u] * M[t][:].
+// out[u][:] = fold over t = u..S-1, ascending, from +0, of A(t, u) * M[t][:].
 // Reduces over the query position t >= u (the causal suffix of column u).
-void causal_cols_scalar(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S,
-                        int hd) {
+void causal_cols_scalar(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd) {
   for (int u = 0; u < S; ++u)
     for (int j = 0; j < hd; ++j) {
       float acc = 0.0f;
-      for (int t = u; t < S; ++t) acc = ls::fma(A[(int64_t)t * lda + u], M[(int64_t)t * ldm + j], acc);
+      for (int t = u; t < S; ++t) acc = ls::fma(A[blocked_index(S, t, u)], M[(int64_t)t * ldm + j], acc);
       out[(int64_t)u * ldo + j] = acc;
     }
 }
 
+// out(t, u) = fold over j, ascending, from +0, of X[t][j] * Y[u][j], for u <= t.
+// Reduces over the head feature j.
+void causal_scores_scalar(const float* X, int64_t ldx, const float* Y, int64_t ldy, int S, int hd, float* out) {
+  for (int t = 0; t < S; ++t)
+    for (int u = 0; u <= t; ++u) {
+      float acc = 0.0f;
+      for (int j = 0; j < hd; ++j) acc = ls::fma(X[(int64_t)t * ldx + j], Y[(int64_t)u * ldy + j], acc);
+      out[blocked_index(S, t, u)] = acc;
+    }
+}
+
 template <bool kRows>
-void causal(const float* A, int64_t lda, const float* M, int64_t ldm, float* out, int64_t ldo, int S, int hd) {
+void causal(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd) {
   const GemmPath path = gemm_path();
   if (path == GemmPath::kAvx512 && hd % 16 == 0) {
-    if (kRows) return internal::causal_rows_avx512(A, lda, M, ldm, out, ldo, S, hd);
-    return internal::causal_cols_avx512(A, lda, M, ldm, out, ldo, S, hd);
+    if (kRows) return internal::causal_rows_avx512(A, S, M, ldm, out, ldo, hd);
+    return internal::causal_cols_avx512(A, S, M, ldm, out, ldo, hd);
   }
-  if (path == GemmPath::kScalar) {  // the plain loops, as on a CPU without AVX2
-    if (kRows) return causal_rows_scalar(A, lda, M, ldm, out, ldo, S, hd);
-    return causal_cols_scalar(A, lda, M, ldm, out, ldo, S, hd);
+  if (path != GemmPath::kScalar && hd % 8 == 0)
+    return attention_kernels::fold<internal::Avx2, kRows>(A, S, M, ldm, out, ldo, hd);
+  if (kRows) return causal_rows_scalar(A, S, M, ldm, out, ldo, hd);
+  causal_cols_scalar(A, S, M, ldm, out, ldo, hd);
+}
+
+void scores(const float* X, int64_t ldx, const float* Y, int64_t ldy, int S, int hd, float* out,
+            std::vector<float>& xt) {
+  const GemmPath path = gemm_path();
+  if (path == GemmPath::kScalar) return causal_scores_scalar(X, ldx, Y, ldy, S, hd, out);
+  xt.resize((size_t)hd * kBlock);
+  if (path == GemmPath::kAvx512) return internal::causal_scores_avx512(X, ldx, Y, ldy, S, hd, out, xt.data());
+  attention_kernels::scores<internal::Avx2>(X, ldx, Y, ldy, S, hd, out, xt.data());
+}
+
+// Row t of a block is lane t - t0; it reads u <= t.
+inline bool in_row(int u, int t0, int l) { return u <= t0 + l; }
+
+// Scores s -> probabilities P in place, written as plain loops over the 16
+// lanes of a block (attention_kernels.h has the vector twin): row t is
+// scaled, then softmax over u <= t as ops::softmax does it. Reduces over the
+// key position u <= t.
+void softmax_blocks_scalar(float* s, int S, float scale) {
+  for (int t0 = 0; t0 < S; t0 += kBlock) {
+    const int U = std::min(S, t0 + kBlock);
+    float* b = s + (int64_t)t0 * S;
+    float m[kBlock], sum[kBlock];
+    for (int u = 0; u < U; ++u)
+      for (int l = 0; l < kBlock; ++l) b[u * kBlock + l] = b[u * kBlock + l] * scale;
+    // m = z[0]; if (z[u] > m) m = z[u]: the scan, NaNs and signed zeros included.
+    for (int l = 0; l < kBlock; ++l) m[l] = b[l];
+    for (int u = 1; u < U; ++u)
+      for (int l = 0; l < kBlock; ++l) {
+        const float z = b[u * kBlock + l];
+        m[l] = in_row(u, t0, l) && z > m[l] ? z : m[l];
+      }
+    for (int u = 0; u < U; ++u)
+      for (int l = 0; l < kBlock; ++l) b[u * kBlock + l] = b[u * kBlock + l] - m[l];
+    exp_n(b, b, (int64_t)U * kBlock);  // cexp(z - m), bit for bit
+    for (int l = 0; l < kBlock; ++l) sum[l] = 0.0f;
+    for (int u = 0; u < U; ++u)
+      for (int l = 0; l < kBlock; ++l) sum[l] = in_row(u, t0, l) ? sum[l] + b[u * kBlock + l] : sum[l];
+    for (int u = 0; u < U; ++u)
+      for (int l = 0; l < kBlock; ++l) b[u * kBlock + l] = in_row(u, t0, l) ? b[u * kBlock + l] / sum[l] : 0.0f;
   }
-  if (hd % 8 == 0) return causal_fold::fold<internal::Avx2, kRows>(A, lda, M, ldm, out, ldo, S, hd);
-  if (kRows) return causal_rows_scalar(A, lda, M, ldm, out, ldo, S, hd);
-  causal_cols_scalar(A, lda, M, ldm, out, ldo, S, hd);
+}
+
+// dp -> dS in place: dS(t, u) = (P * (dp - dot_t)) * scale with dot_t the
+// fma fold of dp * P over u <= t, ascending, from +0 (ops::softmax_backward).
+// Reduces over the key position u <= t.
+void softmax_backward_blocks_scalar(const float* P, float* dp, int S, float scale) {
+  for (int t0 = 0; t0 < S; t0 += kBlock) {
+    const int U = std::min(S, t0 + kBlock);
+    const float* p = P + (int64_t)t0 * S;
+    float* d = dp + (int64_t)t0 * S;
+    float dot[kBlock];
+    for (int l = 0; l < kBlock; ++l) dot[l] = 0.0f;
+    for (int u = 0; u < U; ++u)
+      for (int l = 0; l < kBlock; ++l)
+        dot[l] = in_row(u, t0, l) ? ls::fma(d[u * kBlock + l], p[u * kBlock + l], dot[l]) : dot[l];
+    for (int u = 0; u < U; ++u)
+      for (int l = 0; l < kBlock; ++l) {
+        const int64_t i = u * kBlock + l;
+        d[i] = in_row(u, t0, l) ? (p[i] * (d[i] - dot[l])) * scale : 0.0f;
+      }
+  }
+}
+
+void softmax_blocks(float* s, int S, float scale) {
+  const GemmPath path = gemm_path();
+  if (path == GemmPath::kAvx512) return internal::softmax_blocks_avx512(s, S, scale);
+  if (path == GemmPath::kAvx2) return attention_kernels::softmax_blocks<internal::Avx2>(s, S, scale, exp_n);
+  softmax_blocks_scalar(s, S, scale);
+}
+
+void softmax_backward_blocks(const float* P, float* dp, int S, float scale) {
+  const GemmPath path = gemm_path();
+  if (path == GemmPath::kAvx512) return internal::softmax_backward_blocks_avx512(P, dp, S, scale);
+  if (path == GemmPath::kAvx2) return attention_kernels::softmax_backward_blocks<internal::Avx2>(P, dp, S, scale);
+  softmax_backward_blocks_scalar(P, dp, S, scale);
 }
 
 }  // namespace
 
+int64_t attention_probs_floats(int S) { return (int64_t)((S + kBlock - 1) / kBlock) * kBlock * S; }
+
+float attention_prob(const float* P, int S, int t, int u) { return P[blocked_index(S, t, u)]; }
+
 void attention_forward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                        float* P, float* o, int64_t ldo, AttentionScratch& sc) {
-  sc.t0.resize((size_t)S * S);
-  float* s = sc.t0.data();
-  // s[t][u] = fold over j of q[t][j] k[u][j] (the GEMM's sequential fold from +0);
-  // the entries u > t are computed and never read.
-  gemm(S, S, hd, ConstMat{q, ld, 1}, ConstMat{k, 1, ld}, s, S, false, 1);
-  for (int t = 0; t < S; ++t) {
-    float* st = s + (int64_t)t * S;
-    for (int u = 0; u <= t; ++u) st[u] = st[u] * scale;
-  }
-  softmax_rows(s, S, P, S, S, 1, 1, nullptr);  // row t over u <= t
-  causal<true>(P, S, v, ld, o, ldo, S, hd);
+  scores(q, ld, k, ld, S, hd, P, sc.t1);  // s(t, u) over the feature j
+  softmax_blocks(P, S, scale);        // row t over u <= t
+  causal<true>(P, S, v, ld, o, ldo, hd);
 }
 
 void attention_backward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                         const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv, int64_t ldd,
                         AttentionScratch& sc) {
-  sc.t0.resize((size_t)S * S);
-  sc.t1.resize((size_t)S * S);
-  float* dp = sc.t0.data();
-  float* dS = sc.t1.data();
-  // dp[t][u] = fold over j of dO[t][j] v[u][j]; entries u > t are never read.
-  gemm(S, S, hd, ConstMat{dO, ldo, 1}, ConstMat{v, 1, ld}, dp, S, false, 1);
-  softmax_backward_rows(P, S, dp, S, dS, S, S, 1, 1);  // row t over u <= t
-  for (int t = 0; t < S; ++t) {
-    float* dst = dS + (int64_t)t * S;
-    for (int u = 0; u <= t; ++u) dst[u] = dst[u] * scale;
-  }
-  causal<true>(dS, S, k, ld, dq, ldd, S, hd);    // dq over u <= t
-  causal<false>(dS, S, q, ld, dk, ldd, S, hd);   // dk over t >= u
-  causal<false>(P, S, dO, ldo, dv, ldd, S, hd);  // dv over t >= u
+  sc.t0.resize((size_t)attention_probs_floats(S));
+  float* dS = sc.t0.data();
+  scores(dO, ldo, v, ld, S, hd, dS, sc.t1);        // dp(t, u) over the feature j
+  softmax_backward_blocks(P, dS, S, scale);         // row t over u <= t
+  causal<true>(dS, S, k, ld, dq, ldd, hd);          // dq over u <= t
+  causal<false>(dS, S, q, ld, dk, ldd, hd);         // dk over t >= u
+  causal<false>(P, S, dO, ldo, dv, ldd, hd);        // dv over t >= u
 }
 
 }  // namespace ls::ops

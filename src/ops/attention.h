@@ -1,5 +1,10 @@
 // Causal self-attention of one (sample, head), forward and backward: the
 // engine twin of ref::attention_head / ref::attention_head_backward.
+//
+// The probabilities P are kept in a blocked layout: query positions t in
+// blocks of 16, each block holding S rows (key position u) of 16 lanes
+// (t % 16). A block's softmax then runs over u with the 16 queries side by
+// side in vector lanes, each lane its own sequential fold.
 #pragma once
 
 #include <cstdint>
@@ -9,10 +14,15 @@ namespace ls::ops {
 
 // Scratch reused across calls by one thread.
 struct AttentionScratch {
-  std::vector<float> t0, t1, t2;
+  std::vector<float> t0, t1;
 };
 
-// q, k, v rows have stride ld; P is S x S (row t holds u <= t); o has stride ldo.
+// Floats of P for a sequence of S positions.
+int64_t attention_probs_floats(int S);
+// P(t, u) for u <= t (entries with u > t hold zeros or are never written).
+float attention_prob(const float* P, int S, int t, int u);
+
+// q, k, v rows have stride ld; o has stride ldo; P holds attention_probs_floats(S).
 // Scores reduce over the head feature j; outputs over the key position u <= t.
 void attention_forward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                        float* P, float* o, int64_t ldo, AttentionScratch& scratch);

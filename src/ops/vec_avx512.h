@@ -1,5 +1,5 @@
 // AVX-512 vectors (16 float lanes) for the register-blocked folds written
-// once over a vector type (causal_fold.h, leaf_grad.h). Include only from
+// once over a vector type (attention_kernels.h, leaf_grad.h). Include only from
 // files built with AVX-512 (avx512_sources).
 #pragma once
 
@@ -17,6 +17,17 @@ struct Avx512 {
   static T set1(float x) { return _mm512_set1_ps(x); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T div(T a, T b) { return _mm512_div_ps(a, b); }
+  // Lane masks: ordered compares (false when either side is NaN), and a
+  // select that takes b where the mask is set, else a.
+  using M = __mmask16;
+  static M le(T a, T b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+  static M gt(T a, T b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static M both(M a, M b) { return a & b; }
+  static T select(M m, T a, T b) { return _mm512_mask_blend_ps(m, a, b); }
+  static T iota() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
   static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
   static void store_first(float* p, T v, int n) { _mm512_mask_storeu_ps(p, mask(n), v); }
 
