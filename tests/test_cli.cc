@@ -1,5 +1,6 @@
 // The lockstep binary as a user runs it: exit codes, --json, clear errors.
 #include <doctest/doctest.h>
+#include <omp.h>
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -80,7 +81,23 @@ TEST_SUITE("cli") {
     CHECK(j["loss_bits"].size() == 3);
     CHECK(j["threads"] == 2);
     CHECK(j["backend"] == "engine");
-    CHECK(r.err.empty());  // not a terminal: quiet unless --progress
+    if (omp_get_num_procs() >= 2) CHECK(r.err.empty());  // not a terminal: quiet unless --progress
+  }
+
+  TEST_CASE("--threads above the core count: a warning on stderr, the same bits") {
+    fs::path sc = write("tiny.json", kTiny);
+    const std::string over = std::to_string(omp_get_num_procs() + 1);
+    Result a = run("run " + sc.string() + " --json --steps 2 --threads " + over);
+    Result b = run("run " + sc.string() + " --json --steps 2 --threads 1");
+    Result q = run("run " + sc.string() + " --json --steps 2 --quiet --threads " + over);
+    REQUIRE(a.rc == 0);
+    REQUIRE(b.rc == 0);
+    REQUIRE(q.rc == 0);
+    CHECK(a.err.find("warning: --threads " + over + " is more than the") != std::string::npos);
+    CHECK(b.err.empty());
+    CHECK(q.err.empty());
+    CHECK(nlohmann::json::parse(last_line(a.out))["final_state_hash"] ==
+          nlohmann::json::parse(last_line(b.out))["final_state_hash"]);
   }
 
   TEST_CASE("engine and reference print the same final_state_hash; --set and --steps apply") {

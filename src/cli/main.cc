@@ -1,5 +1,6 @@
 // lockstep: the command line. Subcommands run, golden, check, keys.
 // Exit codes: 0 ok, 1 a check found different bits, 2 bad input.
+#include <omp.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -112,6 +113,12 @@ int cmd_run(const RunArgs& a, const char* self) {
   RunOptions opt;
   opt.backend = parse_backend(a.backend);
   opt.threads = a.threads;
+  // More threads than cores gives the same bits, only slower: say so once.
+  if (a.threads > omp_get_num_procs() && !a.quiet && !child && opt.backend == Backend::kEngine)
+    std::fprintf(stderr,
+                 "lockstep: warning: --threads %d is more than the %d cores this process may use; the bits are the "
+                 "same, but expect it to run slower than --threads %d\n",
+                 a.threads, omp_get_num_procs(), omp_get_num_procs());
   if (a.steps == 0 || a.steps < -1) throw UserError("--steps: must be at least 1");
   opt.steps = a.steps;
   opt.progress = a.progress || (!a.quiet && isatty(2));
