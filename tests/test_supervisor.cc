@@ -195,4 +195,15 @@ TEST_SUITE("supervisor") {
     CHECK(r.out.find("mismatches                     0") != std::string::npos);
     CHECK(r.out.find("ended on the golden hash       12") != std::string::npos);
   }
+
+  TEST_CASE("a failed sweep trial shows what its children wrote to stderr") {
+    // Checkpoints into a directory that cannot be created: every save fails.
+    const Run r = lockstep("faults sweep " + std::string(LOCKSTEP_SOURCE_DIR) +
+                           "/scenarios/sweep_tiny.json --trials 1 --seed 3 --set ckpt.url=/proc/lockstep-no-such-dir");
+    CHECK(r.rc == 1);
+    CHECK(r.out.find("runs that failed               1") != std::string::npos);
+    CHECK_MESSAGE(r.err.find("FAILED") != std::string::npos, r.err);
+    CHECK_MESSAGE(r.err.find("  child: lockstep: ") != std::string::npos, r.err);
+    CHECK_MESSAGE(r.err.find("/proc/lockstep-no-such-dir") != std::string::npos, r.err);
+  }
 }

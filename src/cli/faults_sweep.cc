@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "ckpt/checkpointer.h"
@@ -21,6 +22,25 @@
 namespace fs = std::filesystem;
 
 namespace ls {
+namespace {
+
+// The last `max_lines` lines written to `path` after byte `from`: what a
+// failed trial's children said.
+std::string tail_since(const fs::path& path, std::uintmax_t from, int max_lines) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "";
+  in.seekg((std::streamoff)from);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    lines.push_back(line);
+    if ((int)lines.size() > max_lines) lines.erase(lines.begin());
+  }
+  std::string out;
+  for (const std::string& l : lines) out += "  child: " + l + "\n";
+  return out;
+}
+
+}  // namespace
 
 int cmd_faults_sweep(const SweepArgs& a) {
   Scenario s = load_scenario(a.scenario, a.sets);
@@ -92,13 +112,19 @@ int cmd_faults_sweep(const SweepArgs& a) {
     }
     so.threads = a.threads;
     so.progress = false;
-    so.child_stderr = (dir / "children.log").string();
+    const fs::path child_log = dir / "children.log";
+    so.child_stderr = child_log.string();
     so.heartbeat_timeout = 60;
+    std::error_code size_error;
+    const std::uintmax_t log_start = fs::exists(child_log) ? fs::file_size(child_log, size_error) : 0;
     SuperviseResult r = supervise(so);
     const std::string got = r.summary.value("final_state_hash", "");
     if (r.exit_code != 0) {
       ++failed;
-      std::fprintf(stderr, "trial %d (%s): FAILED: %s\n", trial, fault.c_str(), r.error.c_str());
+      std::string faults_text;
+      for (const std::string& f : so.faults) faults_text += (faults_text.empty() ? "" : " ") + f;
+      std::fprintf(stderr, "trial %d (%s): FAILED: %s\n%s", trial, faults_text.c_str(), r.error.c_str(),
+                   tail_since(child_log, size_error ? 0 : log_start, 40).c_str());
     } else if (got == golden) {
       ++matches;
     } else {
