@@ -10,9 +10,11 @@
 #include <fstream>
 #include <sstream>
 
+#include "ckpt/checkpointer.h"
 #include "common/error.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
+#include "store/faulty_store.h"
 #include "store/store.h"
 #include "s3rver.h"
 
@@ -112,6 +114,28 @@ TEST_SUITE("checkpoint") {
       if (k.find("manifest.json") != std::string::npos) manifests.push_back(k);
     CHECK(manifests == std::vector<std::string>{"step-00000005/manifest.json", "step-00000006/manifest.json"});
     CHECK(store->list("step-00000004/").empty());
+  }
+
+  TEST_CASE("keep_last survives transient store errors while deleting old checkpoints") {
+    // Each commit is followed by two failing removes: the retention clean-up
+    // must retry them (as uploads do) rather than fail the upload.
+    const fs::path dir = fresh_dir("keep-transient");
+    ls::Scenario s = ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json", {});
+    s.ckpt.url = dir.string();
+    s.ckpt.every = 1;
+    s.ckpt.keep_last = 1;
+    std::unique_ptr<ls::Trainer> trainer = ls::make_trainer(s, ls::Backend::kEngine);
+    auto faulty = std::make_shared<ls::FaultyStore>(ls::open_store(dir.string()));
+    {
+      ls::CheckpointWriter writer(s.ckpt, faulty, s.resolved, ls::scenario_fingerprint(s), nlohmann::json{{"dp", 1}});
+      writer.set_commit_hook([&](int64_t) { faulty->fail_next(2, 0, "remove"); });
+      for (int64_t step = 1; step <= 4; ++step) writer.save(step, *trainer);
+      CHECK_NOTHROW(writer.finish());
+    }
+    CHECK(faulty->injected() == 6);  // two per clean-up after commits 2, 3 and 4
+    auto store = ls::open_store(dir.string());
+    CHECK(ls::committed_steps(*store) == std::vector<int64_t>{4});
+    for (const char* old : {"step-00000001/", "step-00000002/", "step-00000003/"}) CHECK(store->list(old).empty());
   }
 
   TEST_CASE("an upload error stops the run loudly and leaves no manifest") {

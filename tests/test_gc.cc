@@ -282,6 +282,20 @@ TEST_SUITE("gc") {
     CHECK(transient);
     CHECK(s.injected() == 12);
     CHECK(s.get("k") == std::vector<uint8_t>{'v'});
+    // Failures aimed at one method let the others through.
+    s.fail_next(1, 0, "remove");
+    CHECK(s.exists("k"));
+    CHECK(s.get("k") == std::vector<uint8_t>{'v'});
+    CHECK(s.injected() == 12);
+    bool remove_failed = false;
+    try {
+      s.remove("k");
+    } catch (const ls::StoreError& e) {
+      remove_failed = e.transient;
+    }
+    CHECK(remove_failed);
+    CHECK(s.injected() == 13);
+    CHECK(inner->exists("k"));
   }
 
   TEST_CASE("FaultyStore: fail_next is exact under concurrent calls") {

@@ -195,14 +195,23 @@ void CheckpointWriter::upload(Job& job) {
 
 void CheckpointWriter::collect_garbage() {
   if (cfg_.keep_last <= 0) return;
-  std::vector<int64_t> steps = committed_steps(*store_);
-  if ((int)steps.size() <= cfg_.keep_last) return;
-  // Delete committed checkpoints older than the newest keep_last, manifest first
-  // (so a half-deleted one is never taken for committed).
-  for (size_t i = 0; i + cfg_.keep_last < steps.size(); ++i) {
-    const std::string dir = step_dir(steps[i]);
-    store_->remove(manifest_key(steps[i]));
-    for (const std::string& key : store_->list(dir + "/")) store_->remove(key);
+  // Delete committed checkpoints older than the newest keep_last, manifest
+  // first (so a half-deleted one is never taken for committed). Transient
+  // store errors are retried as for the upload; one that persists leaves the
+  // old objects for `lockstep ckpt gc` and says so: the new checkpoint is
+  // committed, so the run goes on.
+  std::string dir;
+  try {
+    const std::vector<int64_t> steps = committed_steps(*store_);
+    for (size_t i = 0; i + cfg_.keep_last < steps.size(); ++i) {
+      dir = step_dir(steps[i]);
+      with_retries([&] { store_->remove(manifest_key(steps[i])); });
+      for (const std::string& key : with_retries([&] { return store_->list(dir + "/"); }))
+        with_retries([&] { store_->remove(key); });
+    }
+  } catch (const StoreError& e) {
+    std::fprintf(stderr, "lockstep: warning: keep_last: could not delete old checkpoint%s%s (%s); "
+                 "the next save retries it, `lockstep ckpt gc` removes torn leftovers\n", dir.empty() ? "s" : " ", dir.c_str(), e.what());
   }
 }
 

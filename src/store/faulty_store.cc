@@ -22,10 +22,11 @@ FaultyStore::FaultyStore(std::shared_ptr<ObjectStore> inner) : inner_(std::move(
   metrics = inner_->metrics_snapshot();
 }
 
-void FaultyStore::fail_next(int calls, double latency) {
+void FaultyStore::fail_next(int calls, double latency, std::string only_op) {
   std::lock_guard<std::mutex> g(mu_);
   fail_left_ = calls < 0 ? 0 : calls;
   latency_ = latency;
+  fail_op_ = std::move(only_op);
 }
 
 void FaultyStore::set_down(bool down) {
@@ -51,7 +52,7 @@ void FaultyStore::check(const char* op, const std::string& key) {
       ++injected_;
       throw StoreError("store " + inner_->url() + ": " + op + " '" + key + "': store unavailable", false);
     }
-    if (fail_left_ == 0) return;
+    if (fail_left_ == 0 || (!fail_op_.empty() && fail_op_ != op)) return;
     --fail_left_;
     ++injected_;
     sleep = latency_;

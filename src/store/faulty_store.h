@@ -29,9 +29,10 @@ class FaultyStore : public ObjectStore {
 
   explicit FaultyStore(std::shared_ptr<ObjectStore> inner);
 
-  // The next `calls` calls (any method) each sleep `latency` seconds, then
+  // The next `calls` calls (any method, or only the method named `only_op`:
+  // "put", "get", "list", "remove", ...) each sleep `latency` seconds, then
   // fail with a transient StoreError. Replaces any failures still pending.
-  void fail_next(int calls, double latency = 0);
+  void fail_next(int calls, double latency = 0, std::string only_op = "");
   // While down, every call fails at once with a non-transient StoreError
   // "store unavailable".
   void set_down(bool down);
@@ -65,6 +66,7 @@ class FaultyStore : public ObjectStore {
   bool down_ = false;
   int fail_left_ = 0;
   double latency_ = 0;
+  std::string fail_op_;  // empty: any method
   int injected_ = 0;
   int puts_ = 0;
   uint64_t bytes_ = 0;
