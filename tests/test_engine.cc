@@ -99,23 +99,54 @@ void check_engine_matches_reference(const ls::Scenario& s) {
 
 TEST_SUITE("engine") {
   TEST_CASE("rmsnorm forward and backward equal the reference bitwise") {
-    const int N = 37, D = 24;
-    auto x = random_vec(N * D, 1, 3.0f), w = random_vec(D, 2), dy = random_vec(N * D, 3);
-    std::vector<float> y(N * D), r(N), dh(N * D), ry(N * D), rr(N), rdx(N * D);
-    ls::ops::rmsnorm(x.data(), w.data(), y.data(), r.data(), N, D, 1e-5f);
-    ls::ops::rmsnorm_backward(x.data(), w.data(), r.data(), dy.data(), dh.data(), N, D, false);
-    for (int n = 0; n < N; ++n) {
-      rr[n] = ref::rmsnorm(&x[n * D], w.data(), &ry[n * D], D, 1e-5f);
-      ref::rmsnorm_backward(&x[n * D], w.data(), rr[n], &dy[n * D], &rdx[n * D], D);
+    // Widths that are multiples of the 8-feature blocks and ones with a tail;
+    // N leaves a group of fewer than 8 tokens.
+    for (int D : {24, 13, 64, 5}) {
+      CAPTURE(D);
+      const int N = 37;
+      auto x = random_vec(N * D, 1, 3.0f), w = random_vec(D, 2), dy = random_vec(N * D, 3);
+      std::vector<float> y(N * D), r(N), dh(N * D), ry(N * D), rr(N), rdx(N * D);
+      ls::ops::rmsnorm(x.data(), w.data(), y.data(), r.data(), N, D, 1e-5f);
+      ls::ops::rmsnorm_backward(x.data(), w.data(), r.data(), dy.data(), dh.data(), N, D, false);
+      for (int n = 0; n < N; ++n) {
+        rr[n] = ref::rmsnorm(&x[n * D], w.data(), &ry[n * D], D, 1e-5f);
+        ref::rmsnorm_backward(&x[n * D], w.data(), rr[n], &dy[n * D], &rdx[n * D], D);
+      }
+      CHECK(same_bits(y, ry));
+      CHECK(same_bits(r, rr));
+      CHECK(same_bits(dh, rdx));
+      // accumulate = true adds the same gradient to what dh holds.
+      std::vector<float> acc = dy, want(N * D);
+      ls::ops::rmsnorm_backward(x.data(), w.data(), r.data(), dy.data(), acc.data(), N, D, true);
+      for (int i = 0; i < N * D; ++i) want[i] = dy[i] + rdx[i];
+      CHECK(same_bits(acc, want));
     }
-    CHECK(same_bits(y, ry));
-    CHECK(same_bits(r, rr));
-    CHECK(same_bits(dh, rdx));
-    // accumulate = true adds the same gradient to what dh holds.
-    std::vector<float> acc = dy, want(N * D);
-    ls::ops::rmsnorm_backward(x.data(), w.data(), r.data(), dy.data(), acc.data(), N, D, true);
-    for (int i = 0; i < N * D; ++i) want[i] = dy[i] + rdx[i];
-    CHECK(same_bits(acc, want));
+  }
+
+  TEST_CASE("dots8: eight sequential fma folds in lanes equal the scalar folds") {
+    for (int n : {0, 1, 5, 8, 13, 64, 67}) {
+      CAPTURE(n);
+      std::vector<std::vector<float>> a(8), b(8);
+      for (int r = 0; r < 8; ++r) {
+        a[r] = random_vec(n + 1, 100 + r * 7 + n, 4.0f);
+        b[r] = random_vec(n + 1, 200 + r * 7 + n, 4.0f);
+      }
+      if (n >= 3) {
+        a[1][2] = std::numeric_limits<float>::quiet_NaN();          // a NaN row
+        a[2][n - 1] = std::numeric_limits<float>::infinity();       // an infinite row
+        for (int i = 0; i < n; ++i) a[3][i] = -0.0f;                // every product -0: the fold stays +0
+        a[4][0] = 1e30f, b[4][0] = 1e30f, a[4][1] = -1e30f, b[4][1] = 1e30f;  // overflow then inf - inf
+      }
+      const float *pa[8], *pb[8];
+      for (int r = 0; r < 8; ++r) pa[r] = a[r].data(), pb[r] = b[r].data();
+      float out[8];
+      ls::ops::dots8(pa, pb, n, out);
+      for (int r = 0; r < 8; ++r) {
+        float want = 0.0f;
+        for (int i = 0; i < n; ++i) want = ls::fma(a[r][i], b[r][i], want);
+        CHECK(ls::bits(out[r]) == ls::bits(want));
+      }
+    }
   }
 
   TEST_CASE("softmax and its backward equal the reference bitwise") {

@@ -545,8 +545,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         y[r] = &A.ye_rows[A.row_of[q] * D];
       }
       if (R == 8) {
-        for (int j = 0; j < D; ++j)
-          for (int r = 0; r < 8; ++r) dgate[r] = ls::fma(dh[r][j], y[r][j], dgate[r]);
+        ops::dots8(dh, y, D, dgate);
       } else {
         for (int r = 0; r < R; ++r)
           for (int j = 0; j < D; ++j) dgate[r] = ls::fma(dh[r][j], y[r][j], dgate[r]);

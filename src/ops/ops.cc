@@ -10,6 +10,7 @@
 #include "contract.h"
 #include "ops/gemm.h"
 #include "ops/leaf_grad.h"
+#include "ops/transpose8.h"
 #include "ops/vec_avx2.h"
 #include "ops/vmath.h"
 
@@ -109,7 +110,18 @@ void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int 
     float ss[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     const float* xg = x + n0 * D;
     if (R == 8) {
-      for (int i = 0; i < D; ++i)
+      // Token k's fold runs in lane k: eight features at a time, transposed.
+      const float* rows[8];
+      for (int k = 0; k < 8; ++k) rows[k] = xg + (int64_t)k * D;
+      __m256 acc = _mm256_setzero_ps();
+      int i = 0;
+      for (; i + 8 <= D; i += 8) {
+        __m256 c[8];
+        columns8(rows, i, c);
+        for (int j = 0; j < 8; ++j) acc = _mm256_fmadd_ps(c[j], c[j], acc);
+      }
+      _mm256_storeu_ps(ss, acc);
+      for (; i < D; ++i)
         for (int k = 0; k < 8; ++k) ss[k] = ls::fma(xg[k * D + i], xg[k * D + i], ss[k]);
     } else {
       for (int k = 0; k < R; ++k)
@@ -144,7 +156,24 @@ void rmsnorm_backward(const float* x, const float* w, const float* r, const floa
     float dot[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     const float *xg = x + n0 * D, *dyg = dy + n0 * D, *rg = r + n0;
     if (R == 8) {
-      for (int i = 0; i < D; ++i)
+      // Token k's fold runs in lane k: eight features at a time, transposed.
+      const float *xrows[8], *dyrows[8];
+      for (int k = 0; k < 8; ++k) {
+        xrows[k] = xg + (int64_t)k * D;
+        dyrows[k] = dyg + (int64_t)k * D;
+      }
+      const __m256 rk = _mm256_loadu_ps(rg);
+      __m256 acc = _mm256_setzero_ps();
+      int i = 0;
+      for (; i + 8 <= D; i += 8) {
+        __m256 xc[8], dyc[8];
+        columns8(xrows, i, xc);
+        columns8(dyrows, i, dyc);
+        for (int j = 0; j < 8; ++j)
+          acc = _mm256_fmadd_ps(_mm256_mul_ps(dyc[j], _mm256_set1_ps(w[i + j])), _mm256_mul_ps(xc[j], rk), acc);
+      }
+      _mm256_storeu_ps(dot, acc);
+      for (; i < D; ++i)
         for (int k = 0; k < 8; ++k) dot[k] = ls::fma(dyg[k * D + i] * w[i], xg[k * D + i] * rg[k], dot[k]);
     } else {
       for (int k = 0; k < R; ++k)
@@ -290,6 +319,20 @@ void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t
       for (int k = 0; k < n[r]; ++k) dzr[k] = pr[r][k] * (dpr[r][k] - dot[r]);
     }
   }
+}
+
+void dots8(const float* const a[8], const float* const b[8], int n, float out[8]) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {  // eight features at a time, transposed: row r in lane r
+    __m256 ac[8], bc[8];
+    columns8(a, i, ac);
+    columns8(b, i, bc);
+    for (int j = 0; j < 8; ++j) acc = _mm256_fmadd_ps(ac[j], bc[j], acc);
+  }
+  _mm256_storeu_ps(out, acc);
+  for (; i < n; ++i)
+    for (int r = 0; r < 8; ++r) out[r] = ls::fma(a[r][i], b[r][i], out[r]);
 }
 
 float param_sumsq(const float* v, int64_t n) {

@@ -40,6 +40,11 @@ float softmax(const float* z, float* p, int n);
 // dz_e = p_e * (dp_e - sum_e' dp_e' p_e'). Reduces over the entry index.
 void softmax_backward(const float* p, const float* dp, float* dz, int n);
 
+// out[r] = fold over i = 0..n-1, ascending, from +0, of fma(a[r][i], b[r][i], .)
+// for eight rows r: eight dot products side by side, each in its own vector
+// lane. Reduces over the feature i.
+void dots8(const float* const a[8], const float* const b[8], int n, float out[8]);
+
 // softmax() over `rows` rows, bit for bit, with the sequential sums of eight
 // rows run side by side (independent chains). Row r has n0 + r * step entries
 // (step >= 0) at z + r*ldz -> p + r*ldp; lse[r] gets softmax()'s return value
