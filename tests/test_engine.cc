@@ -123,7 +123,7 @@ TEST_SUITE("engine") {
     }
   }
 
-  TEST_CASE("dots8: eight sequential fma folds in lanes equal the scalar folds") {
+  TEST_CASE("dots8, sums8: eight sequential folds in lanes equal the scalar folds") {
     for (int n : {0, 1, 5, 8, 13, 64, 67}) {
       CAPTURE(n);
       std::vector<std::vector<float>> a(8), b(8);
@@ -139,12 +139,15 @@ TEST_SUITE("engine") {
       }
       const float *pa[8], *pb[8];
       for (int r = 0; r < 8; ++r) pa[r] = a[r].data(), pb[r] = b[r].data();
-      float out[8];
+      float out[8], sums[8];
       ls::ops::dots8(pa, pb, n, out);
+      ls::ops::sums8(pa, n, sums);
       for (int r = 0; r < 8; ++r) {
-        float want = 0.0f;
+        float want = 0.0f, want_sum = 0.0f;
         for (int i = 0; i < n; ++i) want = ls::fma(a[r][i], b[r][i], want);
+        for (int i = 0; i < n; ++i) want_sum = want_sum + a[r][i];
         CHECK(ls::bits(out[r]) == ls::bits(want));
+        CHECK(ls::bits(sums[r]) == ls::bits(want_sum));
       }
     }
   }

@@ -239,6 +239,33 @@ void softmax_backward(const float* p, const float* dp, float* dz, int n) {
   for (int e = 0; e < n; ++e) dz[e] = p[e] * (dp[e] - dot);
 }
 
+void dots8(const float* const a[8], const float* const b[8], int n, float out[8]) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {  // eight features at a time, transposed: row r in lane r
+    __m256 ac[8], bc[8];
+    columns8(a, i, ac);
+    columns8(b, i, bc);
+    for (int j = 0; j < 8; ++j) acc = _mm256_fmadd_ps(ac[j], bc[j], acc);
+  }
+  _mm256_storeu_ps(out, acc);
+  for (; i < n; ++i)
+    for (int r = 0; r < 8; ++r) out[r] = ls::fma(a[r][i], b[r][i], out[r]);
+}
+
+void sums8(const float* const a[8], int n, float out[8]) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {  // eight entries at a time, transposed: row r in lane r
+    __m256 ac[8];
+    columns8(a, i, ac);
+    for (int j = 0; j < 8; ++j) acc = _mm256_add_ps(acc, ac[j]);
+  }
+  _mm256_storeu_ps(out, acc);
+  for (; i < n; ++i)
+    for (int r = 0; r < 8; ++r) out[r] = out[r] + a[r][i];
+}
+
 namespace {
 
 // The maximum the sequential scan `m = z[0]; if (z[e] > m) m = z[e]` finds.
@@ -286,9 +313,10 @@ void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, 
       exp_shifted_n(zr, m[r], pr[r], n[r]);
     }
     int e = 0;
-    if (R == 8)  // the prefix every row has: eight sequential sums side by side
-      for (; e < n[0]; ++e)
-        for (int r = 0; r < 8; ++r) sum[r] = sum[r] + pr[r][e];
+    if (R == 8) {  // the prefix every row has: eight sequential sums side by side
+      sums8(pr, n[0], sum);
+      e = n[0];
+    }
     for (int r = 0; r < R; ++r) {
       for (int k = e; k < n[r]; ++k) sum[r] = sum[r] + pr[r][k];
       for (int k = 0; k < n[r]; ++k) pr[r][k] = pr[r][k] / sum[r];
@@ -310,29 +338,16 @@ void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t
       dpr[r] = dp + (int64_t)(g + r) * lddp;
     }
     int e = 0;
-    if (R == 8)
-      for (; e < n[0]; ++e)
-        for (int r = 0; r < 8; ++r) dot[r] = ls::fma(dpr[r][e], pr[r][e], dot[r]);
+    if (R == 8) {  // the prefix every row has: eight dot products side by side
+      dots8(dpr, pr, n[0], dot);
+      e = n[0];
+    }
     for (int r = 0; r < R; ++r) {
       for (int k = e; k < n[r]; ++k) dot[r] = ls::fma(dpr[r][k], pr[r][k], dot[r]);
       float* dzr = dz + (int64_t)(g + r) * lddz;
       for (int k = 0; k < n[r]; ++k) dzr[k] = pr[r][k] * (dpr[r][k] - dot[r]);
     }
   }
-}
-
-void dots8(const float* const a[8], const float* const b[8], int n, float out[8]) {
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {  // eight features at a time, transposed: row r in lane r
-    __m256 ac[8], bc[8];
-    columns8(a, i, ac);
-    columns8(b, i, bc);
-    for (int j = 0; j < 8; ++j) acc = _mm256_fmadd_ps(ac[j], bc[j], acc);
-  }
-  _mm256_storeu_ps(out, acc);
-  for (; i < n; ++i)
-    for (int r = 0; r < 8; ++r) out[r] = ls::fma(a[r][i], b[r][i], out[r]);
 }
 
 float param_sumsq(const float* v, int64_t n) {

@@ -44,6 +44,9 @@ void softmax_backward(const float* p, const float* dp, float* dz, int n);
 // for eight rows r: eight dot products side by side, each in its own vector
 // lane. Reduces over the feature i.
 void dots8(const float* const a[8], const float* const b[8], int n, float out[8]);
+// out[r] = fold over i = 0..n-1, ascending, from +0, of out + a[r][i], for
+// eight rows side by side. Reduces over the entry index i.
+void sums8(const float* const a[8], int n, float out[8]);
 
 // softmax() over `rows` rows, bit for bit, with the sequential sums of eight
 // rows run side by side (independent chains). Row r has n0 + r * step entries
