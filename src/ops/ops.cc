@@ -356,15 +356,10 @@ float param_sumsq(const float* v, int64_t n) {
   std::vector<float> sums((size_t)blocks);
   const int64_t full = n / kParamBlock;
   int64_t b = 0;
-  for (; b + 8 <= full; b += 8) {
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    const float* base = v + b * kParamBlock;
-    for (int64_t i = 0; i < kParamBlock; ++i)
-      for (int r = 0; r < 8; ++r) {
-        const float x = base[r * kParamBlock + i];
-        acc[r] = ls::fma(x, x, acc[r]);
-      }
-    for (int r = 0; r < 8; ++r) sums[(size_t)(b + r)] = acc[r];
+  for (; b + 8 <= full; b += 8) {  // eight blocks' folds side by side, block r in lane r
+    const float* rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = v + (b + r) * kParamBlock;
+    dots8(rows, rows, kParamBlock, &sums[(size_t)b]);
   }
   for (; b < blocks; ++b)
     sums[(size_t)b] = ls::sumsq_block(v + b * kParamBlock, std::min<int64_t>(kParamBlock, n - b * kParamBlock));
