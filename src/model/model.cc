@@ -318,9 +318,15 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       const float* g = A.g.data() + n * E;
       uint64_t taken[4] = {0, 0, 0, 0};  // E <= 256
       for (int s = 0; s < K; ++s) {  // top-k by gate; ties to the lowest index
+        // The scan `if (free && (best < 0 || g[e] > g[best])) best = e`, with
+        // selects instead of branches (gates are data: branches mispredict).
         int best = -1;
-        for (int e = 0; e < E; ++e)
-          if (!((taken[e >> 6] >> (e & 63)) & 1) && (best < 0 || g[e] > g[best])) best = e;
+        float best_g = 0.0f;
+        for (int e = 0; e < E; ++e) {
+          const bool take = !((taken[e >> 6] >> (e & 63)) & 1) && (best < 0 || g[e] > best_g);
+          best = take ? e : best;
+          best_g = take ? g[e] : best_g;
+        }
         taken[best >> 6] |= 1ull << (best & 63);
         A.sel[n * K + s] = best;
       }
