@@ -12,7 +12,6 @@
 #include "data/corpus.h"
 #include "ops.h"  // reference/ops.h
 #include "ops/attention.h"
-#include "optim/adamw.h"
 #include "ops/gemm.h"
 #include "ops/ops.h"
 #include "runner/data_lanes.h"
@@ -358,37 +357,6 @@ TEST_SUITE("engine") {
     }
     ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
     omp_set_num_threads(omp_get_num_procs());
-  }
-
-  TEST_CASE("adamw_update: the AVX-512 loop equals the scalar loop bit for bit") {
-    // Slices with vector tails, decay on and off, clip on and off, extreme
-    // gradients (inf and NaN propagate alike), several steps.
-    ls::OptimConfig cfg;
-    for (bool clip : {false, true}) {
-      std::vector<std::vector<float>> st[2];  // per path: w, g, m, v of each slice
-      for (int path = 0; path < 2; ++path) {
-        const auto p = path == 0 ? ls::ops::GemmPath::kAvx2 : ls::ops::GemmPath::kAvx512;
-        if (!ls::ops::gemm_path_supported(p)) continue;
-        ls::ops::set_gemm_path(p);
-        std::vector<std::vector<float>>& t = st[path];
-        const int sizes[] = {1, 15, 16, 17, 4096 + 33};
-        for (int k = 0; k < 5; ++k)
-          for (int a = 0; a < 4; ++a) t.push_back(random_vec((size_t)sizes[k], 900 + 10 * k + a, a == 3 ? 0.01f : 1.0f));
-        for (auto& v : t) v[0] = v[0] < 0 ? -v[0] : v[0];  // m and v start non-negative where it matters
-        t[4 * 1 + 1][3] = std::numeric_limits<float>::infinity();
-        t[4 * 2 + 1][5] = std::numeric_limits<float>::quiet_NaN();
-        for (int step = 0; step < 3; ++step) {
-          std::vector<ls::AdamWSlice> slices;
-          for (int k = 0; k < 5; ++k)
-            slices.push_back({t[4 * k].data(), t[4 * k + 1].data(), t[4 * k + 2].data(), t[4 * k + 3].data(),
-                              (int64_t)t[4 * k].size(), k % 2 == 0});
-          ls::adamw_update(cfg, 0.003f, step, clip, 0.37f, slices);
-        }
-      }
-      ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
-      if (st[1].empty() || st[0].empty()) continue;
-      for (size_t i = 0; i < st[0].size(); ++i) CHECK(same_bits(st[0][i], st[1][i]));
-    }
   }
 
   TEST_CASE("param_sumsq: eight blocks side by side give the contract's bits") {

@@ -4,9 +4,7 @@
 
 #include "common/parallel.h"
 #include "contract.h"
-#include "ops/gemm.h"
 #include "ops/ops.h"
-#include "optim/adamw_kernel.h"
 
 namespace ls {
 
@@ -45,15 +43,9 @@ void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float c
   std::vector<std::pair<int, int64_t>> chunks;  // (slice, first element)
   for (size_t s = 0; s < slices.size(); ++s)
     for (int64_t i = 0; i < slices[s].n; i += kChunk) chunks.push_back({(int)s, i});
-  const bool avx512 = ops::gemm_path() == ops::GemmPath::kAvx512;
   parallel_tasks((int64_t)chunks.size(), [&](int64_t c) {
     const AdamWSlice& s = slices[chunks[c].first];
     const int64_t lo = chunks[c].second, hi = std::min(s.n, lo + kChunk);
-    if (avx512) {
-      const internal::AdamWElements e{s.w, s.g, s.m, s.v, s.decay, clip, b1, b2, omb1, omb2, bc1, bc2, eps, wd, lr,
-                                      clip_scale};
-      return internal::adamw_elements_avx512(e, lo, hi);
-    }
     // Locals: values read through the closure could alias the stores below,
     // which stops vectorization.
     float *pw = s.w, *pg = s.g, *pm = s.m, *pv = s.v;
