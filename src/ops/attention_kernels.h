@@ -4,8 +4,8 @@
 // files; each is built with the instruction set its vector type needs.
 //
 // Probabilities and score gradients live in the blocked layout of
-// attention.h (BlockedProbs): query positions t in blocks of 16 lanes, key
-// positions u as rows. Every fold keeps its order: ascending, from +0.
+// attention.h: query positions t in blocks of 16 lanes, key positions u as
+// rows. Every fold keeps its order: ascending, from +0.
 #pragma once
 
 #include <stdint.h>
