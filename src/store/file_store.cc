@@ -46,9 +46,7 @@ class FileStore : public ObjectStore {
       fail("rename", key, e);
     }
     sync_dir(key, path);
-    std::lock_guard<std::mutex> g(metrics_mu);
-    metrics.puts++;
-    metrics.bytes_written += n;
+    count_put(n);
   }
 
   bool put_if_absent(const std::string& key, const void* data, size_t n) override {
@@ -64,9 +62,7 @@ class FileStore : public ObjectStore {
       fail("link", key, e);
     }
     sync_dir(key, path);
-    std::lock_guard<std::mutex> g(metrics_mu);
-    metrics.puts++;
-    metrics.bytes_written += n;
+    count_put(n);
     return true;
   }
 
@@ -76,9 +72,7 @@ class FileStore : public ObjectStore {
     Fd fd = open_object(key);
     std::vector<uint8_t> out(fd.size);
     read_at(fd.fd, key, out.data(), out.size(), 0);
-    std::lock_guard<std::mutex> g(metrics_mu);
-    metrics.gets++;
-    metrics.bytes_read += out.size();
+    count_get(out.size());
     return out;
   }
 
@@ -93,9 +87,7 @@ class FileStore : public ObjectStore {
                        false);
     std::vector<uint8_t> out(n);
     read_at(fd.fd, key, out.data(), n, offset);
-    std::lock_guard<std::mutex> g(metrics_mu);
-    metrics.ranged_gets++;
-    metrics.bytes_read += n;
+    count_ranged_get(n);
     return out;
   }
 
@@ -132,8 +124,7 @@ class FileStore : public ObjectStore {
       }
     }
     std::sort(keys.begin(), keys.end());
-    std::lock_guard<std::mutex> g(metrics_mu);
-    metrics.lists++;
+    count_list();
     return keys;
   }
 
@@ -141,8 +132,7 @@ class FileStore : public ObjectStore {
     CallTimer t(this);
     check_key(key);
     if (::unlink(full(key).c_str()) != 0 && errno != ENOENT && errno != ENOTDIR) fail("unlink", key, errno);
-    std::lock_guard<std::mutex> g(metrics_mu);
-    metrics.deletes++;
+    count_delete();
   }
 
   std::string url() const override { return url_; }

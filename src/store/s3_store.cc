@@ -161,9 +161,7 @@ class S3Store : public ObjectStore {
       Response r = request("PUT", key, "", data, n, {});
       if (r.status != 200) fail("PUT", key, r);
     }
-    std::lock_guard<std::mutex> g(metrics_mu);
-    metrics.puts++;
-    metrics.bytes_written += n;
+    count_put(n);
   }
 
   // If-None-Match: * makes the write conditional on S3 (since 2024); servers
@@ -180,9 +178,7 @@ class S3Store : public ObjectStore {
       if (r.status == 412) return false;
       if (r.status != 200) fail("PUT", key, r);
     }
-    std::lock_guard<std::mutex> g(metrics_mu);
-    metrics.puts++;
-    metrics.bytes_written += n;
+    count_put(n);
     return true;
   }
 
@@ -191,9 +187,7 @@ class S3Store : public ObjectStore {
     check_key(key);
     Response r = request("GET", key, "", nullptr, 0, {});
     if (r.status != 200) fail("GET", key, r);
-    std::lock_guard<std::mutex> g(metrics_mu);
-    metrics.gets++;
-    metrics.bytes_read += r.body.size();
+    count_get(r.body.size());
     return std::move(r.body);
   }
 
@@ -213,9 +207,7 @@ class S3Store : public ObjectStore {
     } else if (r.status != 206) {
       fail("GET", key, r);
     }
-    std::lock_guard<std::mutex> g(metrics_mu);
-    metrics.ranged_gets++;
-    metrics.bytes_read += n;
+    count_ranged_get(n);
     return std::move(r.body);
   }
 
@@ -239,10 +231,7 @@ class S3Store : public ObjectStore {
       const std::string doc = r.text();
       for (std::string& k : xml_all(doc, "Key"))
         if (k.compare(0, base_.size(), base_) == 0) keys.push_back(k.substr(base_.size()));
-      {
-        std::lock_guard<std::mutex> g(metrics_mu);
-        metrics.lists++;
-      }
+      count_list();
       if (xml_first(doc, "IsTruncated") != "true") break;
       token = xml_first(doc, "NextContinuationToken");
       if (token.empty())
@@ -257,8 +246,7 @@ class S3Store : public ObjectStore {
     check_key(key);
     Response r = request("DELETE", key, "", nullptr, 0, {});
     if (r.status != 204 && r.status != 200 && r.status != 404) fail("DELETE", key, r);
-    std::lock_guard<std::mutex> g(metrics_mu);
-    metrics.deletes++;
+    count_delete();
   }
 
   std::string url() const override { return url_; }

@@ -61,6 +61,13 @@ class ObjectStore {
   }
 
  protected:
+  // Count one completed call in metrics (under metrics_mu).
+  void count_put(uint64_t bytes) { count(&StoreMetrics::puts, bytes, 0); }
+  void count_get(uint64_t bytes) { count(&StoreMetrics::gets, 0, bytes); }
+  void count_ranged_get(uint64_t bytes) { count(&StoreMetrics::ranged_gets, 0, bytes); }
+  void count_list() { count(&StoreMetrics::lists, 0, 0); }
+  void count_delete() { count(&StoreMetrics::deletes, 0, 0); }
+
   // Adds one call's wall time to metrics.seconds, however the call ends.
   struct CallTimer {
     explicit CallTimer(ObjectStore* s) : s(s), t0(std::chrono::steady_clock::now()) {}
@@ -72,6 +79,14 @@ class ObjectStore {
     ObjectStore* s;
     std::chrono::steady_clock::time_point t0;
   };
+
+ private:
+  void count(uint64_t StoreMetrics::*calls, uint64_t written, uint64_t read) {
+    std::lock_guard<std::mutex> g(metrics_mu);
+    ++(metrics.*calls);
+    metrics.bytes_written += written;
+    metrics.bytes_read += read;
+  }
 };
 
 struct StoreOptions {
