@@ -216,16 +216,20 @@ GemmPath best_cpu_path() {
 
 GemmPath gemm_path() { return effective_path(); }
 
-const char* gemm_path_name() {
-  switch (effective_path()) {
+const char* path_name(GemmPath path) {
+  switch (path) {
     case GemmPath::kAvx512:
       return "avx512";
     case GemmPath::kAvx2:
       return "avx2";
-    default:
+    case GemmPath::kScalar:
       return "scalar";
+    default:
+      return "auto";
   }
 }
+
+const char* gemm_path_name() { return path_name(effective_path()); }
 
 void gemm_naive(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C,
                 int64_t ldc, bool accumulate) {

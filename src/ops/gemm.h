@@ -35,6 +35,7 @@ void gemm_naive(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* 
 enum class GemmPath { kAuto, kScalar, kAvx2, kAvx512 };
 void set_gemm_path(GemmPath path);
 const char* gemm_path_name();  // "scalar", "avx2" or "avx512": the path in use
+const char* path_name(GemmPath path);  // "scalar", "avx2", "avx512" (kAuto: "auto")
 GemmPath gemm_path();          // the path in use (also picks the attention kernels)
 bool gemm_path_supported(GemmPath path);
 // The best path this CPU supports (probed once); the default of every

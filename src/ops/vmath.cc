@@ -216,16 +216,7 @@ void set_vmath_path(GemmPath path) { g_forced.store(static_cast<int>(path)); }
 
 bool vmath_path_supported(GemmPath path) { return gemm_path_supported(path); }
 
-const char* vmath_path_name() {
-  switch (effective_path()) {
-    case GemmPath::kAvx512:
-      return "avx512";
-    case GemmPath::kAvx2:
-      return "avx2";
-    default:
-      return "scalar";
-  }
-}
+const char* vmath_path_name() { return path_name(effective_path()); }
 
 }  // namespace ops
 }  // namespace ls
