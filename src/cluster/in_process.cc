@@ -18,7 +18,16 @@
 
 namespace ls {
 
+namespace {
+// memcpy that allows an empty copy between null pointers (empty vectors and
+// zero-byte messages have them; memcpy itself must not get null).
+void copy_bytes(void* dst, const void* src, size_t n) {
+  if (n > 0) std::memcpy(dst, src, n);
+}
+}  // namespace
+
 void tree_over_ranks(const float* const* parts, int count, size_t offset, size_t n, float* out) {
+  if (n == 0) return;  // an empty slice may come with null buffers
   if (count == 2) {  // the tree of two leaves: left + right, element by element
     for (size_t i = 0; i < n; ++i) out[i] = parts[0][offset + i] + parts[1][offset + i];
     return;
@@ -89,7 +98,7 @@ class InProcessComm : public Communicator {
   void broadcast(void* buf, size_t bytes, int root) override {
     stats.add("broadcast", rank_ == root ? bytes * (size() - 1) : 0);
     post(buf, bytes);
-    if (rank_ != root) std::memcpy(buf, hub_->posted[root], bytes);
+    if (rank_ != root) copy_bytes(buf, hub_->posted[root], bytes);
     hub_->wait_all();
   }
 
@@ -99,7 +108,7 @@ class InProcessComm : public Communicator {
     post(buf, count * 4);
     std::vector<float> out = tree_over_ranks(0, count);
     hub_->wait_all();
-    std::memcpy(buf, out.data(), count * 4);
+    copy_bytes(buf, out.data(), count * 4);
   }
 
   void all_reduce_sum(int64_t* buf, size_t count) override {
@@ -111,7 +120,7 @@ class InProcessComm : public Communicator {
       for (size_t i = 0; i < count; ++i) out[i] += p[i];  // integers: order is irrelevant
     }
     hub_->wait_all();
-    std::memcpy(buf, out.data(), count * 8);
+    copy_bytes(buf, out.data(), count * 8);
   }
 
   void reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) override {
@@ -124,7 +133,7 @@ class InProcessComm : public Communicator {
     post(send, total * 4);
     std::vector<float> out = tree_over_ranks(offset, counts[rank_]);
     hub_->wait_all();
-    std::memcpy(recv, out.data(), counts[rank_] * 4);
+    copy_bytes(recv, out.data(), counts[rank_] * 4);
   }
 
   void all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
@@ -132,7 +141,7 @@ class InProcessComm : public Communicator {
     post(send, bytes[rank_]);
     size_t off = 0;
     for (int r = 0; r < size(); ++r) {
-      std::memcpy((char*)recv + off, hub_->posted[r], bytes[r]);
+      copy_bytes((char*)recv + off, hub_->posted[r], bytes[r]);
       off += bytes[r];
     }
     hub_->wait_all();
@@ -158,7 +167,7 @@ class InProcessComm : public Communicator {
       const size_t n = p->offsets[rank_ + 1] - p->offsets[rank_];
       if (n != recv_bytes[r]) throw std::logic_error("all_to_all: rank " + std::to_string(r) + " sends " +
                                                      std::to_string(n) + " bytes, expected " + std::to_string(recv_bytes[r]));
-      std::memcpy((char*)recv + off, p->base + p->offsets[rank_], n);
+      copy_bytes((char*)recv + off, p->base + p->offsets[rank_], n);
       off += n;
     }
     hub_->wait_all();
@@ -177,7 +186,7 @@ class InProcessComm : public Communicator {
     hub_->cv.wait(lk, [&] { return !box.empty() || hub_->aborted; });
     if (box.empty()) throw std::runtime_error("another rank failed");
     if (box.front().size() != bytes) throw std::logic_error("recv: message size differs from the expected size");
-    std::memcpy(buf, box.front().data(), bytes);
+    copy_bytes(buf, box.front().data(), bytes);
     box.pop_front();
   }
 
