@@ -109,20 +109,10 @@ void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int 
   parallel_for_groups_of_8(N, [&](int64_t n0, int R) {
     float ss[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     const float* xg = x + n0 * D;
-    if (R == 8) {
-      // Token k's fold runs in lane k: eight features at a time, transposed.
+    if (R == 8) {  // token k's fold in lane k
       const float* rows[8];
       for (int k = 0; k < 8; ++k) rows[k] = xg + (int64_t)k * D;
-      __m256 acc = _mm256_setzero_ps();
-      int i = 0;
-      for (; i + 8 <= D; i += 8) {
-        __m256 c[8];
-        columns8(rows, i, c);
-        for (int j = 0; j < 8; ++j) acc = _mm256_fmadd_ps(c[j], c[j], acc);
-      }
-      _mm256_storeu_ps(ss, acc);
-      for (; i < D; ++i)
-        for (int k = 0; k < 8; ++k) ss[k] = ls::fma(xg[k * D + i], xg[k * D + i], ss[k]);
+      dots8(rows, rows, D, ss);
     } else {
       for (int k = 0; k < R; ++k)
         for (int i = 0; i < D; ++i) ss[k] = ls::fma(xg[k * D + i], xg[k * D + i], ss[k]);
