@@ -220,6 +220,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   if (B % leaf_samples_ != 0)
     throw std::invalid_argument("engine: batch " + std::to_string(B) + " is not a multiple of numerics.leaf_samples");
   const float scale = 1.0f / ls::sqrt((float)hd);
+  const int64_t probs = ops::attention_probs_floats(S);  // floats of one (sample, head)'s attention P
   Workspace& ws = *ws_;
   const float* wbase = wsrc_ ? wsrc_ : w_.data();
   auto W = [&](const std::string& name) { return wbase + param(name).offset; };
@@ -280,7 +281,6 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     A.qkv.resize(N * 3 * D);
     ops::linear(A.a.data(), N, D, wqkv, 3 * D, A.qkv.data());
     T("fwd", l, "qkv", "out", A.qkv.data(), {N, 3 * D});
-    const int64_t probs = ops::attention_probs_floats(S);
     A.att.resize((size_t)B * H * probs);
     A.o.resize(N * D);
     parallel_tasks_with<ops::AttentionScratch>(B * H, [&](ops::AttentionScratch& scratch, int64_t bh) {
@@ -642,8 +642,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
       float* dbase = ws.dqkv.data() + (int64_t)b * S * 3 * D + hh * hd;
       ops::attention_backward(base, base + D, base + 2 * D, 3 * D, S, hd, scale,
-                              A.att.data() + bh * ops::attention_probs_floats(S),
-                              ws.dO.data() + (int64_t)b * S * D + hh * hd, D,
+                              A.att.data() + bh * probs, ws.dO.data() + (int64_t)b * S * D + hh * hd, D,
                               dbase, dbase + D, dbase + 2 * D, 3 * D, scratch);
     });
     T("bwd", l, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D});

@@ -136,7 +136,7 @@ void softmax_backward_blocks_scalar(const float* P, float* dp, int S, float scal
 void softmax_blocks(float* s, int S, float scale) {
   const GemmPath path = gemm_path();
   if (path == GemmPath::kAvx512) return internal::softmax_blocks_avx512(s, S, scale);
-  if (path == GemmPath::kAvx2) return attention_kernels::softmax_blocks<internal::Avx2>(s, S, scale, exp_n);
+  if (path == GemmPath::kAvx2) return attention_kernels::softmax_blocks<internal::Avx2>(s, S, scale);
   softmax_blocks_scalar(s, S, scale);
 }
 
@@ -156,8 +156,8 @@ float attention_prob(const float* P, int S, int t, int u) { return P[blocked_ind
 void attention_forward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                        float* P, float* o, int64_t ldo, AttentionScratch& sc) {
   scores(q, ld, k, ld, S, hd, P, sc.t1);  // s(t, u) over the feature j
-  softmax_blocks(P, S, scale);        // row t over u <= t
-  causal<true>(P, S, v, ld, o, ldo, hd);
+  softmax_blocks(P, S, scale);            // row t over u <= t
+  causal<true>(P, S, v, ld, o, ldo, hd);  // o over u <= t
 }
 
 void attention_backward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
@@ -165,11 +165,11 @@ void attention_backward(const float* q, const float* k, const float* v, int64_t 
                         AttentionScratch& sc) {
   sc.t0.resize((size_t)attention_probs_floats(S));
   float* dS = sc.t0.data();
-  scores(dO, ldo, v, ld, S, hd, dS, sc.t1);        // dp(t, u) over the feature j
-  softmax_backward_blocks(P, dS, S, scale);         // row t over u <= t
-  causal<true>(dS, S, k, ld, dq, ldd, hd);          // dq over u <= t
-  causal<false>(dS, S, q, ld, dk, ldd, hd);         // dk over t >= u
-  causal<false>(P, S, dO, ldo, dv, ldd, hd);        // dv over t >= u
+  scores(dO, ldo, v, ld, S, hd, dS, sc.t1);   // dp(t, u) over the feature j
+  softmax_backward_blocks(P, dS, S, scale);    // row t over u <= t
+  causal<true>(dS, S, k, ld, dq, ldd, hd);     // dq over u <= t
+  causal<false>(dS, S, q, ld, dk, ldd, hd);    // dk over t >= u
+  causal<false>(P, S, dO, ldo, dv, ldd, hd);   // dv over t >= u
 }
 
 }  // namespace ls::ops

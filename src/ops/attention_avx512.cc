@@ -5,7 +5,6 @@
 
 #include "ops/attention_kernels.h"
 #include "ops/vec_avx512.h"
-#include "ops/vmath.h"
 
 namespace ls {
 namespace ops {
@@ -26,7 +25,7 @@ void causal_scores_avx512(const float* X, int64_t ldx, const float* Y, int64_t l
 }
 
 void softmax_blocks_avx512(float* s, int S, float scale) {
-  attention_kernels::softmax_blocks<Avx512>(s, S, scale, exp_n);
+  attention_kernels::softmax_blocks<Avx512>(s, S, scale);
 }
 
 void softmax_backward_blocks_avx512(const float* P, float* dp, int S, float scale) {

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "ops/transpose8.h"
+#include "ops/vmath.h"
 
 namespace ls {
 namespace ops {
@@ -166,9 +167,9 @@ void scores(const float* X, int64_t ldx, const float* Y, int64_t ldy, int S, int
 // in lanes: row t is scaled, then the softmax over u <= t as ops::softmax
 // does it (the scan's maximum, exp of the shifted score, a sequential sum
 // from +0, one division); entries u > t become +0. Reduces over the key
-// position u <= t. exp_n is vmath's (bit for bit cexp on every path).
+// position u <= t.
 template <class V>
-void softmax_blocks(float* s, int S, float scale, void (*exp_n)(const float*, float*, int64_t)) {
+void softmax_blocks(float* s, int S, float scale) {
   using T = typename V::T;
   constexpr int L = V::kLanes, JV = kBlock / L;
   T lane[JV];  // t - t0 of each lane
@@ -193,7 +194,7 @@ void softmax_blocks(float* s, int S, float scale, void (*exp_n)(const float*, fl
     }
     for (int u = 0; u < U; ++u)
       for (int v = 0; v < JV; ++v) V::store(b + u * kBlock + v * L, V::sub(V::load(b + u * kBlock + v * L), m[v]));
-    exp_n(b, b, (int64_t)U * kBlock);
+    exp_n(b, b, (int64_t)U * kBlock);  // vmath: cexp, bit for bit on every path
     for (int v = 0; v < JV; ++v) sum[v] = V::zero();
     for (int u = 0; u < U; ++u) {
       const T du = V::set1((float)(u - t0));
