@@ -210,8 +210,10 @@ void CheckpointWriter::collect_garbage() {
         with_retries([&] { store_->remove(key); });
     }
   } catch (const StoreError& e) {
-    std::fprintf(stderr, "lockstep: warning: keep_last: could not delete old checkpoint%s%s (%s); "
-                 "the next save retries it, `lockstep ckpt gc` removes torn leftovers\n", dir.empty() ? "s" : " ", dir.c_str(), e.what());
+    std::fprintf(stderr,
+                 "lockstep: warning: keep_last: could not delete old checkpoint%s%s (%s); the next save retries it, "
+                 "`lockstep ckpt gc` removes torn leftovers\n",
+                 dir.empty() ? "s" : " ", dir.c_str(), e.what());
   }
 }
 

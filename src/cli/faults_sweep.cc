@@ -115,8 +115,8 @@ int cmd_faults_sweep(const SweepArgs& a) {
     const fs::path child_log = dir / "children.log";
     so.child_stderr = child_log.string();
     so.heartbeat_timeout = 60;
-    std::error_code size_error;
-    const std::uintmax_t log_start = fs::exists(child_log) ? fs::file_size(child_log, size_error) : 0;
+    std::error_code no_log;  // before the first trial's children write it
+    const std::uintmax_t log_size = fs::file_size(child_log, no_log), log_start = no_log ? 0 : log_size;
     SuperviseResult r = supervise(so);
     const std::string got = r.summary.value("final_state_hash", "");
     if (r.exit_code != 0) {
@@ -124,7 +124,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
       std::string faults_text;
       for (const std::string& f : so.faults) faults_text += (faults_text.empty() ? "" : " ") + f;
       std::fprintf(stderr, "trial %d (%s): FAILED: %s\n%s", trial, faults_text.c_str(), r.error.c_str(),
-                   tail_since(child_log, size_error ? 0 : log_start, 40).c_str());
+                   tail_since(child_log, log_start, 40).c_str());
     } else if (got == golden) {
       ++matches;
     } else {
