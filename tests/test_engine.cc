@@ -316,8 +316,10 @@ TEST_SUITE("engine") {
       int in, out;
     };
     // Leaf offsets: uneven with empty leaves (as an expert sees them), one
-    // leaf, no rows at all, and 37 leaves (a deep, irregular tree).
-    std::vector<std::vector<int64_t>> offsets = {{0, 5, 5, 17, 18, 30, 30, 30, 53}, {0, 53}, {0, 0, 0}, {}};
+    // leaf, no rows at all, leaves that start past row 0, and 37 leaves (a
+    // deep, irregular tree).
+    std::vector<std::vector<int64_t>> offsets = {
+        {0, 5, 5, 17, 18, 30, 30, 30, 53}, {0, 53}, {0, 0, 0}, {7, 12, 12, 40}, {}};
     for (int l = 0; l <= 37; ++l) offsets.back().push_back(l * 53 / 37);
     const int N = 53;
     for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {

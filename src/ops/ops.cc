@@ -28,10 +28,10 @@ void linear_input_grad(const float* dY, int64_t N, int out, const float* W, int 
 
 namespace internal {
 // weight_grad_avx512.cc: the leaf_grad.h kernel with 8 x 32 tiles.
-int64_t leaf_grad_stack_floats_avx512(int64_t leaves);
+int64_t leaf_grad_scratch_floats_avx512(int64_t leaves, int64_t rows);
 void leaf_grad_column_tiles_avx512(const float* X, int64_t ldx, const float* dY, int64_t ldy,
                                    const int64_t* leaf_off, int64_t leaves, int i0, int i1, int j0, int j1, float* dW,
-                                   int64_t ldw, float* stack);
+                                   int64_t ldw, float* scratch);
 }  // namespace internal
 
 namespace {
@@ -87,10 +87,11 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
   const int threads = run_inline(2) ? 1 : omp_get_max_threads();
   int groups = 1;
   while (col_blocks * groups < 2 * threads && groups * 2 <= row_blocks) groups *= 2;
-  const int64_t stack = avx512 ? internal::leaf_grad_stack_floats_avx512(leaves)
-                               : leaf_grad::stack_floats<internal::Avx2, 6, 2>(leaves);
+  const int64_t rows = leaf_off[leaves] - leaf_off[0];
+  const int64_t scratch_floats = avx512 ? internal::leaf_grad_scratch_floats_avx512(leaves, rows)
+                                        : leaf_grad::scratch_floats<internal::Avx2, 6, 2>(leaves, rows);
   parallel_tasks_with<std::vector<float>>((int64_t)col_blocks * groups, [&](std::vector<float>& scratch, int64_t t) {
-    scratch.resize((size_t)stack);
+    scratch.resize((size_t)scratch_floats);
     const int jb = (int)(t / groups), g = (int)(t % groups);
     const int i0 = row_blocks * g / groups * R, i1 = std::min(in, row_blocks * (g + 1) / groups * R);
     const int j0 = jb * C, j1 = std::min(out, j0 + C);

@@ -9,12 +9,14 @@ namespace ls {
 namespace ops {
 namespace internal {
 
-int64_t leaf_grad_stack_floats_avx512(int64_t leaves) { return leaf_grad::stack_floats<Avx512, 8, 2>(leaves); }
+int64_t leaf_grad_scratch_floats_avx512(int64_t leaves, int64_t rows) {
+  return leaf_grad::scratch_floats<Avx512, 8, 2>(leaves, rows);
+}
 
 void leaf_grad_column_tiles_avx512(const float* X, int64_t ldx, const float* dY, int64_t ldy,
                                    const int64_t* leaf_off, int64_t leaves, int i0, int i1, int j0, int j1, float* dW,
-                                   int64_t ldw, float* stack) {
-  leaf_grad::column_tiles<Avx512, 8, 2>(X, ldx, dY, ldy, leaf_off, leaves, i0, i1, j0, j1, dW, ldw, stack);
+                                   int64_t ldw, float* scratch) {
+  leaf_grad::column_tiles<Avx512, 8, 2>(X, ldx, dY, ldy, leaf_off, leaves, i0, i1, j0, j1, dW, ldw, scratch);
 }
 
 }  // namespace internal
