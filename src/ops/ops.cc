@@ -90,8 +90,11 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
   const int64_t rows = leaf_off[leaves] - leaf_off[0];
   const int64_t scratch_floats = avx512 ? internal::leaf_grad_scratch_floats_avx512(leaves, rows)
                                         : leaf_grad::scratch_floats<internal::Avx2, 6, 2>(leaves, rows);
-  parallel_tasks_with<std::vector<float>>((int64_t)col_blocks * groups, [&](std::vector<float>& scratch, int64_t t) {
-    scratch.resize((size_t)scratch_floats);
+  parallel_tasks((int64_t)col_blocks * groups, [&](int64_t t) {
+    // Kept per thread across calls: a fresh vector would malloc and zero it
+    // for every call (every expert's every gradient).
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < (size_t)scratch_floats) scratch.resize((size_t)scratch_floats);
     const int jb = (int)(t / groups), g = (int)(t % groups);
     const int i0 = row_blocks * g / groups * R, i1 = std::min(in, row_blocks * (g + 1) / groups * R);
     const int j0 = jb * C, j1 = std::min(out, j0 + C);
