@@ -139,15 +139,18 @@ TEST_SUITE("engine") {
       }
       const float *pa[8], *pb[8];
       for (int r = 0; r < 8; ++r) pa[r] = a[r].data(), pb[r] = b[r].data();
-      float out[8], sums[8];
+      float out[8], sums[8], squares[8];
       ls::ops::dots8(pa, pb, n, out);
       ls::ops::sums8(pa, n, sums);
+      ls::ops::dots8(pa, pa, n, squares);  // one operand: its own path
       for (int r = 0; r < 8; ++r) {
-        float want = 0.0f, want_sum = 0.0f;
+        float want = 0.0f, want_sum = 0.0f, want_sq = 0.0f;
         for (int i = 0; i < n; ++i) want = ls::fma(a[r][i], b[r][i], want);
         for (int i = 0; i < n; ++i) want_sum = want_sum + a[r][i];
+        for (int i = 0; i < n; ++i) want_sq = ls::fma(a[r][i], a[r][i], want_sq);
         CHECK(ls::bits(out[r]) == ls::bits(want));
         CHECK(ls::bits(sums[r]) == ls::bits(want_sum));
+        CHECK(ls::bits(squares[r]) == ls::bits(want_sq));
       }
     }
   }
@@ -361,9 +364,10 @@ TEST_SUITE("engine") {
     omp_set_num_threads(omp_get_num_procs());
   }
 
-  TEST_CASE("param_sumsq: eight blocks side by side give the contract's bits") {
+  TEST_CASE("param_sumsq: sixteen or eight blocks side by side give the contract's bits") {
     const int64_t B = ls::kParamBlock;
-    for (int64_t n : {int64_t(0), int64_t(1), B - 1, B, B + 1, 8 * B, 8 * B + 5, 17 * B + 3, int64_t(100003)}) {
+    for (int64_t n : {int64_t(0), int64_t(1), B - 1, B, B + 1, 8 * B, 8 * B + 5, 16 * B, 17 * B + 3, 24 * B + 7,
+                      int64_t(100003)}) {
       CAPTURE(n);
       auto v = random_vec((size_t)n, 77 + n, 3.0f);
       CHECK(ls::bits(ls::ops::param_sumsq(v.data(), n)) == ls::bits(ls::param_sumsq(v.data(), n)));
