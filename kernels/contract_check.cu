@@ -12,3 +12,14 @@ __global__ void contract_math_check(const float* in, float* out, int n) {
   out[6 * i + 4] = ls::csin(v);
   out[6 * i + 5] = ls::ccos(v);
 }
+// The canonical leaf tree too (one thread: it is sequential by definition).
+__global__ void leaf_tree_check(float* scratch, const float* leaves, int n, int width, float* out) {
+  ls::LeafTree tree(scratch, width);
+  for (int l = 0; l < n; ++l) {
+    float* leaf = tree.next_leaf();
+    for (int i = 0; i < width; ++i) leaf[i] = leaves[l * width + i];
+    tree.push();
+  }
+  const float* sum = tree.finish();
+  for (int i = 0; i < width; ++i) out[i] = sum[i];
+}

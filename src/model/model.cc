@@ -680,8 +680,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       const bool by_token = t < tok_blocks;
       const int64_t r0 = (by_token ? t : t - tok_blocks) * kRows;
       const int64_t rows = std::min(kRows, (by_token ? V : S) - r0), width = rows * D;
-      const int levels = LeafTree::levels_for(leaves);
-      scratch.resize((size_t)levels * width);
+      scratch.resize((size_t)LeafTree::levels_for(leaves) * width);
       uint32_t mask[64];  // rows of each stack entry that are not +0
       int depth = 0;
       // left += right over the rows right holds: a row only right holds is
@@ -718,10 +717,9 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
           for (int64_t s0 = lf * leaf; s0 < (lf + 1) * leaf; s0 += S)
             for (int64_t row = 0; row < rows; ++row) add_token(s0 + r0 + row, row);
         }
-        // Push (LeafTree::push): every leaf counts one, so leaf lf merges with
-        // as many entries as lf has trailing ones.
+        // Push, merging left + right as LeafTree::push does.
         mask[depth++] = touched;
-        for (int m = __builtin_ctzll(~(uint64_t)lf); m > 0; --m) merge(--depth - 1);
+        for (int m = LeafTree::merges_on_push(lf); m > 0; --m) merge(--depth - 1);
       }
       // Fold the stack right to left (LeafTree::finish); no leaves give +0.
       for (int d = depth - 2; d >= 0; --d) merge(d);

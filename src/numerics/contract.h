@@ -113,22 +113,32 @@ LS_HD float param_sumsq(const float* v, int64_t n) {
 // scratch of (levels * width) floats; push leaves in leaf order, then
 // finish(). Used for every reduction over tokens (weight gradients, loss).
 struct LeafTree {
-  float* slots;       // levels * width scratch
+  float* slots;  // levels * width scratch
   int64_t width;
-  int64_t sizes[64];  // leaves held by each stack entry
+  int64_t pushed = 0;  // leaves so far
   int depth = 0;
 
   LS_HD LeafTree(float* scratch, int64_t w) : slots(scratch), width(w) {}
+  // Merges (left + right) that pushing leaf `index` (from 0) makes: every
+  // entry of the stack holds a power-of-two count of leaves, so the stack
+  // spells index in binary and the new leaf merges with as many entries as
+  // index has trailing ones. For kernels that run this tree themselves.
+  LS_HD static int merges_on_push(int64_t index) {
+#if defined(__CUDA_ARCH__)
+    return __ffsll(~(long long)index) - 1;
+#else
+    return __builtin_ctzll(~(uint64_t)index);
+#endif
+  }
   // Returns the buffer the next leaf must be written into (width floats).
   LS_HD float* next_leaf() { return slots + (int64_t)depth * width; }
   // Commits the leaf written into next_leaf(); merges equal-sized subtrees.
   LS_HD void push() {
-    sizes[depth++] = 1;
-    while (depth >= 2 && sizes[depth - 1] == sizes[depth - 2]) {
+    ++depth;
+    for (int m = merges_on_push(pushed++); m > 0; --m) {
       float* l = slots + (int64_t)(depth - 2) * width;
       const float* r = slots + (int64_t)(depth - 1) * width;
       for (int64_t i = 0; i < width; ++i) l[i] = l[i] + r[i];
-      sizes[depth - 2] *= 2;
       --depth;
     }
   }

@@ -6,8 +6,8 @@
 // token index k: per leaf the sequential fma fold over the leaf's rows from
 // +0 stays in registers, and the canonical leaf tree (contract.h's LeafTree:
 // equal-sized subtrees merge as leaves arrive, the stack folds right to left
-// at the end) keeps its partial sums in a small stack of tiles in L1. No
-// A row of X gives R broadcasts, a row of the column block's dY panel JV
+// at the end) keeps its partial sums in a small stack of tiles in L1. A
+// row of X gives R broadcasts, a row of the column block's dY panel JV
 // vectors. The panel (column_tiles packs it once for all the block's tiles)
 // keeps the tiles' loads sequential: dY rows read in place at power-of-two
 // strides fall into a few L1 sets and evict each other.
@@ -22,10 +22,18 @@ namespace ops {
 namespace leaf_grad {
 
 // Scratch floats column_tiles needs for `leaves` leaves over `rows` rows of
-// X and dY: the tiles' leaf stack, then the dY panel.
+// X and dY: the tiles' leaf stack, then the dY panel (16 floats of slack to
+// align it).
 template <class V, int R, int JV>
 int64_t scratch_floats(int64_t leaves, int64_t rows) {
   return ((int64_t)LeafTree::levels_for(leaves) * R + rows) * JV * V::kLanes + 16;
+}
+
+// Lanes of vector v (0 .. JV-1) that fall inside `cols` columns.
+template <class V>
+int lanes_in(int cols, int v) {
+  const int n = cols - v * V::kLanes;
+  return n < 0 ? 0 : (n > V::kLanes ? V::kLanes : n);
 }
 
 // dW[i0 + r][j0 + c] for r < rows (<= R), c < cols (<= JV * lanes). The
@@ -37,7 +45,7 @@ void tile(const float* X, int64_t ldx, const float* y0, int64_t ldy, const int64
   using T = typename V::T;
   constexpr int L = V::kLanes, W = R * JV * L;  // floats per stack entry
   int lanes[JV];
-  for (int v = 0; v < JV; ++v) lanes[v] = cols - v * L < 0 ? 0 : (cols - v * L > L ? L : cols - v * L);
+  for (int v = 0; v < JV; ++v) lanes[v] = lanes_in<V>(cols, v);
   int depth = 0;  // stack entries
   T acc[R][JV];
   for (int64_t l = 0; l < leaves; ++l) {
@@ -54,10 +62,8 @@ void tile(const float* X, int64_t ldx, const float* y0, int64_t ldy, const int64
         for (int v = 0; v < JV; ++v) acc[r][v] = V::fma(a, b[v], acc[r][v]);
       }
     }
-    // Push the leaf (as LeafTree::push): every leaf counts one, so the stack
-    // spells l in binary and the leaf merges (left + right) with as many
-    // entries as l has trailing ones.
-    const int merges = __builtin_ctzll(~(uint64_t)l);
+    // Push the leaf, merging left + right as LeafTree::push does.
+    const int merges = LeafTree::merges_on_push(l);
     for (int d = depth - 1; d >= depth - merges; --d) {
       const float* left = stack + (int64_t)d * W;
       for (int r = 0; r < R; ++r)
@@ -101,30 +107,25 @@ void column_tiles(const float* X, int64_t ldx, const float* dY, int64_t ldy, con
   panel += (64 - (reinterpret_cast<uintptr_t>(panel) & 63)) / 4 & 15;
   const int64_t k0 = leaf_off[0], k1 = leaf_off[leaves];
   constexpr int64_t kL1PanelFloats = 32 * 1024 / 4;
+  const float* y0 = panel;  // the block's dY row k0, and the stride of its rows
+  int64_t ly = C;
   if (cols == C && (k1 - k0) * C > kL1PanelFloats && ldy % 256 != 0) {
-    for (int i = i0; i < i1; i += R) {
-      const int rows = i1 - i < R ? i1 - i : R;
-      if (rows == R)
-        tile<V, R, JV, true>(X, ldx, dY + k0 * ldy + j0, ldy, leaf_off, leaves, i, rows, j0, cols, dW, ldw, stack);
-      else
-        tile<V, R, JV, false>(X, ldx, dY + k0 * ldy + j0, ldy, leaf_off, leaves, i, rows, j0, cols, dW, ldw, stack);
+    y0 = dY + k0 * ldy + j0;
+    ly = ldy;
+  } else {
+    for (int64_t k = k0; k < k1; ++k) {
+      const float* y = dY + k * ldy + j0;
+      float* p = panel + (k - k0) * C;
+      for (int v = 0; v < JV; ++v)
+        V::store(p + v * L, cols == C ? V::load(y + v * L) : V::load_first(y + v * L, lanes_in<V>(cols, v)));
     }
-    return;
-  }
-  int lanes[JV];
-  for (int v = 0; v < JV; ++v) lanes[v] = cols - v * L < 0 ? 0 : (cols - v * L > L ? L : cols - v * L);
-  for (int64_t k = k0; k < k1; ++k) {
-    const float* y = dY + k * ldy + j0;
-    float* p = panel + (k - k0) * C;
-    for (int v = 0; v < JV; ++v)
-      V::store(p + v * L, cols == C ? V::load(y + v * L) : V::load_first(y + v * L, lanes[v]));
   }
   for (int i = i0; i < i1; i += R) {
     const int rows = i1 - i < R ? i1 - i : R;
     if (rows == R && cols == C)
-      tile<V, R, JV, true>(X, ldx, panel, C, leaf_off, leaves, i, rows, j0, cols, dW, ldw, stack);
+      tile<V, R, JV, true>(X, ldx, y0, ly, leaf_off, leaves, i, rows, j0, cols, dW, ldw, stack);
     else
-      tile<V, R, JV, false>(X, ldx, panel, C, leaf_off, leaves, i, rows, j0, cols, dW, ldw, stack);
+      tile<V, R, JV, false>(X, ldx, y0, ly, leaf_off, leaves, i, rows, j0, cols, dW, ldw, stack);
   }
 }
 
