@@ -9,11 +9,13 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <sstream>
 
 #include "cli/bisect.h"
 #include "cli/self_exe.h"
 #include "cli/faults_sweep.h"
 #include "common/error.h"
+#include "common/json_input.h"
 #include "ops/gemm.h"
 #include "ckpt/checkpointer.h"
 #include "ckpt/gc.h"
@@ -33,13 +35,11 @@ using namespace ls;
 namespace {
 
 nlohmann::json read_json_file(const std::string& path) {
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   if (!in) throw UserError(path + ": cannot open file");
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw UserError(path + ": malformed JSON: " + e.what());
-  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse_untrusted_json(text.str(), path);
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {

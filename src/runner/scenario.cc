@@ -23,6 +23,7 @@
 #include <xxhash.h>
 
 #include "common/error.h"
+#include "common/json_input.h"
 #include "common/text.h"
 #include "faults/fault_spec.h"
 
@@ -30,6 +31,9 @@ namespace ls {
 namespace {
 
 using json = nlohmann::json;
+
+// Scenarios are written by hand; a bigger file is a mistake (or hostile).
+constexpr size_t kMaxScenarioBytes = size_t(16) << 20;
 
 // ---------------------------------------------------------------- values ---
 
@@ -396,7 +400,8 @@ std::vector<Row> make_rows() {
             "Evaluate validation BPB every N steps; 0 = only after the last step.",
             {at_least(0)}),
       field("train.eval_batches", [](S& s) -> int& { return s.eval_batches; },
-            "Validation batches per evaluation.", {at_least(1)}),
+            "Validation batches per evaluation (bounded: each is a full forward pass of train.batch).",
+            {in_range(1, 4096)}),
 
       field("data.path", [](S& s) -> std::string& { return s.data.path; },
             "File of training bytes; empty = the built-in synthetic corpus."),
@@ -538,6 +543,11 @@ bool is_section(const std::string& key) {
 // "unknown key 'moe.topk' (did you mean 'moe.top_k'?)"; without a close
 // match, lists the keys of the enclosing section instead.
 std::string unknown_key(const std::string& key) {
+  // The edit distance costs key length x candidate length per candidate.
+  constexpr size_t kLongestSuggested = 128;
+  if (key.size() > kLongestSuggested)
+    return "unknown key '" + quote_for_message(key) + "' (" + std::to_string(key.size()) +
+           " bytes; no key is that long)";
   std::string best;
   size_t best_d = std::numeric_limits<size_t>::max();
   auto consider = [&](const std::string& c) {
@@ -595,11 +605,12 @@ struct Loader {
 
   // Puts one override into the document, creating sections as needed.
   void apply_set(json& doc, const std::string& set) {
+    if (!valid_utf8(set)) throw UserError("--set '" + quote_for_message(set) + "': not valid UTF-8");
     size_t eq = set.find('=');
     if (eq == std::string::npos || eq == 0)
-      throw UserError("--set '" + set + "': expected dotted.key=value");
+      throw UserError("--set '" + quote_for_message(set) + "': expected dotted.key=value");
     const std::string key = set.substr(0, eq), raw = set.substr(eq + 1);
-    const std::string who = "--set " + set;
+    const std::string who = "--set " + quote_for_message(set, 200);
     const Row* row = find_row(key);
     if (!row) {
       if (is_section(key)) {
@@ -612,11 +623,16 @@ struct Loader {
       }
       throw UserError(who + ": " + unknown_key(key));
     }
+    if (json_depth_violation(raw, kMaxJsonDepth, false) != std::string::npos)
+      throw UserError(who + ": JSON value nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
     json value;
     try {
       value = json::parse(raw);
     } catch (const json::parse_error&) {
       value = raw;  // not JSON: a bare string
+    } catch (const json::exception&) {
+      // A number beyond binary64 (1e400): not a bare string either.
+      throw UserError(who + ": number out of range");
     }
     // For a string key the text is the value (name=123 means "123") unless
     // it was written as a quoted JSON string.
@@ -643,7 +659,7 @@ struct Loader {
       const std::string& k = item.key();
       const std::string full = prefix.empty() ? k : prefix + "." + k;
       if (k.find('.') != std::string::npos)
-        throw UserError(origin + ": key '" + full + "' contains '.'; nest it as an object " +
+        throw UserError(origin + ": key '" + quote_for_message(full) + "' contains '.'; nest it as an object " +
                         "(e.g. {\"model\": {\"d_model\": 64}})");
       if (const Row* row = find_row(full)) {
         if (std::string e = row->decode(s, item.value()); !e.empty()) fail(full, e);
@@ -718,17 +734,11 @@ Scenario load_scenario(const std::string& path, const std::vector<std::string>& 
   text << in.rdbuf();
   if (in.bad()) throw UserError(path + ": cannot read scenario file: " + std::strerror(errno));
 
-  json j;
-  try {
-    // Comments (// and /* */) are allowed: scenarios are written by hand.
-    j = json::parse(text.str(), nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
-  } catch (const json::parse_error& e) {
-    std::string what = e.what();
-    size_t p = what.find("] ");  // drop "[json.exception.parse_error.101] "
-    if (p != std::string::npos) what = what.substr(p + 2);
-    throw UserError(path + ": malformed JSON (byte " + std::to_string(e.byte) + "): " + what);
-  }
-  return scenario_from_json(j, path, sets);
+  // Comments (// and /* */) are allowed: scenarios are written by hand.
+  JsonInputOptions jo;
+  jo.allow_comments = true;
+  jo.max_bytes = kMaxScenarioBytes;
+  return scenario_from_json(parse_untrusted_json(text.str(), path, jo), path, sets);
 }
 
 std::string scenario_fingerprint(const Scenario& s) {
