@@ -20,6 +20,7 @@
 #include "ckpt/checkpointer.h"
 #include "ckpt/gc.h"
 #include "runner/golden.h"
+#include "runner/memory_plan.h"
 #include "runner/supervisor.h"
 #include "faults/fault_spec.h"
 #include "faults/injector.h"
@@ -74,7 +75,7 @@ struct RunArgs {
   std::string backend = "engine";
   int steps = -1;
   std::string out_dir;
-  bool json = false, progress = false, quiet = false;
+  bool json = false, progress = false, quiet = false, dry_run = false;
   std::string trace, trace_dump, debug_reorder, resume;
   std::vector<std::string> faults;
   bool supervise = false;
@@ -84,8 +85,34 @@ struct RunArgs {
   std::vector<std::string> debug_bumps;
 };
 
+// plan / run --dry-run: the memory estimate per part, nothing trained.
+int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
+  const MemoryEstimate e = estimate_run_memory(s, opt);
+  const uint64_t available = available_memory_bytes();
+  if (as_json) {
+    nlohmann::json j = memory_estimate_json(e, available);
+    j["scenario"] = s.name;
+    j["fits"] = !available || e.total_bytes <= available;
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("scenario %s: d_model %d, %d layers, %d experts top-%d, batch %d x seq %d, mesh dp %d ep %d%s\n",
+                s.name.c_str(), s.model.d_model, s.model.n_layers, s.model.experts, s.model.top_k, s.batch,
+                s.model.seq_len, s.mesh.dp, s.mesh.ep, s.mesh.fsdp ? " fsdp" : "");
+    std::printf("%s", format_memory_estimate(e, available).c_str());
+    if (available && e.total_bytes > available) std::printf("does not fit: `lockstep run` would refuse it\n");
+  }
+  return 0;
+}
+
 int cmd_run(const RunArgs& a, const char* self) {
   Scenario s = load_scenario(a.scenario, a.sets);
+  if (a.dry_run) {
+    RunOptions po;
+    po.backend = parse_backend(a.backend);
+    po.threads = a.threads;
+    po.resume = a.resume;
+    return cmd_plan(s, po, a.json);
+  }
   std::vector<FaultSpec> faults = s.faults;
   for (const std::string& f : a.faults) faults.push_back(parse_fault(f));
   const bool child = !a.fault_state.empty();
@@ -389,6 +416,7 @@ int main(int argc, char** argv) {
   run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");
   run->add_flag("--progress", ra.progress, "progress lines on stderr even when it is not a terminal");
   run->add_flag("--quiet", ra.quiet, "no progress lines");
+  run->add_flag("--dry-run", ra.dry_run, "print the memory estimate per part (as `plan`) and train nothing");
   run->add_option("--resume", ra.resume,
                   "continue from the latest committed checkpoint at URL (or URL@STEP), on this run's mesh");
   run->add_option("--fault", ra.faults,
@@ -405,6 +433,16 @@ int main(int argc, char** argv) {
       ->group("Debug");
   run->add_option("--debug-bump", ra.debug_bumps, "debug only: PARAM[INDEX]@STEP adds one ulp to a weight")
       ->group("Debug");
+
+  RunArgs pa;
+  auto* plan = app.add_subcommand("plan", "estimate a scenario's memory per part (weights, moments, activations, MoE "
+                                          "buffers, checkpoint staging) against what is available; trains nothing");
+  plan->add_option("scenario", pa.scenario, "scenario JSON file")->required();
+  plan->add_option("--set", pa.sets, "override a scenario key: dotted.key=value (repeatable)");
+  plan->add_option("--threads", pa.threads, "worker threads the run would use")->check(CLI::Range(1, 1024));
+  plan->add_option("--backend", pa.backend, "engine or reference");
+  plan->add_option("--resume", pa.resume, "count the restore buffers of a resumed run");
+  plan->add_flag("--json", pa.json, "one JSON object");
 
   GoldenArgs ga;
   auto* golden = app.add_subcommand("golden", "write golden/<name>.json: per-step loss bits and state hashes");
@@ -495,6 +533,10 @@ int main(int argc, char** argv) {
   }
   try {
     if (*run) return cmd_run(ra, self_executable().c_str());
+    if (*plan) {
+      pa.dry_run = true;
+      return cmd_run(pa, self_executable().c_str());
+    }
     if (*golden) return cmd_golden(ga);
     if (*check) return cmd_check(ca);
     if (*bisect) return cmd_bisect(ba);

@@ -1,3 +1,4 @@
+#include "runner/memory_plan.h"
 #include "runner/runner.h"
 
 #include <omp.h>
@@ -255,6 +256,9 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.threads = opt.backend == Backend::kReference ? 1 : omp_get_max_threads();
   r.steps = opt.steps >= 0 ? opt.steps : s.steps;
   const int T = s.model.seq_len, B = s.batch;
+  // Before anything is allocated: a scenario that cannot fit is refused.
+  r.memory_estimate_bytes = estimate_run_memory(s, opt).total_bytes;
+  if (opt.memory_check) check_run_memory(s, opt);
   Corpus corpus = load_corpus(s.data, s.seed, T);
   std::unique_ptr<Trainer> trainer = make_trainer(s, opt.backend);
   if (auto* cluster = dynamic_cast<ClusterTrainer*>(trainer.get())) {
@@ -434,6 +438,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.mesh = s.mesh;
   // Collective bytes of the training steps (taken before evaluation adds its own).
   for (auto& [k, b] : train_bytes) r.bytes_sent_per_step[k] = r.steps > start ? (double)b / (r.steps - start) : 0;
+  r.peak_rss_bytes = peak_rss_bytes();
   return r;
 }
 
@@ -468,6 +473,7 @@ nlohmann::json result_json(const RunResult& r) {
   if (r.resumed_from) j["resumed_from"] = r.resumed_from;
   if (!r.checkpoint.is_null()) j["checkpoint"] = r.checkpoint;
   if (!r.restore.is_null()) j["restore"] = r.restore;
+  j["memory"] = {{"estimated_total_bytes", r.memory_estimate_bytes}, {"peak_rss_bytes", r.peak_rss_bytes}};
   return j;
 }
 
