@@ -59,6 +59,7 @@ TEST_SUITE("hostile") {
     check_refused(run_cli("run " + write_temp("utf8.json", "{\"name\": \"\xff\xfe\"}").string()), "utf8.json");
     check_refused(run_cli("run " + write_temp("longkey.json", "{\"" + std::string(1 << 20, 'k') + "\": 1}").string()),
                   "no key is that long");
+    check_refused(run_cli("run /dev/zero"), "more than the limit");
     check_refused(run_cli("run " + write_temp("big.json", "{\"description\": \"" + std::string(17 << 20, 'x') + "\"}").string()),
                   "more than the limit");
   }
@@ -126,6 +127,8 @@ TEST_SUITE("hostile") {
     refused_by_diff_and_report("bad-sample.jsonl",
                                header + R"({"kind":"tensor","step":1,"phase":"fwd","layer":0,"op":"x","tensor":"y","shape":[2],"hash":"h","sample":["zz"]})" "\n",
                                "sample");
+    // An endless input is refused at the line limit, not read without end.
+    check_refused(run_cli("diff " + good.string() + " /dev/zero"), "longer than the limit");
     // The unmodified trace still compares clean against itself.
     CHECK(run_cli("diff " + good.string() + " " + good.string()).rc == 0);
   }

@@ -36,11 +36,7 @@ using namespace ls;
 namespace {
 
 nlohmann::json read_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UserError(path + ": cannot open file");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return parse_untrusted_json(text.str(), path);
+  return parse_untrusted_json(read_file_limited(path, size_t(64) << 20), path);
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {

@@ -1,6 +1,9 @@
 #include "common/json_input.h"
 
+#include <cerrno>
 #include <charconv>
+#include <cstring>
+#include <fstream>
 
 #include "common/error.h"
 
@@ -50,6 +53,20 @@ nlohmann::json parse_untrusted_json(std::string_view text, const std::string& or
     if (p != std::string::npos) what = what.substr(p + 2);
     throw UserError(origin + ": malformed JSON: " + what);
   }
+}
+
+std::string read_file_limited(const std::string& path, size_t max_bytes) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UserError(path + ": cannot open file: " + std::strerror(errno));
+  std::string out;
+  char buf[1 << 16];
+  while (in.read(buf, sizeof buf) || in.gcount() > 0) {
+    out.append(buf, (size_t)in.gcount());
+    if (out.size() > max_bytes)
+      throw UserError(path + ": more than the limit of " + std::to_string(max_bytes) + " bytes");
+  }
+  if (in.bad()) throw UserError(path + ": read error: " + std::strerror(errno));
+  return out;
 }
 
 bool valid_utf8(std::string_view s) {

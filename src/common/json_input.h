@@ -33,6 +33,11 @@ nlohmann::json parse_untrusted_json(std::string_view text, const std::string& or
 // not count.
 size_t json_depth_violation(std::string_view text, size_t max_depth, bool allow_comments);
 
+// The bytes of file `path`, refusing (UserError naming the file and the
+// limit) one longer than max_bytes before reading it all: /dev/zero or a
+// 100 GB file is an error, not an allocation.
+std::string read_file_limited(const std::string& path, size_t max_bytes);
+
 // True if `s` is well-formed UTF-8 (no overlongs, no surrogates, <= U+10FFFF).
 bool valid_utf8(std::string_view s);
 

@@ -728,17 +728,13 @@ Scenario load_scenario(const std::string& path, const std::vector<std::string>& 
   const fs::file_status st = fs::status(path, ec);
   if (!fs::exists(st)) throw UserError(path + ": scenario file not found");
   if (fs::is_directory(st)) throw UserError(path + ": is a directory, not a scenario file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UserError(path + ": cannot read scenario file: " + std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw UserError(path + ": cannot read scenario file: " + std::strerror(errno));
+  const std::string text = read_file_limited(path, kMaxScenarioBytes);
 
   // Comments (// and /* */) are allowed: scenarios are written by hand.
   JsonInputOptions jo;
   jo.allow_comments = true;
   jo.max_bytes = kMaxScenarioBytes;
-  return scenario_from_json(parse_untrusted_json(text.str(), path, jo), path, sets);
+  return scenario_from_json(parse_untrusted_json(text, path, jo), path, sets);
 }
 
 std::string scenario_fingerprint(const Scenario& s) {

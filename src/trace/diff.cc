@@ -108,6 +108,29 @@ std::string check_record(const nlohmann::json& r, const std::string& kind) {
   return e;
 }
 
+// One line of at most max_bytes into `line` (without the newline); false at
+// the end of the input. A longer line (or /dev/zero) is an error, not an
+// allocation without end.
+bool read_bounded_line(std::istream& in, std::string& line, size_t max_bytes, const std::string& where) {
+  line.clear();
+  char buf[1 << 16];
+  for (;;) {
+    in.getline(buf, sizeof buf);
+    // gcount counts the newline when one ended the read; bytes may be NUL.
+    const bool ended = !in.fail() && !in.eof();
+    line.append(buf, (size_t)in.gcount() - (ended ? 1 : 0));
+    if (line.size() > max_bytes)
+      throw UserError(where + ": a line longer than the limit of " + std::to_string(max_bytes) + " bytes");
+    if (ended) return true;
+    if (in.eof()) return !line.empty();  // the last line, without a newline
+    if (in.bad()) throw UserError(where + ": read error");
+    in.clear();                                    // the buffer filled: the line goes on
+  }
+}
+
+// A record with a dumped tensor of 48M elements fits.
+constexpr size_t kMaxTraceLine = size_t(256) << 20;
+
 }  // namespace
 
 Trace read_trace(const std::string& path) {
@@ -116,7 +139,7 @@ Trace read_trace(const std::string& path) {
   Trace t;
   std::string line;
   int64_t lineno = 0;
-  while (std::getline(in, line)) {
+  while (read_bounded_line(in, line, kMaxTraceLine, path + ":" + std::to_string(lineno + 1))) {
     ++lineno;
     if (line.empty()) continue;
     const std::string where = path + ":" + std::to_string(lineno);
