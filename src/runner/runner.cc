@@ -200,9 +200,19 @@ class ReferenceTrainer : public Trainer {
   void stage_state(std::vector<std::vector<StatePiece>>&) override {
     throw UserError("ckpt: checkpoints are saved by the engine backend (the reference is the spec, not a trainer)");
   }
-  std::vector<StatePiece> state_needs(int) const override { return {}; }
-  void load_piece(int, const StatePiece&, const float*) override {
-    throw UserError("--resume: the reference backend does not resume from checkpoints");
+  // A restore delivers every tensor whole, as the engine's single rank needs it.
+  std::vector<StatePiece> state_needs(int) const override {
+    std::vector<StatePiece> out;
+    for (const char* kind : {"param/", "adam_m/", "adam_v/"})
+      for (const ref::Param<float>& p : model_.params) out.push_back({kind + p.name, p.shape, 0, p.size(), {}});
+    return out;
+  }
+  void load_piece(int, const StatePiece& need, const float* data) override {
+    const size_t slash = need.name.find('/');
+    const std::string kind = need.name.substr(0, slash);
+    ref::Param<float>& p = model_.param(need.name.substr(slash + 1));
+    std::vector<float>& dst = kind == "param" ? p.w : kind == "adam_m" ? p.m : p.v;
+    std::copy(data, data + (need.global_end - need.global_begin), dst.begin() + need.global_begin);
   }
 
  private:
