@@ -55,3 +55,74 @@ TEST_SUITE("harness") {
     CHECK(std::vector<std::string>(all.begin() + 3, all.end()) == tail);
   }
 }
+
+TEST_SUITE("harness") {
+  TEST_CASE("supervised runs: the summary covers every step; --resume, --out and --progress reach the job") {
+    const fs::path sc = write_temp("tiny6.json", kTiny);
+    const auto whole = run_cli("run " + sc.string() + " --json --quiet");
+    REQUIRE(whole.rc == 0);
+    const nlohmann::json w = last_json(whole.out);
+
+    const fs::path ck = fresh_dir("sup-ckpt"), out = fresh_dir("sup-out");
+    const std::string sets = " --set ckpt.url=" + ck.string() + " --set ckpt.every=2";
+    auto r = run_cli("run " + sc.string() + sets + " --fault process_kill@5 --json --out " + out.string());
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    nlohmann::json j = last_json(r.out);
+    CHECK(j.at("final_state_hash") == w.at("final_state_hash"));
+    CHECK(j.at("attempts") == 2);
+    CHECK(j.at("restarts").size() == 1);
+    // Every step's loss, whichever attempt ran it, bit for bit; step 5 ran twice.
+    CHECK(j.at("loss_bits") == w.at("loss_bits"));
+    CHECK(j.at("losses_first_step") == 1);
+    CHECK(j.at("steps_run").get<int>() > j.at("steps").get<int>());
+    CHECK(j.at("eval_bpb") == w.at("eval_bpb"));
+    CHECK(j.at("tokens_per_second").get<double>() > 0);
+    CHECK(nlohmann::json::parse(lstest::slurp(out / "summary.json")).at("final_state_hash") == w.at("final_state_hash"));
+    CHECK(fs::exists(out / "scenario.resolved.json"));
+
+    // ckpt.url now holds the finished job: a new supervised run says it resumes from it.
+    r = run_cli("run " + sc.string() + sets + " --supervise --steps 6 --json");
+    CHECK(r.err.find("already holds committed checkpoints (latest step 6)") != std::string::npos);
+    CHECK(last_json(r.out).at("resumed_existing_checkpoint").at("step") == 6);
+
+    // --resume URL@4 under supervision starts the job at step 4, into a fresh ckpt.url; the
+    // kill at step 5 comes before that job commits anything, so the restart resumes from @4 again.
+    const fs::path ck2 = fresh_dir("sup-ckpt2");
+    r = run_cli("run " + sc.string() + " --set ckpt.url=" + ck2.string() +
+                " --set ckpt.every=2 --fault process_kill@5 --json --resume " + ck.string() + "@4");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    j = last_json(r.out);
+    CHECK(j.at("final_state_hash") == w.at("final_state_hash"));
+    CHECK(j.at("losses_first_step") == 5);
+    CHECK(j.at("resumed_from") == 4);
+    CHECK(j.at("attempts") == 2);
+    const std::vector<std::string> all = w.at("loss_bits"), tail = j.at("loss_bits");
+    CHECK(std::vector<std::string>(all.begin() + 4, all.end()) == tail);
+
+    // --progress reaches the children: their step lines appear.
+    const fs::path ck3 = fresh_dir("sup-ckpt3");
+    r = run_cli("run " + sc.string() + " --set ckpt.url=" + ck3.string() + " --set ckpt.every=2 --supervise --progress");
+    CHECK(r.rc == 0);
+    CHECK(r.err.find("step 6/6") != std::string::npos);
+
+    // What a restarted child cannot honour is refused, not dropped.
+    r = run_cli("run " + sc.string() + sets + " --supervise --trace " + (lstest::cli_temp_dir() / "t.jsonl").string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--trace: not available in a supervised run") != std::string::npos);
+  }
+
+  TEST_CASE("--out is checked before training: a plain file or an unwritable folder is refused at once") {
+    const fs::path sc = write_temp("tiny6.json", kTiny);
+    const fs::path file = write_temp("plain-file", "x");
+    auto r = run_cli("run " + sc.string() + " --out " + file.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("not a folder") != std::string::npos);
+    CHECK(r.out.empty());
+    r = run_cli("run " + sc.string() + " --out /proc/lockstep-out");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--out /proc/lockstep-out") != std::string::npos);
+    CHECK(r.err.find("internal error") == std::string::npos);
+  }
+}

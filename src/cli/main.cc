@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -50,6 +52,20 @@ void write_file_atomic(const std::string& path, const std::string& text) {
   fs::rename(tmp, path);
 }
 
+// --out DIR must be a folder we can write, checked before any training: a
+// plain file or a read-only folder is refused at once, with the OS's reason.
+void check_output_dir(const std::string& dir) {
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) throw UserError("--out " + dir + ": exists and is not a folder");
+  fs::create_directories(dir, ec);
+  if (ec) throw UserError("--out " + dir + ": cannot create the folder: " + ec.message());
+  const fs::path probe = fs::path(dir) / ".lockstep-write-test";
+  std::FILE* f = std::fopen(probe.c_str(), "w");
+  if (!f) throw UserError("--out " + dir + ": cannot write there: " + std::strerror(errno));
+  std::fclose(f);
+  fs::remove(probe, ec);
+}
+
 void print_summary(const RunResult& r, const Scenario& s) {
   std::printf("scenario        %s (%s backend, %d thread%s)\n", r.scenario.c_str(), r.backend.c_str(), r.threads,
               r.threads == 1 ? "" : "s");
@@ -75,7 +91,7 @@ struct RunArgs {
   std::string trace, trace_dump, debug_reorder, resume;
   std::vector<std::string> faults;
   bool supervise = false;
-  std::string fault_state, heartbeat;  // set by the supervisor for its child
+  std::string fault_state, heartbeat, step_log;  // set by the supervisor for its child
   int max_restarts = 8;
   double heartbeat_timeout = 120;
   std::vector<std::string> debug_bumps;
@@ -114,6 +130,15 @@ int cmd_run(const RunArgs& a, const char* self) {
   const bool child = !a.fault_state.empty();
   if (!child && (a.supervise || !faults.empty())) {
     // The supervisor: this process runs the job as children and restarts them.
+    // Options a restarted child could not honour are refused, not dropped.
+    for (const auto& [given, name] : std::vector<std::pair<bool, const char*>>{
+             {!a.trace.empty(), "--trace"}, {!a.trace_dump.empty(), "--trace-dump"},
+             {!a.debug_reorder.empty(), "--debug-reorder"}, {!a.debug_bumps.empty(), "--debug-bump"},
+             {a.dry_run, "--dry-run"}})
+      if (given)
+        throw UserError(std::string(name) + ": not available in a supervised run (--supervise or --fault): a restarted "
+                        "child would start it over; use it in an unsupervised run");
+    if (!a.out_dir.empty()) check_output_dir(a.out_dir);
     SuperviseOptions so;
     so.binary = self;
     so.scenario = a.scenario;
@@ -123,14 +148,33 @@ int cmd_run(const RunArgs& a, const char* self) {
     so.max_restarts = a.max_restarts;
     so.heartbeat_timeout = a.heartbeat_timeout;
     so.progress = a.progress || (!a.quiet && isatty(2));
+    so.child_progress = so.progress;
+    so.resume = a.resume;
     if (a.steps > 0) so.extra_args = {"--steps", std::to_string(a.steps)};
     if (!a.backend.empty() && a.backend != "engine") throw UserError("--supervise: the engine backend only");
     SuperviseResult r = supervise(so);
     if (!r.error.empty()) std::fprintf(stderr, "lockstep: error: %s\n", r.error.c_str());
-    if (a.json) std::printf("%s\n", r.summary.dump().c_str());
-    else if (r.exit_code == 0)
-      std::printf("final_state_hash %s after %zu restart%s\n", r.summary.value("final_state_hash", "").c_str(),
-                  r.summary["restarts"].size(), r.summary["restarts"].size() == 1 ? "" : "s");
+    if (r.exit_code == 0 && !a.out_dir.empty()) {
+      write_file_atomic((fs::path(a.out_dir) / "summary.json").string(), r.summary.dump(2) + "\n");
+      write_file_atomic((fs::path(a.out_dir) / "scenario.resolved.json").string(), s.resolved.dump(2) + "\n");
+    }
+    if (a.json) {
+      std::printf("%s\n", r.summary.dump().c_str());
+    } else if (r.exit_code == 0) {
+      const size_t n = r.summary["restarts"].size();
+      const nlohmann::json& losses = r.summary["losses"];
+      std::printf("supervised      %d attempt%s, %zu restart%s\n", r.summary.value("attempts", 1),
+                  r.summary.value("attempts", 1) == 1 ? "" : "s", n, n == 1 ? "" : "s");
+      if (!losses.empty())
+        std::printf("loss            %.4f -> %.4f nats/byte over steps %d-%d\n", losses.front().get<double>(),
+                    losses.back().get<double>(), r.summary.value("losses_first_step", 1),
+                    r.summary.value("steps", 0));
+      for (const auto& e : r.summary["evals"])
+        std::printf("held-out        step %-6d %.4f bits/byte\n", e["step"].get<int>(), e["bpb"].get<double>());
+      std::printf("speed           %.0f tokens/s over %lld steps run (replays included)\n",
+                  r.summary.value("tokens_per_second", 0.0), (long long)r.summary.value("steps_run", 0));
+      std::printf("final_state_hash %s\n", r.summary.value("final_state_hash", "").c_str());
+    }
     return r.exit_code;
   }
   RunOptions opt;
@@ -150,6 +194,7 @@ int cmd_run(const RunArgs& a, const char* self) {
   opt.faults = faults;
   opt.fault_state = a.fault_state;
   opt.heartbeat = a.heartbeat;
+  opt.step_log = a.step_log;
   if (child) opt.fired = read_fault_state(a.fault_state).indices;
   if (!a.trace_dump.empty()) {
     if (a.trace.empty()) throw UserError("--trace-dump needs --trace FILE");
@@ -160,6 +205,7 @@ int cmd_run(const RunArgs& a, const char* self) {
     opt.debug_reorder_moe_norm = true;
   }
   for (const std::string& b : a.debug_bumps) opt.debug_bumps.push_back(parse_bump(b));
+  if (!a.out_dir.empty()) check_output_dir(a.out_dir);
   RunResult r = run_scenario(s, opt);
   nlohmann::json j = result_json(r);
   if (!a.out_dir.empty()) {
@@ -422,6 +468,7 @@ int main(int argc, char** argv) {
   run->add_option("--heartbeat-timeout", ra.heartbeat_timeout, "supervisor: seconds without progress that count as a hang");
   run->add_option("--fault-state", ra.fault_state, "(set by the supervisor for its child)")->group("");
   run->add_option("--heartbeat", ra.heartbeat, "(set by the supervisor for its child)")->group("");
+  run->add_option("--step-log", ra.step_log, "(set by the supervisor for its child)")->group("");
   run->add_option("--trace", ra.trace, "write a per-op trace (JSON Lines, docs/TRACE.md) to this file");
   run->add_option("--trace-dump", ra.trace_dump, "keep full tensors in the trace for STEP or STEP:OP");
   run->add_option("--debug-reorder", ra.debug_reorder,

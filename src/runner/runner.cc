@@ -220,6 +220,15 @@ class ReferenceTrainer : public Trainer {
   ModelConfig model_cfg_;
 };
 
+// One line, flushed, so that a child killed right after survives in the log.
+void append_step_log(const std::string& path, const std::string& line) {
+  if (path.empty()) return;
+  if (FILE* f = std::fopen(path.c_str(), "a")) {
+    std::fprintf(f, "%s\n", line.c_str());
+    std::fclose(f);
+  }
+}
+
 std::string fmt_duration(double s) {
   char buf[32];
   if (s < 90) std::snprintf(buf, sizeof buf, "%.0fs", s);
@@ -304,6 +313,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     }
     const float bpb = (acc / (float)s.eval_batches) / 0.693147180559945309f;
     r.evals.push_back({step, bpb});
+    append_step_log(opt.step_log, "eval " + std::to_string(step) + " " + hex_bits(bpb));
     if (opt.progress) std::fprintf(stderr, "eval  step %d  held-out %.4f bits/byte\n", step, bpb);
   };
 
@@ -404,6 +414,8 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     if (tracer) tracer->end_step(loss, norm, trainer->state_hash());
     r.losses.push_back(loss);
     r.grad_norms.push_back(norm);
+    append_step_log(opt.step_log, "step " + std::to_string(step + 1) + " " + hex_bits(loss) + " " +
+                                      std::to_string(step_seconds));
     const MeshReport mr = trainer->mesh_report();
     r.moe_rounds.push_back(mr.rounds);
     r.moe_borrowed.push_back(mr.borrowed);
@@ -460,6 +472,8 @@ nlohmann::json result_json(const RunResult& r) {
   j["threads"] = r.threads;
   j["steps"] = r.steps;
   j["final_state_hash"] = r.final_state_hash;
+  // losses cover steps losses_first_step..steps (a resumed run ran only those).
+  j["losses_first_step"] = r.resumed_from + 1;
   j["losses"] = r.losses;
   std::vector<std::string> bits;
   for (float l : r.losses) bits.push_back(hex_bits(l));

@@ -36,6 +36,10 @@ struct RunOptions {
   std::vector<FaultSpec> faults;
   std::set<int> fired;
   std::string fault_state, heartbeat;
+  // A supervised child appends one line per step ("step N LOSS_BITS SECONDS")
+  // and per evaluation ("eval N BPB_BITS") here, so the supervisor can report
+  // every step of the job, whichever attempt ran it.
+  std::string step_log;
   std::string trace_path;     // --trace FILE: per-op trace (docs/TRACE.md)
   DumpSpec trace_dump;        // --trace-dump STEP[:OP]
   // Debug-only perturbations the drift tools are tested against.

@@ -7,6 +7,9 @@
 #include <immintrin.h>
 #endif
 
+#include <cerrno>
+#include <cstring>
+
 #include "common/error.h"
 #include "contract.h"
 
@@ -30,7 +33,7 @@ DumpSpec DumpSpec::parse(const std::string& text) {
 TraceWriter::TraceWriter(const std::string& path, const nlohmann::json& header, DumpSpec dump)
     : path_(path), dump_(std::move(dump)) {
   f_ = std::fopen(path.c_str(), "w");
-  if (!f_) throw UserError("--trace: cannot write '" + path + "'");
+  if (!f_) throw UserError("--trace: cannot write '" + path + "': " + std::strerror(errno));
   nlohmann::json h = header;
   h["kind"] = "header";
   h["format"] = "lockstep-trace-1";
