@@ -126,3 +126,44 @@ TEST_SUITE("harness") {
     CHECK(r.err.find("internal error") == std::string::npos);
   }
 }
+
+TEST_SUITE("harness") {
+  TEST_CASE("faults that can never fire are refused; a planned fault that did not fire fails the run") {
+    const fs::path sc = write_temp("tiny6.json", kTiny);
+    const fs::path ck = fresh_dir("never-ckpt");
+    const std::string sets = " --set ckpt.url=" + ck.string() + " --set ckpt.every=2 --quiet";
+    struct Case {
+      std::string fault, needle;
+    };
+    for (const Case& c : std::vector<Case>{
+             {"process_kill@99", "step: must be <= train.steps = 6"},
+             {"rank_crash@2:rank=5", "rank: must be < mesh.dp = 1"},
+             {"bitrot@2", "so that a checkpoint exists to corrupt"},
+             {"upload_crash@4:phase=ckpt_upload,after_objects=3", "after_objects must be < 1"}}) {
+      CAPTURE(c.fault);
+      const auto r = run_cli("run " + sc.string() + sets + " --fault '" + c.fault + "'");
+      CAPTURE(r.err);
+      CHECK(r.rc == 2);
+      CHECK(r.err.find("--fault " + c.fault + ": can never fire") != std::string::npos);
+      CHECK(r.err.find(c.needle) != std::string::npos);
+    }
+    // --steps shortens the run below the fault: named as such.
+    auto r = run_cli("run " + sc.string() + sets + " --fault process_kill@5 --steps 4");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("(--steps 4 sets train.steps)") != std::string::npos);
+    // A byte threshold the checkpoint never reaches: it runs, then fails naming the fault.
+    fs::remove_all(ck);
+    r = run_cli("run " + sc.string() + sets + " --json --fault 'upload_crash@4:phase=ckpt_upload,after_bytes=999999999'");
+    CAPTURE(r.err);
+    CHECK(r.rc == 1);
+    CHECK(r.err.find("planned fault(s) never fired: upload_crash@4") != std::string::npos);
+    CHECK(last_json(r.out).at("faults_not_fired") == "upload_crash@4:phase=ckpt_upload,after_bytes=999999999");
+  }
+
+  TEST_CASE("faults sweep prints only figures it measured") {
+    const auto r = run_cli(std::string("faults sweep ") + LOCKSTEP_SOURCE_DIR + "/scenarios/sweep_tiny.json --trials 1");
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("torn checkpoints restored") == std::string::npos);  // was a constant 0
+    CHECK(r.out.find("ended on the golden hash       1") != std::string::npos);
+  }
+}

@@ -125,8 +125,7 @@ int cmd_run(const RunArgs& a, const char* self) {
     po.resume = a.resume;
     return cmd_plan(s, po, a.json);
   }
-  std::vector<FaultSpec> faults = s.faults;
-  for (const std::string& f : a.faults) faults.push_back(parse_fault(f));
+  const std::vector<FaultSpec> faults = planned_faults(s, a.faults, a.steps);
   const bool child = !a.fault_state.empty();
   if (!child && (a.supervise || !faults.empty())) {
     // The supervisor: this process runs the job as children and restarts them.

@@ -268,6 +268,11 @@ std::string check_faults(const Scenario& s) {
         return at + "step: must be > ckpt.every = " + show(s.ckpt.every) +
                " so that a checkpoint exists to corrupt, got " + show(f.step);
     }
+    // Each rank uploads one shard object per checkpoint, the manifest aside.
+    if (f.after_objects >= dp)
+      return at + "after_objects: a checkpoint uploads " + show(dp) + " shard object" + (dp == 1 ? "" : "s") +
+             " (one per rank of " + dp_from + "), so after_objects must be < " + show(dp) + ", got " +
+             show(f.after_objects);
     if ((f.kind == FaultKind::kRankCrash || f.kind == FaultKind::kStraggler) && f.rank >= dp)
       return at + "rank: must be < " + dp_from + ", got " + show(f.rank);
     if (f.kind == FaultKind::kShrink || f.kind == FaultKind::kGrow) {
@@ -696,6 +701,23 @@ struct Loader {
 };
 
 }  // namespace
+
+std::vector<FaultSpec> planned_faults(const Scenario& s, const std::vector<std::string>& specs, int steps) {
+  Scenario all = s;
+  for (const std::string& t : specs) all.faults.push_back(parse_fault(t));
+  if (steps > 0) all.steps = steps;
+  if (std::string e = check_faults(all); !e.empty()) {
+    // "faults[i].step: ..." -> the scenario's entry, or the --fault that gave it.
+    const size_t i = std::stoul(e.substr(7));
+    const std::string rest = e.substr(e.find("]") + 2);
+    const std::string steps_note = steps > 0 ? " (--steps " + std::to_string(steps) + " sets train.steps)" : "";
+    if (i >= s.faults.size())
+      throw UserError("--fault " + quote_for_message(specs[i - s.faults.size()], 120) + ": can never fire: " + rest +
+                      steps_note);
+    throw UserError(s.name + ": faults[" + std::to_string(i) + "]." + rest + steps_note);
+  }
+  return all.faults;
+}
 
 const std::vector<ScenarioKey>& scenario_keys() {
   static const std::vector<ScenarioKey> t = [] {

@@ -74,4 +74,11 @@ Scenario scenario_from_json(const nlohmann::json& j, const std::string& origin,
 // any mesh.
 std::string scenario_fingerprint(const Scenario& s);
 
+// Every fault the run injects: the scenario's list, then the --fault specs,
+// each checked against the scenario as the list's entries are (a fault that
+// could never fire -- past the steps run, a rank beyond the mesh, a
+// checkpoint fault without checkpoints -- is a UserError naming it). steps > 0:
+// the --steps override.
+std::vector<FaultSpec> planned_faults(const Scenario& s, const std::vector<std::string>& specs, int steps);
+
 }  // namespace ls

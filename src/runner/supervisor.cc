@@ -251,6 +251,21 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       }
       if (res.summary.contains("resumed_from") && first > 1) res.summary["resumed_from"] = first - 1;
       else res.summary.erase("resumed_from");
+      // A planned fault that never fired leaves the run unproven: say which.
+      std::vector<FaultSpec> planned = s.faults;
+      for (const std::string& f : opt.faults) planned.push_back(parse_fault(f));
+      const FiredFaults fired = read_fault_state(state);
+      std::string missed;
+      for (size_t i = 0; i < planned.size(); ++i)
+        if (!fired.indices.count((int)i)) missed += (missed.empty() ? "" : ", ") + planned[i].text();
+      if (!missed.empty()) {
+        res.exit_code = 1;
+        res.error = "the run finished but planned fault(s) never fired: " + missed +
+                    " (a threshold the checkpoint never reached, or a step the job resumed past)";
+        res.summary["faults_not_fired"] = missed;
+        fs::remove_all(dir);
+        return res;
+      }
       nlohmann::json fallbacks = nlohmann::json::array();
       size_t from_start = 0;
       for (const std::string& l : new_lines(state, from_start))
