@@ -167,3 +167,55 @@ TEST_SUITE("harness") {
     CHECK(r.out.find("ended on the golden hash       1") != std::string::npos);
   }
 }
+
+TEST_SUITE("harness") {
+  TEST_CASE("diff and report say when one trace ends early, and that shapes differ") {
+    const fs::path sc = write_temp("tiny6.json", kTiny);
+    const fs::path full = lstest::cli_temp_dir() / "full.jsonl", k1 = lstest::cli_temp_dir() / "k1.jsonl";
+    REQUIRE(run_cli("run " + sc.string() + " --quiet --trace " + full.string()).rc == 0);
+    // A run killed during step 4: steps 1-3 whole, part of step 4, no end record.
+    const std::string text = lstest::slurp(full);
+    size_t cut = 0;
+    for (int n = 0; n < 3; ++n) cut = text.find("\"kind\":\"step\"", cut + 1);
+    cut = text.find('\n', cut) + 1;
+    const size_t part = text.find('\n', text.find('\n', cut) + 1) + 1;  // two records of step 4
+    const fs::path shorter = write_temp("short.jsonl", text.substr(0, part));
+
+    auto r = run_cli("diff " + shorter.string() + " " + full.string());
+    CHECK(r.rc == 4);
+    CHECK(r.out.find("trace A ends at step 3 (no end record: the run stopped early); trace B goes on to step 6") !=
+          std::string::npos);
+    CHECK(r.out.find("steps 1-3 are identical") != std::string::npos);
+    r = run_cli("diff " + full.string() + " " + shorter.string());
+    CHECK(r.rc == 4);
+    CHECK(r.out.find("trace B ends at step 3") != std::string::npos);
+    CHECK(r.out.find("differ") == std::string::npos);  // no tensor reported as differing
+    r = run_cli("diff --json " + full.string() + " " + shorter.string());
+    const nlohmann::json j = last_json(r.out);
+    CHECK(j.at("identical_until_truncation") == true);
+    CHECK(j.at("truncated").at("ends_at") == 3);
+    r = run_cli("report " + shorter.string() + " " + full.string() + " -o " + (lstest::cli_temp_dir() / "r.html").string());
+    CHECK(r.rc == 0);
+    const std::string html = lstest::slurp(lstest::cli_temp_dir() / "r.html");
+    CHECK(html.find("ends early") != std::string::npos);
+    CHECK(html.find("verdict diverged") == std::string::npos);
+
+    // top_k 2 vs 1: the expert tensors have other shapes; no element table with indices that do not exist.
+    REQUIRE(run_cli("run " + sc.string() + " --quiet --set moe.top_k=1 --trace " + k1.string()).rc == 0);
+    r = run_cli("diff " + full.string() + " " + k1.string());
+    CHECK(r.rc == 1);
+    CHECK(r.out.find("shapes differ: [32,2,16] in A, [32,1,16] in B") != std::string::npos);
+  }
+
+  TEST_CASE("--trace-dump names a step of the run and an op that is traced") {
+    const fs::path sc = write_temp("tiny6.json", kTiny);
+    const std::string t = " --quiet --trace " + (lstest::cli_temp_dir() / "d.jsonl").string();
+    auto r = run_cli("run " + sc.string() + t + " --trace-dump 99");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("1-6") != std::string::npos);
+    r = run_cli("run " + sc.string() + t + " --trace-dump 3:nope");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("no op 'nope' is traced (ops: attention,") != std::string::npos);
+    CHECK(run_cli("run " + sc.string() + t + " --trace-dump 3:moe.experts/out").rc == 0);
+  }
+}

@@ -197,7 +197,7 @@ int cmd_run(const RunArgs& a, const char* self) {
   if (child) opt.fired = read_fault_state(a.fault_state).indices;
   if (!a.trace_dump.empty()) {
     if (a.trace.empty()) throw UserError("--trace-dump needs --trace FILE");
-    opt.trace_dump = DumpSpec::parse(a.trace_dump);
+    opt.trace_dump = DumpSpec::parse(a.trace_dump, a.steps > 0 ? a.steps : s.steps);
   }
   if (!a.debug_reorder.empty()) {
     if (a.debug_reorder != "moe_norm") throw UserError("--debug-reorder: only 'moe_norm' exists");
@@ -503,7 +503,8 @@ int main(int argc, char** argv) {
   std::string diff_a, diff_b;
   bool diff_json_out = false;
   auto* diff = app.add_subcommand("diff", "compare two traces: first divergent step/op/tensor/element and its spread "
-                                          "(exit 0 identical, 1 different)");
+                                          "(exit 0 identical, 1 different, 4 one trace ends early and "
+                                          "the steps both hold are identical)");
   diff->add_option("a", diff_a, "first trace (from run --trace)")->required();
   diff->add_option("b", diff_b, "second trace")->required();
   diff->add_flag("--json", diff_json_out, "print the comparison as one JSON object");
@@ -591,14 +592,15 @@ int main(int argc, char** argv) {
       if (report_title.empty())
         report_title = fs::path(report_a).filename().string() + " vs " + fs::path(report_b).filename().string();
       write_file_atomic(report_out, render_report(ta, tb, d, report_title));
-      std::printf("wrote %s (%s)\n", report_out.c_str(), d.identical ? "identical" : "diverged");
+      std::printf("wrote %s (%s)\n", report_out.c_str(),
+                  d.identical ? "identical" : d.identical_until_truncation() ? "identical until one trace ends" : "diverged");
       return 0;
     }
     if (*diff) {
       TraceDiff d = diff_traces(read_trace(diff_a), read_trace(diff_b));
       if (diff_json_out) std::printf("%s\n", diff_json(d).dump().c_str());
       else std::printf("%s", format_diff(d).c_str());
-      return d.identical ? 0 : 1;
+      return d.identical ? 0 : d.identical_until_truncation() ? 4 : 1;
     }
     if (*keys) {
       if (keys_md) {

@@ -227,8 +227,27 @@ uint64_t sample_ulp(const nlohmann::json& a, const nlohmann::json& b) {
 
 }  // namespace
 
+// The last step a trace holds whole: a step record closes each step, so the
+// tensors of a step cut off mid-way (a killed run) do not count.
+int last_step(const Trace& t) {
+  int last = 0;
+  for (const auto& r : t.steps) last = std::max(last, r.value("step", 0));
+  return last;
+}
+
 TraceDiff diff_traces(const Trace& a, const Trace& b) {
   TraceDiff d;
+  // Compare only the steps both traces reached.
+  const int last_a = last_step(a), last_b = last_step(b);
+  const int common = std::min(last_a, last_b);
+  if (last_a != last_b || a.end.is_null() != b.end.is_null()) {
+    const bool a_short = last_a < last_b || (last_a == last_b && a.end.is_null());
+    d.truncated = {{"short", a_short ? "A" : "B"},
+                   {"ends_at", a_short ? last_a : last_b},
+                   {"has_end", a_short ? !a.end.is_null() : !b.end.is_null()},
+                   {"other_ends_at", a_short ? last_b : last_a},
+                   {"other_has_end", a_short ? !b.end.is_null() : !a.end.is_null()}};
+  }
   // Config keys that differ between the two runs.
   std::map<std::string, nlohmann::json> ca, cb;
   flatten(a.header.value("resolved", nlohmann::json::object()), "", ca);
@@ -248,15 +267,23 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
     }
 
   std::map<std::string, const nlohmann::json*> bidx;
-  for (const auto& r : b.tensors) bidx[key_of(r)] = &r;
+  size_t b_common = 0;  // B's tensor records in the steps both traces hold
+  for (const auto& r : b.tensors) {
+    bidx[key_of(r)] = &r;
+    if (r.value("step", 0) <= common) ++b_common;
+  }
+  size_t a_common = 0;
   std::map<int, std::pair<int, int>> per_step;  // step -> (differing, total)
   std::map<int, std::vector<std::string>> step_ops;
   std::map<std::pair<int, int>, int64_t> heat;
   for (const auto& ra : a.tensors) {
     const int step = ra["step"];
+    if (step > common) continue;  // B never got this far
+    ++a_common;
     auto it = bidx.find(key_of(ra));
     per_step[step].second++;
-    const bool differs = it == bidx.end() || (*it->second)["hash"] != ra["hash"];
+    const bool shapes_differ = it != bidx.end() && (*it->second)["shape"] != ra["shape"];
+    const bool differs = it == bidx.end() || shapes_differ || (*it->second)["hash"] != ra["hash"];
     auto& cell = heat[{step, ra.value("layer", -1)}];
     if (!differs) continue;
     per_step[step].first++;
@@ -266,15 +293,36 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
     step_ops[step].push_back(opname);
     if (it == bidx.end()) {
       cell = std::max<int64_t>(cell, -1);
-      if (d.first.is_null()) d.first = {{"a", ra}, {"b", nullptr}};
+      if (d.first.is_null()) d.first = {{"a", ra}, {"b", nullptr}, {"missing_from", "B"}};
+      continue;
+    }
+    if (shapes_differ) {  // different tensors: no element to compare
+      cell = cell == 0 ? -1 : cell;
+      if (d.first.is_null()) d.first = {{"a", ra}, {"b", *it->second}, {"shapes_differ", true}};
       continue;
     }
     const uint64_t u = sample_ulp(ra, *it->second);
     cell = u == 0 ? (cell == 0 ? -1 : cell) : std::max<int64_t>(cell, (int64_t)std::min<uint64_t>(u, INT64_MAX));
     if (d.first.is_null()) d.first = {{"a", ra}, {"b", *it->second}};
   }
-  d.identical = d.first.is_null() && d.first_loss_step == 0 && a.tensors.size() == b.tensors.size() &&
+  d.identical = d.first.is_null() && d.first_loss_step == 0 && a_common == b_common && d.truncated.is_null() &&
                 (a.end.is_null() || b.end.is_null() || a.end["final_state_hash"] == b.end["final_state_hash"]);
+  if (d.first.is_null() && d.first_loss_step == 0 && d.truncated.is_null() && a_common != b_common) {
+    // B traced tensors A did not (the other way round is caught above).
+    for (const auto& rb : b.tensors) {
+      if (rb.value("step", 0) > common) continue;
+      bool in_a = false;
+      for (const auto& ra : a.tensors)
+        if (key_of(ra) == key_of(rb)) {
+          in_a = true;
+          break;
+        }
+      if (!in_a) {
+        d.first = {{"a", rb}, {"b", nullptr}, {"missing_from", "A"}};
+        break;
+      }
+    }
+  }
   if (d.first.is_null() && !d.identical && a.tensors.empty()) {
     // Step-level traces only: the first differing step record.
     for (size_t i = 0; i < std::min(a.steps.size(), b.steps.size()); ++i)
@@ -292,7 +340,8 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
   for (auto& [k, v] : heat) d.heat.push_back({{"step", k.first}, {"layer", k.second}, {"max_ulp", v}});
 
   // Element level, when both sides kept the first divergent tensor whole.
-  if (!d.first.is_null() && d.first["b"].is_object() && d.first["a"].contains("data") && d.first["b"].contains("data")) {
+  if (!d.first.is_null() && d.first["a"].is_object() && d.first["b"].is_object() && !d.first.contains("shapes_differ") &&
+      d.first["a"].contains("data") && d.first["b"].contains("data")) {
     const std::vector<float> x = decode_floats(d.first["a"]["data"]), y = decode_floats(d.first["b"]["data"]);
     const std::vector<int64_t> shape = d.first["a"]["shape"];
     nlohmann::json first = nlohmann::json::array();
@@ -323,6 +372,23 @@ std::string format_diff(const TraceDiff& d) {
     o << "traces identical: every traced tensor, loss and state hash has the same bits\n";
     return o.str();
   }
+  if (!d.truncated.is_null()) {
+    const auto& t = d.truncated;
+    const int end = t["ends_at"];
+    o << "trace " << t["short"].get<std::string>()
+      << (end == 0 ? std::string(" ends before its first step completes") : " ends at step " + std::to_string(end))
+      << (t["has_end"].get<bool>() ? "" : " (no end record: the run stopped early)") << "; trace "
+      << (t["short"] == "A" ? "B" : "A") << " goes on to step " << t["other_ends_at"].get<int>()
+      << (t["other_has_end"].get<bool>() ? "" : " (no end record either)") << "\n";
+    const std::string held = end == 0 ? "no complete step" : end == 1 ? "step 1" : "steps 1-" + std::to_string(end);
+    if (d.identical_until_truncation()) {
+      o << (end == 0 ? "nothing to compare: the shorter trace holds no complete step\n"
+                     : held + (end == 1 ? " is" : " are") +
+                           " identical: every traced tensor and loss both traces hold has the same bits\n");
+      return o.str();
+    }
+    o << "compared: " << held << ", which both traces hold\n";
+  }
   if (!d.config_changes.empty()) {
     o << "config keys that differ:\n";
     for (const auto& c : d.config_changes) o << "  " << c["key"].get<std::string>() << ": " << c["a"].dump() << " -> " << c["b"].dump() << "\n";
@@ -336,7 +402,11 @@ std::string format_diff(const TraceDiff& d) {
       o << "  (the weights entering step " << a["step"] << " differ: the optimizer update of step "
         << a["step"].get<int>() - 1 << " or its gradients parted; every activation of the steps before agreed)\n";
     if (d.first["b"].is_null()) {
-      o << "  (missing from the second trace: the runs traced different tensors)\n";
+      o << "  (missing from the " << (d.first.value("missing_from", "B") == "B" ? "second" : "first")
+        << " trace: the runs traced different tensors)\n";
+    } else if (d.first.contains("shapes_differ")) {
+      o << "  shapes differ: " << a["shape"].dump() << " in A, " << d.first["b"]["shape"].dump()
+        << " in B (the runs compute tensors of different shapes: no element comparison)\n";
     } else if (a.value("kind", "") == "tensor") {
       const auto& b = d.first["b"];
       o << "  hash  " << a["hash"].get<std::string>() << " vs " << b["hash"].get<std::string>() << "\n";
@@ -351,7 +421,8 @@ std::string format_diff(const TraceDiff& d) {
     for (const auto& e : d.elements["first"])
       o << "  " << e["index"].get<std::string>() << "  " << e["a"].dump() << " (" << e["a_bits"].get<std::string>()
         << ") vs " << e["b"].dump() << " (" << e["b_bits"].get<std::string>() << "), " << e["ulp"] << " ulp\n";
-  } else if (!d.first.is_null() && d.first["a"].value("kind", "") == "tensor") {
+  } else if (!d.first.is_null() && d.first["a"].value("kind", "") == "tensor" && !d.first["b"].is_null() &&
+             !d.first.contains("shapes_differ")) {
     o << "  (rerun both with --trace-dump " << d.first["a"]["step"] << ":" << d.first["a"]["op"].get<std::string>()
       << " to see the differing elements)\n";
   }
@@ -373,7 +444,9 @@ std::string format_diff(const TraceDiff& d) {
 }
 
 nlohmann::json diff_json(const TraceDiff& d) {
-  return {{"identical", d.identical}, {"config_changes", d.config_changes}, {"first_loss_step", d.first_loss_step},
+  return {{"identical", d.identical}, {"truncated", d.truncated},
+          {"identical_until_truncation", d.identical_until_truncation()},
+          {"config_changes", d.config_changes}, {"first_loss_step", d.first_loss_step},
           {"first", d.first}, {"elements", d.elements}, {"spread", d.spread}, {"heat", d.heat}};
 }
 
