@@ -219,3 +219,38 @@ TEST_SUITE("harness") {
     CHECK(run_cli("run " + sc.string() + t + " --trace-dump 3:moe.experts/out").rc == 0);
   }
 }
+
+TEST_SUITE("harness") {
+  TEST_CASE("resume: a truncated latest manifest falls back; a fingerprint mismatch names the keys") {
+    const fs::path sc = write_temp("tiny6.json", kTiny);
+    const fs::path ck = fresh_dir("torn-manifest");
+    const auto whole = run_cli("run " + sc.string() + " --json --quiet");
+    REQUIRE(run_cli("run " + sc.string() + " --quiet --steps 4 --set ckpt.url=" + ck.string() + " --set ckpt.every=2")
+                .rc == 0);
+    const fs::path latest = ck / "step-00000004" / "manifest.json";
+    const std::string text = lstest::slurp(latest);
+    write_temp("torn-manifest/step-00000004/manifest.json", text.substr(0, text.size() / 2));
+    auto r = run_cli("run " + sc.string() + " --json --quiet --resume " + ck.string());
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    const nlohmann::json j = last_json(r.out);
+    CHECK(j.at("resumed_from") == 2);
+    CHECK(j.at("final_state_hash") == last_json(whole.out).at("final_state_hash"));
+    CHECK(j.at("restore").at("fallbacks").at(0).at("step") == 4);
+    CHECK(r.err.find("falling back to step 2") != std::string::npos);
+    // Named explicitly, the torn checkpoint is refused.
+    r = run_cli("run " + sc.string() + " --quiet --resume " + ck.string() + "@4");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("corrupt manifest") != std::string::npos);
+
+    r = run_cli("run " + sc.string() + " --quiet --resume " + ck.string() + "@2 --set train.steps=8 --set train.lr=0.001");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("other numerics: train.steps 6 -> 8, train.lr 0.003 -> 0.001") != std::string::npos);
+    CHECK(r.err.find("--steps N") != std::string::npos);
+
+    // ckpt inspect's errors are its own, not --resume's.
+    r = run_cli("ckpt inspect " + ck.string() + "@3");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("lockstep: error: no committed checkpoint of step 3") != std::string::npos);
+  }
+}

@@ -260,10 +260,10 @@ std::vector<int64_t> committed_steps(ObjectStore& store) {
 
 Manifest read_manifest(ObjectStore& store, int64_t step) {
   const std::vector<int64_t> steps = committed_steps(store);
-  if (steps.empty()) throw UserError("--resume: no committed checkpoint (no manifest) in " + store.url());
+  if (steps.empty()) throw UserError("no committed checkpoint (no manifest) in " + store.url());
   if (step < 0) step = steps.back();
   if (std::find(steps.begin(), steps.end(), step) == steps.end())
-    throw UserError("--resume: no committed checkpoint of step " + std::to_string(step) + " in " + store.url());
+    throw UserError("no committed checkpoint of step " + std::to_string(step) + " in " + store.url());
   const std::string key = manifest_key(step);
   const std::vector<uint8_t> bytes = with_retries([&] { return store.get(key); });
   return manifest_from_bytes(bytes, store.url() + "/" + key);

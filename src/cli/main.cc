@@ -430,9 +430,11 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
                 steps(r.newest_in_progress).c_str());
   if (!r.unreadable_steps.empty())
     std::printf("kept: step %s committed, manifest unreadable (directory left alone)\n", steps(r.unreadable_steps).c_str());
-  std::printf("gc: %zu orphan object%s, %llu bytes (torn steps: %s; committed: %s) %s\n", r.orphan_keys.size(),
-              r.orphan_keys.size() == 1 ? "" : "s", (unsigned long long)r.orphan_bytes, steps(r.torn_steps).c_str(),
-              steps(r.committed_steps).c_str(),
+  const std::string kept =
+      r.newest_in_progress.empty() ? "" : "; kept, possibly in progress: " + steps(r.newest_in_progress);
+  std::printf("gc: %zu orphan object%s, %llu bytes (torn steps collected: %s%s; committed: %s) %s\n",
+              r.orphan_keys.size(), r.orphan_keys.size() == 1 ? "" : "s", (unsigned long long)r.orphan_bytes,
+              steps(r.torn_steps).c_str(), kept.c_str(), steps(r.committed_steps).c_str(),
               r.deleted ? "deleted" : "would be deleted (dry run; --delete to delete)");
   return 0;
 }

@@ -335,12 +335,43 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     RestoreReport rep;
     Manifest m;
     bool restored = false;
+    // The trainer is untouched by a failed candidate (pieces load only once
+    // every object read clean): fall back to the previous committed
+    // checkpoint, or, with none left, to the start -- the same bits, only later.
+    auto fall_back = [&](size_t c, int64_t step, const std::string& why) {
+      const int64_t to = c + 1 < candidates.size() ? candidates[c + 1] : 0;
+      std::fprintf(stderr, "restore: checkpoint of step %lld unusable (%s); falling back to %s\n", (long long)step,
+                   why.c_str(), to ? ("step " + std::to_string(to)).c_str() : "the start (no older committed checkpoint)");
+      fallbacks.push_back({{"step", step}, {"why", why}});
+      if (!opt.fault_state.empty())
+        if (FILE* f = std::fopen(opt.fault_state.c_str(), "a")) {
+          std::fprintf(f, "fallback from=%lld to=%lld\n", (long long)step, (long long)to);
+          std::fclose(f);
+        }
+    };
     for (size_t c = 0; c < candidates.size(); ++c) {
-      m = read_manifest(*from, candidates[c]);
-      if (m.fingerprint != r.fingerprint)
+      try {
+        m = read_manifest(*from, candidates[c]);
+      } catch (const UserError& e) {
+        if (at >= 0) throw UserError(std::string("--resume: ") + e.what());  // the named checkpoint, or nothing
+        fall_back(c, candidates[c], e.what());  // a torn or corrupt manifest, as a corrupt shard
+        continue;
+      }
+      if (m.fingerprint != r.fingerprint) {
+        const std::vector<std::string> diffs = numerics_differences(m.scenario, s.resolved);
+        std::string keys;
+        bool steps_differ = false;
+        for (const std::string& d : diffs) {
+          keys += (keys.empty() ? "" : ", ") + d;
+          steps_differ = steps_differ || d.rfind("train.steps ", 0) == 0;
+        }
         throw UserError("--resume: the checkpoint of step " + std::to_string(m.step) + " in " + url +
-                        " was saved by a scenario with other numerics (fingerprint " + m.fingerprint + ", this run " +
-                        r.fingerprint + ")");
+                        " was saved by a scenario with other numerics" + (keys.empty() ? "" : ": " + keys) +
+                        " (fingerprint " + m.fingerprint + ", this run " + r.fingerprint + ")" +
+                        (steps_differ ? "; train.steps shapes the learning-rate schedule: keep the saved value and "
+                                        "stop early with --steps N instead"
+                                      : ""));
+      }
       if (m.step >= r.steps)
         throw UserError("--resume: the checkpoint is at step " + std::to_string(m.step) + ", nothing left of " +
                         std::to_string(r.steps) + " steps");
@@ -350,19 +381,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
         break;
       } catch (const UserError& e) {
         if (at >= 0) throw;  // the named checkpoint, or nothing
-        // The trainer is untouched (pieces load only once every object read
-        // clean): fall back to the previous committed checkpoint, or, with
-        // none left, to the start -- the same bits, only later.
-        const int64_t to = c + 1 < candidates.size() ? candidates[c + 1] : 0;
-        std::fprintf(stderr, "restore: checkpoint of step %lld unusable (%s); falling back to %s\n",
-                     (long long)m.step, e.what(),
-                     to ? ("step " + std::to_string(to)).c_str() : "the start (no older committed checkpoint)");
-        fallbacks.push_back({{"step", m.step}, {"why", e.what()}});
-        if (!opt.fault_state.empty())
-          if (FILE* f = std::fopen(opt.fault_state.c_str(), "a")) {
-            std::fprintf(f, "fallback from=%lld to=%lld\n", (long long)m.step, (long long)to);
-            std::fclose(f);
-          }
+        fall_back(c, m.step, e.what());
       }
     }
     start = restored ? (int)m.step : 0;

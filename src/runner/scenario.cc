@@ -759,6 +759,26 @@ Scenario load_scenario(const std::string& path, const std::vector<std::string>& 
   return scenario_from_json(parse_untrusted_json(text, path, jo), path, sets);
 }
 
+bool is_numerics_key(const std::string& k) {
+  return !(k == "name" || k == "description" || k.rfind("mesh.", 0) == 0 || k.rfind("ckpt.", 0) == 0 ||
+           k == "faults" || k == "moe.capacity_factor" || k == "moe.capacity" || k == "moe.group_size" ||
+           k == "moe.borrow");
+}
+
+std::vector<std::string> numerics_differences(const nlohmann::json& a, const nlohmann::json& b) {
+  std::vector<std::string> out;
+  for (const Row& r : rows()) {
+    const std::string& k = r.info.key;
+    if (!is_numerics_key(k)) continue;
+    std::string ptr = "/" + k;
+    std::replace(ptr.begin(), ptr.end(), '.', '/');
+    const json::json_pointer p(ptr);
+    const json va = a.contains(p) ? a.at(p) : r.info.default_value, vb = b.contains(p) ? b.at(p) : r.info.default_value;
+    if (va != vb) out.push_back(k + " " + va.dump() + " -> " + vb.dump());
+  }
+  return out;
+}
+
 std::string scenario_fingerprint(const Scenario& s) {
   // The numerics: every key except names and the keys that only decide how
   // the work is decomposed (mesh, MoE capacity schedule), which must not
@@ -768,10 +788,7 @@ std::string scenario_fingerprint(const Scenario& s) {
   json j = json::object();
   for (const Row& r : rows()) {
     const std::string& k = r.info.key;
-    if (k == "name" || k == "description" || k.rfind("mesh.", 0) == 0 || k.rfind("ckpt.", 0) == 0 || k == "faults" ||
-        k == "moe.capacity_factor" ||
-        k == "moe.capacity" || k == "moe.group_size" || k == "moe.borrow")
-      continue;
+    if (!is_numerics_key(k)) continue;
     const json v = r.encode(s);
     if (k == "moe.policy" && v != "drop") continue;
     if (v == r.info.default_value) continue;

@@ -81,4 +81,11 @@ std::string scenario_fingerprint(const Scenario& s);
 // the --steps override.
 std::vector<FaultSpec> planned_faults(const Scenario& s, const std::vector<std::string>& specs, int steps);
 
+// Keys that decide the numerics (the fingerprint's keys): all but names,
+// mesh.*, ckpt.*, faults and the MoE capacity schedule.
+bool is_numerics_key(const std::string& key);
+// "key a -> b" for every numerics key whose value differs between two
+// resolved scenarios (a key absent from one counts as its default).
+std::vector<std::string> numerics_differences(const nlohmann::json& a, const nlohmann::json& b);
+
 }  // namespace ls
