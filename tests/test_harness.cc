@@ -254,3 +254,43 @@ TEST_SUITE("harness") {
     CHECK(r.err.find("lockstep: error: no committed checkpoint of step 3") != std::string::npos);
   }
 }
+
+TEST_SUITE("harness") {
+  TEST_CASE("output a person reads: the summary after a resume, duplicate keys, unknown commands, throttled progress") {
+    const fs::path sc = write_temp("tiny6.json", kTiny);
+    const fs::path ck = fresh_dir("summary-ckpt");
+    auto r = run_cli("run " + sc.string() + " --steps 4 --set mesh.dp=2 --set ckpt.url=" + ck.string() +
+                     " --set ckpt.every=2 --quiet");
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("mesh            dp 2, ep 1") != std::string::npos);
+    CHECK(r.out.find("checkpoints     " + ck.string() + ", every 2 steps (2 saved)") != std::string::npos);
+    CHECK(r.out.find("data            synthetic corpus, 8192 bytes") != std::string::npos);
+    // Not a terminal, no --progress: the resume is still in the summary.
+    r = run_cli("run " + sc.string() + " --resume " + ck.string() + " --quiet");
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("resumed         from the checkpoint of step 4 in file://" + ck.string() +
+                     "; this run trained steps 5-6") != std::string::npos);
+    CHECK(r.out.find("over steps 5-6") != std::string::npos);
+
+    r = run_cli("run " + write_temp("dup.json", R"({"train": {"steps": 3, "batch": 4, "steps": 5}})").string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("duplicate key 'train.steps'") != std::string::npos);
+
+    r = run_cli("rn " + sc.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("unknown command 'rn' (did you mean 'run'?)") != std::string::npos);
+
+    // 400 fast steps print a few lines a second, the first and the last always.
+    const fs::path many = write_temp("many.json", R"({"model": {"d_model": 8, "n_layers": 1, "n_heads": 1, "seq_len": 4,
+      "d_ff": 4}, "moe": {"experts": 2, "top_k": 1}, "train": {"steps": 400, "batch": 2, "eval_every": 0,
+      "eval_batches": 1}, "data": {"synthetic_bytes": 4096}})");
+    r = run_cli("run " + many.string() + " --progress --threads 1");
+    REQUIRE(r.rc == 0);
+    size_t lines = 0;
+    for (size_t p = r.err.find("step "); p != std::string::npos; p = r.err.find("\nstep ", p + 1)) ++lines;
+    CHECK(lines >= 2);
+    CHECK(lines < 100);
+    CHECK(r.err.find("step 1/400") != std::string::npos);
+    CHECK(r.err.find("step 400/400") != std::string::npos);
+  }
+}

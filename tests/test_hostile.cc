@@ -84,7 +84,11 @@ TEST_SUITE("hostile") {
     check_refused(run_cli("ckpt ls " + dir.string()), "manifest.json");
     check_refused(run_cli("ckpt inspect " + dir.string()), "nested deeper");
     const fs::path tiny = write_temp("tiny.json", kTiny);
-    check_refused(run_cli("run " + tiny.string() + " --resume " + dir.string() + " --quiet"), "manifest.json");
+    check_refused(run_cli("run " + tiny.string() + " --resume " + dir.string() + "@1 --quiet"), "nested deeper");
+    // The latest, unnamed: a corrupt manifest falls back (here to the start), saying why.
+    const auto fell = run_cli("run " + tiny.string() + " --resume " + dir.string() + " --quiet");
+    CHECK(fell.rc == 0);
+    CHECK(fell.err.find("step-00000001/manifest.json: corrupt manifest: JSON nested deeper") != std::string::npos);
     write_temp("deep-ckpt/step-00000001/manifest.json", "{\"format_version\": 1e999}");
     check_refused(run_cli("ckpt inspect " + dir.string()), "number overflow");
   }

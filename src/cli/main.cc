@@ -18,6 +18,7 @@
 #include "cli/faults_sweep.h"
 #include "common/error.h"
 #include "common/json_input.h"
+#include "common/text.h"
 #include "ops/gemm.h"
 #include "ckpt/checkpointer.h"
 #include "ckpt/gc.h"
@@ -72,8 +73,23 @@ void print_summary(const RunResult& r, const Scenario& s) {
   std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
               s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
               s.batch);
+  if (s.mesh.dp > 1 || s.mesh.ep > 1 || s.mesh.fsdp)
+    std::printf("mesh            dp %d, ep %d%s%s (simulated ranks in this process)\n", s.mesh.dp, s.mesh.ep,
+                s.mesh.fsdp ? ", fsdp" : "",
+                s.mesh.fsdp && s.mesh.replicate > 1 ? (", replicate " + std::to_string(s.mesh.replicate)).c_str() : "");
+  if (s.data.path.empty())
+    std::printf("data            synthetic corpus, %llu bytes\n", (unsigned long long)s.data.synthetic_bytes);
+  else
+    std::printf("data            %s\n", s.data.path.c_str());
+  if (r.resumed_from > 0)
+    std::printf("resumed         from the checkpoint of step %d in %s; this run trained steps %d-%d\n", r.resumed_from,
+                r.restore.value("url", std::string("?")).c_str(), r.resumed_from + 1, r.steps);
+  if (!s.ckpt.url.empty() && s.ckpt.every > 0)
+    std::printf("checkpoints     %s, every %d steps (%zu saved)\n", s.ckpt.url.c_str(), s.ckpt.every,
+                r.checkpoint.is_null() ? (size_t)0 : r.checkpoint["saves"].size());
   if (!r.losses.empty())
-    std::printf("loss            %.4f -> %.4f nats/byte over %d steps\n", r.losses.front(), r.losses.back(), r.steps);
+    std::printf("loss            %.4f -> %.4f nats/byte over steps %d-%d\n", r.losses.front(), r.losses.back(),
+                r.resumed_from + 1, r.steps);
   for (const EvalPoint& e : r.evals) std::printf("held-out        step %-6d %.4f bits/byte\n", e.step, e.bpb);
   std::printf("speed           %.0f tokens/s (%.2f GFLOP/s model)\n", r.tokens_per_second,
               r.tokens_per_second * r.train_flops_per_token * 1e-9);
@@ -570,6 +586,26 @@ int main(int argc, char** argv) {
   auto* keys = app.add_subcommand("keys", "list every scenario key with its type, default and meaning");
   keys->add_flag("--markdown", keys_md, "as the Markdown table of docs/SCENARIOS.md");
 
+  // An unknown command gets the closest one, as unknown scenario keys do.
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string cmd = argv[1];
+    std::string best;
+    size_t best_d = SIZE_MAX;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands({})) {
+      known = known || sub->get_name() == cmd;
+      const size_t d = edit_distance(cmd, sub->get_name());
+      if (d < best_d) best_d = d, best = sub->get_name();
+    }
+    if (!known) {
+      std::string all;
+      for (const CLI::App* sub : app.get_subcommands({})) all += (all.empty() ? "" : ", ") + sub->get_name();
+      std::fprintf(stderr, "lockstep: error: unknown command '%s'%s (commands: %s; lockstep --help)\n",
+                   quote_for_message(cmd).c_str(), best_d <= 2 ? (" (did you mean '" + best + "'?)").c_str() : "",
+                   all.c_str());
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,9 +1,11 @@
 #include "common/json_input.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
 #include <fstream>
+#include <vector>
 
 #include "common/error.h"
 
@@ -40,7 +42,36 @@ nlohmann::json parse_untrusted_json(std::string_view text, const std::string& or
     throw UserError(origin + ": JSON nested deeper than " + std::to_string(opt.max_depth) + " levels (byte " +
                     std::to_string(at) + ")");
   try {
-    return nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/true, opt.allow_comments);
+    if (!opt.reject_duplicate_keys)
+      return nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/true, opt.allow_comments);
+    // One set of keys per open object; a key seen twice in one object is refused.
+    // The dotted path of each open object names the key in the message.
+    std::vector<std::vector<std::string>> open;
+    std::vector<std::string> path;
+    std::string last_key;
+    auto on_event = [&](int, nlohmann::json::parse_event_t ev, nlohmann::json& parsed) {
+      using E = nlohmann::json::parse_event_t;
+      if (ev == E::object_start) {
+        path.push_back(open.empty() ? "" : last_key);
+        open.emplace_back();
+      } else if (ev == E::object_end) {
+        open.pop_back();
+        path.pop_back();
+      } else if (ev == E::key) {
+        last_key = parsed.get<std::string>();
+        std::vector<std::string>& seen = open.back();
+        if (std::find(seen.begin(), seen.end(), last_key) != seen.end()) {
+          std::string full;
+          for (const std::string& p : path)
+            if (!p.empty()) full += p + ".";
+          throw UserError(origin + ": duplicate key '" + quote_for_message(full + last_key) +
+                          "' (JSON would keep only the last; write it once)");
+        }
+        seen.push_back(last_key);
+      }
+      return true;
+    };
+    return nlohmann::json::parse(text.begin(), text.end(), on_event, /*allow_exceptions=*/true, opt.allow_comments);
   } catch (const nlohmann::json::parse_error& e) {
     std::string what = e.what();
     const size_t p = what.find("] ");  // drop "[json.exception.parse_error.101] "

@@ -21,6 +21,7 @@ struct JsonInputOptions {
   bool allow_comments = false;  // // and /* */ (scenarios are written by hand)
   size_t max_depth = kMaxJsonDepth;
   size_t max_bytes = size_t(1) << 30;  // refused before parsing
+  bool reject_duplicate_keys = false;  // {"a": 1, "a": 2} is an error naming "a" (nlohmann keeps the last)
 };
 
 // Parses `text`; `origin` names it in messages ("scenarios/a.json",

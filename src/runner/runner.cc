@@ -408,6 +408,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
 
   double train_seconds = 0, steady_seconds = 0;
   auto t_start = std::chrono::steady_clock::now();
+  double last_progress = -1;  // seconds into the loop of the last progress line
   for (int step = start; step < r.steps; ++step) {
     if (!opt.heartbeat.empty()) {
       // The supervisor's liveness signal: the step being run.
@@ -445,7 +446,10 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     const int done = step + 1;
     for (int h : opt.hash_at)
       if (h == done) r.state_hashes[done] = trainer->state_hash();
-    if (opt.progress) {
+    // A few progress lines a second at most; the first and the last always.
+    const double since_start = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    if (opt.progress && (done == start + 1 || done == r.steps || since_start - last_progress >= 0.25)) {
+      last_progress = since_start;
       const double tps = (double)(done - start) * B * T / train_seconds;
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       const double eta = elapsed / (done - start) * (r.steps - done);

@@ -756,6 +756,7 @@ Scenario load_scenario(const std::string& path, const std::vector<std::string>& 
   JsonInputOptions jo;
   jo.allow_comments = true;
   jo.max_bytes = kMaxScenarioBytes;
+  jo.reject_duplicate_keys = true;
   return scenario_from_json(parse_untrusted_json(text, path, jo), path, sets);
 }
 
