@@ -3,7 +3,10 @@
 // fire, diffs and summaries that say what they saw.
 #include <doctest/doctest.h>
 
+#include <sys/wait.h>
+
 #include <filesystem>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -292,5 +295,28 @@ TEST_SUITE("harness") {
     CHECK(lines < 100);
     CHECK(r.err.find("step 1/400") != std::string::npos);
     CHECK(r.err.find("step 400/400") != std::string::npos);
+  }
+}
+
+TEST_SUITE("harness") {
+  TEST_CASE("on a terminal, check shows which scenario runs and faults sweep shows each trial") {
+    // script(1) (util-linux, in every Debian) gives the command a pseudo-terminal, as a user's shell would.
+    REQUIRE(std::system("command -v script >/dev/null 2>&1") == 0);
+    const std::string root = LOCKSTEP_SOURCE_DIR;
+    const fs::path log = lstest::cli_temp_dir() / "tty.txt";
+    auto tty = [&](const std::string& args) {
+      const std::string cmd = "cd " + root + " && script -qec \"" + std::string(LOCKSTEP_BIN) + " " + args + "\" /dev/null > " +
+                              log.string() + " 2>&1";
+      const int st = std::system(cmd.c_str());
+      return std::make_pair(WIFEXITED(st) ? WEXITSTATUS(st) : -1, lstest::slurp(log));
+    };
+    auto [rc, text] = tty("check scenarios/top1.json");
+    CHECK(rc == 0);
+    CHECK(text.find("check [1/1] top1.json") != std::string::npos);
+    CHECK(text.find("step 16/16") != std::string::npos);
+    std::tie(rc, text) = tty("faults sweep scenarios/sweep_tiny.json --trials 2");
+    CHECK(rc == 0);
+    CHECK(text.find("trial 1/2  ") != std::string::npos);
+    CHECK(text.find("trial 2/2  ") != std::string::npos);
   }
 }

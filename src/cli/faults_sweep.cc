@@ -154,7 +154,12 @@ int cmd_faults_sweep(const SweepArgs& a) {
     const GcReport gc = find_orphans(*store);
     orphans += gc.orphan_keys.size();
     if (!a.keep) collect_garbage(*store, true);
-    if ((trial + 1) % 50 == 0 || trial + 1 == a.trials)
+    if (isatty(2))
+      std::fprintf(stderr, "trial %d/%d  %-60s %s, %zu restart%s\n", trial + 1, a.trials, fault.c_str(),
+                   r.exit_code != 0 ? "FAILED" : got == golden ? "golden hash" : "MISMATCH",
+                   r.summary.value("restarts", nlohmann::json::array()).size(),
+                   r.summary.value("restarts", nlohmann::json::array()).size() == 1 ? "" : "s");
+    else if ((trial + 1) % 50 == 0 || trial + 1 == a.trials)
       std::fprintf(stderr, "faults sweep: %d/%d trials, %d mismatches\n", trial + 1, a.trials, mismatches);
   }
   std::printf("trials                         %d\n", a.trials);

@@ -251,6 +251,7 @@ int cmd_golden(const GoldenArgs& a) {
     opt.threads = a.threads;
     opt.hash_at = golden_hash_steps(s.steps);
     opt.eval = false;
+    opt.progress = isatty(2);  // the reference cross-check takes minutes
     std::fprintf(stderr, "golden %s: engine, %d steps\n", s.name.c_str(), s.steps);
     RunResult r = run_scenario(s, opt);
     nlohmann::json g = make_golden(path, r);
@@ -323,7 +324,11 @@ int cmd_check(const CheckArgs& a) {
     }
   }
   int failed = 0;
+  const bool tty = isatty(2);  // a long check shows which scenario runs
+  size_t index = 0;
   for (auto& [gpath, spath] : work) {
+    ++index;
+    if (tty) std::fprintf(stderr, "check [%zu/%zu] %s\n", index, work.size(), fs::path(spath).filename().c_str());
     nlohmann::json g = read_json_file(gpath);
     Scenario s = load_scenario(spath, {});
     if (!s.faults.empty()) {
@@ -360,6 +365,7 @@ int cmd_check(const CheckArgs& a) {
     RunOptions opt;
     opt.threads = a.threads;
     opt.backend = parse_backend(a.backend);
+    opt.progress = tty;
     opt.hash_at = golden_hash_steps(s.steps);
     opt.eval = false;
     RunResult r = run_scenario(s, opt);
