@@ -4,6 +4,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "common/error.h"
@@ -139,6 +140,8 @@ Trace read_trace(const std::string& path) {
   Trace t;
   std::string line;
   int64_t lineno = 0;
+  // diff pairs records by (step, phase, layer, op, tensor): each must be unique.
+  std::set<std::string> seen_tensors;
   while (read_bounded_line(in, line, kMaxTraceLine, path + ":" + std::to_string(lineno + 1))) {
     ++lineno;
     if (line.empty()) continue;
@@ -152,7 +155,17 @@ Trace read_trace(const std::string& path) {
     if (const std::string e = check_record(j, kind); !e.empty())
       throw UserError(where + ": " + kind + " record: " + e);
     if (kind == "header") t.header = std::move(j);
-    else if (kind == "tensor") t.tensors.push_back(std::move(j));
+    else if (kind == "tensor") {
+      const std::string key = std::to_string(j["step"].get<int64_t>()) + "|" + j["phase"].get<std::string>() + "|" +
+                              std::to_string(j["layer"].get<int64_t>()) + "|" + j["op"].get<std::string>() + "|" +
+                              j["tensor"].get<std::string>();
+      if (!seen_tensors.insert(key).second)
+        throw UserError(where + ": a second tensor record for step " + std::to_string(j["step"].get<int64_t>()) +
+                        ", phase " + quote_for_message(j["phase"].get<std::string>()) + ", op " +
+                        quote_for_message(j["op"].get<std::string>()) + ", tensor " +
+                        quote_for_message(j["tensor"].get<std::string>()));
+      t.tensors.push_back(std::move(j));
+    }
     else if (kind == "step") t.steps.push_back(std::move(j));
     else t.end = std::move(j);
   }
