@@ -271,6 +271,13 @@ Manifest read_manifest(ObjectStore& store, int64_t step) {
   }
   Manifest m = manifest_from_json(j, store.url() + "/" + key);
   validate_manifest(m, store.url() + "/" + key);
+  // Keys a manifest names are input like any other: refuse one that could
+  // leave the store's root or prefix before anything is read from it.
+  for (const ManifestObject& o : m.objects) {
+    const std::string why = object_key_problem(o.key);
+    if (!why.empty())
+      throw UserError(store.url() + "/" + key + ": corrupt manifest: bad object key " + quote_key(o.key) + ": " + why);
+  }
   return m;
 }
 

@@ -91,7 +91,10 @@ std::set<std::string> manifest_keys(ObjectStore& store, int64_t step) {
   const std::vector<uint8_t> bytes = with_retries([&] { return store.get(key); });
   const Manifest m = manifest_from_json(nlohmann::json::parse(bytes.begin(), bytes.end()), store.url() + "/" + key);
   std::set<std::string> keys{key};
-  for (const ManifestObject& o : m.objects) keys.insert(o.key);
+  for (const ManifestObject& o : m.objects) {
+    validate_object_key(store.url(), o.key);  // a bad one makes the step unreadable: gc touches nothing there
+    keys.insert(o.key);
+  }
   return keys;
 }
 
