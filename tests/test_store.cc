@@ -827,6 +827,7 @@ TEST_SUITE("store") {
     CHECK(summary["bad"].empty());
     CHECK(summary["verified"].get<int>() >= 1);
     CHECK(summary["copied"] == summary["listed"]);
+    remove_tmp(out.parent_path());
 
     // Lockstep resumes from boto3's copy to the uninterrupted final hash.
     std::tie(rc, text) = lockstep("run " + tiny_scenario() + " --threads 2 --quiet --json --resume 's3://lockstep/copy of run@4'" +
