@@ -2,8 +2,13 @@
 # Installs Lockstep's build and test dependencies from Debian's packages.
 # Idempotent: skips apt entirely when every package is already present.
 set -euo pipefail
+# libssl-dev: SigV4's SHA-256/HMAC (src/store/sigv4.cc). python3-botocore:
+# the signature-checking proxy in the S3 tests (tests/sigv4_proxy.py);
+# python3-boto3 and python3-xxhash: the independent client that reads a
+# checkpoint back (tests/independent_reader.py).
 PKGS=(meson ninja-build g++ pkg-config libeigen3-dev nlohmann-json3-dev libcli11-dev
-      doctest-dev libxxhash-dev python3 python3-numpy chromium libcurl4-openssl-dev)
+      doctest-dev libxxhash-dev python3 python3-numpy chromium libcurl4-openssl-dev
+      libssl-dev python3-botocore python3-boto3 python3-xxhash)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -13,6 +13,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
+#include <map>
+#include <set>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -21,9 +24,13 @@
 #include <sstream>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "common/error.h"
+#include "store/sigv4.h"
 #include "store/store.h"
 #include "s3rver.h"
+#include "sigv4_proxy.h"
 
 extern char** environ;
 
@@ -31,12 +38,21 @@ namespace fs = std::filesystem;
 
 using lstest::S3rver;
 using lstest::set_s3_credentials;
+using lstest::SigV4Proxy;
 
 namespace {
 
 fs::path make_tmp(const char* tag) {
   std::string t = std::string("/tmp/lockstep-store-") + tag + "-XXXXXX";
   return fs::path(mkdtemp(t.data()));
+}
+
+// Removes a directory made by make_tmp, and refuses anything else: /tmp is
+// shared, and a path computed one level too high would take it all.
+void remove_tmp(const fs::path& p) {
+  const std::string s = p.lexically_normal().string();
+  REQUIRE_MESSAGE(s.rfind("/tmp/lockstep-store-", 0) == 0, "refusing to remove " << s);
+  fs::remove_all(p);
 }
 
 std::vector<uint8_t> pattern(size_t n, uint32_t seed) {
@@ -193,6 +209,83 @@ ls::StoreOptions small_parts() {
 }
 
 
+
+const char* kTiny = R"({"model": {"d_model": 16, "n_heads": 2, "seq_len": 8, "d_ff": 8}, "moe": {"experts": 4},
+  "train": {"steps": 6, "batch": 4, "eval_every": 0, "eval_batches": 1}, "data": {"synthetic_bytes": 8192}})";
+
+// Runs the lockstep binary (args are shell words); exit code and stdout+stderr.
+std::pair<int, std::string> lockstep(const std::string& args) {
+  static const fs::path out = make_tmp("cli") / "out.txt";
+  const int st = std::system((std::string(LOCKSTEP_BIN) + " " + args + " >" + out.string() + " 2>&1").c_str());
+  std::ifstream in(out);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, ss.str()};
+}
+
+// A tiny scenario file, written once.
+std::string tiny_scenario() {
+  static fs::path f;
+  if (f.empty()) {
+    f = make_tmp("scn") / "tiny.json";
+    std::ofstream(f) << kTiny;
+  }
+  return f.string();
+}
+
+// The last line of a --json run's output, parsed.
+nlohmann::json last_json(const std::string& text) {
+  const size_t b = text.rfind("\n{");
+  return nlohmann::json::parse(b == std::string::npos ? text : text.substr(b + 1));
+}
+
+// An s3rver with the SigV4-checking proxy in front; skips nothing: a missing
+// server or botocore fails the test.
+struct CheckedS3 {
+  S3rver server;
+  SigV4Proxy proxy;
+  explicit CheckedS3(std::vector<std::string> flags = {}) {
+    if (access(S3rver::binary().c_str(), X_OK) != 0)
+      FAIL("S3 test server missing at " << S3rver::binary() << ": run scripts/install-deps.sh");
+    server.start();
+    proxy.flags = std::move(flags);
+    proxy.start(server.endpoint());
+    set_s3_credentials();
+  }
+  std::string endpoint() const { return proxy.endpoint(); }
+  std::unique_ptr<ls::ObjectStore> open(const std::string& url, ls::StoreOptions o = {}) const {
+    o.s3_endpoint = endpoint();
+    return ls::open_store(url, o);
+  }
+  // No request the proxy saw names `needle` in its path.
+  void check_no_request_for(const std::string& needle) const {
+    for (const auto& r : proxy.requests())
+      CHECK_MESSAGE(r.path.find(needle) == std::string::npos, r.method << " " << r.path);
+  }
+};
+
+// Every store method taking a key, called with `key`; each must throw a
+// UserError naming the store URL and the key.
+void check_refused(ls::ObjectStore& s, const std::string& key) {
+  CAPTURE(key);
+  const std::vector<std::function<void()>> calls = {
+      [&] { s.put(key, "x", 1); },         [&] { s.put_if_absent(key, "x", 1); },
+      [&] { s.get(key); },                 [&] { s.get_range(key, 0, 1); },
+      [&] { s.exists(key); },              [&] { s.remove(key); }};
+  for (const auto& f : calls) {
+    bool thrown = false;
+    try {
+      f();
+    } catch (const ls::UserError& e) {
+      thrown = true;
+      const std::string w = e.what();
+      CHECK(w.find(s.url()) != std::string::npos);
+      CHECK(w.find("bad key " + ls::quote_key(key)) != std::string::npos);
+    }
+    CHECK(thrown);
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("store") {
@@ -204,7 +297,7 @@ TEST_SUITE("store") {
     // Every put went through a temp file; none is left behind.
     for (auto& e : fs::recursive_directory_iterator(dir))
       CHECK_MESSAGE(e.path().filename().string().rfind(".lockstep-tmp", 0) != 0, e.path().string());
-    fs::remove_all(dir);
+    remove_tmp(dir);
   }
 
   TEST_CASE("s3 store meets the contract against s3rver") {
@@ -242,7 +335,10 @@ TEST_SUITE("store") {
   }
 
   TEST_CASE("file store rejects keys that escape its root") {
-    const fs::path dir = make_tmp("esc");
+    // The root is one level down, so that its parent is ours alone (other
+    // processes share /tmp and may well own a /tmp/x).
+    const fs::path dir = make_tmp("esc") / "root";
+    fs::create_directories(dir);
     auto s = ls::open_store(dir.string());
     for (const std::string key : {"../x", "/abs", "a//b", "a/./b", "a/../../b", "", "a/", ".lockstep-tmp.1"}) {
       bool thrown = false;
@@ -257,7 +353,7 @@ TEST_SUITE("store") {
     }
     CHECK_FALSE(fs::exists(dir.parent_path() / "x"));
     CHECK(s->list("").empty());
-    fs::remove_all(dir);
+    remove_tmp(dir.parent_path());
   }
 
   TEST_CASE("file store readers never see a torn object") {
@@ -280,7 +376,7 @@ TEST_SUITE("store") {
     reader.join();
     CHECK(torn == 0);
     CHECK(reads > 0);
-    fs::remove_all(dir);
+    remove_tmp(dir);
   }
 
   TEST_CASE("store URLs") {
@@ -305,7 +401,7 @@ TEST_SUITE("store") {
     ls::StoreOptions o;
     o.s3_endpoint = "ftp://host";
     CHECK_THROWS_AS(ls::open_store("s3://bucket/p", o), ls::UserError);
-    fs::remove_all(dir);
+    remove_tmp(dir);
   }
 
   TEST_CASE("with_retries retries transient errors only") {
@@ -337,5 +433,426 @@ TEST_SUITE("store") {
                           3, 0.001),
                       "down 3");
     CHECK(calls == 3);
+  }
+
+  TEST_CASE("sigv4: AWS's published examples") {
+    // get-vanilla from the AWS Signature Version 4 test suite.
+    ls::sigv4::Request r{"GET", "/", "", {{"Host", "example.amazonaws.com"}, {"X-Amz-Date", "20150830T123600Z"}},
+                         ls::sigv4::sha256_hex("", 0)};
+    ls::sigv4::Credentials c{"AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", "us-east-1", "service"};
+    ls::sigv4::Signed sg = ls::sigv4::sign(r, c, "20150830T123600Z");
+    CHECK(sg.canonical_request ==
+          "GET\n/\n\nhost:example.amazonaws.com\nx-amz-date:20150830T123600Z\n\nhost;x-amz-date\n"
+          "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    CHECK(sg.string_to_sign ==
+          "AWS4-HMAC-SHA256\n20150830T123600Z\n20150830/us-east-1/service/aws4_request\n"
+          "bb579772317eb040ac9ed261061d46c1f17a8133879d6129b6e1c25292927e63");
+    CHECK(sg.signature == "5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31");
+    CHECK(sg.authorization ==
+          "AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20150830/us-east-1/service/aws4_request, "
+          "SignedHeaders=host;x-amz-date, Signature=5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31");
+    // The S3 API reference's GetObject example (a ranged GET, header-signed).
+    ls::sigv4::Request g{"GET", "/test.txt", "",
+                         {{"Host", "examplebucket.s3.amazonaws.com"}, {"Range", "bytes=0-9"},
+                          {"x-amz-content-sha256", ls::sigv4::sha256_hex("", 0)}, {"x-amz-date", "20130524T000000Z"}},
+                         ls::sigv4::sha256_hex("", 0)};
+    ls::sigv4::Credentials s3c{"AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "us-east-1", "s3"};
+    CHECK(ls::sigv4::sign(g, s3c, "20130524T000000Z").signature ==
+          "f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41");
+    // Query strings: encoded, then sorted by name; the empty value kept.
+    CHECK(ls::sigv4::canonical_query({{"uploads", ""}}) == "uploads=");
+    CHECK(ls::sigv4::canonical_query({{"prefix", "a b/+=ü"}, {"list-type", "2"}, {"max-keys", "7"}}) ==
+          "list-type=2&max-keys=7&prefix=a%20b%2F%2B%3D%C3%BC");
+    CHECK(ls::sigv4::uri_encode("a b/+=~ü", true) == "a%20b/%2B%3D~%C3%BC");
+  }
+
+  TEST_CASE("object keys: one check for every store") {
+    for (const std::string& good : std::vector<std::string>{"a", "step-00000001/rank-00000.safetensors", "a b/c+d=e", "ünï/€/𝄞", "..a/b..",
+                                   ".hidden/x", "a/...", std::string(1024, 'k')})
+      CHECK_MESSAGE(ls::object_key_problem(good) == "", good);
+    const std::vector<std::pair<std::string, std::string>> bad = {
+        {"", "empty"},
+        {"/abs", "absolute (leading '/')"},
+        {"step-00000001/../../../other-bucket/important.db", "segment '..'"},
+        {"../../other-bucket/secret.key", "segment '..'"},
+        {"a/./b", "segment '.'"},
+        {".", "segment '.'"},
+        {"a//b", "empty segment"},
+        {"a/", "empty segment"},
+        {std::string("a\0b", 3), "contains NUL"},
+        {"a\nb", "control character 0x0a"},
+        {"a\x7f", "control character 0x7f"},
+        {"step-1\\..\\..\\x", "backslash"},
+        {"bad\xff", "not valid UTF-8"},
+        {"\xc0\xaf", "not valid UTF-8"},           // overlong '/'
+        {"\xed\xa0\x80", "not valid UTF-8"},       // a surrogate
+        {std::string(1025, 'k'), "longer than 1024 bytes"}};
+    for (const auto& [key, why] : bad) CHECK_MESSAGE(ls::object_key_problem(key) == why, ls::quote_key(key));
+    CHECK(ls::quote_key(std::string("a\0\nü", 4 + 1)) == "'a\\x00\\x0aü'");
+    CHECK_THROWS_WITH_AS(ls::validate_object_key("s3://b/p", "x/../y"), "store s3://b/p: bad key 'x/../y': segment '..'",
+                         ls::UserError);
+
+    // Both stores refuse every bad key in every call; the S3 one before any
+    // request leaves (counted by the store and by the proxy).
+    const fs::path dir = make_tmp("keys");
+    auto file = ls::open_store("file://" + dir.string());
+    CheckedS3 s3;
+    auto s = s3.open("s3://lockstep/keys");
+    for (const auto& kv : bad) {
+      check_refused(*file, kv.first);
+      check_refused(*s, kv.first);
+      CHECK_THROWS_AS(s->list(kv.first + "/"), ls::UserError);
+    }
+    CHECK_THROWS_AS(file->list("../"), ls::UserError);
+    CHECK(s->metrics_snapshot().requests == 0);
+    CHECK(s3.proxy.requests().empty());
+    // S3's limit covers the prefix too.
+    auto deep = s3.open("s3://lockstep/" + std::string(1000, 'p'));
+    check_refused(*deep, std::string(30, 'k'));
+    CHECK(deep->metrics_snapshot().requests == 0);
+    CHECK_THROWS_AS(ls::open_store("s3://lockstep/a\\b"), ls::UserError);
+    CHECK_THROWS_AS(ls::open_store("s3://lockstep/a/./b"), ls::UserError);
+    remove_tmp(dir);
+  }
+
+  TEST_CASE("s3 store meets the contract through the SigV4-checking proxy") {
+    CheckedS3 s3;
+    ls::StoreOptions o = small_parts();
+    auto s = s3.open("s3://lockstep/checked", o);
+    contract(*s);
+    s3.proxy.check_clean();
+    const auto reqs = s3.proxy.requests();
+    CHECK(reqs.size() > 100);
+    CHECK(s->metrics_snapshot().requests == reqs.size());
+    std::set<std::string> methods;
+    size_t parts = 0;
+    for (const auto& r : reqs) {
+      methods.insert(r.method);
+      CAPTURE(r.path);
+      // Payloads are signed (S3 checks the hash against the body) and no
+      // signed header is one a server cannot count (curl 7.88's `expect`).
+      CHECK(r.payload.size() == 64);
+      CHECK(r.signed_headers.find("expect") == std::string::npos);
+      if (r.method == "PUT" && r.path.find("partNumber=") != std::string::npos) {
+        ++parts;
+        CHECK(r.bytes <= (5u << 20));
+      }
+    }
+    CHECK(methods == std::set<std::string>{"DELETE", "GET", "HEAD", "POST", "PUT"});
+    CHECK(parts == 8);  // two 20 MiB objects in 5 MiB parts
+  }
+
+  TEST_CASE("s3 through the proxy: a wrong secret or a damaged body is refused (controls)") {
+    CheckedS3 s3;
+    setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret", 1);
+    auto wrong = s3.open("s3://lockstep/ctl");
+    set_s3_credentials();
+    try {
+      wrong->put("k", "v", 1);
+      FAIL("a wrong secret went through");
+    } catch (const ls::StoreError& e) {
+      CHECK_FALSE(e.transient);
+      CHECK(std::string(e.what()).find("HTTP 403 SignatureDoesNotMatch") != std::string::npos);
+      CHECK(std::string(e.what()).find("s3://lockstep/ctl") != std::string::npos);
+    }
+    const auto f = s3.proxy.failures();
+    REQUIRE(f.size() == 1);
+    CHECK(f[0].find("signature") != std::string::npos);
+    auto right = s3.open("s3://lockstep/ctl");
+    CHECK_FALSE(right->exists("k"));  // nothing was stored
+
+    // A body changed in flight no longer matches its signed SHA-256.
+    CheckedS3 tamper({"--tamper-put"});
+    ls::StoreOptions o = small_parts();
+    auto t = tamper.open("s3://lockstep/tamper", o);
+    for (const size_t n : {size_t{100}, size_t{6} << 20}) {  // one PUT; a two-part upload
+      CAPTURE(n);
+      const auto v = pattern(n, 7);
+      try {
+        t->put("obj", v.data(), v.size());
+        FAIL("a damaged body was stored");
+      } catch (const ls::StoreError& e) {
+        CHECK(e.transient);  // damaged on the way: a retry may get through
+        CHECK(std::string(e.what()).find("XAmzContentSHA256Mismatch") != std::string::npos);
+      }
+    }
+    auto plain = ls::open_store("s3://lockstep/tamper", [&] {
+      ls::StoreOptions d;
+      d.s3_endpoint = tamper.server.endpoint();
+      return d;
+    }());
+    CHECK(plain->list("").empty());
+  }
+
+  TEST_CASE("s3 multipart: parts of 5 MiB or more, at most 10,000, a bounded number in flight") {
+    for (const size_t configured : {size_t{1}, size_t{5} << 20, size_t{8} << 20, size_t{64} << 20})
+      for (const size_t n : {size_t{1}, size_t{6} << 20, size_t{50} << 30, size_t{100} << 30, size_t{5} << 40}) {
+        CAPTURE(configured);
+        CAPTURE(n);
+        const size_t p = ls::s3_part_size(n, configured);
+        CHECK(p >= (5u << 20));
+        CHECK(p >= configured);
+        CHECK(p <= size_t{5} << 30);
+        CHECK((n + p - 1) / p <= 10000);
+        CHECK((p % (1u << 20) == 0 || p == configured));
+      }
+    CHECK(ls::s3_part_size(size_t{100} << 30, 8 << 20) == size_t{11} << 20);  // 100 GiB / 10,000 = 10.24 MiB
+
+    CheckedS3 s3;
+    ls::StoreOptions o;
+    o.part_size = 5 << 20;
+    o.s3_parts_in_flight = 2;
+    auto s = s3.open("s3://lockstep/mp", o);
+    const auto v = pattern((23 << 20) + 11, 3);
+    s->put("big", v.data(), v.size());
+    CHECK(s->get("big") == v);
+    s3.proxy.check_clean();
+    std::vector<uint64_t> sizes;
+    int most = 0;
+    for (const auto& r : s3.proxy.requests())
+      if (r.method == "PUT" && r.path.find("partNumber=") != std::string::npos) {
+        sizes.push_back(r.bytes);
+        most = std::max(most, r.in_flight);
+        CHECK(r.payload.size() == 64);  // a signed SHA-256, which the proxy matched to the body
+      }
+    REQUIRE(sizes.size() == 5);
+    std::sort(sizes.begin(), sizes.end());
+    CHECK(sizes.front() == (3u << 20) + 11);
+    for (size_t i = 1; i < sizes.size(); ++i) CHECK(sizes[i] == (5u << 20));
+    CHECK(most <= 2);
+    MESSAGE("most part uploads in flight at once: " << most);
+  }
+
+  TEST_CASE("s3 keys and prefixes that need URI encoding round-trip") {
+    CheckedS3 s3;
+    ls::StoreOptions o = small_parts();
+    const std::string prefix = "enc dir/a+b=c/ünï €";
+    auto s = s3.open("s3://lockstep/" + prefix, o);
+    const std::vector<std::string> keys = {"x y/z+1=2.bin", "ü/ß€𝄞", "q?a=1&b=2#frag", "pct%20not-a-space",
+                                           "semi;colon,comma'quote\"(paren)!*@$", "big blob+"};
+    std::map<std::string, std::vector<uint8_t>> want;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      want[keys[i]] = pattern(keys[i] == "big blob+" ? (6 << 20) + 1 : 100 + i, static_cast<uint32_t>(i));
+      put(*s, keys[i], want[keys[i]]);
+    }
+    std::vector<std::string> sorted_keys(keys.begin(), keys.end());
+    std::sort(sorted_keys.begin(), sorted_keys.end());
+    CHECK(s->list("") == sorted_keys);
+    CHECK(s->list("ü/") == std::vector<std::string>{"ü/ß€𝄞"});
+    CHECK(s->list("x y/z+") == std::vector<std::string>{"x y/z+1=2.bin"});
+    for (const auto& [k, v] : want) {
+      CAPTURE(k);
+      CHECK(s->get(k) == v);
+      CHECK(s->get_range(k, 3, 5) == std::vector<uint8_t>(v.begin() + 3, v.begin() + 8));
+      CHECK(s->exists(k));
+    }
+    CHECK(s->put_if_absent("m/ä manifest", "1", 1));
+    CHECK_FALSE(s->put_if_absent("m/ä manifest", "2", 1));
+    // The same objects, seen from the bucket root: one object per key, under
+    // the prefix spelled as given.
+    auto root = s3.open("s3://lockstep");
+    CHECK(root->get(prefix + "/ü/ß€𝄞") == want["ü/ß€𝄞"]);
+    CHECK(root->list("").size() == keys.size() + 1);
+    for (const auto& k : keys) s->remove(k);
+    CHECK(s->list("").size() == 1);
+    s3.proxy.check_clean();
+  }
+
+  TEST_CASE("s3 commit against a server that ignores If-None-Match: the loser reports false") {
+    CheckedS3 s3;
+    // Exact interleaving: A and B both find the key absent, A writes, B
+    // writes over it, then A reads back. B must win, A must lose.
+    std::atomic<int> stage_b{0};  // 1: B checked, 2: B written
+    std::atomic<bool> a_written{false};
+    bool b_result = false;
+    std::thread tb;
+    ls::StoreOptions ob;
+    ob.s3_commit_hook = [&](const std::string& st) {
+      if (st == "checked") {
+        stage_b = 1;
+        while (!a_written) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      } else if (st == "written") {
+        stage_b = 2;
+      }
+    };
+    auto b = s3.open("s3://lockstep/race", ob);
+    ls::StoreOptions oa;
+    oa.s3_commit_hook = [&](const std::string& st) {
+      if (st == "checked") {
+        tb = std::thread([&] { b_result = b->put_if_absent("step-00000004/manifest.json", "from B", 6); });
+        while (stage_b < 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      } else if (st == "written") {
+        a_written = true;
+        while (stage_b < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    };
+    auto a = s3.open("s3://lockstep/race", oa);
+    const bool a_result = a->put_if_absent("step-00000004/manifest.json", "from A", 6);
+    tb.join();
+    CHECK_FALSE(a_result);
+    CHECK(b_result);
+    CHECK(a->get("step-00000004/manifest.json") == bytes("from B"));
+    // The proxy saw both unconditional-in-effect PUTs: the server really
+    // ignored If-None-Match (else this test would prove nothing).
+    int puts = 0;
+    for (const auto& r : s3.proxy.requests()) puts += r.method == "PUT";
+    CHECK(puts == 2);
+
+    // Free-running: three writers race for each of 12 keys. Always: one at
+    // least wins, and the object holds a winner's bytes. At most one wins
+    // but for the residual window (docs/CHECKPOINTS.md), counted here.
+    auto w0 = s3.open("s3://lockstep/race"), w1 = s3.open("s3://lockstep/race"), w2 = s3.open("s3://lockstep/race");
+    ls::ObjectStore* ws[3] = {w0.get(), w1.get(), w2.get()};
+    int doubles = 0;
+    for (int round = 0; round < 12; ++round) {
+      const std::string key = "free/k" + std::to_string(round);
+      std::atomic<int> ready{0};
+      bool won[3] = {false, false, false};
+      std::vector<std::thread> th;
+      for (int w = 0; w < 3; ++w)
+        th.emplace_back([&, w] {
+          ready++;
+          while (ready < 3) std::this_thread::yield();
+          const std::string v = "writer " + std::to_string(w);
+          won[w] = ws[w]->put_if_absent(key, v.data(), v.size());
+        });
+      for (auto& t : th) t.join();
+      const int wins = won[0] + won[1] + won[2];
+      CHECK(wins >= 1);
+      doubles += wins > 1;
+      const std::vector<uint8_t> got = w0->get(key);
+      const int owner = got.back() - '0';
+      REQUIRE((owner >= 0 && owner < 3));
+      CHECK(won[owner]);
+    }
+    MESSAGE("free-running rounds with more than one winner (the residual window): " << doubles << " of 12");
+    s3.proxy.check_clean();
+  }
+
+  TEST_CASE("s3 keys that escape the prefix: refused, and no request leaves for them") {
+    // A listing holding keys S3 would hold but no sane checkpoint names.
+    const std::string escaping = "step-00000001/../../../other-bucket/important.db";
+    CheckedS3 s3({"--inject-list-key", "esc/" + escaping, "--inject-list-key", "bs/step-00000001\\..\\x"});
+    auto s = s3.open("s3://lockstep/esc");
+    put(*s, "step-00000001/rank-00000.safetensors", bytes("shard"));
+    try {
+      s->list("step-");
+      FAIL("a listing with an escaping key was accepted");
+    } catch (const ls::UserError& e) {
+      const std::string w = e.what();
+      CHECK(w.find("s3://lockstep/esc") != std::string::npos);
+      CHECK(w.find("'" + escaping + "'") != std::string::npos);
+      CHECK(w.find("segment '..'") != std::string::npos);
+    }
+    auto bs = s3.open("s3://lockstep/bs");
+    CHECK_THROWS_WITH_AS(bs->list(""), doctest::Contains("backslash"), ls::UserError);
+    // gc lists, finds the bad key, and stops before deleting anything.
+    auto [rc, text] = lockstep("ckpt gc s3://lockstep/esc --delete --s3-endpoint " + s3.endpoint());
+    INFO(text);
+    CHECK(rc == 2);
+    CHECK(text.find(escaping) != std::string::npos);
+    for (const auto& r : s3.proxy.requests()) CHECK_MESSAGE(r.method != "DELETE", r.path);
+    s3.check_no_request_for("other-bucket");
+    s3.check_no_request_for("important.db");
+    CHECK(s->exists("step-00000001/rank-00000.safetensors"));
+
+    // A manifest naming an object outside the prefix: verify and resume
+    // refuse it before reading any object, on S3 and on a FileStore alike.
+    std::tie(rc, text) = lockstep("run " + tiny_scenario() + " --threads 2 --quiet --set ckpt.url=s3://lockstep/man" +
+                                  " --set ckpt.every=2 --set ckpt.keep_last=0 --set ckpt.s3_endpoint=" + s3.endpoint());
+    REQUIRE_MESSAGE(rc == 0, text);
+    const fs::path dir = make_tmp("man") / "ckpt";  // its parent is ours to remove
+    std::tie(rc, text) = lockstep("run " + tiny_scenario() + " --threads 2 --quiet --set ckpt.url=" + dir.string() +
+                                  " --set ckpt.every=2 --set ckpt.keep_last=0");
+    REQUIRE_MESSAGE(rc == 0, text);
+    auto man = s3.open("s3://lockstep/man");
+    auto local = ls::open_store(dir.string());
+    for (ls::ObjectStore* st : {man.get(), local.get()}) {
+      const std::vector<uint8_t> m = st->get("step-00000002/manifest.json");
+      std::string t(m.begin(), m.end());
+      const std::string from = "step-00000002/rank-00000.safetensors", to = "../../other-bucket/secret.key";
+      REQUIRE(t.find(from) != std::string::npos);
+      for (size_t at; (at = t.find(from)) != std::string::npos;) t.replace(at, from.size(), to);
+      st->put("step-00000002/manifest.json", t.data(), t.size());
+    }
+    const size_t before = s3.proxy.requests().size();
+    for (const std::string& url : {std::string("s3://lockstep/man"), dir.string()}) {
+      CAPTURE(url);
+      const std::string ep = " --s3-endpoint " + s3.endpoint();
+      std::tie(rc, text) = lockstep("ckpt verify " + url + "@2" + ep);
+      CHECK(rc == 2);
+      CHECK(text.find("bad object key '../../other-bucket/secret.key': segment '..'") != std::string::npos);
+      CHECK(text.find(url) != std::string::npos);
+      std::tie(rc, text) = lockstep("run " + tiny_scenario() + " --threads 2 --quiet --resume " + url +
+                                    "@2 --set ckpt.s3_endpoint=" + s3.endpoint());
+      CHECK(rc == 2);
+      CHECK(text.find("other-bucket/secret.key") != std::string::npos);
+    }
+    CHECK(s3.proxy.requests().size() > before);  // the manifests were read...
+    s3.check_no_request_for("secret.key");        // ...and nothing they named
+    s3.check_no_request_for("other-bucket");
+    CHECK_FALSE(fs::exists(dir.parent_path().parent_path() / "other-bucket"));
+    s3.proxy.check_clean();
+    remove_tmp(dir.parent_path());
+  }
+
+  TEST_CASE("s3 through the proxy: checkpoint, resume, ls, verify, gc; an independent client reads and copies it") {
+    const std::string py = lstest::python_with("boto3, botocore, xxhash");
+    if (py.empty()) FAIL("no python3 with boto3 and xxhash: run scripts/install-deps.sh");
+    CheckedS3 s3;
+    const std::string ep = s3.endpoint();
+    auto [rc, text] = lockstep("run " + tiny_scenario() + " --threads 2 --quiet --json");
+    REQUIRE_MESSAGE(rc == 0, text);
+    const std::string want = last_json(text)["final_state_hash"];
+    // A prefix that needs URI encoding, through the CLI's whole path.
+    const std::string prefix = "cli run+1=ü", url = "s3://lockstep/" + prefix;
+    std::tie(rc, text) = lockstep("run " + tiny_scenario() + " --threads 2 --quiet --json --set 'ckpt.url=" + url +
+                                  "' --set ckpt.every=2 --set ckpt.keep_last=0 --set ckpt.s3_endpoint=" + ep);
+    REQUIRE_MESSAGE(rc == 0, text);
+    CHECK(last_json(text)["final_state_hash"] == want);
+    std::tie(rc, text) = lockstep("ckpt ls '" + url + "' --s3-endpoint " + ep);
+    CHECK_MESSAGE(rc == 0, text);
+    CHECK(text.find("step 4") != std::string::npos);
+
+    // boto3 lists it, checks sizes and xxh128 against the manifest, copies it.
+    const std::string cmd = py + " " + std::string(LOCKSTEP_SOURCE_DIR) + "/tests/independent_reader.py --endpoint " +
+                            ep + " --bucket lockstep --prefix '" + prefix + "' --step 4 --copy-to 'copy of run'";
+    const fs::path out = make_tmp("indep") / "out.txt";
+    const int st = std::system((cmd + " >" + out.string() + " 2>&1").c_str());
+    const std::string rd = SigV4Proxy::slurp(out.string());
+    INFO(rd);
+    REQUIRE(WIFEXITED(st));
+    REQUIRE(WEXITSTATUS(st) == 0);
+    const nlohmann::json summary = last_json(rd);
+    CHECK(summary["bad"].empty());
+    CHECK(summary["verified"].get<int>() >= 1);
+    CHECK(summary["copied"] == summary["listed"]);
+    remove_tmp(out.parent_path());
+
+    // Lockstep resumes from boto3's copy to the uninterrupted final hash.
+    std::tie(rc, text) = lockstep("run " + tiny_scenario() + " --threads 2 --quiet --json --resume 's3://lockstep/copy of run@4'" +
+                                  " --set ckpt.s3_endpoint=" + ep);
+    REQUIRE_MESSAGE(rc == 0, text);
+    CHECK(last_json(text)["resumed_from"] == 4);
+    CHECK(last_json(text)["final_state_hash"] == want);
+    std::tie(rc, text) = lockstep("ckpt verify 's3://lockstep/copy of run@4' --s3-endpoint " + ep);
+    CHECK_MESSAGE(rc == 0, text);
+
+    // gc: a torn step's objects go, committed ones stay.
+    auto s = s3.open(url);
+    put(*s, "step-00000003/rank-00000.safetensors", bytes("torn"));
+    const size_t n_before = s->list("").size();
+    std::tie(rc, text) = lockstep("ckpt gc '" + url + "' --delete --s3-endpoint " + ep);
+    CHECK_MESSAGE(rc == 0, text);
+    CHECK(s->list("").size() == n_before - 1);
+    CHECK_FALSE(s->exists("step-00000003/rank-00000.safetensors"));
+
+    s3.proxy.check_clean();
+    std::set<std::string> methods;
+    for (const auto& r : s3.proxy.requests()) {
+      methods.insert(r.method);
+      CHECK(r.signed_headers.find("expect") == std::string::npos);
+    }
+    CHECK(methods == std::set<std::string>{"DELETE", "GET", "HEAD", "PUT"});
   }
 }

@@ -266,7 +266,15 @@ Manifest read_manifest(ObjectStore& store, int64_t step) {
     throw UserError("no committed checkpoint of step " + std::to_string(step) + " in " + store.url());
   const std::string key = manifest_key(step);
   const std::vector<uint8_t> bytes = with_retries([&] { return store.get(key); });
-  return manifest_from_bytes(bytes, store.url() + "/" + key);
+  const std::string origin = store.url() + "/" + key;
+  Manifest m = manifest_from_bytes(bytes, origin);
+  // Keys a manifest names are input like any other: refuse one that could
+  // leave the store's root or prefix before anything is read from it.
+  for (const ManifestObject& o : m.objects) {
+    const std::string why = object_key_problem(o.key);
+    if (!why.empty()) throw UserError(origin + ": corrupt manifest: bad object key " + quote_key(o.key) + ": " + why);
+  }
+  return m;
 }
 
 RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode) {

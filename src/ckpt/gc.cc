@@ -92,7 +92,10 @@ std::set<std::string> manifest_keys(ObjectStore& store, int64_t step) {
   const std::string origin = store.url() + "/" + key;
   const Manifest m = manifest_from_json(parse_manifest_json(bytes, origin), origin);
   std::set<std::string> keys{key};
-  for (const ManifestObject& o : m.objects) keys.insert(o.key);
+  for (const ManifestObject& o : m.objects) {
+    validate_object_key(store.url(), o.key);  // a bad one makes the step unreadable: gc touches nothing there
+    keys.insert(o.key);
+  }
   return keys;
 }
 

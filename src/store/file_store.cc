@@ -104,12 +104,10 @@ class FileStore : public ObjectStore {
 
   std::vector<std::string> list(const std::string& prefix) override {
     CallTimer t(this);
+    check_list_prefix(url_, prefix);
     // Walk only the directory that holds every possible match.
     const size_t slash = prefix.rfind('/');
     const std::string dir = slash == std::string::npos ? "" : prefix.substr(0, slash);
-    if (!dir.empty()) check_key(dir);
-    if (!prefix.empty() && prefix[0] == '/')
-      throw UserError("store " + url_ + ": list prefix '" + prefix + "' must be relative");
     std::vector<std::string> keys;
     const fs::path base = dir.empty() ? fs::path(root_) : fs::path(root_) / dir;
     std::error_code ec;
@@ -120,7 +118,14 @@ class FileStore : public ObjectStore {
         if (ec) fail("list", prefix, ec.value());
         if (!it->is_regular_file(ec) || is_tmp_name(it->path().filename().string())) continue;
         std::string key = it->path().lexically_relative(root_).generic_string();
-        if (key.compare(0, prefix.size(), prefix) == 0) keys.push_back(std::move(key));
+        if (key.compare(0, prefix.size(), prefix) != 0) continue;
+        // A file whose name is no good key (a backslash, a control
+        // character) is refused loudly, as S3Store refuses such a listing.
+        const std::string why = object_key_problem(key);
+        if (!why.empty())
+          throw UserError("store " + url_ + ": listing of '" + prefix + "' holds bad key " + quote_key(key) + ": " +
+                          why + "; refusing the listing (rename or remove that file)");
+        keys.push_back(std::move(key));
       }
     }
     std::sort(keys.begin(), keys.end());
@@ -156,22 +161,15 @@ class FileStore : public ObjectStore {
     throw StoreError(where(key) + ": " + what + ": " + std::strerror(err), transient);
   }
 
-  // Keys stay inside the root: relative, no empty, "." or ".." segments.
+  // Keys stay inside the root: the shared check (store.h), plus the temp
+  // files' reserved names.
   void check_key(const std::string& key) const {
-    auto bad = [&](const std::string& why) {
-      throw UserError("store " + url_ + ": bad key '" + key + "': " + why);
-    };
-    if (key.empty()) bad("empty");
-    if (key[0] == '/') bad("absolute");
-    if (key.find('\0') != std::string::npos) bad("contains NUL");
-    size_t b = 0;
-    while (b <= key.size()) {
+    validate_object_key(url_, key);
+    for (size_t b = 0; b < key.size();) {
       size_t e = key.find('/', b);
       if (e == std::string::npos) e = key.size();
-      const std::string seg = key.substr(b, e - b);
-      if (seg.empty()) bad("empty segment");
-      if (seg == "." || seg == "..") bad("segment '" + seg + "'");
-      if (is_tmp_name(seg)) bad("reserved temp-file name");
+      if (is_tmp_name(key.substr(b, e - b)))
+        throw UserError("store " + url_ + ": bad key " + quote_key(key) + ": reserved temp-file name");
       b = e + 1;
     }
   }

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <thread>
@@ -29,6 +30,29 @@ void retry_backoff(int attempt, double base_seconds) {
 
 namespace {
 
+// Length of the UTF-8 sequence starting at s[i] (1-4), or 0 if it is not a
+// well-formed one (overlong forms, surrogates and code points past
+// U+10FFFF included).
+size_t utf8_len(const std::string& s, size_t i) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char c = b(i);
+  if (c < 0x80) return 1;
+  size_t n;
+  unsigned cp;
+  if (c >= 0xC2 && c <= 0xDF) n = 2, cp = c & 0x1F;
+  else if (c >= 0xE0 && c <= 0xEF) n = 3, cp = c & 0x0F;
+  else if (c >= 0xF0 && c <= 0xF4) n = 4, cp = c & 0x07;
+  else return 0;
+  if (i + n > s.size()) return 0;
+  for (size_t k = 1; k < n; ++k) {
+    if ((b(i + k) & 0xC0) != 0x80) return 0;
+    cp = cp << 6 | (b(i + k) & 0x3F);
+  }
+  if ((n == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (n == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
+    return 0;
+  return n;
+}
+
 std::string env_or(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
   return v && *v ? std::string(v) : fallback;
@@ -41,6 +65,69 @@ bool valid_bucket(const std::string& b) {
   return b.front() != '-' && b.front() != '.' && b.back() != '-' && b.back() != '.';
 }
 
+}  // namespace
+
+std::string object_key_problem(const std::string& key) {
+  if (key.empty()) return "empty";
+  if (key.size() > 1024) return "longer than 1024 bytes";
+  if (key[0] == '/') return "absolute (leading '/')";
+  for (size_t i = 0; i < key.size();) {
+    const unsigned char c = static_cast<unsigned char>(key[i]);
+    if (c == 0) return "contains NUL";
+    if (c < 0x20 || c == 0x7F) {
+      char buf[48];
+      std::snprintf(buf, sizeof buf, "control character 0x%02x", c);
+      return buf;
+    }
+    if (c == '\\') return "backslash";
+    const size_t n = utf8_len(key, i);
+    if (n == 0) return "not valid UTF-8";
+    i += n;
+  }
+  for (size_t b = 0; b <= key.size();) {
+    size_t e = key.find('/', b);
+    if (e == std::string::npos) e = key.size();
+    const std::string seg = key.substr(b, e - b);
+    if (seg.empty()) return "empty segment";
+    if (seg == "." || seg == "..") return "segment '" + seg + "'";
+    b = e + 1;
+  }
+  return "";
+}
+
+std::string quote_key(const std::string& key) {
+  std::string out = "'";
+  for (size_t i = 0; i < key.size();) {
+    const unsigned char c = static_cast<unsigned char>(key[i]);
+    const size_t n = c >= 0x80 ? utf8_len(key, i) : 1;
+    if (c >= 0x20 && c != 0x7F && n > 0) {
+      out.append(key, i, n);
+      i += n;
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+      ++i;
+    }
+  }
+  return out + "'";
+}
+
+void validate_object_key(const std::string& url, const std::string& key) {
+  const std::string why = object_key_problem(key);
+  if (!why.empty()) throw UserError("store " + url + ": bad key " + quote_key(key) + ": " + why);
+}
+
+void check_list_prefix(const std::string& url, const std::string& prefix) {
+  if (prefix.empty()) return;
+  // Some key starts with the prefix iff the prefix plus one more byte is a
+  // good key's start ("a/" -> "a/x" is good; "../" -> "../x" is not).
+  const std::string why = object_key_problem(prefix + "x");
+  if (!why.empty()) throw UserError("store " + url + ": bad list prefix " + quote_key(prefix) + ": " + why);
+}
+
+namespace {
+
 std::unique_ptr<ObjectStore> open_s3(const std::string& url, const StoreOptions& opt) {
   std::string rest = url.substr(5);  // after "s3://"
   const size_t slash = rest.find('/');
@@ -50,16 +137,9 @@ std::unique_ptr<ObjectStore> open_s3(const std::string& url, const StoreOptions&
   if (!valid_bucket(bucket))
     throw UserError("store URL " + url + ": bad S3 bucket name '" + bucket + "'");
   if (!prefix.empty()) {
-    // Segments must be plain names so that keys map to one object each.
-    size_t b = 0;
-    while (b <= prefix.size()) {
-      size_t e = prefix.find('/', b);
-      if (e == std::string::npos) e = prefix.size();
-      const std::string seg = prefix.substr(b, e - b);
-      if (seg.empty() || seg == "." || seg == "..")
-        throw UserError("store URL " + url + ": bad prefix segment '" + seg + "'");
-      b = e + 1;
-    }
+    // The prefix obeys the rules of keys, so that prefix + key does too.
+    const std::string why = object_key_problem(prefix);
+    if (!why.empty()) throw UserError("store URL " + url + ": bad prefix " + quote_key(prefix) + ": " + why);
   }
   return make_s3_store(url, bucket, prefix, opt);
 }

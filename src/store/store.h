@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -25,11 +26,31 @@ struct StoreError : std::runtime_error {
 };
 
 // Counts of completed operations and the wall time spent in store calls
-// (every call, failed ones included).
+// (every call, failed ones included). requests: network requests sent
+// (S3: every HTTP request, failed ones included; 0 for a FileStore).
 struct StoreMetrics {
   uint64_t puts = 0, gets = 0, ranged_gets = 0, lists = 0, deletes = 0, bytes_written = 0, bytes_read = 0;
+  uint64_t requests = 0;
   double seconds = 0;
 };
+
+// The one check of object keys, shared by every store and applied to every
+// key a caller passes in and every key a listing returns (before any
+// request is sent), so that a key from a manifest or a bucket can never
+// address anything outside the store's root or prefix. A key is 1 to 1024
+// bytes of valid UTF-8 (S3's rules), relative ('/'-separated, no leading
+// '/'), with no empty, "." or ".." segment, no control character (NUL,
+// 0x01-0x1f, 0x7f) and no backslash (a separator to Windows file systems and
+// some S3 gateways, which would split a segment in two). Returns "" for a
+// good key, else why not ("segment '..'").
+std::string object_key_problem(const std::string& key);
+// Throws UserError "store URL: bad key 'KEY': why" for a bad key.
+void validate_object_key(const std::string& url, const std::string& key);
+// A list prefix is "" or the start of a good key; throws UserError if not.
+void check_list_prefix(const std::string& url, const std::string& prefix);
+// 'key' in single quotes, bytes outside printable ASCII and UTF-8 shown as
+// \xNN, for messages.
+std::string quote_key(const std::string& key);
 
 class ObjectStore {
  public:
@@ -91,9 +112,22 @@ class ObjectStore {
 
 struct StoreOptions {
   std::string s3_endpoint;        // e.g. http://127.0.0.1:4569; else env LOCKSTEP_S3_ENDPOINT, else AWS
-  size_t part_size = 8 << 20;     // S3: multipart upload above this (S3's minimum part is 5 MiB)
+  // S3: multipart upload above this. Parts are this size, but at least S3's
+  // minimum of 5 MiB and, for objects over 10,000 parts, larger.
+  size_t part_size = 8 << 20;
   int list_page_size = 1000;      // S3: max-keys per ListObjectsV2 page
+  int s3_parts_in_flight = 4;     // S3: parts of one multipart upload sent at once
+  // Tests only: S3 put_if_absent calls this with "checked" (the key was
+  // absent) and "written" (our PUT landed, before the read-back), so a test
+  // can interleave two writers exactly.
+  std::function<void(const std::string& stage)> s3_commit_hook = nullptr;
 };
+
+// The part size an S3 multipart upload of `object_bytes` uses: `configured`,
+// but at least S3's minimum part of 5 MiB, and, when 10,000 parts would not
+// hold the object, the smallest whole number of MiB that does (at most S3's
+// 5 GiB per part).
+size_t s3_part_size(size_t object_bytes, size_t configured);
 
 // "file:///abs/dir", "file://rel/dir" or a plain path -> FileStore;
 // "s3://bucket/prefix" -> S3Store (endpoint from options or env
