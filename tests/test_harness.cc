@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <tuple>
@@ -318,5 +319,36 @@ TEST_SUITE("harness") {
     CHECK(rc == 0);
     CHECK(text.find("trial 1/2  ") != std::string::npos);
     CHECK(text.find("trial 2/2  ") != std::string::npos);
+  }
+}
+
+TEST_SUITE("harness") {
+  TEST_CASE("ckpt gc finds and removes temp files a killed upload left, and keeps a live writer's") {
+    const fs::path sc = write_temp("tiny6.json", kTiny);
+    const fs::path ck = fresh_dir("gc-temps");
+    REQUIRE(run_cli("run " + sc.string() + " --quiet --steps 4 --set ckpt.url=" + ck.string() + " --set ckpt.every=2")
+                .rc == 0);
+    // A pid that surely exited: a child's, waited for.
+    const pid_t child = ::fork();
+    if (child == 0) ::_exit(0);
+    REQUIRE(child > 0);
+    ::waitpid(child, nullptr, 0);
+    const std::string dead_pid = std::to_string(child);
+    const std::string stale = "step-00000004/.lockstep-tmp." + dead_pid + ".0";
+    const std::string live = "step-00000004/.lockstep-tmp." + std::to_string(::getpid()) + ".0";
+    write_temp("gc-temps/" + stale, std::string(1000, 'x'));
+    write_temp("gc-temps/" + live, std::string(10, 'y'));
+    auto r = run_cli("ckpt gc " + ck.string());
+    CAPTURE(r.out);
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("stale    " + stale) != std::string::npos);
+    CHECK(r.out.find(live) == std::string::npos);
+    CHECK(r.out.find("1 stale temp file, 1000 bytes would be deleted") != std::string::npos);
+    CHECK(fs::exists(ck / stale));
+    r = run_cli("ckpt gc " + ck.string() + " --delete");
+    CHECK(r.rc == 0);
+    CHECK_FALSE(fs::exists(ck / stale));
+    CHECK(fs::exists(ck / live));
+    CHECK(run_cli("run " + sc.string() + " --quiet --resume " + ck.string()).rc == 0);
   }
 }

@@ -134,6 +134,8 @@ GcReport find_orphans(ObjectStore& store) {
     for (const std::string& k : keys)
       if (!named.count(k)) r.orphan_keys.push_back(k);
   }
+  r.stale_temps = store.stale_leftovers();
+  for (const auto& t : r.stale_temps) r.stale_temp_bytes += t.bytes;
   std::sort(r.orphan_keys.begin(), r.orphan_keys.end());
   for (const std::string& k : r.orphan_keys) {
     r.orphan_sizes.push_back(object_size(store, k));
@@ -169,6 +171,7 @@ GcReport collect_garbage(ObjectStore& store, bool do_delete) {
     out.committed_steps.insert(out.committed_steps.end(), now_committed.begin(), now_committed.end());
     std::sort(out.committed_steps.begin(), out.committed_steps.end());
   }
+  for (const auto& t : r.stale_temps) store.remove_leftover(t.path);
   out.deleted = true;
   return out;
 }

@@ -13,8 +13,9 @@
 // (ckpt.max_inflight = 1, the default): its commits come in step order, so a
 // torn directory older than a commit is never still being written. With
 // max_inflight > 1 a slower older upload could be taken for torn; run gc
-// only when no run writes to the store. Temp files of the file store are
-// invisible to list() and are not collected.
+// only when no run writes to the store. Temp files the file store's writes
+// leave when a process dies mid-upload (Ctrl-C, SIGKILL) are invisible to
+// list(); those whose writer is dead are collected too (stale_temps).
 #pragma once
 
 #include <cstdint>
@@ -33,6 +34,8 @@ struct GcReport {
   std::vector<int64_t> committed_steps;   // every manifest found
   std::vector<int64_t> newest_in_progress;  // torn, newer than every commit: kept
   std::vector<int64_t> unreadable_steps;  // committed, but the manifest could not be read: directory left alone
+  std::vector<ObjectStore::Leftover> stale_temps;  // temp files of dead writers (file store), invisible to list()
+  uint64_t stale_temp_bytes = 0;
   bool deleted = false;                   // collect_garbage removed the orphans
 };
 

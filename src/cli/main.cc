@@ -447,6 +447,9 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
   for (size_t i = 0; i < r.orphan_keys.size(); ++i)
     std::printf("%s %-44s %12llu bytes\n", r.deleted ? "deleted " : "orphan  ", r.orphan_keys[i].c_str(),
                 (unsigned long long)r.orphan_sizes[i]);
+  for (const auto& t : r.stale_temps)
+    std::printf("%s %-44s %12llu bytes  (temp file of a dead writer)\n", r.deleted ? "deleted " : "stale   ",
+                t.path.c_str(), (unsigned long long)t.bytes);
   if (!r.newest_in_progress.empty())
     std::printf("kept: step %s torn but newer than every commit (possibly in progress)\n",
                 steps(r.newest_in_progress).c_str());
@@ -458,6 +461,9 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
               r.orphan_keys.size(), r.orphan_keys.size() == 1 ? "" : "s", (unsigned long long)r.orphan_bytes,
               steps(r.torn_steps).c_str(), kept.c_str(), steps(r.committed_steps).c_str(),
               r.deleted ? "deleted" : "would be deleted (dry run; --delete to delete)");
+  if (!r.stale_temps.empty())
+    std::printf("gc: %zu stale temp file%s, %llu bytes %s\n", r.stale_temps.size(), r.stale_temps.size() == 1 ? "" : "s",
+                (unsigned long long)r.stale_temp_bytes, r.deleted ? "deleted" : "would be deleted");
   return 0;
 }
 

@@ -4,6 +4,7 @@
 // put_if_absent link()s the temp file to the key instead: link fails with
 // EEXIST rather than replacing, which makes the check-and-write one step.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -100,6 +102,38 @@ class FileStore : public ObjectStore {
       fail("stat", key, errno);
     }
     return S_ISREG(st.st_mode);
+  }
+
+  // Temp files whose writer is gone: the pid in the name is not alive, or the
+  // file is older than a day (a pid reused by another process). A live
+  // writer's temp file (this process's, or a running run's) is kept.
+  std::vector<Leftover> stale_leftovers() override {
+    std::vector<Leftover> out;
+    std::error_code ec;
+    if (!fs::is_directory(root_, ec)) return out;
+    const auto now = fs::file_time_type::clock::now();
+    fs::recursive_directory_iterator it(root_, ec), end;
+    for (; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if (!is_tmp_name(name) || !it->is_regular_file(ec)) continue;
+      const std::string rest = name.substr(sizeof(kTmpPrefix) - 1);
+      const long pid = std::strtol(rest.c_str(), nullptr, 10);
+      const bool alive = pid > 0 && (::kill((pid_t)pid, 0) == 0 || errno == EPERM);
+      const auto age = now - fs::last_write_time(it->path(), ec);
+      if (alive && (pid == ::getpid() || age < std::chrono::hours(24))) continue;
+      out.push_back({it->path().lexically_relative(root_).generic_string(), (uint64_t)fs::file_size(it->path(), ec)});
+    }
+    std::sort(out.begin(), out.end(), [](const Leftover& a, const Leftover& b) { return a.path < b.path; });
+    return out;
+  }
+
+  void remove_leftover(const std::string& path) override {
+    // Only a temp file's name, inside the root.
+    const fs::path p = fs::path(path);
+    if (!is_tmp_name(p.filename().string()) || path.find("..") != std::string::npos || p.is_absolute())
+      throw UserError("store " + url_ + ": '" + path + "' is not a temp file of this store");
+    std::error_code ec;
+    fs::remove(fs::path(root_) / p, ec);
   }
 
   std::vector<std::string> list(const std::string& prefix) override {

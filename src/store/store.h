@@ -70,6 +70,16 @@ class ObjectStore {
   // bytewise.
   virtual std::vector<std::string> list(const std::string& prefix) = 0;
   virtual void remove(const std::string& key) = 0;  // no error if missing
+
+  // Leftovers of writes that died mid-way (the file store's temp files of a
+  // killed process), which list() never shows: path relative to the store's
+  // root, and bytes. Stores without such leftovers report none.
+  struct Leftover {
+    std::string path;
+    uint64_t bytes = 0;
+  };
+  virtual std::vector<Leftover> stale_leftovers() { return {}; }
+  virtual void remove_leftover(const std::string& path) { (void)path; }
   virtual std::string url() const = 0;
 
   // Updated by every call under metrics_mu; read it with metrics_snapshot()
