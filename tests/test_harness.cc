@@ -352,3 +352,19 @@ TEST_SUITE("harness") {
     CHECK(run_cli("run " + sc.string() + " --quiet --resume " + ck.string()).rc == 0);
   }
 }
+
+TEST_SUITE("harness") {
+  TEST_CASE("an s3:// URL without an endpoint says, once, that it goes to AWS") {
+    const fs::path err = lstest::cli_temp_dir() / "aws.txt";
+    const std::string cmd = "AWS_ACCESS_KEY_ID=x AWS_SECRET_ACCESS_KEY=y LOCKSTEP_S3_ENDPOINT= env -u LOCKSTEP_S3_ENDPOINT " +
+                            std::string(LOCKSTEP_BIN) + " ckpt ls s3://lockstep-no-such-bucket/p >/dev/null 2>" +
+                            err.string();
+    std::system(cmd.c_str());  // fails: no network here, or no such bucket
+    const std::string text = lstest::slurp(err);
+    CAPTURE(text);
+    const size_t first = text.find("has no S3 endpoint");
+    CHECK(first != std::string::npos);
+    CHECK(text.find("using AWS at https://s3.") != std::string::npos);
+    CHECK(text.find("has no S3 endpoint", first + 1) == std::string::npos);  // once
+  }
+}

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -168,6 +169,17 @@ std::string s3_endpoint(const std::string& url, const StoreOptions& opt, const s
   while (!ep.empty() && ep.back() == '/') ep.pop_back();
   if (ep.rfind("http://", 0) != 0 && ep.rfind("https://", 0) != 0)
     throw UserError("store URL " + url + ": S3 endpoint '" + ep + "' must start with http:// or https://");
+  if (opt.s3_endpoint.empty() && std::getenv("LOCKSTEP_S3_ENDPOINT") == nullptr) {
+    // Neither ckpt.s3_endpoint nor the environment named one: say where the
+    // requests go, once per process (a test server forgotten is a real bucket hit).
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      std::fprintf(stderr,
+                   "lockstep: note: %s has no S3 endpoint (ckpt.s3_endpoint, --s3-endpoint or "
+                   "LOCKSTEP_S3_ENDPOINT): using AWS at %s\n",
+                   url.c_str(), ep.c_str());
+    });
+  }
   return ep;
 }
 
