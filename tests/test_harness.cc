@@ -124,6 +124,10 @@ TEST_SUITE("harness") {
     CHECK(r.rc == 2);
     CHECK(r.err.find("not a folder") != std::string::npos);
     CHECK(r.out.empty());
+    r = run_cli("run " + sc.string() + " --trace " + (lstest::cli_temp_dir() / "no-such-dir" / "t.jsonl").string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--trace: cannot write") != std::string::npos);
+    CHECK(r.err.find("No such file or directory") != std::string::npos);
     r = run_cli("run " + sc.string() + " --out /proc/lockstep-out");
     CHECK(r.rc == 2);
     CHECK(r.err.find("--out /proc/lockstep-out") != std::string::npos);
@@ -315,6 +319,13 @@ TEST_SUITE("harness") {
     CHECK(rc == 0);
     CHECK(text.find("check [1/1] top1.json") != std::string::npos);
     CHECK(text.find("step 16/16") != std::string::npos);
+    // golden: the engine run and the reference cross-check both show their steps.
+    const fs::path gdir = fresh_dir("golden-tty");
+    std::tie(rc, text) = tty("golden scenarios/top1.json --golden-dir " + gdir.string());
+    CHECK(rc == 0);
+    const size_t last = text.find("step 16/16");
+    CHECK(last != std::string::npos);
+    CHECK(text.find("step 16/16", last + 1) != std::string::npos);
     std::tie(rc, text) = tty("faults sweep scenarios/sweep_tiny.json --trials 2");
     CHECK(rc == 0);
     CHECK(text.find("trial 1/2  ") != std::string::npos);

@@ -228,6 +228,7 @@ std::string index_string(int64_t i, const std::vector<int64_t>& shape) {
 
 uint64_t sample_ulp(const nlohmann::json& a, const nlohmann::json& b) {
   uint64_t worst = 0;
+  if (!a.contains("sample") || !b.contains("sample")) return 0;  // optional: read_trace checks it when present
   const auto& sa = a["sample"];
   const auto& sb = b["sample"];
   for (size_t i = 0; i < std::min(sa.size(), sb.size()); ++i) {
@@ -424,7 +425,8 @@ std::string format_diff(const TraceDiff& d) {
       const auto& b = d.first["b"];
       o << "  hash  " << a["hash"].get<std::string>() << " vs " << b["hash"].get<std::string>() << "\n";
       for (const char* s : {"min", "max", "mean", "l2"})
-        o << "  " << s << std::string(6 - std::strlen(s), ' ') << a[s].dump() << " vs " << b[s].dump() << "\n";
+        o << "  " << s << std::string(6 - std::strlen(s), ' ') << (a.contains(s) ? a[s].dump() : "-") << " vs "
+          << (b.contains(s) ? b[s].dump() : "-") << "\n";
     }
   }
   if (!d.elements.is_null()) {
