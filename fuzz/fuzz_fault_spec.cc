@@ -15,8 +15,8 @@ Outcome fault_spec_one(const uint8_t* data, size_t n) {
   FaultSpec f;
   try {
     f = parse_fault(text);
-  } catch (const UserError&) {
-    return Outcome::kRejected;
+  } catch (const UserError& e) {
+    return rejected(e);
   }
   const std::string canon = f.text();
   FaultSpec g;

@@ -30,8 +30,8 @@ Outcome manifest_one(const uint8_t* data, size_t n) {
       throw Violation(std::string("an accepted manifest does not read back: ") + e.what());
     }
     if (manifest_to_json(back) != j) throw Violation("an accepted manifest reads back different");
-  } catch (const UserError&) {
-    out = Outcome::kRejected;
+  } catch (const UserError& e) {
+    out = rejected(e);
   }
   // gc reads the same object on its own path; an unreadable manifest must
   // leave its step alone, not fail the whole gc.

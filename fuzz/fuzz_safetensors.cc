@@ -34,8 +34,8 @@ Outcome safetensors_one(const uint8_t* data, size_t n) {
       if (x.size() != numel) throw Violation("read_tensor returns the wrong count");
     }
     if (v.data_start > n || next != n - v.data_start) throw Violation("tensors do not tile the data buffer");
-  } catch (const UserError&) {
-    out = Outcome::kRejected;
+  } catch (const UserError& e) {
+    out = rejected(e);
   }
   // gc.h: a torn step below a committed one is garbage; its objects' sizes
   // are found from the header (only a hint) and checked, so the answer is

@@ -18,8 +18,8 @@ Outcome scenario_one(const uint8_t* data, size_t n) {
   Scenario s;
   try {
     s = load_scenario(file.path(), sets);
-  } catch (const UserError&) {
-    return Outcome::kRejected;
+  } catch (const UserError& e) {
+    return rejected(e);
   }
   const std::string fp = scenario_fingerprint(s);
   // The run summary (--json) and the trace header print it.

@@ -72,8 +72,8 @@ Outcome store_url_one(const uint8_t* data, size_t n) {
     (void)step;
     (void)open_store(url, StoreOptions{endpoint});
     if (url.rfind("s3://", 0) == 0) s3 = open_store(url, StoreOptions{kClosedPort});
-  } catch (const UserError&) {
-    out = Outcome::kRejected;
+  } catch (const UserError& e) {
+    out = rejected(e);
   }
   for (size_t i = 2; i < parts.size(); ++i) {
     const std::string& key = parts[i];

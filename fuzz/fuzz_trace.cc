@@ -22,8 +22,8 @@ Outcome trace_one(const uint8_t* data, size_t n) {
     (void)diff_json(d).dump();
     (void)render_report(a, b, d, "a vs b");
     if (!diff_traces(a, a).identical) throw Violation("a trace differs from itself");
-  } catch (const UserError&) {
-    return Outcome::kRejected;
+  } catch (const UserError& e) {
+    return rejected(e);
   }
   return Outcome::kAccepted;
 }

@@ -98,6 +98,9 @@ void MemStore::remove(const std::string& key) {
 
 namespace {
 
+const bool verbose = std::getenv("LOCKSTEP_FUZZ_VERBOSE") != nullptr;
+thread_local std::string last_rejection;
+
 std::string demangle(const char* name) {
   int status = 0;
   std::unique_ptr<char, void (*)(void*)> d(abi::__cxa_demangle(name, nullptr, nullptr, &status), std::free);
@@ -114,9 +117,18 @@ std::string demangle(const char* name) {
 
 }  // namespace
 
+Outcome rejected(const std::exception& e) {
+  if (verbose) last_rejection = e.what();
+  return Outcome::kRejected;
+}
+
 void run_or_abort(Outcome (*one)(const uint8_t*, size_t), const uint8_t* data, size_t n) {
   try {
-    one(data, n);
+    last_rejection.clear();
+    const Outcome o = one(data, n);
+    if (verbose)
+      std::fprintf(stderr, "lockstep-fuzz: %s%s%s\n", o == Outcome::kAccepted ? "accepted" : "rejected",
+                   last_rejection.empty() ? "" : ": ", last_rejection.substr(0, 300).c_str());
   } catch (const Violation& e) {
     report("property violated", e.what());
   } catch (const std::exception& e) {

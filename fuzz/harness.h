@@ -87,6 +87,10 @@ class MemStore : public ObjectStore {
   std::string url() const override { return "mem://fuzz"; }
 };
 
+// Notes why an input was rejected (printed when LOCKSTEP_FUZZ_VERBOSE is
+// set, to see which seeds get past which check) and returns kRejected.
+Outcome rejected(const std::exception& e);
+
 // Runs one input as the libFuzzer entry does: a finding is printed
 // ("lockstep-fuzz: finding: ...") and aborts the process.
 void run_or_abort(Outcome (*one)(const uint8_t*, size_t), const uint8_t* data, size_t n);
