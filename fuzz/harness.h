@@ -6,10 +6,11 @@
 //     returns kRejected.
 //   - Anything else that escapes -- another exception type (the CLI's
 //     "internal error", exit 3), a violated property (Violation) -- is a
-//     finding: it propagates out of the *_one function. The libFuzzer entry
-//     (LOCKSTEP_FUZZ_ENTRY) prints it and aborts so that libFuzzer records the
-//     input; the regression tests (tests/test_fuzz_regressions.cc) see it as a
-//     thrown exception. Crashes, hangs, leaks and sanitizer reports are
+//     finding: it propagates out of the *_one function. Under libFuzzer
+//     (LOCKSTEP_FUZZ_ENTRY) nothing catches it: std::terminate prints its
+//     type and message and aborts at the throw, so libFuzzer records the input
+//     and the stack shows the thrower; the regression tests
+//     (tests/test_fuzz_regressions.cc) see it as a thrown exception. Crashes, hangs, leaks and sanitizer reports are
 //     findings by themselves.
 // The same functions are compiled into the g++ test binary, so a reproducer
 // replays there without libFuzzer.
@@ -91,8 +92,7 @@ class MemStore : public ObjectStore {
 // set, to see which seeds get past which check) and returns kRejected.
 Outcome rejected(const std::exception& e);
 
-// Runs one input as the libFuzzer entry does: a finding is printed
-// ("lockstep-fuzz: finding: ...") and aborts the process.
+// Runs one input as the libFuzzer entry does (no exception is caught).
 void run_or_abort(Outcome (*one)(const uint8_t*, size_t), const uint8_t* data, size_t n);
 
 }  // namespace ls::fuzz

@@ -3,7 +3,8 @@
 # Idempotent: skips apt entirely when every package is already present.
 set -euo pipefail
 PKGS=(meson ninja-build g++ pkg-config libeigen3-dev nlohmann-json3-dev libcli11-dev
-      doctest-dev libxxhash-dev python3 python3-numpy chromium libcurl4-openssl-dev)
+      doctest-dev libxxhash-dev python3 python3-numpy chromium libcurl4-openssl-dev
+      clang-14 libclang-rt-14-dev)  # clang-14 + its runtime: libFuzzer, ASan, UBSan (fuzz/)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
