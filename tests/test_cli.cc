@@ -12,44 +12,19 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli_run.h"
+
 namespace fs = std::filesystem;
 
 namespace {
 
 const fs::path kRoot = LOCKSTEP_SOURCE_DIR;
 
-struct Result {
-  int rc;
-  std::string out, err;
-};
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-fs::path temp_dir() {
-  static fs::path dir = [] {
-    char tmpl[] = "/tmp/lockstep-cli-XXXXXX";
-    return fs::path(mkdtemp(tmpl));
-  }();
-  return dir;
-}
-
-Result run(const std::string& args) {
-  const fs::path out = temp_dir() / "stdout", err = temp_dir() / "stderr";
-  const std::string cmd = std::string(LOCKSTEP_BIN) + " " + args + " >" + out.string() + " 2>" + err.string();
-  int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
-}
-
-fs::path write(const std::string& name, const std::string& text) {
-  fs::path p = temp_dir() / name;
-  std::ofstream(p) << text;
-  return p;
-}
+using Result = lstest::CliResult;
+using lstest::slurp;
+inline fs::path temp_dir() { return lstest::cli_temp_dir(); }
+inline Result run(const std::string& args) { return lstest::run_cli(args); }
+inline fs::path write(const std::string& name, const std::string& text) { return lstest::write_temp(name, text); }
 
 std::string last_line(const std::string& s) {
   std::string t = s;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/json_input.h"
 #include "runner/scenario.h"
 
 namespace {
@@ -514,5 +515,47 @@ TEST_SUITE("scenario") {
     ls::Scenario s = ls::load_scenario(example, {});
     CHECK(s.name == "moe-small");
     CHECK(s.model.shared_expert);
+  }
+
+  TEST_CASE("untrusted JSON: depth scan, UTF-8, checked integers") {
+    using ls::json_depth_violation;
+    const size_t npos = std::string::npos;
+    CHECK(json_depth_violation("[[1]]", 2, false) == npos);
+    CHECK(json_depth_violation("[[[1]]]", 2, false) == 2);
+    CHECK(json_depth_violation("{\"a\": {\"b\": [1]}}", 2, false) == 12);
+    // Strings (with escaped quotes) and comments are not nesting.
+    CHECK(json_depth_violation("[\"[[[\\\"[[\"]", 1, false) == npos);
+    CHECK(json_depth_violation("[ // [[[\n 1 /* {{{ */ ]", 1, true) == npos);
+    CHECK(json_depth_violation("[ // [[[\n 1 /* {{{ */ ]", 1, false) != npos);  // without comments: brackets
+    CHECK(json_depth_violation("[\"unterminated", 1, false) == npos);
+
+    CHECK_THROWS_WITH_AS(ls::parse_untrusted_json("[1e400]", "x.json"), doctest::Contains("x.json"), ls::UserError);
+    CHECK_THROWS_WITH_AS(ls::parse_untrusted_json(std::string(300, '[') + std::string(300, ']'), "x.json"),
+                         doctest::Contains("nested deeper than 256"), ls::UserError);
+    CHECK_THROWS_AS(ls::parse_untrusted_json("{\"a\": \"\xff\"}", "x"), ls::UserError);
+    ls::JsonInputOptions small;
+    small.max_bytes = 4;
+    CHECK_THROWS_WITH_AS(ls::parse_untrusted_json("[1, 2]", "x", small), doctest::Contains("limit of 4"), ls::UserError);
+    CHECK(ls::parse_untrusted_json(std::string(256, '[') + std::string(256, ']'), "x").is_array());
+
+    CHECK(ls::valid_utf8("plain ascii"));
+    CHECK(ls::valid_utf8("\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"));  // e-acute, euro, emoji
+    CHECK(!ls::valid_utf8("\xff"));
+    CHECK(!ls::valid_utf8("\xc0\xaf"));          // overlong '/'
+    CHECK(!ls::valid_utf8("\xed\xa0\x80"));      // a surrogate
+    CHECK(!ls::valid_utf8("\xf4\x90\x80\x80"));  // above U+10FFFF
+    CHECK(!ls::valid_utf8("\xe2\x82"));          // truncated
+    CHECK(ls::quote_for_message("a\xff" "b\n") == "a\\xffb\\x0a");
+    CHECK(ls::quote_for_message(std::string(100, 'x'), 8) == "xxxxxxxx...");
+
+    CHECK(ls::parse_int_field("12", 0, 100, "f") == 12);
+    CHECK(ls::parse_int_field("-3", -5, 5, "f") == -3);
+    CHECK_THROWS_WITH_AS(ls::parse_int_field("99999999999999999999", 0, 10, "f"), doctest::Contains("out of range"),
+                         ls::UserError);
+    CHECK_THROWS_WITH_AS(ls::parse_int_field("11", 0, 10, "f"), doctest::Contains("out of range"), ls::UserError);
+    CHECK_THROWS_AS(ls::parse_int_field("-1", 0, 10, "f"), ls::UserError);
+    CHECK_THROWS_AS(ls::parse_int_field("+1", 0, 10, "f"), ls::UserError);
+    CHECK_THROWS_AS(ls::parse_int_field("1x", 0, 10, "f"), ls::UserError);
+    CHECK_THROWS_AS(ls::parse_int_field("", 0, 10, "f"), ls::UserError);
   }
 }

@@ -6,9 +6,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "trace/diff.h"
+#include "trace/writer.h"
 
 namespace fs = std::filesystem;
 
@@ -123,5 +125,19 @@ TEST_SUITE("trace") {
     CHECK(out.find("the runs agree") != std::string::npos);
     CHECK(lockstep("bisect " + scenario().string() + " --set-b moe.top_k=1 --set-b train.eval_batches=3", &out) == 1);
     CHECK(out.find("moe.top_k=1 alone changes the bits at step 1, fwd, layer 0, op moe.experts") != std::string::npos);
+  }
+}
+
+TEST_SUITE("trace") {
+  TEST_CASE("trace_op_names lists exactly the ops a training step traces") {
+    const std::string path = (std::filesystem::temp_directory_path() / "lockstep-ops.jsonl").string();
+    const std::string cmd = std::string(LOCKSTEP_BIN) + " run " + LOCKSTEP_SOURCE_DIR +
+                            "/scenarios/quickstart.json --steps 1 --quiet --trace " + path + " >/dev/null";
+    REQUIRE(std::system(cmd.c_str()) == 0);
+    std::set<std::string> seen;
+    for (const nlohmann::json& r : ls::read_trace(path).tensors) seen.insert(r.at("op").get<std::string>());
+    const std::set<std::string> listed(ls::trace_op_names().begin(), ls::trace_op_names().end());
+    CHECK(seen == listed);
+    std::filesystem::remove(path);
   }
 }

@@ -3,11 +3,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 
 #include "ckpt/safetensors.h"
 #include "cluster/communicator.h"
 #include "common/error.h"
+#include "common/json_input.h"
 #include "contract.h"
 
 namespace ls {
@@ -241,7 +243,8 @@ std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text) {
   const size_t at = text.rfind('@');
   if (at != std::string::npos && at + 1 < text.size() &&
       text.find_first_not_of("0123456789", at + 1) == std::string::npos)
-    return {text.substr(0, at), std::stoll(text.substr(at + 1))};
+    return {text.substr(0, at),
+            parse_int_field(text.substr(at + 1), 0, 999999999999999999, text + ": step")};
   return {text, -1};
 }
 
@@ -257,21 +260,13 @@ std::vector<int64_t> committed_steps(ObjectStore& store) {
 
 Manifest read_manifest(ObjectStore& store, int64_t step) {
   const std::vector<int64_t> steps = committed_steps(store);
-  if (steps.empty()) throw UserError("--resume: no committed checkpoint (no manifest) in " + store.url());
+  if (steps.empty()) throw UserError("no committed checkpoint (no manifest) in " + store.url());
   if (step < 0) step = steps.back();
   if (std::find(steps.begin(), steps.end(), step) == steps.end())
-    throw UserError("--resume: no committed checkpoint of step " + std::to_string(step) + " in " + store.url());
+    throw UserError("no committed checkpoint of step " + std::to_string(step) + " in " + store.url());
   const std::string key = manifest_key(step);
   const std::vector<uint8_t> bytes = with_retries([&] { return store.get(key); });
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(bytes.begin(), bytes.end());
-  } catch (const nlohmann::json::parse_error& e) {
-    throw UserError(store.url() + "/" + key + ": corrupt manifest: " + e.what());
-  }
-  Manifest m = manifest_from_json(j, store.url() + "/" + key);
-  validate_manifest(m, store.url() + "/" + key);
-  return m;
+  return manifest_from_bytes(bytes, store.url() + "/" + key);
 }
 
 RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode) {

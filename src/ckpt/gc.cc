@@ -89,7 +89,8 @@ uint64_t object_size(ObjectStore& store, const std::string& key) {
 std::set<std::string> manifest_keys(ObjectStore& store, int64_t step) {
   const std::string key = manifest_key(step);
   const std::vector<uint8_t> bytes = with_retries([&] { return store.get(key); });
-  const Manifest m = manifest_from_json(nlohmann::json::parse(bytes.begin(), bytes.end()), store.url() + "/" + key);
+  const std::string origin = store.url() + "/" + key;
+  const Manifest m = manifest_from_json(parse_manifest_json(bytes, origin), origin);
   std::set<std::string> keys{key};
   for (const ManifestObject& o : m.objects) keys.insert(o.key);
   return keys;

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "common/json_input.h"
 
 namespace ls {
 
@@ -148,6 +149,19 @@ std::string xxh128_hex(const void* data, size_t n) {
   char buf[33];
   std::snprintf(buf, sizeof buf, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
   return buf;
+}
+
+nlohmann::json parse_manifest_json(const std::vector<uint8_t>& bytes, const std::string& origin) {
+  JsonInputOptions jo;
+  jo.max_bytes = kMaxManifestBytes;
+  const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  return parse_untrusted_json(text, origin + ": corrupt manifest", jo);
+}
+
+Manifest manifest_from_bytes(const std::vector<uint8_t>& bytes, const std::string& origin) {
+  Manifest m = manifest_from_json(parse_manifest_json(bytes, origin), origin);
+  validate_manifest(m, origin);
+  return m;
 }
 
 void validate_manifest(const Manifest& m, const std::string& origin) {

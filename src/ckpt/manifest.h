@@ -52,6 +52,13 @@ nlohmann::json manifest_to_json(const Manifest& m);
 // missing or unknown field, wrong type, negative size, unknown format_version.
 // Structural consistency is validate_manifest's job.
 Manifest manifest_from_json(const nlohmann::json& j, const std::string& origin);
+// A manifest object's bytes as JSON, parsed under the untrusted-JSON limits
+// (common/json_input.h); UserError naming origin.
+nlohmann::json parse_manifest_json(const std::vector<uint8_t>& bytes, const std::string& origin);
+// The same, decoded and validated (validate_manifest).
+Manifest manifest_from_bytes(const std::vector<uint8_t>& bytes, const std::string& origin);
+// Manifests are small (a few KiB per rank); a bigger object is not one.
+constexpr size_t kMaxManifestBytes = size_t(64) << 20;
 
 // 32 lowercase hex digits of XXH3-128 (high 64 bits first), as the contract
 // state hash prints.

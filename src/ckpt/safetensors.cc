@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/json_input.h"
 
 namespace ls {
 
@@ -103,8 +104,8 @@ SafetensorsView parse_safetensors(const uint8_t* bytes, size_t n, const std::str
 
   json header;
   try {
-    header = json::parse(bytes + 8, bytes + 8 + hlen);
-  } catch (const json::exception& e) {
+    header = parse_untrusted_json(std::string_view(reinterpret_cast<const char*>(bytes) + 8, hlen), "header");
+  } catch (const UserError& e) {
     corrupt(object_name, std::string("header is not valid JSON: ") + e.what());
   }
   if (!header.is_object()) corrupt(object_name, "header is not a JSON object");

@@ -99,14 +99,16 @@ int cmd_faults_sweep(const SweepArgs& a) {
     so.sets.push_back("ckpt.url=" + url);
     so.sets.push_back("ckpt.every=" + std::to_string(every));
     so.faults = {fault};
-    if (a.store_faults && !ckpt_steps.empty() && u(rng) < 0.15) {
+    if (a.store_faults && ckpt_steps.size() > 1 && u(rng) < 0.15) {
       // A committed checkpoint rots at rest; a later restore must detect it
-      // by checksum and fall back to an older one.
-      so.faults.push_back("bitrot@" + std::to_string(ckpt_steps[rng() % ckpt_steps.size()]));
+      // by checksum and fall back to an older one. (At the first checkpoint
+      // step nothing committed exists yet to rot: such a fault never fires.)
+      so.faults.push_back("bitrot@" + std::to_string(ckpt_steps[1 + rng() % (ckpt_steps.size() - 1)]));
       ++store_faults;
     }
-    if (a.store_faults && u(rng) < 0.3) {
-      so.faults.push_back("store_transient@" + std::to_string(1 + rng() % s.steps) + ":calls=" +
+    if (a.store_faults && !ckpt_steps.empty() && u(rng) < 0.3) {
+      // Up to the last checkpoint step: later, no store call is left to fail.
+      so.faults.push_back("store_transient@" + std::to_string(1 + rng() % ckpt_steps.back()) + ":calls=" +
                           std::to_string(1 + rng() % 3) + ",latency=0.001");
       ++store_faults;
     }
@@ -152,7 +154,12 @@ int cmd_faults_sweep(const SweepArgs& a) {
     const GcReport gc = find_orphans(*store);
     orphans += gc.orphan_keys.size();
     if (!a.keep) collect_garbage(*store, true);
-    if ((trial + 1) % 50 == 0 || trial + 1 == a.trials)
+    if (isatty(2))
+      std::fprintf(stderr, "trial %d/%d  %-60s %s, %zu restart%s\n", trial + 1, a.trials, fault.c_str(),
+                   r.exit_code != 0 ? "FAILED" : got == golden ? "golden hash" : "MISMATCH",
+                   r.summary.value("restarts", nlohmann::json::array()).size(),
+                   r.summary.value("restarts", nlohmann::json::array()).size() == 1 ? "" : "s");
+    else if ((trial + 1) % 50 == 0 || trial + 1 == a.trials)
       std::fprintf(stderr, "faults sweep: %d/%d trials, %d mismatches\n", trial + 1, a.trials, mismatches);
   }
   std::printf("trials                         %d\n", a.trials);
@@ -163,7 +170,6 @@ int cmd_faults_sweep(const SweepArgs& a) {
   std::printf("ended on the golden hash       %d\n", matches);
   std::printf("mismatches                     %d\n", mismatches);
   std::printf("runs that failed               %d\n", failed);
-  std::printf("torn checkpoints restored      0 (restores read manifests only; every restore step was committed)\n");
   std::printf("committed deleted too early    %d\n", deleted_early);
   std::printf("orphan objects left (gc)       %llu%s\n", (unsigned long long)orphans,
               a.keep ? "" : " (removed by ckpt gc after each trial)");

@@ -4,20 +4,26 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <sstream>
 
 #include "cli/bisect.h"
 #include "cli/self_exe.h"
 #include "cli/faults_sweep.h"
 #include "common/error.h"
+#include "common/json_input.h"
+#include "common/text.h"
 #include "ops/gemm.h"
 #include "ckpt/checkpointer.h"
 #include "ckpt/gc.h"
 #include "runner/golden.h"
+#include "runner/memory_plan.h"
 #include "runner/supervisor.h"
 #include "faults/fault_spec.h"
 #include "faults/injector.h"
@@ -33,13 +39,7 @@ using namespace ls;
 namespace {
 
 nlohmann::json read_json_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw UserError(path + ": cannot open file");
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw UserError(path + ": malformed JSON: " + e.what());
-  }
+  return parse_untrusted_json(read_file_limited(path, size_t(64) << 20), path);
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {
@@ -53,14 +53,43 @@ void write_file_atomic(const std::string& path, const std::string& text) {
   fs::rename(tmp, path);
 }
 
+// --out DIR must be a folder we can write, checked before any training: a
+// plain file or a read-only folder is refused at once, with the OS's reason.
+void check_output_dir(const std::string& dir) {
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) throw UserError("--out " + dir + ": exists and is not a folder");
+  fs::create_directories(dir, ec);
+  if (ec) throw UserError("--out " + dir + ": cannot create the folder: " + ec.message());
+  const fs::path probe = fs::path(dir) / ".lockstep-write-test";
+  std::FILE* f = std::fopen(probe.c_str(), "w");
+  if (!f) throw UserError("--out " + dir + ": cannot write there: " + std::strerror(errno));
+  std::fclose(f);
+  fs::remove(probe, ec);
+}
+
 void print_summary(const RunResult& r, const Scenario& s) {
   std::printf("scenario        %s (%s backend, %d thread%s)\n", r.scenario.c_str(), r.backend.c_str(), r.threads,
               r.threads == 1 ? "" : "s");
   std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
               s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
               s.batch);
+  if (s.mesh.dp > 1 || s.mesh.ep > 1 || s.mesh.fsdp)
+    std::printf("mesh            dp %d, ep %d%s%s (simulated ranks in this process)\n", s.mesh.dp, s.mesh.ep,
+                s.mesh.fsdp ? ", fsdp" : "",
+                s.mesh.fsdp && s.mesh.replicate > 1 ? (", replicate " + std::to_string(s.mesh.replicate)).c_str() : "");
+  if (s.data.path.empty())
+    std::printf("data            synthetic corpus, %llu bytes\n", (unsigned long long)s.data.synthetic_bytes);
+  else
+    std::printf("data            %s\n", s.data.path.c_str());
+  if (r.resumed_from > 0)
+    std::printf("resumed         from the checkpoint of step %d in %s; this run trained steps %d-%d\n", r.resumed_from,
+                r.restore.value("url", std::string("?")).c_str(), r.resumed_from + 1, r.steps);
+  if (!s.ckpt.url.empty() && s.ckpt.every > 0)
+    std::printf("checkpoints     %s, every %d steps (%zu saved)\n", s.ckpt.url.c_str(), s.ckpt.every,
+                r.checkpoint.is_null() ? (size_t)0 : r.checkpoint["saves"].size());
   if (!r.losses.empty())
-    std::printf("loss            %.4f -> %.4f nats/byte over %d steps\n", r.losses.front(), r.losses.back(), r.steps);
+    std::printf("loss            %.4f -> %.4f nats/byte over steps %d-%d\n", r.losses.front(), r.losses.back(),
+                r.resumed_from + 1, r.steps);
   for (const EvalPoint& e : r.evals) std::printf("held-out        step %-6d %.4f bits/byte\n", e.step, e.bpb);
   std::printf("speed           %.0f tokens/s (%.2f GFLOP/s model)\n", r.tokens_per_second,
               r.tokens_per_second * r.train_flops_per_token * 1e-9);
@@ -74,23 +103,57 @@ struct RunArgs {
   std::string backend = "engine";
   int steps = -1;
   std::string out_dir;
-  bool json = false, progress = false, quiet = false;
+  bool json = false, progress = false, quiet = false, dry_run = false;
   std::string trace, trace_dump, debug_reorder, resume;
   std::vector<std::string> faults;
   bool supervise = false;
-  std::string fault_state, heartbeat;  // set by the supervisor for its child
+  std::string fault_state, heartbeat, step_log;  // set by the supervisor for its child
   int max_restarts = 8;
   double heartbeat_timeout = 120;
   std::vector<std::string> debug_bumps;
 };
 
+// plan / run --dry-run: the memory estimate per part, nothing trained.
+int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
+  const MemoryEstimate e = estimate_run_memory(s, opt);
+  const uint64_t available = available_memory_bytes();
+  if (as_json) {
+    nlohmann::json j = memory_estimate_json(e, available);
+    j["scenario"] = s.name;
+    j["fits"] = !available || e.total_bytes <= available;
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("scenario %s: d_model %d, %d layers, %d experts top-%d, batch %d x seq %d, mesh dp %d ep %d%s\n",
+                s.name.c_str(), s.model.d_model, s.model.n_layers, s.model.experts, s.model.top_k, s.batch,
+                s.model.seq_len, s.mesh.dp, s.mesh.ep, s.mesh.fsdp ? " fsdp" : "");
+    std::printf("%s", format_memory_estimate(e, available).c_str());
+    if (available && e.total_bytes > available) std::printf("does not fit: `lockstep run` would refuse it\n");
+  }
+  return 0;
+}
+
 int cmd_run(const RunArgs& a, const char* self) {
   Scenario s = load_scenario(a.scenario, a.sets);
-  std::vector<FaultSpec> faults = s.faults;
-  for (const std::string& f : a.faults) faults.push_back(parse_fault(f));
+  if (a.dry_run) {
+    RunOptions po;
+    po.backend = parse_backend(a.backend);
+    po.threads = a.threads;
+    po.resume = a.resume;
+    return cmd_plan(s, po, a.json);
+  }
+  const std::vector<FaultSpec> faults = planned_faults(s, a.faults, a.steps);
   const bool child = !a.fault_state.empty();
   if (!child && (a.supervise || !faults.empty())) {
     // The supervisor: this process runs the job as children and restarts them.
+    // Options a restarted child could not honour are refused, not dropped.
+    for (const auto& [given, name] : std::vector<std::pair<bool, const char*>>{
+             {!a.trace.empty(), "--trace"}, {!a.trace_dump.empty(), "--trace-dump"},
+             {!a.debug_reorder.empty(), "--debug-reorder"}, {!a.debug_bumps.empty(), "--debug-bump"},
+             {a.dry_run, "--dry-run"}})
+      if (given)
+        throw UserError(std::string(name) + ": not available in a supervised run (--supervise or --fault): a restarted "
+                        "child would start it over; use it in an unsupervised run");
+    if (!a.out_dir.empty()) check_output_dir(a.out_dir);
     SuperviseOptions so;
     so.binary = self;
     so.scenario = a.scenario;
@@ -100,14 +163,33 @@ int cmd_run(const RunArgs& a, const char* self) {
     so.max_restarts = a.max_restarts;
     so.heartbeat_timeout = a.heartbeat_timeout;
     so.progress = a.progress || (!a.quiet && isatty(2));
+    so.child_progress = so.progress;
+    so.resume = a.resume;
     if (a.steps > 0) so.extra_args = {"--steps", std::to_string(a.steps)};
     if (!a.backend.empty() && a.backend != "engine") throw UserError("--supervise: the engine backend only");
     SuperviseResult r = supervise(so);
     if (!r.error.empty()) std::fprintf(stderr, "lockstep: error: %s\n", r.error.c_str());
-    if (a.json) std::printf("%s\n", r.summary.dump().c_str());
-    else if (r.exit_code == 0)
-      std::printf("final_state_hash %s after %zu restart%s\n", r.summary.value("final_state_hash", "").c_str(),
-                  r.summary["restarts"].size(), r.summary["restarts"].size() == 1 ? "" : "s");
+    if (r.exit_code == 0 && !a.out_dir.empty()) {
+      write_file_atomic((fs::path(a.out_dir) / "summary.json").string(), r.summary.dump(2) + "\n");
+      write_file_atomic((fs::path(a.out_dir) / "scenario.resolved.json").string(), s.resolved.dump(2) + "\n");
+    }
+    if (a.json) {
+      std::printf("%s\n", r.summary.dump().c_str());
+    } else if (r.exit_code == 0) {
+      const size_t n = r.summary["restarts"].size();
+      const nlohmann::json& losses = r.summary["losses"];
+      std::printf("supervised      %d attempt%s, %zu restart%s\n", r.summary.value("attempts", 1),
+                  r.summary.value("attempts", 1) == 1 ? "" : "s", n, n == 1 ? "" : "s");
+      if (!losses.empty())
+        std::printf("loss            %.4f -> %.4f nats/byte over steps %d-%d\n", losses.front().get<double>(),
+                    losses.back().get<double>(), r.summary.value("losses_first_step", 1),
+                    r.summary.value("steps", 0));
+      for (const auto& e : r.summary["evals"])
+        std::printf("held-out        step %-6d %.4f bits/byte\n", e["step"].get<int>(), e["bpb"].get<double>());
+      std::printf("speed           %.0f tokens/s over %lld steps run (replays included)\n",
+                  r.summary.value("tokens_per_second", 0.0), (long long)r.summary.value("steps_run", 0));
+      std::printf("final_state_hash %s\n", r.summary.value("final_state_hash", "").c_str());
+    }
     return r.exit_code;
   }
   RunOptions opt;
@@ -127,16 +209,18 @@ int cmd_run(const RunArgs& a, const char* self) {
   opt.faults = faults;
   opt.fault_state = a.fault_state;
   opt.heartbeat = a.heartbeat;
+  opt.step_log = a.step_log;
   if (child) opt.fired = read_fault_state(a.fault_state).indices;
   if (!a.trace_dump.empty()) {
     if (a.trace.empty()) throw UserError("--trace-dump needs --trace FILE");
-    opt.trace_dump = DumpSpec::parse(a.trace_dump);
+    opt.trace_dump = DumpSpec::parse(a.trace_dump, a.steps > 0 ? a.steps : s.steps);
   }
   if (!a.debug_reorder.empty()) {
     if (a.debug_reorder != "moe_norm") throw UserError("--debug-reorder: only 'moe_norm' exists");
     opt.debug_reorder_moe_norm = true;
   }
   for (const std::string& b : a.debug_bumps) opt.debug_bumps.push_back(parse_bump(b));
+  if (!a.out_dir.empty()) check_output_dir(a.out_dir);
   RunResult r = run_scenario(s, opt);
   nlohmann::json j = result_json(r);
   if (!a.out_dir.empty()) {
@@ -167,6 +251,7 @@ int cmd_golden(const GoldenArgs& a) {
     opt.threads = a.threads;
     opt.hash_at = golden_hash_steps(s.steps);
     opt.eval = false;
+    opt.progress = isatty(2);  // the reference cross-check takes minutes
     std::fprintf(stderr, "golden %s: engine, %d steps\n", s.name.c_str(), s.steps);
     RunResult r = run_scenario(s, opt);
     nlohmann::json g = make_golden(path, r);
@@ -239,7 +324,11 @@ int cmd_check(const CheckArgs& a) {
     }
   }
   int failed = 0;
+  const bool tty = isatty(2);  // a long check shows which scenario runs
+  size_t index = 0;
   for (auto& [gpath, spath] : work) {
+    ++index;
+    if (tty) std::fprintf(stderr, "check [%zu/%zu] %s\n", index, work.size(), fs::path(spath).filename().c_str());
     nlohmann::json g = read_json_file(gpath);
     Scenario s = load_scenario(spath, {});
     if (!s.faults.empty()) {
@@ -276,6 +365,7 @@ int cmd_check(const CheckArgs& a) {
     RunOptions opt;
     opt.threads = a.threads;
     opt.backend = parse_backend(a.backend);
+    opt.progress = tty;
     opt.hash_at = golden_hash_steps(s.steps);
     opt.eval = false;
     RunResult r = run_scenario(s, opt);
@@ -362,9 +452,11 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
                 steps(r.newest_in_progress).c_str());
   if (!r.unreadable_steps.empty())
     std::printf("kept: step %s committed, manifest unreadable (directory left alone)\n", steps(r.unreadable_steps).c_str());
-  std::printf("gc: %zu orphan object%s, %llu bytes (torn steps: %s; committed: %s) %s\n", r.orphan_keys.size(),
-              r.orphan_keys.size() == 1 ? "" : "s", (unsigned long long)r.orphan_bytes, steps(r.torn_steps).c_str(),
-              steps(r.committed_steps).c_str(),
+  const std::string kept =
+      r.newest_in_progress.empty() ? "" : "; kept, possibly in progress: " + steps(r.newest_in_progress);
+  std::printf("gc: %zu orphan object%s, %llu bytes (torn steps collected: %s%s; committed: %s) %s\n",
+              r.orphan_keys.size(), r.orphan_keys.size() == 1 ? "" : "s", (unsigned long long)r.orphan_bytes,
+              steps(r.torn_steps).c_str(), kept.c_str(), steps(r.committed_steps).c_str(),
               r.deleted ? "deleted" : "would be deleted (dry run; --delete to delete)");
   return 0;
 }
@@ -389,6 +481,7 @@ int main(int argc, char** argv) {
   run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");
   run->add_flag("--progress", ra.progress, "progress lines on stderr even when it is not a terminal");
   run->add_flag("--quiet", ra.quiet, "no progress lines");
+  run->add_flag("--dry-run", ra.dry_run, "print the memory estimate per part (as `plan`) and train nothing");
   run->add_option("--resume", ra.resume,
                   "continue from the latest committed checkpoint at URL (or URL@STEP), on this run's mesh");
   run->add_option("--fault", ra.faults,
@@ -398,6 +491,7 @@ int main(int argc, char** argv) {
   run->add_option("--heartbeat-timeout", ra.heartbeat_timeout, "supervisor: seconds without progress that count as a hang");
   run->add_option("--fault-state", ra.fault_state, "(set by the supervisor for its child)")->group("");
   run->add_option("--heartbeat", ra.heartbeat, "(set by the supervisor for its child)")->group("");
+  run->add_option("--step-log", ra.step_log, "(set by the supervisor for its child)")->group("");
   run->add_option("--trace", ra.trace, "write a per-op trace (JSON Lines, docs/TRACE.md) to this file");
   run->add_option("--trace-dump", ra.trace_dump, "keep full tensors in the trace for STEP or STEP:OP");
   run->add_option("--debug-reorder", ra.debug_reorder,
@@ -405,6 +499,16 @@ int main(int argc, char** argv) {
       ->group("Debug");
   run->add_option("--debug-bump", ra.debug_bumps, "debug only: PARAM[INDEX]@STEP adds one ulp to a weight")
       ->group("Debug");
+
+  RunArgs pa;
+  auto* plan = app.add_subcommand("plan", "estimate a scenario's memory per part (weights, moments, activations, MoE "
+                                          "buffers, checkpoint staging) against what is available; trains nothing");
+  plan->add_option("scenario", pa.scenario, "scenario JSON file")->required();
+  plan->add_option("--set", pa.sets, "override a scenario key: dotted.key=value (repeatable)");
+  plan->add_option("--threads", pa.threads, "worker threads the run would use")->check(CLI::Range(1, 1024));
+  plan->add_option("--backend", pa.backend, "engine or reference");
+  plan->add_option("--resume", pa.resume, "count the restore buffers of a resumed run");
+  plan->add_flag("--json", pa.json, "one JSON object");
 
   GoldenArgs ga;
   auto* golden = app.add_subcommand("golden", "write golden/<name>.json: per-step loss bits and state hashes");
@@ -423,7 +527,8 @@ int main(int argc, char** argv) {
   std::string diff_a, diff_b;
   bool diff_json_out = false;
   auto* diff = app.add_subcommand("diff", "compare two traces: first divergent step/op/tensor/element and its spread "
-                                          "(exit 0 identical, 1 different)");
+                                          "(exit 0 identical, 1 different, 4 one trace ends early and "
+                                          "the steps both hold are identical)");
   diff->add_option("a", diff_a, "first trace (from run --trace)")->required();
   diff->add_option("b", diff_b, "second trace")->required();
   diff->add_flag("--json", diff_json_out, "print the comparison as one JSON object");
@@ -487,6 +592,26 @@ int main(int argc, char** argv) {
   auto* keys = app.add_subcommand("keys", "list every scenario key with its type, default and meaning");
   keys->add_flag("--markdown", keys_md, "as the Markdown table of docs/SCENARIOS.md");
 
+  // An unknown command gets the closest one, as unknown scenario keys do.
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string cmd = argv[1];
+    std::string best;
+    size_t best_d = SIZE_MAX;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands({})) {
+      known = known || sub->get_name() == cmd;
+      const size_t d = edit_distance(cmd, sub->get_name());
+      if (d < best_d) best_d = d, best = sub->get_name();
+    }
+    if (!known) {
+      std::string all;
+      for (const CLI::App* sub : app.get_subcommands({})) all += (all.empty() ? "" : ", ") + sub->get_name();
+      std::fprintf(stderr, "lockstep: error: unknown command '%s'%s (commands: %s; lockstep --help)\n",
+                   quote_for_message(cmd).c_str(), best_d <= 2 ? (" (did you mean '" + best + "'?)").c_str() : "",
+                   all.c_str());
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -495,6 +620,10 @@ int main(int argc, char** argv) {
   }
   try {
     if (*run) return cmd_run(ra, self_executable().c_str());
+    if (*plan) {
+      pa.dry_run = true;
+      return cmd_run(pa, self_executable().c_str());
+    }
     if (*golden) return cmd_golden(ga);
     if (*check) return cmd_check(ca);
     if (*bisect) return cmd_bisect(ba);
@@ -507,14 +636,15 @@ int main(int argc, char** argv) {
       if (report_title.empty())
         report_title = fs::path(report_a).filename().string() + " vs " + fs::path(report_b).filename().string();
       write_file_atomic(report_out, render_report(ta, tb, d, report_title));
-      std::printf("wrote %s (%s)\n", report_out.c_str(), d.identical ? "identical" : "diverged");
+      std::printf("wrote %s (%s)\n", report_out.c_str(),
+                  d.identical ? "identical" : d.identical_until_truncation() ? "identical until one trace ends" : "diverged");
       return 0;
     }
     if (*diff) {
       TraceDiff d = diff_traces(read_trace(diff_a), read_trace(diff_b));
       if (diff_json_out) std::printf("%s\n", diff_json(d).dump().c_str());
       else std::printf("%s", format_diff(d).c_str());
-      return d.identical ? 0 : 1;
+      return d.identical ? 0 : d.identical_until_truncation() ? 4 : 1;
     }
     if (*keys) {
       if (keys_md) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/json_input.h"
 #include "common/text.h"
 
 namespace ls {
@@ -402,6 +403,7 @@ std::string FaultSpec::text() const {
 }
 
 FaultSpec parse_fault(const std::string& text) {
+  if (!valid_utf8(text)) throw UserError("--fault '" + quote_for_message(text) + "': not valid UTF-8");
   const size_t at = text.find('@');
   if (at == std::string::npos)
     throw UserError("--fault " + text + ": expected KIND@STEP[:key=value,...], e.g. process_kill@12");

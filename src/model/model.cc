@@ -138,6 +138,43 @@ const ParamInfo& MoeTransformer::param(const std::string& name) const {
   throw std::out_of_range("engine: no parameter '" + name + "'");
 }
 
+int64_t count_weights(const ModelConfig& c, int ep_size) {
+  int64_t n = 0;
+  for (auto& [name, shape] : shapes_for(c)) {
+    int64_t size = 1;
+    for (int64_t d : shape) size *= d;
+    n += name.find(".experts.") != std::string::npos ? size / ep_size : size;
+  }
+  return n;
+}
+
+// Keep in step with LayerActs, Workspace and the resize calls of run() and
+// experts.cc; the memory test (tests/test_memory.cc) holds the sum to the
+// measured peak RSS.
+WorkspaceEstimate estimate_workspace(const ModelConfig& c, int batch, int ep_size) {
+  const int64_t B = batch, S = c.seq_len, D = c.d_model, F = c.d_ff, E = c.experts, V = c.vocab, H = c.n_heads;
+  const int64_t N = B * S, NK = N * c.top_k, L = c.n_layers;
+  const int64_t f = sizeof(float), i64 = sizeof(int64_t);
+  WorkspaceEstimate w;
+  // Per layer: x, xm, a, o, a2 and qkv; attention probabilities; r1, r2, lse;
+  // router logits and gates; routing indices; the shared expert.
+  int64_t layer = (8 * N * D + B * H * ops::attention_probs_floats((int)S) + 3 * N + 2 * N * E) * f +
+                  NK * (sizeof(int) + 2 * i64) + (2 * E + 1) * i64;
+  if (c.shared_expert) layer += (4 * N * F + N * D) * f;
+  // Whole-model scratch: h, af, dh, dtmp, da2, dO; dqkv; logits, prob, dlogits;
+  // rf, lse, loss; dg, dz; dye, dxe; the shared expert's backward.
+  int64_t scratch = (9 * N * D + 3 * N * V + 3 * N + 2 * N * E + 2 * NK * D) * f;
+  if (c.shared_expert) scratch += (3 * N * F + N * D) * f;
+  w.activations = L * layer + scratch;
+  // Per layer, the expert rows: x, y, dy, dx of D; u, v, sg, act, du, dv, dact
+  // of F; each row's leaf and drop mark.
+  w.expert_buffers = L * (NK * (4 * D + 7 * F) * f + NK * (i64 + 1));
+  // Expert parallel, per layer: outputs received back (ye) and the row
+  // permutation; the all-to-all scratch of the widest exchange.
+  if (ep_size > 1) w.dispatch_buffers = L * (NK * D * f + NK * i64) + NK * D * f;
+  return w;
+}
+
 double train_flops_per_token(const ModelConfig& c) {
   const double D = c.d_model, F = c.d_ff, E = c.experts, K = c.top_k, V = c.vocab, S = c.seq_len;
   double per_layer = 2 * D * 3 * D + 2 * D * D + 2 * D * E   // qkv, out, router

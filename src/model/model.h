@@ -63,6 +63,21 @@ struct MoeStats {
   int64_t peak_dispatch_bytes = 0;         // largest all-to-all send + receive buffers
 };
 
+// What run() keeps allocated for `batch` samples on one rank, in bytes: a
+// formula (not a measurement) that mirrors the resize calls of model.cc and
+// experts.cc. Buffers keep their capacity across steps, so this is what a
+// model holds from its first training step on. Expert rows are counted at
+// batch * seq_len * top_k per rank: exact without expert parallelism, the
+// average with it.
+struct WorkspaceEstimate {
+  int64_t activations = 0;       // saved per-layer activations and backward scratch
+  int64_t expert_buffers = 0;    // the routed experts' rows (inputs, SwiGLU parts, outputs, gradients)
+  int64_t dispatch_buffers = 0;  // expert parallel: rows received and regathered
+};
+WorkspaceEstimate estimate_workspace(const ModelConfig& cfg, int batch, int ep_size);
+// Weights one rank holds (an expert-parallel rank holds E / ep_size experts).
+int64_t count_weights(const ModelConfig& cfg, int ep_size);
+
 // Model FLOPs per token of one training step (forward + backward ~ 3x the
 // forward), counting the k routed experts evaluated and causal attention.
 double train_flops_per_token(const ModelConfig& cfg);

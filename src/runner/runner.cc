@@ -1,3 +1,4 @@
+#include "runner/memory_plan.h"
 #include "runner/runner.h"
 
 #include <omp.h>
@@ -199,15 +200,34 @@ class ReferenceTrainer : public Trainer {
   void stage_state(std::vector<std::vector<StatePiece>>&) override {
     throw UserError("ckpt: checkpoints are saved by the engine backend (the reference is the spec, not a trainer)");
   }
-  std::vector<StatePiece> state_needs(int) const override { return {}; }
-  void load_piece(int, const StatePiece&, const float*) override {
-    throw UserError("--resume: the reference backend does not resume from checkpoints");
+  // A restore delivers every tensor whole, as the engine's single rank needs it.
+  std::vector<StatePiece> state_needs(int) const override {
+    std::vector<StatePiece> out;
+    for (const char* kind : {"param/", "adam_m/", "adam_v/"})
+      for (const ref::Param<float>& p : model_.params) out.push_back({kind + p.name, p.shape, 0, p.size(), {}});
+    return out;
+  }
+  void load_piece(int, const StatePiece& need, const float* data) override {
+    const size_t slash = need.name.find('/');
+    const std::string kind = need.name.substr(0, slash);
+    ref::Param<float>& p = model_.param(need.name.substr(slash + 1));
+    std::vector<float>& dst = kind == "param" ? p.w : kind == "adam_m" ? p.m : p.v;
+    std::copy(data, data + (need.global_end - need.global_begin), dst.begin() + need.global_begin);
   }
 
  private:
   ref::Model<float> model_;
   ModelConfig model_cfg_;
 };
+
+// One line, flushed, so that a child killed right after survives in the log.
+void append_step_log(const std::string& path, const std::string& line) {
+  if (path.empty()) return;
+  if (FILE* f = std::fopen(path.c_str(), "a")) {
+    std::fprintf(f, "%s\n", line.c_str());
+    std::fclose(f);
+  }
+}
 
 std::string fmt_duration(double s) {
   char buf[32];
@@ -255,6 +275,9 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.threads = opt.backend == Backend::kReference ? 1 : omp_get_max_threads();
   r.steps = opt.steps >= 0 ? opt.steps : s.steps;
   const int T = s.model.seq_len, B = s.batch;
+  // Before anything is allocated: a scenario that cannot fit is refused.
+  r.memory_estimate_bytes = estimate_run_memory(s, opt).total_bytes;
+  if (opt.memory_check) check_run_memory(s, opt);
   Corpus corpus = load_corpus(s.data, s.seed, T);
   std::unique_ptr<Trainer> trainer = make_trainer(s, opt.backend);
   if (auto* cluster = dynamic_cast<ClusterTrainer*>(trainer.get())) {
@@ -290,6 +313,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     }
     const float bpb = (acc / (float)s.eval_batches) / 0.693147180559945309f;
     r.evals.push_back({step, bpb});
+    append_step_log(opt.step_log, "eval " + std::to_string(step) + " " + hex_bits(bpb));
     if (opt.progress) std::fprintf(stderr, "eval  step %d  held-out %.4f bits/byte\n", step, bpb);
   };
 
@@ -311,12 +335,43 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     RestoreReport rep;
     Manifest m;
     bool restored = false;
+    // The trainer is untouched by a failed candidate (pieces load only once
+    // every object read clean): fall back to the previous committed
+    // checkpoint, or, with none left, to the start -- the same bits, only later.
+    auto fall_back = [&](size_t c, int64_t step, const std::string& why) {
+      const int64_t to = c + 1 < candidates.size() ? candidates[c + 1] : 0;
+      std::fprintf(stderr, "restore: checkpoint of step %lld unusable (%s); falling back to %s\n", (long long)step,
+                   why.c_str(), to ? ("step " + std::to_string(to)).c_str() : "the start (no older committed checkpoint)");
+      fallbacks.push_back({{"step", step}, {"why", why}});
+      if (!opt.fault_state.empty())
+        if (FILE* f = std::fopen(opt.fault_state.c_str(), "a")) {
+          std::fprintf(f, "fallback from=%lld to=%lld\n", (long long)step, (long long)to);
+          std::fclose(f);
+        }
+    };
     for (size_t c = 0; c < candidates.size(); ++c) {
-      m = read_manifest(*from, candidates[c]);
-      if (m.fingerprint != r.fingerprint)
+      try {
+        m = read_manifest(*from, candidates[c]);
+      } catch (const UserError& e) {
+        if (at >= 0) throw UserError(std::string("--resume: ") + e.what());  // the named checkpoint, or nothing
+        fall_back(c, candidates[c], e.what());  // a torn or corrupt manifest, as a corrupt shard
+        continue;
+      }
+      if (m.fingerprint != r.fingerprint) {
+        const std::vector<std::string> diffs = numerics_differences(m.scenario, s.resolved);
+        std::string keys;
+        bool steps_differ = false;
+        for (const std::string& d : diffs) {
+          keys += (keys.empty() ? "" : ", ") + d;
+          steps_differ = steps_differ || d.rfind("train.steps ", 0) == 0;
+        }
         throw UserError("--resume: the checkpoint of step " + std::to_string(m.step) + " in " + url +
-                        " was saved by a scenario with other numerics (fingerprint " + m.fingerprint + ", this run " +
-                        r.fingerprint + ")");
+                        " was saved by a scenario with other numerics" + (keys.empty() ? "" : ": " + keys) +
+                        " (fingerprint " + m.fingerprint + ", this run " + r.fingerprint + ")" +
+                        (steps_differ ? "; train.steps shapes the learning-rate schedule: keep the saved value and "
+                                        "stop early with --steps N instead"
+                                      : ""));
+      }
       if (m.step >= r.steps)
         throw UserError("--resume: the checkpoint is at step " + std::to_string(m.step) + ", nothing left of " +
                         std::to_string(r.steps) + " steps");
@@ -326,19 +381,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
         break;
       } catch (const UserError& e) {
         if (at >= 0) throw;  // the named checkpoint, or nothing
-        // The trainer is untouched (pieces load only once every object read
-        // clean): fall back to the previous committed checkpoint, or, with
-        // none left, to the start -- the same bits, only later.
-        const int64_t to = c + 1 < candidates.size() ? candidates[c + 1] : 0;
-        std::fprintf(stderr, "restore: checkpoint of step %lld unusable (%s); falling back to %s\n",
-                     (long long)m.step, e.what(),
-                     to ? ("step " + std::to_string(to)).c_str() : "the start (no older committed checkpoint)");
-        fallbacks.push_back({{"step", m.step}, {"why", e.what()}});
-        if (!opt.fault_state.empty())
-          if (FILE* f = std::fopen(opt.fault_state.c_str(), "a")) {
-            std::fprintf(f, "fallback from=%lld to=%lld\n", (long long)m.step, (long long)to);
-            std::fclose(f);
-          }
+        fall_back(c, m.step, e.what());
       }
     }
     start = restored ? (int)m.step : 0;
@@ -365,6 +408,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
 
   double train_seconds = 0, steady_seconds = 0;
   auto t_start = std::chrono::steady_clock::now();
+  double last_progress = -1;  // seconds into the loop of the last progress line
   for (int step = start; step < r.steps; ++step) {
     if (!opt.heartbeat.empty()) {
       // The supervisor's liveness signal: the step being run.
@@ -390,6 +434,8 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     if (tracer) tracer->end_step(loss, norm, trainer->state_hash());
     r.losses.push_back(loss);
     r.grad_norms.push_back(norm);
+    append_step_log(opt.step_log, "step " + std::to_string(step + 1) + " " + hex_bits(loss) + " " +
+                                      std::to_string(step_seconds));
     const MeshReport mr = trainer->mesh_report();
     r.moe_rounds.push_back(mr.rounds);
     r.moe_borrowed.push_back(mr.borrowed);
@@ -400,7 +446,10 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     const int done = step + 1;
     for (int h : opt.hash_at)
       if (h == done) r.state_hashes[done] = trainer->state_hash();
-    if (opt.progress) {
+    // A few progress lines a second at most; the first and the last always.
+    const double since_start = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    if (opt.progress && (done == start + 1 || done == r.steps || since_start - last_progress >= 0.25)) {
+      last_progress = since_start;
       const double tps = (double)(done - start) * B * T / train_seconds;
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       const double eta = elapsed / (done - start) * (r.steps - done);
@@ -434,6 +483,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.mesh = s.mesh;
   // Collective bytes of the training steps (taken before evaluation adds its own).
   for (auto& [k, b] : train_bytes) r.bytes_sent_per_step[k] = r.steps > start ? (double)b / (r.steps - start) : 0;
+  r.peak_rss_bytes = peak_rss_bytes();
   return r;
 }
 
@@ -445,6 +495,8 @@ nlohmann::json result_json(const RunResult& r) {
   j["threads"] = r.threads;
   j["steps"] = r.steps;
   j["final_state_hash"] = r.final_state_hash;
+  // losses cover steps losses_first_step..steps (a resumed run ran only those).
+  j["losses_first_step"] = r.resumed_from + 1;
   j["losses"] = r.losses;
   std::vector<std::string> bits;
   for (float l : r.losses) bits.push_back(hex_bits(l));
@@ -468,6 +520,7 @@ nlohmann::json result_json(const RunResult& r) {
   if (r.resumed_from) j["resumed_from"] = r.resumed_from;
   if (!r.checkpoint.is_null()) j["checkpoint"] = r.checkpoint;
   if (!r.restore.is_null()) j["restore"] = r.restore;
+  j["memory"] = {{"estimated_total_bytes", r.memory_estimate_bytes}, {"peak_rss_bytes", r.peak_rss_bytes}};
   return j;
 }
 

@@ -36,6 +36,10 @@ struct RunOptions {
   std::vector<FaultSpec> faults;
   std::set<int> fired;
   std::string fault_state, heartbeat;
+  // A supervised child appends one line per step ("step N LOSS_BITS SECONDS")
+  // and per evaluation ("eval N BPB_BITS") here, so the supervisor can report
+  // every step of the job, whichever attempt ran it.
+  std::string step_log;
   std::string trace_path;     // --trace FILE: per-op trace (docs/TRACE.md)
   DumpSpec trace_dump;        // --trace-dump STEP[:OP]
   // Debug-only perturbations the drift tools are tested against.
@@ -46,6 +50,7 @@ struct RunOptions {
     int step = 0;  // 1-based: applied just before this step's forward
   };
   std::vector<Bump> debug_bumps;        // --debug-bump PARAM[INDEX]@STEP: +1 ulp
+  bool memory_check = true;  // refuse a scenario whose memory estimate exceeds the available memory
 };
 
 struct EvalPoint {
@@ -80,6 +85,8 @@ struct RunResult {
   nlohmann::json checkpoint;                  // saves: stall/upload seconds, bytes
   nlohmann::json restore;                     // store_bytes_read, checkpoint_bytes, seconds
   nlohmann::json restarts;                    // supervised runs: the failure/restore timeline
+  uint64_t memory_estimate_bytes = 0;         // runner/memory_plan.h: a formula, checked before the run
+  uint64_t peak_rss_bytes = 0;                // measured: the process's peak resident set at the end
 };
 
 // MoE schedule and mesh figures of the last training step.

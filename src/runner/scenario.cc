@@ -23,6 +23,7 @@
 #include <xxhash.h>
 
 #include "common/error.h"
+#include "common/json_input.h"
 #include "common/text.h"
 #include "faults/fault_spec.h"
 
@@ -30,6 +31,9 @@ namespace ls {
 namespace {
 
 using json = nlohmann::json;
+
+// Scenarios are written by hand; a bigger file is a mistake (or hostile).
+constexpr size_t kMaxScenarioBytes = size_t(16) << 20;
 
 // ---------------------------------------------------------------- values ---
 
@@ -264,6 +268,11 @@ std::string check_faults(const Scenario& s) {
         return at + "step: must be > ckpt.every = " + show(s.ckpt.every) +
                " so that a checkpoint exists to corrupt, got " + show(f.step);
     }
+    // Each rank uploads one shard object per checkpoint, the manifest aside.
+    if (f.after_objects >= dp)
+      return at + "after_objects: a checkpoint uploads " + show(dp) + " shard object" + (dp == 1 ? "" : "s") +
+             " (one per rank of " + dp_from + "), so after_objects must be < " + show(dp) + ", got " +
+             show(f.after_objects);
     if ((f.kind == FaultKind::kRankCrash || f.kind == FaultKind::kStraggler) && f.rank >= dp)
       return at + "rank: must be < " + dp_from + ", got " + show(f.rank);
     if (f.kind == FaultKind::kShrink || f.kind == FaultKind::kGrow) {
@@ -396,7 +405,8 @@ std::vector<Row> make_rows() {
             "Evaluate validation BPB every N steps; 0 = only after the last step.",
             {at_least(0)}),
       field("train.eval_batches", [](S& s) -> int& { return s.eval_batches; },
-            "Validation batches per evaluation.", {at_least(1)}),
+            "Validation batches per evaluation (bounded: each is a full forward pass of train.batch).",
+            {in_range(1, 4096)}),
 
       field("data.path", [](S& s) -> std::string& { return s.data.path; },
             "File of training bytes; empty = the built-in synthetic corpus."),
@@ -538,6 +548,11 @@ bool is_section(const std::string& key) {
 // "unknown key 'moe.topk' (did you mean 'moe.top_k'?)"; without a close
 // match, lists the keys of the enclosing section instead.
 std::string unknown_key(const std::string& key) {
+  // The edit distance costs key length x candidate length per candidate.
+  constexpr size_t kLongestSuggested = 128;
+  if (key.size() > kLongestSuggested)
+    return "unknown key '" + quote_for_message(key) + "' (" + std::to_string(key.size()) +
+           " bytes; no key is that long)";
   std::string best;
   size_t best_d = std::numeric_limits<size_t>::max();
   auto consider = [&](const std::string& c) {
@@ -595,11 +610,12 @@ struct Loader {
 
   // Puts one override into the document, creating sections as needed.
   void apply_set(json& doc, const std::string& set) {
+    if (!valid_utf8(set)) throw UserError("--set '" + quote_for_message(set) + "': not valid UTF-8");
     size_t eq = set.find('=');
     if (eq == std::string::npos || eq == 0)
-      throw UserError("--set '" + set + "': expected dotted.key=value");
+      throw UserError("--set '" + quote_for_message(set) + "': expected dotted.key=value");
     const std::string key = set.substr(0, eq), raw = set.substr(eq + 1);
-    const std::string who = "--set " + set;
+    const std::string who = "--set " + quote_for_message(set, 200);
     const Row* row = find_row(key);
     if (!row) {
       if (is_section(key)) {
@@ -612,11 +628,16 @@ struct Loader {
       }
       throw UserError(who + ": " + unknown_key(key));
     }
+    if (json_depth_violation(raw, kMaxJsonDepth, false) != std::string::npos)
+      throw UserError(who + ": JSON value nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
     json value;
     try {
       value = json::parse(raw);
     } catch (const json::parse_error&) {
       value = raw;  // not JSON: a bare string
+    } catch (const json::exception&) {
+      // A number beyond binary64 (1e400): not a bare string either.
+      throw UserError(who + ": number out of range");
     }
     // For a string key the text is the value (name=123 means "123") unless
     // it was written as a quoted JSON string.
@@ -643,7 +664,7 @@ struct Loader {
       const std::string& k = item.key();
       const std::string full = prefix.empty() ? k : prefix + "." + k;
       if (k.find('.') != std::string::npos)
-        throw UserError(origin + ": key '" + full + "' contains '.'; nest it as an object " +
+        throw UserError(origin + ": key '" + quote_for_message(full) + "' contains '.'; nest it as an object " +
                         "(e.g. {\"model\": {\"d_model\": 64}})");
       if (const Row* row = find_row(full)) {
         if (std::string e = row->decode(s, item.value()); !e.empty()) fail(full, e);
@@ -681,6 +702,23 @@ struct Loader {
 
 }  // namespace
 
+std::vector<FaultSpec> planned_faults(const Scenario& s, const std::vector<std::string>& specs, int steps) {
+  Scenario all = s;
+  for (const std::string& t : specs) all.faults.push_back(parse_fault(t));
+  if (steps > 0) all.steps = steps;
+  if (std::string e = check_faults(all); !e.empty()) {
+    // "faults[i].step: ..." -> the scenario's entry, or the --fault that gave it.
+    const size_t i = std::stoul(e.substr(7));
+    const std::string rest = e.substr(e.find("]") + 2);
+    const std::string steps_note = steps > 0 ? " (--steps " + std::to_string(steps) + " sets train.steps)" : "";
+    if (i >= s.faults.size())
+      throw UserError("--fault " + quote_for_message(specs[i - s.faults.size()], 120) + ": can never fire: " + rest +
+                      steps_note);
+    throw UserError(s.name + ": faults[" + std::to_string(i) + "]." + rest + steps_note);
+  }
+  return all.faults;
+}
+
 const std::vector<ScenarioKey>& scenario_keys() {
   static const std::vector<ScenarioKey> t = [] {
     std::vector<ScenarioKey> out;
@@ -712,23 +750,34 @@ Scenario load_scenario(const std::string& path, const std::vector<std::string>& 
   const fs::file_status st = fs::status(path, ec);
   if (!fs::exists(st)) throw UserError(path + ": scenario file not found");
   if (fs::is_directory(st)) throw UserError(path + ": is a directory, not a scenario file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UserError(path + ": cannot read scenario file: " + std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw UserError(path + ": cannot read scenario file: " + std::strerror(errno));
+  const std::string text = read_file_limited(path, kMaxScenarioBytes);
 
-  json j;
-  try {
-    // Comments (// and /* */) are allowed: scenarios are written by hand.
-    j = json::parse(text.str(), nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
-  } catch (const json::parse_error& e) {
-    std::string what = e.what();
-    size_t p = what.find("] ");  // drop "[json.exception.parse_error.101] "
-    if (p != std::string::npos) what = what.substr(p + 2);
-    throw UserError(path + ": malformed JSON (byte " + std::to_string(e.byte) + "): " + what);
+  // Comments (// and /* */) are allowed: scenarios are written by hand.
+  JsonInputOptions jo;
+  jo.allow_comments = true;
+  jo.max_bytes = kMaxScenarioBytes;
+  jo.reject_duplicate_keys = true;
+  return scenario_from_json(parse_untrusted_json(text, path, jo), path, sets);
+}
+
+bool is_numerics_key(const std::string& k) {
+  return !(k == "name" || k == "description" || k.rfind("mesh.", 0) == 0 || k.rfind("ckpt.", 0) == 0 ||
+           k == "faults" || k == "moe.capacity_factor" || k == "moe.capacity" || k == "moe.group_size" ||
+           k == "moe.borrow");
+}
+
+std::vector<std::string> numerics_differences(const nlohmann::json& a, const nlohmann::json& b) {
+  std::vector<std::string> out;
+  for (const Row& r : rows()) {
+    const std::string& k = r.info.key;
+    if (!is_numerics_key(k)) continue;
+    std::string ptr = "/" + k;
+    std::replace(ptr.begin(), ptr.end(), '.', '/');
+    const json::json_pointer p(ptr);
+    const json va = a.contains(p) ? a.at(p) : r.info.default_value, vb = b.contains(p) ? b.at(p) : r.info.default_value;
+    if (va != vb) out.push_back(k + " " + va.dump() + " -> " + vb.dump());
   }
-  return scenario_from_json(j, path, sets);
+  return out;
 }
 
 std::string scenario_fingerprint(const Scenario& s) {
@@ -740,10 +789,7 @@ std::string scenario_fingerprint(const Scenario& s) {
   json j = json::object();
   for (const Row& r : rows()) {
     const std::string& k = r.info.key;
-    if (k == "name" || k == "description" || k.rfind("mesh.", 0) == 0 || k.rfind("ckpt.", 0) == 0 || k == "faults" ||
-        k == "moe.capacity_factor" ||
-        k == "moe.capacity" || k == "moe.group_size" || k == "moe.borrow")
-      continue;
+    if (!is_numerics_key(k)) continue;
     const json v = r.encode(s);
     if (k == "moe.policy" && v != "drop") continue;
     if (v == r.info.default_value) continue;

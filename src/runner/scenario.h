@@ -74,4 +74,18 @@ Scenario scenario_from_json(const nlohmann::json& j, const std::string& origin,
 // any mesh.
 std::string scenario_fingerprint(const Scenario& s);
 
+// Every fault the run injects: the scenario's list, then the --fault specs,
+// each checked against the scenario as the list's entries are (a fault that
+// could never fire -- past the steps run, a rank beyond the mesh, a
+// checkpoint fault without checkpoints -- is a UserError naming it). steps > 0:
+// the --steps override.
+std::vector<FaultSpec> planned_faults(const Scenario& s, const std::vector<std::string>& specs, int steps);
+
+// Keys that decide the numerics (the fingerprint's keys): all but names,
+// mesh.*, ckpt.*, faults and the MoE capacity schedule.
+bool is_numerics_key(const std::string& key);
+// "key a -> b" for every numerics key whose value differs between two
+// resolved scenarios (a key absent from one counts as its default).
+std::vector<std::string> numerics_differences(const nlohmann::json& a, const nlohmann::json& b);
+
 }  // namespace ls

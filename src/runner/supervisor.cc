@@ -12,12 +12,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <thread>
 
 #include "ckpt/checkpointer.h"
 #include "common/error.h"
+#include "contract.h"
 #include "faults/injector.h"
 #include "runner/scenario.h"
 #include "store/store.h"
@@ -60,6 +62,62 @@ std::string describe(int status) {
   return "exit " + std::to_string(code);
 }
 
+// The job's per-step record from every attempt's step log: the last write of
+// a step wins (a replayed step has the same bits). Fills losses, loss_bits,
+// evals, eval_bpb and the speed over every step any attempt ran; throws if a
+// step in [first, last] has no record.
+void stitch_steps(const std::string& log, int first, int last, int64_t tokens_per_step, nlohmann::json& summary) {
+  std::map<int, std::string> loss_bits;
+  std::map<int, std::string> evals;
+  double seconds = 0;
+  int64_t steps_run = 0;
+  std::istringstream text(slurp(log));
+  std::string kind, bits;
+  int step = 0;
+  for (std::string line; std::getline(text, line);) {
+    std::istringstream l(line);
+    if (!(l >> kind >> step >> bits)) continue;
+    if (kind == "step") {
+      double s = 0;
+      l >> s;
+      loss_bits[step] = bits;
+      seconds += s;
+      ++steps_run;
+    } else if (kind == "eval") {
+      evals[step] = bits;
+    }
+  }
+  nlohmann::json losses = nlohmann::json::array(), lbits = nlohmann::json::array();
+  for (int s = first; s <= last; ++s) {
+    auto it = loss_bits.find(s);
+    if (it == loss_bits.end())
+      throw std::runtime_error("supervisor: no attempt recorded the loss of step " + std::to_string(s));
+    lbits.push_back(it->second);
+    losses.push_back(from_bits((uint32_t)std::stoul(it->second, nullptr, 16)));
+  }
+  nlohmann::json ev = nlohmann::json::array();
+  for (auto& [s, b] : evals) ev.push_back({{"step", s}, {"bpb", from_bits((uint32_t)std::stoul(b, nullptr, 16))}});
+  summary["losses_first_step"] = first;
+  summary["losses"] = losses;
+  summary["loss_bits"] = lbits;
+  summary["evals"] = ev;
+  summary["eval_bpb"] = ev.empty() ? nlohmann::json(nullptr) : ev.back()["bpb"];
+  // Every step any attempt ran, replays included: the job's real throughput.
+  summary["steps_run"] = steps_run;
+  summary["tokens_per_second"] = seconds > 0 ? (double)steps_run * tokens_per_step / seconds : 0.0;
+  summary["seconds"] = seconds;
+}
+
+// The step a --resume URL[@STEP] starts from: STEP, or the latest commit there.
+int64_t resume_step(const std::string& resume, const std::string& endpoint) {
+  const auto [url, at] = split_checkpoint_url(resume);
+  if (at >= 0) return at;
+  std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{endpoint});
+  const std::vector<int64_t> steps = committed_steps(*store);
+  if (steps.empty()) throw UserError("--resume: no committed checkpoint (no manifest) in " + store->url());
+  return steps.back();
+}
+
 }  // namespace
 
 SuperviseResult supervise(const SuperviseOptions& opt) {
@@ -72,7 +130,22 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
   if (!mkdtemp(tmpl)) throw UserError("supervisor: cannot create a temporary directory");
   const fs::path dir = tmpl;
   const std::string state = (dir / "faults.state").string(), hb = (dir / "heartbeat").string(),
-                    out = (dir / "child.out").string();
+                    out = (dir / "child.out").string(), step_log = (dir / "steps.log").string();
+  const double job_started = now();
+  // Where the job starts: the user's --resume, else what ckpt.url already
+  // holds (said on the first line: an old run's checkpoints are resumed).
+  const int64_t user_resume = opt.resume.empty() ? -1 : resume_step(opt.resume, s.ckpt.s3_endpoint);
+  int64_t existing = -1;
+  {
+    std::unique_ptr<ObjectStore> store = open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint});
+    const std::vector<int64_t> c = committed_steps(*store);
+    if (!c.empty()) existing = c.back();
+  }
+  if (opt.resume.empty() && existing >= 0)  // always: the run will not start from scratch
+    std::fprintf(stderr,
+                 "supervisor: ckpt.url %s already holds committed checkpoints (latest step %lld): the job resumes "
+                 "from it (use a fresh ckpt.url to start from scratch)\n",
+                 s.ckpt.url.c_str(), (long long)existing);
   std::mt19937_64 rng(std::hash<std::string>{}(opt.scenario));
   SuperviseResult res;
   nlohmann::json timeline = nlohmann::json::array();
@@ -86,8 +159,8 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
   for (;; ++attempt) {
     std::unique_ptr<ObjectStore> store = open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint});
     const std::vector<int64_t> committed = committed_steps(*store);
-    std::vector<std::string> args = {opt.binary, "run", opt.scenario, "--json", "--quiet", "--fault-state", state,
-                                     "--heartbeat", hb};
+    std::vector<std::string> args = {opt.binary, "run", opt.scenario, "--json", opt.child_progress ? "--progress" : "--quiet",
+                                     "--fault-state", state, "--heartbeat", hb, "--step-log", step_log};
     for (const std::string& x : opt.sets) args.insert(args.end(), {"--set", x});
     for (const std::string& f : opt.faults) args.insert(args.end(), {"--fault", f});
     if (new_dp > 0) {
@@ -96,7 +169,9 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       if (s.mesh.fsdp && s.mesh.replicate > 1 && new_dp % s.mesh.replicate != 0)
         args.insert(args.end(), {"--set", "mesh.replicate=1"});
     }
-    if (!committed.empty()) args.insert(args.end(), {"--resume", s.ckpt.url});
+    // This job's own commits in ckpt.url win once they pass the user's start.
+    if (!committed.empty() && committed.back() > user_resume) args.insert(args.end(), {"--resume", s.ckpt.url});
+    else if (!opt.resume.empty()) args.insert(args.end(), {"--resume", opt.resume});
     if (opt.threads > 0) args.insert(args.end(), {"--threads", std::to_string(opt.threads)});
     args.insert(args.end(), opt.extra_args.begin(), opt.extra_args.end());
     ::unlink(hb.c_str());
@@ -162,6 +237,35 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       }
       res.summary["restarts"] = timeline;
       res.summary["faults_fired"] = read_fault_state(state).lines;
+      res.summary["attempts"] = attempt + 1;
+      res.summary["wall_seconds"] = now() - job_started;
+      if (opt.resume.empty() && existing >= 0) res.summary["resumed_existing_checkpoint"] = {{"url", s.ckpt.url}, {"step", existing}};
+      const int first = (int)(opt.resume.empty() ? std::max<int64_t>(existing, 0) : user_resume) + 1;
+      const int last_step = res.summary.value("steps", 0);
+      try {
+        stitch_steps(step_log, first, last_step, (int64_t)s.batch * s.model.seq_len, res.summary);
+      } catch (const std::exception& e) {
+        res.exit_code = 3;
+        res.error = e.what();
+        return res;
+      }
+      if (res.summary.contains("resumed_from") && first > 1) res.summary["resumed_from"] = first - 1;
+      else res.summary.erase("resumed_from");
+      // A planned fault that never fired leaves the run unproven: say which.
+      std::vector<FaultSpec> planned = s.faults;
+      for (const std::string& f : opt.faults) planned.push_back(parse_fault(f));
+      const FiredFaults fired = read_fault_state(state);
+      std::string missed;
+      for (size_t i = 0; i < planned.size(); ++i)
+        if (!fired.indices.count((int)i)) missed += (missed.empty() ? "" : ", ") + planned[i].text();
+      if (!missed.empty()) {
+        res.exit_code = 1;
+        res.error = "the run finished but planned fault(s) never fired: " + missed +
+                    " (a threshold the checkpoint never reached, or a step the job resumed past)";
+        res.summary["faults_not_fired"] = missed;
+        fs::remove_all(dir);
+        return res;
+      }
       nlohmann::json fallbacks = nlohmann::json::array();
       size_t from_start = 0;
       for (const std::string& l : new_lines(state, from_start))
@@ -181,6 +285,7 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
                   "; not restarting: " + (res.exit_code == 2 ? "bad input" : "the store failed") +
                   "; committed checkpoints are intact";
       res.summary = {{"restarts", timeline}, {"faults_fired", read_fault_state(state).lines}};
+      if (opt.resume.empty() && existing >= 0) res.summary["resumed_existing_checkpoint"] = {{"url", s.ckpt.url}, {"step", existing}};
       say(res.error);
       fs::remove_all(dir);
       return res;

@@ -22,12 +22,17 @@ struct SuperviseOptions {
   double backoff_seconds = 0.05;       // base of the exponential backoff (with jitter)
   bool progress = true;                // the timeline on stderr
   std::vector<std::string> extra_args; // passed to every child (e.g. --steps)
+  std::string resume;                  // --resume URL[@STEP]: where the job starts (restarts use ckpt.url)
+  bool child_progress = false;         // children print their progress lines (stderr inherited)
   std::string child_stderr;            // append the children's stderr here (empty: inherit)
 };
 
 struct SuperviseResult {
   int exit_code = 0;                   // 0 ok; else the failing child's (2 bad input, 3 storage, ...)
-  nlohmann::json summary;              // the last child's --json summary, plus "restarts" and "faults_fired"
+  // On success, an unsupervised run's summary for the whole job: losses and
+  // evaluations of every step (whichever attempt ran it), speed over every
+  // attempt's steps; plus "restarts", "faults_fired", "attempts".
+  nlohmann::json summary;
   std::string error;                   // why it gave up
 };
 

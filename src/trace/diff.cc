@@ -7,33 +7,156 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/json_input.h"
 #include "contract.h"
 #include "trace/writer.h"
 
 namespace ls {
 
+namespace {
+
+// Every field the diff and the report read, checked once here, so that
+// neither ever meets a missing field, a wrong type or a step that overflows
+// the report's arithmetic. "" when the record is fine.
+constexpr int64_t kMaxTraceStep = 1000000000;
+
+std::string bad_field(const char* field, const std::string& why) {
+  return std::string("field '") + field + "' " + why;
+}
+
+std::string check_int(const nlohmann::json& r, const char* field, int64_t lo, int64_t hi) {
+  if (!r.contains(field)) return bad_field(field, "is missing");
+  const nlohmann::json& v = r[field];
+  if (!v.is_number_integer()) return bad_field(field, "must be an integer");
+  const bool neg = !v.is_number_unsigned() && v.get<int64_t>() < 0;
+  if (neg ? v.get<int64_t>() < lo : v.get<uint64_t>() > (uint64_t)hi)
+    return bad_field(field, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  return "";
+}
+
+std::string check_str(const nlohmann::json& r, const char* field, bool required = true) {
+  if (!r.contains(field)) return required ? bad_field(field, "is missing") : "";
+  return r[field].is_string() ? "" : bad_field(field, "must be a string");
+}
+
+bool is_hex8(const nlohmann::json& v) {
+  if (!v.is_string()) return false;
+  const std::string& s = v.get_ref<const std::string&>();
+  return s.size() == 8 && s.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos;
+}
+
+std::string check_bits(const nlohmann::json& r, const char* field) {
+  if (!r.contains(field)) return bad_field(field, "is missing");
+  return is_hex8(r[field]) ? "" : bad_field(field, "must be 8 hex digits (float bits)");
+}
+
+std::string check_record(const nlohmann::json& r, const std::string& kind) {
+  std::string e;
+  auto first = [&](std::string x) {
+    if (e.empty()) e = std::move(x);
+  };
+  if (kind == "header") {
+    first(check_str(r, "format"));
+    if (r.contains("resolved") && !r["resolved"].is_object()) first(bad_field("resolved", "must be an object"));
+    first(check_str(r, "backend", false));
+    first(check_str(r, "binary", false));
+  } else if (kind == "tensor") {
+    first(check_int(r, "step", 0, kMaxTraceStep));
+    first(check_int(r, "layer", -1, 1 << 20));
+    for (const char* f : {"phase", "op", "tensor", "hash"}) first(check_str(r, f));
+    if (!r.contains("shape") || !r["shape"].is_array()) {
+      first(bad_field("shape", "must be an array of sizes"));
+    } else {
+      // The element count must fit in memory arithmetic: each size <= 2^31,
+      // their product <= 2^40.
+      uint64_t n = 1;
+      for (const nlohmann::json& d : r["shape"]) {
+        if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 31)) {
+          first(bad_field("shape", "sizes must be integers in [0, 2^31]"));
+          break;
+        }
+        n = d.get<uint64_t>() == 0 ? 0 : n > (uint64_t{1} << 40) / d.get<uint64_t>() ? (uint64_t{1} << 41) : n * d.get<uint64_t>();
+      }
+      if (n > (uint64_t{1} << 40)) first(bad_field("shape", "has more than 2^40 elements"));
+      if (e.empty() && r.contains("data")) {
+        if (!r["data"].is_string()) first(bad_field("data", "must be a base64 string"));
+        else if (base64_decode(r["data"].get_ref<const std::string&>()).size() != n * 4)
+          first(bad_field("data", "does not hold 4 bytes per element of 'shape'"));
+      }
+    }
+    if (r.contains("sample")) {
+      if (!r["sample"].is_array()) first(bad_field("sample", "must be an array"));
+      else
+        for (const nlohmann::json& x : r["sample"])
+          if (!is_hex8(x)) {
+            first(bad_field("sample", "entries must be 8 hex digits (float bits)"));
+            break;
+          }
+    }
+    for (const char* f : {"min", "max", "mean", "l2"})
+      if (r.contains(f) && !r[f].is_number() && !r[f].is_null()) first(bad_field(f, "must be a number"));
+  } else if (kind == "step") {
+    first(check_int(r, "step", 0, kMaxTraceStep));
+    first(check_bits(r, "loss_bits"));
+    first(check_bits(r, "grad_norm_bits"));
+    first(check_str(r, "state_hash"));
+    if (r.contains("loss") && !r["loss"].is_number() && !r["loss"].is_null()) first(bad_field("loss", "must be a number"));
+  } else if (kind == "end") {
+    first(check_int(r, "steps", 0, kMaxTraceStep));
+    first(check_str(r, "final_state_hash"));
+  }
+  return e;
+}
+
+// One line of at most max_bytes into `line` (without the newline); false at
+// the end of the input. A longer line (or /dev/zero) is an error, not an
+// allocation without end.
+bool read_bounded_line(std::istream& in, std::string& line, size_t max_bytes, const std::string& where) {
+  line.clear();
+  char buf[1 << 16];
+  for (;;) {
+    in.getline(buf, sizeof buf);
+    // gcount counts the newline when one ended the read; bytes may be NUL.
+    const bool ended = !in.fail() && !in.eof();
+    line.append(buf, (size_t)in.gcount() - (ended ? 1 : 0));
+    if (line.size() > max_bytes)
+      throw UserError(where + ": a line longer than the limit of " + std::to_string(max_bytes) + " bytes");
+    if (ended) return true;
+    if (in.eof()) return !line.empty();  // the last line, without a newline
+    if (in.bad()) throw UserError(where + ": read error");
+    in.clear();                                    // the buffer filled: the line goes on
+  }
+}
+
+// A record with a dumped tensor of 48M elements fits.
+constexpr size_t kMaxTraceLine = size_t(256) << 20;
+
+}  // namespace
+
 Trace read_trace(const std::string& path) {
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   if (!in) throw UserError(path + ": cannot open trace");
   Trace t;
   std::string line;
-  int lineno = 0;
-  while (std::getline(in, line)) {
+  int64_t lineno = 0;
+  while (read_bounded_line(in, line, kMaxTraceLine, path + ":" + std::to_string(lineno + 1))) {
     ++lineno;
     if (line.empty()) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw UserError(path + ":" + std::to_string(lineno) + ": not a trace record: " + e.what());
-    }
+    const std::string where = path + ":" + std::to_string(lineno);
+    nlohmann::json j = parse_untrusted_json(line, where);
+    if (!j.is_object()) throw UserError(where + ": not a trace record (expected a JSON object)");
+    if (j.contains("kind") && !j["kind"].is_string()) throw UserError(where + ": field 'kind' must be a string");
     const std::string kind = j.value("kind", "");
-    if (kind == "header") t.header = j;
+    if (kind != "header" && kind != "tensor" && kind != "step" && kind != "end")
+      throw UserError(where + ": unknown record kind '" + quote_for_message(kind) + "'");
+    if (const std::string e = check_record(j, kind); !e.empty())
+      throw UserError(where + ": " + kind + " record: " + e);
+    if (kind == "header") t.header = std::move(j);
     else if (kind == "tensor") t.tensors.push_back(std::move(j));
     else if (kind == "step") t.steps.push_back(std::move(j));
-    else if (kind == "end") t.end = j;
-    else throw UserError(path + ":" + std::to_string(lineno) + ": unknown record kind '" + kind + "'");
+    else t.end = std::move(j);
   }
+  if (in.bad()) throw UserError(path + ": read error");
   if (t.header.is_null() || t.header.value("format", "") != "lockstep-trace-1")
     throw UserError(path + ": not a lockstep trace (no lockstep-trace-1 header)");
   return t;
@@ -104,8 +227,27 @@ uint64_t sample_ulp(const nlohmann::json& a, const nlohmann::json& b) {
 
 }  // namespace
 
+// The last step a trace holds whole: a step record closes each step, so the
+// tensors of a step cut off mid-way (a killed run) do not count.
+int last_step(const Trace& t) {
+  int last = 0;
+  for (const auto& r : t.steps) last = std::max(last, r.value("step", 0));
+  return last;
+}
+
 TraceDiff diff_traces(const Trace& a, const Trace& b) {
   TraceDiff d;
+  // Compare only the steps both traces reached.
+  const int last_a = last_step(a), last_b = last_step(b);
+  const int common = std::min(last_a, last_b);
+  if (last_a != last_b || a.end.is_null() != b.end.is_null()) {
+    const bool a_short = last_a < last_b || (last_a == last_b && a.end.is_null());
+    d.truncated = {{"short", a_short ? "A" : "B"},
+                   {"ends_at", a_short ? last_a : last_b},
+                   {"has_end", a_short ? !a.end.is_null() : !b.end.is_null()},
+                   {"other_ends_at", a_short ? last_b : last_a},
+                   {"other_has_end", a_short ? !b.end.is_null() : !a.end.is_null()}};
+  }
   // Config keys that differ between the two runs.
   std::map<std::string, nlohmann::json> ca, cb;
   flatten(a.header.value("resolved", nlohmann::json::object()), "", ca);
@@ -125,15 +267,23 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
     }
 
   std::map<std::string, const nlohmann::json*> bidx;
-  for (const auto& r : b.tensors) bidx[key_of(r)] = &r;
+  size_t b_common = 0;  // B's tensor records in the steps both traces hold
+  for (const auto& r : b.tensors) {
+    bidx[key_of(r)] = &r;
+    if (r.value("step", 0) <= common) ++b_common;
+  }
+  size_t a_common = 0;
   std::map<int, std::pair<int, int>> per_step;  // step -> (differing, total)
   std::map<int, std::vector<std::string>> step_ops;
   std::map<std::pair<int, int>, int64_t> heat;
   for (const auto& ra : a.tensors) {
     const int step = ra["step"];
+    if (step > common) continue;  // B never got this far
+    ++a_common;
     auto it = bidx.find(key_of(ra));
     per_step[step].second++;
-    const bool differs = it == bidx.end() || (*it->second)["hash"] != ra["hash"];
+    const bool shapes_differ = it != bidx.end() && (*it->second)["shape"] != ra["shape"];
+    const bool differs = it == bidx.end() || shapes_differ || (*it->second)["hash"] != ra["hash"];
     auto& cell = heat[{step, ra.value("layer", -1)}];
     if (!differs) continue;
     per_step[step].first++;
@@ -143,15 +293,36 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
     step_ops[step].push_back(opname);
     if (it == bidx.end()) {
       cell = std::max<int64_t>(cell, -1);
-      if (d.first.is_null()) d.first = {{"a", ra}, {"b", nullptr}};
+      if (d.first.is_null()) d.first = {{"a", ra}, {"b", nullptr}, {"missing_from", "B"}};
+      continue;
+    }
+    if (shapes_differ) {  // different tensors: no element to compare
+      cell = cell == 0 ? -1 : cell;
+      if (d.first.is_null()) d.first = {{"a", ra}, {"b", *it->second}, {"shapes_differ", true}};
       continue;
     }
     const uint64_t u = sample_ulp(ra, *it->second);
     cell = u == 0 ? (cell == 0 ? -1 : cell) : std::max<int64_t>(cell, (int64_t)std::min<uint64_t>(u, INT64_MAX));
     if (d.first.is_null()) d.first = {{"a", ra}, {"b", *it->second}};
   }
-  d.identical = d.first.is_null() && d.first_loss_step == 0 && a.tensors.size() == b.tensors.size() &&
+  d.identical = d.first.is_null() && d.first_loss_step == 0 && a_common == b_common && d.truncated.is_null() &&
                 (a.end.is_null() || b.end.is_null() || a.end["final_state_hash"] == b.end["final_state_hash"]);
+  if (d.first.is_null() && d.first_loss_step == 0 && d.truncated.is_null() && a_common != b_common) {
+    // B traced tensors A did not (the other way round is caught above).
+    for (const auto& rb : b.tensors) {
+      if (rb.value("step", 0) > common) continue;
+      bool in_a = false;
+      for (const auto& ra : a.tensors)
+        if (key_of(ra) == key_of(rb)) {
+          in_a = true;
+          break;
+        }
+      if (!in_a) {
+        d.first = {{"a", rb}, {"b", nullptr}, {"missing_from", "A"}};
+        break;
+      }
+    }
+  }
   if (d.first.is_null() && !d.identical && a.tensors.empty()) {
     // Step-level traces only: the first differing step record.
     for (size_t i = 0; i < std::min(a.steps.size(), b.steps.size()); ++i)
@@ -169,7 +340,8 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
   for (auto& [k, v] : heat) d.heat.push_back({{"step", k.first}, {"layer", k.second}, {"max_ulp", v}});
 
   // Element level, when both sides kept the first divergent tensor whole.
-  if (!d.first.is_null() && d.first["b"].is_object() && d.first["a"].contains("data") && d.first["b"].contains("data")) {
+  if (!d.first.is_null() && d.first["a"].is_object() && d.first["b"].is_object() && !d.first.contains("shapes_differ") &&
+      d.first["a"].contains("data") && d.first["b"].contains("data")) {
     const std::vector<float> x = decode_floats(d.first["a"]["data"]), y = decode_floats(d.first["b"]["data"]);
     const std::vector<int64_t> shape = d.first["a"]["shape"];
     nlohmann::json first = nlohmann::json::array();
@@ -200,6 +372,23 @@ std::string format_diff(const TraceDiff& d) {
     o << "traces identical: every traced tensor, loss and state hash has the same bits\n";
     return o.str();
   }
+  if (!d.truncated.is_null()) {
+    const auto& t = d.truncated;
+    const int end = t["ends_at"];
+    o << "trace " << t["short"].get<std::string>()
+      << (end == 0 ? std::string(" ends before its first step completes") : " ends at step " + std::to_string(end))
+      << (t["has_end"].get<bool>() ? "" : " (no end record: the run stopped early)") << "; trace "
+      << (t["short"] == "A" ? "B" : "A") << " goes on to step " << t["other_ends_at"].get<int>()
+      << (t["other_has_end"].get<bool>() ? "" : " (no end record either)") << "\n";
+    const std::string held = end == 0 ? "no complete step" : end == 1 ? "step 1" : "steps 1-" + std::to_string(end);
+    if (d.identical_until_truncation()) {
+      o << (end == 0 ? "nothing to compare: the shorter trace holds no complete step\n"
+                     : held + (end == 1 ? " is" : " are") +
+                           " identical: every traced tensor and loss both traces hold has the same bits\n");
+      return o.str();
+    }
+    o << "compared: " << held << ", which both traces hold\n";
+  }
   if (!d.config_changes.empty()) {
     o << "config keys that differ:\n";
     for (const auto& c : d.config_changes) o << "  " << c["key"].get<std::string>() << ": " << c["a"].dump() << " -> " << c["b"].dump() << "\n";
@@ -213,7 +402,11 @@ std::string format_diff(const TraceDiff& d) {
       o << "  (the weights entering step " << a["step"] << " differ: the optimizer update of step "
         << a["step"].get<int>() - 1 << " or its gradients parted; every activation of the steps before agreed)\n";
     if (d.first["b"].is_null()) {
-      o << "  (missing from the second trace: the runs traced different tensors)\n";
+      o << "  (missing from the " << (d.first.value("missing_from", "B") == "B" ? "second" : "first")
+        << " trace: the runs traced different tensors)\n";
+    } else if (d.first.contains("shapes_differ")) {
+      o << "  shapes differ: " << a["shape"].dump() << " in A, " << d.first["b"]["shape"].dump()
+        << " in B (the runs compute tensors of different shapes: no element comparison)\n";
     } else if (a.value("kind", "") == "tensor") {
       const auto& b = d.first["b"];
       o << "  hash  " << a["hash"].get<std::string>() << " vs " << b["hash"].get<std::string>() << "\n";
@@ -228,7 +421,8 @@ std::string format_diff(const TraceDiff& d) {
     for (const auto& e : d.elements["first"])
       o << "  " << e["index"].get<std::string>() << "  " << e["a"].dump() << " (" << e["a_bits"].get<std::string>()
         << ") vs " << e["b"].dump() << " (" << e["b_bits"].get<std::string>() << "), " << e["ulp"] << " ulp\n";
-  } else if (!d.first.is_null() && d.first["a"].value("kind", "") == "tensor") {
+  } else if (!d.first.is_null() && d.first["a"].value("kind", "") == "tensor" && !d.first["b"].is_null() &&
+             !d.first.contains("shapes_differ")) {
     o << "  (rerun both with --trace-dump " << d.first["a"]["step"] << ":" << d.first["a"]["op"].get<std::string>()
       << " to see the differing elements)\n";
   }
@@ -250,7 +444,9 @@ std::string format_diff(const TraceDiff& d) {
 }
 
 nlohmann::json diff_json(const TraceDiff& d) {
-  return {{"identical", d.identical}, {"config_changes", d.config_changes}, {"first_loss_step", d.first_loss_step},
+  return {{"identical", d.identical}, {"truncated", d.truncated},
+          {"identical_until_truncation", d.identical_until_truncation()},
+          {"config_changes", d.config_changes}, {"first_loss_step", d.first_loss_step},
           {"first", d.first}, {"elements", d.elements}, {"spread", d.spread}, {"heat", d.heat}};
 }
 

@@ -33,6 +33,13 @@ struct TraceDiff {
   // the tensors of that layer (layer -1: outside the stack); -1 when hashes
   // differ but the samples agree. Rows: {step, layer, max_ulp}.
   nlohmann::json heat = nlohmann::json::array();
+  // One trace stops before the other (a run killed or stopped early): only
+  // the steps both reached are compared. {short: "A"|"B", ends_at, has_end,
+  // other_ends_at, other_has_end}; null when both reach the same step.
+  nlohmann::json truncated;
+  // Nothing differs in the steps both traces hold, but one ends earlier:
+  // neither identical nor diverged (`lockstep diff` exits 4).
+  bool identical_until_truncation() const { return !identical && first.is_null() && first_loss_step == 0 && !truncated.is_null(); }
 };
 TraceDiff diff_traces(const Trace& a, const Trace& b);
 

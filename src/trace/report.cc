@@ -442,7 +442,8 @@ std::string first_divergence(const TraceDiff& d, const std::vector<LossPoint>& l
          esc(tensor ? record_name(a) : "step " + std::to_string(a.value("step", 0)) + ": the step records differ") +
          "</p>\n";
     if (b.is_null()) {
-      o += "<p class=\"muted\">This record is missing from trace B: the runs traced different tensors.</p>\n";
+      o += "<p class=\"muted\">This record is missing from trace " + esc(d.first.value("missing_from", "B")) +
+           ": the runs traced different tensors.</p>\n";
     } else if (tensor) {
       o += "<table class=\"stats\"><thead><tr><th></th><th>A</th><th>B</th></tr></thead><tbody>\n";
       o += "<tr><th>shape</th><td class=\"mono\">" + esc(a.value("shape", json()).dump()) + "</td><td class=\"mono\">" +
@@ -534,6 +535,7 @@ p { margin: 6px 0; }
   letter-spacing: .04em; text-transform: uppercase; vertical-align: middle; margin-right: 10px; }
 .verdict.same { background: #d3f9d8; color: #2b8a3e; }
 .verdict.diverged { background: #ffe3e3; color: #c92a2a; }
+.verdict.partial { background: #fff3bf; color: #a05a00; }
 .grid { display: grid; grid-template-columns: 1.35fr 1fr; gap: 20px; }
 table { border-collapse: collapse; width: 100%; font-size: 13px; }
 th, td { text-align: left; padding: 4px 8px; border-bottom: 1px solid #edf0f3; vertical-align: top; }
@@ -577,9 +579,17 @@ std::string render_report(const Trace& a, const Trace& b, const TraceDiff& d, co
 
   // Verdict, runs and configuration.
   o += "<section id=\"summary\">\n<h2>";
-  o += d.identical ? "<span class=\"verdict same\">identical</span>" : "<span class=\"verdict diverged\">diverged</span>";
+  const bool partial = d.identical_until_truncation();
+  o += d.identical ? "<span class=\"verdict same\">identical</span>"
+       : partial   ? "<span class=\"verdict partial\">ends early</span>"
+                   : "<span class=\"verdict diverged\">diverged</span>";
   if (d.identical) {
     o += "Every traced tensor, loss and state hash has the same bits.";
+  } else if (partial) {
+    o += "Trace " + esc(d.truncated["short"].get<std::string>()) + " ends at step " +
+         std::to_string(d.truncated["ends_at"].get<int>()) +
+         (d.truncated["has_end"].get<bool>() ? "" : " (no end record)") + "; steps 1-" +
+         std::to_string(d.truncated["ends_at"].get<int>()) + " are identical in both.";
   } else if (mark_step) {
     o += "The runs diverge at step " + std::to_string(mark_step) + ".";
   } else {
@@ -591,7 +601,7 @@ std::string render_report(const Trace& a, const Trace& b, const TraceDiff& d, co
   o += "<section id=\"loss\">\n<h2>Loss</h2>\n" + loss_chart(la, lb, ax, mark_step, run_label(a), run_label(b)) +
        "<h3>Loss distance between the runs</h3>\n" + loss_ulp_chart(la, lb, ax, mark_step) + "</section>\n";
 
-  if (!d.identical)
+  if (!d.identical && !partial)
     o += "<section id=\"first\">\n<h2>First divergence</h2>\n" + first_divergence(d, la, lb) + "</section>\n";
 
   o += "<section id=\"heat\">\n<h2>Where the bits differ: max ULP distance per step and layer</h2>\n" + heat_map(d.heat, ax, mark_step) +

@@ -7,30 +7,49 @@
 #include <immintrin.h>
 #endif
 
+#include <cerrno>
+#include <cstring>
+
+#include <algorithm>
+
 #include "common/error.h"
+#include "common/json_input.h"
 #include "contract.h"
 
 namespace ls {
 
-DumpSpec DumpSpec::parse(const std::string& text) {
+const std::vector<std::string>& trace_op_names() {
+  static const std::vector<std::string> ops = {"attention", "attn_norm",   "attn_residual", "final_norm",
+                                               "lm_head",   "loss",        "moe.combine",   "moe.experts",
+                                               "moe_norm",  "param",       "qkv",           "router"};
+  return ops;
+}
+
+DumpSpec DumpSpec::parse(const std::string& text, int steps) {
   DumpSpec d;
   const size_t colon = text.find(':');
   const std::string step = text.substr(0, colon);
-  try {
-    size_t used = 0;
-    d.step = std::stoi(step, &used);
-    if (used != step.size() || d.step < 1) throw std::invalid_argument("");
-  } catch (const std::exception&) {
-    throw UserError("--trace-dump: expected STEP or STEP:OP with STEP >= 1, got '" + text + "'");
+  if (step.empty() || step.find_first_not_of("0123456789") != std::string::npos)
+    throw UserError("--trace-dump: expected STEP or STEP:OP with STEP in [1, " + std::to_string(steps) + "], got '" +
+                    quote_for_message(text) + "'");
+  d.step = (int)parse_int_field(step, 1, steps, "--trace-dump: STEP (the run's steps are 1-" + std::to_string(steps) + ")");
+  if (colon != std::string::npos) {
+    d.op = text.substr(colon + 1);
+    const std::string op = d.op.substr(0, d.op.find('/'));
+    const auto& ops = trace_op_names();
+    if (std::find(ops.begin(), ops.end(), op) == ops.end()) {
+      std::string list;
+      for (const std::string& o : ops) list += (list.empty() ? "" : ", ") + o;
+      throw UserError("--trace-dump: no op '" + quote_for_message(op) + "' is traced (ops: " + list + ")");
+    }
   }
-  if (colon != std::string::npos) d.op = text.substr(colon + 1);
   return d;
 }
 
 TraceWriter::TraceWriter(const std::string& path, const nlohmann::json& header, DumpSpec dump)
     : path_(path), dump_(std::move(dump)) {
   f_ = std::fopen(path.c_str(), "w");
-  if (!f_) throw UserError("--trace: cannot write '" + path + "'");
+  if (!f_) throw UserError("--trace: cannot write '" + path + "': " + std::strerror(errno));
   nlohmann::json h = header;
   h["kind"] = "header";
   h["format"] = "lockstep-trace-1";

@@ -15,10 +15,17 @@
 namespace ls {
 
 // Which tensors to keep whole: one step, all of its ops or one of them.
+// Every op name a training step traces (the engine and the reference emit
+// the same ones; tests/test_trace.cc holds a real trace to this list).
+const std::vector<std::string>& trace_op_names();
+
 struct DumpSpec {
   int step = -1;   // -1: none
   std::string op;  // "" = every op; else matches "op" or "op/tensor"
-  static DumpSpec parse(const std::string& text);  // "STEP" or "STEP:OP"; throws UserError
+  // "STEP" or "STEP:OP" with 1 <= STEP <= steps and OP one of
+  // trace_op_names() (optionally "OP/TENSOR"); throws UserError naming the
+  // valid range or ops.
+  static DumpSpec parse(const std::string& text, int steps);
 };
 
 class TraceWriter : public TraceSink {

@@ -1,0 +1,176 @@
+#include "runner/memory_plan.h"
+
+#include <omp.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "common/error.h"
+#include "model/model.h"
+#include "runner/data_lanes.h"
+
+namespace ls {
+
+namespace {
+
+constexpr uint64_t kMiB = uint64_t(1) << 20;
+
+std::string mib(uint64_t b) {
+  char buf[32];
+  if (b >= (uint64_t(10) << 40)) std::snprintf(buf, sizeof buf, "%.1f TiB", b / double(uint64_t(1) << 40));
+  else if (b >= (uint64_t(10) << 30)) std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(uint64_t(1) << 30));
+  else std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(kMiB));
+  return buf;
+}
+
+// A number from a cgroup v2 file; 0 when absent or "max".
+uint64_t read_cgroup_value(const char* path) {
+  std::ifstream in(path);
+  std::string v;
+  if (!(in >> v) || v == "max") return 0;
+  return std::strtoull(v.c_str(), nullptr, 10);
+}
+
+}  // namespace
+
+MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
+  const ModelConfig& c = s.model;
+  const int dp = s.mesh.dp, ep = s.mesh.ep;
+  const bool multi = dp > 1 || ep > 1 || s.mesh.fsdp;
+  const uint64_t f = sizeof(float);
+  const uint64_t global_weights = (uint64_t)count_weights(c, 1);
+  const uint64_t rank_weights = (uint64_t)count_weights(c, ep);
+  const uint64_t expert_weights = (uint64_t)c.n_layers * c.experts * 3 * c.d_model * c.d_ff;
+  // FSDP shards every tensor but the expert slices of an expert-parallel mesh.
+  const uint64_t sharded = !s.mesh.fsdp ? 0 : ep > 1 ? rank_weights - expert_weights / ep : rank_weights;
+  const int group = s.mesh.fsdp ? dp / std::max(1, s.mesh.replicate) : 1;
+  const uint64_t owned = rank_weights - sharded + sharded / std::max(1, group);
+
+  const int threads = opt.backend == Backend::kReference ? 1 : opt.threads > 0 ? opt.threads : omp_get_max_threads();
+  int lanes = 1;
+  if (!multi && opt.backend == Backend::kEngine &&
+      DataLanes::applicable(c, s.leaf_samples, (int64_t)rank_weights, s.batch, threads))
+    lanes = threads;
+
+  MemoryEstimate e;
+  auto add = [&](std::string name, uint64_t bytes, std::string detail) {
+    e.parts.push_back({std::move(name), bytes, std::move(detail)});
+  };
+  const std::string ranks = multi ? " on each of " + std::to_string(dp) + " ranks" : "";
+  add("runtime", 24 * kMiB + (uint64_t)threads * 2 * kMiB,
+      "an allowance for code, libraries, thread stacks and per-thread scratch");
+  uint64_t corpus = s.data.synthetic_bytes;
+  if (!s.data.path.empty()) {
+    std::error_code ec;
+    corpus = std::filesystem::file_size(s.data.path, ec);
+    if (ec) corpus = 0;  // the loader names the missing file
+  }
+  add("corpus", corpus, s.data.path.empty() ? "the synthetic corpus" : "data.path, read whole");
+  add("weights", dp * rank_weights * f + (s.mesh.fsdp ? dp * sharded / group * f : 0),
+      std::to_string(rank_weights) + " fp32 weights" + ranks + (s.mesh.fsdp ? ", plus the FSDP shards" : ""));
+  add("gradients", (dp + lanes - 1) * rank_weights * f,
+      lanes > 1 ? "one per data lane (" + std::to_string(lanes) + " lanes)" : "one per weight" + ranks);
+  add("adamw_moments", dp * 2 * owned * f, s.mesh.fsdp ? "m and v of each rank's FSDP shards" : "m and v" + ranks);
+  WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes, ep);
+  const uint64_t copies = (uint64_t)dp * lanes;
+  const std::string per = std::to_string(s.batch / dp / lanes) + " samples x " + std::to_string(c.seq_len) +
+                          " tokens" + (copies > 1 ? " on each of " + std::to_string(copies) + (multi ? " ranks" : " lanes") : "");
+  add("activations", copies * w.activations, "saved activations and backward scratch, " + per);
+  add("moe_expert_buffers", copies * w.expert_buffers,
+      "routed rows (top_k per token) x (4 d_model + 7 d_ff) floats per layer, " + per);
+  if (w.dispatch_buffers) add("moe_dispatch_buffers", copies * w.dispatch_buffers, "expert-parallel all-to-all rows");
+  if (!s.ckpt.url.empty() && s.ckpt.every > 0)
+    add("checkpoint_staging", 3 * global_weights * f * (1 + std::max(1, s.ckpt.max_inflight)),
+        "weights and moments staged in DRAM, plus encoded shards of the uploads in flight");
+  // A mesh gathers every tensor's whole weights and moments to hash them
+  // (ClusterTrainer::state_hash); a single rank hashes in place.
+  if (multi) add("state_hash_gather", 3 * global_weights * f, "whole weights and moments, gathered to hash the state");
+  uint64_t restore = 0;
+  if (!opt.resume.empty()) {
+    restore = 2 * 3 * global_weights * f;
+    add("restore", restore, "objects read and the pieces they fill (before the first step, freed after)");
+  }
+  // Restore buffers are freed before the first step allocates activations.
+  for (const MemoryPart& p : e.parts)
+    if (p.name != "restore" && p.name != "activations" && p.name != "moe_expert_buffers" &&
+        p.name != "moe_dispatch_buffers")
+      e.total_bytes += p.bytes;
+  e.total_bytes += std::max<uint64_t>(restore, copies * (w.activations + w.expert_buffers + w.dispatch_buffers));
+  return e;
+}
+
+uint64_t available_memory_bytes() {
+  uint64_t avail = 0;
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit)
+    if (key == "MemAvailable:") {
+      avail = kib * 1024;
+      break;
+    }
+  const uint64_t limit = read_cgroup_value("/sys/fs/cgroup/memory.max");
+  if (limit) {
+    const uint64_t used = read_cgroup_value("/sys/fs/cgroup/memory.current");
+    const uint64_t left = limit > used ? limit - used : 0;
+    avail = avail ? std::min(avail, left) : left;
+  }
+  return avail;
+}
+
+std::string format_memory_estimate(const MemoryEstimate& e, uint64_t available) {
+  std::string o = "memory estimate (a formula over the scenario, not a measurement):\n";
+  for (const MemoryPart& p : e.parts) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "  %-22s %12s  ", p.name.c_str(), mib(p.bytes).c_str());
+    o += buf + p.detail + "\n";
+  }
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "  %-22s %12s  (peak: restore buffers and activations are not held at once)\n",
+                "total", mib(e.total_bytes).c_str());
+  o += buf;
+  if (available) {
+    std::snprintf(buf, sizeof buf, "  %-22s %12s  (MemAvailable, or the cgroup limit minus its usage)\n", "available",
+                  mib(available).c_str());
+    o += buf;
+  }
+  return o;
+}
+
+nlohmann::json memory_estimate_json(const MemoryEstimate& e, uint64_t available) {
+  nlohmann::json parts = nlohmann::json::object();
+  for (const MemoryPart& p : e.parts) parts[p.name] = p.bytes;
+  return {{"estimated_total_bytes", e.total_bytes}, {"estimated_parts_bytes", parts}, {"available_bytes", available}};
+}
+
+void check_run_memory(const Scenario& s, const RunOptions& opt) {
+  const char* skip = std::getenv("LOCKSTEP_SKIP_MEMORY_CHECK");
+  if (skip && std::string(skip) == "1") return;
+  const uint64_t available = available_memory_bytes();
+  if (!available) return;  // unknown: nothing to hold the estimate to
+  const MemoryEstimate e = estimate_run_memory(s, opt);
+  if (e.total_bytes <= available) return;
+  std::vector<MemoryPart> parts = e.parts;
+  std::sort(parts.begin(), parts.end(), [](const MemoryPart& a, const MemoryPart& b) { return a.bytes > b.bytes; });
+  std::string largest;
+  for (size_t i = 0; i < parts.size() && i < 3; ++i)
+    largest += (i ? ", " : "") + parts[i].name + " " + mib(parts[i].bytes);
+  throw UserError(s.name + ": the scenario needs an estimated " + mib(e.total_bytes) + " of memory (" + largest +
+                  "), more than the " + mib(available) +
+                  " available; shrink model.*, train.batch or data.synthetic_bytes (every rank of the simulated mesh "
+                  "lives in this process; see `lockstep plan`; LOCKSTEP_SKIP_MEMORY_CHECK=1 runs it anyway)");
+}
+
+uint64_t peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return (uint64_t)u.ru_maxrss * 1024;  // Linux reports KiB
+}
+
+}  // namespace ls

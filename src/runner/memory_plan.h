@@ -1,0 +1,48 @@
+// The memory a run will need, estimated before anything is allocated, and the
+// memory the machine has. The estimate is a formula over the scenario (model
+// shape, batch, mesh, threads, checkpoint policy), not a measurement; the run
+// refuses a scenario whose estimate exceeds what is available, and
+// `lockstep plan` / `run --dry-run` print it per part. tests/test_memory.cc
+// holds the estimate to the measured peak resident set.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runner/runner.h"
+#include "runner/scenario.h"
+
+namespace ls {
+
+struct MemoryPart {
+  std::string name;    // "weights", "activations", ...
+  uint64_t bytes = 0;  // over every rank of the simulated mesh
+  std::string detail;  // how it is counted
+};
+
+struct MemoryEstimate {
+  std::vector<MemoryPart> parts;
+  uint64_t total_bytes = 0;
+};
+
+// The estimate for running `s` with `opt` (backend, threads, resume).
+MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt);
+
+// Bytes this process may still allocate: the smaller of the kernel's
+// MemAvailable and the cgroup's limit minus its usage (0 when unknown).
+uint64_t available_memory_bytes();
+
+// Throws UserError naming the estimate, the largest parts and the limit when
+// the estimate exceeds the available memory; LOCKSTEP_SKIP_MEMORY_CHECK=1
+// skips the check (the run may then fail to allocate).
+void check_run_memory(const Scenario& s, const RunOptions& opt);
+
+// The plan as text, one part per line, and as JSON.
+std::string format_memory_estimate(const MemoryEstimate& e, uint64_t available);
+nlohmann::json memory_estimate_json(const MemoryEstimate& e, uint64_t available);
+
+// Peak resident set of this process so far (getrusage), in bytes.
+uint64_t peak_rss_bytes();
+
+}  // namespace ls

@@ -1,0 +1,93 @@
+// The memory estimate (runner/memory_plan.h) against what runs measure: the
+// process's peak resident set, on meshes, data lanes, checkpoints and resume;
+// and the refusal of scenarios that cannot fit, before anything is allocated.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_run.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Big enough that the model's buffers dominate the process (about 200 MB),
+// small enough to train two steps in about a second.
+const char* kMedium = R"({"model": {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 64, "d_ff": 256},
+  "moe": {"experts": 16, "top_k": 2}, "train": {"steps": 2, "batch": 16, "eval_every": 0, "eval_batches": 1},
+  "data": {"synthetic_bytes": 1048576}})";
+
+nlohmann::json last_json_line(const std::string& out) {
+  std::string t = out;
+  while (!t.empty() && t.back() == '\n') t.pop_back();
+  return nlohmann::json::parse(t.substr(t.rfind('\n') == std::string::npos ? 0 : t.rfind('\n') + 1));
+}
+
+}  // namespace
+
+TEST_SUITE("memory") {
+  TEST_CASE("the estimate is within 25% of the measured peak RSS") {
+    const fs::path sc = lstest::write_temp("medium.json", kMedium);
+    const fs::path ck = lstest::cli_temp_dir() / "mem-ckpt";
+    fs::remove_all(ck);
+    const std::string save = "--set ckpt.url=" + ck.string() + " --set ckpt.every=1";
+    for (const std::string& args : std::vector<std::string>{"--threads 1", "--threads 2", "--threads 1 --set mesh.dp=2",
+                                   "--threads 2 --set mesh.dp=4 --set mesh.ep=2",
+                                   "--threads 1 --set mesh.dp=4 --set mesh.fsdp=true", "--threads 1 " + save,
+                                   "--threads 1 --steps 3 --resume " + ck.string()}) {
+      CAPTURE(args);
+      const lstest::CliResult r = lstest::run_cli("run " + sc.string() + " " + args + " --json --quiet");
+      CAPTURE(r.err);
+      REQUIRE(r.rc == 0);
+      const nlohmann::json m = last_json_line(r.out).at("memory");
+      const double est = m.at("estimated_total_bytes").get<double>(), rss = m.at("peak_rss_bytes").get<double>();
+      CAPTURE(est);
+      CAPTURE(rss);
+      CHECK(rss > 100e6);  // the model, not the runtime, dominates what is compared
+      CHECK(rss / est >= 0.75);
+      CHECK(rss / est <= 1.25);
+    }
+  }
+
+  TEST_CASE("plan and run --dry-run print the estimate per part and train nothing") {
+    const fs::path sc = lstest::write_temp("medium.json", kMedium);
+    lstest::CliResult r = lstest::run_cli("plan " + sc.string() + " --json");
+    REQUIRE(r.rc == 0);
+    const nlohmann::json j = last_json_line(r.out);
+    CHECK(j.at("fits").get<bool>());
+    uint64_t sum = 0;
+    for (const char* part : {"weights", "gradients", "adamw_moments", "activations", "moe_expert_buffers", "corpus"}) {
+      CAPTURE(part);
+      CHECK(j.at("estimated_parts_bytes").at(part).get<uint64_t>() > 0);
+    }
+    for (auto& [k, v] : j.at("estimated_parts_bytes").items()) sum += v.get<uint64_t>();
+    CHECK(sum >= j.at("estimated_total_bytes").get<uint64_t>());
+    r = lstest::run_cli("run " + sc.string() + " --dry-run");
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("adamw_moments") != std::string::npos);
+    CHECK(r.out.find("not a measurement") != std::string::npos);
+    CHECK(r.out.find("final_state_hash") == std::string::npos);
+  }
+
+  TEST_CASE("a scenario that cannot fit is refused before allocating, naming the estimate and the limit") {
+    const fs::path big = lstest::write_temp(
+        "huge_model.json", R"({"model":{"d_model":4096,"n_layers":64,"d_ff":16384},"moe":{"experts":64}})");
+    lstest::CliResult r = lstest::run_cli("run " + big.string());
+    CAPTURE(r.err);
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("needs an estimated") != std::string::npos);
+    CHECK(r.err.find("available") != std::string::npos);
+    CHECK(r.err.find("bad_alloc") == std::string::npos);
+    r = lstest::run_cli("plan " + big.string() + " --json");
+    CHECK(r.rc == 0);
+    CHECK_FALSE(last_json_line(r.out).at("fits").get<bool>());
+    const fs::path sc = lstest::write_temp("medium.json", kMedium);
+    r = lstest::run_cli("run " + sc.string() + " --set train.batch=1073741824");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("needs an estimated") != std::string::npos);
+  }
+}
