@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs dependencies, builds, and runs the whole test suite: the doctest
-# suites (unit, engine == reference, golden gate, CLI) and the scenario-loader
-# tests again under ASan+UBSan. Ends with one line: "N passed, N failed".
+# suites (unit, engine == reference, golden gate, CLI), the scenario-loader
+# tests again under ASan+UBSan, and the libFuzzer targets (fuzz/README.md):
+# every past finding replayed, then each target fuzzed briefly. Ends with one
+# line: "N passed, N failed".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh || { echo "0 passed, 1 failed"; exit 1; }
@@ -15,17 +17,32 @@ build() {  # build DIR [meson options...]
 status=0
 build build || status=1
 build build-asan -Dloader_only=true -Db_sanitize=address,undefined -Dbuildtype=debugoptimized || status=1
+CXX=clang++-14 build build-fuzz -Dfuzz=true -Dbuildtype=debugoptimized || status=1
 if [ $status -ne 0 ]; then echo "build failed"; echo "0 passed, 1 failed"; exit 1; fi
 
 meson test -C build --print-errorlogs --num-processes "$(nproc)" || status=1
 meson test -C build-asan --print-errorlogs || status=1
+meson test -C build-fuzz --print-errorlogs || status=1
+# 10 s per target from the committed seeds alone, about a minute in all: a
+# crash that comes back is caught even where no reproducer was kept.
+rm -f build-fuzz/fuzz-ci.json
+tools/fuzz --seconds 10 --fresh --no-build --json build-fuzz/fuzz-ci.json || status=1
 
 # Count doctest cases across every meson test's log. (doctest's own "skipped"
 # counts the cases another suite's filter left out, not skips: not reported.)
-python3 - build/meson-logs/testlog.json build-asan/meson-logs/testlog.json <<'PY'
-import json, re, sys
+python3 - build/meson-logs/testlog.json build-asan/meson-logs/testlog.json build-fuzz/meson-logs/testlog.json \
+  build-fuzz/fuzz-ci.json <<'PY'
+import json, os, re, sys
 passed = failed = skipped = 0
 for path in sys.argv[1:]:
+    if path.endswith("fuzz-ci.json"):  # tools/fuzz: one result per target
+        if not os.path.exists(path):
+            failed += 1
+            continue
+        for r in json.load(open(path)):
+            passed += 1 if r["ok"] else 0
+            failed += 0 if r["ok"] else 1
+        continue
     for line in open(path):
         t = json.loads(line)
         m = re.search(r"test cases:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed\s*\|\s*(\d+) skipped", t.get("stdout", ""))
