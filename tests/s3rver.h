@@ -28,6 +28,20 @@ namespace lstest {
 
 namespace fs = std::filesystem;
 
+// SIGTERM, up to 2 s to exit, then SIGKILL; reaps the child either way.
+inline void stop_child(pid_t& pid) {
+  if (pid <= 0) return;
+  ::kill(pid, SIGTERM);
+  int st;
+  for (int i = 0; i < 100 && ::waitpid(pid, &st, WNOHANG) == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (::waitpid(pid, &st, WNOHANG) == 0) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &st, 0);
+  }
+  pid = -1;
+}
+
 // An s3rver on a free local port with bucket "lockstep", stopped (and its
 // directory removed) when this goes out of scope, test failure included.
 struct S3rver {
@@ -114,16 +128,7 @@ struct S3rver {
   std::string endpoint() const { return "http://127.0.0.1:" + std::to_string(port); }
 
   ~S3rver() {
-    if (pid > 0) {
-      ::kill(pid, SIGTERM);
-      int st;
-      for (int i = 0; i < 100 && ::waitpid(pid, &st, WNOHANG) == 0; ++i)
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      if (::waitpid(pid, &st, WNOHANG) == 0) {
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, &st, 0);
-      }
-    }
+    stop_child(pid);
     std::error_code ec;
     // LOCKSTEP_KEEP_S3RVER=1 keeps the server's data and log for debugging.
     if (std::getenv("LOCKSTEP_KEEP_S3RVER")) MESSAGE("s3rver data and log kept in " << dir.string());

@@ -148,16 +148,7 @@ struct SigV4Proxy {
   }
 
   ~SigV4Proxy() {
-    if (pid > 0) {
-      ::kill(pid, SIGTERM);
-      int st;
-      for (int i = 0; i < 100 && ::waitpid(pid, &st, WNOHANG) == 0; ++i)
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      if (::waitpid(pid, &st, WNOHANG) == 0) {
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, &st, 0);
-      }
-    }
+    stop_child(pid);
     std::error_code ec;
     if (std::getenv("LOCKSTEP_KEEP_S3RVER")) MESSAGE("sigv4_proxy log kept in " << dir.string());
     else if (!dir.empty()) fs::remove_all(dir, ec);
