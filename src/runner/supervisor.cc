@@ -108,21 +108,29 @@ void stitch_steps(const std::string& log, int first, int last, int64_t tokens_pe
   summary["seconds"] = seconds;
 }
 
+// The newest committed step at url, or -1 when none is.
+int64_t latest_commit(const std::string& url, const std::string& endpoint) {
+  std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{endpoint});
+  const std::vector<int64_t> steps = committed_steps(*store);
+  return steps.empty() ? -1 : steps.back();
+}
+
 // The step a --resume URL[@STEP] starts from: STEP, or the latest commit there.
 int64_t resume_step(const std::string& resume, const std::string& endpoint) {
   const auto [url, at] = split_checkpoint_url(resume);
   if (at >= 0) return at;
-  std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{endpoint});
-  const std::vector<int64_t> steps = committed_steps(*store);
-  if (steps.empty()) throw UserError("--resume: no committed checkpoint (no manifest) in " + store->url());
-  return steps.back();
+  const int64_t latest = latest_commit(url, endpoint);
+  if (latest < 0) throw UserError("--resume: no committed checkpoint (no manifest) in " + url);
+  return latest;
 }
 
 }  // namespace
 
 SuperviseResult supervise(const SuperviseOptions& opt) {
   const Scenario s = load_scenario(opt.scenario, opt.sets);
-  for (const std::string& f : opt.faults) parse_fault(f);  // bad specs: exit 2 before anything runs
+  // Every fault the children inject, in their order (bad specs: exit 2 before anything runs).
+  std::vector<FaultSpec> planned = s.faults;
+  for (const std::string& f : opt.faults) planned.push_back(parse_fault(f));
   if (s.ckpt.url.empty() || s.ckpt.every <= 0)
     throw UserError("ckpt.url / ckpt.every: a supervised run restarts from committed checkpoints; set both "
                     "(e.g. --set ckpt.url=/tmp/run --set ckpt.every=5)");
@@ -135,12 +143,7 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
   // Where the job starts: the user's --resume, else what ckpt.url already
   // holds (said on the first line: an old run's checkpoints are resumed).
   const int64_t user_resume = opt.resume.empty() ? -1 : resume_step(opt.resume, s.ckpt.s3_endpoint);
-  int64_t existing = -1;
-  {
-    std::unique_ptr<ObjectStore> store = open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint});
-    const std::vector<int64_t> c = committed_steps(*store);
-    if (!c.empty()) existing = c.back();
-  }
+  const int64_t existing = latest_commit(s.ckpt.url, s.ckpt.s3_endpoint);
   if (opt.resume.empty() && existing >= 0)  // always: the run will not start from scratch
     std::fprintf(stderr,
                  "supervisor: ckpt.url %s already holds committed checkpoints (latest step %lld): the job resumes "
@@ -235,8 +238,9 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
         res.error = "the last child exited 0 without a JSON summary";
         return res;
       }
+      const FiredFaults fired = read_fault_state(state);
       res.summary["restarts"] = timeline;
-      res.summary["faults_fired"] = read_fault_state(state).lines;
+      res.summary["faults_fired"] = fired.lines;
       res.summary["attempts"] = attempt + 1;
       res.summary["wall_seconds"] = now() - job_started;
       if (opt.resume.empty() && existing >= 0) res.summary["resumed_existing_checkpoint"] = {{"url", s.ckpt.url}, {"step", existing}};
@@ -247,14 +251,12 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       } catch (const std::exception& e) {
         res.exit_code = 3;
         res.error = e.what();
+        fs::remove_all(dir);
         return res;
       }
       if (res.summary.contains("resumed_from") && first > 1) res.summary["resumed_from"] = first - 1;
       else res.summary.erase("resumed_from");
       // A planned fault that never fired leaves the run unproven: say which.
-      std::vector<FaultSpec> planned = s.faults;
-      for (const std::string& f : opt.faults) planned.push_back(parse_fault(f));
-      const FiredFaults fired = read_fault_state(state);
       std::string missed;
       for (size_t i = 0; i < planned.size(); ++i)
         if (!fired.indices.count((int)i)) missed += (missed.empty() ? "" : ", ") + planned[i].text();
