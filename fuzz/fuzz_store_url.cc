@@ -1,8 +1,9 @@
 // Target "store_url": store URLs as `run --resume URL[@STEP]`, `ckpt ...
 // URL[@STEP]` and ckpt.url / ckpt.s3_endpoint reach open_store, and object
 // keys as the stores check them. Key operations run only on stores that touch
-// nothing: a file store rooted in an empty directory, S3 stores whose endpoint
-// is a closed local port.
+// nothing: a file store rooted in an empty directory, and S3 stores whose
+// request hook stands in for the network: it checks the path every request
+// would reach and answers with a StoreError, so no connection is made.
 #include <stdlib.h>
 
 #include <filesystem>
@@ -22,7 +23,38 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const char kClosedPort[] = "http://127.0.0.1:9";  // discard port, closed here: a fast refusal
+const char kClosedPort[] = "http://127.0.0.1:9";  // never reached: the request hook answers first
+
+int hex_value(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// s3_store.cc: whatever key reaches a request, its path has no "." or ".."
+// segment once percent-decoded, so a server that normalises paths cannot be
+// led outside the bucket and prefix.
+void check_request_path(const std::string& method, const std::string& path) {
+  std::string decoded;
+  for (size_t i = 0; i < path.size(); ++i) {
+    if (path[i] == '%' && i + 2 < path.size() && hex_value(path[i + 1]) >= 0 && hex_value(path[i + 2]) >= 0) {
+      decoded += static_cast<char>(hex_value(path[i + 1]) * 16 + hex_value(path[i + 2]));
+      i += 2;
+    } else {
+      decoded += path[i];
+    }
+  }
+  size_t start = 0;
+  while (start <= decoded.size()) {
+    size_t end = decoded.find('/', start);
+    if (end == std::string::npos) end = decoded.size();
+    const std::string seg = decoded.substr(start, end - start);
+    if (seg == "." || seg == "..") throw Violation(method + " request path '" + path + "' has a '" + seg + "' segment");
+    start = end + 1;
+  }
+  throw StoreError("fuzz: no network (" + method + " " + path + ")", false);
+}
 
 struct Fixed {
   std::string root;
@@ -71,7 +103,11 @@ Outcome store_url_one(const uint8_t* data, size_t n) {
     const auto [url, step] = split_checkpoint_url(target);
     (void)step;
     (void)open_store(url, StoreOptions{endpoint});
-    if (url.rfind("s3://", 0) == 0) s3 = open_store(url, StoreOptions{kClosedPort});
+    if (url.rfind("s3://", 0) == 0) {
+      StoreOptions opt{kClosedPort};
+      opt.s3_request_hook = check_request_path;
+      s3 = open_store(url, opt);
+    }
   } catch (const UserError& e) {
     out = rejected(e);
   }

@@ -160,7 +160,8 @@ class S3Store : public ObjectStore {
       : url_(std::move(url)), bucket_(std::move(bucket)), base_(prefix.empty() ? "" : prefix + "/"),
         cred_{std::move(access), std::move(secret), std::move(region), "s3"}, token_(std::move(token)),
         part_size_(std::max<size_t>(opt.part_size, 1)), page_(opt.list_page_size > 0 ? opt.list_page_size : 1000),
-        in_flight_(std::max(opt.s3_parts_in_flight, 1)), commit_hook_(opt.s3_commit_hook) {
+        in_flight_(std::max(opt.s3_parts_in_flight, 1)), commit_hook_(opt.s3_commit_hook),
+        request_hook_(opt.s3_request_hook) {
     // "http://host:port/path" -> origin "http://host:port", Host "host:port"
     // (without a default port, as clients send it), path prefix "/path".
     const size_t scheme_end = endpoint.find("://") + 3;
@@ -378,6 +379,7 @@ class S3Store : public ObjectStore {
   Response request(const char* method, const std::string& key, const Params& query, const void* body, size_t n,
                    const Headers& extra) {
     const std::string path = path_prefix_ + "/" + bucket_ + (key.empty() ? "" : "/" + uri_encode(base_ + key, true));
+    if (request_hook_) request_hook_(method, path);
     const std::string q = sigv4::canonical_query(query);
     const std::string u = origin_ + path + (q.empty() ? "" : "?" + q);
     const bool has_body = std::strcmp(method, "PUT") == 0 || std::strcmp(method, "POST") == 0;
@@ -520,6 +522,7 @@ class S3Store : public ObjectStore {
   size_t part_size_;
   int page_, in_flight_;
   std::function<void(const std::string&)> commit_hook_;
+  std::function<void(const std::string&, const std::string&)> request_hook_;
   std::mutex pool_mu_;
   std::vector<CURL*> pool_;
 };

@@ -131,6 +131,11 @@ struct StoreOptions {
   // absent) and "written" (our PUT landed, before the read-back), so a test
   // can interleave two writers exactly.
   std::function<void(const std::string& stage)> s3_commit_hook = nullptr;
+  // Tests and fuzzing only: every S3 request's method and request path
+  // ("/bucket/prefix/key", URI-encoded) before it is signed and sent. The
+  // hook may throw StoreError in place of the network, so a fuzzer can see
+  // every path a key would reach without connecting anywhere.
+  std::function<void(const std::string& method, const std::string& path)> s3_request_hook = nullptr;
 };
 
 // The part size an S3 multipart upload of `object_bytes` uses: `configured`,
