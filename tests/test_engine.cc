@@ -410,15 +410,17 @@ TEST_SUITE("engine") {
   }
 
   TEST_CASE("data lanes: one model's bits and routing statistics, at 2 and 4 lanes") {
-    // The default shape with 2-4 leaves per lane; a skewed router so the
-    // rounds and borrowed rows (reported per step) are not trivial.
+    // The default shape with 2-4 leaves per lane; a skewed router so that
+    // rounds and borrowed rows are not trivial. Each lane runs its own rounds
+    // over its own tokens (the capacity follows the tokens it holds), so the
+    // executions differ while bits and routing do not.
     nlohmann::json j = nlohmann::json::parse(R"({"train": {"steps": 2, "batch": 8, "eval_every": 0},
         "moe": {"router_skew": 1.0, "capacity_factor": 0.5, "borrow": true},
         "data": {"synthetic_bytes": 65536}})");
     const ls::Scenario s = ls::scenario_from_json(j, "lanes.json", {});
     ls::Corpus corpus = ls::load_corpus(s.data, s.seed, s.model.seq_len);
     std::vector<uint8_t> batch((size_t)s.batch * (s.model.seq_len + 1));
-    auto run = [&](int threads, bool lanes) {
+    auto run = [&](int threads, bool lanes, std::string* executed) {
       LanesGuard guard(lanes);
       omp_set_num_threads(threads);
       auto trainer = ls::make_trainer(s, ls::Backend::kEngine);
@@ -428,20 +430,24 @@ TEST_SUITE("engine") {
         float norm = 0;
         const float loss = trainer->train_step(batch.data(), s.batch, step, &norm);
         const ls::MeshReport m = trainer->mesh_report();
-        std::string line = ls::hex_bits(loss) + " " + ls::hex_bits(norm) + " " + trainer->state_hash() + " rounds " +
-                           std::to_string(m.rounds) + " borrowed " + std::to_string(m.borrowed) + " peak " +
-                           std::to_string(m.peak_expert_bytes) + " tokens";
+        std::string line = ls::hex_bits(loss) + " " + ls::hex_bits(norm) + " " + trainer->state_hash() + " tokens";
         for (int64_t c : trainer->tokens_per_expert()) line += " " + std::to_string(c);
         out.push_back(line);
+        *executed += "rounds " + std::to_string(m.rounds) + " borrowed " + std::to_string(m.borrowed) + " calls " +
+                     std::to_string(m.expert_gemm_calls) + "; ";
       }
       return out;
     };
-    const auto one = run(1, false);
+    std::string whole, split, plain;
+    const auto one = run(1, false, &whole);
+    CHECK(whole.find("rounds 1 ") == std::string::npos);  // several rounds ran
     for (int threads : {2, 4}) {
       CAPTURE(threads);
       REQUIRE(ls::DataLanes::applicable(s.model, s.leaf_samples, 100000, s.batch, threads));  // not vacuous
-      CHECK(run(threads, true) == one);
-      CHECK(run(threads, false) == one);
+      split.clear();
+      CHECK(run(threads, true, &split) == one);
+      CHECK(split != whole);  // the lanes executed other rounds
+      CHECK(run(threads, false, &plain) == one);
     }
     omp_set_num_threads(omp_get_num_procs());
   }

@@ -99,6 +99,22 @@ TEST_SUITE("sweep") {
     REQUIRE(small != nullptr);
     CHECK((*small)["rounds_max"].get<int>() > (*big)["rounds_max"].get<int>());
     CHECK((*small)["peak_expert_bytes_per_rank"].get<int64_t>() < (*big)["peak_expert_bytes_per_rank"].get<int64_t>());
+    // Measured memory: peak reserves the most; borrowing needs fewer rounds at the same capacity.
+    const json* peak = nullptr;
+    for (const json& r : rows)
+      if (r["policy"] == "peak") peak = &r;
+    const json* small_b = find_row(rows, "rounds", 0.25, 1);
+    REQUIRE(peak != nullptr);
+    REQUIRE(small_b != nullptr);
+    for (const json& r : rows)
+      if (r["policy"] == "rounds")
+        CHECK(r["peak_expert_bytes_per_rank"].get<int64_t>() < (*peak)["peak_expert_bytes_per_rank"].get<int64_t>());
+    CHECK((*small_b)["rounds_max"].get<int>() < (*small)["rounds_max"].get<int>());
+    CHECK((*small_b)["borrowed_rows"].get<int64_t>() > 0);
+    CHECK((*small)["expert_gemm_calls"].get<int64_t>() > (*peak)["expert_gemm_calls"].get<int64_t>());
+    CHECK((*peak)["peak_rss_bytes"].get<int64_t>() > 0);
+    CHECK((*peak)["peak_routed_bytes_per_rank"].get<int64_t>() > 0);
+    CHECK(s.err.find("cost of rounds: step time over peak's -- x1: ") != std::string::npos);
   }
 
   TEST_CASE("moe-sweep: bad arguments and failing runs exit 2") {

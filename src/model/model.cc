@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 
 #include "common/parallel.h"
@@ -44,14 +45,19 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> shapes_for(const Model
 }
 
 
-// One layer's schedule into the step's statistics: most rounds, rows
-// borrowed and dropped summed, the largest expert buffers (x and y rows of D,
-// u, v, gate and activation rows of F floats).
-void add_layer_schedule(const ModelConfig& c, const ScheduleStats& sched, MoeStats& st) {
-  st.rounds = std::max(st.rounds, sched.rounds);
-  st.borrowed += sched.borrowed;
-  st.dropped += sched.dropped;
-  st.peak_expert_bytes = std::max<int64_t>(st.peak_expert_bytes, sched.peak_rows * (2 * c.d_model + 4 * c.d_ff) * 4);
+// Bytes a vector holds allocated.
+template <class T> int64_t held(const std::vector<T>& v) { return (int64_t)(v.capacity() * sizeof(T)); }
+
+// The source's part of each segment of an owner's round: the owner's
+// expert e takes rows pre[e] .. pre[e] + cnt[e] - 1 (in its row order) from
+// this source. fn(segment, first row of the piece in the expert's order,
+// rows) in segment order, which both sides of an exchange walk alike.
+template <class Fn>
+void for_each_piece(const RoundPlan& plan, int r, const int64_t* pre, const int64_t* cnt, Fn&& fn) {
+  for (const Segment& s : plan.round[r]) {
+    const int64_t lo = std::max(s.first, pre[s.expert]), hi = std::min(s.first + s.rows, pre[s.expert] + cnt[s.expert]);
+    if (lo < hi) fn(s, lo, hi - lo);
+  }
 }
 
 }  // namespace
@@ -64,11 +70,14 @@ struct LayerActs {
   std::vector<int64_t> expert_off;   // [E+1] first row of each expert
   std::vector<int64_t> row_token;    // [N*K] token of each expert row
   std::vector<int64_t> global_counts;  // [E] assignments per expert over every data-parallel rank
-  std::vector<float> ye;             // expert outputs in dispatch order, received (expert parallel)
-  const float* ye_rows = nullptr;    // expert outputs in dispatch order: ye, or work.y without expert parallelism
-  ExpertWork work;                   // the rows of the experts held here (from every rank of the EP group)
-  std::vector<int64_t> perm;         // expert parallel: work row -> row of the received buffer
-  std::vector<size_t> sent_rows, recv_rows;  // expert parallel: rows to / from each EP rank
+  std::vector<float> ye;             // expert outputs in dispatch order
+  const float* ye_rows = nullptr;    // = ye.data()
+  // The round schedule: plans[d] is EP rank d's (every rank knows every
+  // owner's, to place its rows); counts[src * E + e]: rows of EP rank src
+  // for expert e. Without expert parallelism: one plan, counts = the loads.
+  std::vector<RoundPlan> plans;
+  std::vector<int64_t> counts;
+  ExpertRows rows;                   // the rows of the experts held here (from every rank of the EP group)
   std::vector<float> su, sv, ssg, sact, ysh;  // shared expert
 };
 
@@ -79,6 +88,10 @@ struct MoeTransformer::Workspace {
   // backward scratch
   std::vector<float> dh, dtmp, dlogits, dye, du, dv, dact, dxe, dg, dz, da2, dO, dqkv, sdu, sdv, sdx;
   std::vector<float> trace_rows;  // expert rows regathered in (token, slot) order for the trace
+  // MoE buffers sized by the schedule's capacity, reused by every round and layer.
+  ExpertSlots slots;
+  std::vector<float> send, recv;                  // expert parallel: one round's rows out and in
+  std::vector<std::vector<float>> grad_state;     // LeafFold state per (expert, gradient)
 };
 
 MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size, int ep_rank)
@@ -166,12 +179,20 @@ WorkspaceEstimate estimate_workspace(const ModelConfig& c, int batch, int ep_siz
   int64_t scratch = (9 * N * D + 3 * N * V + 3 * N + 2 * N * E + 2 * NK * D) * f;
   if (c.shared_expert) scratch += (3 * N * F + N * D) * f;
   w.activations = L * layer + scratch;
-  // Per layer, the expert rows: x, y, dy, dx of D; u, v, sg, act, du, dv, dact
-  // of F; each row's leaf and drop mark.
-  w.expert_buffers = L * (NK * (4 * D + 7 * F) * f + NK * (i64 + 1));
-  // Expert parallel, per layer: outputs received back (ye) and the row
-  // permutation; the all-to-all scratch of the widest exchange.
-  if (ep_size > 1) w.dispatch_buffers = L * (NK * D * f + NK * i64) + NK * D * f;
+  // Per layer, what is kept per routed row: outputs (D), u and v (F), the
+  // leaf id; with expert parallelism the received input row (D) too.
+  const int64_t El = E / ep_size;
+  w.expert_buffers = L * (NK * (D + 2 * F) * f + NK * i64);
+  if (ep_size > 1) w.expert_buffers += L * NK * D * f;
+  // The slots, capacity x local experts rows of x, y, dy, dx (D) and sg,
+  // act, dact, du, dv (F), shared by the layers. peak reserves the busiest
+  // expert's load, which routing decides: estimated at the mean load here.
+  ModelConfig mean = c;
+  if (c.moe_policy == MoePolicy::kPeak) mean.capacity_factor = 1.0f, mean.moe_capacity = 0;
+  const int64_t slots = round_capacity(mean, N * ep_size) * El;
+  w.expert_buffers += slots * (4 * D + 5 * F) * f;
+  // Expert parallel: one round's send and receive buffers, every owner's slots each.
+  if (ep_size > 1) w.dispatch_buffers = 2 * ep_size * slots * D * f;
   return w;
 }
 
@@ -185,18 +206,21 @@ double train_flops_per_token(const ModelConfig& c) {
   return 3 * fwd;  // backward is about twice the forward
 }
 
-void MoeTransformer::set_moe_stats_from_lanes(const std::vector<const MoeStats*>& lanes, int64_t tokens) {
-  const ModelConfig& c = cfg_;
-  const int E = c.experts;
+void MoeTransformer::set_moe_stats_from_lanes(const std::vector<const MoeStats*>& lanes) {
   MoeStats st;
-  st.tokens_per_expert.assign((size_t)c.n_layers * E, 0);
-  for (const MoeStats* lane : lanes)
+  st.tokens_per_expert.assign((size_t)cfg_.n_layers * cfg_.experts, 0);
+  for (const MoeStats* lane : lanes) {
     for (size_t i = 0; i < st.tokens_per_expert.size(); ++i) st.tokens_per_expert[i] += lane->tokens_per_expert[i];
-  // The schedule of each layer over the whole batch's rows, as run() decides it.
-  for (int l = 0; l < c.n_layers; ++l) {
-    const std::vector<int64_t> load(st.tokens_per_expert.begin() + (size_t)l * E,
-                                    st.tokens_per_expert.begin() + (size_t)(l + 1) * E);
-    add_layer_schedule(c, schedule_loads(c, load, tokens), st);
+    st.rounds = std::max(st.rounds, lane->rounds);
+    st.borrowed += lane->borrowed;
+    st.dropped += lane->dropped;
+    st.expert_gemm_calls += lane->expert_gemm_calls;
+    st.all_to_all_calls += lane->all_to_all_calls;
+    st.all_to_all_bytes += lane->all_to_all_bytes;
+    st.peak_expert_bytes = std::max(st.peak_expert_bytes, lane->peak_expert_bytes);
+    st.peak_dispatch_bytes = std::max(st.peak_dispatch_bytes, lane->peak_dispatch_bytes);
+    st.peak_routed_bytes = std::max(st.peak_routed_bytes, lane->peak_routed_bytes);
+    st.peak_grad_state_bytes = std::max(st.peak_grad_state_bytes, lane->peak_grad_state_bytes);
   }
   stats_ = st;
 }
@@ -204,42 +228,6 @@ void MoeTransformer::set_moe_stats_from_lanes(const std::vector<const MoeStats*>
 StepLosses MoeTransformer::forward(const uint8_t* tokens, int batch) { return run(tokens, batch, false); }
 StepLosses MoeTransformer::forward_backward(const uint8_t* tokens, int batch) { return run(tokens, batch, true); }
 
-namespace {
-
-// Sends rows (width floats each, dispatch order: contiguous per destination)
-// to their owners and returns them in the owner's work order, or back.
-void to_owners(MeshHooks& m, const LayerActs& A, const float* rows, int width, std::vector<float>& out,
-               std::vector<float>& scratch) {
-  const int ep = m.ep_size();
-  std::vector<size_t> sb(ep), rb(ep);
-  size_t total = 0;
-  for (int d = 0; d < ep; ++d) {
-    sb[d] = A.sent_rows[d] * width * 4;
-    rb[d] = A.recv_rows[d] * width * 4;
-    total += A.recv_rows[d];
-  }
-  scratch.resize(total * width);
-  m.ep_all_to_all(rows, sb, scratch.data(), rb);
-  out.resize(A.perm.size() * width);
-  for (size_t r = 0; r < A.perm.size(); ++r)
-    std::memcpy(&out[r * width], &scratch[A.perm[r] * width], sizeof(float) * width);
-}
-
-void from_owners(MeshHooks& m, const LayerActs& A, const std::vector<float>& work_rows, int width, float* out,
-                 std::vector<float>& scratch) {
-  const int ep = m.ep_size();
-  scratch.resize(A.perm.size() * width);
-  for (size_t r = 0; r < A.perm.size(); ++r)
-    std::memcpy(&scratch[A.perm[r] * width], &work_rows[r * width], sizeof(float) * width);
-  std::vector<size_t> sb(ep), rb(ep);
-  for (int d = 0; d < ep; ++d) {
-    sb[d] = A.recv_rows[d] * width * 4;
-    rb[d] = A.sent_rows[d] * width * 4;
-  }
-  m.ep_all_to_all(scratch.data(), sb, out, rb);
-}
-
-}  // namespace
 
 StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   const ModelConfig& c = cfg_;
@@ -251,9 +239,9 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   if (ep != ep_size_) throw std::logic_error("engine: mesh hooks disagree with the model's expert parallel size");
   const int El = E / ep;                              // experts held here
   const float Ng = (float)(N * dp), NKg = (float)(NK * dp);  // global token and assignment counts
-  std::vector<float> xchg;                            // all-to-all scratch
+  // This step's execution counts (the memory high-water marks persist).
   stats_.rounds = 0;
-  stats_.borrowed = stats_.dropped = stats_.peak_expert_bytes = stats_.peak_dispatch_bytes = 0;
+  stats_.borrowed = stats_.dropped = stats_.expert_gemm_calls = stats_.all_to_all_calls = stats_.all_to_all_bytes = 0;
   if (B % leaf_samples_ != 0)
     throw std::invalid_argument("engine: batch " + std::to_string(B) + " is not a multiple of numerics.leaf_samples");
   const float scale = 1.0f / ls::sqrt((float)hd);
@@ -302,6 +290,136 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     float* h0 = L > 0 ? ws.layers[0].x.data() : ws.h.data();
     parallel_for(N, [&](int64_t n) { for (int i = 0; i < D; ++i) h0[n * D + i] = te[(int64_t)tok(n) * D + i] + pe[(n % S) * D + i]; });
   }
+
+  // --- MoE helpers (docs/MOE.md)
+  auto all_to_all = [&](const void* send, const std::vector<size_t>& sb, void* recv, const std::vector<size_t>& rb) {
+    mesh_->ep_all_to_all(send, sb, recv, rb);
+    ++stats_.all_to_all_calls;
+    for (size_t b : sb) stats_.all_to_all_bytes += (int64_t)b;
+  };
+  // Exchanges are collective: every EP rank runs the most rounds any owner needs.
+  auto exchange_rounds = [&](const LayerActs& A) {
+    int r = 0;
+    for (const RoundPlan& p : A.plans) r = std::max(r, p.rounds());
+    return r;
+  };
+  // Source `src`'s rows of owner d's experts: pre[e] rows of earlier sources come first.
+  auto source_part = [&](const LayerActs& A, int src, int d, int64_t* pre, int64_t* cnt) {
+    for (int e = 0; e < El; ++e) {
+      pre[e] = 0;
+      for (int s2 = 0; s2 < src; ++s2) pre[e] += A.counts[(size_t)s2 * E + d * El + e];
+      cnt[e] = A.counts[(size_t)src * E + d * El + e];
+    }
+  };
+  // Round r's rows of `width` floats between the sources' dispatch order and
+  // the owners' slots. to_owner: source row `disp` is src_row(disp); the owner
+  // writes slot_buf (and, if keep, the row at its expert position in keep).
+  // Back: the owner reads slot_buf and the source writes disp_out[disp].
+  std::vector<int64_t> pre(El), cnt(El);
+  auto exchange_rows = [&](const LayerActs& A, int r, int width, bool to_owner,
+                           const std::function<const float*(int64_t)>& src_row, float* slot_buf, float* keep,
+                           float* disp_out) {
+    const size_t row_bytes = sizeof(float) * width;
+    const int me = ep > 1 ? mesh_->ep_rank() : 0;
+    const RoundPlan& own = A.plans[me];
+    if (ep == 1) {  // one source: straight between the dispatch rows and the slots
+      if (r >= own.rounds()) return;
+      for (int e = 0; e < El; ++e) pre[e] = 0, cnt[e] = own.load[e];
+      for_each_piece(own, r, pre.data(), cnt.data(), [&](const Segment& s, int64_t lo, int64_t n) {
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t disp = A.expert_off[s.expert] + lo + t, slot = s.slot + lo - s.first + t;
+          if (to_owner) std::memcpy(slot_buf + slot * width, src_row(disp), row_bytes);
+          else std::memcpy(disp_out + disp * width, slot_buf + slot * width, row_bytes);
+        }
+      });
+      return;
+    }
+    std::vector<size_t> sb(ep, 0), rb(ep, 0);
+    int64_t at = 0;
+    // Pack: a source walks each owner's pieces; an owner walks each source's.
+    for (int d = 0; d < ep; ++d) {
+      const RoundPlan& plan = to_owner ? A.plans[d] : own;
+      if (r >= plan.rounds()) continue;
+      if (to_owner) source_part(A, me, d, pre.data(), cnt.data());
+      else source_part(A, d, me, pre.data(), cnt.data());
+      for_each_piece(plan, r, pre.data(), cnt.data(), [&](const Segment& s, int64_t lo, int64_t n) {
+        for (int64_t t = 0; t < n; ++t, ++at) {
+          const float* row = to_owner ? src_row(A.expert_off[d * El + s.expert] + lo - pre[s.expert] + t)
+                                      : slot_buf + (s.slot + lo - s.first + t) * width;
+          std::memcpy(&ws.send[at * width], row, row_bytes);
+        }
+        sb[d] += n * row_bytes;
+      });
+    }
+    // Unpack what arrives, in the sender's walk order.
+    for (int d = 0; d < ep; ++d) {
+      const RoundPlan& plan = to_owner ? own : A.plans[d];
+      if (r >= plan.rounds()) continue;
+      if (to_owner) source_part(A, d, me, pre.data(), cnt.data());
+      else source_part(A, me, d, pre.data(), cnt.data());
+      for_each_piece(plan, r, pre.data(), cnt.data(),
+                     [&](const Segment&, int64_t, int64_t n) { rb[d] += n * row_bytes; });
+    }
+    all_to_all(ws.send.data(), sb, ws.recv.data(), rb);
+    at = 0;
+    for (int d = 0; d < ep; ++d) {
+      const RoundPlan& plan = to_owner ? own : A.plans[d];
+      if (r >= plan.rounds()) continue;
+      if (to_owner) source_part(A, d, me, pre.data(), cnt.data());
+      else source_part(A, me, d, pre.data(), cnt.data());
+      for_each_piece(plan, r, pre.data(), cnt.data(), [&](const Segment& s, int64_t lo, int64_t n) {
+        for (int64_t t = 0; t < n; ++t, ++at) {
+          const float* row = &ws.recv[at * width];
+          if (to_owner) {
+            std::memcpy(slot_buf + (s.slot + lo - s.first + t) * width, row, row_bytes);
+            if (keep) std::memcpy(keep + (A.rows.off[s.expert] + lo + t) * width, row, row_bytes);
+          } else {
+            std::memcpy(disp_out + (A.expert_off[d * El + s.expert] + lo - pre[s.expert] + t) * width, row,
+                        row_bytes);
+          }
+        }
+      });
+    }
+  };
+  // Buffers only grow, each to exactly what is asked (so what is counted is
+  // what the plans asked for), and are counted as allocated.
+  auto grow = [](std::vector<float>& v, size_t n) {
+    if (v.size() >= n) return;
+    if (v.capacity() < n) std::vector<float>(n).swap(v);
+    else v.resize(n);
+  };
+  auto count_moe_memory = [&]() {
+    const ExpertSlots& sl = ws.slots;
+    int64_t expert = 0, routed = 0, state = 0;
+    for (const std::vector<float>* v : {&sl.x, &sl.sg, &sl.act, &sl.y, &sl.dy, &sl.dact, &sl.du, &sl.dv, &sl.dx})
+      expert += held(*v);
+    for (const LayerActs& A : ws.layers)
+      routed += held(A.ye) + held(A.rows.u) + held(A.rows.v) + held(A.rows.x) + held(A.rows.leaf);
+    for (const std::vector<float>& v : ws.grad_state) state += held(v);
+    stats_.peak_expert_bytes = std::max(stats_.peak_expert_bytes, expert);
+    stats_.peak_dispatch_bytes = std::max(stats_.peak_dispatch_bytes, held(ws.send) + held(ws.recv));
+    stats_.peak_routed_bytes = std::max(stats_.peak_routed_bytes, routed);
+    stats_.peak_grad_state_bytes = std::max(stats_.peak_grad_state_bytes, state);
+  };
+  auto hold_moe_buffers = [&](LayerActs& A) {
+    const RoundPlan& own = A.plans[ep > 1 ? mesh_->ep_rank() : 0];
+    const size_t S = (size_t)own.slots;
+    for (std::vector<float>* v : {&ws.slots.x, &ws.slots.y, &ws.slots.dy, &ws.slots.dx}) grow(*v, S * D);
+    for (std::vector<float>* v : {&ws.slots.sg, &ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv})
+      grow(*v, S * F);
+    const size_t held_rows = (size_t)A.rows.off[El];
+    grow(A.rows.u, held_rows * F);
+    grow(A.rows.v, held_rows * F);
+    grow(A.ye, (size_t)NK * D);
+    if (ep > 1) {  // a pair moves at most the destination's slots per round
+      size_t all_slots = 0;
+      for (const RoundPlan& p : A.plans) all_slots += (size_t)p.slots;
+      grow(A.rows.x, held_rows * D);
+      grow(ws.send, all_slots * D);
+      grow(ws.recv, all_slots * D);
+    }
+    count_moe_memory();
+  };
 
   std::vector<float> aux_l(L, 0.0f), z_l(L, 0.0f);
   for (int l = 0; l < L; ++l) {
@@ -388,75 +506,67 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
           A.row_token[row] = n;
         }
     }
-    // The rows of the experts held here: local rows, or every EP rank's rows
-    // for our experts (ordered by expert, then source rank, then token: the
-    // global token order, as the source ranks hold consecutive samples).
-    ExpertWork& X = A.work;
-    X.experts = El;
+    // The rows of the experts held here (docs/MOE.md): local rows, or every
+    // EP rank's rows for our experts, ordered by expert, then source rank,
+    // then token: the global token order, as the source ranks hold
+    // consecutive samples. Every rank learns every rank's counts, so sources
+    // and owners derive the same round plans.
+    ExpertRows& X = A.rows;
+    const int me = ep > 1 ? mesh_->ep_rank() : 0;
+    A.counts.resize((size_t)ep * E);
     if (ep == 1) {
-      X.off = A.expert_off;
-      X.x.resize(NK * D);
-      X.leaf.resize(NK);
-      parallel_for(NK, [&](int64_t row) {
-        std::memcpy(&X.x[row * D], &A.a2[A.row_token[row] * D], sizeof(float) * D);
-        X.leaf[row] = A.row_token[row] / leaf;
-      });
+      for (int e = 0; e < E; ++e) A.counts[e] = A.expert_off[e + 1] - A.expert_off[e];
     } else {
-      std::vector<float> xe(NK * D);
-      std::vector<int64_t> leaf_of(NK);
-      for (int64_t row = 0; row < NK; ++row) {
-        std::memcpy(&xe[row * D], &A.a2[A.row_token[row] * D], sizeof(float) * D);
-        leaf_of[row] = (int64_t)mesh_->ep_rank() * leaves + A.row_token[row] / leaf;  // leaf in the EP group
-      }
-      // Row counts per (destination, its local expert), then leaf ids, then rows.
-      std::vector<int64_t> counts_out(E), counts_in((size_t)ep * El);
-      for (int e = 0; e < E; ++e) counts_out[e] = A.expert_off[e + 1] - A.expert_off[e];
-      mesh_->ep_all_to_all(counts_out.data(), std::vector<size_t>(ep, El * 8), counts_in.data(),
-                           std::vector<size_t>(ep, El * 8));
-      A.sent_rows.assign(ep, 0);
-      A.recv_rows.assign(ep, 0);
-      for (int d = 0; d < ep; ++d) {
-        A.sent_rows[d] = A.expert_off[(d + 1) * El] - A.expert_off[d * El];
-        for (int e = 0; e < El; ++e) A.recv_rows[d] += counts_in[(size_t)d * El + e];
-      }
+      std::vector<int64_t> mine(E), out((size_t)ep * E);
+      for (int e = 0; e < E; ++e) mine[e] = A.expert_off[e + 1] - A.expert_off[e];
+      for (int d = 0; d < ep; ++d) std::copy(mine.begin(), mine.end(), out.begin() + (size_t)d * E);
+      all_to_all(out.data(), std::vector<size_t>(ep, E * 8), A.counts.data(), std::vector<size_t>(ep, E * 8));
+    }
+    A.plans.resize(ep);
+    for (int d = 0; d < ep; ++d) {
+      std::vector<int64_t> load(El, 0);
+      for (int src = 0; src < ep; ++src)
+        for (int e = 0; e < El; ++e) load[e] += A.counts[(size_t)src * E + d * El + e];
+      A.plans[d] = plan_rounds(c, load, N * (int64_t)ep);
+    }
+    const RoundPlan& P = A.plans[me];
+    X.off.assign(El + 1, 0);
+    for (int e = 0; e < El; ++e) X.off[e + 1] = X.off[e] + P.load[e];
+    const int64_t held_rows = X.off[El];
+    X.leaf.resize(held_rows);
+    if (ep == 1) {
+      for (int64_t row = 0; row < NK; ++row) X.leaf[row] = A.row_token[row] / leaf;
+    } else {  // leaf ids in the EP group travel with the counts' layout: per destination, its experts' rows
+      std::vector<int64_t> leaf_of(NK), leaf_in(held_rows);
+      for (int64_t row = 0; row < NK; ++row) leaf_of[row] = (int64_t)me * leaves + A.row_token[row] / leaf;
       std::vector<size_t> sb(ep), rb(ep);
-      size_t total_in = 0;
       for (int d = 0; d < ep; ++d) {
-        sb[d] = A.sent_rows[d] * 8;
-        rb[d] = A.recv_rows[d] * 8;
-        total_in += A.recv_rows[d];
+        sb[d] = (size_t)(A.expert_off[(d + 1) * El] - A.expert_off[d * El]) * 8;
+        for (int e = 0; e < El; ++e) rb[d] += (size_t)A.counts[(size_t)d * E + me * El + e] * 8;
       }
-      std::vector<int64_t> leaf_in(total_in);
-      mesh_->ep_all_to_all(leaf_of.data(), sb, leaf_in.data(), rb);
-      // Work order: expert-major, then source rank.
-      X.off.assign(El + 1, 0);
-      A.perm.clear();
-      std::vector<size_t> src_base(ep + 1, 0);
-      for (int d = 0; d < ep; ++d) src_base[d + 1] = src_base[d] + A.recv_rows[d];
-      for (int e = 0; e < El; ++e) {
-        for (int src = 0; src < ep; ++src) {
-          size_t first = src_base[src];
-          for (int e2 = 0; e2 < e; ++e2) first += counts_in[(size_t)src * El + e2];
-          for (int64_t i = 0; i < counts_in[(size_t)src * El + e]; ++i) A.perm.push_back((int64_t)(first + i));
-        }
-        X.off[e + 1] = (int64_t)A.perm.size();
+      all_to_all(leaf_of.data(), sb, leaf_in.data(), rb);
+      // Received source-major; the work order is expert-major.
+      int64_t at = 0;
+      std::vector<int64_t> fill(X.off.begin(), X.off.end() - 1);
+      for (int src = 0; src < ep; ++src)
+        for (int e = 0; e < El; ++e)
+          for (int64_t i = 0; i < A.counts[(size_t)src * E + me * El + e]; ++i) X.leaf[fill[e]++] = leaf_in[at++];
+    }
+    hold_moe_buffers(A);
+    if (c.moe_policy == MoePolicy::kDrop) std::fill(A.ye.begin(), A.ye.end(), 0.0f);  // skipped rows give 0
+    for (int r = 0; r < exchange_rounds(A); ++r) {
+      exchange_rows(A, r, D, /*to_owner=*/true, [&](int64_t disp) { return &A.a2[A.row_token[disp] * D]; },
+                    ws.slots.x.data(), ep > 1 ? X.x.data() : nullptr, nullptr);
+      if (r < P.rounds()) {
+        experts_round_forward(P, r, ws.slots, X, W1, W3, W2, D, F);
+        stats_.expert_gemm_calls += round_gemm_calls(P, r, false);
       }
-      X.leaf.resize(A.perm.size());
-      for (size_t r = 0; r < A.perm.size(); ++r) X.leaf[r] = leaf_in[A.perm[r]];
-      to_owners(*mesh_, A, xe.data(), D, X.x, xchg);
-      stats_.peak_dispatch_bytes = std::max<int64_t>(stats_.peak_dispatch_bytes, (int64_t)(NK + total_in) * D * 4);
+      exchange_rows(A, r, D, /*to_owner=*/false, nullptr, ws.slots.y.data(), nullptr, A.ye.data());
     }
-    const ScheduleStats sched = schedule_experts(c, X, N * (int64_t)ep);
-    add_layer_schedule(c, sched, stats_);
-    experts_forward(X, W1, W3, W2, D, F);
-    // Expert outputs in dispatch order: the work rows themselves without expert parallelism.
-    if (ep == 1) {
-      A.ye_rows = X.y.data();
-    } else {
-      A.ye.resize(NK * D);
-      from_owners(*mesh_, A, X.y, D, A.ye.data(), xchg);
-      A.ye_rows = A.ye.data();
-    }
+    stats_.rounds = std::max(stats_.rounds, P.rounds());
+    stats_.borrowed += P.borrowed;
+    stats_.dropped += P.dropped;
+    A.ye_rows = A.ye.data();
     if (tr) T("fwd", l, "moe.experts", "out", token_slot_order(A, A.ye_rows, D), {N, K, D});
     if (c.shared_expert) {
       A.su.resize(N * F);
@@ -609,17 +719,36 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         for (int j = 0; j < D; ++j) dye[j] = gate * dh[r][j];
       }
     });
-    ExpertWork& X = A.work;
-    if (ep == 1) X.dy.swap(ws.dye);
-    else to_owners(*mesh_, A, ws.dye.data(), D, X.dy, xchg);
-    // Expert weight gradients: the leaf tree over the EP group's leaves.
-    experts_backward_with_weight_grads(X, W1, W3, W2, D, F, leaves * ep, gW1, gW3, gW2);
-    const float* dxe = X.dx.data();  // dispatch order
-    if (ep > 1) {
-      ws.dxe.resize(NK * D);
-      from_owners(*mesh_, A, X.dx, D, ws.dxe.data(), xchg);
-      dxe = ws.dxe.data();
+    // Backward in the forward's rounds and slots; the weight-gradient leaf
+    // trees continue from round to round.
+    ExpertRows& X = A.rows;
+    const RoundPlan& P = A.plans[ep > 1 ? mesh_->ep_rank() : 0];
+    ws.dxe.resize(NK * D);
+    if (c.moe_policy == MoePolicy::kDrop) std::fill(ws.dxe.begin(), ws.dxe.end(), 0.0f);  // skipped rows: no gradient
+    ExpertWeightGrads grads;
+    grads.begin(P, X, leaves * ep, D, F, &ws.grad_state);
+    count_moe_memory();
+    for (int r = 0; r < exchange_rounds(A); ++r) {
+      exchange_rows(A, r, D, /*to_owner=*/true, [&](int64_t disp) { return &ws.dye[disp * D]; },
+                    ws.slots.dy.data(), nullptr, nullptr);
+      if (r < P.rounds()) {
+        // The inputs again, into the same slots: from the layer's input rows
+        // (kept per row with expert parallelism).
+        if (ep == 1)
+          exchange_rows(A, r, D, true, [&](int64_t disp) { return &A.a2[A.row_token[disp] * D]; },
+                        ws.slots.x.data(), nullptr, nullptr);
+        else
+          for (const Segment& s : P.round[r])
+            std::memcpy(&ws.slots.x[s.slot * D], &X.x[(X.off[s.expert] + s.first) * D], sizeof(float) * s.rows * D);
+        experts_round_backward(P, r, ws.slots, X, W1, W3, W2, D, F);
+        grads.add_round(P, r, ws.slots, X, gW1, gW3, gW2);
+        stats_.expert_gemm_calls += round_gemm_calls(P, r, true);
+      }
+      exchange_rows(A, r, D, /*to_owner=*/false, nullptr, ws.slots.dx.data(), nullptr, ws.dxe.data());
     }
+    grads.finish(gW1, gW3, gW2);
+    stats_.expert_gemm_calls += grads.calls();
+    const float* dxe = ws.dxe.data();  // dispatch order
     if (tr) T("bwd", l, "moe.experts", "dx", token_slot_order(A, dxe, D), {N, K, D});
     // da2 = (sum over slots, in slot order, from +0) + shared + router part.
     ws.da2.resize(N * D);

@@ -57,10 +57,17 @@ struct StepLosses {
 // Routing statistics of the last forward pass.
 struct MoeStats {
   std::vector<int64_t> tokens_per_expert;  // layer-major: [layer * experts + e], this rank's tokens
-  int rounds = 0;                          // most rounds any layer used
-  int64_t borrowed = 0, dropped = 0;       // rows, summed over layers
-  int64_t peak_expert_bytes = 0;           // largest expert working buffers of one round
-  int64_t peak_dispatch_bytes = 0;         // largest all-to-all send + receive buffers
+  // What the step executed (forward and backward), counted as it ran.
+  int rounds = 0;                          // most rounds any layer ran
+  int64_t borrowed = 0, dropped = 0;       // rows computed in lent slots / skipped, summed over layers
+  int64_t expert_gemm_calls = 0;           // GEMM calls of the experts (rows, then weight gradients)
+  int64_t all_to_all_calls = 0;            // expert-parallel exchanges, metadata and per round
+  int64_t all_to_all_bytes = 0;            // bytes this rank sent in them
+  // Measured: high-water marks of the bytes allocated, since the model was made.
+  int64_t peak_expert_bytes = 0;           // the capacity-sized expert slots
+  int64_t peak_dispatch_bytes = 0;         // the per-round all-to-all send and receive buffers
+  int64_t peak_routed_bytes = 0;           // what is kept per routed row (u, v, inputs, outputs) for the backward
+  int64_t peak_grad_state_bytes = 0;       // leaf-tree state of gradients spanning rounds
 };
 
 // What run() keeps allocated for `batch` samples on one rank, in bytes: a
@@ -71,8 +78,8 @@ struct MoeStats {
 // average with it.
 struct WorkspaceEstimate {
   int64_t activations = 0;       // saved per-layer activations and backward scratch
-  int64_t expert_buffers = 0;    // the routed experts' rows (inputs, SwiGLU parts, outputs, gradients)
-  int64_t dispatch_buffers = 0;  // expert parallel: rows received and regathered
+  int64_t expert_buffers = 0;    // rows kept per routed row, and the capacity-sized expert slots
+  int64_t dispatch_buffers = 0;  // expert parallel: one round's send and receive buffers
 };
 WorkspaceEstimate estimate_workspace(const ModelConfig& cfg, int batch, int ep_size);
 // Weights one rank holds (an expert-parallel rank holds E / ep_size experts).
@@ -114,10 +121,10 @@ class MoeTransformer {
   const float* grads() const { return g_.data(); }
   int64_t num_weights() const { return (int64_t)w_.size(); }
   const MoeStats& moe_stats() const { return stats_; }
-  // The routing statistics of a step that other models ran in data-parallel
-  // lanes (each over consecutive samples, `lanes` of them), as this model
-  // would have reported them running the whole batch itself.
-  void set_moe_stats_from_lanes(const std::vector<const MoeStats*>& lanes, int64_t tokens);
+  // The statistics of a step that other models ran in data-parallel lanes
+  // (each over consecutive samples): tokens per expert summed; what they
+  // executed summed (rounds: the most; memory: the largest lane's).
+  void set_moe_stats_from_lanes(const std::vector<const MoeStats*>& lanes);
   // Tensors of forward_backward() go to `sink` (nullptr: no tracing).
   void set_trace(TraceSink* sink) { trace_ = sink; }
   // Debug only: fold the MoE RMSNorm's sum of squares in descending feature

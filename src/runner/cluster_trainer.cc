@@ -393,12 +393,7 @@ std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
 MeshReport ClusterTrainer::mesh_report() const {
   MeshReport rep;
   for (const auto& r : ranks_) {
-    const MoeStats& st = r->model->moe_stats();
-    rep.rounds = std::max(rep.rounds, st.rounds);
-    rep.borrowed += st.borrowed;
-    rep.dropped += st.dropped;
-    rep.peak_expert_bytes = std::max(rep.peak_expert_bytes, st.peak_expert_bytes);
-    rep.peak_dispatch_bytes = std::max(rep.peak_dispatch_bytes, st.peak_dispatch_bytes);
+    rep.add(r->model->moe_stats());
     for (auto& [k, b] : r->comm.bytes_sent) rep.bytes_sent_max[k] = std::max(rep.bytes_sent_max[k], b);
   }
   return rep;

@@ -141,7 +141,7 @@ StepLosses DataLanes::forward_backward(MoeTransformer& main, const uint8_t* toke
   if (error_) std::rethrow_exception(error_);
   std::vector<const MoeStats*> stats;
   for (MoeTransformer* m : lane_models) stats.push_back(&m->moe_stats());
-  main.set_moe_stats_from_lanes(stats, (int64_t)batch * main.config().seq_len);
+  main.set_moe_stats_from_lanes(stats);
   return out;
 }
 

@@ -22,6 +22,19 @@
 
 namespace ls {
 
+void MeshReport::add(const MoeStats& st) {
+  rounds = std::max(rounds, st.rounds);
+  borrowed += st.borrowed;
+  dropped += st.dropped;
+  expert_gemm_calls += st.expert_gemm_calls;
+  all_to_all_calls += st.all_to_all_calls;
+  all_to_all_bytes += st.all_to_all_bytes;
+  peak_expert_bytes = std::max(peak_expert_bytes, st.peak_expert_bytes);
+  peak_dispatch_bytes = std::max(peak_dispatch_bytes, st.peak_dispatch_bytes);
+  peak_routed_bytes = std::max(peak_routed_bytes, st.peak_routed_bytes);
+  peak_grad_state_bytes = std::max(peak_grad_state_bytes, st.peak_grad_state_bytes);
+}
+
 Backend parse_backend(const std::string& name) {
   if (name == "engine") return Backend::kEngine;
   if (name == "reference") return Backend::kReference;
@@ -73,10 +86,7 @@ class EngineTrainer : public Trainer {
   MeshReport mesh_report() const override {
     const MoeStats& st = model_.moe_stats();
     MeshReport m;
-    m.rounds = st.rounds;
-    m.borrowed = st.borrowed;
-    m.dropped = st.dropped;
-    m.peak_expert_bytes = st.peak_expert_bytes;
+    m.add(st);
     return m;
   }
   void set_trace(TraceSink* sink) override {
@@ -440,8 +450,13 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     r.moe_rounds.push_back(mr.rounds);
     r.moe_borrowed.push_back(mr.borrowed);
     r.moe_dropped.push_back(mr.dropped);
+    r.moe_gemm_calls.push_back(mr.expert_gemm_calls);
+    r.moe_all_to_all_calls.push_back(mr.all_to_all_calls);
+    r.moe_all_to_all_bytes.push_back(mr.all_to_all_bytes);
     r.peak_expert_bytes = std::max(r.peak_expert_bytes, mr.peak_expert_bytes);
     r.peak_dispatch_bytes = std::max(r.peak_dispatch_bytes, mr.peak_dispatch_bytes);
+    r.peak_routed_bytes = std::max(r.peak_routed_bytes, mr.peak_routed_bytes);
+    r.peak_grad_state_bytes = std::max(r.peak_grad_state_bytes, mr.peak_grad_state_bytes);
     if (step + 1 == r.steps) train_bytes = mr.bytes_sent_max;
     const int done = step + 1;
     for (int h : opt.hash_at)
@@ -513,9 +528,16 @@ nlohmann::json result_json(const RunResult& r) {
   for (auto& [step, h] : r.state_hashes) hashes[std::to_string(step)] = h;
   j["state_hashes"] = hashes;
   j["mesh"] = {{"dp", r.mesh.dp}, {"ep", r.mesh.ep}, {"fsdp", r.mesh.fsdp}, {"replicate", r.mesh.replicate}};
-  j["moe"] = {{"rounds", r.moe_rounds}, {"borrowed", r.moe_borrowed}, {"dropped", r.moe_dropped},
+  j["moe"] = {{"rounds", r.moe_rounds},
+              {"borrowed", r.moe_borrowed},
+              {"dropped", r.moe_dropped},
+              {"expert_gemm_calls", r.moe_gemm_calls},
+              {"all_to_all_calls", r.moe_all_to_all_calls},
+              {"all_to_all_bytes", r.moe_all_to_all_bytes},
               {"peak_expert_bytes_per_rank", r.peak_expert_bytes},
-              {"peak_dispatch_bytes_per_rank", r.peak_dispatch_bytes}};
+              {"peak_dispatch_bytes_per_rank", r.peak_dispatch_bytes},
+              {"peak_routed_bytes_per_rank", r.peak_routed_bytes},
+              {"peak_grad_state_bytes_per_rank", r.peak_grad_state_bytes}};
   j["bytes_sent_per_rank_per_step"] = r.bytes_sent_per_step;
   if (r.resumed_from) j["resumed_from"] = r.resumed_from;
   if (!r.checkpoint.is_null()) j["checkpoint"] = r.checkpoint;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "model/model.h"
 #include "runner/scenario.h"
 #include "trace/sink.h"
 #include "trace/writer.h"
@@ -79,7 +80,9 @@ struct RunResult {
   MeshConfig mesh;
   std::vector<int> moe_rounds;               // per step
   std::vector<int64_t> moe_borrowed, moe_dropped;  // per step
-  int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;
+  std::vector<int64_t> moe_gemm_calls, moe_all_to_all_calls, moe_all_to_all_bytes;  // per step, all ranks
+  int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;  // measured high-water marks, the largest rank
+  int64_t peak_routed_bytes = 0, peak_grad_state_bytes = 0;
   std::map<std::string, double> bytes_sent_per_step;  // by collective kind, busiest rank
   int resumed_from = 0;                       // steps already done by the checkpoint resumed from
   nlohmann::json checkpoint;                  // saves: stall/upload seconds, bytes
@@ -91,9 +94,14 @@ struct RunResult {
 
 // MoE schedule and mesh figures of the last training step.
 struct MeshReport {
+  // The last step's MoE execution (model.h's MoeStats): counts summed over
+  // ranks (rounds: the most), memory high-water marks of the largest rank.
   int rounds = 0;
   int64_t borrowed = 0, dropped = 0;                       // rows, summed over layers and ranks
+  int64_t expert_gemm_calls = 0, all_to_all_calls = 0, all_to_all_bytes = 0;
   int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;  // per rank, the largest
+  int64_t peak_routed_bytes = 0, peak_grad_state_bytes = 0;
+  void add(const MoeStats& rank);
   std::map<std::string, uint64_t> bytes_sent_max;          // by collective kind, the busiest rank, all steps
 };
 

@@ -429,13 +429,19 @@ std::vector<Row> make_rows() {
       policy_row(),
       field("moe.capacity_factor", [](S& s) -> float& { return s.model.capacity_factor; },
             "Expert slots per round = capacity_factor x mean load (tokens x top_k / experts).",
-            {above(0.0f)}),
+            {in_open_closed(0.0f, 1024.0f)}),
       field("moe.capacity", [](S& s) -> int& { return s.model.moe_capacity; },
-            "Expert slots per round in tokens; 0 = use moe.capacity_factor.", {at_least(0)}),
+            "Expert slots per round in tokens; 0 = use moe.capacity_factor.", {in_range(0, 1 << 24)}),
       field("moe.group_size", [](S& s) -> int& { return s.model.moe_group_size; },
             "Experts that lend each other unused slots (policy rounds with moe.borrow); 0 = all "
             "experts a rank holds.",
-            {at_least(0)}),
+            {at_least(0),
+             {"divides moe.experts / mesh.ep", [](const S& s, int v) {
+                const int held = s.mesh.ep > 0 ? s.model.experts / s.mesh.ep : s.model.experts;
+                if (v == 0 || (held > 0 && held % v == 0)) return std::string();
+                return "must divide the experts a rank holds, moe.experts / mesh.ep = " + show(held) + ", got " +
+                       show(v);
+              }}}),
       field("moe.borrow", [](S& s) -> bool& { return s.model.moe_borrow; },
             "Let an overflowing expert use slots another expert of its group leaves empty."),
 

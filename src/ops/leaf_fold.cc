@@ -1,0 +1,68 @@
+#include "ops/leaf_fold.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "contract.h"
+#include "ops/gemm.h"
+
+namespace ls {
+namespace ops {
+
+int64_t LeafFold::state_floats(int in, int out, int64_t leaves) {
+  return (int64_t)LeafTree::levels_for(leaves) * in * out;
+}
+
+void LeafFold::begin(int in, int out, int64_t leaves, std::vector<float>* state) {
+  in_ = in;
+  out_ = out;
+  leaves_ = leaves;
+  open_ = 0;
+  depth_ = 0;
+  const int64_t n = state_floats(in, out, leaves);
+  if ((int64_t)state->size() < n) state->resize(n);
+  slots_ = state->data();
+  std::fill(slots_, slots_ + (int64_t)in * out, 0.0f);  // leaf 0 opens at +0
+}
+
+// The open leaf lives in the stack's next free entry, as LeafTree::next_leaf
+// would hand it out; pushing it merges equal-sized subtrees left + right.
+void LeafFold::close_open_leaf() {
+  const int64_t w = (int64_t)in_ * out_;
+  LeafTree tree(slots_, w);
+  tree.pushed = open_;
+  tree.depth = depth_;
+  tree.push();
+  depth_ = tree.depth;
+  ++open_;
+  float* next = slots_ + (int64_t)depth_ * w;
+  std::fill(next, next + w, 0.0f);
+}
+
+void LeafFold::add(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64_t* leaf, int64_t rows) {
+  const int64_t w = (int64_t)in_ * out_;
+  for (int64_t r0 = 0; r0 < rows;) {
+    const int64_t lf = leaf[r0];
+    if (lf < open_ || lf >= leaves_) throw std::logic_error("LeafFold: leaf out of order");
+    while (open_ < lf) close_open_leaf();
+    int64_t r1 = r0 + 1;
+    while (r1 < rows && leaf[r1] == lf) ++r1;
+    // A(i, k) = X[r0 + k][i]; B(k, j) = dY[r0 + k][j]; the fold continues from the open leaf.
+    gemm(in_, out_, r1 - r0, ConstMat{X + r0 * ldx, 1, ldx}, ConstMat{dY + r0 * ldy, ldy, 1},
+         slots_ + (int64_t)depth_ * w, out_, true, 1);
+    r0 = r1;
+  }
+}
+
+void LeafFold::finish(float* dW) {
+  const int64_t w = (int64_t)in_ * out_;
+  while (open_ < leaves_) close_open_leaf();
+  LeafTree tree(slots_, w);
+  tree.pushed = open_;
+  tree.depth = depth_;
+  const float* sum = tree.finish();
+  std::copy(sum, sum + w, dW);
+}
+
+}  // namespace ops
+}  // namespace ls

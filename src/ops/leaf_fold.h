@@ -1,0 +1,42 @@
+// A weight gradient dW = X^T dY whose rows arrive in pieces: the MoE rounds
+// hand an expert its tokens a capacity at a time, and a leaf of the
+// reduction group may be split between two rounds or a borrowed slot. The
+// fold keeps the canonical leaf tree's state (contract.h's LeafTree stack)
+// and the open leaf's partial fma fold between calls, so the result has the
+// bits of one ops::weight_grad over all the rows at once.
+#pragma once
+
+#include <stdint.h>
+
+#include <vector>
+
+namespace ls {
+namespace ops {
+
+class LeafFold {
+ public:
+  // dW is in x out; the reduction group has `leaves` leaves. Storage:
+  // (LeafTree::levels_for(leaves)) x in x out floats, taken from `state`
+  // (kept by the caller so that it can be counted and reused).
+  void begin(int in, int out, int64_t leaves, std::vector<float>* state);
+  // Adds rows 0..rows-1 of X (ldx) and dY (ldy); row r belongs to leaf
+  // leaf[r]. Leaves never decrease, within a call or from one call to the
+  // next. Reduces over the token index: fma fold inside the leaf, in row
+  // order, continuing the open leaf's fold from the last call.
+  void add(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64_t* leaf, int64_t rows);
+  // Closes the remaining leaves (empty ones are +0) and writes dW (in x out).
+  void finish(float* dW);
+  // Floats of state for the given shape.
+  static int64_t state_floats(int in, int out, int64_t leaves);
+
+ private:
+  void close_open_leaf();
+  int in_ = 0, out_ = 0;
+  int64_t leaves_ = 0;
+  int64_t open_ = 0;   // the leaf being folded; leaves below it are on the stack
+  int depth_ = 0;      // stack entries
+  float* slots_ = nullptr;
+};
+
+}  // namespace ops
+}  // namespace ls
