@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <tuple>
 #include <string>
 #include <vector>
@@ -377,5 +379,30 @@ TEST_SUITE("harness") {
     CHECK(first != std::string::npos);
     CHECK(text.find("using AWS at https://s3.") != std::string::npos);
     CHECK(text.find("has no S3 endpoint", first + 1) == std::string::npos);  // once
+  }
+}
+
+TEST_SUITE("harness") {
+  TEST_CASE("every doctest suite in tests/ is a meson test, so scripts/test.sh runs it") {
+    const fs::path dir = fs::path(LOCKSTEP_SOURCE_DIR) / "tests";
+    std::ifstream mb(dir / "meson.build");
+    const std::string meson((std::istreambuf_iterator<char>(mb)), std::istreambuf_iterator<char>());
+    const size_t list = meson.find("foreach suite : [");
+    REQUIRE(list != std::string::npos);
+    const std::string registered = meson.substr(list, meson.find(']', list) - list);
+    int suites = 0;
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      if (entry.path().extension() != ".cc") continue;
+      std::ifstream in(entry.path());
+      const std::string src((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      for (size_t at = src.find("TEST_SUITE(\""); at != std::string::npos; at = src.find("TEST_SUITE(\"", at + 1)) {
+        const size_t b = at + 12, e = src.find('"', b);
+        const std::string name = src.substr(b, e - b);
+        CAPTURE(entry.path().filename().string());
+        CHECK_MESSAGE(registered.find("'" + name + "'") != std::string::npos, "suite ", name, " is not in tests/meson.build");
+        ++suites;
+      }
+    }
+    CHECK(suites > 20);
   }
 }
