@@ -20,10 +20,10 @@ namespace ls {
 constexpr int kMaxMoeRounds = 4096;
 
 // Rows first .. first + rows - 1 of `expert` (in its token order) computed
-// in slots slot .. slot + rows - 1, which belong to expert `lender` (the
-// expert itself, or a group mate that lent them).
+// in slots slot .. slot + rows - 1 of its group's slots (rows past the
+// expert's capacity use slots its group mates left empty).
 struct Segment {
-  int expert = 0, lender = 0;
+  int expert = 0;
   int64_t first = 0, rows = 0, slot = 0;
 };
 
@@ -33,7 +33,7 @@ struct RoundPlan {
   int64_t slots = 0;                        // capacity x experts: the working buffers' rows
   std::vector<std::vector<Segment>> round;  // per round; an expert's segments in its row order
   std::vector<int64_t> load;                // rows per expert
-  int64_t borrowed = 0;                     // rows computed in a lender's slots
+  int64_t borrowed = 0;                     // rows past their expert's capacity, in lent slots
   int64_t dropped = 0;                      // rows skipped (policy drop)
   int rounds() const { return (int)round.size(); }
 };
@@ -42,55 +42,66 @@ struct RoundPlan {
 // `seen_tokens` is the number of tokens the experts drew from.
 int64_t round_capacity(const ModelConfig& cfg, int64_t seen_tokens);
 // rounds: capacity C per expert per round, overflow waits, borrowing fills
-// empty slots of the same group (lowest borrower first, lowest lender
-// first); peak: one round with every expert's slots sized to the busiest
-// expert; drop: one round of C slots, overflow skipped.
+// empty slots of the same group (lowest borrower first); a group's experts
+// lie side by side in its C x group slots, one segment each per round.
+// peak: one round with every expert's slots sized to the busiest expert;
+// drop: one round of C slots, overflow skipped.
 RoundPlan plan_rounds(const ModelConfig& cfg, const std::vector<int64_t>& load, int64_t seen_tokens);
 
 // The capacity-sized working rows, reused by every round and layer.
 struct ExpertSlots {
-  std::vector<float> x, sg, act, y;         // forward: input rows, SwiGLU gate and product, output rows
+  std::vector<float> x, act, y;             // forward: input rows, SwiGLU product, output rows
   std::vector<float> dy, dact, du, dv, dx;  // backward
 };
 
 // What the owner keeps per routed row between forward and backward (no
-// padding): the SwiGLU inputs u and v (sg and act are recomputed from them),
-// and, with expert parallelism, the input row itself.
+// padding): the SwiGLU inputs u, v and gate sg (act is recomputed from
+// them, two multiplies per element), and, with expert parallelism, the
+// input row itself.
 struct ExpertRows {
   std::vector<int64_t> off;   // [experts + 1]: first row of each expert
   std::vector<int64_t> leaf;  // per row: its leaf in the reduction group, ascending per expert
   std::vector<float> x;       // [rows, D] (expert parallel only)
-  std::vector<float> u, v;    // [rows, F]
+  std::vector<float> u, v, sg;  // [rows, F]
   int experts() const { return (int)off.size() - 1; }
 };
 
-// The GEMM calls one round's segments cost (forward or backward, without
-// the weight gradients).
-int64_t round_gemm_calls(const RoundPlan& plan, int r, bool backward);
+// Where a round reads or writes rows of `width` floats: in the slots (row
+// = the segment's slot), or in a buffer in the experts' row order (row =
+// off[expert] + first), which without expert parallelism is the dispatch
+// order itself, so outputs land where the combine reads them.
+struct RowPlace {
+  float* base = nullptr;
+  bool by_slot = true;
+  float* at(const ExpertRows& rows, const Segment& s, int64_t b, int width) const {
+    return base + (by_slot ? s.slot + b : rows.off[s.expert] + s.first + b) * width;
+  }
+};
 
 // Round r forward with the experts' weights W1, W3 [experts, D, F] and W2
-// [experts, F, D]: slots.x -> rows.u, rows.v, slots.y. Each segment runs
-// with its expert's weights (a grouped GEMM). Rows are independent.
-void experts_round_forward(const RoundPlan& plan, int r, ExpertSlots& slots, ExpertRows& rows, const float* W1,
-                           const float* W3, const float* W2, int D, int F);
-// Round r backward: slots.dy (and slots.x) -> slots.dx; du, dv and act stay
-// in the slots for the weight gradients.
-void experts_round_backward(const RoundPlan& plan, int r, ExpertSlots& slots, const ExpertRows& rows,
-                            const float* W1, const float* W3, const float* W2, int D, int F);
+// [experts, F, D]: slots.x -> rows.u, v, sg, slots.act -> y. Each segment
+// runs with its expert's weights (a grouped GEMM). Rows are independent.
+// Returns the GEMM calls made.
+int64_t experts_round_forward(const RoundPlan& plan, int r, ExpertSlots& slots, ExpertRows& rows, RowPlace y,
+                              const float* W1, const float* W3, const float* W2, int D, int F);
+// Round r backward: dy (and slots.x) -> dx; du, dv and act stay in the
+// slots for the weight gradients. Returns the GEMM calls made.
+int64_t experts_round_backward(const RoundPlan& plan, int r, ExpertSlots& slots, const ExpertRows& rows, RowPlace dy,
+                               RowPlace dx, const float* W1, const float* W3, const float* W2, int D, int F);
 
 // The experts' weight gradients, fed round by round: per expert the leaf
 // tree over its rows (leaves 0..leaves-1 of the reduction group; empty
 // leaves are +0), whichever round or slot computed each row. An expert
-// whose rows all run in one round uses ops::weight_grad on them (gathered
-// from its own and lent slots if it has several segments); the others fold
-// into ops::LeafFold state that persists across rounds.
+// whose rows all run in one round (one segment) uses ops::weight_grad on
+// its slots; the others fold into ops::LeafFold state that persists across
+// rounds.
 class ExpertWeightGrads {
  public:
   void begin(const RoundPlan& plan, const ExpertRows& rows, int64_t leaves, int D, int F,
              std::vector<std::vector<float>>* state);
   // After experts_round_backward(plan, r, ...).
-  void add_round(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows, float* gW1,
-                 float* gW3, float* gW2);
+  void add_round(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows, RowPlace dy,
+                 float* gW1, float* gW3, float* gW2);
   // After the last round; `calls` counts the gradient GEMM calls made.
   void finish(float* gW1, float* gW3, float* gW2);
   int64_t calls() const { return calls_; }
@@ -98,8 +109,7 @@ class ExpertWeightGrads {
  private:
   int D_ = 0, F_ = 0;
   int64_t leaves_ = 0, calls_ = 0;
-  std::vector<int> segments_;          // per expert: segments over all rounds
-  std::vector<int> spanned_;           // per expert: rounds it has rows in
+  std::vector<int> segments_;          // per expert: segments over all rounds (one per round it has rows in)
   std::vector<ops::LeafFold> folds_;   // per expert x {W1, W3, W2}, for experts of several segments
 };
 

@@ -179,18 +179,19 @@ WorkspaceEstimate estimate_workspace(const ModelConfig& c, int batch, int ep_siz
   int64_t scratch = (9 * N * D + 3 * N * V + 3 * N + 2 * N * E + 2 * NK * D) * f;
   if (c.shared_expert) scratch += (3 * N * F + N * D) * f;
   w.activations = L * layer + scratch;
-  // Per layer, what is kept per routed row: outputs (D), u and v (F), the
-  // leaf id; with expert parallelism the received input row (D) too.
+  // Per layer, what is kept per routed row: outputs (D), u, v and sg (F),
+  // the leaf id; with expert parallelism the received input row (D) too.
   const int64_t El = E / ep_size;
-  w.expert_buffers = L * (NK * (D + 2 * F) * f + NK * i64);
+  w.expert_buffers = L * (NK * (D + 3 * F) * f + NK * i64);
   if (ep_size > 1) w.expert_buffers += L * NK * D * f;
-  // The slots, capacity x local experts rows of x, y, dy, dx (D) and sg,
-  // act, dact, du, dv (F), shared by the layers. peak reserves the busiest
-  // expert's load, which routing decides: estimated at the mean load here.
+  // The slots, capacity x local experts rows of x (D) and act, dact, du, dv
+  // (F), plus y, dy, dx (D) with expert parallelism; shared by the layers.
+  // peak reserves the busiest expert's load, which routing decides:
+  // estimated at the mean load here.
   ModelConfig mean = c;
   if (c.moe_policy == MoePolicy::kPeak) mean.capacity_factor = 1.0f, mean.moe_capacity = 0;
   const int64_t slots = round_capacity(mean, N * ep_size) * El;
-  w.expert_buffers += slots * (4 * D + 5 * F) * f;
+  w.expert_buffers += slots * ((ep_size > 1 ? 4 : 1) * D + 4 * F) * f;
   // Expert parallel: one round's send and receive buffers, every owner's slots each.
   if (ep_size > 1) w.dispatch_buffers = 2 * ep_size * slots * D * f;
   return w;
@@ -391,10 +392,10 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   auto count_moe_memory = [&]() {
     const ExpertSlots& sl = ws.slots;
     int64_t expert = 0, routed = 0, state = 0;
-    for (const std::vector<float>* v : {&sl.x, &sl.sg, &sl.act, &sl.y, &sl.dy, &sl.dact, &sl.du, &sl.dv, &sl.dx})
+    for (const std::vector<float>* v : {&sl.x, &sl.act, &sl.y, &sl.dy, &sl.dact, &sl.du, &sl.dv, &sl.dx})
       expert += held(*v);
     for (const LayerActs& A : ws.layers)
-      routed += held(A.ye) + held(A.rows.u) + held(A.rows.v) + held(A.rows.x) + held(A.rows.leaf);
+      routed += held(A.ye) + held(A.rows.u) + held(A.rows.v) + held(A.rows.sg) + held(A.rows.x) + held(A.rows.leaf);
     for (const std::vector<float>& v : ws.grad_state) state += held(v);
     stats_.peak_expert_bytes = std::max(stats_.peak_expert_bytes, expert);
     stats_.peak_dispatch_bytes = std::max(stats_.peak_dispatch_bytes, held(ws.send) + held(ws.recv));
@@ -404,12 +405,13 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   auto hold_moe_buffers = [&](LayerActs& A) {
     const RoundPlan& own = A.plans[ep > 1 ? mesh_->ep_rank() : 0];
     const size_t S = (size_t)own.slots;
-    for (std::vector<float>* v : {&ws.slots.x, &ws.slots.y, &ws.slots.dy, &ws.slots.dx}) grow(*v, S * D);
-    for (std::vector<float>* v : {&ws.slots.sg, &ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv})
-      grow(*v, S * F);
+    // Without expert parallelism y, dy and dx live in the dispatch rows: no slots for them.
+    grow(ws.slots.x, S * D);
+    if (ep > 1)
+      for (std::vector<float>* v : {&ws.slots.y, &ws.slots.dy, &ws.slots.dx}) grow(*v, S * D);
+    for (std::vector<float>* v : {&ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv}) grow(*v, S * F);
     const size_t held_rows = (size_t)A.rows.off[El];
-    grow(A.rows.u, held_rows * F);
-    grow(A.rows.v, held_rows * F);
+    for (std::vector<float>* v : {&A.rows.u, &A.rows.v, &A.rows.sg}) grow(*v, held_rows * F);
     grow(A.ye, (size_t)NK * D);
     if (ep > 1) {  // a pair moves at most the destination's slots per round
       size_t all_slots = 0;
@@ -557,11 +559,10 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     for (int r = 0; r < exchange_rounds(A); ++r) {
       exchange_rows(A, r, D, /*to_owner=*/true, [&](int64_t disp) { return &A.a2[A.row_token[disp] * D]; },
                     ws.slots.x.data(), ep > 1 ? X.x.data() : nullptr, nullptr);
-      if (r < P.rounds()) {
-        experts_round_forward(P, r, ws.slots, X, W1, W3, W2, D, F);
-        stats_.expert_gemm_calls += round_gemm_calls(P, r, false);
-      }
-      exchange_rows(A, r, D, /*to_owner=*/false, nullptr, ws.slots.y.data(), nullptr, A.ye.data());
+      // Without expert parallelism the outputs go straight to the dispatch rows the combine reads.
+      const RowPlace y = ep > 1 ? RowPlace{ws.slots.y.data(), true} : RowPlace{A.ye.data(), false};
+      if (r < P.rounds()) stats_.expert_gemm_calls += experts_round_forward(P, r, ws.slots, X, y, W1, W3, W2, D, F);
+      if (ep > 1) exchange_rows(A, r, D, /*to_owner=*/false, nullptr, ws.slots.y.data(), nullptr, A.ye.data());
     }
     stats_.rounds = std::max(stats_.rounds, P.rounds());
     stats_.borrowed += P.borrowed;
@@ -728,9 +729,13 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ExpertWeightGrads grads;
     grads.begin(P, X, leaves * ep, D, F, &ws.grad_state);
     count_moe_memory();
+    // Without expert parallelism dy and dx stay in the dispatch rows (the experts' row order).
+    const RowPlace dy = ep > 1 ? RowPlace{ws.slots.dy.data(), true} : RowPlace{ws.dye.data(), false};
+    const RowPlace dx = ep > 1 ? RowPlace{ws.slots.dx.data(), true} : RowPlace{ws.dxe.data(), false};
     for (int r = 0; r < exchange_rounds(A); ++r) {
-      exchange_rows(A, r, D, /*to_owner=*/true, [&](int64_t disp) { return &ws.dye[disp * D]; },
-                    ws.slots.dy.data(), nullptr, nullptr);
+      if (ep > 1)
+        exchange_rows(A, r, D, /*to_owner=*/true, [&](int64_t disp) { return &ws.dye[disp * D]; },
+                      ws.slots.dy.data(), nullptr, nullptr);
       if (r < P.rounds()) {
         // The inputs again, into the same slots: from the layer's input rows
         // (kept per row with expert parallelism).
@@ -740,11 +745,10 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         else
           for (const Segment& s : P.round[r])
             std::memcpy(&ws.slots.x[s.slot * D], &X.x[(X.off[s.expert] + s.first) * D], sizeof(float) * s.rows * D);
-        experts_round_backward(P, r, ws.slots, X, W1, W3, W2, D, F);
-        grads.add_round(P, r, ws.slots, X, gW1, gW3, gW2);
-        stats_.expert_gemm_calls += round_gemm_calls(P, r, true);
+        stats_.expert_gemm_calls += experts_round_backward(P, r, ws.slots, X, dy, dx, W1, W3, W2, D, F);
+        grads.add_round(P, r, ws.slots, X, dy, gW1, gW3, gW2);
       }
-      exchange_rows(A, r, D, /*to_owner=*/false, nullptr, ws.slots.dx.data(), nullptr, ws.dxe.data());
+      if (ep > 1) exchange_rows(A, r, D, /*to_owner=*/false, nullptr, ws.slots.dx.data(), nullptr, ws.dxe.data());
     }
     grads.finish(gW1, gW3, gW2);
     stats_.expert_gemm_calls += grads.calls();

@@ -409,6 +409,11 @@ void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
   }
 }
 
+void swiglu_product(const float* __restrict u, const float* __restrict s, const float* __restrict v,
+                    float* __restrict act, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) act[i] = (u[i] * s[i]) * v[i];
+}
+
 void swiglu_backward(const float* u, const float* v, const float* s, const float* dact, float* du, float* dv,
                      int64_t n) {
   for (int64_t i = 0; i < n; ++i) {

@@ -72,6 +72,8 @@ float param_sumsq(const float* v, int64_t n);
 // act = (u * s) * v. Elementwise.
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n);
 // From dact: dv = dact * (u * s), du = (dact * v) * (s * (1 + u * (1 - s))).
+// act = (u * s) * v from a kept gate s: the product swiglu writes, bit for bit.
+void swiglu_product(const float* u, const float* s, const float* v, float* act, int64_t n);
 void swiglu_backward(const float* u, const float* v, const float* s, const float* dact, float* du, float* dv,
                      int64_t n);
 

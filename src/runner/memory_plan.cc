@@ -82,8 +82,8 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
                           " tokens" + (copies > 1 ? " on each of " + std::to_string(copies) + (multi ? " ranks" : " lanes") : "");
   add("activations", copies * w.activations, "saved activations and backward scratch, " + per);
   add("moe_expert_buffers", copies * w.expert_buffers,
-      "routed rows (top_k per token) x (d_model + 2 d_ff) floats per layer, and capacity x local experts "
-      "slots of 4 d_model + 5 d_ff floats, " + per);
+      "routed rows (top_k per token) x (d_model + 3 d_ff) floats per layer, and capacity x local experts "
+      "slots of d_model + 4 d_ff floats (4 d_model + 4 d_ff with mesh.ep > 1), " + per);
   if (w.dispatch_buffers)
     add("moe_dispatch_buffers", copies * w.dispatch_buffers, "one round's all-to-all rows out and in");
   if (!s.ckpt.url.empty() && s.ckpt.every > 0)
