@@ -7,6 +7,8 @@
 #include <chrono>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "cli_run.h"
 #include "cluster/mpi.h"
 
@@ -19,6 +21,41 @@ lstest::CliResult run_mpi_check(int np, const std::string& extra = "") {
   const auto out = lstest::cli_temp_dir() / "mpi.out", err = lstest::cli_temp_dir() / "mpi.err";
   const int status = std::system(("timeout 120 " + cmd + " >" + out.string() + " 2>" + err.string()).c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), lstest::slurp(out), lstest::slurp(err)};
+}
+
+const char* kTiny = R"({"model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8, "d_ff": 8},
+  "moe": {"experts": 8, "top_k": 2, "aux_loss_weight": 0.05, "z_loss_weight": 0.01, "router_skew": 1.0},
+  "train": {"steps": 3, "batch": 8, "warmup_steps": 1, "eval_every": 0, "eval_batches": 1},
+  "data": {"synthetic_bytes": 8192}})";
+
+struct Run {
+  int rc = -1;
+  std::string hash, err;
+  std::vector<std::string> loss_bits;
+  nlohmann::json summary;
+};
+
+// `lockstep run` of the tiny scenario; under mpirun with np > 0.
+Run run_lockstep(int np, const std::string& args) {
+  const auto sc = lstest::write_temp("mpi_tiny.json", kTiny);
+  std::string cmd;
+  if (np > 0)
+    for (const std::string& w : ls::mpirun_command(np)) cmd += w + " ";
+  cmd += std::string(LOCKSTEP_BIN) + " run " + sc.string() + " --json --quiet --threads 1 " + args;
+  const auto out = lstest::cli_temp_dir() / "mpi-run.out", err = lstest::cli_temp_dir() / "mpi-run.err";
+  const int status = std::system(("timeout 300 " + cmd + " >" + out.string() + " 2>" + err.string()).c_str());
+  Run r;
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.err = lstest::slurp(err);
+  std::string text = lstest::slurp(out);
+  while (!text.empty() && text.back() == '\n') text.pop_back();
+  const size_t nl = text.rfind('\n');
+  if (r.rc == 0 && !text.empty()) {
+    r.summary = nlohmann::json::parse(nl == std::string::npos ? text : text.substr(nl + 1));
+    r.hash = r.summary["final_state_hash"];
+    r.loss_bits = r.summary["loss_bits"].get<std::vector<std::string>>();
+  }
+  return r;
 }
 
 }  // namespace
@@ -57,5 +94,56 @@ TEST_SUITE("mpi") {
     // No rank process outlives the job still running (zombies that PID 1 has
     // not reaped yet are dead; the kernel cuts the name to 15 characters).
     CHECK(std::system("ps -eo stat=,comm= | awk '$1 !~ /^Z/ && $2 == \"lockstep-mpi-ch\"' | grep -q .") != 0);
+  }
+}
+
+TEST_SUITE("mpi") {
+  TEST_CASE("one rank per process: the bits of the single-rank engine and of the in-process mesh, on every mesh") {
+    if (!ls::mpi_available()) return;
+    const Run one = run_lockstep(0, "");
+    REQUIRE(one.rc == 0);
+    const std::vector<std::pair<int, std::string>> meshes = {
+        {2, "--set mesh.dp=2"},
+        {4, "--set mesh.dp=4"},
+        {8, "--set mesh.dp=8"},
+        {2, "--set mesh.dp=2 --set mesh.ep=2"},
+        {4, "--set mesh.dp=4 --set mesh.ep=4 --set moe.capacity=1"},
+        {4, "--set mesh.dp=4 --set mesh.fsdp=true"},
+        {4, "--set mesh.dp=4 --set mesh.fsdp=true --set mesh.replicate=2"},
+        {8, "--set mesh.dp=8 --set mesh.ep=4 --set moe.capacity_factor=0.25"},
+    };
+    for (const auto& [np, mesh] : meshes) {
+      CAPTURE(mesh);
+      const Run mpi = run_lockstep(np, mesh);
+      CAPTURE(mpi.err);
+      REQUIRE(mpi.rc == 0);
+      CHECK(mpi.hash == one.hash);
+      CHECK(mpi.loss_bits == one.loss_bits);
+      const Run threads = run_lockstep(0, mesh);
+      REQUIRE(threads.rc == 0);
+      CHECK(threads.hash == one.hash);
+      // The same execution, really across processes: the same MoE rounds and exchanges.
+      CHECK(mpi.summary["moe"]["rounds"] == threads.summary["moe"]["rounds"]);
+      CHECK(mpi.summary["moe"]["all_to_all_calls"] == threads.summary["moe"]["all_to_all_calls"]);
+      CHECK(mpi.summary["bytes_sent_per_rank_per_step"]["all_reduce"] ==
+            threads.summary["bytes_sent_per_rank_per_step"]["all_reduce"]);
+    }
+  }
+
+  TEST_CASE("--launcher mpi starts mpirun itself; a world that is not the mesh is refused, naming both numbers") {
+    if (!ls::mpi_available()) return;
+    const Run one = run_lockstep(0, "");
+    const Run launched = run_lockstep(0, "--launcher mpi --set mesh.dp=4 --set mesh.ep=2");
+    CAPTURE(launched.err);
+    REQUIRE(launched.rc == 0);
+    CHECK(launched.hash == one.hash);
+    CHECK(launched.summary["moe"]["all_to_all_calls"][0].get<int64_t>() > 0);
+    const Run wrong = run_lockstep(3, "--set mesh.dp=4");
+    CHECK(wrong.rc != 0);
+    CHECK(wrong.err.find("mpirun started 3 processes but mesh.dp = 4") != std::string::npos);
+    const Run ckpt = run_lockstep(2, "--set mesh.dp=2 --set ckpt.url=/tmp/never --set ckpt.every=1");
+    CHECK(ckpt.rc != 0);
+    CHECK(ckpt.err.find("not yet") != std::string::npos);
+    CHECK(run_lockstep(0, "--launcher nope").rc == 2);
   }
 }

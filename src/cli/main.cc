@@ -16,6 +16,7 @@
 #include "cli/bisect.h"
 #include "cli/self_exe.h"
 #include "cli/faults_sweep.h"
+#include "cluster/mpi.h"
 #include "common/error.h"
 #include "common/json_input.h"
 #include "common/text.h"
@@ -111,7 +112,35 @@ struct RunArgs {
   int max_restarts = 8;
   double heartbeat_timeout = 120;
   std::vector<std::string> debug_bumps;
+  std::string launcher = "threads";
 };
+
+// The command line as given, for --launcher mpi to hand to mpirun.
+std::vector<std::string> g_args;
+
+// --launcher mpi: this process becomes `mpirun -np mesh.dp lockstep ...` with
+// the same arguments (less --launcher), one rank per process.
+[[noreturn]] void exec_under_mpirun(const Scenario& s, const char* self) {
+  if (!mpi_available())
+    throw UserError("--launcher mpi: this lockstep was built without MPI (install libopenmpi-dev via "
+                    "scripts/install-deps.sh, then meson setup --reconfigure build)");
+  std::vector<std::string> cmd = mpirun_command(s.mesh.dp);
+  cmd.push_back(self);
+  for (size_t i = 1; i < g_args.size(); ++i) {
+    if (g_args[i] == "--launcher") {
+      ++i;
+      continue;
+    }
+    if (g_args[i].rfind("--launcher=", 0) == 0) continue;
+    cmd.push_back(g_args[i]);
+  }
+  std::vector<char*> argv;
+  for (std::string& c : cmd) argv.push_back(c.data());
+  argv.push_back(nullptr);
+  std::fflush(nullptr);
+  execvp(argv[0], argv.data());
+  throw UserError(std::string("--launcher mpi: cannot start mpirun: ") + std::strerror(errno));
+}
 
 // plan / run --dry-run: the memory estimate per part, nothing trained.
 int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
@@ -134,6 +163,14 @@ int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
 
 int cmd_run(const RunArgs& a, const char* self) {
   Scenario s = load_scenario(a.scenario, a.sets);
+  if (a.launcher != "threads" && a.launcher != "mpi")
+    throw UserError("--launcher: 'threads' (ranks as threads of this process) or 'mpi' (one process per rank), got '" +
+                    a.launcher + "'");
+  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.dry_run) {
+    if (a.supervise || !a.faults.empty() || !a.resume.empty())
+      throw UserError("--launcher mpi: supervision, faults and --resume do not yet run across processes");
+    exec_under_mpirun(s, self);
+  }
   if (a.dry_run) {
     RunOptions po;
     po.backend = parse_backend(a.backend);
@@ -195,6 +232,12 @@ int cmd_run(const RunArgs& a, const char* self) {
   RunOptions opt;
   opt.backend = parse_backend(a.backend);
   opt.threads = a.threads;
+  // Under mpirun: one mesh rank per process; rank 0 alone reports.
+  bool report = true;
+  if (launched_by_mpirun()) {
+    opt.mpi = &mpi_world();
+    report = opt.mpi->rank() == 0;
+  }
   // More threads than cores gives the same bits, only slower: say so once.
   if (a.threads > omp_get_num_procs() && !a.quiet && !child && opt.backend == Backend::kEngine)
     std::fprintf(stderr,
@@ -203,7 +246,7 @@ int cmd_run(const RunArgs& a, const char* self) {
                  a.threads, omp_get_num_procs(), omp_get_num_procs());
   if (a.steps == 0 || a.steps < -1) throw UserError("--steps: must be at least 1");
   opt.steps = a.steps;
-  opt.progress = a.progress || (!a.quiet && isatty(2));
+  opt.progress = report && (a.progress || (!a.quiet && isatty(2)));
   opt.trace_path = a.trace;
   opt.resume = a.resume;
   opt.faults = faults;
@@ -222,6 +265,7 @@ int cmd_run(const RunArgs& a, const char* self) {
   for (const std::string& b : a.debug_bumps) opt.debug_bumps.push_back(parse_bump(b));
   if (!a.out_dir.empty()) check_output_dir(a.out_dir);
   RunResult r = run_scenario(s, opt);
+  if (!report) return 0;
   nlohmann::json j = result_json(r);
   if (!a.out_dir.empty()) {
     fs::create_directories(a.out_dir);
@@ -471,6 +515,7 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
 }  // namespace
 
 int main(int argc, char** argv) {
+  g_args.assign(argv, argv + argc);
   CLI::App app{"lockstep: deterministic MoE training simulator and reproducibility harness.\n"
                "Bits depend on the math, never on threads, SIMD or decomposition."};
   app.require_subcommand(1);
@@ -482,6 +527,9 @@ int main(int argc, char** argv) {
   run->add_option("--set", ra.sets, "override a scenario key: dotted.key=value (repeatable)");
   run->add_option("--threads", ra.threads, "worker threads (default: all cores); the engine runs them as data lanes of whole samples where the bits allow, else splits each op (README, Speed)")->check(CLI::Range(1, 1024));
   run->add_option("--backend", ra.backend, "engine (fast) or reference (scalar spec)");
+  run->add_option("--launcher", ra.launcher,
+                  "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp, one "
+                  "process per rank; docs/CLUSTER.md)");
   run->add_option("--steps", ra.steps, "train this many steps instead of train.steps");
   run->add_option("--out", ra.out_dir, "write summary.json and scenario.resolved.json here");
   run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "cluster/communicator.h"
 #include "common/error.h"
@@ -66,8 +67,12 @@ bool fsdp_sharded(const ParamInfo& p, const MeshConfig& mesh) { return mesh.fsdp
 
 }  // namespace
 
-ClusterTrainer::ClusterTrainer(const Scenario& s) : s_(s) {
+ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), mpi_(mpi) {
   const MeshConfig& m = s.mesh;
+  if (mpi && mpi->size() != m.dp)
+    throw UserError("mpirun started " + std::to_string(mpi->size()) + " processes but mesh.dp = " +
+                    std::to_string(m.dp) + ": one process per rank (use --set mesh.dp=" + std::to_string(mpi->size()) +
+                    " or mpirun -np " + std::to_string(m.dp) + ")");
   if (m.fsdp && m.replicate > 1) {
     const int shard = m.dp / m.replicate;
     if (shard & (shard - 1))
@@ -78,6 +83,10 @@ ClusterTrainer::ClusterTrainer(const Scenario& s) : s_(s) {
   const int ep = m.ep;
   const int group = m.fsdp ? m.dp / m.replicate : 1;
   for (int r = 0; r < m.dp; ++r) {
+    if (mpi && r != mpi->rank()) {  // held by another process
+      ranks_.push_back(nullptr);
+      continue;
+    }
     auto rank = std::make_unique<Rank>();
     rank->index = r;
     rank->model = std::make_unique<MoeTransformer>(s.model, s.leaf_samples, s.seed, ep, r % ep);
@@ -122,13 +131,15 @@ void ClusterTrainer::debug_bump_weight(const std::string&, int64_t) {
 }
 
 void ClusterTrainer::set_debug_reorder_moe_norm(bool on) {
-  for (auto& r : ranks_) r->model->set_debug_reorder_moe_norm(on);
+  for (auto& r : ranks_)
+    if (r) r->model->set_debug_reorder_moe_norm(on);
 }
 
 // Runs `body` once per rank, each on its own thread with its communicators:
 // world (all data-parallel ranks), its EP group, its expert-data-parallel
 // group (same experts, other EP groups), its FSDP shard group and replica group.
 void ClusterTrainer::each_rank(const std::function<void(RankCtx&)>& body) {
+  if (mpi_) return each_rank_mpi(body);
   const int world = s_.mesh.dp, ep = s_.mesh.ep;
   const int shard_size = s_.mesh.fsdp ? world / s_.mesh.replicate : 1;
   const int threads_per_rank = std::max(1, (threads_ > 0 ? threads_ : omp_get_max_threads()) / world);
@@ -153,6 +164,39 @@ void ClusterTrainer::each_rank(const std::function<void(RankCtx&)>& body) {
           }
       },
       jitter_seed_);
+}
+
+// This process's one rank, with the same groups as the threads would have
+// (split once, kept: a split is a collective).
+void ClusterTrainer::each_rank_mpi(const std::function<void(RankCtx&)>& body) {
+  Communicator& comm = *mpi_;
+  const int ep = s_.mesh.ep, shard_size = s_.mesh.fsdp ? s_.mesh.dp / s_.mesh.replicate : 1;
+  if (mpi_groups_.empty()) {
+    mpi_groups_.push_back(comm.split(comm.rank() / ep, comm.rank()));
+    mpi_groups_.push_back(comm.split(comm.rank() % ep, comm.rank()));
+    mpi_groups_.push_back(comm.split(comm.rank() / shard_size, comm.rank()));
+    mpi_groups_.push_back(comm.split(comm.rank() % shard_size, comm.rank()));
+  }
+  if (threads_ > 0) omp_set_num_threads(threads_);  // --threads is per process
+  Rank& rank = *ranks_[comm.rank()];
+  std::vector<Communicator*> all = {&comm};
+  for (auto& g : mpi_groups_) all.push_back(g.get());
+  std::map<std::string, uint64_t> before_bytes, before_calls;
+  for (Communicator* c : all)
+    for (auto& [k, b] : c->stats.bytes_sent) before_bytes[k] += b, before_calls[k] += c->stats.calls[k];
+  RankHooks hooks(comm, *mpi_groups_[0]);
+  rank.model->set_mesh(&hooks);
+  RankCtx ctx{rank, comm, *mpi_groups_[0], *mpi_groups_[1], *mpi_groups_[2], *mpi_groups_[3]};
+  body(ctx);
+  rank.model->set_mesh(nullptr);
+  // The communicators live on: add what this call sent.
+  std::map<std::string, uint64_t> after_bytes, after_calls;
+  for (Communicator* c : all)
+    for (auto& [k, b] : c->stats.bytes_sent) after_bytes[k] += b, after_calls[k] += c->stats.calls[k];
+  for (auto& [k, b] : after_bytes) {
+    rank.comm.bytes_sent[k] += b - before_bytes[k];
+    rank.comm.calls[k] += after_calls[k] - before_calls[k];
+  }
 }
 
 namespace {
@@ -255,6 +299,12 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
       norm0 = norm;
     }
   });
+  if (mpi_) {  // rank 0's figures, on every process
+    float both[2] = {loss, norm0};
+    mpi_->broadcast(both, sizeof both, 0);
+    loss = both[0];
+    norm0 = both[1];
+  }
   *grad_norm = norm0;
   return loss;
 }
@@ -275,6 +325,7 @@ float ClusterTrainer::eval_loss(const uint8_t* tokens, int batch) {
     const StepLosses l = model.forward(tokens + (int64_t)c.rank.index * local * sample_bytes, local);
     if (c.rank.index == 0) loss = l.ce;
   });
+  if (mpi_) mpi_->broadcast(&loss, sizeof loss, 0);
   return loss;
 }
 
@@ -282,29 +333,78 @@ float ClusterTrainer::eval_loss(const uint8_t* tokens, int batch) {
 // would, and hashes them canonically (contract rule 6).
 std::string ClusterTrainer::state_hash() const {
   const MeshConfig& m = s_.mesh;
-  const auto& infos = ranks_[0]->model->params();
+  const Rank* any = nullptr;
+  for (const auto& r : ranks_)
+    if (r && !any) any = r.get();
+  const auto& infos = any->model->params();
   std::vector<std::vector<float>> param(infos.size()), mom1(infos.size()), mom2(infos.size());
   for (size_t t = 0; t < infos.size(); ++t) {
-    const ParamInfo& p = infos[t];
     int64_t global = 1;
-    for (int64_t d : p.global_shape) global *= d;
+    for (int64_t d : infos[t].global_shape) global *= d;
     param[t].assign(global, 0.0f);
     mom1[t].assign(global, 0.0f);
     mom2[t].assign(global, 0.0f);
-    // Which ranks hold which part: EP slices from group 0's ranks; FSDP
-    // shards from shard group 0's ranks; else rank 0 holds it all.
-    for (int r = 0; r < m.dp; ++r) {
-      const Rank& rk = *ranks_[r];
-      const bool expert_slice = p.expert && m.ep > 1;
-      if (expert_slice ? r >= m.ep : fsdp_sharded(p, m) ? r >= m.dp / m.replicate : r > 0) continue;
-      const ParamInfo& q = rk.model->params()[t];
-      const auto [lo, hi] = range(rk, t);
-      const float* w = fsdp_sharded(q, m) ? rk.shard_w.data() + rk.shard_off[t] : rk.model->weights() + q.offset + lo;
-      std::copy(w, w + (hi - lo), param[t].begin() + q.global_offset + lo);
-      std::copy(rk.m.begin() + rk.shard_off[t], rk.m.begin() + rk.shard_off[t] + (hi - lo),
-                mom1[t].begin() + q.global_offset + lo);
-      std::copy(rk.v.begin() + rk.shard_off[t], rk.v.begin() + rk.shard_off[t] + (hi - lo),
-                mom2[t].begin() + q.global_offset + lo);
+  }
+  // Which ranks hold which part: EP slices from group 0's ranks; FSDP
+  // shards from shard group 0's ranks; else rank 0 holds it all.
+  auto holds = [&](int r, const ParamInfo& p) {
+    const bool expert_slice = p.expert && m.ep > 1;
+    return !(expert_slice ? r >= m.ep : fsdp_sharded(p, m) ? r >= m.dp / m.replicate : r > 0);
+  };
+  // A holder's part of tensor t: (first global element, elements) and its weights, m, v.
+  struct Part {
+    int64_t t = 0, start = 0, n = 0;
+    const float *w = nullptr, *m1 = nullptr, *m2 = nullptr;
+  };
+  auto part_of = [&](const Rank& rk, size_t t) {
+    const ParamInfo& q = rk.model->params()[t];
+    const auto [lo, hi] = range(rk, t);
+    const float* w = fsdp_sharded(q, m) ? rk.shard_w.data() + rk.shard_off[t] : rk.model->weights() + q.offset + lo;
+    return Part{(int64_t)t, q.global_offset + lo, hi - lo, w, rk.m.data() + rk.shard_off[t], rk.v.data() + rk.shard_off[t]};
+  };
+  auto place = [&](int64_t t, int64_t start, int64_t n, const float* w, const float* m1, const float* m2) {
+    std::copy(w, w + n, param[t].begin() + start);
+    std::copy(m1, m1 + n, mom1[t].begin() + start);
+    std::copy(m2, m2 + n, mom2[t].begin() + start);
+  };
+  if (!mpi_) {
+    for (size_t t = 0; t < infos.size(); ++t)
+      for (int r = 0; r < m.dp; ++r)
+        if (holds(r, infos[t])) {
+          const Part p = part_of(*ranks_[r], t);
+          place(p.t, p.start, p.n, p.w, p.m1, p.m2);
+        }
+  } else {
+    // Every process sends its parts to every other (an all-gather of
+    // headers, then of the data): each then hashes the same global state.
+    const int me = mpi_->rank(), R = mpi_->size();
+    std::vector<int64_t> head;
+    std::vector<float> data;
+    for (size_t t = 0; t < infos.size(); ++t)
+      if (holds(me, infos[t])) {
+        const Part p = part_of(*ranks_[me], t);
+        head.insert(head.end(), {p.t, p.start, p.n});
+        for (const float* src : {p.w, p.m1, p.m2}) data.insert(data.end(), src, src + p.n);
+      }
+    std::vector<int64_t> sizes(2 * R), mine = {(int64_t)head.size(), (int64_t)data.size()};
+    mpi_->all_gather(mine.data(), sizes.data(), std::vector<size_t>(R, 2 * sizeof(int64_t)));
+    std::vector<size_t> hb(R), db(R);
+    size_t htotal = 0, dtotal = 0;
+    for (int r = 0; r < R; ++r) {
+      hb[r] = (size_t)sizes[2 * r] * sizeof(int64_t);
+      db[r] = (size_t)sizes[2 * r + 1] * sizeof(float);
+      htotal += sizes[2 * r];
+      dtotal += sizes[2 * r + 1];
+    }
+    std::vector<int64_t> heads(htotal);
+    std::vector<float> all(dtotal);
+    mpi_->all_gather(head.data(), heads.data(), hb);
+    mpi_->all_gather(data.data(), all.data(), db);
+    size_t at = 0;
+    for (size_t h = 0; h + 2 < heads.size(); h += 3) {
+      const int64_t n = heads[h + 2];
+      place(heads[h], heads[h + 1], n, &all[at], &all[at + n], &all[at + 2 * n]);
+      at += 3 * n;
     }
   }
   StateHasher hs;
@@ -383,15 +483,47 @@ void ClusterTrainer::load_piece(int rank, const StatePiece& need, const float* d
 std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
   std::vector<int64_t> out;
   for (const auto& r : ranks_) {
+    if (!r) continue;
     const auto& t = r->model->moe_stats().tokens_per_expert;
     if (out.empty()) out.assign(t.size(), 0);
     for (size_t i = 0; i < t.size(); ++i) out[i] += t[i];
   }
+  if (mpi_) mpi_->all_reduce_sum(out.data(), out.size());  // every process's rank
   return out;
 }
 
 MeshReport ClusterTrainer::mesh_report() const {
   MeshReport rep;
+  if (mpi_) {  // every process's figures: a fixed record each, all-gathered
+    const Rank& me = *ranks_[mpi_->rank()];
+    const MoeStats& st = me.model->moe_stats();
+    static const char* kKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send"};
+    std::vector<int64_t> rec = {st.rounds, st.borrowed, st.dropped, st.expert_gemm_calls, st.all_to_all_calls,
+                                st.all_to_all_bytes, st.peak_expert_bytes, st.peak_dispatch_bytes,
+                                st.peak_routed_bytes, st.peak_grad_state_bytes};
+    for (const char* k : kKinds) rec.push_back(me.comm.bytes_sent.count(k) ? (int64_t)me.comm.bytes_sent.at(k) : -1);
+    const int R = mpi_->size();
+    std::vector<int64_t> all(rec.size() * R);
+    mpi_->all_gather(rec.data(), all.data(), std::vector<size_t>(R, rec.size() * sizeof(int64_t)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t* x = &all[r * rec.size()];
+      MoeStats s;
+      s.rounds = (int)x[0];
+      s.borrowed = x[1];
+      s.dropped = x[2];
+      s.expert_gemm_calls = x[3];
+      s.all_to_all_calls = x[4];
+      s.all_to_all_bytes = x[5];
+      s.peak_expert_bytes = x[6];
+      s.peak_dispatch_bytes = x[7];
+      s.peak_routed_bytes = x[8];
+      s.peak_grad_state_bytes = x[9];
+      rep.add(s);
+      for (size_t k = 0; k < sizeof kKinds / sizeof *kKinds; ++k)
+        if (x[10 + k] >= 0) rep.bytes_sent_max[kKinds[k]] = std::max<uint64_t>(rep.bytes_sent_max[kKinds[k]], x[10 + k]);
+    }
+    return rep;
+  }
   for (const auto& r : ranks_) {
     rep.add(r->model->moe_stats());
     for (auto& [k, b] : r->comm.bytes_sent) rep.bytes_sent_max[k] = std::max(rep.bytes_sent_max[k], b);

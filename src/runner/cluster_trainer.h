@@ -16,7 +16,9 @@ namespace ls {
 
 class ClusterTrainer : public Trainer {
  public:
-  explicit ClusterTrainer(const Scenario& s);
+  // mpi: this process is rank mpi->rank() of an MPI world of mesh.dp
+  // processes and holds that rank alone; nullptr: every rank is a thread here.
+  explicit ClusterTrainer(const Scenario& s, Communicator* mpi = nullptr);
   ~ClusterTrainer() override;
 
   float train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) override;
@@ -58,7 +60,10 @@ class ClusterTrainer : public Trainer {
   int decay_steps_ = 0;
   int threads_ = 0;
   uint64_t jitter_seed_ = 0;
-  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::vector<std::unique_ptr<Rank>> ranks_;  // under MPI only this process's rank is non-null
+  Communicator* mpi_ = nullptr;
+  std::vector<std::unique_ptr<Communicator>> mpi_groups_;  // ep, edp, shard, replica: split once
+  void each_rank_mpi(const std::function<void(RankCtx&)>& body);
   std::function<void(const char*, int)> phase_hook_;
 };
 

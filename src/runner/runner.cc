@@ -289,7 +289,23 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.memory_estimate_bytes = estimate_run_memory(s, opt).total_bytes;
   if (opt.memory_check) check_run_memory(s, opt);
   Corpus corpus = load_corpus(s.data, s.seed, T);
-  std::unique_ptr<Trainer> trainer = make_trainer(s, opt.backend);
+  std::unique_ptr<Trainer> trainer;
+  if (opt.mpi) {  // one rank per process
+    if (opt.mpi->size() != s.mesh.dp)
+      throw UserError("mpirun started " + std::to_string(opt.mpi->size()) + " processes but mesh.dp = " +
+                      std::to_string(s.mesh.dp) + ": one process per rank (use --set mesh.dp=" +
+                      std::to_string(opt.mpi->size()) + " or mpirun -np " + std::to_string(s.mesh.dp) + ")");
+    if (opt.backend != Backend::kEngine) throw UserError("--backend: under mpirun only the engine runs");
+    if (opt.mpi->size() > 1) {
+      // Not yet across processes (issue 16): refused rather than done wrong.
+      if (!opt.resume.empty() || (!s.ckpt.url.empty() && s.ckpt.every > 0))
+        throw UserError("ckpt.url / --resume: checkpoints are not yet written or read under mpirun; run in one process");
+      if (!opt.faults.empty()) throw UserError("faults: fault injection does not yet run under mpirun");
+      if (!opt.trace_path.empty()) throw UserError("--trace: tracing needs mesh.dp=1 (one process)");
+      trainer = std::make_unique<ClusterTrainer>(s, opt.mpi);
+    }
+  }
+  if (!trainer) trainer = make_trainer(s, opt.backend);
   if (auto* cluster = dynamic_cast<ClusterTrainer*>(trainer.get())) {
     cluster->set_threads(opt.threads > 0 ? opt.threads : omp_get_max_threads());
     cluster->set_jitter(opt.jitter_seed);

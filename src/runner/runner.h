@@ -31,6 +31,9 @@ struct RunOptions {
   bool progress = false;      // progress lines on stderr
   bool eval = true;           // held-out BPB at eval steps
   uint64_t jitter_seed = 0;   // multi-rank: random delays in every collective (tests)
+  // Under mpirun: this process's MPI world; one mesh rank per process
+  // (its size must equal mesh.dp). nullptr: ranks are threads of this process.
+  class Communicator* mpi = nullptr;
   std::string resume;         // --resume URL[@STEP]: continue from a committed checkpoint
   // Fault injection (a supervised child): the plan, the faults that already
   // fired in earlier attempts, the supervisor's state and heartbeat files.
