@@ -147,3 +147,18 @@ TEST_SUITE("mpi") {
     CHECK(run_lockstep(0, "--launcher nope").rc == 2);
   }
 }
+
+TEST_SUITE("mpi") {
+  TEST_CASE("lockstep check --launcher mpi holds a mesh variant, run as processes, to its golden file") {
+    if (!ls::mpi_available()) return;
+    const std::string root = LOCKSTEP_SOURCE_DIR;
+    const lstest::CliResult r = lstest::run_cli("check " + root + "/scenarios/variants/top1_dp4_fsdp.json --golden-dir " +
+                                                root + "/golden --launcher mpi");
+    CAPTURE(r.out);
+    CAPTURE(r.err);
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("ok    top1") != std::string::npos);
+    CHECK(r.out.find("4 processes") != std::string::npos);  // it really ran under mpirun
+    CHECK(r.out.find("check: 1 scenario, 0 failed") != std::string::npos);
+  }
+}

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -17,6 +18,7 @@
 #include "cli/self_exe.h"
 #include "cli/faults_sweep.h"
 #include "cluster/mpi.h"
+#include "contract.h"
 #include "common/error.h"
 #include "common/json_input.h"
 #include "common/text.h"
@@ -113,6 +115,7 @@ struct RunArgs {
   double heartbeat_timeout = 120;
   std::vector<std::string> debug_bumps;
   std::string launcher = "threads";
+  std::vector<int> hash_at;  // (lockstep check --launcher mpi: the golden file's state-hash steps)
 };
 
 // The command line as given, for --launcher mpi to hand to mpirun.
@@ -246,6 +249,7 @@ int cmd_run(const RunArgs& a, const char* self) {
                  a.threads, omp_get_num_procs(), omp_get_num_procs());
   if (a.steps == 0 || a.steps < -1) throw UserError("--steps: must be at least 1");
   opt.steps = a.steps;
+  opt.hash_at = a.hash_at;
   opt.progress = report && (a.progress || (!a.quiet && isatty(2)));
   opt.trace_path = a.trace;
   opt.resume = a.resume;
@@ -324,9 +328,50 @@ struct CheckArgs {
   std::string golden_dir = "golden";
   int threads = 0;
   std::string backend = "engine";
+  std::string launcher = "threads";
 };
 
+// A mesh variant run as `mpirun -np mesh.dp lockstep run` (check --launcher
+// mpi): its summary, as the RunResult compare_golden reads. Throws UserError
+// with the child's stderr when it fails.
+RunResult run_under_mpirun(const std::string& spath, const Scenario& s, int threads) {
+  char tmpl[] = "/tmp/lockstep-check-mpi-XXXXXX";
+  if (!mkdtemp(tmpl)) throw UserError("check: cannot create a temporary directory");
+  const std::string dir = tmpl;
+  std::string cmd;
+  for (const std::string& w : mpirun_command(s.mesh.dp)) cmd += w + " ";
+  cmd += "'" + self_executable() + "' run '" + spath + "' --json --quiet --hash-at ";
+  std::string steps;
+  for (int h : golden_hash_steps(s.steps)) steps += (steps.empty() ? "" : ",") + std::to_string(h);
+  cmd += steps.empty() ? "0" : steps;
+  if (threads > 0) cmd += " --threads " + std::to_string(threads);
+  cmd += " >" + dir + "/out 2>" + dir + "/err";
+  const int status = std::system(cmd.c_str());
+  std::ifstream out(dir + "/out"), err(dir + "/err");
+  const std::string text((std::istreambuf_iterator<char>(out)), std::istreambuf_iterator<char>()),
+      etext((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
+  fs::remove_all(dir);
+  if (status != 0) throw UserError("mpirun of " + spath + " failed: " + etext);
+  const size_t end = text.find_last_not_of('\n'), nl = text.rfind('\n', end);
+  const nlohmann::json j = nlohmann::json::parse(text.substr(nl == std::string::npos ? 0 : nl + 1));
+  RunResult r;
+  r.fingerprint = j.at("fingerprint");
+  r.steps = j.at("steps");
+  r.threads = j.value("threads", threads);
+  for (const auto& b : j.at("loss_bits")) {
+    r.losses.push_back(from_bits((uint32_t)std::stoul(b.get<std::string>(), nullptr, 16)));
+  }
+  for (auto& [k, v] : j.at("state_hashes").items()) r.state_hashes[std::stoi(k)] = v.get<std::string>();
+  r.final_state_hash = j.at("final_state_hash");
+  return r;
+}
+
 int cmd_check(const CheckArgs& a) {
+  if (a.launcher != "threads" && a.launcher != "mpi")
+    throw UserError("--launcher: 'threads' or 'mpi', got '" + a.launcher + "'");
+  if (a.launcher == "mpi" && !mpi_available())
+    throw UserError("--launcher mpi: this lockstep was built without MPI (install libopenmpi-dev via "
+                    "scripts/install-deps.sh, then meson setup --reconfigure build)");
   // (golden file, scenario path) pairs.
   std::vector<std::pair<std::string, std::string>> work;
   if (a.scenarios.empty()) {
@@ -376,6 +421,7 @@ int cmd_check(const CheckArgs& a) {
     nlohmann::json g = read_json_file(gpath);
     Scenario s = load_scenario(spath, {});
     if (!s.faults.empty()) {
+      if (a.launcher == "mpi" && tty) std::fprintf(stderr, "check: %s: faults run in-process (not yet under MPI)\n", spath.c_str());
       // A fault scenario: supervised, restarted from checkpoints; it must end
       // on its fault-free twin's final hash.
       char tmpl[] = "/tmp/lockstep-check-XXXXXX";
@@ -412,11 +458,22 @@ int cmd_check(const CheckArgs& a) {
     opt.progress = tty;
     opt.hash_at = golden_hash_steps(s.steps);
     opt.eval = false;
-    RunResult r = run_scenario(s, opt);
-    std::string diff = compare_golden(g, r);
+    const bool processes = a.launcher == "mpi" && s.mesh.dp > 1;
+    RunResult r;
+    std::string diff;
+    try {
+      r = processes ? run_under_mpirun(spath, s, a.threads) : run_scenario(s, opt);
+      diff = compare_golden(g, r);
+    } catch (const UserError& e) {
+      if (!processes) throw;
+      diff = e.what();  // one failing variant, reported; the others still run
+    }
     if (diff.empty()) {
-      std::printf("ok    %-16s %-28s %d steps, %d threads, final_state_hash %s\n", s.name.c_str(),
-                  fs::path(spath).filename().string().c_str(), r.steps, r.threads, r.final_state_hash.c_str());
+      std::printf("ok    %-16s %-28s %d steps, %s, final_state_hash %s\n", s.name.c_str(),
+                  fs::path(spath).filename().string().c_str(), r.steps,
+                  processes ? (std::to_string(s.mesh.dp) + " processes").c_str()
+                            : (std::to_string(r.threads) + " threads").c_str(),
+                  r.final_state_hash.c_str());
     } else {
       ++failed;
       std::printf("FAIL  %-16s %s (golden %s)\n", s.name.c_str(), diff.c_str(), gpath.c_str());
@@ -527,6 +584,9 @@ int main(int argc, char** argv) {
   run->add_option("--set", ra.sets, "override a scenario key: dotted.key=value (repeatable)");
   run->add_option("--threads", ra.threads, "worker threads (default: all cores); the engine runs them as data lanes of whole samples where the bits allow, else splits each op (README, Speed)")->check(CLI::Range(1, 1024));
   run->add_option("--backend", ra.backend, "engine (fast) or reference (scalar spec)");
+  run->add_option("--hash-at", ra.hash_at, "(set by lockstep check: record the state hash after these steps)")
+      ->delimiter(',')
+      ->group("");
   run->add_option("--launcher", ra.launcher,
                   "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp, one "
                   "process per rank; docs/CLUSTER.md)");
@@ -577,6 +637,8 @@ int main(int argc, char** argv) {
   check->add_option("--golden-dir", ca.golden_dir, "where golden files live (default: golden)");
   check->add_option("--threads", ca.threads, "worker threads")->check(CLI::Range(1, 1024));
   check->add_option("--backend", ca.backend, "engine or reference");
+  check->add_option("--launcher", ca.launcher,
+                    "threads (default) or mpi: run each multi-rank variant as mpirun -np mesh.dp, one process per rank");
 
   std::string diff_a, diff_b;
   bool diff_json_out = false;
