@@ -12,13 +12,11 @@
 #include "contract.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
+#include "tiny_scenario.h"
 
 namespace {
 
-const char* kTiny = R"({"model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8, "d_ff": 8},
-  "moe": {"experts": 8, "top_k": 2, "aux_loss_weight": 0.05, "z_loss_weight": 0.01},
-  "train": {"steps": 3, "batch": 8, "warmup_steps": 1, "eval_every": 0, "eval_batches": 1},
-  "data": {"synthetic_bytes": 8192}})";
+const std::string kTiny = lstest::tiny_scenario(false);
 
 struct Outcome {
   std::string hash;

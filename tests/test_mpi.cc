@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_run.h"
+#include "tiny_scenario.h"
 #include "cluster/mpi.h"
 
 namespace {
@@ -23,10 +24,7 @@ lstest::CliResult run_mpi_check(int np, const std::string& extra = "") {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), lstest::slurp(out), lstest::slurp(err)};
 }
 
-const char* kTiny = R"({"model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8, "d_ff": 8},
-  "moe": {"experts": 8, "top_k": 2, "aux_loss_weight": 0.05, "z_loss_weight": 0.01, "router_skew": 1.0},
-  "train": {"steps": 3, "batch": 8, "warmup_steps": 1, "eval_every": 0, "eval_batches": 1},
-  "data": {"synthetic_bytes": 8192}})";
+const std::string kTiny = lstest::tiny_scenario(true);
 
 struct Run {
   int rc = -1;

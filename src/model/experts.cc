@@ -108,17 +108,33 @@ RoundPlan plan_rounds(const ModelConfig& c, const std::vector<int64_t>& load, in
   return p;
 }
 
-int64_t experts_round_forward(const RoundPlan& plan, int r, ExpertSlots& slots, ExpertRows& rows, RowPlace y,
-                              const float* W1, const float* W3, const float* W2, int D, int F) {
+namespace {
+
+// Runs fn(segment, its first row b in the block, rows n, slot, row in the
+// experts' row order, W1, W3, W2 of the segment's expert) for every row
+// block of round r, blocks in parallel; returns the tasks run.
+template <class Fn>
+int64_t for_each_block(const RoundPlan& plan, int r, const ExpertRows& rows, const float* W1, const float* W3,
+                       const float* W2, int D, int F, Fn&& fn) {
   const std::vector<Segment>& segs = plan.round[r];
   const int64_t block = row_block();
   const auto tasks = row_tasks(segs, block);
   parallel_tasks((int64_t)tasks.size(), [&](int64_t t) {
     const Segment& s = segs[tasks[t].first];
     const int64_t b = tasks[t].second, n = std::min(block, s.rows - b);
-    const int64_t slot = s.slot + b, row = rows.off[s.expert] + s.first + b;
-    const int e = s.expert;
-    const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
+    const int64_t e = s.expert;
+    fn(s, b, n, s.slot + b, rows.off[e] + s.first + b, W1 + e * D * F, W3 + e * D * F, W2 + e * F * D);
+  });
+  return (int64_t)tasks.size();
+}
+
+}  // namespace
+
+int64_t experts_round_forward(const RoundPlan& plan, int r, ExpertSlots& slots, ExpertRows& rows, RowPlace y,
+                              const float* W1, const float* W3, const float* W2, int D, int F) {
+  const int64_t tasks = for_each_block(plan, r, rows, W1, W3, W2, D, F,
+                                       [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t row,
+                                           const float* w1, const float* w3, const float* w2) {
     float *u = &rows.u[row * F], *v = &rows.v[row * F];
     // u = x W1, v = x W3 reduce over the model feature; y = act W2 over the hidden one.
     ops::gemm(n, F, D, {&slots.x[slot * D], D, 1}, {w1, F, 1}, u, F, false, 1);
@@ -126,20 +142,14 @@ int64_t experts_round_forward(const RoundPlan& plan, int r, ExpertSlots& slots, 
     ops::swiglu(u, v, &rows.sg[row * F], &slots.act[slot * F], n * F);
     ops::gemm(n, D, F, {&slots.act[slot * F], F, 1}, {w2, D, 1}, y.at(rows, s, b, D), D, false, 1);
   });
-  return 3 * (int64_t)tasks.size();  // GEMM calls: u, v, y per task
+  return 3 * tasks;  // GEMM calls: u, v, y per task
 }
 
 int64_t experts_round_backward(const RoundPlan& plan, int r, ExpertSlots& slots, const ExpertRows& rows, RowPlace dy,
                                RowPlace dx, const float* W1, const float* W3, const float* W2, int D, int F) {
-  const std::vector<Segment>& segs = plan.round[r];
-  const int64_t block = row_block();
-  const auto tasks = row_tasks(segs, block);
-  parallel_tasks((int64_t)tasks.size(), [&](int64_t t) {
-    const Segment& s = segs[tasks[t].first];
-    const int64_t b = tasks[t].second, n = std::min(block, s.rows - b);
-    const int64_t slot = s.slot + b, row = rows.off[s.expert] + s.first + b;
-    const int e = s.expert;
-    const float *w1 = W1 + (int64_t)e * D * F, *w3 = W3 + (int64_t)e * D * F, *w2 = W2 + (int64_t)e * F * D;
+  const int64_t tasks = for_each_block(plan, r, rows, W1, W3, W2, D, F,
+                                       [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t row,
+                                           const float* w1, const float* w3, const float* w2) {
     const float *u = &rows.u[row * F], *v = &rows.v[row * F], *sg = &rows.sg[row * F];
     float *act = &slots.act[slot * F], *dact = &slots.dact[slot * F];
     float *du = &slots.du[slot * F], *dv = &slots.dv[slot * F], *dxr = dx.at(rows, s, b, D);
@@ -150,7 +160,7 @@ int64_t experts_round_backward(const RoundPlan& plan, int r, ExpertSlots& slots,
     ops::gemm(n, D, F, {du, F, 1}, {w1, 1, F}, dxr, D, false, 1);
     ops::gemm(n, D, F, {dv, F, 1}, {w3, 1, F}, dxr, D, true, 1);
   });
-  return 3 * (int64_t)tasks.size();  // GEMM calls: dact, dx (twice) per task
+  return 3 * tasks;  // GEMM calls: dact, dx (twice) per task
 }
 
 void ExpertWeightGrads::begin(const RoundPlan& plan, const ExpertRows& rows, int64_t leaves, int D, int F,

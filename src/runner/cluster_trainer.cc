@@ -69,10 +69,7 @@ bool fsdp_sharded(const ParamInfo& p, const MeshConfig& mesh) { return mesh.fsdp
 
 ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), mpi_(mpi) {
   const MeshConfig& m = s.mesh;
-  if (mpi && mpi->size() != m.dp)
-    throw UserError("mpirun started " + std::to_string(mpi->size()) + " processes but mesh.dp = " +
-                    std::to_string(m.dp) + ": one process per rank (use --set mesh.dp=" + std::to_string(mpi->size()) +
-                    " or mpirun -np " + std::to_string(m.dp) + ")");
+  if (mpi && mpi->size() != m.dp) throw std::logic_error("ClusterTrainer: the MPI world is not mesh.dp (run_scenario checks)");
   if (m.fsdp && m.replicate > 1) {
     const int shard = m.dp / m.replicate;
     if (shard & (shard - 1))
