@@ -4,7 +4,13 @@
 // instead of hanging it.
 #include <doctest/doctest.h>
 
+#include <signal.h>
+
 #include <chrono>
+#include <filesystem>
+#include <sstream>
+#include <thread>
+#include <vector>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -158,5 +164,53 @@ TEST_SUITE("mpi") {
     CHECK(r.out.find("ok    top1") != std::string::npos);
     CHECK(r.out.find("4 processes") != std::string::npos);  // it really ran under mpirun
     CHECK(r.out.find("check: 1 scenario, 0 failed") != std::string::npos);
+  }
+}
+
+namespace {
+
+// Non-zombie processes named lockstep whose command line holds `tag`.
+std::vector<int> rank_pids(const std::string& tag) {
+  const auto list = lstest::cli_temp_dir() / "pids";
+  std::system(("ps -eo pid=,stat=,comm=,args= | awk '$2 !~ /^Z/ && $3 == \"lockstep\" && index($0, \"" + tag +
+               "\")' | awk '{print $1}' >" + list.string())
+                  .c_str());
+  std::vector<int> out;
+  std::istringstream in(lstest::slurp(list));
+  for (int pid; in >> pid;) out.push_back(pid);
+  return out;
+}
+
+}  // namespace
+
+TEST_SUITE("mpi") {
+  TEST_CASE("a rank process killed from outside (SIGKILL) takes the whole job down: no rank outlives it") {
+    if (!ls::mpi_available()) return;
+    const auto sc = lstest::write_temp("mpi_kill_tiny.json", kTiny);
+    const auto rc_file = lstest::cli_temp_dir() / "mpi_kill.rc";
+    std::filesystem::remove(rc_file);
+    std::string cmd;
+    for (const std::string& w : ls::mpirun_command(4)) cmd += w + " ";
+    cmd += std::string(LOCKSTEP_BIN) + " run " + sc.string() +
+           " --set mesh.dp=4 --set train.steps=1000000 --quiet --threads 1 >/dev/null 2>&1";
+    std::system(("(timeout 120 " + cmd + "; echo $? >" + rc_file.string() + ") &").c_str());
+    std::vector<int> pids;
+    for (int i = 0; i < 300 && pids.size() < 4; ++i) {  // up to 30 s for the four ranks to start
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      pids = rank_pids("mpi_kill_tiny.json");
+    }
+    REQUIRE(pids.size() == 4);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // into the training loop
+    REQUIRE(kill(pids[2], SIGKILL) == 0);
+    std::string rc;
+    for (int i = 0; i < 600 && rc.empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      rc = lstest::slurp(rc_file);
+    }
+    REQUIRE(!rc.empty());  // mpirun ended
+    CHECK(std::stoi(rc) != 0);
+    CHECK(std::stoi(rc) != 124);  // mpirun ended it, not the timeout
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    CHECK(rank_pids("mpi_kill_tiny.json").empty());
   }
 }
