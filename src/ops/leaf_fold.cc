@@ -22,21 +22,22 @@ void LeafFold::begin(int in, int out, int64_t leaves, std::vector<float>* state)
   const int64_t n = state_floats(in, out, leaves);
   if ((int64_t)state->size() < n) state->resize(n);
   slots_ = state->data();
-  std::fill(slots_, slots_ + (int64_t)in * out, 0.0f);  // leaf 0 opens at +0
+  open_has_rows_ = false;
 }
 
 // The open leaf lives in the stack's next free entry, as LeafTree::next_leaf
 // would hand it out; pushing it merges equal-sized subtrees left + right.
 void LeafFold::close_open_leaf() {
   const int64_t w = (int64_t)in_ * out_;
+  float* open = slots_ + (int64_t)depth_ * w;
+  if (!open_has_rows_) std::fill(open, open + w, 0.0f);  // an empty leaf is +0
   LeafTree tree(slots_, w);
   tree.pushed = open_;
   tree.depth = depth_;
   tree.push();
   depth_ = tree.depth;
   ++open_;
-  float* next = slots_ + (int64_t)depth_ * w;
-  std::fill(next, next + w, 0.0f);
+  open_has_rows_ = false;  // the next leaf's first rows start its fold from +0 (no fill needed)
 }
 
 void LeafFold::add(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64_t* leaf, int64_t rows) {
@@ -47,9 +48,11 @@ void LeafFold::add(const float* X, int64_t ldx, const float* dY, int64_t ldy, co
     while (open_ < lf) close_open_leaf();
     int64_t r1 = r0 + 1;
     while (r1 < rows && leaf[r1] == lf) ++r1;
-    // A(i, k) = X[r0 + k][i]; B(k, j) = dY[r0 + k][j]; the fold continues from the open leaf.
+    // A(i, k) = X[r0 + k][i]; B(k, j) = dY[r0 + k][j]; the fold starts from +0 (the leaf's first
+    // rows) or continues from the open leaf.
     gemm(in_, out_, r1 - r0, ConstMat{X + r0 * ldx, 1, ldx}, ConstMat{dY + r0 * ldy, ldy, 1},
-         slots_ + (int64_t)depth_ * w, out_, true, 1);
+         slots_ + (int64_t)depth_ * w, out_, open_has_rows_, 1);
+    open_has_rows_ = true;
     r0 = r1;
   }
 }

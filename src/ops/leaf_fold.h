@@ -35,6 +35,7 @@ class LeafFold {
   int64_t leaves_ = 0;
   int64_t open_ = 0;   // the leaf being folded; leaves below it are on the stack
   int depth_ = 0;      // stack entries
+  bool open_has_rows_ = false;  // the open leaf's entry holds a fold (else it is not yet written)
   float* slots_ = nullptr;
 };
 
