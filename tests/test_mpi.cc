@@ -16,8 +16,13 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_run.h"
+#include "mpi_run.h"
 #include "tiny_scenario.h"
 #include "cluster/mpi.h"
+
+using lstest::kTiny;
+using lstest::Run;
+using lstest::run_lockstep;
 
 namespace {
 
@@ -28,38 +33,6 @@ lstest::CliResult run_mpi_check(int np, const std::string& extra = "") {
   const auto out = lstest::cli_temp_dir() / "mpi.out", err = lstest::cli_temp_dir() / "mpi.err";
   const int status = std::system(("timeout 120 " + cmd + " >" + out.string() + " 2>" + err.string()).c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), lstest::slurp(out), lstest::slurp(err)};
-}
-
-const std::string kTiny = lstest::tiny_scenario(true);
-
-struct Run {
-  int rc = -1;
-  std::string hash, err;
-  std::vector<std::string> loss_bits;
-  nlohmann::json summary;
-};
-
-// `lockstep run` of the tiny scenario; under mpirun with np > 0.
-Run run_lockstep(int np, const std::string& args) {
-  const auto sc = lstest::write_temp("mpi_tiny.json", kTiny);
-  std::string cmd;
-  if (np > 0)
-    for (const std::string& w : ls::mpirun_command(np)) cmd += w + " ";
-  cmd += std::string(LOCKSTEP_BIN) + " run " + sc.string() + " --json --quiet --threads 1 " + args;
-  const auto out = lstest::cli_temp_dir() / "mpi-run.out", err = lstest::cli_temp_dir() / "mpi-run.err";
-  const int status = std::system(("timeout 300 " + cmd + " >" + out.string() + " 2>" + err.string()).c_str());
-  Run r;
-  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  r.err = lstest::slurp(err);
-  std::string text = lstest::slurp(out);
-  while (!text.empty() && text.back() == '\n') text.pop_back();
-  const size_t nl = text.rfind('\n');
-  if (r.rc == 0 && !text.empty()) {
-    r.summary = nlohmann::json::parse(nl == std::string::npos ? text : text.substr(nl + 1));
-    r.hash = r.summary["final_state_hash"];
-    r.loss_bits = r.summary["loss_bits"].get<std::vector<std::string>>();
-  }
-  return r;
 }
 
 }  // namespace
@@ -145,9 +118,6 @@ TEST_SUITE("mpi") {
     const Run wrong = run_lockstep(3, "--set mesh.dp=4");
     CHECK(wrong.rc != 0);
     CHECK(wrong.err.find("mpirun started 3 processes but mesh.dp = 4") != std::string::npos);
-    const Run ckpt = run_lockstep(2, "--set mesh.dp=2 --set ckpt.url=/tmp/never --set ckpt.every=1");
-    CHECK(ckpt.rc != 0);
-    CHECK(ckpt.err.find("not yet") != std::string::npos);
     CHECK(run_lockstep(0, "--launcher nope").rc == 2);
   }
 }

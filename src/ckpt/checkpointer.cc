@@ -10,6 +10,7 @@
 #include "cluster/communicator.h"
 #include "common/error.h"
 #include "common/json_input.h"
+#include "store/store.h"
 #include "contract.h"
 
 namespace ls {
@@ -25,20 +26,64 @@ std::string stored_name(const StatePiece& p) {
   return p.name + "@" + std::to_string(p.global_begin) + "-" + std::to_string(p.global_end);
 }
 
+// Every rank of comm learns whether `root` failed: root passes its error (or
+// nullptr), the others nullptr. On a failure every rank throws: root its own
+// exception, the others one of the same kind with root's message. Collective.
+void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context) {
+  uint64_t head[2] = {0, 0};  // kind (0 none, 1 UserError, 2 StoreError, 3 other), message bytes
+  std::string text;
+  if (comm.rank() == root && error) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const UserError& e) {
+      head[0] = 1, text = e.what();
+    } catch (const StoreError& e) {
+      head[0] = 2, text = e.what();
+    } catch (const std::exception& e) {
+      head[0] = 3, text = e.what();
+    }
+    head[1] = text.size();
+  }
+  comm.broadcast(head, sizeof head, root);
+  if (head[0] == 0) return;
+  text.resize(head[1]);
+  comm.broadcast(text.data(), text.size(), root);
+  if (comm.rank() == root) std::rethrow_exception(error);
+  text = context + "rank " + std::to_string(root) + ": " + text;
+  if (head[0] == 1) throw UserError(text);
+  if (head[0] == 2) throw StoreError(text, false);
+  throw std::runtime_error(text);
+}
+
 }  // namespace
 
 struct CheckpointWriter::Job {
   int64_t step = 0;
-  std::vector<std::vector<StatePiece>> staged;  // per rank
+  std::vector<std::vector<StatePiece>> staged;  // per rank (under MPI only this process's rank until commit)
   size_t record = 0;
+  double started = 0;                           // when the upload began
+  std::vector<ManifestObject> objects;          // per rank, once written
+  std::vector<double> put_seconds;              // per rank
+  // MPI: this rank's upload ended (written), with its error if it failed.
+  bool written = false;
+  std::exception_ptr error;
+  std::thread thread;
 };
 
 CheckpointWriter::CheckpointWriter(const CheckpointConfig& cfg, std::shared_ptr<ObjectStore> store,
-                                   nlohmann::json scenario, std::string fingerprint, nlohmann::json mesh)
+                                   nlohmann::json scenario, std::string fingerprint, nlohmann::json mesh,
+                                   Communicator* mpi)
     : cfg_(cfg), store_(std::move(store)), scenario_(std::move(scenario)), mesh_(std::move(mesh)),
-      fingerprint_(std::move(fingerprint)) {}
+      fingerprint_(std::move(fingerprint)), mpi_(mpi) {}
 
 CheckpointWriter::~CheckpointWriter() {
+  if (mpi_) {
+    // No collective here: this may run while an error unwinds one process
+    // only. Pending checkpoints stay uncommitted (no manifest).
+    for (auto& job : pending_)
+      if (job->thread.joinable()) job->thread.join();
+    return;
+  }
   try {
     finish();
   } catch (const std::exception& e) {
@@ -48,7 +93,11 @@ CheckpointWriter::~CheckpointWriter() {
 
 void CheckpointWriter::save(int64_t step, Trainer& trainer) {
   const double t0 = now();
-  {
+  if (mpi_) {
+    // Back-pressure: settle the oldest until a slot is free (the same on
+    // every rank: pending_ changes only by agreed settles).
+    while ((int)pending_.size() >= std::max(1, cfg_.max_inflight)) settle_oldest(true);
+  } else {
     // Back-pressure: at most max_inflight uploads; earlier errors surface here.
     std::unique_lock<std::mutex> lk(mu_);
     cv_.wait(lk, [&] { return inflight_ < std::max(1, cfg_.max_inflight) || error_; });
@@ -76,6 +125,32 @@ void CheckpointWriter::save(int64_t step, Trainer& trainer) {
     rec.stall_seconds = now() - t0;
     records_.push_back(rec);
   }
+  job->started = now();
+  if (mpi_) {
+    pending_.push_back(job);
+    Job* j = job.get();
+    auto write = [this, j] {
+      std::exception_ptr error;
+      try {
+        write_objects(*j);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lk(mu_);
+      j->error = error;
+      j->written = true;
+      cv_.notify_all();
+    };
+    if (cfg_.async) {
+      job->thread = std::thread(write);
+    } else {
+      write();
+      settle_oldest(true);
+      std::lock_guard<std::mutex> lk(mu_);
+      records_[job->record].stall_seconds = now() - t0;
+    }
+    return;
+  }
   auto run = [this, job] {
     try {
       upload(*job);
@@ -99,22 +174,20 @@ void CheckpointWriter::save(int64_t step, Trainer& trainer) {
 }
 
 void CheckpointWriter::upload(Job& job) {
-  const double t0 = now();
-  Manifest m;
-  m.step = job.step;
-  m.fingerprint = fingerprint_;
-  m.scenario = scenario_;
-  m.mesh = mesh_;
-  std::map<std::string, size_t> tensor_index;
-  uint64_t bytes = 0;
+  write_objects(job);
+  commit(job);
+}
+
+void CheckpointWriter::write_objects(Job& job) {
   // Each rank's pieces become one safetensors object, uploaded by that rank's
-  // uploader thread.
+  // uploader thread (under MPI: this process's rank only).
   const int ranks = (int)job.staged.size();
-  std::vector<ManifestObject> objects(ranks);
+  job.objects.assign(ranks, {});
+  job.put_seconds.assign(ranks, 0.0);
   std::vector<std::exception_ptr> errors(ranks);
-  std::vector<double> put_seconds(ranks, 0.0);
   std::vector<std::thread> uploaders;
-  for (int r = 0; r < ranks; ++r)
+  for (int r = 0; r < ranks; ++r) {
+    if (mpi_ && r != mpi_->rank()) continue;
     uploaders.emplace_back([&, r] {
       try {
         std::vector<TensorSlice> slices;
@@ -122,27 +195,39 @@ void CheckpointWriter::upload(Job& job) {
           slices.push_back({stored_name(p), {p.global_end - p.global_begin}, p.data.data()});
         const std::vector<uint8_t> obj =
             encode_safetensors(slices, {{"step", std::to_string(job.step)}, {"rank", std::to_string(r)}});
-        objects[r] = {shard_key(job.step, r), obj.size(), xxh128_hex(obj.data(), obj.size()), r};
+        job.objects[r] = {shard_key(job.step, r), obj.size(), xxh128_hex(obj.data(), obj.size()), r};
         const double p0 = now();
-        with_retries([&] { store_->put(objects[r].key, obj.data(), obj.size()); });
-        put_seconds[r] = now() - p0;
+        with_retries([&] { store_->put(job.objects[r].key, obj.data(), obj.size()); });
+        job.put_seconds[r] = now() - p0;
       } catch (...) {
         errors[r] = std::current_exception();
       }
     });
+  }
   for (auto& t : uploaders) t.join();
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);  // no manifest: the torn checkpoint stays uncommitted
+}
+
+void CheckpointWriter::commit(Job& job) {
+  Manifest m;
+  m.step = job.step;
+  m.fingerprint = fingerprint_;
+  m.scenario = scenario_;
+  m.mesh = mesh_;
+  std::map<std::string, size_t> tensor_index;
+  uint64_t bytes = 0;
+  const int ranks = (int)job.staged.size();
   for (int r = 0; r < ranks; ++r) {
-    bytes += objects[r].size;
-    m.objects.push_back(objects[r]);
+    bytes += job.objects[r].size;
+    m.objects.push_back(job.objects[r]);
     for (const StatePiece& p : job.staged[r]) {
       auto it = tensor_index.find(p.name);
       if (it == tensor_index.end()) {
         it = tensor_index.emplace(p.name, m.tensors.size()).first;
         m.tensors.push_back({p.name, p.global_shape, {}});
       }
-      m.tensors[it->second].pieces.push_back({objects[r].key, stored_name(p), p.global_begin, p.global_end});
+      m.tensors[it->second].pieces.push_back({job.objects[r].key, stored_name(p), p.global_begin, p.global_end});
     }
   }
   for (ManifestTensor& t : m.tensors)
@@ -186,13 +271,104 @@ void CheckpointWriter::upload(Job& job) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     SaveRecord& rec = records_[job.record];
-    rec.upload_seconds = now() - t0;
-    rec.put_seconds = *std::max_element(put_seconds.begin(), put_seconds.end());
+    rec.upload_seconds = now() - job.started;
+    rec.put_seconds = *std::max_element(job.put_seconds.begin(), job.put_seconds.end());
     rec.bytes = bytes;
     rec.committed = true;
   }
   if (commit_hook_) commit_hook_(job.step);
   collect_garbage();
+}
+
+bool CheckpointWriter::settle_oldest(bool wait) {
+  std::shared_ptr<Job> job = pending_.front();
+  int32_t state;
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (wait) cv_.wait(lk, [&] { return job->written; });
+    state = !job->written ? 0 : job->error ? 2 : 1;
+  }
+  const int R = mpi_->size(), me = mpi_->rank();
+  std::vector<int32_t> states(R);
+  mpi_->all_gather(&state, states.data(), std::vector<size_t>(R, sizeof state));
+  int failed = -1;
+  for (int r = 0; r < R; ++r) {
+    if (states[r] == 0) return false;  // somebody is still uploading
+    if (states[r] == 2 && failed < 0) failed = r;
+  }
+  if (job->thread.joinable()) job->thread.join();
+  pending_.pop_front();
+  auto recycle = [&] {
+    for (int r = 0; r < R; ++r)
+      if (r != me) job->staged[r].clear();  // pieces received for the commit
+    std::lock_guard<std::mutex> lk(mu_);
+    spare_.push_back(std::move(job->staged));
+  };
+  const std::string context = "checkpoint of step " + std::to_string(job->step) + " not committed: ";
+  if (failed >= 0) {
+    recycle();
+    share_error(*mpi_, failed, me == failed ? job->error : nullptr, context);
+  }
+  // Rank 0 commits: it receives every rank's object description and staged
+  // pieces (the manifest names them; the state hash streams them in order).
+  if (me != 0) {
+    nlohmann::json head = {{"key", job->objects[me].key},
+                           {"size", job->objects[me].size},
+                           {"xxh128", job->objects[me].xxh128},
+                           {"put_seconds", job->put_seconds[me]},
+                           {"pieces", nlohmann::json::array()}};
+    for (const StatePiece& p : job->staged[me])
+      head["pieces"].push_back({p.name, p.global_shape, p.global_begin, p.global_end});
+    const std::string text = head.dump();
+    const uint64_t n = text.size();
+    mpi_->send(&n, sizeof n, 0);
+    mpi_->send(text.data(), n, 0);
+    for (const StatePiece& p : job->staged[me]) mpi_->send(p.data.data(), p.data.size() * 4, 0);
+  } else {
+    for (int r = 1; r < R; ++r) {
+      uint64_t n = 0;
+      mpi_->recv(&n, sizeof n, r);
+      std::string text(n, '\0');
+      mpi_->recv(text.data(), n, r);
+      const nlohmann::json head = nlohmann::json::parse(text);
+      job->objects[r] = {head["key"], head["size"], head["xxh128"], r};
+      job->put_seconds[r] = head["put_seconds"];
+      job->staged[r].clear();
+      for (const auto& p : head["pieces"]) {
+        StatePiece piece{p[0], p[1].get<std::vector<int64_t>>(), p[2], p[3], {}};
+        piece.data.resize(piece.global_end - piece.global_begin);
+        mpi_->recv(piece.data.data(), piece.data.size() * 4, r);
+        job->staged[r].push_back(std::move(piece));
+      }
+    }
+  }
+  std::exception_ptr error;
+  if (me == 0) {
+    try {
+      commit(*job);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  } else {
+    std::lock_guard<std::mutex> lk(mu_);
+    records_[job->record].committed = true;  // undone below if rank 0's commit failed
+    records_[job->record].upload_seconds = now() - job->started;
+  }
+  recycle();
+  try {
+    share_error(*mpi_, 0, error, context);
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(mu_);
+    records_[job->record].committed = false;
+    throw;
+  }
+  return true;
+}
+
+void CheckpointWriter::poll() {
+  if (!mpi_) return;
+  while (!pending_.empty() && settle_oldest(false)) {
+  }
 }
 
 void CheckpointWriter::collect_garbage() {
@@ -220,6 +396,10 @@ void CheckpointWriter::collect_garbage() {
 }
 
 void CheckpointWriter::finish() {
+  if (mpi_) {
+    while (!pending_.empty()) settle_oldest(true);
+    return;
+  }
   std::vector<std::thread> threads;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -277,7 +457,8 @@ Manifest read_manifest(ObjectStore& store, int64_t step) {
   return m;
 }
 
-RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode) {
+RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode,
+                            Communicator* mpi) {
   if (mode != "broadcast" && mode != "naive")
     throw UserError("ckpt.restore: must be broadcast or naive, got \"" + mode + "\"");
   const double t0 = now();
@@ -297,6 +478,7 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
   std::vector<std::vector<std::vector<float>>> buffers(world);
   std::vector<std::vector<int64_t>> filled(world);
   for (int r = 0; r < world; ++r) {
+    if (mpi && r != mpi->rank()) continue;  // held by another process
     needs[r] = trainer.state_needs(r);
     for (const StatePiece& n : needs[r]) buffers[r].emplace_back(n.global_end - n.global_begin);
     filled[r].assign(needs[r].size(), 0);
@@ -343,7 +525,7 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
           return true;
     return false;
   };
-  run_in_process(world, [&](Communicator& comm) {
+  auto body = [&](Communicator& comm) {
     const int r = comm.rank();
     for (size_t i = 0; i < m.objects.size(); ++i) {
       const ManifestObject& o = m.objects[i];
@@ -351,29 +533,64 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
         if (holds_any(r, o)) take(r, o, fetch(o));
         continue;
       }
-      // Read once by the reader rank, then broadcast to every rank.
+      // Read once by the reader rank, then broadcast to every rank. A failed
+      // read fails the restore on every rank (none waits for bytes that
+      // never come, none loads a partial state).
       const int reader = (int)(i % world);
       std::vector<uint8_t> bytes;
-      uint64_t n = 0;
+      std::exception_ptr error;
       if (r == reader) {
-        bytes = fetch(o);
-        n = bytes.size();
+        try {
+          bytes = fetch(o);
+        } catch (...) {
+          error = std::current_exception();
+        }
       }
+      share_error(comm, reader, error, "restore from " + store.url() + ": ");
+      uint64_t n = bytes.size();
       comm.broadcast(&n, sizeof n, reader);
       bytes.resize(n);
       comm.broadcast(bytes.data(), n, reader);
       take(r, o, bytes);
     }
-  });
+  };
+  if (mpi) {
+    // A rank that failed alone (naive mode reads on its own) must not leave
+    // the others waiting in the next collective: agree first.
+    std::exception_ptr error;
+    try {
+      body(*mpi);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    int64_t failed = error ? 1 : 0;
+    mpi->all_reduce_sum(&failed, 1);
+    if (error) std::rethrow_exception(error);
+    if (failed) throw UserError(store.url() + ": restore of step " + std::to_string(m.step) + " failed on another rank");
+  } else {
+    run_in_process(world, body);
+  }
+  std::string uncovered;
   for (int r = 0; r < world; ++r)
-    for (size_t i = 0; i < needs[r].size(); ++i) {
+    for (size_t i = 0; i < needs[r].size() && uncovered.empty(); ++i) {
       const StatePiece& n = needs[r][i];
       if (filled[r][i] != n.global_end - n.global_begin)
-        throw UserError(store.url() + ": checkpoint of step " + std::to_string(m.step) + " does not cover " + n.name +
-                        " [" + std::to_string(n.global_begin) + ", " + std::to_string(n.global_end) + ")");
-      trainer.load_piece(r, n, buffers[r][i].data());
+        uncovered = store.url() + ": checkpoint of step " + std::to_string(m.step) + " does not cover " + n.name +
+                    " [" + std::to_string(n.global_begin) + ", " + std::to_string(n.global_end) + ")";
     }
-  rep.store_bytes_read = store.metrics_snapshot().bytes_read - read_before;
+  if (mpi) {  // agreed: every process loads, or none does
+    int64_t bad = uncovered.empty() ? 0 : 1;
+    mpi->all_reduce_sum(&bad, 1);
+    if (bad && uncovered.empty())
+      uncovered = store.url() + ": checkpoint of step " + std::to_string(m.step) + " does not cover what " +
+                  std::to_string(bad) + " other rank(s) hold";
+  }
+  if (!uncovered.empty()) throw UserError(uncovered);
+  for (int r = 0; r < world; ++r)
+    for (size_t i = 0; i < needs[r].size(); ++i) trainer.load_piece(r, needs[r][i], buffers[r][i].data());
+  int64_t read = (int64_t)(store.metrics_snapshot().bytes_read - read_before);
+  if (mpi) mpi->all_reduce_sum(&read, 1);  // every process's reads
+  rep.store_bytes_read = (uint64_t)read;
   rep.seconds = now() - t0;
   return rep;
 }

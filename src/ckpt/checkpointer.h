@@ -11,6 +11,15 @@
 // rank chosen round-robin, and broadcast its bytes to the ranks; each rank
 // keeps the parts of the global tensors it holds on its own mesh, whatever
 // mesh saved them (resharding).
+//
+// Across processes (mpirun, one rank each): every process writes its own
+// rank's object on its uploader thread; the commit is a collective run on
+// the main thread (MPI is initialised FUNNELED): poll() at each step end
+// gathers every rank's status of the oldest pending checkpoint, and once all
+// have written, rank 0 receives the objects' descriptions and staged pieces,
+// hashes the state and writes the manifest. A rank whose upload failed fails
+// that checkpoint on every rank, and no manifest is written. Restore reads
+// each object once, on its reader process, and broadcasts it over MPI.
 #pragma once
 
 #include <condition_variable>
@@ -44,10 +53,15 @@ struct SaveRecord {
   bool committed = false;
 };
 
+class Communicator;
+
 class CheckpointWriter {
  public:
+  // mpi: this process is one rank of an MPI job (every rank constructs a
+  // writer and calls save/poll/finish at the same steps); nullptr: the
+  // trainer's ranks are all in this process.
   CheckpointWriter(const CheckpointConfig& cfg, std::shared_ptr<ObjectStore> store, nlohmann::json scenario,
-                   std::string fingerprint, nlohmann::json mesh);
+                   std::string fingerprint, nlohmann::json mesh, Communicator* mpi = nullptr);
   ~CheckpointWriter();  // waits for uploads; errors then are reported on stderr
 
   // Stages the trainer's state and starts the upload (or uploads now when not
@@ -55,6 +69,9 @@ class CheckpointWriter {
   void save(int64_t step, Trainer& trainer);
   // Waits for every upload; rethrows the first error.
   void finish();
+  // Under MPI: commits every pending checkpoint whose objects all ranks have
+  // written (one small all-gather when any is pending). A no-op otherwise.
+  void poll();
   std::vector<SaveRecord> records();
   // Called (on the uploader thread) after a checkpoint's manifest committed.
   void set_commit_hook(std::function<void(int64_t step)> hook) { commit_hook_ = std::move(hook); }
@@ -62,6 +79,12 @@ class CheckpointWriter {
  private:
   struct Job;
   void upload(Job& job);
+  void write_objects(Job& job);  // every staged rank's object, in parallel
+  void commit(Job& job);         // manifest last; then keep_last
+  // MPI: commits (or fails everywhere) the oldest pending checkpoint once every
+  // rank has written its object; wait: block for this rank's upload first.
+  // Returns whether it left the queue. Collective.
+  bool settle_oldest(bool wait);
   void collect_garbage();
 
   CheckpointConfig cfg_;
@@ -76,6 +99,8 @@ class CheckpointWriter {
   std::vector<SaveRecord> records_;
   std::vector<std::vector<std::vector<StatePiece>>> spare_;
   std::function<void(int64_t)> commit_hook_;  // staging buffers of finished uploads, for reuse
+  Communicator* mpi_ = nullptr;
+  std::deque<std::shared_ptr<Job>> pending_;  // MPI: saved, not yet committed (oldest first)
 };
 
 struct RestoreReport {
@@ -94,7 +119,11 @@ std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text);
 std::vector<int64_t> committed_steps(ObjectStore& store);
 // The manifest of `step` (-1: the latest committed), validated.
 Manifest read_manifest(ObjectStore& store, int64_t step);
-// Loads the manifest's state into every rank of the trainer.
-RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode);
+// Loads the manifest's state into every rank of the trainer. mpi: the
+// trainer holds this process's rank only; objects travel between processes
+// and store_bytes_read counts every process's reads. A failure is agreed:
+// every process throws, and no rank loads anything.
+RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode,
+                            Communicator* mpi = nullptr);
 
 }  // namespace ls

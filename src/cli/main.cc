@@ -170,8 +170,8 @@ int cmd_run(const RunArgs& a, const char* self) {
     throw UserError("--launcher: 'threads' (ranks as threads of this process) or 'mpi' (one process per rank), got '" +
                     a.launcher + "'");
   if (a.launcher == "mpi" && !launched_by_mpirun() && !a.dry_run) {
-    if (a.supervise || !a.faults.empty() || !a.resume.empty())
-      throw UserError("--launcher mpi: supervision, faults and --resume do not yet run across processes");
+    if (a.supervise || !a.faults.empty())
+      throw UserError("--launcher mpi: supervision and faults do not yet run across processes");
     exec_under_mpirun(s, self);
   }
   if (a.dry_run) {

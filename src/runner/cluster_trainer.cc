@@ -447,6 +447,10 @@ std::vector<StatePiece> ClusterTrainer::state_needs(int rank) const {
 void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
   out.resize(ranks_.size());
   for (size_t r = 0; r < ranks_.size(); ++r) {
+    if (!ranks_[r]) {  // another process's rank: it stages its own
+      out[r].clear();
+      continue;
+    }
     const auto& infos = ranks_[r]->model->params();
     size_t k = 0;  // pieces staged by rank r; buffers of an earlier save are reused in order
     for (StatePiece& p : state_needs((int)r)) {

@@ -298,8 +298,6 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     if (opt.backend != Backend::kEngine) throw UserError("--backend: under mpirun only the engine runs");
     if (opt.mpi->size() > 1) {
       // Not yet across processes (issue 16): refused rather than done wrong.
-      if (!opt.resume.empty() || (!s.ckpt.url.empty() && s.ckpt.every > 0))
-        throw UserError("ckpt.url / --resume: checkpoints are not yet written or read under mpirun; run in one process");
       if (!opt.faults.empty()) throw UserError("faults: fault injection does not yet run under mpirun");
       if (!opt.trace_path.empty()) throw UserError("--trace: tracing needs mesh.dp=1 (one process)");
       trainer = std::make_unique<ClusterTrainer>(s, opt.mpi);
@@ -343,6 +341,8 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     if (opt.progress) std::fprintf(stderr, "eval  step %d  held-out %.4f bits/byte\n", step, bpb);
   };
 
+  // The processes of an MPI job, when this process holds one rank of several.
+  Communicator* procs = opt.mpi && opt.mpi->size() > 1 ? opt.mpi : nullptr;
   std::map<std::string, uint64_t> train_bytes;
   // Resume: the latest (or the named) committed checkpoint, on this mesh.
   int start = 0;
@@ -402,7 +402,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
         throw UserError("--resume: the checkpoint is at step " + std::to_string(m.step) + ", nothing left of " +
                         std::to_string(r.steps) + " steps");
       try {
-        rep = restore_state(*trainer, *from, m, s.ckpt.restore);
+        rep = restore_state(*trainer, *from, m, s.ckpt.restore, procs);
         restored = true;
         break;
       } catch (const UserError& e) {
@@ -428,7 +428,8 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     if (injector) to = injector->wrap(to);
     writer = std::make_unique<CheckpointWriter>(
         s.ckpt, to, s.resolved, r.fingerprint,
-        nlohmann::json{{"dp", s.mesh.dp}, {"ep", s.mesh.ep}, {"fsdp", s.mesh.fsdp}, {"replicate", s.mesh.replicate}});
+        nlohmann::json{{"dp", s.mesh.dp}, {"ep", s.mesh.ep}, {"fsdp", s.mesh.fsdp}, {"replicate", s.mesh.replicate}},
+        procs);
     if (injector) writer->set_commit_hook([&injector](int64_t step) { injector->after_commit(step); });
   }
 
@@ -492,6 +493,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
       if (injector) injector->at(done, FaultPhase::kCkptStaging);
       writer->save(done, *trainer);
     }
+    if (writer) writer->poll();  // MPI: commit what every rank has written
     if (opt.eval && s.eval_every > 0 && done % s.eval_every == 0 && done != r.steps) evaluate(done);
   }
   if (writer) {
