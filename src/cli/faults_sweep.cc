@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 
 #include "ckpt/checkpointer.h"
@@ -45,6 +46,8 @@ std::string tail_since(const fs::path& path, std::uintmax_t from, int max_lines)
 int cmd_faults_sweep(const SweepArgs& a) {
   Scenario s = load_scenario(a.scenario, a.sets);
   if (a.trials < 1) throw UserError("--trials: must be at least 1");
+  const bool mpi = a.launcher == "mpi";
+  if (a.launcher != "threads" && !mpi) throw UserError("--launcher: 'threads' or 'mpi', got '" + a.launcher + "'");
   const int every = s.ckpt.every > 0 ? s.ckpt.every : std::max(1, s.steps / 4);
   char tmpl[] = "/tmp/lockstep-sweep-XXXXXX";
   if (!mkdtemp(tmpl)) throw UserError("faults sweep: cannot create a temporary directory");
@@ -59,13 +62,15 @@ int cmd_faults_sweep(const SweepArgs& a) {
   clean.faults.clear();
   clean.ckpt.every = 0;  // the golden run saves nothing
   const std::string golden = run_scenario(clean, plain).final_state_hash;
-  std::fprintf(stderr, "faults sweep: %d trials of %s (%d steps, checkpoint every %d), golden %s\n", a.trials,
-               s.name.c_str(), s.steps, every, golden.c_str());
+  std::fprintf(stderr, "faults sweep: %d trials of %s (%d steps, checkpoint every %d%s), golden %s\n", a.trials,
+               s.name.c_str(), s.steps, every, mpi ? ", one process per rank under mpirun" : "", golden.c_str());
 
   std::mt19937_64 rng(a.seed);
   int matches = 0, mismatches = 0, failed = 0, io_kills = 0, restores = 0, fallbacks = 0, store_faults = 0;
   int deleted_early = 0;
   uint64_t orphans = 0;
+  int64_t orphan_processes = 0;  // rank processes alive after their job's mpirun ended (killed by the supervisor)
+  int64_t survivors = 0;         // rank processes still alive after a trial: must be 0
   std::vector<int> ckpt_steps;
   for (int k = every; k <= s.steps; k += every) ckpt_steps.push_back(k);
   for (int trial = 0; trial < a.trials; ++trial) {
@@ -76,9 +81,16 @@ int cmd_faults_sweep(const SweepArgs& a) {
     std::string fault;
     const int any_step = 1 + (int)(rng() % s.steps);
     const int ck = ckpt_steps.empty() ? any_step : ckpt_steps[rng() % ckpt_steps.size()];
-    const std::string kind = u(rng) < 0.8 ? "process_kill" : "rank_crash";
+    // Across processes a kill hits one rank's process: rank_crash on a random rank.
+    const std::string rank_opt = ",rank=" + std::to_string(rng() % std::max(1, s.mesh.dp));
+    const std::string kind = mpi || u(rng) >= 0.8 ? "rank_crash" : "process_kill";
+    const std::string kind_opts = kind == "rank_crash" ? rank_opt : "";
     bool io = false;
-    if (p < 0.30 && !ckpt_steps.empty()) {
+    if (mpi && p < 0.30 && !ckpt_steps.empty()) {
+      // That rank's process dies before it uploads its own object.
+      fault = "rank_crash@" + std::to_string(ck) + ":phase=ckpt_upload" + rank_opt;
+      io = true;
+    } else if (p < 0.30 && !ckpt_steps.empty()) {
       fault = "process_kill@" + std::to_string(ck) + ":phase=ckpt_upload,after_objects=" +
               std::to_string(rng() % std::max(1, s.mesh.dp));
       io = true;
@@ -86,11 +98,11 @@ int cmd_faults_sweep(const SweepArgs& a) {
       fault = "process_kill@" + std::to_string(ck) + ":phase=manifest_write";
       io = true;
     } else if (p < 0.55 && !ckpt_steps.empty()) {
-      fault = kind + "@" + std::to_string(ck) + ":phase=ckpt_staging";
+      fault = kind + "@" + std::to_string(ck) + ":phase=ckpt_staging" + kind_opts;
       io = true;
     } else {
       static const char* phases[] = {"step_start", "forward", "backward", "optimizer"};
-      fault = kind + "@" + std::to_string(any_step) + ":phase=" + phases[rng() % 4];
+      fault = kind + "@" + std::to_string(any_step) + ":phase=" + phases[rng() % 4] + kind_opts;
     }
     SuperviseOptions so;
     so.binary = self_executable();
@@ -113,6 +125,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
       ++store_faults;
     }
     so.threads = a.threads;
+    so.launcher = a.launcher;
     so.progress = false;
     const fs::path child_log = dir / "children.log";
     so.child_stderr = child_log.string();
@@ -144,6 +157,22 @@ int cmd_faults_sweep(const SweepArgs& a) {
       }
     }
     if (io && fired_in_io) ++io_kills;
+    for (const auto& ev : r.summary.value("restarts", nlohmann::json::array()))
+      orphan_processes += ev.value("orphans_killed", 0);
+    if (mpi) {  // no process of this trial may be left: its command line names the trial's store
+      const std::string tag = "ckpt.url=" + url;
+      for (const auto& e : fs::directory_iterator("/proc")) {
+        const std::string cmdline_path = (e.path() / "cmdline").string();
+        std::ifstream in(cmdline_path, std::ios::binary);
+        std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        if (cmdline.find(tag + '\0') != std::string::npos) {
+          std::string stat;
+          std::getline(std::ifstream((e.path() / "stat").string()), stat);
+          const size_t close = stat.rfind(')');
+          if (close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z') ++survivors;
+        }
+      }
+    }
     fallbacks += (int)r.summary.value("restore_fallbacks", nlohmann::json::array()).size();
     // The store afterwards: the newest committed checkpoint is the last save
     // (none deleted before a newer committed); torn ones are orphans for gc.
@@ -173,8 +202,13 @@ int cmd_faults_sweep(const SweepArgs& a) {
   std::printf("committed deleted too early    %d\n", deleted_early);
   std::printf("orphan objects left (gc)       %llu%s\n", (unsigned long long)orphans,
               a.keep ? "" : " (removed by ckpt gc after each trial)");
+  if (mpi) {
+    std::printf("rank processes left by mpirun  %lld (alive after it exited; the supervisor killed them)\n",
+                (long long)orphan_processes);
+    std::printf("rank processes outliving trial %lld\n", (long long)survivors);
+  }
   if (!a.keep) fs::remove_all(dir);
-  return mismatches || failed || deleted_early ? 1 : 0;
+  return mismatches || failed || deleted_early || survivors ? 1 : 0;
 }
 
 }  // namespace ls

@@ -16,6 +16,10 @@ struct SweepArgs {
   bool store_faults = false;  // add transient store errors to some trials
   bool keep = false;          // keep the trial stores (no gc)
   int threads = 0;
+  // "mpi": every trial is a supervised mpirun job, one rank per process; the
+  // faults then kill a random rank's process (rank_crash), and no rank
+  // process may outlive its trial.
+  std::string launcher = "threads";
 };
 
 // Prints the counts; 0 when every trial ended on the golden hash.

@@ -169,11 +169,14 @@ int cmd_run(const RunArgs& a, const char* self) {
   if (a.launcher != "threads" && a.launcher != "mpi")
     throw UserError("--launcher: 'threads' (ranks as threads of this process) or 'mpi' (one process per rank), got '" +
                     a.launcher + "'");
-  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.dry_run) {
-    if (a.supervise || !a.faults.empty())
-      throw UserError("--launcher mpi: supervision and faults do not yet run across processes");
-    exec_under_mpirun(s, self);
-  }
+  const std::vector<FaultSpec> faults = planned_faults(s, a.faults, a.steps);
+  const bool child = !a.fault_state.empty();
+  const bool supervised = !child && (a.supervise || !faults.empty());
+  if (supervised && launched_by_mpirun())
+    throw UserError("--supervise / --fault under mpirun: the supervisor must stand outside the job to restart it; "
+                    "run `lockstep run ... --launcher mpi --supervise` (it starts mpirun itself)");
+  // --launcher mpi: this process becomes mpirun, or (supervised) the supervisor starts it per attempt.
+  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.dry_run && !supervised) exec_under_mpirun(s, self);
   if (a.dry_run) {
     RunOptions po;
     po.backend = parse_backend(a.backend);
@@ -181,9 +184,7 @@ int cmd_run(const RunArgs& a, const char* self) {
     po.resume = a.resume;
     return cmd_plan(s, po, a.json);
   }
-  const std::vector<FaultSpec> faults = planned_faults(s, a.faults, a.steps);
-  const bool child = !a.fault_state.empty();
-  if (!child && (a.supervise || !faults.empty())) {
+  if (supervised) {
     // The supervisor: this process runs the job as children and restarts them.
     // Options a restarted child could not honour are refused, not dropped.
     for (const auto& [given, name] : std::vector<std::pair<bool, const char*>>{
@@ -205,6 +206,7 @@ int cmd_run(const RunArgs& a, const char* self) {
     so.progress = a.progress || (!a.quiet && isatty(2));
     so.child_progress = so.progress;
     so.resume = a.resume;
+    so.launcher = a.launcher;
     if (a.steps > 0) so.extra_args = {"--steps", std::to_string(a.steps)};
     if (!a.backend.empty() && a.backend != "engine") throw UserError("--supervise: the engine backend only");
     SuperviseResult r = supervise(so);
@@ -421,7 +423,6 @@ int cmd_check(const CheckArgs& a) {
     nlohmann::json g = read_json_file(gpath);
     Scenario s = load_scenario(spath, {});
     if (!s.faults.empty()) {
-      if (a.launcher == "mpi" && tty) std::fprintf(stderr, "check: %s: faults run in-process (not yet under MPI)\n", spath.c_str());
       // A fault scenario: supervised, restarted from checkpoints; it must end
       // on its fault-free twin's final hash.
       char tmpl[] = "/tmp/lockstep-check-XXXXXX";
@@ -433,6 +434,9 @@ int cmd_check(const CheckArgs& a) {
       so.threads = a.threads;
       so.progress = false;
       so.child_stderr = std::string(tmpl) + "/children.log";
+      // --launcher mpi: each attempt one process per rank, under mpirun.
+      const bool processes = a.launcher == "mpi" && s.mesh.dp > 1;
+      if (processes) so.launcher = "mpi";
       const SuperviseResult r = supervise(so);
       const std::string got = r.summary.value("final_state_hash", "");
       const size_t restarts = r.summary.value("restarts", nlohmann::json::array()).size();
@@ -442,8 +446,9 @@ int cmd_check(const CheckArgs& a) {
       else if (fp != g.value("fingerprint", "")) why = "scenario fingerprint differs from the twin's golden file";
       else if (got != g.value("final_state_hash", "")) why = "final_state_hash " + got + " differs from the golden";
       if (why.empty()) {
-        std::printf("ok    %-16s %-28s %zu restart%s, final_state_hash %s\n", s.name.c_str(),
-                    fs::path(spath).filename().string().c_str(), restarts, restarts == 1 ? "" : "s", got.c_str());
+        std::printf("ok    %-16s %-28s %zu restart%s%s, final_state_hash %s\n", s.name.c_str(),
+                    fs::path(spath).filename().string().c_str(), restarts, restarts == 1 ? "" : "s",
+                    processes ? (", " + std::to_string(s.mesh.dp) + " processes").c_str() : "", got.c_str());
         fs::remove_all(tmpl);
       } else {
         ++failed;
@@ -703,6 +708,9 @@ int main(int argc, char** argv) {
   sweep->add_flag("--store-faults", sa.store_faults, "also inject transient store errors in some trials");
   sweep->add_flag("--keep", sa.keep, "keep the trial checkpoints (no gc)");
   sweep->add_option("--threads", sa.threads, "threads per run")->check(CLI::Range(1, 1024));
+  sweep->add_option("--launcher", sa.launcher,
+                    "threads (default: ranks are threads of each run's process) or mpi (each trial an mpirun job, one "
+                    "process per rank; kills hit random rank processes)");
 
   bool keys_md = false;
   auto* keys = app.add_subcommand("keys", "list every scenario key with its type, default and meaning");

@@ -56,6 +56,15 @@ void FaultInjector::fire(int index, const std::string& detail) {
   }
 }
 
+bool FaultInjector::pending(int index) const {
+  if (fired_.count(index)) return false;
+  const FaultSpec& f = faults_[index];
+  if (process_rank_ < 0) return true;
+  if (f.phase == FaultPhase::kCkptUpload && f.after_objects >= 0) return f.after_objects == process_rank_;
+  const int home = f.kind == FaultKind::kRankCrash || f.kind == FaultKind::kStraggler ? f.rank : 0;
+  return home == process_rank_;
+}
+
 void FaultInjector::at(int step, FaultPhase phase, int rank) {
   std::lock_guard<std::mutex> lk(mu_);
   if (step < 0) step = step_;  // a phase inside the current step
@@ -99,10 +108,12 @@ std::shared_ptr<ObjectStore> FaultInjector::wrap(std::shared_ptr<ObjectStore> st
         continue;
       if (f.phase == FaultPhase::kManifestWrite && manifest)
         fire((int)i, "before writing " + key);
+      // Under MPI this process writes one object: rank K's is the job's K-th.
+      const int objects_before = process_rank_ >= 0 && f.after_objects >= 0 ? process_rank_ : puts_before;
       if (f.phase == FaultPhase::kCkptUpload && !manifest &&
-          ((f.after_objects >= 0 && puts_before >= f.after_objects) ||
+          ((f.after_objects >= 0 && objects_before >= f.after_objects) ||
            (f.after_bytes >= 0 && (int64_t)bytes_before >= f.after_bytes) || (f.after_objects < 0 && f.after_bytes < 0)))
-        fire((int)i, "before uploading " + key + " (" + std::to_string(puts_before) + " objects, " +
+        fire((int)i, "before uploading " + key + " (" + std::to_string(objects_before) + " objects, " +
                          std::to_string(bytes_before) + " bytes done)");
     }
   });

@@ -297,13 +297,16 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
                       std::to_string(opt.mpi->size()) + " or mpirun -np " + std::to_string(s.mesh.dp) + ")");
     if (opt.backend != Backend::kEngine) throw UserError("--backend: under mpirun only the engine runs");
     if (opt.mpi->size() > 1) {
-      // Not yet across processes (issue 16): refused rather than done wrong.
-      if (!opt.faults.empty()) throw UserError("faults: fault injection does not yet run under mpirun");
       if (!opt.trace_path.empty()) throw UserError("--trace: tracing needs mesh.dp=1 (one process)");
       trainer = std::make_unique<ClusterTrainer>(s, opt.mpi);
     }
   }
   if (!trainer) trainer = make_trainer(s, opt.backend);
+  // The processes of an MPI job, when this process holds one rank of several;
+  // rank 0's process alone writes the supervisor's heartbeat and step log.
+  Communicator* procs = opt.mpi && opt.mpi->size() > 1 ? opt.mpi : nullptr;
+  const bool lead = !procs || procs->rank() == 0;
+  const std::string step_log = lead ? opt.step_log : std::string();
   if (auto* cluster = dynamic_cast<ClusterTrainer*>(trainer.get())) {
     cluster->set_threads(opt.threads > 0 ? opt.threads : omp_get_max_threads());
     cluster->set_jitter(opt.jitter_seed);
@@ -313,6 +316,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   std::unique_ptr<FaultInjector> injector;
   if (!opt.faults.empty()) {
     injector = std::make_unique<FaultInjector>(opt.faults, opt.fired, opt.fault_state);
+    if (opt.mpi && opt.mpi->size() > 1) injector->set_process_rank(opt.mpi->rank(), opt.mpi->size());
     trainer->set_phase_hook([&injector](const char* phase, int rank) {
       const std::string p = phase;
       injector->at(-1, p == "forward" ? FaultPhase::kForward : p == "backward" ? FaultPhase::kBackward
@@ -337,12 +341,10 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     }
     const float bpb = (acc / (float)s.eval_batches) / 0.693147180559945309f;
     r.evals.push_back({step, bpb});
-    append_step_log(opt.step_log, "eval " + std::to_string(step) + " " + hex_bits(bpb));
+    append_step_log(step_log, "eval " + std::to_string(step) + " " + hex_bits(bpb));
     if (opt.progress) std::fprintf(stderr, "eval  step %d  held-out %.4f bits/byte\n", step, bpb);
   };
 
-  // The processes of an MPI job, when this process holds one rank of several.
-  Communicator* procs = opt.mpi && opt.mpi->size() > 1 ? opt.mpi : nullptr;
   std::map<std::string, uint64_t> train_bytes;
   // Resume: the latest (or the named) committed checkpoint, on this mesh.
   int start = 0;
@@ -369,7 +371,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
       std::fprintf(stderr, "restore: checkpoint of step %lld unusable (%s); falling back to %s\n", (long long)step,
                    why.c_str(), to ? ("step " + std::to_string(to)).c_str() : "the start (no older committed checkpoint)");
       fallbacks.push_back({{"step", step}, {"why", why}});
-      if (!opt.fault_state.empty())
+      if (!opt.fault_state.empty() && lead)
         if (FILE* f = std::fopen(opt.fault_state.c_str(), "a")) {
           std::fprintf(f, "fallback from=%lld to=%lld\n", (long long)step, (long long)to);
           std::fclose(f);
@@ -437,7 +439,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   auto t_start = std::chrono::steady_clock::now();
   double last_progress = -1;  // seconds into the loop of the last progress line
   for (int step = start; step < r.steps; ++step) {
-    if (!opt.heartbeat.empty()) {
+    if (!opt.heartbeat.empty() && lead) {
       // The supervisor's liveness signal: the step being run.
       if (FILE* hb = std::fopen(opt.heartbeat.c_str(), "w")) {
         std::fprintf(hb, "%d\n", step + 1);
@@ -446,7 +448,8 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     }
     if (injector) {
       injector->set_step(step + 1);
-      for (int rank = 0; rank < trainer->world(); ++rank) injector->at(step + 1, FaultPhase::kStepStart, rank);
+      for (int rank = 0; rank < trainer->world(); ++rank)
+        if (!procs || rank == procs->rank()) injector->at(step + 1, FaultPhase::kStepStart, rank);
     }
     train_batch(corpus, s.seed, step, B, T, batch.data());
     for (const RunOptions::Bump& b : opt.debug_bumps)
@@ -461,7 +464,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     if (tracer) tracer->end_step(loss, norm, trainer->state_hash());
     r.losses.push_back(loss);
     r.grad_norms.push_back(norm);
-    append_step_log(opt.step_log, "step " + std::to_string(step + 1) + " " + hex_bits(loss) + " " +
+    append_step_log(step_log, "step " + std::to_string(step + 1) + " " + hex_bits(loss) + " " +
                                       std::to_string(step_seconds));
     const MeshReport mr = trainer->mesh_report();
     r.moe_rounds.push_back(mr.rounds);
@@ -490,7 +493,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
                    (long long)mr.borrowed, (long long)mr.dropped);
     }
     if (writer && done % s.ckpt.every == 0) {
-      if (injector) injector->at(done, FaultPhase::kCkptStaging);
+      if (injector) injector->at(done, FaultPhase::kCkptStaging, procs ? procs->rank() : 0);
       writer->save(done, *trainer);
     }
     if (writer) writer->poll();  // MPI: commit what every rank has written

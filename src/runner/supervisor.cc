@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -18,6 +19,7 @@
 #include <thread>
 
 #include "ckpt/checkpointer.h"
+#include "cluster/mpi.h"
 #include "common/error.h"
 #include "contract.h"
 #include "faults/injector.h"
@@ -124,13 +126,52 @@ int64_t resume_step(const std::string& resume, const std::string& endpoint) {
   return latest;
 }
 
+// Kills every process of session `sid` and waits (up to 5 s) until none is
+// left; returns how many were still there when the job's leader had ended.
+int kill_session(int sid) {
+  std::vector<int> left = session_processes(sid);
+  const int found = (int)left.size();
+  for (int i = 0; i < 500 && !left.empty(); ++i) {
+    for (int pid : left) ::kill(pid, SIGKILL);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    left = session_processes(sid);
+  }
+  return found;
+}
+
 }  // namespace
+
+std::vector<int> session_processes(int sid) {
+  std::vector<int> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/proc", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const int pid = std::atoi(name.c_str());
+    if (pid == ::getpid()) continue;
+    // /proc/PID/stat: pid (comm) state ppid pgrp session ...; comm may hold spaces.
+    const std::string stat = slurp(e.path() / "stat");
+    const size_t close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(stat.substr(close + 1));
+    std::string state;
+    int ppid = 0, pgrp = 0, session = 0;
+    if (!(rest >> state >> ppid >> pgrp >> session)) continue;
+    if (session == sid && state != "Z") out.push_back(pid);  // a zombie is dead already
+  }
+  return out;
+}
 
 SuperviseResult supervise(const SuperviseOptions& opt) {
   const Scenario s = load_scenario(opt.scenario, opt.sets);
   // Every fault the children inject, in their order (bad specs: exit 2 before anything runs).
   std::vector<FaultSpec> planned = s.faults;
   for (const std::string& f : opt.faults) planned.push_back(parse_fault(f));
+  const bool mpi = opt.launcher == "mpi";
+  if (opt.launcher != "threads" && !mpi) throw UserError("--launcher: 'threads' or 'mpi', got '" + opt.launcher + "'");
+  if (mpi && !mpi_available())
+    throw UserError("--launcher mpi: this lockstep was built without MPI (install libopenmpi-dev via "
+                    "scripts/install-deps.sh, then meson setup --reconfigure build)");
   if (s.ckpt.url.empty() || s.ckpt.every <= 0)
     throw UserError("ckpt.url / ckpt.every: a supervised run restarts from committed checkpoints; set both "
                     "(e.g. --set ckpt.url=/tmp/run --set ckpt.every=5)");
@@ -178,6 +219,11 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
     if (opt.threads > 0) args.insert(args.end(), {"--threads", std::to_string(opt.threads)});
     args.insert(args.end(), opt.extra_args.begin(), opt.extra_args.end());
     ::unlink(hb.c_str());
+    const int np = new_dp > 0 ? new_dp : s.mesh.dp;
+    if (mpi) {  // one rank per process: mpirun starts them
+      std::vector<std::string> launch = mpirun_command(np);
+      args.insert(args.begin(), launch.begin(), launch.end());
+    }
 
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -187,10 +233,17 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
     posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (!opt.child_stderr.empty())
       posix_spawn_file_actions_addopen(&fa, 2, opt.child_stderr.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    // The job in a session of its own: mpirun puts each rank in its own
+    // process group, but they all stay in the session, so the session is
+    // what the teardown below kills.
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    if (mpi) posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSID);
     pid_t pid;
-    const int rc = posix_spawn(&pid, opt.binary.c_str(), &fa, nullptr, argv.data(), environ);
+    const int rc = posix_spawnp(&pid, argv[0], &fa, &attr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&fa);
-    if (rc != 0) throw UserError("supervisor: cannot start " + opt.binary);
+    posix_spawnattr_destroy(&attr);
+    if (rc != 0) throw UserError(std::string("supervisor: cannot start ") + argv[0] + ": " + std::strerror(rc));
     const double started = now();
     double last_beat = started;
     bool hung = false;
@@ -213,6 +266,7 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       }
       if (now() - last_beat > opt.heartbeat_timeout) {
         hung = true;
+        if (mpi) kill_session(pid);
         ::kill(pid, SIGKILL);
         ::waitpid(pid, &status, 0);
         break;
@@ -220,6 +274,9 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     const double detected = now();
+    // Whatever way the job ended, no rank process of it may live on into the
+    // next attempt (or past the supervisor).
+    const int orphans_killed = mpi ? kill_session(pid) : 0;
     if (!pending.is_null()) {  // the child died before its first step
       pending["time_to_resume_seconds"] = nullptr;
       timeline.push_back(pending);
@@ -313,6 +370,10 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
                {"restore_step", restore_step},
                {"steps_replayed", std::max<int64_t>(0, failed_step - 1 - restore_step)},
                {"mesh_dp_after", new_dp > 0 ? new_dp : s.mesh.dp}};
+    if (mpi) {
+      pending["processes"] = np;
+      pending["orphans_killed"] = orphans_killed;
+    }
     say(failure + " at step " + std::to_string(failed_step) + "; restarting from " +
         (restore_step ? "checkpoint " + std::to_string(restore_step) : std::string("scratch")) +
         (new_dp > 0 ? " on mesh.dp=" + std::to_string(new_dp) : std::string()));

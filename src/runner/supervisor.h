@@ -25,6 +25,10 @@ struct SuperviseOptions {
   std::string resume;                  // --resume URL[@STEP]: where the job starts (restarts use ckpt.url)
   bool child_progress = false;         // children print their progress lines (stderr inherited)
   std::string child_stderr;            // append the children's stderr here (empty: inherit)
+  // "mpi": each attempt is `mpirun -np mesh.dp lockstep run ...`, one rank per
+  // process, started in a session of its own; whatever way it ends, every
+  // process left in that session is killed before the next attempt.
+  std::string launcher = "threads";
 };
 
 struct SuperviseResult {
@@ -38,5 +42,9 @@ struct SuperviseResult {
 
 // Checkpoint URL of a scenario after overrides (what restarts resume from).
 SuperviseResult supervise(const SuperviseOptions& opt);
+
+// Processes in session `sid` (this process excluded), by pid: what a job
+// started with setsid left running. Linux /proc.
+std::vector<int> session_processes(int sid);
 
 }  // namespace ls

@@ -1,0 +1,170 @@
+// Failures of real rank processes: the supervisor runs the mpirun job as its
+// child, sees a rank process die (an injected crash, a kill mid-checkpoint,
+// a SIGKILL from outside), tears the whole job down, restarts it from the
+// latest committed checkpoint -- on the same or another process count -- and
+// the job ends on the uninterrupted run's bits with no rank process left.
+#include <doctest/doctest.h>
+
+#include <signal.h>
+
+#include <chrono>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "mpi_run.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using lstest::Run;
+using lstest::run_lockstep;
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path d = lstest::cli_temp_dir() / name;
+  fs::remove_all(d);
+  return d;
+}
+
+// Live (non-zombie) processes whose command line holds `tag`.
+std::vector<int> live_with(const std::string& tag) {
+  std::vector<int> out;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::string cmdline = lstest::slurp(e.path() / "cmdline"), stat = lstest::slurp(e.path() / "stat");
+    const size_t close = stat.rfind(')');
+    if (close == std::string::npos || close + 2 >= stat.size() || stat[close + 2] == 'Z') continue;
+    for (char& c : cmdline)
+      if (c == '\0') c = ' ';
+    if (cmdline.find(tag) != std::string::npos) out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// Rank processes (not mpirun, not the supervisor) of a job whose command line holds `tag`.
+std::vector<int> rank_processes(const std::string& tag) {
+  std::vector<int> out;
+  for (int pid : live_with(tag)) {
+    const std::string cmdline = lstest::slurp("/proc/" + std::to_string(pid) + "/cmdline");
+    // Ranks carry the supervisor's --fault-state; mpirun's own line starts with mpirun.
+    if (cmdline.rfind("mpirun", 0) != 0 && cmdline.find("--fault-state") != std::string::npos) out.push_back(pid);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_SUITE("mpi") {
+  TEST_CASE("supervised across processes: a crashed rank and a kill mid-checkpoint restart from the last commit") {
+    if (!ls::mpi_available()) return;
+    const Run whole = run_lockstep(0, "--set train.steps=12");
+    REQUIRE(whole.rc == 0);
+    const fs::path dir = fresh_dir("mpi-sup");
+    const Run r = run_lockstep(0, "--launcher mpi --set mesh.dp=4 --set train.steps=12 --set ckpt.every=3 --set ckpt.url=" +
+                                      dir.string() +
+                                      " --fault rank_crash@5:rank=2 --fault rank_crash@9:phase=ckpt_upload,rank=3"
+                                      " --fault process_kill@12:phase=manifest_write");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(r.hash == whole.hash);
+    CHECK(r.loss_bits == whole.loss_bits);  // every step of the job, whichever attempt ran it
+    const nlohmann::json& restarts = r.summary["restarts"];
+    REQUIRE(restarts.size() == 3);
+    CHECK(restarts[0]["failure"] == "exit 86 (a rank crashed)");
+    CHECK(restarts[0]["restore_step"] == 3);
+    CHECK(restarts[1]["events"][0].get<std::string>().find("before uploading step-00000009/rank-00003") !=
+          std::string::npos);
+    CHECK(restarts[1]["restore_step"] == 6);  // step 9 was never committed: rank 3's object is missing
+    CHECK(restarts[2]["failure"] == "exit 137");
+    CHECK(restarts[2]["restore_step"] == 9);
+    for (const auto& ev : restarts) CHECK(ev["processes"] == 4);
+    CHECK(r.summary["faults_fired"].size() == 3);
+    CHECK(live_with(dir.string()).empty());  // no rank process of any attempt lives on
+  }
+
+  TEST_CASE("restart_mesh across processes: shrink to 2 processes, then grow to 8, on the same bits") {
+    if (!ls::mpi_available()) return;
+    const Run whole = run_lockstep(0, "--set train.steps=12");
+    const fs::path dir = fresh_dir("mpi-sup-mesh");
+    const Run r = run_lockstep(0, "--launcher mpi --set mesh.dp=4 --set train.steps=12 --set ckpt.every=3 --set ckpt.url=" +
+                                      dir.string() + " --fault shrink@5:dp=2 --fault grow@8:dp=8");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(r.hash == whole.hash);
+    const nlohmann::json& restarts = r.summary["restarts"];
+    REQUIRE(restarts.size() == 2);
+    CHECK(restarts[0]["processes"] == 4);
+    CHECK(restarts[0]["mesh_dp_after"] == 2);
+    CHECK(restarts[1]["processes"] == 2);
+    CHECK(restarts[1]["mesh_dp_after"] == 8);
+    CHECK(r.summary["mesh"]["dp"] == 8);  // the last attempt ran 8 processes
+  }
+
+  TEST_CASE("a rank process SIGKILLed from outside: the supervisor restarts the job and it ends on the same hash") {
+    if (!ls::mpi_available()) return;
+    const int steps = 300;
+    const Run whole = run_lockstep(0, "--set train.steps=" + std::to_string(steps));
+    const fs::path dir = fresh_dir("mpi-sup-kill");
+    const auto sc = lstest::write_temp("mpi_kill_sup.json", lstest::kTiny);
+    const auto out = lstest::cli_temp_dir() / "sup-kill.out", err = lstest::cli_temp_dir() / "sup-kill.err",
+               rc_file = lstest::cli_temp_dir() / "sup-kill.rc";
+    fs::remove(rc_file);
+    const std::string cmd = std::string(LOCKSTEP_BIN) + " run " + sc.string() +
+                            " --launcher mpi --supervise --json --quiet --threads 1 --set mesh.dp=4 --set train.steps=" +
+                            std::to_string(steps) + " --set ckpt.every=20 --set ckpt.url=" + dir.string();
+    std::system(("(timeout 300 " + cmd + " >" + out.string() + " 2>" + err.string() + "; echo $? >" +
+                 rc_file.string() + ") &")
+                    .c_str());
+    // Once the first checkpoint committed, kill one rank process from outside.
+    for (int i = 0; i < 600 && !fs::exists(dir / "step-00000020" / "manifest.json"); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    REQUIRE(fs::exists(dir / "step-00000020" / "manifest.json"));
+    std::vector<int> ranks = rank_processes(dir.string());
+    REQUIRE(ranks.size() == 4);
+    REQUIRE(kill(ranks[1], SIGKILL) == 0);
+    std::string rc;
+    for (int i = 0; i < 3000 && rc.empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      rc = lstest::slurp(rc_file);
+    }
+    CAPTURE(lstest::slurp(err));
+    REQUIRE(!rc.empty());
+    REQUIRE(std::stoi(rc) == 0);
+    std::string text = lstest::slurp(out);
+    while (!text.empty() && text.back() == '\n') text.pop_back();
+    const nlohmann::json j = nlohmann::json::parse(text.substr(text.rfind('\n') + 1));
+    CHECK(j["final_state_hash"] == whole.hash);
+    REQUIRE(j["restarts"].size() == 1);
+    const std::string failure = j["restarts"][0]["failure"];
+    CHECK(failure == "exit 137");  // mpirun's exit for a rank killed by SIGKILL
+    CHECK(j["restarts"][0]["restore_step"].get<int>() >= 20);
+    CHECK(live_with(dir.string()).empty());
+  }
+
+  TEST_CASE("faults sweep --launcher mpi: kills of random rank processes, every trial on the golden hash") {
+    if (!ls::mpi_available()) return;
+    const std::string root = LOCKSTEP_SOURCE_DIR;
+    const lstest::CliResult r = lstest::run_cli("faults sweep " + root +
+                                                "/scenarios/sweep_tiny.json --trials 6 --launcher mpi --threads 1 "
+                                                "--set mesh.dp=4 --seed 3");
+    CAPTURE(r.out);
+    CAPTURE(r.err);
+    CHECK(r.rc == 0);
+    CHECK(r.err.find("one process per rank under mpirun") != std::string::npos);
+    CHECK(r.out.find("ended on the golden hash       6") != std::string::npos);
+    CHECK(r.out.find("mismatches                     0") != std::string::npos);
+    CHECK(r.out.find("rank processes outliving trial 0") != std::string::npos);
+  }
+
+  TEST_CASE("a supervisor is not started under mpirun: it would be one per rank") {
+    if (!ls::mpi_available()) return;
+    const Run r = run_lockstep(2, "--set mesh.dp=2 --set ckpt.url=/tmp/never --set ckpt.every=1 --fault rank_crash@2");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--launcher mpi --supervise") != std::string::npos);
+  }
+}
