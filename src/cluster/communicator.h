@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <string>
@@ -16,13 +17,29 @@
 
 namespace ls {
 
-// Bytes this rank sent, by collective kind.
+// Bytes this rank sent, by collective kind, and the wall time it spent inside
+// collectives (waiting for its peers included: what a profiler would call
+// communication time).
 struct CommStats {
   std::map<std::string, uint64_t> bytes_sent;
   std::map<std::string, uint64_t> calls;
-  void add(const char* kind, uint64_t bytes) {
+  double seconds = 0;
+  // Adds its lifetime to `seconds`: hold it for the whole collective.
+  class Timer {
+   public:
+    explicit Timer(CommStats* s) : s_(s), t0_(std::chrono::steady_clock::now()) {}
+    Timer(const Timer&) = delete;
+    Timer& operator=(const Timer&) = delete;
+    ~Timer() { s_->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
+
+   private:
+    CommStats* s_;
+    std::chrono::steady_clock::time_point t0_;
+  };
+  [[nodiscard]] Timer add(const char* kind, uint64_t bytes) {
     bytes_sent[kind] += bytes;
     calls[kind] += 1;
+    return Timer(this);
   }
 };
 

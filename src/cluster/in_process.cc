@@ -91,12 +91,13 @@ class InProcessComm : public Communicator {
   int size() const override { return hub_->size; }
 
   void barrier() override {
+    const CommStats::Timer timed(&stats);
     jitter();
     hub_->wait_all();
   }
 
   void broadcast(void* buf, size_t bytes, int root) override {
-    stats.add("broadcast", rank_ == root ? bytes * (size() - 1) : 0);
+    const CommStats::Timer timed = stats.add("broadcast", rank_ == root ? bytes * (size() - 1) : 0);
     post(buf, bytes);
     if (rank_ != root) copy_bytes(buf, hub_->posted[root], bytes);
     hub_->wait_all();
@@ -104,7 +105,7 @@ class InProcessComm : public Communicator {
 
   void all_reduce_sum(float* buf, size_t count) override {
     // A ring all-reduce would send 2 (R-1)/R of the buffer.
-    stats.add("all_reduce", size() > 1 ? 2 * count * 4 * (size() - 1) / size() : 0);
+    const CommStats::Timer timed = stats.add("all_reduce", size() > 1 ? 2 * count * 4 * (size() - 1) / size() : 0);
     post(buf, count * 4);
     std::vector<float> out = tree_over_ranks(0, count);
     hub_->wait_all();
@@ -112,7 +113,7 @@ class InProcessComm : public Communicator {
   }
 
   void all_reduce_sum(int64_t* buf, size_t count) override {
-    stats.add("all_reduce", size() > 1 ? 2 * count * 8 * (size() - 1) / size() : 0);
+    const CommStats::Timer timed = stats.add("all_reduce", size() > 1 ? 2 * count * 8 * (size() - 1) / size() : 0);
     post(buf, count * 8);
     std::vector<int64_t> out(count, 0);
     for (int r = 0; r < size(); ++r) {
@@ -129,7 +130,7 @@ class InProcessComm : public Communicator {
       if (r == rank_) offset = total;
       total += counts[r];
     }
-    stats.add("reduce_scatter", (total - counts[rank_]) * 4);
+    const CommStats::Timer timed = stats.add("reduce_scatter", (total - counts[rank_]) * 4);
     post(send, total * 4);
     std::vector<float> out = tree_over_ranks(offset, counts[rank_]);
     hub_->wait_all();
@@ -137,7 +138,7 @@ class InProcessComm : public Communicator {
   }
 
   void all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
-    stats.add("all_gather", bytes[rank_] * (size() - 1));
+    const CommStats::Timer timed = stats.add("all_gather", bytes[rank_] * (size() - 1));
     post(send, bytes[rank_]);
     size_t off = 0;
     for (int r = 0; r < size(); ++r) {
@@ -152,7 +153,7 @@ class InProcessComm : public Communicator {
     uint64_t out = 0;
     for (int r = 0; r < size(); ++r)
       if (r != rank_) out += send_bytes[r];
-    stats.add("all_to_all", out);
+    const CommStats::Timer timed = stats.add("all_to_all", out);
     // Post the send buffer and its per-destination offsets.
     std::vector<size_t> offsets(size() + 1, 0);
     for (int r = 0; r < size(); ++r) offsets[r + 1] = offsets[r] + send_bytes[r];
@@ -174,13 +175,14 @@ class InProcessComm : public Communicator {
   }
 
   void send(const void* buf, size_t bytes, int dst) override {
-    stats.add("send", bytes);
+    const CommStats::Timer timed = stats.add("send", bytes);
     std::lock_guard<std::mutex> lk(hub_->mu);
     hub_->mail[{rank_, dst}].emplace_back((const char*)buf, (const char*)buf + bytes);
     hub_->cv.notify_all();
   }
 
   void recv(void* buf, size_t bytes, int src) override {
+    const CommStats::Timer timed(&stats);
     std::unique_lock<std::mutex> lk(hub_->mu);
     auto& box = hub_->mail[{src, rank_}];
     hub_->cv.wait(lk, [&] { return !box.empty() || hub_->aborted; });

@@ -71,10 +71,13 @@ class MpiComm : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
-  void barrier() override { check(MPI_Barrier(comm_), "barrier"); }
+  void barrier() override {
+    const CommStats::Timer timed(&stats);
+    check(MPI_Barrier(comm_), "barrier");
+  }
 
   void broadcast(void* buf, size_t bytes, int root) override {
-    stats.add("broadcast", rank_ == root ? bytes * (size_ - 1) : 0);
+    const CommStats::Timer timed = stats.add("broadcast", rank_ == root ? bytes * (size_ - 1) : 0);
     check(MPI_Bcast(buf, as_count(bytes, "broadcast"), MPI_BYTE, root, comm_), "broadcast");
   }
 
@@ -82,7 +85,7 @@ class MpiComm : public Communicator {
   // it by the canonical tree over ranks; the sums are all-gathered. Each
   // rank sends 2 n (R-1)/R bytes, as a ring all-reduce would.
   void all_reduce_sum(float* buf, size_t count) override {
-    stats.add("all_reduce", size_ > 1 ? 2 * count * 4 * (size_ - 1) / size_ : 0);
+    const CommStats::Timer timed = stats.add("all_reduce", size_ > 1 ? 2 * count * 4 * (size_ - 1) / size_ : 0);
     if (size_ == 1) return;
     std::vector<size_t> counts(size_);
     for (int r = 0; r < size_; ++r) counts[r] = count * (r + 1) / size_ - count * r / size_;
@@ -95,7 +98,7 @@ class MpiComm : public Communicator {
 
   // Integers: an all-gather, then the sum in rank order (exact in any order).
   void all_reduce_sum(int64_t* buf, size_t count) override {
-    stats.add("all_reduce", size_ > 1 ? 2 * count * 8 * (size_ - 1) / size_ : 0);
+    const CommStats::Timer timed = stats.add("all_reduce", size_ > 1 ? 2 * count * 8 * (size_ - 1) / size_ : 0);
     if (size_ == 1) return;
     std::vector<int64_t> all(count * size_);
     gather_bytes(buf, all.data(), std::vector<size_t>(size_, count * 8), "all_reduce");
@@ -109,12 +112,12 @@ class MpiComm : public Communicator {
   void reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) override {
     size_t total = 0;
     for (int r = 0; r < size_; ++r) total += counts[r];
-    stats.add("reduce_scatter", (total - counts[rank_]) * 4);
+    const CommStats::Timer timed = stats.add("reduce_scatter", (total - counts[rank_]) * 4);
     reduce_blocks(send, counts, recv);
   }
 
   void all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
-    stats.add("all_gather", bytes[rank_] * (size_ - 1));
+    const CommStats::Timer timed = stats.add("all_gather", bytes[rank_] * (size_ - 1));
     gather_bytes(send, recv, bytes, "all_gather");
   }
 
@@ -123,16 +126,17 @@ class MpiComm : public Communicator {
     uint64_t out = 0;
     for (int r = 0; r < size_; ++r)
       if (r != rank_) out += send_bytes[r];
-    stats.add("all_to_all", out);
+    const CommStats::Timer timed = stats.add("all_to_all", out);
     exchange(send, send_bytes, recv, recv_bytes, "all_to_all");
   }
 
   void send(const void* buf, size_t bytes, int dst) override {
-    stats.add("send", bytes);
+    const CommStats::Timer timed = stats.add("send", bytes);
     check(MPI_Send(buf, as_count(bytes, "send"), MPI_BYTE, dst, kTag, comm_), "send");
   }
 
   void recv(void* buf, size_t bytes, int src) override {
+    const CommStats::Timer timed(&stats);
     MPI_Status st;
     check(MPI_Probe(src, kTag, comm_, &st), "recv");
     int got = 0;

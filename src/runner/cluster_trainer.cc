@@ -154,11 +154,13 @@ void ClusterTrainer::each_rank(const std::function<void(RankCtx&)>& body) {
         RankCtx ctx{rank, comm, *epg, *edp, *shard, *replica};
         body(ctx);
         rank.model->set_mesh(nullptr);
-        for (Communicator* c : {&comm, epg.get(), edp.get(), shard.get(), replica.get()})
+        for (Communicator* c : {&comm, epg.get(), edp.get(), shard.get(), replica.get()}) {
+          rank.comm.seconds += c->stats.seconds;
           for (auto& [k, b] : c->stats.bytes_sent) {
             rank.comm.bytes_sent[k] += b;
             rank.comm.calls[k] += c->stats.calls[k];
           }
+        }
       },
       jitter_seed_);
 }
@@ -179,8 +181,11 @@ void ClusterTrainer::each_rank_mpi(const std::function<void(RankCtx&)>& body) {
   std::vector<Communicator*> all = {&comm};
   for (auto& g : mpi_groups_) all.push_back(g.get());
   std::map<std::string, uint64_t> before_bytes, before_calls;
-  for (Communicator* c : all)
+  double before_seconds = 0;
+  for (Communicator* c : all) {
+    before_seconds += c->stats.seconds;
     for (auto& [k, b] : c->stats.bytes_sent) before_bytes[k] += b, before_calls[k] += c->stats.calls[k];
+  }
   RankHooks hooks(comm, *mpi_groups_[0]);
   rank.model->set_mesh(&hooks);
   RankCtx ctx{rank, comm, *mpi_groups_[0], *mpi_groups_[1], *mpi_groups_[2], *mpi_groups_[3]};
@@ -188,8 +193,12 @@ void ClusterTrainer::each_rank_mpi(const std::function<void(RankCtx&)>& body) {
   rank.model->set_mesh(nullptr);
   // The communicators live on: add what this call sent.
   std::map<std::string, uint64_t> after_bytes, after_calls;
-  for (Communicator* c : all)
+  double after_seconds = 0;
+  for (Communicator* c : all) {
+    after_seconds += c->stats.seconds;
     for (auto& [k, b] : c->stats.bytes_sent) after_bytes[k] += b, after_calls[k] += c->stats.calls[k];
+  }
+  rank.comm.seconds += after_seconds - before_seconds;
   for (auto& [k, b] : after_bytes) {
     rank.comm.bytes_sent[k] += b - before_bytes[k];
     rank.comm.calls[k] += after_calls[k] - before_calls[k];
@@ -503,6 +512,7 @@ MeshReport ClusterTrainer::mesh_report() const {
                                 st.all_to_all_bytes, st.peak_expert_bytes, st.peak_dispatch_bytes,
                                 st.peak_routed_bytes, st.peak_grad_state_bytes};
     for (const char* k : kKinds) rec.push_back(me.comm.bytes_sent.count(k) ? (int64_t)me.comm.bytes_sent.at(k) : -1);
+    rec.push_back((int64_t)(me.comm.seconds * 1e9));  // nanoseconds in collectives
     const int R = mpi_->size();
     std::vector<int64_t> all(rec.size() * R);
     mpi_->all_gather(rec.data(), all.data(), std::vector<size_t>(R, rec.size() * sizeof(int64_t)));
@@ -522,12 +532,14 @@ MeshReport ClusterTrainer::mesh_report() const {
       rep.add(s);
       for (size_t k = 0; k < sizeof kKinds / sizeof *kKinds; ++k)
         if (x[10 + k] >= 0) rep.bytes_sent_max[kKinds[k]] = std::max<uint64_t>(rep.bytes_sent_max[kKinds[k]], x[10 + k]);
+      rep.comm_seconds_max = std::max(rep.comm_seconds_max, (double)x[rec.size() - 1] * 1e-9);
     }
     return rep;
   }
   for (const auto& r : ranks_) {
     rep.add(r->model->moe_stats());
     for (auto& [k, b] : r->comm.bytes_sent) rep.bytes_sent_max[k] = std::max(rep.bytes_sent_max[k], b);
+    rep.comm_seconds_max = std::max(rep.comm_seconds_max, r->comm.seconds);
   }
   return rep;
 }

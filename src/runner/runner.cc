@@ -346,6 +346,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   };
 
   std::map<std::string, uint64_t> train_bytes;
+  double train_comm_seconds = 0;
   // Resume: the latest (or the named) committed checkpoint, on this mesh.
   int start = 0;
   if (!opt.resume.empty()) {
@@ -477,7 +478,10 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     r.peak_dispatch_bytes = std::max(r.peak_dispatch_bytes, mr.peak_dispatch_bytes);
     r.peak_routed_bytes = std::max(r.peak_routed_bytes, mr.peak_routed_bytes);
     r.peak_grad_state_bytes = std::max(r.peak_grad_state_bytes, mr.peak_grad_state_bytes);
-    if (step + 1 == r.steps) train_bytes = mr.bytes_sent_max;
+    if (step + 1 == r.steps) {
+      train_bytes = mr.bytes_sent_max;
+      train_comm_seconds = mr.comm_seconds_max;
+    }
     const int done = step + 1;
     for (int h : opt.hash_at)
       if (h == done) r.state_hashes[done] = trainer->state_hash();
@@ -519,6 +523,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.mesh = s.mesh;
   // Collective bytes of the training steps (taken before evaluation adds its own).
   for (auto& [k, b] : train_bytes) r.bytes_sent_per_step[k] = r.steps > start ? (double)b / (r.steps - start) : 0;
+  r.comm_seconds_per_step = r.steps > start ? train_comm_seconds / (r.steps - start) : 0;
   r.peak_rss_bytes = peak_rss_bytes();
   return r;
 }
@@ -560,6 +565,7 @@ nlohmann::json result_json(const RunResult& r) {
               {"peak_routed_bytes_per_rank", r.peak_routed_bytes},
               {"peak_grad_state_bytes_per_rank", r.peak_grad_state_bytes}};
   j["bytes_sent_per_rank_per_step"] = r.bytes_sent_per_step;
+  j["comm_seconds_per_rank_per_step"] = r.comm_seconds_per_step;
   if (r.resumed_from) j["resumed_from"] = r.resumed_from;
   if (!r.checkpoint.is_null()) j["checkpoint"] = r.checkpoint;
   if (!r.restore.is_null()) j["restore"] = r.restore;

@@ -87,6 +87,7 @@ struct RunResult {
   int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;  // measured high-water marks, the largest rank
   int64_t peak_routed_bytes = 0, peak_grad_state_bytes = 0;
   std::map<std::string, double> bytes_sent_per_step;  // by collective kind, busiest rank
+  double comm_seconds_per_step = 0;  // measured wall time in collectives per step (waits included), slowest rank
   int resumed_from = 0;                       // steps already done by the checkpoint resumed from
   nlohmann::json checkpoint;                  // saves: stall/upload seconds, bytes
   nlohmann::json restore;                     // store_bytes_read, checkpoint_bytes, seconds
@@ -106,6 +107,7 @@ struct MeshReport {
   int64_t peak_routed_bytes = 0, peak_grad_state_bytes = 0;
   void add(const MoeStats& rank);
   std::map<std::string, uint64_t> bytes_sent_max;          // by collective kind, the busiest rank, all steps
+  double comm_seconds_max = 0;  // measured wall time inside collectives, the slowest rank, all steps
 };
 
 // A piece of training state: elements [global_begin, global_end) of the
