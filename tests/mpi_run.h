@@ -2,6 +2,7 @@
 // process or under mpirun: exit code, stderr and the --json summary.
 #pragma once
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,13 @@ inline Run run_lockstep(int np, const std::string& args) {
     r.loss_bits = r.summary["loss_bits"].get<std::vector<std::string>>();
   }
   return r;
+}
+
+// An empty path under the suite's temporary folder (removed if present).
+inline std::filesystem::path fresh_dir(const std::string& name) {
+  const std::filesystem::path d = cli_temp_dir() / name;
+  std::filesystem::remove_all(d);
+  return d;
 }
 
 }  // namespace lstest

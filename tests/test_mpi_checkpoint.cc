@@ -21,15 +21,10 @@ namespace {
 namespace fs = std::filesystem;
 using lstest::Run;
 using lstest::run_lockstep;
+using lstest::fresh_dir;
 
 // 8 steps, a checkpoint every 2, none deleted.
 const std::string kCkpt = " --set train.steps=8 --set ckpt.every=2 --set ckpt.keep_last=0";
-
-fs::path fresh_dir(const std::string& name) {
-  const fs::path d = lstest::cli_temp_dir() / name;
-  fs::remove_all(d);
-  return d;
-}
 
 std::vector<std::string> tail(const std::vector<std::string>& v, size_t n) {
   return std::vector<std::string>(v.end() - std::min(n, v.size()), v.end());

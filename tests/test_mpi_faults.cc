@@ -23,12 +23,7 @@ namespace {
 namespace fs = std::filesystem;
 using lstest::Run;
 using lstest::run_lockstep;
-
-fs::path fresh_dir(const std::string& name) {
-  const fs::path d = lstest::cli_temp_dir() / name;
-  fs::remove_all(d);
-  return d;
-}
+using lstest::fresh_dir;
 
 // Live (non-zombie) processes whose command line holds `tag`.
 std::vector<int> live_with(const std::string& tag) {
