@@ -68,7 +68,7 @@ const std::vector<std::string> kKeys = {
     "train.batch", "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.decay_steps",
     "train.beta1", "train.beta2", "train.eps", "train.weight_decay", "train.grad_clip",
     "train.eval_every", "train.eval_batches", "data.path", "data.synthetic_bytes",
-    "data.val_fraction", "numerics.leaf_samples"};
+    "data.val_fraction", "numerics.leaf_samples", "numerics.level"};
 
 // A file that sets every key to a non-default value.
 const char* kFull = R"({
@@ -88,7 +88,7 @@ const char* kFull = R"({
             "eps": 1e-07, "weight_decay": 0.0, "grad_clip": 0.5,
             "eval_every": 0, "eval_batches": 2},
   "data": {"path": "corpus.bin", "synthetic_bytes": 65536, "val_fraction": 0.25},
-  "numerics": {"leaf_samples": 4}
+  "numerics": {"leaf_samples": 4, "level": "local"}
 })";
 
 }  // namespace
@@ -194,6 +194,7 @@ TEST_SUITE("scenario") {
     CHECK(s.data.synthetic_bytes == 65536);
     CHECK(s.data.val_fraction == 0.25);
     CHECK(s.leaf_samples == 4);
+    CHECK(s.level == "local");
     CHECK(s.model.moe_policy == ls::MoePolicy::kPeak);
     CHECK(s.model.capacity_factor == 0.5f);
     CHECK(s.model.moe_capacity == 12);

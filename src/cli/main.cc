@@ -297,6 +297,7 @@ int cmd_golden(const GoldenArgs& a) {
   fs::create_directories(a.golden_dir);
   for (const std::string& path : a.scenarios) {
     Scenario s = load_scenario(path, {});
+    if (!golden_refusal(s.level).empty()) throw UserError(path + ": " + golden_refusal(s.level));
     RunOptions opt;
     opt.threads = a.threads;
     opt.hash_at = golden_hash_steps(s.steps);
@@ -358,6 +359,7 @@ RunResult run_under_mpirun(const std::string& spath, const Scenario& s, int thre
   const nlohmann::json j = nlohmann::json::parse(text.substr(nl == std::string::npos ? 0 : nl + 1));
   RunResult r;
   r.fingerprint = j.at("fingerprint");
+  r.level = j.value("level", "portable");
   r.steps = j.at("steps");
   r.threads = j.value("threads", threads);
   for (const auto& b : j.at("loss_bits")) {

@@ -2,7 +2,8 @@
 // A collective has every rank post its buffer, wait for all, compute its own
 // result from the posted buffers in rank order (the canonical tree for sums),
 // and wait again before anyone may reuse a buffer. Arrival order never
-// enters a result.
+// enters a result (except at numerics.level=local, where float sums follow it
+// on purpose, to show what that costs in reproducibility).
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <thread>
 
 #include "cluster/communicator.h"
+#include "common/numerics_level.h"
 #include "contract.h"
 
 namespace ls {
@@ -52,6 +54,7 @@ struct Hub {
   uint64_t generation = 0;
   std::vector<const void*> posted;
   std::vector<size_t> posted_bytes;
+  std::vector<int> arrivals;  // ranks in the order they posted to the current collective
   std::map<std::pair<int, int>, std::deque<std::vector<char>>> mail;  // (src, dst) -> messages
   std::map<std::pair<uint64_t, int>, std::shared_ptr<Hub>> children;  // (split number, color)
   bool aborted = false;  // a rank failed: every wait gives up instead of hanging
@@ -225,13 +228,30 @@ class InProcessComm : public Communicator {
     jitter();
     hub_->posted[rank_] = p;
     hub_->posted_bytes[rank_] = bytes;
+    {
+      // A collective's posts all happen after the last one's final wait: the
+      // first post of a new collective starts a new arrival list.
+      std::lock_guard<std::mutex> lk(hub_->mu);
+      if ((int)hub_->arrivals.size() == size()) hub_->arrivals.clear();
+      hub_->arrivals.push_back(rank_);
+    }
     hub_->wait_all();
   }
-  // Elements [offset, offset+count) of the posted buffers, summed over ranks by the canonical tree.
+  // Elements [offset, offset+count) of the posted buffers, summed over ranks
+  // by the canonical tree; at numerics.level=local, as an ordinary trainer
+  // might: left to right in the order the ranks arrived.
   std::vector<float> tree_over_ranks(size_t offset, size_t count) {
     std::vector<const float*> parts(size());
     for (int r = 0; r < size(); ++r) parts[r] = (const float*)hub_->posted[r];
     std::vector<float> out(count);
+    if (local_numerics()) {
+      std::memcpy(out.data(), parts[hub_->arrivals[0]] + offset, count * sizeof(float));
+      for (int k = 1; k < size(); ++k) {
+        const float* part = parts[hub_->arrivals[k]] + offset;
+        for (size_t i = 0; i < count; ++i) out[i] += part[i];
+      }
+      return out;
+    }
     ls::tree_over_ranks(parts.data(), size(), offset, count, out.data());
     return out;
   }

@@ -5,11 +5,14 @@
 
 #include "contract.h"
 #include "ops/gemm.h"
+#include "common/numerics_level.h"
+#include "ops/local.h"
 
 namespace ls {
 namespace ops {
 
 int64_t LeafFold::state_floats(int in, int out, int64_t leaves) {
+  if (local_numerics()) return (int64_t)in * out;  // one accumulator: rows added in arrival (round) order
   return (int64_t)LeafTree::levels_for(leaves) * in * out;
 }
 
@@ -41,6 +44,11 @@ void LeafFold::close_open_leaf() {
 }
 
 void LeafFold::add(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64_t* leaf, int64_t rows) {
+  if (local_numerics()) {  // every row at once into one accumulator, whatever its leaf
+    local::weight_grad(X, ldx, dY, ldy, in_, out_, rows, slots_, open_has_rows_);
+    open_has_rows_ = open_has_rows_ || rows > 0;
+    return;
+  }
   const int64_t w = (int64_t)in_ * out_;
   for (int64_t r0 = 0; r0 < rows;) {
     const int64_t lf = leaf[r0];
@@ -59,6 +67,11 @@ void LeafFold::add(const float* X, int64_t ldx, const float* dY, int64_t ldy, co
 
 void LeafFold::finish(float* dW) {
   const int64_t w = (int64_t)in_ * out_;
+  if (local_numerics()) {
+    if (!open_has_rows_) std::fill(slots_, slots_ + w, 0.0f);
+    std::copy(slots_, slots_ + w, dW);
+    return;
+  }
   while (open_ < leaves_) close_open_leaf();
   LeafTree tree(slots_, w);
   tree.pushed = open_;

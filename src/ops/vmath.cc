@@ -8,6 +8,8 @@
 // [-103.97, -87.34]); lanes that need it are flagged and recomputed with
 // the scalar function, so they too get its bits.
 #include "ops/vmath.h"
+#include "common/numerics_level.h"
+#include "ops/local.h"
 
 #include <immintrin.h>
 #include <string.h>
@@ -178,6 +180,7 @@ inline float csigmoid_s(float v) { return ls::csigmoid(v); }
 
 // ---------------------------------------------------------- public API ----
 void exp_n(const float* x, float* y, int64_t n) {
+  if (local_numerics()) return local::exp_n(x, y, n);
   switch (effective_path()) {
     case GemmPath::kAvx512:
       return internal::exp_n_avx512(x, y, n);
@@ -189,6 +192,7 @@ void exp_n(const float* x, float* y, int64_t n) {
 }
 
 void sigmoid_n(const float* x, float* y, int64_t n) {
+  if (local_numerics()) return local::sigmoid_n(x, y, n);
   switch (effective_path()) {
     case GemmPath::kAvx512:
       return internal::sigmoid_n_avx512(x, y, n);
@@ -200,6 +204,7 @@ void sigmoid_n(const float* x, float* y, int64_t n) {
 }
 
 void exp_shifted_n(const float* x, float m, float* y, int64_t n) {
+  if (local_numerics()) return local::exp_shifted_n(x, m, y, n);
   switch (effective_path()) {
     case GemmPath::kAvx512:
       return internal::exp_shifted_n_avx512(x, m, y, n);

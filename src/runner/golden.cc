@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/error.h"
 #include "contract.h"
 
 namespace ls {
@@ -14,7 +15,14 @@ std::vector<int> golden_hash_steps(int steps) {
   return out;
 }
 
+std::string golden_refusal(const std::string& level) {
+  if (level != "local") return "";
+  return "numerics.level=local: a local run is bitwise only run to run at a fixed thread count and mesh, so golden "
+         "files hold portable runs only (compare local against portable by tolerance: docs/NUMERICS.md section 8)";
+}
+
 nlohmann::json make_golden(const std::string& scenario_path, const RunResult& r) {
+  if (!golden_refusal(r.level).empty()) throw UserError(golden_refusal(r.level));
   nlohmann::json g;
   g["format"] = "lockstep-golden-1";
   g["scenario"] = scenario_path;
@@ -29,6 +37,7 @@ nlohmann::json make_golden(const std::string& scenario_path, const RunResult& r)
 }
 
 std::string compare_golden(const nlohmann::json& g, const RunResult& r) {
+  if (!golden_refusal(r.level).empty()) return golden_refusal(r.level);
   if (g.value("fingerprint", "") != r.fingerprint)
     return "scenario fingerprint differs (golden " + g.value("fingerprint", "?") + ", now " + r.fingerprint +
            "): the scenario file changed; regenerate with `lockstep golden` if that was intended";

@@ -15,7 +15,11 @@ namespace ls {
 // the run and the last step.
 std::vector<int> golden_hash_steps(int steps);
 
-// The golden document for a finished run. scenario_path is stored as given
+// Why a run at this numerics level cannot have or be checked against a
+// golden file ("" for portable).
+std::string golden_refusal(const std::string& level);
+
+// The golden document for a finished run (throws UserError for a local run). scenario_path is stored as given
 // (relative to the repository root by convention).
 nlohmann::json make_golden(const std::string& scenario_path, const RunResult& r);
 

@@ -9,6 +9,7 @@
 #include <cstdio>
 
 #include "common/error.h"
+#include "common/numerics_level.h"
 #include "contract.h"
 #include "data/corpus.h"
 #include "model/model.h"
@@ -282,6 +283,15 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.scenario = s.name;
   r.fingerprint = scenario_fingerprint(s);
   r.backend = backend_name(opt.backend);
+  r.level = s.level;
+  // The level is process-wide (the ranks of an in-process mesh are threads of this run).
+  if (s.level == "local" && opt.backend == Backend::kReference)
+    throw UserError("numerics.level=local: the reference is the contract's definition and runs portable only; use "
+                    "the engine backend");
+  set_numerics_level(s.level == "local" ? NumericsLevel::kLocal : NumericsLevel::kPortable);
+  struct BackToPortable {  // however the run ends: other work in this process is portable
+    ~BackToPortable() { set_numerics_level(NumericsLevel::kPortable); }
+  } back_to_portable;
   r.threads = opt.backend == Backend::kReference ? 1 : omp_get_max_threads();
   r.steps = opt.steps >= 0 ? opt.steps : s.steps;
   const int T = s.model.seq_len, B = s.batch;
@@ -533,6 +543,7 @@ nlohmann::json result_json(const RunResult& r) {
   j["scenario"] = r.scenario;
   j["fingerprint"] = r.fingerprint;
   j["backend"] = r.backend;
+  j["level"] = r.level;
   j["threads"] = r.threads;
   j["steps"] = r.steps;
   j["final_state_hash"] = r.final_state_hash;

@@ -66,6 +66,7 @@ struct RunResult {
   std::string scenario;
   std::string fingerprint;
   std::string backend;
+  std::string level = "portable";        // numerics.level of the run
   int threads = 1;
   int steps = 0;
   std::vector<float> losses;             // mean cross-entropy (nats/byte) of each step's batch, before its update

@@ -421,6 +421,14 @@ std::vector<Row> make_rows() {
             "Samples per leaf of the token-reduction tree (a contract constant: "
             "changing it changes bits).",
             {at_least(1)}),
+      field("numerics.level", [](S& s) -> std::string& { return s.level; },
+            "portable: the numerics contract, the same bits on every mesh, thread count and backend; local: an "
+            "ordinary fast trainer's numerics (Eigen GEMMs, the C library's exp, reductions in the fastest order), "
+            "bitwise only run to run at a fixed thread count and mesh (docs/NUMERICS.md section 8).",
+            {{"portable or local", [](const S&, std::string v) {
+                return v == "portable" || v == "local" ? std::string()
+                                                       : "must be portable or local, got \"" + v + "\"";
+              }}}),
 
       field("moe.router_skew", [](S& s) -> float& { return s.model.router_skew; },
             "A fixed bonus added to the router logits of the first max(1, experts/4) experts: "

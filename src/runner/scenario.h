@@ -34,6 +34,7 @@ struct Scenario {
   int eval_every = 50;       // train.eval_every: 0 = evaluate only after the last step
   int eval_batches = 4;      // train.eval_batches
   int leaf_samples = 1;      // numerics.leaf_samples: samples per leaf of the token-reduction tree
+  std::string level = "portable";  // numerics.level: portable | local (common/numerics_level.h)
   DataConfig data;           // data.path, data.synthetic_bytes, data.val_fraction
   MeshConfig mesh;           // mesh.dp, mesh.ep, mesh.fsdp, mesh.replicate
   CheckpointConfig ckpt;     // ckpt.*

@@ -1,0 +1,27 @@
+// The numerics level a run declares (docs/NUMERICS.md §8). `portable` obeys
+// the contract: bits depend on the math only. `local` computes the same model
+// the way an ordinary fast trainer does (Eigen GEMMs over all tokens at once,
+// the C library's exp, reductions in the order that is fastest for the
+// threads, data-parallel sums in arrival order): bitwise run to run only at a
+// fixed thread count and mesh, held to `portable` by tolerance.
+//
+// Process-wide: the ranks of an in-process mesh are threads of one run.
+#pragma once
+
+#include <atomic>
+#include <string>
+
+namespace ls {
+
+enum class NumericsLevel { kPortable, kLocal };
+
+inline std::atomic<int>& numerics_level_slot() {
+  static std::atomic<int> level{0};
+  return level;
+}
+inline NumericsLevel numerics_level() { return (NumericsLevel)numerics_level_slot().load(std::memory_order_relaxed); }
+inline void set_numerics_level(NumericsLevel l) { numerics_level_slot().store((int)l, std::memory_order_relaxed); }
+inline bool local_numerics() { return numerics_level() == NumericsLevel::kLocal; }
+inline const char* numerics_level_name(NumericsLevel l) { return l == NumericsLevel::kLocal ? "local" : "portable"; }
+
+}  // namespace ls

@@ -1,0 +1,118 @@
+#include "ops/local.h"
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "common/parallel.h"
+
+namespace ls::ops::local {
+namespace {
+
+using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ColMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
+using RowMap = Eigen::Map<const RowMajor, 0, Eigen::OuterStride<>>;
+using ColMap = Eigen::Map<const ColMajor, 0, Eigen::OuterStride<>>;
+
+// Calls f with an Eigen view of the strided matrix (rows x cols): row- or
+// column-major when one stride is 1, else a packed copy.
+template <class F>
+void with_view(ConstMat m, int64_t rows, int64_t cols, F&& f) {
+  if (m.cs == 1) return f(RowMap(m.p, rows, cols, Eigen::OuterStride<>(m.rs)));
+  if (m.rs == 1) return f(ColMap(m.p, rows, cols, Eigen::OuterStride<>(m.cs)));
+  RowMajor copy(rows, cols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) copy(r, c) = m.p[r * m.rs + c * m.cs];
+  f(RowMap(copy.data(), rows, cols, Eigen::OuterStride<>(cols)));
+}
+
+}  // namespace
+
+void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc, bool accumulate) {
+  if (M <= 0 || N <= 0) return;
+  Eigen::Map<RowMajor, 0, Eigen::OuterStride<>> c(C, M, N, Eigen::OuterStride<>(ldc));
+  if (K <= 0) {
+    if (!accumulate) c.setZero();
+    return;
+  }
+  // Inside the engine's own parallel work Eigen must stay on this thread
+  // (its OpenMP team would oversubscribe the cores): one thread there.
+  const bool nested = in_pool_job() || omp_in_parallel();
+  const int saved = omp_get_max_threads();
+  if (nested) omp_set_num_threads(1);
+  with_view(A, M, K, [&](const auto& a) {
+    with_view(B, K, N, [&](const auto& b) {
+      if (accumulate) c.noalias() += a * b;
+      else c.noalias() = a * b;
+    });
+  });
+  if (nested) omp_set_num_threads(saved);
+}
+
+void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out, int64_t rows,
+                 float* dW, bool accumulate) {
+  // dW(i, j) = sum_n X(n, i) dY(n, j): A = X^T (a column-major view of X).
+  local::gemm(in, out, rows, ConstMat{X, 1, ldx}, ConstMat{dY, ldy, 1}, dW, out, accumulate);
+}
+
+void exp_n(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = std::exp(x[i]);
+}
+
+void sigmoid_n(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = 1.0f / (1.0f + std::exp(-x[i]));
+}
+
+void exp_shifted_n(const float* x, float m, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = std::exp(x[i] - m);
+}
+
+void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
+#pragma omp parallel for schedule(static) if (N >= 64 && !omp_in_parallel() && !in_pool_job())
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xn = x + n * D;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < D; ++i) ss += xn[i] * xn[i];
+    const float rn = 1.0f / std::sqrt(ss / (float)D + eps);
+    r[n] = rn;
+    for (int i = 0; i < D; ++i) y[n * D + i] = xn[i] * rn * w[i];
+  }
+}
+
+void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_t N, int D, float* dw) {
+  const int threads = omp_in_parallel() || in_pool_job() ? 1 : omp_get_max_threads();
+  std::vector<float> part((size_t)threads * D, 0.0f);
+#pragma omp parallel num_threads(threads)
+  {
+    float* mine = part.data() + (size_t)omp_get_thread_num() * D;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n)
+      for (int i = 0; i < D; ++i) mine[i] += dy[n * D + i] * x[n * D + i] * r[n];
+  }
+  std::memset(dw, 0, sizeof(float) * D);
+  for (int t = 0; t < threads; ++t)  // in thread order
+    for (int i = 0; i < D; ++i) dw[i] += part[(size_t)t * D + i];
+}
+
+float param_sumsq(const float* v, int64_t n) {
+  float s = 0.0f;
+#pragma omp parallel for simd reduction(+ : s) schedule(static) if (n >= (1 << 16) && !omp_in_parallel() && !in_pool_job())
+  for (int64_t i = 0; i < n; ++i) s += v[i] * v[i];
+  return s;
+}
+
+float token_sum(const float* v, int64_t N) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t n = 0; n < N; ++n) s += v[n];
+  return s;
+}
+
+float mul_add(float a, float b, float c) { return a * b + c; }
+
+}  // namespace ls::ops::local

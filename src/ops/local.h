@@ -1,0 +1,38 @@
+// The ops of the `local` numerics level (common/numerics_level.h): the same
+// math as the contract ops, computed the way an ordinary fast trainer does.
+// Eigen's GEMM, weight gradients over all tokens at once, the C library's
+// expf, reductions vectorised and split over threads in whatever order is
+// fastest. This translation unit alone is compiled with contraction allowed
+// (-ffp-contract=fast). The portable ops call these when the level is local;
+// nothing here obeys docs/NUMERICS.md.
+#pragma once
+
+#include <stdint.h>
+
+#include "ops/gemm.h"
+
+namespace ls::ops::local {
+
+// C (+)= A·B with Eigen (its own blocking over k).
+void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc, bool accumulate);
+// dW (+)= X^T dY over `rows` rows at once (no leaves). Reduces over the token index.
+void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out, int64_t rows,
+                 float* dW, bool accumulate);
+// y = exp(x), the C library's.
+void exp_n(const float* x, float* y, int64_t n);
+void sigmoid_n(const float* x, float* y, int64_t n);
+void exp_shifted_n(const float* x, float m, float* y, int64_t n);
+// As ops::rmsnorm; the sum of squares vectorised (reassociated). Reduces over the feature.
+void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps);
+// As ops::rmsnorm_weight_grad: per-thread partials over token ranges, added
+// in thread order. Reduces over the token index.
+void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_t N, int D, float* dw);
+// Sum of squares: an OpenMP reduction (its order depends on the thread count).
+float param_sumsq(const float* v, int64_t n);
+// Sum over tokens, vectorised. Reduces over the token index.
+float token_sum(const float* v, int64_t N);
+// a*b+c as written: this translation unit lets the compiler fuse it
+// (the contract test shows that it does here and does not elsewhere).
+float mul_add(float a, float b, float c);
+
+}  // namespace ls::ops::local

@@ -1,0 +1,181 @@
+// The `local` numerics level (docs/NUMERICS.md section 8): an ordinary fast
+// trainer's numerics, held to `portable` by tolerance, bitwise only run to
+// run at a fixed thread count and mesh, refused by the golden gate.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ckpt/checkpointer.h"
+#include "ckpt/safetensors.h"
+#include "cli_run.h"
+#include "common/error.h"
+#include "common/numerics_level.h"
+#include "contract.h"
+#include "ops/local.h"
+#include "runner/golden.h"
+#include "runner/runner.h"
+#include "runner/scenario.h"
+#include "store/store.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kRoot = LOCKSTEP_SOURCE_DIR;
+
+ls::RunResult train(const std::string& level, int steps, int threads, std::vector<std::string> sets = {},
+                    const std::string& ckpt = "") {
+  sets.push_back("numerics.level=" + level);
+  sets.push_back("train.steps=" + std::to_string(steps));
+  if (!ckpt.empty()) {
+    sets.push_back("ckpt.url=" + ckpt);
+    sets.push_back("ckpt.every=" + std::to_string(steps));
+    sets.push_back("ckpt.async=false");
+  }
+  ls::Scenario s = ls::load_scenario((kRoot / "scenarios/top2.json").string(), sets);
+  ls::RunOptions opt;
+  opt.threads = threads;
+  opt.eval = false;
+  return ls::run_scenario(s, opt);
+}
+
+// The param/* tensors of the checkpoint of `step` in url, by name.
+std::map<std::string, std::vector<float>> params_at(const std::string& url, int64_t step) {
+  std::unique_ptr<ls::ObjectStore> store = ls::open_store(url, ls::StoreOptions{});
+  const ls::Manifest m = ls::read_manifest(*store, step);
+  std::map<std::string, std::vector<uint8_t>> objects;
+  for (const ls::ManifestObject& o : m.objects) objects[o.key] = store->get(o.key);
+  std::map<std::string, std::vector<float>> out;
+  for (const ls::ManifestTensor& t : m.tensors) {
+    if (t.name.rfind("param/", 0) != 0) continue;
+    int64_t n = 1;
+    for (int64_t d : t.global_shape) n *= d;
+    std::vector<float>& data = out[t.name];
+    data.assign((size_t)n, 0.0f);
+    for (const ls::ManifestPiece& p : t.pieces) {
+      const std::vector<uint8_t>& bytes = objects.at(p.object);
+      const ls::SafetensorsView v = ls::parse_safetensors(bytes.data(), bytes.size(), p.object);
+      const ls::StoredTensor* st = v.find(p.stored_name);
+      REQUIRE(st != nullptr);
+      std::memcpy(&data[(size_t)p.global_begin], bytes.data() + v.data_start + st->begin,
+                  (size_t)(p.global_end - p.global_begin) * 4);
+    }
+  }
+  return out;
+}
+
+// Distance in units in the last place: how many floats lie between a and b.
+int64_t ulp_distance(float a, float b) {
+  auto ordered = [](float x) {
+    int32_t i;
+    std::memcpy(&i, &x, 4);
+    return i < 0 ? (int64_t)INT32_MIN - i : (int64_t)i;
+  };
+  return std::llabs(ordered(a) - ordered(b));
+}
+
+}  // namespace
+
+TEST_SUITE("local") {
+  TEST_CASE("contraction is allowed in the local translation unit only") {
+    // As the contract suite: a = 1 + 2^-23, c = -(1 + 2^-22); fused, the 2^-46 survives.
+    const float a = 1.0f + 0x1p-23f, c = -(1.0f + 0x1p-22f);
+    CHECK(ls::ops::local::mul_add(a, a, c) == 0x1p-46f);  // local.cc: -ffp-contract=fast fused it
+    volatile float va = a, vc = c;
+    CHECK(va * va + vc == 0.0f);  // this (portable) unit: rounded twice
+  }
+
+  TEST_CASE("local follows portable within a stated bound over 50 steps, and really is another computation") {
+    const fs::path dir = lstest::cli_temp_dir() / "local-tol";
+    fs::remove_all(dir);
+    const ls::RunResult p = train("portable", 50, 1, {}, (dir / "portable").string());
+    const ls::RunResult l = train("local", 50, 1, {}, (dir / "local").string());
+    CHECK(p.level == "portable");
+    CHECK(l.level == "local");
+    CHECK(ls::result_json(l)["level"] == "local");
+    REQUIRE(p.losses.size() == 50);
+    REQUIRE(l.losses.size() == 50);
+    CHECK(p.final_state_hash != l.final_state_hash);  // the two levels really compute differently
+    // The stated bounds: step 1 (same initial state, only rounding differs)
+    // within 1e-6 relative; every one of the 50 steps within 1e-4.
+    double worst = 0;
+    int worst_step = 0, steps_differing = 0;
+    for (int i = 0; i < 50; ++i) {
+      const double rel = std::fabs((double)p.losses[i] - l.losses[i]) / std::fabs((double)p.losses[i]);
+      if (rel > worst) worst = rel, worst_step = i + 1;
+      steps_differing += p.losses[i] != l.losses[i];
+    }
+    CHECK(std::fabs((double)p.losses[0] - l.losses[0]) <= 1e-6 * std::fabs((double)p.losses[0]));
+    CHECK(worst <= 1e-4);
+    // Final weights: the largest distance in ulps, and how many differ.
+    const auto wp = params_at((dir / "portable").string(), 50), wl = params_at((dir / "local").string(), 50);
+    REQUIRE(wp.size() == wl.size());
+    // Ulps mean little across zero (a weight near +0 in one run and -0 in
+    // the other is billions of ulps apart): the max ulp is taken over weights
+    // of magnitude >= 1e-3, beside the max absolute difference over all.
+    int64_t max_ulp = 0, differ = 0, total = 0;
+    double max_abs = 0;
+    std::string where;
+    for (const auto& [name, a] : wp) {
+      const std::vector<float>& b = wl.at(name);
+      REQUIRE(a.size() == b.size());
+      for (size_t i = 0; i < a.size(); ++i) {
+        differ += a[i] != b[i];
+        max_abs = std::max(max_abs, std::fabs((double)a[i] - b[i]));
+        if (std::fabs(a[i]) < 1e-3f) continue;
+        const int64_t d = ulp_distance(a[i], b[i]);
+        if (d > max_ulp) max_ulp = d, where = name + "[" + std::to_string(i) + "]";
+      }
+      total += (int64_t)a.size();
+    }
+    CHECK(differ > 0);
+    CHECK(max_abs < 1e-3);
+    MESSAGE("local vs portable, top2 50 steps, 1 thread: max relative loss difference "
+            << worst << " (step " << worst_step << "), " << steps_differing << "/50 steps differ in their bits; final "
+            << "weights: " << differ << " of " << total << " differ, max |difference| " << max_abs << ", max "
+            << max_ulp << " ulp among weights of magnitude >= 1e-3 (at " << where << ")");
+  }
+
+  TEST_CASE("a run leaves the process portable, whatever its level") {
+    train("local", 2, 1);
+    CHECK(ls::numerics_level() == ls::NumericsLevel::kPortable);
+  }
+
+  TEST_CASE("local is bitwise run to run at a fixed thread count and mesh, and moves with the thread count") {
+    const ls::RunResult a = train("local", 8, 2), b = train("local", 8, 2);
+    CHECK(a.final_state_hash == b.final_state_hash);
+    const ls::RunResult c = train("local", 8, 2, {"mesh.dp=2"}), d = train("local", 8, 2, {"mesh.dp=2"});
+    CHECK(c.final_state_hash == d.final_state_hash);  // two ranks: a sum in either arrival order is the same
+    const ls::RunResult one = train("local", 8, 1);
+    CHECK(one.final_state_hash != a.final_state_hash);  // the reductions follow the thread count
+    // Portable, for contrast: one hash at every thread count and mesh.
+    const ls::RunResult p1 = train("portable", 8, 1), p2 = train("portable", 8, 2, {"mesh.dp=2"});
+    CHECK(p1.final_state_hash == p2.final_state_hash);
+  }
+
+  TEST_CASE("golden files refuse local runs, and say why") {
+    const ls::RunResult l = train("local", 2, 1);
+    CHECK_THROWS_WITH_AS(ls::make_golden("x.json", l), doctest::Contains("golden files hold portable runs only"),
+                         ls::UserError);
+    CHECK(ls::compare_golden(nlohmann::json::object(), l).find("numerics.level=local") != std::string::npos);
+    const auto sc = lstest::write_temp("local_top2.json", R"({"numerics": {"level": "local"}, "train": {"steps": 2}})");
+    const lstest::CliResult g = lstest::run_cli("golden " + sc.string() + " --golden-dir " +
+                                                (lstest::cli_temp_dir() / "g").string());
+    CHECK(g.rc == 2);
+    CHECK(g.err.find("golden files hold portable runs only") != std::string::npos);
+    CHECK(!fs::exists(lstest::cli_temp_dir() / "g" / "local_top2.json"));
+    const lstest::CliResult bad = lstest::run_cli("run " + sc.string() + " --set numerics.level=fast");
+    CHECK(bad.rc == 2);
+    CHECK(bad.err.find("numerics.level") != std::string::npos);
+    const lstest::CliResult ref = lstest::run_cli("run " + sc.string() + " --backend reference");
+    CHECK(ref.rc == 2);
+    CHECK(ref.err.find("reference") != std::string::npos);
+  }
+}
