@@ -60,8 +60,10 @@ TEST_SUITE("mpi") {
     const Run whole = run_lockstep(0, "--set train.steps=12");
     REQUIRE(whole.rc == 0);
     const fs::path dir = fresh_dir("mpi-sup");
-    const Run r = run_lockstep(0, "--launcher mpi --set mesh.dp=4 --set train.steps=12 --set ckpt.every=3 --set ckpt.url=" +
-                                      dir.string() +
+    // Synchronous saves: each checkpoint is committed before the next step, so
+    // the restore steps below do not depend on how fast the uploads ran.
+    const Run r = run_lockstep(0, "--launcher mpi --set mesh.dp=4 --set train.steps=12 --set ckpt.every=3 "
+                                  "--set ckpt.async=false --set ckpt.url=" + dir.string() +
                                       " --fault rank_crash@5:rank=2 --fault rank_crash@9:phase=ckpt_upload,rank=3"
                                       " --fault process_kill@12:phase=manifest_write");
     CAPTURE(r.err);
