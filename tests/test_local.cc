@@ -160,6 +160,31 @@ TEST_SUITE("local") {
     CHECK(p1.final_state_hash == p2.final_state_hash);
   }
 
+  TEST_CASE("--profile-ops times every kind of op and changes no bit") {
+    ls::Scenario s = ls::load_scenario((kRoot / "scenarios/top2.json").string(), {"train.steps=4"});
+    ls::RunOptions opt;
+    opt.threads = 1;
+    opt.eval = false;
+    const ls::RunResult plain = ls::run_scenario(s, opt);
+    opt.profile_ops = true;
+    const ls::RunResult timed = ls::run_scenario(s, opt);
+    CHECK(plain.final_state_hash == timed.final_state_hash);
+    CHECK(plain.op_seconds.empty());
+    CHECK(ls::result_json(timed).contains("op_seconds"));
+    double sum = 0;
+    for (const char* op : {"gemm", "weight_grad", "attention", "softmax", "norm", "swiglu", "moe_dispatch",
+                           "moe_combine", "adamw", "grad_norm"}) {
+      CAPTURE(op);
+      REQUIRE(timed.op_seconds.count(op));
+      CHECK(timed.op_seconds.at(op) > 0);  // every kind ran and was timed
+      sum += timed.op_seconds.at(op);
+    }
+    // At one thread the timed ops are most of the step and never more than it
+    // (only the outermost op on a thread counts).
+    CHECK(sum <= timed.seconds * 1.05);
+    CHECK(sum >= timed.seconds * 0.5);
+  }
+
   TEST_CASE("golden files refuse local runs, and say why") {
     const ls::RunResult l = train("local", 2, 1);
     CHECK_THROWS_WITH_AS(ls::make_golden("x.json", l), doctest::Contains("golden files hold portable runs only"),

@@ -106,7 +106,7 @@ struct RunArgs {
   std::string backend = "engine";
   int steps = -1;
   std::string out_dir;
-  bool json = false, progress = false, quiet = false, dry_run = false;
+  bool json = false, progress = false, quiet = false, dry_run = false, profile_ops = false;
   std::string trace, trace_dump, debug_reorder, resume;
   std::vector<std::string> faults;
   bool supervise = false;
@@ -259,6 +259,7 @@ int cmd_run(const RunArgs& a, const char* self) {
   opt.fault_state = a.fault_state;
   opt.heartbeat = a.heartbeat;
   opt.step_log = a.step_log;
+  opt.profile_ops = a.profile_ops;
   if (child) opt.fired = read_fault_state(a.fault_state).indices;
   if (!a.trace_dump.empty()) {
     if (a.trace.empty()) throw UserError("--trace-dump needs --trace FILE");
@@ -603,6 +604,9 @@ int main(int argc, char** argv) {
   run->add_flag("--progress", ra.progress, "progress lines on stderr even when it is not a terminal");
   run->add_flag("--quiet", ra.quiet, "no progress lines");
   run->add_flag("--dry-run", ra.dry_run, "print the memory estimate per part (as `plan`) and train nothing");
+  run->add_flag("--profile-ops", ra.profile_ops,
+                "time each kind of op (GEMM, weight gradients, attention, softmax, norms, MoE dispatch and combine, "
+                "AdamW, gradient norm): op_seconds in the --json summary, thread-seconds over the training steps");
   run->add_option("--resume", ra.resume,
                   "continue from the latest committed checkpoint at URL (or URL@STEP), on this run's mesh");
   run->add_option("--fault", ra.faults,

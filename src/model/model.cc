@@ -2,10 +2,12 @@
 // must match bit for bit; threads split only independent outputs (tokens,
 // heads, expert row blocks, weight-gradient column slabs), never a fold.
 #include "model/model.h"
+#include "common/op_profile.h"
 
 #include <omp.h>
 
 #include <algorithm>
+#include <optional>
 #include <cstring>
 #include <functional>
 #include <stdexcept>
@@ -320,6 +322,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   auto exchange_rows = [&](const LayerActs& A, int r, int width, bool to_owner,
                            const std::function<const float*(int64_t)>& src_row, float* slot_buf, float* keep,
                            float* disp_out) {
+    const OpTimer op_timer(OpKind::kMoeDispatch);
     const size_t row_bytes = sizeof(float) * width;
     const int me = ep > 1 ? mesh_->ep_rank() : 0;
     const RoundPlan& own = A.plans[me];
@@ -581,6 +584,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ops::linear(A.sact.data(), N, F, W(lname(l, "shared.w2")), D, A.ysh.data());
     }
     // Combine: out = fold over slots of fma(gate, y_slot, out) from +0, then + shared.
+    std::optional<OpTimer> combine_timer(std::in_place, OpKind::kMoeCombine);
     parallel_for(N, [&](int64_t n) {
       float out[4096];
       std::fill(out, out + D, 0.0f);
@@ -593,6 +597,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         for (int j = 0; j < D; ++j) out[j] = out[j] + A.ysh[n * D + j];
       for (int j = 0; j < D; ++j) hout[n * D + j] = A.xm[n * D + j] + out[j];
     });
+    combine_timer.reset();
     T("fwd", l, "moe.combine", "h", hout, {N, D});
     // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
     {
@@ -697,6 +702,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ws.dg.assign(N * E, 0.0f);
     // Over (token, slot) pairs q = n*K + s, eight at a time: each gate gradient
     // is a sequential fold over the model feature j; eight run side by side.
+    std::optional<OpTimer> combine_timer(std::in_place, OpKind::kMoeCombine);
     parallel_for_groups_of_8(NK, [&](int64_t q0, int R) {
       const float *dh[8], *y[8];
       float dgate[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -720,6 +726,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         for (int j = 0; j < D; ++j) dye[j] = gate * dh[r][j];
       }
     });
+    combine_timer.reset();
     // Backward in the forward's rounds and slots; the weight-gradient leaf
     // trees continue from round to round.
     ExpertRows& X = A.rows;

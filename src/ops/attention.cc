@@ -1,4 +1,5 @@
 #include "ops/attention.h"
+#include "common/op_profile.h"
 
 #include <immintrin.h>
 
@@ -155,6 +156,7 @@ float attention_prob(const float* P, int S, int t, int u) { return P[blocked_ind
 
 void attention_forward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                        float* P, float* o, int64_t ldo, AttentionScratch& sc) {
+  const OpTimer op_timer(OpKind::kAttention);
   scores(q, ld, k, ld, S, hd, P, sc.t1);  // s(t, u) over the feature j
   softmax_blocks(P, S, scale);            // row t over u <= t
   causal<true>(P, S, v, ld, o, ldo, hd);  // o over u <= t
@@ -163,6 +165,7 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t l
 void attention_backward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                         const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv, int64_t ldd,
                         AttentionScratch& sc) {
+  const OpTimer op_timer(OpKind::kAttention);
   sc.t0.resize((size_t)attention_probs_floats(S));
   float* dS = sc.t0.data();
   scores(dO, ldo, v, ld, S, hd, dS, sc.t1);   // dp(t, u) over the feature j

@@ -9,6 +9,7 @@
 // C element is still the one sequential fma fold over k of gemm_naive.
 // Threads split output tiles only; no element is ever computed by two.
 #include "ops/gemm.h"
+#include "common/op_profile.h"
 #include "common/numerics_level.h"
 #include "ops/local.h"
 
@@ -247,6 +248,7 @@ void gemm_naive(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* 
 
 void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc,
           bool accumulate, int threads) {
+  const OpTimer op_timer(OpKind::kGemm);
   if (local_numerics()) return local::gemm(M, N, K, A, B, C, ldc, accumulate);
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {

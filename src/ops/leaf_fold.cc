@@ -1,4 +1,5 @@
 #include "ops/leaf_fold.h"
+#include "common/op_profile.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -44,6 +45,7 @@ void LeafFold::close_open_leaf() {
 }
 
 void LeafFold::add(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64_t* leaf, int64_t rows) {
+  const OpTimer op_timer(OpKind::kWeightGrad);
   if (local_numerics()) {  // every row at once into one accumulator, whatever its leaf
     local::weight_grad(X, ldx, dY, ldy, in_, out_, rows, slots_, open_has_rows_);
     open_has_rows_ = open_has_rows_ || rows > 0;
@@ -66,6 +68,7 @@ void LeafFold::add(const float* X, int64_t ldx, const float* dY, int64_t ldy, co
 }
 
 void LeafFold::finish(float* dW) {
+  const OpTimer op_timer(OpKind::kWeightGrad);
   const int64_t w = (int64_t)in_ * out_;
   if (local_numerics()) {
     if (!open_has_rows_) std::fill(slots_, slots_ + w, 0.0f);

@@ -1,5 +1,6 @@
 #include "ops/local.h"
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
@@ -9,6 +10,9 @@
 #include <Eigen/Core>
 
 #include "common/parallel.h"
+
+// glibc's libmvec: expf on eight floats (AVX2).
+extern "C" __m256 _ZGVdN8v_expf(__m256 x);
 
 namespace ls::ops::local {
 namespace {
@@ -59,16 +63,32 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
   local::gemm(in, out, rows, ConstMat{X, 1, ldx}, ConstMat{dY, ldy, 1}, dW, out, accumulate);
 }
 
+// The C library's vector expf (glibc's libmvec, 8 lanes, AVX2), as a
+// compiler with -ffast-math would call it; the scalar expf for the tail.
+template <class Pre, class Post>
+void exp_lanes(const float* x, float* y, int64_t n, Pre pre, Post post) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, post(_ZGVdN8v_expf(pre(_mm256_loadu_ps(x + i)))));
+  for (; i < n; ++i) {
+    float v[8] = {x[i]};
+    __m256 r = post(_ZGVdN8v_expf(pre(_mm256_loadu_ps(v))));
+    y[i] = _mm256_cvtss_f32(r);
+  }
+}
+
 void exp_n(const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = std::exp(x[i]);
+  exp_lanes(x, y, n, [](__m256 v) { return v; }, [](__m256 e) { return e; });
 }
 
 void sigmoid_n(const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = 1.0f / (1.0f + std::exp(-x[i]));
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  exp_lanes(x, y, n, [&](__m256 v) { return _mm256_sub_ps(zero, v); },
+            [&](__m256 e) { return _mm256_div_ps(one, _mm256_add_ps(one, e)); });
 }
 
 void exp_shifted_n(const float* x, float m, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = std::exp(x[i] - m);
+  const __m256 mv = _mm256_set1_ps(m);
+  exp_lanes(x, y, n, [&](__m256 v) { return _mm256_sub_ps(v, mv); }, [](__m256 e) { return e; });
 }
 
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {

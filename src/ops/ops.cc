@@ -1,4 +1,5 @@
 #include "ops/ops.h"
+#include "common/op_profile.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -19,11 +20,13 @@
 namespace ls::ops {
 
 void linear(const float* X, int64_t N, int in, const float* W, int out, float* Y) {
+  const OpTimer op_timer(OpKind::kGemm);
   gemm(N, out, in, ConstMat{X, in, 1}, ConstMat{W, out, 1}, Y, out, false);
 }
 
 void linear_input_grad(const float* dY, int64_t N, int out, const float* W, int in, float* dX,
                        bool accumulate) {
+  const OpTimer op_timer(OpKind::kGemm);
   // B(j, i) = W[i][j]: the transposed view of W.
   gemm(N, in, out, ConstMat{dY, out, 1}, ConstMat{W, 1, out}, dX, in, accumulate);
 }
@@ -77,6 +80,7 @@ void weight_grad_by_leaf_gemm(const float* X, int64_t ldx, const float* dY, int6
 
 void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                  const int64_t* leaf_off, int64_t leaves, float* dW) {
+  const OpTimer op_timer(OpKind::kWeightGrad);
   if (local_numerics())
     return local::weight_grad(X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy, ldy, in, out,
                               leaf_off[leaves] - leaf_off[0], dW, false);
@@ -113,6 +117,7 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
 }
 
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
+  const OpTimer op_timer(OpKind::kNorm);
   if (local_numerics()) return local::rmsnorm(x, w, y, r, N, D, eps);
   // Eight tokens at a time: their sums of squares (each a sequential fold
   // over the feature) run as independent chains side by side.
@@ -150,6 +155,7 @@ void rmsnorm_debug_reversed(const float* x, const float* w, float* y, float* r, 
 
 void rmsnorm_backward(const float* x, const float* w, const float* r, const float* dy, float* dh,
                       int64_t N, int D, bool accumulate) {
+  const OpTimer op_timer(OpKind::kNorm);
   // Eight tokens at a time, their dot products (sequential folds over the
   // feature) side by side.
   parallel_for_groups_of_8(N, [&](int64_t n0, int R) {
@@ -194,6 +200,7 @@ void rmsnorm_backward(const float* x, const float* w, const float* r, const floa
 
 void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_t N, int D,
                          int64_t leaf_tokens, float* dw) {
+  const OpTimer op_timer(OpKind::kNorm);
   if (local_numerics()) return local::rmsnorm_weight_grad(x, r, dy, N, D, dw);
   const int64_t leaves = N / leaf_tokens;
   // Blocks of 16 features, each with its own leaf tree: a feature's fold
@@ -224,6 +231,7 @@ void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_
 }
 
 float softmax(const float* z, float* p, int n) {
+  const OpTimer op_timer(OpKind::kSoftmax);
   float m = z[0];
   for (int e = 1; e < n; ++e)
     if (z[e] > m) m = z[e];
@@ -235,6 +243,7 @@ float softmax(const float* z, float* p, int n) {
 }
 
 void softmax_backward(const float* p, const float* dp, float* dz, int n) {
+  const OpTimer op_timer(OpKind::kSoftmax);
   float dot = 0.0f;
   for (int e = 0; e < n; ++e) dot = ls::fma(dp[e], p[e], dot);
   for (int e = 0; e < n; ++e) dz[e] = p[e] * (dp[e] - dot);
@@ -308,6 +317,7 @@ float scan_max(const float* z, int n) {
 }  // namespace
 
 void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, int n0, int step, float* lse) {
+  const OpTimer op_timer(OpKind::kSoftmax);
   for (int g = 0; g < rows; g += 8) {
     const int R = std::min(8, rows - g);
     float m[8], sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -335,6 +345,7 @@ void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, 
 
 void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t lddp, float* dz, int64_t lddz,
                            int rows, int n0, int step) {
+  const OpTimer op_timer(OpKind::kSoftmax);
   for (int g = 0; g < rows; g += 8) {
     const int R = std::min(8, rows - g);
     float dot[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -359,6 +370,7 @@ void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t
 }
 
 float param_sumsq(const float* v, int64_t n) {
+  const OpTimer op_timer(OpKind::kGradNorm);
   if (local_numerics()) return local::param_sumsq(v, n);
   const int64_t blocks = (n + kParamBlock - 1) / kParamBlock;
   if (blocks <= 1) return ls::sumsq_block(v, n);
@@ -409,6 +421,7 @@ float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
 }
 
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
+  const OpTimer op_timer(OpKind::kSwiglu);
   // In chunks that stay in L1 between the two passes.
   constexpr int64_t kChunk = 1024;
   for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
@@ -420,11 +433,13 @@ void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
 
 void swiglu_product(const float* __restrict u, const float* __restrict s, const float* __restrict v,
                     float* __restrict act, int64_t n) {
+  const OpTimer op_timer(OpKind::kSwiglu);
   for (int64_t i = 0; i < n; ++i) act[i] = (u[i] * s[i]) * v[i];
 }
 
 void swiglu_backward(const float* u, const float* v, const float* s, const float* dact, float* du, float* dv,
                      int64_t n) {
+  const OpTimer op_timer(OpKind::kSwiglu);
   for (int64_t i = 0; i < n; ++i) {
     dv[i] = dact[i] * (u[i] * s[i]);
     du[i] = (dact[i] * v[i]) * (s[i] * (1.0f + u[i] * (1.0f - s[i])));

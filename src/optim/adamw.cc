@@ -1,4 +1,5 @@
 #include "optim/adamw.h"
+#include "common/op_profile.h"
 
 #include <algorithm>
 
@@ -30,6 +31,7 @@ float AdamW::learning_rate(int step) const { return ls::learning_rate(cfg_, deca
 
 void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float clip_scale,
                   const std::vector<AdamWSlice>& slices) {
+  const OpTimer op_timer(OpKind::kAdamw);
   const float b1 = cfg.beta1, b2 = cfg.beta2, omb1 = 1.0f - b1, omb2 = 1.0f - b2;
   float p1 = 1.0f, p2 = 1.0f;  // beta^t by repeated multiplication, t = step + 1
   for (int t = 0; t <= step; ++t) {

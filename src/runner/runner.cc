@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "common/numerics_level.h"
+#include "common/op_profile.h"
 #include "contract.h"
 #include "data/corpus.h"
 #include "model/model.h"
@@ -447,6 +448,14 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   }
 
   double train_seconds = 0, steady_seconds = 0;
+  // --profile-ops: the training steps only (evaluation and restore excluded).
+  struct ProfileOff {
+    ~ProfileOff() { set_op_profiling(false); }
+  } profile_off;
+  if (opt.profile_ops) {
+    reset_op_seconds();
+    set_op_profiling(true);
+  }
   auto t_start = std::chrono::steady_clock::now();
   double last_progress = -1;  // seconds into the loop of the last progress line
   for (int step = start; step < r.steps; ++step) {
@@ -512,6 +521,10 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     }
     if (writer) writer->poll();  // MPI: commit what every rank has written
     if (opt.eval && s.eval_every > 0 && done % s.eval_every == 0 && done != r.steps) evaluate(done);
+  }
+  if (opt.profile_ops) {
+    set_op_profiling(false);
+    r.op_seconds = op_seconds();
   }
   if (writer) {
     writer->finish();
@@ -580,6 +593,7 @@ nlohmann::json result_json(const RunResult& r) {
   if (r.resumed_from) j["resumed_from"] = r.resumed_from;
   if (!r.checkpoint.is_null()) j["checkpoint"] = r.checkpoint;
   if (!r.restore.is_null()) j["restore"] = r.restore;
+  if (!r.op_seconds.empty()) j["op_seconds"] = r.op_seconds;
   j["memory"] = {{"estimated_total_bytes", r.memory_estimate_bytes}, {"peak_rss_bytes", r.peak_rss_bytes}};
   return j;
 }

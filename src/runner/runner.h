@@ -54,7 +54,8 @@ struct RunOptions {
     int step = 0;  // 1-based: applied just before this step's forward
   };
   std::vector<Bump> debug_bumps;        // --debug-bump PARAM[INDEX]@STEP: +1 ulp
-  bool memory_check = true;  // refuse a scenario whose memory estimate exceeds the available memory
+  bool memory_check = true;
+  bool profile_ops = false;  // --profile-ops: seconds per kind of op (common/op_profile.h) in the summary  // refuse a scenario whose memory estimate exceeds the available memory
 };
 
 struct EvalPoint {
@@ -95,6 +96,7 @@ struct RunResult {
   nlohmann::json restarts;                    // supervised runs: the failure/restore timeline
   uint64_t memory_estimate_bytes = 0;         // runner/memory_plan.h: a formula, checked before the run
   uint64_t peak_rss_bytes = 0;                // measured: the process's peak resident set at the end
+  std::map<std::string, double> op_seconds;   // --profile-ops: thread-seconds per kind of op over the training steps
 };
 
 // MoE schedule and mesh figures of the last training step.
