@@ -8,6 +8,8 @@
 #include "contract.h"
 #include "ops/attention_kernels.h"
 #include "ops/gemm.h"
+#include "common/numerics_level.h"
+#include "ops/local.h"
 #include "ops/vec_avx2.h"
 #include "ops/vmath.h"
 
@@ -148,6 +150,49 @@ void softmax_backward_blocks(const float* P, float* dp, int S, float scale) {
   softmax_backward_blocks_scalar(P, dp, S, scale);
 }
 
+// numerics.level=local: dense S x S scores and probabilities, every product
+// one Eigen GEMM (ops/local.h), the causal softmax with the C library's exp;
+// P is still written in the blocked layout the backward and the trace read.
+void attention_forward_local(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
+                             float* P, float* o, int64_t ldo, AttentionScratch& sc) {
+  sc.t1.resize((size_t)S * S);
+  float* z = sc.t1.data();
+  local::gemm(S, S, hd, ConstMat{q, ld, 1}, ConstMat{k, 1, ld}, z, S, false);  // q_t . k_u
+  std::fill(P, P + attention_probs_floats(S), 0.0f);
+  for (int t = 0; t < S; ++t) {
+    float* row = z + (int64_t)t * S;
+    float m = row[0] * scale;
+    for (int u = 0; u <= t; ++u) m = std::max(m, row[u] * scale);
+    for (int u = 0; u <= t; ++u) row[u] = row[u] * scale - m;
+    local::exp_n(row, row, t + 1);
+    float sum = 0.0f;
+    for (int u = 0; u <= t; ++u) sum += row[u];
+    for (int u = 0; u <= t; ++u) P[blocked_index(S, t, u)] = row[u] = row[u] / sum;
+    std::fill(row + t + 1, row + S, 0.0f);
+  }
+  local::gemm(S, hd, S, ConstMat{z, S, 1}, ConstMat{v, ld, 1}, o, ldo, false);
+}
+
+void attention_backward_local(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
+                              const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv,
+                              int64_t ldd, AttentionScratch& sc) {
+  sc.t0.resize((size_t)S * S);
+  sc.t1.resize((size_t)S * S);
+  float *p = sc.t1.data(), *d = sc.t0.data();
+  for (int t = 0; t < S; ++t)
+    for (int u = 0; u < S; ++u) p[(int64_t)t * S + u] = u <= t ? P[blocked_index(S, t, u)] : 0.0f;
+  local::gemm(S, S, hd, ConstMat{dO, ldo, 1}, ConstMat{v, 1, ld}, d, S, false);  // dp(t, u) = dO_t . v_u
+  for (int t = 0; t < S; ++t) {
+    float *dr = d + (int64_t)t * S, *pr = p + (int64_t)t * S;
+    float dot = 0.0f;
+    for (int u = 0; u <= t; ++u) dot += dr[u] * pr[u];
+    for (int u = 0; u < S; ++u) dr[u] = u <= t ? pr[u] * (dr[u] - dot) * scale : 0.0f;
+  }
+  local::gemm(S, hd, S, ConstMat{d, S, 1}, ConstMat{k, ld, 1}, dq, ldd, false);    // dS K
+  local::gemm(S, hd, S, ConstMat{d, 1, S}, ConstMat{q, ld, 1}, dk, ldd, false);    // dS^T Q
+  local::gemm(S, hd, S, ConstMat{p, 1, S}, ConstMat{dO, ldo, 1}, dv, ldd, false);  // P^T dO
+}
+
 }  // namespace
 
 int64_t attention_probs_floats(int S) { return (int64_t)((S + kBlock - 1) / kBlock) * kBlock * S; }
@@ -157,6 +202,7 @@ float attention_prob(const float* P, int S, int t, int u) { return P[blocked_ind
 void attention_forward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                        float* P, float* o, int64_t ldo, AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
+  if (local_numerics()) return attention_forward_local(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
   scores(q, ld, k, ld, S, hd, P, sc.t1);  // s(t, u) over the feature j
   softmax_blocks(P, S, scale);            // row t over u <= t
   causal<true>(P, S, v, ld, o, ldo, hd);  // o over u <= t
@@ -166,6 +212,7 @@ void attention_backward(const float* q, const float* k, const float* v, int64_t 
                         const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv, int64_t ldd,
                         AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
+  if (local_numerics()) return attention_backward_local(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
   sc.t0.resize((size_t)attention_probs_floats(S));
   float* dS = sc.t0.data();
   scores(dO, ldo, v, ld, S, hd, dS, sc.t1);   // dp(t, u) over the feature j

@@ -91,6 +91,8 @@ void exp_shifted_n(const float* x, float m, float* y, int64_t n) {
   exp_lanes(x, y, n, [&](__m256 v) { return _mm256_sub_ps(v, mv); }, [](__m256 e) { return e; });
 }
 
+float log(float x) { return std::log(x); }
+
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
 #pragma omp parallel for schedule(static) if (N >= 64 && !omp_in_parallel() && !in_pool_job())
   for (int64_t n = 0; n < N; ++n) {

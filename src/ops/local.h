@@ -22,6 +22,8 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
 void exp_n(const float* x, float* y, int64_t n);
 void sigmoid_n(const float* x, float* y, int64_t n);
 void exp_shifted_n(const float* x, float m, float* y, int64_t n);
+// The C library's logf.
+float log(float x);
 // As ops::rmsnorm; the sum of squares vectorised (reassociated). Reduces over the feature.
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps);
 // As ops::rmsnorm_weight_grad: per-thread partials over token ranges, added

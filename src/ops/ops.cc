@@ -239,7 +239,7 @@ float softmax(const float* z, float* p, int n) {
   float S = 0.0f;
   for (int e = 0; e < n; ++e) S = S + p[e];
   for (int e = 0; e < n; ++e) p[e] = p[e] / S;
-  return m + ls::clog(S);
+  return m + (local_numerics() ? local::log(S) : ls::clog(S));
 }
 
 void softmax_backward(const float* p, const float* dp, float* dz, int n) {
@@ -338,7 +338,7 @@ void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, 
     for (int r = 0; r < R; ++r) {
       for (int k = e; k < n[r]; ++k) sum[r] = sum[r] + pr[r][k];
       for (int k = 0; k < n[r]; ++k) pr[r][k] = pr[r][k] / sum[r];
-      if (lse) lse[g + r] = m[r] + ls::clog(sum[r]);
+      if (lse) lse[g + r] = m[r] + (local_numerics() ? local::log(sum[r]) : ls::clog(sum[r]));
     }
   }
 }
