@@ -1,0 +1,142 @@
+// The CUDA kernels (kernels/*.cuh) run on the CPU through the emulation of
+// the CUDA built-ins (kernels/emu/cuda_emu.h): each kernel, at several grid
+// and block shapes, bit for bit equal to the CPU engine's op. The emulator
+// itself is checked first: its barriers separate what a block's threads do
+// before them from what they do after, and a block whose threads disagree
+// about a barrier is an error, not a silent pass.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "emu/cuda_emu.h"
+#include "gemm.cuh"
+#include "ops/gemm.h"
+#include "ops/ops.h"
+#include "rmsnorm.cuh"
+
+namespace {
+
+std::vector<float> random_floats(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Each thread writes its index, waits at the barrier, then reads its
+// neighbour's: right only if the barrier really held every thread back.
+__global__ void neighbour_after_barrier(int* out) {
+  __shared__ int slot[256];
+  const int t = threadIdx.x, n = blockDim.x;
+  slot[t] = t + 1000 * (int)blockIdx.x;
+  __syncthreads();
+  out[blockIdx.x * n + t] = slot[(t + 1) % n];
+}
+
+__global__ void early_exit_before_barrier(int* out) {
+  if (threadIdx.x == 0) return;  // thread 0 never reaches the barrier
+  __syncthreads();
+  out[threadIdx.x] = 1;
+}
+
+}  // namespace
+
+TEST_SUITE("kernels") {
+  TEST_CASE("emulator: __syncthreads separates the block's threads, block by block, on any number of OS threads") {
+    for (int os_threads : {1, 2, 4}) {
+      CAPTURE(os_threads);
+      for (unsigned n : {1u, 7u, 32u, 256u}) {
+        CAPTURE(n);
+        const unsigned blocks = 5;
+        std::vector<int> out(blocks * n, -1);
+        ls::emu::run_grid(dim3(blocks), dim3(n), [&] { neighbour_after_barrier(out.data()); }, os_threads);
+        for (unsigned b = 0; b < blocks; ++b)
+          for (unsigned t = 0; t < n; ++t) CHECK(out[b * n + t] == (int)((t + 1) % n + 1000 * b));
+      }
+    }
+    std::vector<int> out(64);
+    ls::emu::run_grid(dim3(1), dim3(64), [&] { neighbour_after_barrier(out.data()); }, 1);
+    CHECK(ls::emu::last_block_barriers() == 1);  // one barrier passed: the threads really waited there
+  }
+
+  TEST_CASE("emulator: threads that disagree about a barrier are reported") {
+    std::vector<int> out(8, 0);
+    CHECK_THROWS_WITH_AS(ls::emu::run_grid(dim3(1), dim3(8), [&] { early_exit_before_barrier(out.data()); }, 1),
+                         doctest::Contains("deadlock on a GPU"), std::logic_error);
+  }
+
+  TEST_CASE("contract GEMM kernel: bit for bit ops::gemm, at every shape, stride and grid") {
+    struct Shape {
+      int64_t M, N, K;
+    };
+    for (const Shape& sh : {Shape{1, 1, 1}, Shape{5, 7, 3}, Shape{32, 32, 16}, Shape{33, 65, 17}, Shape{64, 48, 100},
+                            Shape{100, 37, 257}, Shape{8, 130, 0}}) {
+      CAPTURE(sh.M);
+      CAPTURE(sh.N);
+      CAPTURE(sh.K);
+      const std::vector<float> a = random_floats((size_t)(sh.M * std::max<int64_t>(sh.K, 1)), 1),
+                               b = random_floats((size_t)(std::max<int64_t>(sh.K, 1) * sh.N), 2),
+                               c0 = random_floats((size_t)(sh.M * sh.N), 3);
+      for (bool transposed : {false, true})
+        for (bool accumulate : {false, true}) {
+          CAPTURE(transposed);
+          CAPTURE(accumulate);
+          // A as row-major M x K, or the transposed view of a K x M matrix.
+          const ls::ops::ConstMat A = transposed ? ls::ops::ConstMat{a.data(), 1, sh.M} : ls::ops::ConstMat{a.data(), sh.K, 1};
+          const ls::ops::ConstMat B{b.data(), sh.N, 1};
+          std::vector<float> want = c0, got = c0;
+          ls::ops::gemm(sh.M, sh.N, sh.K, A, B, want.data(), sh.N, accumulate);
+          for (int os_threads : {1, 3}) {
+            got = c0;
+            ls::emu::run_grid(ls::kernels::contract_gemm_grid(sh.M, sh.N), ls::kernels::contract_gemm_block(), [&] {
+              ls::kernels::contract_gemm(sh.M, sh.N, sh.K, ls::kernels::Mat{A.p, A.rs, A.cs},
+                                         ls::kernels::Mat{B.p, B.rs, B.cs}, got.data(), sh.N, accumulate);
+            }, os_threads);
+            CHECK(same_bits(got, want));
+          }
+        }
+    }
+  }
+
+  TEST_CASE("contract GEMM kernel: an infinite B past K's last block is never multiplied by a zero pad") {
+    // K = 17: the second k block holds one real value; a padded 0 * inf would turn the sums into NaN.
+    const int64_t M = 4, N = 4, K = 17;
+    std::vector<float> a(M * K, 1.0f), b(K * N, 1.0f), want(M * N), got(M * N);
+    b[(K - 1) * N] = std::numeric_limits<float>::infinity();
+    ls::ops::gemm(M, N, K, ls::ops::ConstMat{a.data(), K, 1}, ls::ops::ConstMat{b.data(), N, 1}, want.data(), N, false);
+    ls::emu::run_grid(ls::kernels::contract_gemm_grid(M, N), ls::kernels::contract_gemm_block(), [&] {
+      ls::kernels::contract_gemm(M, N, K, {a.data(), K, 1}, {b.data(), N, 1}, got.data(), N, false);
+    });
+    CHECK(same_bits(got, want));
+    CHECK(std::isinf(got[0]));
+  }
+
+  TEST_CASE("RMSNorm kernel: bit for bit ops::rmsnorm, at several block sizes") {
+    for (int D : {1, 8, 64, 100}) {
+      CAPTURE(D);
+      const int64_t N = 77;
+      const std::vector<float> x = random_floats((size_t)(N * D), 4), w = random_floats((size_t)D, 5);
+      std::vector<float> y_want(N * D), r_want(N), y(N * D), r(N);
+      ls::ops::rmsnorm(x.data(), w.data(), y_want.data(), r_want.data(), N, D, 1e-5f);
+      for (unsigned block : {1u, 32u, 128u}) {
+        CAPTURE(block);
+        std::fill(y.begin(), y.end(), 0.0f);
+        const dim3 grid((unsigned)((N + block - 1) / block));
+        ls::emu::run_grid(grid, dim3(block), [&] {
+          ls::kernels::rmsnorm_forward(x.data(), w.data(), y.data(), r.data(), N, D, 1e-5f);
+        });
+        CHECK(same_bits(y, y_want));
+        CHECK(same_bits(r, r_want));
+      }
+    }
+  }
+}
