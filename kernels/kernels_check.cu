@@ -1,12 +1,22 @@
 // The kernels of kernels/*.cuh under nvcc (-fmad=false): they must compile
 // for the device as written; the emulated build (tests/test_kernels.cc)
 // checks their bits on the CPU.
+#include "elementwise.cuh"
 #include "gemm.cuh"
 #include "rmsnorm.cuh"
+#include "weight_grad.cuh"
 
 // One launch of each, so that nvcc instantiates them for the device.
 void lockstep_kernels_launch_check(const float* x, float* y, int64_t n) {
   using namespace ls::kernels;
   contract_gemm<<<contract_gemm_grid(n, n), contract_gemm_block()>>>(n, n, n, Mat{x, n, 1}, Mat{x, n, 1}, y, n, false);
   rmsnorm_forward<<<dim3((unsigned)((n + 127) / 128)), dim3(128)>>>(x, x, y, y, n, 1, 1e-5f);
+  const int64_t* off = nullptr;
+  weight_grad_leaves<<<dim3(1, 1), dim3(16, 16)>>>(x, n, x, n, 1, 1, off, 1, y);
+  swiglu_forward<<<1, 128>>>(x, x, y, y, n);
+  swiglu_backward<<<1, 128>>>(x, x, x, x, y, y, n);
+  softmax_rows<<<1, 128>>>(x, y, n, 1, 1, y);
+  sumsq_blocks<<<1, 128>>>(x, n, y);
+  tree_over_blocks<<<1, 1>>>(x, 1, y);
+  adamw_step<<<1, 128>>>(y, y, y, y, n, AdamWArgs{});
 }

@@ -13,10 +13,13 @@
 #include <vector>
 
 #include "emu/cuda_emu.h"
+#include "elementwise.cuh"
 #include "gemm.cuh"
 #include "ops/gemm.h"
 #include "ops/ops.h"
+#include "optim/adamw.h"
 #include "rmsnorm.cuh"
+#include "weight_grad.cuh"
 
 namespace {
 
@@ -138,5 +141,114 @@ TEST_SUITE("kernels") {
         CHECK(same_bits(r, r_want));
       }
     }
+  }
+
+  TEST_CASE("weight-gradient kernel: the leaf tree, bit for bit ops::weight_grad, empty leaves included") {
+    struct Case {
+      int in, out;
+      std::vector<int64_t> leaf_off;
+    };
+    for (const Case& c : {Case{3, 5, {0, 4}}, Case{16, 16, {0, 3, 3, 9, 10}}, Case{33, 17, {0, 1, 2, 3, 4, 5, 6, 7}},
+                          Case{8, 40, {0, 0, 0, 12}}, Case{20, 9, {0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96}}}) {
+      CAPTURE(c.in);
+      CAPTURE(c.out);
+      const int64_t rows = c.leaf_off.back(), leaves = (int64_t)c.leaf_off.size() - 1;
+      const int64_t ldx = c.in + 3, ldy = c.out + 1;  // strided rows, as the engine hands them over
+      const std::vector<float> X = random_floats((size_t)(std::max<int64_t>(rows, 1) * ldx), 6),
+                               dY = random_floats((size_t)(std::max<int64_t>(rows, 1) * ldy), 7);
+      std::vector<float> want((size_t)c.in * c.out), got((size_t)c.in * c.out, -1.0f);
+      ls::ops::weight_grad(X.data(), ldx, dY.data(), ldy, c.in, c.out, c.leaf_off.data(), leaves, want.data());
+      for (dim3 block : {dim3(1, 1), dim3(8, 4), dim3(32, 8)}) {
+        CAPTURE(block.x);
+        const dim3 grid((unsigned)((c.out + block.x - 1) / block.x), (unsigned)((c.in + block.y - 1) / block.y));
+        ls::emu::run_grid(grid, block, [&] {
+          ls::kernels::weight_grad_leaves(X.data(), ldx, dY.data(), ldy, c.in, c.out, c.leaf_off.data(), leaves,
+                                          got.data());
+        });
+        CHECK(same_bits(got, want));
+      }
+    }
+  }
+
+  TEST_CASE("SwiGLU kernels: bit for bit ops::swiglu and its backward") {
+    const int64_t n = 1000;
+    const std::vector<float> u = random_floats(n, 8), v = random_floats(n, 9), dact = random_floats(n, 10);
+    std::vector<float> s(n), act(n), du(n), dv(n), ks(n), kact(n), kdu(n), kdv(n);
+    ls::ops::swiglu(u.data(), v.data(), s.data(), act.data(), n);
+    ls::ops::swiglu_backward(u.data(), v.data(), s.data(), dact.data(), du.data(), dv.data(), n);
+    const dim3 grid((unsigned)((n + 127) / 128));
+    ls::emu::run_grid(grid, dim3(128), [&] { ls::kernels::swiglu_forward(u.data(), v.data(), ks.data(), kact.data(), n); });
+    ls::emu::run_grid(grid, dim3(128), [&] {
+      ls::kernels::swiglu_backward(u.data(), v.data(), ks.data(), dact.data(), kdu.data(), kdv.data(), n);
+    });
+    CHECK(same_bits(ks, s));
+    CHECK(same_bits(kact, act));
+    CHECK(same_bits(kdu, du));
+    CHECK(same_bits(kdv, dv));
+  }
+
+  TEST_CASE("softmax-rows kernel: bit for bit ops::softmax_rows, log-sum-exp included") {
+    for (int n : {1, 8, 13, 64}) {
+      CAPTURE(n);
+      const int rows = 37;
+      const int64_t ld = n + 2;
+      std::vector<float> z = random_floats((size_t)rows * ld, 11);
+      for (float& x : z) x = x * 4.0f;
+      std::vector<float> p((size_t)rows * ld, 0.0f), lse(rows), kp((size_t)rows * ld, 0.0f), klse(rows);
+      ls::ops::softmax_rows(z.data(), ld, p.data(), ld, rows, n, 0, lse.data());
+      ls::emu::run_grid(dim3(3), dim3(16), [&] {
+        ls::kernels::softmax_rows(z.data(), kp.data(), ld, rows, n, klse.data());
+      });
+      CHECK(same_bits(kp, p));
+      CHECK(same_bits(klse, lse));
+    }
+  }
+
+  TEST_CASE("gradient-norm kernels: blocks' fma folds, then the canonical tree, bit for bit ops::param_sumsq") {
+    for (int64_t n : {int64_t{5}, int64_t{1024}, int64_t{1025}, int64_t{5000}, int64_t{70001}}) {
+      CAPTURE(n);
+      const std::vector<float> v = random_floats((size_t)n, 12);
+      const int64_t blocks = (n + ls::kParamBlock - 1) / ls::kParamBlock;
+      std::vector<float> sums((size_t)blocks), out(1);
+      ls::emu::run_grid(dim3((unsigned)((blocks + 31) / 32)), dim3(32), [&] {
+        ls::kernels::sumsq_blocks(v.data(), n, sums.data());
+      });
+      ls::emu::run_grid(dim3(1), dim3(1), [&] { ls::kernels::tree_over_blocks(sums.data(), blocks, out.data()); });
+      const float want = ls::ops::param_sumsq(v.data(), n);
+      CHECK(std::memcmp(&out[0], &want, 4) == 0);
+    }
+  }
+
+  TEST_CASE("AdamW kernel: bit for bit adamw_update, with and without clipping and decay") {
+    ls::OptimConfig cfg;
+    cfg.weight_decay = 0.1f;
+    const int64_t n = 3000;
+    for (bool clip : {false, true})
+      for (bool decay : {false, true}) {
+        CAPTURE(clip);
+        CAPTURE(decay);
+        std::vector<float> w = random_floats(n, 13), g = random_floats(n, 14), m = random_floats(n, 15),
+                           v = random_floats(n, 16);
+        for (float& x : v) x = x * x;  // second moments are >= 0
+        std::vector<float> kw = w, kg = g, km = m, kv = v;
+        const int step = 6;
+        const float lr = 3e-4f, scale = 0.5f;
+        ls::adamw_update(cfg, lr, step, clip, scale, {ls::AdamWSlice{w.data(), g.data(), m.data(), v.data(), n, decay}});
+        // The bias corrections as the engine makes them: beta^t by repeated multiplication.
+        float p1 = 1.0f, p2 = 1.0f;
+        for (int t = 0; t <= step; ++t) {
+          p1 = p1 * cfg.beta1;
+          p2 = p2 * cfg.beta2;
+        }
+        const ls::kernels::AdamWArgs args{cfg.beta1, cfg.beta2, 1.0f - cfg.beta1, 1.0f - cfg.beta2, 1.0f - p1, 1.0f - p2,
+                                          cfg.eps, cfg.weight_decay, lr, scale, clip, decay};
+        ls::emu::run_grid(dim3((unsigned)((n + 255) / 256)), dim3(256), [&] {
+          ls::kernels::adamw_step(kw.data(), kg.data(), km.data(), kv.data(), n, args);
+        });
+        CHECK(same_bits(kw, w));
+        CHECK(same_bits(kg, g));
+        CHECK(same_bits(km, m));
+        CHECK(same_bits(kv, v));
+      }
   }
 }
