@@ -1,6 +1,7 @@
 // The kernels of kernels/*.cuh under nvcc (-fmad=false): they must compile
 // for the device as written; the emulated build (tests/test_kernels.cc)
 // checks their bits on the CPU.
+#include "attention.cuh"
 #include "elementwise.cuh"
 #include "gemm.cuh"
 #include "rmsnorm.cuh"
@@ -19,4 +20,9 @@ void lockstep_kernels_launch_check(const float* x, float* y, int64_t n) {
   sumsq_blocks<<<1, 128>>>(x, n, y);
   tree_over_blocks<<<1, 1>>>(x, 1, y);
   adamw_step<<<1, 128>>>(y, y, y, y, n, AdamWArgs{});
+  rmsnorm_backward<<<1, 128>>>(x, x, x, x, y, n, 1, false);
+  rmsnorm_weight_grad<<<1, 128>>>(x, x, x, n, 1, 1, y);
+  attention_forward_rows<<<1, 64>>>(x, x, x, 1, 1, 1, 1.0f, y, y, 1);
+  attention_backward_rows<<<1, 64>>>(x, x, 1, 1, 1, 1.0f, x, x, 1, y, y, 1);
+  attention_backward_cols<<<1, 64>>>(x, 1, 1, 1, x, x, x, 1, y, y, 1);
 }

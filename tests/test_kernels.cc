@@ -13,8 +13,10 @@
 #include <vector>
 
 #include "emu/cuda_emu.h"
+#include "attention.cuh"
 #include "elementwise.cuh"
 #include "gemm.cuh"
+#include "ops/attention.h"
 #include "ops/gemm.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
@@ -250,5 +252,80 @@ TEST_SUITE("kernels") {
         CHECK(same_bits(km, m));
         CHECK(same_bits(kv, v));
       }
+  }
+
+  TEST_CASE("RMSNorm backward kernels: bit for bit ops::rmsnorm_backward and ops::rmsnorm_weight_grad") {
+    const int64_t N = 48;
+    for (int D : {1, 16, 50}) {
+      CAPTURE(D);
+      const std::vector<float> x = random_floats((size_t)(N * D), 17), w = random_floats((size_t)D, 18),
+                               dy = random_floats((size_t)(N * D), 19), h0 = random_floats((size_t)(N * D), 20);
+      std::vector<float> y(N * D), r(N);
+      ls::ops::rmsnorm(x.data(), w.data(), y.data(), r.data(), N, D, 1e-5f);
+      for (bool accumulate : {false, true}) {
+        CAPTURE(accumulate);
+        std::vector<float> want = h0, got = h0;
+        ls::ops::rmsnorm_backward(x.data(), w.data(), r.data(), dy.data(), want.data(), N, D, accumulate);
+        ls::emu::run_grid(dim3(2), dim3(32), [&] {
+          ls::kernels::rmsnorm_backward(x.data(), w.data(), r.data(), dy.data(), got.data(), N, D, accumulate);
+        });
+        CHECK(same_bits(got, want));
+      }
+      for (int64_t leaf_tokens : {int64_t{1}, int64_t{3}, int64_t{16}}) {
+        CAPTURE(leaf_tokens);
+        std::vector<float> want(D), got(D);
+        ls::ops::rmsnorm_weight_grad(x.data(), r.data(), dy.data(), N, D, leaf_tokens, want.data());
+        ls::emu::run_grid(dim3((unsigned)((D + 7) / 8)), dim3(8), [&] {
+          ls::kernels::rmsnorm_weight_grad(x.data(), r.data(), dy.data(), N, D, leaf_tokens, got.data());
+        });
+        CHECK(same_bits(got, want));
+      }
+    }
+  }
+
+  TEST_CASE("attention kernels: probabilities, output and the three gradients bit for bit the engine's") {
+    for (int S : {1, 5, 16, 17, 40}) {
+      for (int hd : {8, 16}) {
+        CAPTURE(S);
+        CAPTURE(hd);
+        const int64_t ld = 3 * hd + 5, ldo = hd + 2, ldd = hd + 1;
+        const std::vector<float> qkv = random_floats((size_t)(S * ld), 21), dO = random_floats((size_t)(S * ldo), 22);
+        const float *q = qkv.data(), *k = qkv.data() + hd, *v = qkv.data() + 2 * hd;
+        const float scale = 1.0f / std::sqrt((float)hd);
+        const size_t pf = (size_t)ls::ops::attention_probs_floats(S);
+        REQUIRE(pf == (size_t)ls::kernels::attention_probs_floats(S));
+        std::vector<float> P(pf, 0.0f), o(S * ldo, 0.0f), dq(S * ldd, 0.0f), dk(S * ldd, 0.0f), dv(S * ldd, 0.0f);
+        ls::ops::AttentionScratch sc;
+        ls::ops::attention_forward(q, k, v, ld, S, hd, scale, P.data(), o.data(), ldo, sc);
+        ls::ops::attention_backward(q, k, v, ld, S, hd, scale, P.data(), dO.data(), ldo, dq.data(), dk.data(), dv.data(),
+                                    ldd, sc);
+        std::vector<float> kP(pf, 0.0f), ko(S * ldo, 0.0f), kdS(pf, 0.0f), kdq(S * ldd, 0.0f), kdk(S * ldd, 0.0f),
+            kdv(S * ldd, 0.0f);
+        for (unsigned block : {1u, 8u, 32u}) {
+          CAPTURE(block);
+          const dim3 grid((unsigned)((S + block - 1) / block));
+          ls::emu::run_grid(grid, dim3(block), [&] {
+            ls::kernels::attention_forward_rows(q, k, v, ld, S, hd, scale, kP.data(), ko.data(), ldo);
+          });
+          ls::emu::run_grid(grid, dim3(block), [&] {
+            ls::kernels::attention_backward_rows(k, v, ld, S, hd, scale, kP.data(), dO.data(), ldo, kdS.data(),
+                                                 kdq.data(), ldd);
+          });
+          ls::emu::run_grid(grid, dim3(block), [&] {
+            ls::kernels::attention_backward_cols(q, ld, S, hd, kP.data(), kdS.data(), dO.data(), ldo, kdk.data(),
+                                                 kdv.data(), ldd);
+          });
+          for (int t = 0; t < S; ++t)
+            for (int u = 0; u <= t; ++u) {
+              const float a = ls::ops::attention_prob(P.data(), S, t, u), b = kP[(size_t)ls::kernels::attn_index(S, t, u)];
+              CHECK(std::memcmp(&a, &b, 4) == 0);
+            }
+          CHECK(same_bits(ko, o));
+          CHECK(same_bits(kdq, dq));
+          CHECK(same_bits(kdk, dk));
+          CHECK(same_bits(kdv, dv));
+        }
+      }
+    }
   }
 }
