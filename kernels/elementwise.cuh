@@ -50,6 +50,17 @@ __global__ void softmax_rows(const float* z, float* p, int64_t ld, int rows, int
   if (lse) lse[r] = m + ls::clog(sum);
 }
 
+// dz = p (dp - dot), dot = fold over the entry e of dp_e p_e: ops::softmax_backward_rows' bits.
+__global__ void softmax_backward_rows(const float* p, const float* dp, float* dz, int64_t ld, int rows, int n) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const float *pr = p + (int64_t)r * ld, *dpr = dp + (int64_t)r * ld;
+  float dot = 0.0f;
+  for (int e = 0; e < n; ++e) dot = ls::fma(dpr[e], pr[e], dot);
+  float* dzr = dz + (int64_t)r * ld;
+  for (int e = 0; e < n; ++e) dzr[e] = pr[e] * (dpr[e] - dot);
+}
+
 // block_sums[b] = sumsq_block of parameter block b (kParamBlock elements, the last may be short).
 __global__ void sumsq_blocks(const float* v, int64_t n, float* block_sums) {
   const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;

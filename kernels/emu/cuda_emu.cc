@@ -14,10 +14,17 @@ constexpr size_t kStackBytes = 256 * 1024;  // per fiber: kernels keep register 
 
 struct Fiber {
   ucontext_t ctx;
-  std::unique_ptr<char[]> stack;
+  char* stack = nullptr;
   uint3 index;
   bool done = false;
 };
+
+// Fiber stacks, kept per OS thread across blocks and launches.
+char* stack_for(size_t i) {
+  thread_local std::vector<std::unique_ptr<char[]>> stacks;
+  while (stacks.size() <= i) stacks.emplace_back(new char[kStackBytes]);
+  return stacks[i].get();
+}
 
 // The block this OS thread is running.
 struct Block {
@@ -28,6 +35,7 @@ struct Block {
   int64_t barriers = 0;
 };
 thread_local Block* g_block = nullptr;
+thread_local bool g_direct = false;  // running a barrier-free block as plain calls
 thread_local int64_t g_last_barriers = 0;
 
 void trampoline() {
@@ -39,9 +47,22 @@ void trampoline() {
 
 }  // namespace
 
-void run_block(dim3 grid, dim3 block, uint3 block_index, const std::function<void()>& body) {
+void run_block(dim3 grid, dim3 block, uint3 block_index, const std::function<void()>& body, bool barriers) {
   const size_t n = (size_t)block.x * block.y * block.z;
   if (n == 0 || n > 1024) throw std::invalid_argument("emu: a block has 1 to 1024 threads, got " + std::to_string(n));
+  if (!barriers) {
+    gridDim = grid;
+    blockDim = block;
+    blockIdx = block_index;
+    g_direct = true;
+    for (size_t i = 0; i < n; ++i) {
+      threadIdx = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y), (unsigned)(i / ((size_t)block.x * block.y))};
+      body();
+    }
+    g_direct = false;
+    g_last_barriers = 0;
+    return;
+  }
   Block b;
   b.body = &body;
   b.fibers.resize(n);
@@ -53,9 +74,9 @@ void run_block(dim3 grid, dim3 block, uint3 block_index, const std::function<voi
   for (size_t i = 0; i < n; ++i) {
     Fiber& f = b.fibers[i];
     f.index = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y), (unsigned)(i / ((size_t)block.x * block.y))};
-    f.stack.reset(new char[kStackBytes]);
+    f.stack = stack_for(i);
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.get();
+    f.ctx.uc_stack.ss_sp = f.stack;
     f.ctx.uc_stack.ss_size = kStackBytes;
     f.ctx.uc_link = &b.scheduler;
     makecontext(&f.ctx, trampoline, 0);
@@ -86,7 +107,7 @@ void run_block(dim3 grid, dim3 block, uint3 block_index, const std::function<voi
   g_block = outer;
 }
 
-void run_grid(dim3 grid, dim3 block, const std::function<void()>& body, int threads) {
+void run_grid(dim3 grid, dim3 block, const std::function<void()>& body, int threads, bool barriers) {
   const int64_t blocks = (int64_t)grid.x * grid.y * grid.z;
   const int t = threads > 0 ? threads : omp_get_max_threads();
   std::exception_ptr error;
@@ -94,7 +115,7 @@ void run_grid(dim3 grid, dim3 block, const std::function<void()>& body, int thre
   for (int64_t i = 0; i < blocks; ++i) {
     try {
       const uint3 bi{(unsigned)(i % grid.x), (unsigned)(i / grid.x % grid.y), (unsigned)(i / ((int64_t)grid.x * grid.y))};
-      run_block(grid, block, bi, body);
+      run_block(grid, block, bi, body, barriers);
     } catch (...) {
 #pragma omp critical
       if (!error) error = std::current_exception();
@@ -108,6 +129,8 @@ int64_t last_block_barriers() { return g_last_barriers; }
 }  // namespace ls::emu
 
 void __syncthreads() {
+  if (ls::emu::g_direct)
+    throw std::logic_error("emu: __syncthreads in a kernel launched without barriers (barriers = false)");
   ls::emu::Block* b = ls::emu::g_block;
   if (!b) throw std::logic_error("emu: __syncthreads outside a kernel");
   swapcontext(&b->fibers[b->current].ctx, &b->scheduler);

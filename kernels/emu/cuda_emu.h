@@ -14,7 +14,7 @@
 #include <functional>
 #include <stdexcept>
 
-#define __global__
+#define __global__ inline  // kernels are defined in headers, shared by several translation units
 #define __device__
 #define __host__
 #define __forceinline__ inline
@@ -37,10 +37,12 @@ namespace ls::emu {
 // Runs body once per thread of one block (threads as fibers), switching at
 // __syncthreads(). Throws std::logic_error when threads of the block disagree
 // about a barrier (some finished while others wait: a deadlock on a GPU).
-void run_block(dim3 grid, dim3 block, uint3 block_index, const std::function<void()>& body);
+// barriers = false: the kernel has no __syncthreads, and its threads run one
+// after the other as plain calls (no fibers); a barrier then is an error.
+void run_block(dim3 grid, dim3 block, uint3 block_index, const std::function<void()>& body, bool barriers = true);
 // Every block of the grid, blocks in parallel on up to `threads` OS threads
 // (0: OpenMP's count).
-void run_grid(dim3 grid, dim3 block, const std::function<void()>& body, int threads = 0);
+void run_grid(dim3 grid, dim3 block, const std::function<void()>& body, int threads = 0, bool barriers = true);
 // Barriers a block has passed in this OS thread's last run_block (tests).
 int64_t last_block_barriers();
 

@@ -591,7 +591,9 @@ int main(int argc, char** argv) {
   run->add_option("scenario", ra.scenario, "scenario JSON file")->required();
   run->add_option("--set", ra.sets, "override a scenario key: dotted.key=value (repeatable)");
   run->add_option("--threads", ra.threads, "worker threads (default: all cores); the engine runs them as data lanes of whole samples where the bits allow, else splits each op (README, Speed)")->check(CLI::Range(1, 1024));
-  run->add_option("--backend", ra.backend, "engine (fast) or reference (scalar spec)");
+  run->add_option("--backend", ra.backend,
+                  "engine (fast), reference (scalar spec) or cuda-emulated (the CUDA kernels run on the CPU through "
+                  "an emulation of CUDA: slow, for checking the kernels' bits)");
   run->add_option("--hash-at", ra.hash_at, "(set by lockstep check: record the state hash after these steps)")
       ->delimiter(',')
       ->group("");
@@ -631,7 +633,7 @@ int main(int argc, char** argv) {
   plan->add_option("scenario", pa.scenario, "scenario JSON file")->required();
   plan->add_option("--set", pa.sets, "override a scenario key: dotted.key=value (repeatable)");
   plan->add_option("--threads", pa.threads, "worker threads the run would use")->check(CLI::Range(1, 1024));
-  plan->add_option("--backend", pa.backend, "engine or reference");
+  plan->add_option("--backend", pa.backend, "engine, reference or cuda-emulated");
   plan->add_option("--resume", pa.resume, "count the restore buffers of a resumed run");
   plan->add_flag("--json", pa.json, "one JSON object");
 
@@ -647,7 +649,7 @@ int main(int argc, char** argv) {
   check->add_option("scenarios", ca.scenarios, "scenario JSON files (default: every golden file's scenario)");
   check->add_option("--golden-dir", ca.golden_dir, "where golden files live (default: golden)");
   check->add_option("--threads", ca.threads, "worker threads")->check(CLI::Range(1, 1024));
-  check->add_option("--backend", ca.backend, "engine or reference");
+  check->add_option("--backend", ca.backend, "engine, reference or cuda-emulated");
   check->add_option("--launcher", ca.launcher,
                     "threads (default) or mpi: run each multi-rank variant as mpirun -np mesh.dp, one process per rank");
 

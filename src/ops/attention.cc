@@ -10,6 +10,7 @@
 #include "ops/gemm.h"
 #include "common/numerics_level.h"
 #include "ops/local.h"
+#include "ops/hooks.h"
 #include "ops/vec_avx2.h"
 #include "ops/vmath.h"
 
@@ -203,6 +204,7 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t l
                        float* P, float* o, int64_t ldo, AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
   if (local_numerics()) return attention_forward_local(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
+  if (const OpHooks* h = op_hooks(); h && h->attention_forward) return h->attention_forward(q, k, v, ld, S, hd, scale, P, o, ldo);
   scores(q, ld, k, ld, S, hd, P, sc.t1);  // s(t, u) over the feature j
   softmax_blocks(P, S, scale);            // row t over u <= t
   causal<true>(P, S, v, ld, o, ldo, hd);  // o over u <= t
@@ -213,6 +215,8 @@ void attention_backward(const float* q, const float* k, const float* v, int64_t 
                         AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
   if (local_numerics()) return attention_backward_local(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
+  if (const OpHooks* h = op_hooks(); h && h->attention_backward)
+    return h->attention_backward(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd);
   sc.t0.resize((size_t)attention_probs_floats(S));
   float* dS = sc.t0.data();
   scores(dO, ldo, v, ld, S, hd, dS, sc.t1);   // dp(t, u) over the feature j

@@ -12,6 +12,7 @@
 #include "common/op_profile.h"
 #include "common/numerics_level.h"
 #include "ops/local.h"
+#include "ops/hooks.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -250,6 +251,7 @@ void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int
           bool accumulate, int threads) {
   const OpTimer op_timer(OpKind::kGemm);
   if (local_numerics()) return local::gemm(M, N, K, A, B, C, ldc, accumulate);
+  if (const OpHooks* h = op_hooks(); h && h->gemm) return h->gemm(M, N, K, A, B, C, ldc, accumulate);
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
     if (!accumulate)

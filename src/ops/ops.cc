@@ -16,6 +16,7 @@
 #include "ops/vmath.h"
 #include "common/numerics_level.h"
 #include "ops/local.h"
+#include "ops/hooks.h"
 
 namespace ls::ops {
 
@@ -84,6 +85,8 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
   if (local_numerics())
     return local::weight_grad(X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy, ldy, in, out,
                               leaf_off[leaves] - leaf_off[0], dW, false);
+  if (const OpHooks* h = op_hooks(); h && h->weight_grad)
+    return h->weight_grad(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   const GemmPath path = gemm_path();
   if (path == GemmPath::kScalar) return weight_grad_by_leaf_gemm(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   // Register tiles (leaf_grad.h), each running its whole leaf tree, so bits do
@@ -119,6 +122,7 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
   const OpTimer op_timer(OpKind::kNorm);
   if (local_numerics()) return local::rmsnorm(x, w, y, r, N, D, eps);
+  if (const OpHooks* h = op_hooks(); h && h->rmsnorm) return h->rmsnorm(x, w, y, r, N, D, eps);
   // Eight tokens at a time: their sums of squares (each a sequential fold
   // over the feature) run as independent chains side by side.
   parallel_for_groups_of_8(N, [&](int64_t n0, int R) {
@@ -156,6 +160,7 @@ void rmsnorm_debug_reversed(const float* x, const float* w, float* y, float* r, 
 void rmsnorm_backward(const float* x, const float* w, const float* r, const float* dy, float* dh,
                       int64_t N, int D, bool accumulate) {
   const OpTimer op_timer(OpKind::kNorm);
+  if (const OpHooks* h = op_hooks(); h && h->rmsnorm_backward) return h->rmsnorm_backward(x, w, r, dy, dh, N, D, accumulate);
   // Eight tokens at a time, their dot products (sequential folds over the
   // feature) side by side.
   parallel_for_groups_of_8(N, [&](int64_t n0, int R) {
@@ -202,6 +207,8 @@ void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_
                          int64_t leaf_tokens, float* dw) {
   const OpTimer op_timer(OpKind::kNorm);
   if (local_numerics()) return local::rmsnorm_weight_grad(x, r, dy, N, D, dw);
+  if (const OpHooks* h = op_hooks(); h && h->rmsnorm_weight_grad)
+    return h->rmsnorm_weight_grad(x, r, dy, N, D, leaf_tokens, dw);
   const int64_t leaves = N / leaf_tokens;
   // Blocks of 16 features, each with its own leaf tree: a feature's fold
   // does not depend on which block (or thread) holds it.
@@ -318,6 +325,8 @@ float scan_max(const float* z, int n) {
 
 void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, int n0, int step, float* lse) {
   const OpTimer op_timer(OpKind::kSoftmax);
+  if (const OpHooks* h = op_hooks(); h && h->softmax_rows && step == 0 && ldz == ldp && !local_numerics())
+    return h->softmax_rows(z, p, ldz, rows, n0, lse);
   for (int g = 0; g < rows; g += 8) {
     const int R = std::min(8, rows - g);
     float m[8], sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -346,6 +355,8 @@ void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, 
 void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t lddp, float* dz, int64_t lddz,
                            int rows, int n0, int step) {
   const OpTimer op_timer(OpKind::kSoftmax);
+  if (const OpHooks* h = op_hooks(); h && h->softmax_backward_rows && step == 0 && ldp == lddp && ldp == lddz)
+    return h->softmax_backward_rows(p, dp, dz, ldp, rows, n0);
   for (int g = 0; g < rows; g += 8) {
     const int R = std::min(8, rows - g);
     float dot[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -372,6 +383,7 @@ void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t
 float param_sumsq(const float* v, int64_t n) {
   const OpTimer op_timer(OpKind::kGradNorm);
   if (local_numerics()) return local::param_sumsq(v, n);
+  if (const OpHooks* h = op_hooks(); h && h->param_sumsq) return h->param_sumsq(v, n);
   const int64_t blocks = (n + kParamBlock - 1) / kParamBlock;
   if (blocks <= 1) return ls::sumsq_block(v, n);
   std::vector<float> sums((size_t)blocks);
@@ -422,6 +434,7 @@ float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
 
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
   const OpTimer op_timer(OpKind::kSwiglu);
+  if (const OpHooks* h = op_hooks(); h && h->swiglu && !local_numerics()) return h->swiglu(u, v, s, act, n);
   // In chunks that stay in L1 between the two passes.
   constexpr int64_t kChunk = 1024;
   for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
@@ -440,6 +453,7 @@ void swiglu_product(const float* __restrict u, const float* __restrict s, const 
 void swiglu_backward(const float* u, const float* v, const float* s, const float* dact, float* du, float* dv,
                      int64_t n) {
   const OpTimer op_timer(OpKind::kSwiglu);
+  if (const OpHooks* h = op_hooks(); h && h->swiglu_backward) return h->swiglu_backward(u, v, s, dact, du, dv, n);
   for (int64_t i = 0; i < n; ++i) {
     dv[i] = dact[i] * (u[i] * s[i]);
     du[i] = (dact[i] * v[i]) * (s[i] * (1.0f + u[i] * (1.0f - s[i])));

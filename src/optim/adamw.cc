@@ -1,4 +1,5 @@
 #include "optim/adamw.h"
+#include "ops/hooks.h"
 #include "common/op_profile.h"
 
 #include <algorithm>
@@ -54,6 +55,9 @@ void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float c
     const bool decay = s.decay, clip_g = clip;
     const float B1 = b1, B2 = b2, OMB1 = omb1, OMB2 = omb2, BC1 = bc1, BC2 = bc2, EPS = eps, WD = wd, LR = lr,
                 scale = clip_scale;
+    if (const ops::OpHooks* h = ops::op_hooks(); h && h->adamw)
+      return h->adamw(pw + lo, pg + lo, pm + lo, pv + lo, hi - lo, decay, B1, B2, OMB1, OMB2, BC1, BC2, EPS, WD, LR,
+                      clip_g, scale);
     for (int64_t i = lo; i < hi; ++i) {
       float gi = pg[i];
       if (clip_g) {

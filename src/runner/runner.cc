@@ -11,6 +11,8 @@
 #include "common/error.h"
 #include "common/numerics_level.h"
 #include "common/op_profile.h"
+#include "emu/backend.h"
+#include "ops/hooks.h"
 #include "contract.h"
 #include "data/corpus.h"
 #include "model/model.h"
@@ -40,9 +42,12 @@ void MeshReport::add(const MoeStats& st) {
 Backend parse_backend(const std::string& name) {
   if (name == "engine") return Backend::kEngine;
   if (name == "reference") return Backend::kReference;
-  throw UserError("--backend: unknown backend '" + name + "' (expected engine or reference)");
+  if (name == "cuda-emulated") return Backend::kCudaEmulated;
+  throw UserError("--backend: unknown backend '" + name + "' (expected engine, reference or cuda-emulated)");
 }
-const char* backend_name(Backend b) { return b == Backend::kEngine ? "engine" : "reference"; }
+const char* backend_name(Backend b) {
+  return b == Backend::kEngine ? "engine" : b == Backend::kReference ? "reference" : "cuda-emulated";
+}
 
 namespace {
 
@@ -270,8 +275,9 @@ RunOptions::Bump parse_bump(const std::string& text) {
 bool is_multi_rank(const Scenario& s) { return s.mesh.dp > 1 || s.mesh.ep > 1 || s.mesh.fsdp; }
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
-  if (b == Backend::kEngine && is_multi_rank(s)) return std::make_unique<ClusterTrainer>(s);
-  if (b == Backend::kEngine) return std::make_unique<EngineTrainer>(s);
+  // cuda-emulated trains the engine's model; run_scenario installs the kernels for the run.
+  if (b != Backend::kReference && is_multi_rank(s)) return std::make_unique<ClusterTrainer>(s);
+  if (b != Backend::kReference) return std::make_unique<EngineTrainer>(s);
   if (is_multi_rank(s) || s.model.moe_policy == MoePolicy::kDrop)
     throw UserError("--backend reference: runs one rank and the dropless schedule only (mesh.* and moe.policy=drop "
                     "are engine features)");
@@ -290,9 +296,16 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     throw UserError("numerics.level=local: the reference is the contract's definition and runs portable only; use "
                     "the engine backend");
   set_numerics_level(s.level == "local" ? NumericsLevel::kLocal : NumericsLevel::kPortable);
-  struct BackToPortable {  // however the run ends: other work in this process is portable
-    ~BackToPortable() { set_numerics_level(NumericsLevel::kPortable); }
+  struct BackToPortable {  // however the run ends: other work in this process is portable, on the engine's ops
+    ~BackToPortable() {
+      set_numerics_level(NumericsLevel::kPortable);
+      ops::set_op_hooks(nullptr);
+    }
   } back_to_portable;
+  if (opt.backend == Backend::kCudaEmulated) {
+    if (s.level == "local") throw UserError("numerics.level=local: the CUDA kernels are portable only (cuBLAS is the GPU's local level)");
+    ops::set_op_hooks(&emu::kernel_hooks());
+  }
   r.threads = opt.backend == Backend::kReference ? 1 : omp_get_max_threads();
   r.steps = opt.steps >= 0 ? opt.steps : s.steps;
   const int T = s.model.seq_len, B = s.batch;

@@ -19,7 +19,9 @@
 
 namespace ls {
 
-enum class Backend { kEngine, kReference };
+// kCudaEmulated: the engine's model with the CUDA kernels (kernels/) run
+// through the CPU emulation of CUDA wherever a kernel exists (kernels/emu/backend.h).
+enum class Backend { kEngine, kReference, kCudaEmulated };
 Backend parse_backend(const std::string& name);  // throws UserError
 const char* backend_name(Backend b);
 

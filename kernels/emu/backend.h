@@ -1,0 +1,19 @@
+// The `cuda-emulated` backend: the engine's model with every op that has a
+// CUDA kernel (kernels/*.cuh) replaced by that kernel, launched through the
+// CPU emulation of CUDA (cuda_emu.h). A whole training run then shows that
+// the kernels' decomposition into blocks and threads keeps the contract: it
+// must reproduce the golden files.
+#pragma once
+
+#include <cstdint>
+
+#include "ops/hooks.h"
+
+namespace ls::emu {
+
+// The hooks that launch the kernels (ops/hooks.h).
+const ops::OpHooks& kernel_hooks();
+// Kernel launches so far in this process, all kernels (tests: they really ran).
+int64_t kernel_launches();
+
+}  // namespace ls::emu

@@ -1,0 +1,50 @@
+// Another backend's implementations of the contract ops, installed for a run
+// (the `cuda-emulated` backend: kernels/ launched through the CPU emulation of
+// CUDA). Each must give the bits of the op it replaces; a null entry keeps the
+// engine's. Process-wide, like the numerics level: installed by run_scenario
+// for the run and removed at its end.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "ops/gemm.h"
+
+namespace ls::ops {
+
+struct OpHooks {
+  void (*gemm)(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc, bool accumulate) = nullptr;
+  void (*weight_grad)(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                      const int64_t* leaf_off, int64_t leaves, float* dW) = nullptr;
+  void (*rmsnorm)(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) = nullptr;
+  void (*rmsnorm_backward)(const float* x, const float* w, const float* r, const float* dy, float* dh, int64_t N,
+                           int D, bool accumulate) = nullptr;
+  void (*rmsnorm_weight_grad)(const float* x, const float* r, const float* dy, int64_t N, int D, int64_t leaf_tokens,
+                              float* dw) = nullptr;
+  // Rows of n entries with equal strides in and out (the engine's other layouts keep its own op).
+  void (*softmax_rows)(const float* z, float* p, int64_t ld, int rows, int n, float* lse) = nullptr;
+  void (*softmax_backward_rows)(const float* p, const float* dp, float* dz, int64_t ld, int rows, int n) = nullptr;
+  void (*swiglu)(const float* u, const float* v, float* s, float* act, int64_t n) = nullptr;
+  void (*swiglu_backward)(const float* u, const float* v, const float* s, const float* dact, float* du, float* dv,
+                          int64_t n) = nullptr;
+  float (*param_sumsq)(const float* v, int64_t n) = nullptr;
+  void (*attention_forward)(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
+                            float* P, float* o, int64_t ldo) = nullptr;
+  void (*attention_backward)(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
+                             const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv,
+                             int64_t ldd) = nullptr;
+  // One AdamW update of n elements (optim/adamw.cc's loop body, all its terms precomputed).
+  void (*adamw)(float* w, float* g, float* m, float* v, int64_t n, bool decay, float beta1, float beta2,
+                float one_minus_beta1, float one_minus_beta2, float bc1, float bc2, float eps, float weight_decay,
+                float lr, bool clip, float clip_scale) = nullptr;
+};
+
+inline std::atomic<const OpHooks*>& op_hooks_slot() {
+  static std::atomic<const OpHooks*> hooks{nullptr};
+  return hooks;
+}
+// The installed hooks, or nullptr (the engine's own ops).
+inline const OpHooks* op_hooks() { return op_hooks_slot().load(std::memory_order_relaxed); }
+inline void set_op_hooks(const OpHooks* hooks) { op_hooks_slot().store(hooks, std::memory_order_relaxed); }
+
+}  // namespace ls::ops
