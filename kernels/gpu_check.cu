@@ -18,6 +18,7 @@
 #include "attention.cuh"
 #include "elementwise.cuh"
 #include "gemm.cuh"
+#include "moe.cuh"
 #include "ops/attention.h"
 #include "ops/gemm.h"
 #include "ops/ops.h"
@@ -220,6 +221,34 @@ void check_adamw() {
   expect_bits("adamw_step v", dv.host(), v);
 }
 
+void check_moe() {
+  const int64_t N = 300;
+  const int E = 8, K = 2, D = 64;
+  const auto g = random_floats(N * E, 23), ye = random_floats(N * K * D, 24), res = random_floats(N * D, 25),
+             dh = random_floats(N * D, 26);
+  std::vector<int> sel(N * K);
+  ls::ops::route_topk(g.data(), N, E, K, sel.data());
+  std::vector<int64_t> row_of(N * K);
+  for (int64_t q = 0; q < N * K; ++q) row_of[q] = (q * 17) % (N * K);
+  std::vector<float> hout(N * D), dg(N * E, 0.0f), dye(N * K * D);
+  ls::ops::moe_combine(g.data(), E, sel.data(), K, row_of.data(), ye.data(), nullptr, res.data(), hout.data(), N, D);
+  ls::ops::moe_combine_backward(dh.data(), g.data(), E, sel.data(), K, row_of.data(), ye.data(), dg.data(), dye.data(), N, D);
+  Dev<float> dgv(g), dyev(ye), dres(res), ddh(dh), dhout((size_t)(N * D)), ddg((size_t)(N * E)), ddye((size_t)(N * K * D));
+  Dev<int> dsel((size_t)(N * K));
+  Dev<int64_t> drow(row_of);
+  ls::kernels::route_topk<<<blocks_for(N, 64), 64>>>(dgv.p, N, E, K, dsel.p);
+  ls::kernels::moe_combine<<<blocks_for(N, 64), 64>>>(dgv.p, E, dsel.p, K, drow.p, dyev.p, nullptr, dres.p, dhout.p, N, D);
+  ls::kernels::moe_combine_backward<<<blocks_for(N * K, 64), 64>>>(ddh.p, dgv.p, E, dsel.p, K, drow.p, dyev.p, ddg.p,
+                                                                   ddye.p, N, D);
+  const std::vector<int> ksel = dsel.host();
+  const bool same_sel = ksel == sel;
+  std::printf("%-4s route_topk\n", same_sel ? "ok" : "FAIL");
+  same_sel ? ++g_passed : ++g_failed;
+  expect_bits("moe_combine", dhout.host(), hout);
+  expect_bits("moe_combine_backward dg", ddg.host(), dg);
+  expect_bits("moe_combine_backward dye", ddye.host(), dye);
+}
+
 // GFLOP/s of the contract GEMM and of cuBLAS fp32 and TF32 at n x n x n.
 void speed() {
   cublasHandle_t h;
@@ -274,7 +303,7 @@ int main(int argc, char** argv) {
     if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--no-speed") with_speed = false;
     else {
-      std::fprintf(stderr, "usage: lockstep-gpu-check [--only gemm|weight_grad|norms|attention|adamw] [--no-speed]\n");
+      std::fprintf(stderr, "usage: lockstep-gpu-check [--only gemm|weight_grad|norms|attention|adamw|moe] [--no-speed]\n");
       return 2;
     }
   }
@@ -290,6 +319,7 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "norms") check_norms_and_elementwise();
   if (only.empty() || only == "attention") check_attention();
   if (only.empty() || only == "adamw") check_adamw();
+  if (only.empty() || only == "moe") check_moe();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   if (with_speed && only.empty()) speed();
   return g_failed ? 1 : 0;

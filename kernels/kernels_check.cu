@@ -4,6 +4,7 @@
 #include "attention.cuh"
 #include "elementwise.cuh"
 #include "gemm.cuh"
+#include "moe.cuh"
 #include "rmsnorm.cuh"
 #include "weight_grad.cuh"
 
@@ -25,4 +26,8 @@ void lockstep_kernels_launch_check(const float* x, float* y, int64_t n) {
   attention_forward_rows<<<1, 64>>>(x, x, x, 1, 1, 1, 1.0f, y, y, 1);
   attention_backward_rows<<<1, 64>>>(x, x, 1, 1, 1, 1.0f, x, x, 1, y, y, 1);
   attention_backward_cols<<<1, 64>>>(x, 1, 1, 1, x, x, x, 1, y, y, 1);
+  int* sel = nullptr;
+  route_topk<<<1, 64>>>(x, n, 1, 1, sel);
+  moe_combine<<<1, 64>>>(x, 1, sel, 1, off, x, nullptr, x, y, n, 1);
+  moe_combine_backward<<<1, 64>>>(x, x, 1, sel, 1, off, x, y, y, n, 1);
 }

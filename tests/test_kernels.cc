@@ -18,6 +18,7 @@
 #include "attention.cuh"
 #include "elementwise.cuh"
 #include "gemm.cuh"
+#include "moe.cuh"
 #include "ops/attention.h"
 #include "ops/gemm.h"
 #include "ops/ops.h"
@@ -332,6 +333,39 @@ TEST_SUITE("kernels") {
         }
       }
     }
+  }
+
+  TEST_CASE("MoE kernels: routing, combine and its backward bit for bit the engine's ops") {
+    const int64_t N = 37;
+    const int E = 8, K = 2, D = 24;
+    std::vector<float> g = random_floats((size_t)(N * E), 23);
+    g[3] = g[5];  // a tie: the lower index wins
+    std::vector<int> sel(N * K), ksel(N * K, -1);
+    ls::ops::route_topk(g.data(), N, E, K, sel.data());
+    ls::emu::run_grid(dim3(3), dim3(16), [&] { ls::kernels::route_topk(g.data(), N, E, K, ksel.data()); }, 1, false);
+    CHECK(ksel == sel);
+    // Expert rows: (token, slot) q's output sits at a permuted row, as after dispatch.
+    std::vector<int64_t> row_of(N * K);
+    for (int64_t q = 0; q < N * K; ++q) row_of[q] = (q * 17) % (N * K);
+    const std::vector<float> ye = random_floats((size_t)(N * K * D), 24), shared = random_floats((size_t)(N * D), 25),
+                             residual = random_floats((size_t)(N * D), 26), dh = random_floats((size_t)(N * D), 27);
+    for (bool with_shared : {false, true}) {
+      std::vector<float> want(N * D), got(N * D);
+      const float* sh = with_shared ? shared.data() : nullptr;
+      ls::ops::moe_combine(g.data(), E, sel.data(), K, row_of.data(), ye.data(), sh, residual.data(), want.data(), N, D);
+      ls::emu::run_grid(dim3(2), dim3(32), [&] {
+        ls::kernels::moe_combine(g.data(), E, sel.data(), K, row_of.data(), ye.data(), sh, residual.data(), got.data(), N, D);
+      }, 1, false);
+      CHECK(same_bits(got, want));
+    }
+    std::vector<float> dg(N * E, 0.0f), dye(N * K * D), kdg(N * E, 0.0f), kdye(N * K * D);
+    ls::ops::moe_combine_backward(dh.data(), g.data(), E, sel.data(), K, row_of.data(), ye.data(), dg.data(), dye.data(), N, D);
+    ls::emu::run_grid(dim3(3), dim3(32), [&] {
+      ls::kernels::moe_combine_backward(dh.data(), g.data(), E, sel.data(), K, row_of.data(), ye.data(), kdg.data(),
+                                        kdye.data(), N, D);
+    }, 1, false);
+    CHECK(same_bits(kdg, dg));
+    CHECK(same_bits(kdye, dye));
   }
 
   TEST_CASE("--backend cuda-emulated: a golden scenario trained through the kernels reproduces its golden file") {

@@ -10,6 +10,7 @@
 #include "attention.cuh"
 #include "elementwise.cuh"
 #include "gemm.cuh"
+#include "moe.cuh"
 #include "rmsnorm.cuh"
 #include "weight_grad.cuh"
 
@@ -105,6 +106,24 @@ void adamw(float* w, float* g, float* m, float* v, int64_t n, bool decay, float 
   launch(dim3(blocks_for(n, 256)), dim3(256), [&] { kernels::adamw_step(w, g, m, v, n, a); });
 }
 
+void route_topk(const float* g, int64_t N, int E, int K, int* sel) {
+  launch(dim3(blocks_for(N, 64)), dim3(64), [&] { kernels::route_topk(g, N, E, K, sel); });
+}
+
+void moe_combine(const float* g, int E, const int* sel, int K, const int64_t* row_of, const float* ye_rows,
+                 const float* shared, const float* residual, float* hout, int64_t N, int D) {
+  launch(dim3(blocks_for(N, 64)), dim3(64), [&] {
+    kernels::moe_combine(g, E, sel, K, row_of, ye_rows, shared, residual, hout, N, D);
+  });
+}
+
+void moe_combine_backward(const float* dh, const float* g, int E, const int* sel, int K, const int64_t* row_of,
+                          const float* ye_rows, float* dg, float* dye, int64_t N, int D) {
+  launch(dim3(blocks_for(N * K, 64)), dim3(64), [&] {
+    kernels::moe_combine_backward(dh, g, E, sel, K, row_of, ye_rows, dg, dye, N, D);
+  });
+}
+
 }  // namespace
 
 const ops::OpHooks& kernel_hooks() {
@@ -123,6 +142,9 @@ const ops::OpHooks& kernel_hooks() {
     h.attention_forward = attention_forward;
     h.attention_backward = attention_backward;
     h.adamw = adamw;
+    h.route_topk = route_topk;
+    h.moe_combine = moe_combine;
+    h.moe_combine_backward = moe_combine_backward;
     return h;
   }();
   return hooks;

@@ -474,23 +474,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     parallel_for_groups_of_8(N, [&](int64_t n0, int rows) {
       ops::softmax_rows(&A.z[n0 * E], E, &A.g[n0 * E], E, rows, E, 0, &A.lse[n0]);
     });
-    parallel_for(N, [&](int64_t n) {
-      const float* g = A.g.data() + n * E;
-      uint64_t taken[4] = {0, 0, 0, 0};  // E <= 256
-      for (int s = 0; s < K; ++s) {  // top-k by gate; ties to the lowest index
-        // The scan `if (free && (best < 0 || g[e] > g[best])) best = e`, with
-        // selects instead of branches (gates are data: branches mispredict).
-        int best = -1;
-        float best_g = 0.0f;
-        for (int e = 0; e < E; ++e) {
-          const bool take = !((taken[e >> 6] >> (e & 63)) & 1) && (best < 0 || g[e] > best_g);
-          best = take ? e : best;
-          best_g = take ? g[e] : best_g;
-        }
-        taken[best >> 6] |= 1ull << (best & 63);
-        A.sel[n * K + s] = best;
-      }
-    });
+    ops::route_topk(A.g.data(), N, E, K, A.sel.data());
     T("fwd", l, "router", "logits", A.z.data(), {N, E});
     T("fwd", l, "router", "gates", A.g.data(), {N, E});
     // Dispatch: rows grouped by expert, in token order inside each expert.
@@ -584,20 +568,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ops::linear(A.sact.data(), N, F, W(lname(l, "shared.w2")), D, A.ysh.data());
     }
     // Combine: out = fold over slots of fma(gate, y_slot, out) from +0, then + shared.
-    std::optional<OpTimer> combine_timer(std::in_place, OpKind::kMoeCombine);
-    parallel_for(N, [&](int64_t n) {
-      float out[4096];
-      std::fill(out, out + D, 0.0f);
-      for (int s = 0; s < K; ++s) {
-        const float gate = A.g[n * E + A.sel[n * K + s]];
-        const float* y = &A.ye_rows[A.row_of[n * K + s] * D];
-        for (int j = 0; j < D; ++j) out[j] = ls::fma(gate, y[j], out[j]);
-      }
-      if (c.shared_expert)
-        for (int j = 0; j < D; ++j) out[j] = out[j] + A.ysh[n * D + j];
-      for (int j = 0; j < D; ++j) hout[n * D + j] = A.xm[n * D + j] + out[j];
-    });
-    combine_timer.reset();
+    ops::moe_combine(A.g.data(), E, A.sel.data(), K, A.row_of.data(), A.ye_rows, c.shared_expert ? A.ysh.data() : nullptr,
+                     A.xm.data(), hout, N, D);
     T("fwd", l, "moe.combine", "h", hout, {N, D});
     // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
     {
@@ -700,33 +672,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     // --- MoE block. dh is the gradient of the block output.
     ws.dye.resize(NK * D);
     ws.dg.assign(N * E, 0.0f);
-    // Over (token, slot) pairs q = n*K + s, eight at a time: each gate gradient
-    // is a sequential fold over the model feature j; eight run side by side.
-    std::optional<OpTimer> combine_timer(std::in_place, OpKind::kMoeCombine);
-    parallel_for_groups_of_8(NK, [&](int64_t q0, int R) {
-      const float *dh[8], *y[8];
-      float dgate[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      for (int r = 0; r < R; ++r) {
-        const int64_t q = q0 + r;
-        dh[r] = &ws.dh[(q / K) * D];
-        y[r] = &A.ye_rows[A.row_of[q] * D];
-      }
-      if (R == 8) {
-        ops::dots8(dh, y, D, dgate);
-      } else {
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < D; ++j) dgate[r] = ls::fma(dh[r][j], y[r][j], dgate[r]);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t q = q0 + r, n = q / K;
-        const int e = A.sel[q];
-        const float gate = A.g[n * E + e];
-        ws.dg[n * E + e] = dgate[r];
-        float* dye = &ws.dye[A.row_of[q] * D];
-        for (int j = 0; j < D; ++j) dye[j] = gate * dh[r][j];
-      }
-    });
-    combine_timer.reset();
+    ops::moe_combine_backward(ws.dh.data(), A.g.data(), E, A.sel.data(), K, A.row_of.data(), A.ye_rows, ws.dg.data(),
+                              ws.dye.data(), N, D);
     // Backward in the forward's rounds and slots; the weight-gradient leaf
     // trees continue from round to round.
     ExpertRows& X = A.rows;

@@ -33,6 +33,11 @@ struct OpHooks {
   void (*attention_backward)(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                              const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv,
                              int64_t ldd) = nullptr;
+  void (*route_topk)(const float* g, int64_t N, int E, int K, int* sel) = nullptr;
+  void (*moe_combine)(const float* g, int E, const int* sel, int K, const int64_t* row_of, const float* ye_rows,
+                      const float* shared, const float* residual, float* hout, int64_t N, int D) = nullptr;
+  void (*moe_combine_backward)(const float* dh, const float* g, int E, const int* sel, int K, const int64_t* row_of,
+                               const float* ye_rows, float* dg, float* dye, int64_t N, int D) = nullptr;
   // One AdamW update of n elements (optim/adamw.cc's loop body, all its terms precomputed).
   void (*adamw)(float* w, float* g, float* m, float* v, int64_t n, bool decay, float beta1, float beta2,
                 float one_minus_beta1, float one_minus_beta2, float bc1, float bc2, float eps, float weight_decay,

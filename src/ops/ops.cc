@@ -460,4 +460,76 @@ void swiglu_backward(const float* u, const float* v, const float* s, const float
   }
 }
 
+void route_topk(const float* g_all, int64_t N, int E, int K, int* sel) {
+  if (const OpHooks* h = op_hooks(); h && h->route_topk) return h->route_topk(g_all, N, E, K, sel);
+  parallel_for(N, [&](int64_t n) {
+    const float* g = g_all + n * E;
+    uint64_t taken[4] = {0, 0, 0, 0};  // E <= 256
+    for (int s = 0; s < K; ++s) {  // top-k by gate; ties to the lowest index
+      // The scan `if (free && (best < 0 || g[e] > g[best])) best = e`, with
+      // selects instead of branches (gates are data: branches mispredict).
+      int best = -1;
+      float best_g = 0.0f;
+      for (int e = 0; e < E; ++e) {
+        const bool take = !((taken[e >> 6] >> (e & 63)) & 1) && (best < 0 || g[e] > best_g);
+        best = take ? e : best;
+        best_g = take ? g[e] : best_g;
+      }
+      taken[best >> 6] |= 1ull << (best & 63);
+      sel[n * K + s] = best;
+    }
+  });
+}
+
+void moe_combine(const float* g, int E, const int* sel, int K, const int64_t* row_of, const float* ye_rows,
+                 const float* shared, const float* residual, float* hout, int64_t N, int D) {
+  const OpTimer op_timer(OpKind::kMoeCombine);
+  if (const OpHooks* h = op_hooks(); h && h->moe_combine)
+    return h->moe_combine(g, E, sel, K, row_of, ye_rows, shared, residual, hout, N, D);
+  parallel_for(N, [&](int64_t n) {
+    float out[4096];
+    std::fill(out, out + D, 0.0f);
+    for (int s = 0; s < K; ++s) {
+      const float gate = g[n * E + sel[n * K + s]];
+      const float* y = &ye_rows[row_of[n * K + s] * D];
+      for (int j = 0; j < D; ++j) out[j] = ls::fma(gate, y[j], out[j]);
+    }
+    if (shared)
+      for (int j = 0; j < D; ++j) out[j] = out[j] + shared[n * D + j];
+    for (int j = 0; j < D; ++j) hout[n * D + j] = residual[n * D + j] + out[j];
+  });
+}
+
+void moe_combine_backward(const float* dh_all, const float* g, int E, const int* sel, int K, const int64_t* row_of,
+                          const float* ye_rows, float* dg, float* dye_all, int64_t N, int D) {
+  const OpTimer op_timer(OpKind::kMoeCombine);
+  if (const OpHooks* h = op_hooks(); h && h->moe_combine_backward)
+    return h->moe_combine_backward(dh_all, g, E, sel, K, row_of, ye_rows, dg, dye_all, N, D);
+  // Over (token, slot) pairs q = n*K + s, eight at a time: each gate gradient
+  // is a sequential fold over the model feature j; eight run side by side.
+  parallel_for_groups_of_8(N * K, [&](int64_t q0, int R) {
+    const float *dh[8], *y[8];
+    float dgate[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < R; ++r) {
+      const int64_t q = q0 + r;
+      dh[r] = &dh_all[(q / K) * D];
+      y[r] = &ye_rows[row_of[q] * D];
+    }
+    if (R == 8) {
+      dots8(dh, y, D, dgate);
+    } else {
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < D; ++j) dgate[r] = ls::fma(dh[r][j], y[r][j], dgate[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t q = q0 + r, n = q / K;
+      const int e = sel[q];
+      const float gate = g[n * E + e];
+      dg[n * E + e] = dgate[r];
+      float* dye = &dye_all[row_of[q] * D];
+      for (int j = 0; j < D; ++j) dye[j] = gate * dh[r][j];
+    }
+  });
+}
+
 }  // namespace ls::ops

@@ -77,4 +77,21 @@ void swiglu_product(const float* u, const float* s, const float* v, float* act, 
 void swiglu_backward(const float* u, const float* v, const float* s, const float* dact, float* du, float* dv,
                      int64_t n);
 
+// MoE routing: sel[n*K + s] = the s-th largest gate of token n among the
+// experts not yet taken, ties to the lowest index (E <= 256). Reduces over
+// the expert index: an argmax scan in ascending e, K times.
+void route_topk(const float* g, int64_t N, int E, int K, int* sel);
+
+// MoE combine: hout[n] = residual[n] + (fold over slots s of fma(gate, y_s, .)
+// from +0, then + shared[n] when shared is not null), gate = g[n][sel], y_s
+// = ye_rows[row_of[n*K + s]]. Reduces over the slot s.
+void moe_combine(const float* g, int E, const int* sel, int K, const int64_t* row_of, const float* ye_rows,
+                 const float* shared, const float* residual, float* hout, int64_t N, int D);
+
+// Its backward for every (token, slot) pair q = n*K + s: dg[n][sel] = fold
+// over the feature j of fma(dh[n][j], y_q[j], .) from +0, and the expert
+// row's gradient dye[row_of[q]] = gate * dh[n]. Reduces over the feature j.
+void moe_combine_backward(const float* dh, const float* g, int E, const int* sel, int K, const int64_t* row_of,
+                          const float* ye_rows, float* dg, float* dye, int64_t N, int D);
+
 }  // namespace ls::ops
