@@ -3,6 +3,7 @@
 // checks their bits on the CPU.
 #include "attention.cuh"
 #include "elementwise.cuh"
+#include "embedding.cuh"
 #include "gemm.cuh"
 #include "moe.cuh"
 #include "rmsnorm.cuh"
@@ -30,4 +31,6 @@ void lockstep_kernels_launch_check(const float* x, float* y, int64_t n) {
   route_topk<<<1, 64>>>(x, n, 1, 1, sel);
   moe_combine<<<1, 64>>>(x, 1, sel, 1, off, x, nullptr, x, y, n, 1);
   moe_combine_backward<<<1, 64>>>(x, x, 1, sel, 1, off, x, y, y, n, 1);
+  embed<<<1, 64>>>(sel, x, x, y, n, 1, 1);
+  embedding_grad<<<1, 64>>>(sel, x, n, 1, 1, 1, 1, 1, y, y);
 }

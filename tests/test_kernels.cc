@@ -17,6 +17,7 @@
 #include "emu/cuda_emu.h"
 #include "attention.cuh"
 #include "elementwise.cuh"
+#include "embedding.cuh"
 #include "gemm.cuh"
 #include "moe.cuh"
 #include "ops/attention.h"
@@ -366,6 +367,30 @@ TEST_SUITE("kernels") {
     }, 1, false);
     CHECK(same_bits(kdg, dg));
     CHECK(same_bits(kdye, dye));
+  }
+
+  TEST_CASE("embedding kernels: the lookup and the leaf-tree scatter-add gradient bit for bit the engine's") {
+    const int S = 8, D = 12, V = 40;
+    for (int64_t leaf_samples : {int64_t{1}, int64_t{2}}) {
+      CAPTURE(leaf_samples);
+      const int64_t N = 6 * S, leaf_tokens = leaf_samples * S, leaves = N / leaf_tokens;
+      std::mt19937_64 rng(28);
+      std::vector<int> tok(N);
+      for (int& t : tok) t = (int)(rng() % 12);  // most bytes absent: empty leaves and rows
+      const std::vector<float> te = random_floats((size_t)V * D, 29), pe = random_floats((size_t)S * D, 30),
+                               dh = random_floats((size_t)(N * D), 31);
+      std::vector<float> h(N * D), kh(N * D), gt(V * D), gp(S * D), kgt(V * D, -1.0f), kgp(S * D, -1.0f);
+      ls::ops::embed(tok.data(), te.data(), pe.data(), h.data(), N, S, D);
+      ls::ops::embedding_grad(tok.data(), dh.data(), N, S, D, V, leaf_tokens, leaves, gt.data(), gp.data());
+      ls::emu::run_grid(dim3(1), dim3(64), [&] { ls::kernels::embed(tok.data(), te.data(), pe.data(), kh.data(), N, S, D); },
+                        1, false);
+      ls::emu::run_grid(dim3((unsigned)(((V + S) * D + 127) / 128)), dim3(128), [&] {
+        ls::kernels::embedding_grad(tok.data(), dh.data(), N, S, D, V, leaf_tokens, leaves, kgt.data(), kgp.data());
+      }, 2, false);
+      CHECK(same_bits(kh, h));
+      CHECK(same_bits(kgt, gt));
+      CHECK(same_bits(kgp, gp));
+    }
   }
 
   TEST_CASE("--backend cuda-emulated: a golden scenario trained through the kernels reproduces its golden file") {

@@ -9,6 +9,7 @@
 #include "emu/cuda_emu.h"
 #include "attention.cuh"
 #include "elementwise.cuh"
+#include "embedding.cuh"
 #include "gemm.cuh"
 #include "moe.cuh"
 #include "rmsnorm.cuh"
@@ -124,6 +125,17 @@ void moe_combine_backward(const float* dh, const float* g, int E, const int* sel
   });
 }
 
+void embed(const int* tok, const float* te, const float* pe, float* h, int64_t N, int S, int D) {
+  launch(dim3(blocks_for(N, 64)), dim3(64), [&] { kernels::embed(tok, te, pe, h, N, S, D); });
+}
+
+void embedding_grad(const int* tok, const float* dh, int64_t N, int S, int D, int V, int64_t leaf_tokens,
+                    int64_t leaves, float* gtok, float* gpos) {
+  launch(dim3(blocks_for((int64_t)(V + S) * D, 128)), dim3(128), [&] {
+    kernels::embedding_grad(tok, dh, N, S, D, V, leaf_tokens, leaves, gtok, gpos);
+  });
+}
+
 }  // namespace
 
 const ops::OpHooks& kernel_hooks() {
@@ -145,6 +157,8 @@ const ops::OpHooks& kernel_hooks() {
     h.route_topk = route_topk;
     h.moe_combine = moe_combine;
     h.moe_combine_backward = moe_combine_backward;
+    h.embed = embed;
+    h.embedding_grad = embedding_grad;
     return h;
   }();
   return hooks;

@@ -90,6 +90,7 @@ struct MoeTransformer::Workspace {
   // backward scratch
   std::vector<float> dh, dtmp, dlogits, dye, du, dv, dact, dxe, dg, dz, da2, dO, dqkv, sdu, sdv, sdx;
   std::vector<float> trace_rows;  // expert rows regathered in (token, slot) order for the trace
+  std::vector<int> tok_id;        // [N] the input byte of each token
   // MoE buffers sized by the schedule's capacity, reused by every round and layer.
   ExpertSlots slots;
   std::vector<float> send, recv;                  // expert parallel: one round's rows out and in
@@ -291,7 +292,9 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   {
     const float *te = W("tok_emb"), *pe = W("pos_emb");
     float* h0 = L > 0 ? ws.layers[0].x.data() : ws.h.data();
-    parallel_for(N, [&](int64_t n) { for (int i = 0; i < D; ++i) h0[n * D + i] = te[(int64_t)tok(n) * D + i] + pe[(n % S) * D + i]; });
+    ws.tok_id.resize(N);
+    for (int64_t n = 0; n < N; ++n) ws.tok_id[n] = tok(n);
+    ops::embed(ws.tok_id.data(), te, pe, h0, N, S, D);
   }
 
   // --- MoE helpers (docs/MOE.md)
@@ -784,77 +787,9 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     T("bwd", l, "attn_norm", "dh", ws.dh.data(), {N, D});
   }
 
-  // Embedding gradients: per leaf, fold dh of the tokens with that byte (or
-  // position) in token order with plain adds; leaves by the canonical tree.
-  // Tasks own blocks of 16 rows (bytes or positions), each with its own leaf
-  // tree: a row's fold does not depend on the block that holds it.
-  //
-  // Most bytes are absent from most leaves. A row's leaf value is a fold of
-  // adds from +0, so never -0, and so neither is any sum of such values; +0
-  // is then an exact identity in every add of the tree. Each stack entry
-  // keeps a mask of the rows that are not +0, and only those are zeroed,
-  // added and merged: the canonical tree's bits, without its zero rows.
-  {
-    constexpr int64_t kRows = 16;
-    const int64_t tok_blocks = (V + kRows - 1) / kRows, pos_blocks = (S + kRows - 1) / kRows;
-    float *gtok = G("tok_emb"), *gpos = G("pos_emb");
-    std::vector<int> tok_id(N);  // each task scans every token: no division per look-up
-    for (int64_t n = 0; n < N; ++n) tok_id[n] = tok(n);
-    parallel_tasks_with<std::vector<float>>(tok_blocks + pos_blocks, [&](std::vector<float>& scratch, int64_t t) {
-      const bool by_token = t < tok_blocks;
-      const int64_t r0 = (by_token ? t : t - tok_blocks) * kRows;
-      const int64_t rows = std::min(kRows, (by_token ? V : S) - r0), width = rows * D;
-      scratch.resize((size_t)LeafTree::levels_for(leaves) * width);
-      uint32_t mask[64];  // rows of each stack entry that are not +0
-      int depth = 0;
-      // left += right over the rows right holds: a row only right holds is
-      // copied (0 + x is x), one only left holds stays (x + 0 is x).
-      auto merge = [&](int d) {
-        float *left = &scratch[(size_t)d * width], *right = left + width;
-        for (uint32_t m = mask[d + 1]; m; m &= m - 1) {
-          const int64_t row = __builtin_ctz(m);
-          float *l = left + row * D, *r = right + row * D;
-          if (mask[d] >> row & 1)
-            for (int i = 0; i < D; ++i) l[i] = l[i] + r[i];
-          else
-            std::copy(r, r + D, l);
-        }
-        mask[d] |= mask[d + 1];
-      };
-      for (int64_t lf = 0; lf < leaves; ++lf) {
-        float* acc = &scratch[(size_t)depth * width];
-        uint32_t touched = 0;
-        // Each row takes its tokens in ascending order, from +0.
-        auto add_token = [&](int64_t n, int64_t row) {
-          float* dst = acc + row * D;
-          if (!(touched >> row & 1)) {
-            std::fill(dst, dst + D, 0.0f);
-            touched |= 1u << row;
-          }
-          const float* src = &ws.dh[n * D];
-          for (int i = 0; i < D; ++i) dst[i] = dst[i] + src[i];
-        };
-        if (by_token) {
-          for (int64_t n = lf * leaf; n < (lf + 1) * leaf; ++n)
-            if (tok_id[n] >= r0 && tok_id[n] < r0 + rows) add_token(n, tok_id[n] - r0);
-        } else {  // a leaf is whole samples: position p is token s0 + p of each
-          for (int64_t s0 = lf * leaf; s0 < (lf + 1) * leaf; s0 += S)
-            for (int64_t row = 0; row < rows; ++row) add_token(s0 + r0 + row, row);
-        }
-        // Push, merging left + right as LeafTree::push does.
-        mask[depth++] = touched;
-        for (int m = LeafTree::merges_on_push(lf); m > 0; --m) merge(--depth - 1);
-      }
-      // Fold the stack right to left (LeafTree::finish); no leaves give +0.
-      for (int d = depth - 2; d >= 0; --d) merge(d);
-      float* out = (by_token ? gtok : gpos) + r0 * D;
-      for (int64_t row = 0; row < rows; ++row) {
-        const float* sum = &scratch[(size_t)row * D];
-        if (depth > 0 && (mask[0] >> row & 1)) std::copy(sum, sum + D, out + row * D);
-        else std::fill(out + row * D, out + (row + 1) * D, 0.0f);
-      }
-    });
-  }
+  // Embedding gradients (ops::embedding_grad): per leaf, the tokens' dh with
+  // that byte (or position), in token order; leaves by the canonical tree.
+  ops::embedding_grad(ws.tok_id.data(), ws.dh.data(), N, S, D, V, leaf, leaves, G("tok_emb"), G("pos_emb"));
   if (tr)
     for (const ParamInfo& p : infos_) T("grad", -1, "param", p.name.c_str(), g_.data() + p.offset, p.shape);
   return out;

@@ -38,6 +38,9 @@ struct OpHooks {
                       const float* shared, const float* residual, float* hout, int64_t N, int D) = nullptr;
   void (*moe_combine_backward)(const float* dh, const float* g, int E, const int* sel, int K, const int64_t* row_of,
                                const float* ye_rows, float* dg, float* dye, int64_t N, int D) = nullptr;
+  void (*embed)(const int* tok, const float* te, const float* pe, float* h, int64_t N, int S, int D) = nullptr;
+  void (*embedding_grad)(const int* tok, const float* dh, int64_t N, int S, int D, int V, int64_t leaf_tokens,
+                         int64_t leaves, float* gtok, float* gpos) = nullptr;
   // One AdamW update of n elements (optim/adamw.cc's loop body, all its terms precomputed).
   void (*adamw)(float* w, float* g, float* m, float* v, int64_t n, bool decay, float beta1, float beta2,
                 float one_minus_beta1, float one_minus_beta2, float bc1, float bc2, float eps, float weight_decay,

@@ -94,4 +94,15 @@ void moe_combine(const float* g, int E, const int* sel, int K, const int64_t* ro
 void moe_combine_backward(const float* dh, const float* g, int E, const int* sel, int K, const int64_t* row_of,
                           const float* ye_rows, float* dg, float* dye, int64_t N, int D);
 
+// Embedding: h[n] = te[tok[n]] + pe[n % S]. Elementwise.
+void embed(const int* tok, const float* te, const float* pe, float* h, int64_t N, int S, int D);
+
+// The embedding gradients, a scatter-add by token id as a reduction over the
+// token index: gtok[v][i] = canonical tree over leaves (leaf_tokens tokens
+// each, whole samples) of (the leaf's tokens n with tok[n] = v, ascending, added
+// from +0; an absent byte gives +0); gpos[p][i] the same over the tokens at
+// position p. Reduces over the token index n.
+void embedding_grad(const int* tok, const float* dh, int64_t N, int S, int D, int V, int64_t leaf_tokens,
+                    int64_t leaves, float* gtok, float* gpos);
+
 }  // namespace ls::ops
