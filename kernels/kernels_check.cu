@@ -5,6 +5,7 @@
 #include "elementwise.cuh"
 #include "embedding.cuh"
 #include "gemm.cuh"
+#include "loss.cuh"
 #include "moe.cuh"
 #include "rmsnorm.cuh"
 #include "weight_grad.cuh"
@@ -33,4 +34,7 @@ void lockstep_kernels_launch_check(const float* x, float* y, int64_t n) {
   moe_combine_backward<<<1, 64>>>(x, x, 1, sel, 1, off, x, y, y, n, 1);
   embed<<<1, 64>>>(sel, x, x, y, n, 1, 1);
   embedding_grad<<<1, 64>>>(sel, x, n, 1, 1, 1, 1, 1, y, y);
+  token_losses<<<1, 64>>>(x, x, sel, n, 1, y);
+  cross_entropy_grad<<<1, 64>>>(x, sel, n, 1, 1.0f, y);
+  leaf_sums<<<1, 64>>>(x, n, 1, y);
 }

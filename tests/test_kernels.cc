@@ -19,6 +19,7 @@
 #include "elementwise.cuh"
 #include "embedding.cuh"
 #include "gemm.cuh"
+#include "loss.cuh"
 #include "moe.cuh"
 #include "ops/attention.h"
 #include "ops/gemm.h"
@@ -390,6 +391,42 @@ TEST_SUITE("kernels") {
       CHECK(same_bits(kh, h));
       CHECK(same_bits(kgt, gt));
       CHECK(same_bits(kgp, gp));
+    }
+  }
+
+  TEST_CASE("loss kernels: per-token cross-entropy, its gradient and the sum over tokens bit for bit the engine's") {
+    const int64_t N = 96;
+    const int V = 40;
+    std::mt19937_64 rng(32);
+    std::vector<int> target(N);
+    for (int& t : target) t = (int)(rng() % V);
+    const std::vector<float> logits = random_floats((size_t)(N * V), 33);
+    std::vector<float> prob(N * V), lse(N), loss(N), kloss(N);
+    ls::ops::softmax_rows(logits.data(), V, prob.data(), V, (int)N, V, 0, lse.data());
+    ls::ops::token_losses(lse.data(), logits.data(), target.data(), N, V, loss.data());
+    ls::emu::run_grid(dim3(2), dim3(64), [&] {
+      ls::kernels::token_losses(lse.data(), logits.data(), target.data(), N, V, kloss.data());
+    }, 1, false);
+    CHECK(same_bits(kloss, loss));
+    for (float Ng : {96.0f, 128.0f, 1000.0f}) {  // a power of two takes the reciprocal path
+      CAPTURE(Ng);
+      std::vector<float> d(N * V), kd(N * V);
+      ls::ops::cross_entropy_grad(prob.data(), target.data(), N, V, Ng, d.data());
+      ls::emu::run_grid(dim3(2), dim3(64), [&] {
+        ls::kernels::cross_entropy_grad(prob.data(), target.data(), N, V, Ng, kd.data());
+      }, 1, false);
+      CHECK(same_bits(kd, d));
+    }
+    for (int64_t leaf_tokens : {int64_t{1}, int64_t{8}, int64_t{96}}) {
+      CAPTURE(leaf_tokens);
+      const int64_t leaves = N / leaf_tokens;
+      std::vector<float> part((size_t)leaves), out(1);
+      ls::emu::run_grid(dim3((unsigned)((leaves + 31) / 32)), dim3(32), [&] {
+        ls::kernels::leaf_sums(loss.data(), leaves, leaf_tokens, part.data());
+      }, 1, false);
+      ls::emu::run_grid(dim3(1), dim3(1), [&] { ls::kernels::tree_over_blocks(part.data(), leaves, out.data()); }, 1, false);
+      const float want = ls::ops::token_sum(loss.data(), N, leaf_tokens);
+      CHECK(std::memcmp(&out[0], &want, 4) == 0);
     }
   }
 

@@ -11,6 +11,7 @@
 #include "elementwise.cuh"
 #include "embedding.cuh"
 #include "gemm.cuh"
+#include "loss.cuh"
 #include "moe.cuh"
 #include "rmsnorm.cuh"
 #include "weight_grad.cuh"
@@ -136,6 +137,23 @@ void embedding_grad(const int* tok, const float* dh, int64_t N, int S, int D, in
   });
 }
 
+void token_losses(const float* lse, const float* logits, const int* target, int64_t N, int V, float* loss) {
+  launch(dim3(blocks_for(N, 64)), dim3(64), [&] { kernels::token_losses(lse, logits, target, N, V, loss); });
+}
+
+void cross_entropy_grad(const float* prob, const int* target, int64_t N, int V, float Ng, float* dlogits) {
+  launch(dim3(blocks_for(N, 64)), dim3(64), [&] { kernels::cross_entropy_grad(prob, target, N, V, Ng, dlogits); });
+}
+
+float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
+  const int64_t leaves = N / leaf_tokens;
+  std::vector<float> part((size_t)leaves);
+  float out = 0.0f;
+  launch(dim3(blocks_for(leaves, 32)), dim3(32), [&] { kernels::leaf_sums(v, leaves, leaf_tokens, part.data()); });
+  launch(dim3(1), dim3(1), [&] { kernels::tree_over_blocks(part.data(), leaves, &out); });
+  return out;
+}
+
 }  // namespace
 
 const ops::OpHooks& kernel_hooks() {
@@ -159,6 +177,9 @@ const ops::OpHooks& kernel_hooks() {
     h.moe_combine_backward = moe_combine_backward;
     h.embed = embed;
     h.embedding_grad = embedding_grad;
+    h.token_losses = token_losses;
+    h.cross_entropy_grad = cross_entropy_grad;
+    h.token_sum = token_sum;
     return h;
   }();
   return hooks;

@@ -91,6 +91,7 @@ struct MoeTransformer::Workspace {
   std::vector<float> dh, dtmp, dlogits, dye, du, dv, dact, dxe, dg, dz, da2, dO, dqkv, sdu, sdv, sdx;
   std::vector<float> trace_rows;  // expert rows regathered in (token, slot) order for the trace
   std::vector<int> tok_id;        // [N] the input byte of each token
+  std::vector<int> target_id;     // [N] the next byte: each token's target
   // MoE buffers sized by the schedule's capacity, reused by every round and layer.
   ExpertSlots slots;
   std::vector<float> send, recv;                  // expert parallel: one round's rows out and in
@@ -622,10 +623,12 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   T("fwd", -1, "final_norm", "out", ws.af.data(), {N, D});
   ops::linear(ws.af.data(), N, D, lm_head, V, ws.logits.data());
   T("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V});
+  ws.target_id.resize(N);
+  for (int64_t n = 0; n < N; ++n) ws.target_id[n] = target(n);
   parallel_for_groups_of_8(N, [&](int64_t n0, int rows) {
     ops::softmax_rows(&ws.logits[n0 * V], V, &ws.prob[n0 * V], V, rows, V, 0, &ws.lse[n0]);
-    for (int64_t n = n0; n < n0 + rows; ++n) ws.loss[n] = ws.lse[n] - ws.logits[n * V + target(n)];
   });
+  ops::token_losses(ws.lse.data(), ws.logits.data(), ws.target_id.data(), N, V, ws.loss.data());
   T("fwd", -1, "loss", "per_token", ws.loss.data(), {N});
   StepLosses out;
   {
@@ -641,22 +644,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   // ------------------------------------------------------------ backward --
   if (phase_hook_) phase_hook_("backward");
   ws.dlogits.resize(N * V);
-  // Dividing by a power of two is scaling by its exact reciprocal: both round
-  // the same real number once, so the bits agree (subnormals included), and a
-  // multiply is several times cheaper than a divide.
-  const bool ng_pow2 = (ls::bits(Ng) & 0x007fffffu) == 0 && Ng >= 1.0f && Ng <= 0x1p126f;
-  parallel_for(N, [&](int64_t n) {
-    const int y = target(n);
-    const float ng = Ng, inv = 1.0f / Ng;  // locals, so the stores below cannot alias them
-    float* __restrict dl = &ws.dlogits[n * V];
-    const float* __restrict pr = &ws.prob[n * V];
-    // (p - onehot) / Ng; p - 0 is p itself (also for -0), so only the target subtracts.
-    if (ng_pow2)
-      for (int v = 0; v < V; ++v) dl[v] = pr[v] * inv;
-    else
-      for (int v = 0; v < V; ++v) dl[v] = pr[v] / ng;
-    dl[y] = (pr[y] - 1.0f) / ng;
-  });
+  ops::cross_entropy_grad(ws.prob.data(), ws.target_id.data(), N, V, Ng, ws.dlogits.data());
   T("bwd", -1, "lm_head", "dlogits", ws.dlogits.data(), {N, V});
   ops::weight_grad(ws.af.data(), D, ws.dlogits.data(), V, D, V, uniform_off.data(), leaves, G("lm_head"));
   ws.dtmp.resize(N * D);

@@ -41,6 +41,9 @@ struct OpHooks {
   void (*embed)(const int* tok, const float* te, const float* pe, float* h, int64_t N, int S, int D) = nullptr;
   void (*embedding_grad)(const int* tok, const float* dh, int64_t N, int S, int D, int V, int64_t leaf_tokens,
                          int64_t leaves, float* gtok, float* gpos) = nullptr;
+  void (*token_losses)(const float* lse, const float* logits, const int* target, int64_t N, int V, float* loss) = nullptr;
+  void (*cross_entropy_grad)(const float* prob, const int* target, int64_t N, int V, float Ng, float* dlogits) = nullptr;
+  float (*token_sum)(const float* v, int64_t N, int64_t leaf_tokens) = nullptr;
   // One AdamW update of n elements (optim/adamw.cc's loop body, all its terms precomputed).
   void (*adamw)(float* w, float* g, float* m, float* v, int64_t n, bool decay, float beta1, float beta2,
                 float one_minus_beta1, float one_minus_beta2, float bc1, float bc2, float eps, float weight_decay,

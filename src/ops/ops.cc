@@ -422,6 +422,7 @@ float param_sumsq(const float* v, int64_t n) {
 
 float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
   if (local_numerics()) return local::token_sum(v, N);
+  if (const OpHooks* h = op_hooks(); h && h->token_sum) return h->token_sum(v, N, leaf_tokens);
   const int64_t leaves = N / leaf_tokens;
   std::vector<float> part((size_t)leaves);
   for (int64_t l = 0; l < leaves; ++l) {
@@ -535,6 +536,32 @@ void moe_combine_backward(const float* dh_all, const float* g, int E, const int*
 void embed(const int* tok, const float* te, const float* pe, float* h, int64_t N, int S, int D) {
   if (const OpHooks* hk = op_hooks(); hk && hk->embed) return hk->embed(tok, te, pe, h, N, S, D);
   parallel_for(N, [&](int64_t n) { for (int i = 0; i < D; ++i) h[n * D + i] = te[(int64_t)tok[n] * D + i] + pe[(n % S) * D + i]; });
+}
+
+void token_losses(const float* lse, const float* logits, const int* target, int64_t N, int V, float* loss) {
+  if (const OpHooks* h = op_hooks(); h && h->token_losses) return h->token_losses(lse, logits, target, N, V, loss);
+  for (int64_t n = 0; n < N; ++n) loss[n] = lse[n] - logits[n * V + target[n]];
+}
+
+void cross_entropy_grad(const float* prob, const int* target, int64_t N, int V, float Ng, float* dlogits) {
+  if (const OpHooks* h = op_hooks(); h && h->cross_entropy_grad)
+    return h->cross_entropy_grad(prob, target, N, V, Ng, dlogits);
+  // Dividing by a power of two is scaling by its exact reciprocal: both round
+  // the same real number once, so the bits agree (subnormals included), and a
+  // multiply is several times cheaper than a divide.
+  const bool ng_pow2 = (ls::bits(Ng) & 0x007fffffu) == 0 && Ng >= 1.0f && Ng <= 0x1p126f;
+  parallel_for(N, [&](int64_t n) {
+    const int y = target[n];
+    const float ng = Ng, inv = 1.0f / Ng;  // locals, so the stores below cannot alias them
+    float* __restrict dl = &dlogits[n * V];
+    const float* __restrict pr = &prob[n * V];
+    // (p - onehot) / Ng; p - 0 is p itself (also for -0), so only the target subtracts.
+    if (ng_pow2)
+      for (int v = 0; v < V; ++v) dl[v] = pr[v] * inv;
+    else
+      for (int v = 0; v < V; ++v) dl[v] = pr[v] / ng;
+    dl[y] = (pr[y] - 1.0f) / ng;
+  });
 }
 
 // Embedding gradients: per leaf, fold dh of the tokens with that byte (or

@@ -105,4 +105,10 @@ void embed(const int* tok, const float* te, const float* pe, float* h, int64_t N
 void embedding_grad(const int* tok, const float* dh, int64_t N, int S, int D, int V, int64_t leaf_tokens,
                     int64_t leaves, float* gtok, float* gpos);
 
+// Cross-entropy per token: loss[n] = lse[n] - logits[n][target[n]]. Elementwise.
+void token_losses(const float* lse, const float* logits, const int* target, int64_t N, int V, float* loss);
+// Its gradient: dlogits[n][v] = (p[n][v] - [v = target[n]]) / Ng, the global
+// token count. Elementwise.
+void cross_entropy_grad(const float* prob, const int* target, int64_t N, int V, float Ng, float* dlogits);
+
 }  // namespace ls::ops
