@@ -39,4 +39,23 @@ __global__ void leaf_sums(const float* v, int64_t leaves, int64_t leaf_tokens, f
   part[l] = acc;
 }
 
+// Router statistics (ops::router_stats): thread e < E sums the gates of
+// expert e, thread E the squared log-sum-exps; each folds its leaves' tokens
+// in order from +0 and runs its own canonical tree over the leaves.
+__global__ void router_stats(const float* g, const float* lse, int E, int64_t leaf_tokens, int64_t leaves,
+                             float* sums) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e > E) return;
+  float stack[64];
+  ls::LeafTree tree(stack, 1);
+  for (int64_t lf = 0; lf < leaves; ++lf) {
+    float acc = 0.0f;
+    for (int64_t n = lf * leaf_tokens; n < (lf + 1) * leaf_tokens; ++n)
+      acc = e < E ? acc + g[n * E + e] : ls::fma(lse[n], lse[n], acc);
+    *tree.next_leaf() = acc;
+    tree.push();
+  }
+  sums[e] = *tree.finish();
+}
+
 }  // namespace ls::kernels

@@ -427,6 +427,15 @@ TEST_SUITE("kernels") {
       ls::emu::run_grid(dim3(1), dim3(1), [&] { ls::kernels::tree_over_blocks(part.data(), leaves, out.data()); }, 1, false);
       const float want = ls::ops::token_sum(loss.data(), N, leaf_tokens);
       CHECK(std::memcmp(&out[0], &want, 4) == 0);
+      // The router statistics over the same leaves: gates per expert, lse^2.
+      const int E = 8;
+      const std::vector<float> g = random_floats((size_t)(N * E), 34);
+      std::vector<float> sums(E + 1), ksums(E + 1);
+      ls::ops::router_stats(g.data(), lse.data(), N, E, leaf_tokens, leaves, sums.data());
+      ls::emu::run_grid(dim3(1), dim3(16), [&] {
+        ls::kernels::router_stats(g.data(), lse.data(), E, leaf_tokens, leaves, ksums.data());
+      }, 1, false);
+      CHECK(same_bits(ksums, sums));
     }
   }
 

@@ -154,6 +154,10 @@ float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
   return out;
 }
 
+void router_stats(const float* g, const float* lse, int64_t, int E, int64_t leaf_tokens, int64_t leaves, float* sums) {
+  launch(dim3(blocks_for(E + 1, 32)), dim3(32), [&] { kernels::router_stats(g, lse, E, leaf_tokens, leaves, sums); });
+}
+
 }  // namespace
 
 const ops::OpHooks& kernel_hooks() {
@@ -180,6 +184,7 @@ const ops::OpHooks& kernel_hooks() {
     h.token_losses = token_losses;
     h.cross_entropy_grad = cross_entropy_grad;
     h.token_sum = token_sum;
+    h.router_stats = router_stats;
     return h;
   }();
   return hooks;

@@ -577,23 +577,9 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     T("fwd", l, "moe.combine", "h", hout, {N, D});
     // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
     {
-      std::vector<float> part((size_t)leaves * E), zpart(leaves);
-      for (int64_t lf = 0; lf < leaves; ++lf) {
-        float* acc = &part[(size_t)lf * E];
-        float zacc = 0.0f;
-        for (int64_t n = lf * leaf; n < (lf + 1) * leaf; ++n) {
-          for (int e = 0; e < E; ++e) acc[e] = acc[e] + A.g[n * E + e];
-          zacc = ls::fma(A.lse[n], A.lse[n], zacc);
-        }
-        zpart[lf] = zacc;
-      }
-      // Per-rank subtrees, then the canonical tree over ranks.
-      std::vector<float> col(leaves), sums(E + 1);
-      for (int e = 0; e < E; ++e) {
-        for (int64_t lf = 0; lf < leaves; ++lf) col[lf] = part[(size_t)lf * E + e];
-        sums[e] = tree_sum(col.data(), leaves);
-      }
-      sums[E] = tree_sum(zpart.data(), leaves);
+      // This rank's subtrees (ops::router_stats), then the canonical tree over ranks.
+      std::vector<float> sums(E + 1);
+      ops::router_stats(A.g.data(), A.lse.data(), N, E, leaf, leaves, sums.data());
       A.global_counts.resize(E);
       for (int e = 0; e < E; ++e) A.global_counts[e] = A.expert_off[e + 1] - A.expert_off[e];
       if (mesh_) {

@@ -538,6 +538,28 @@ void embed(const int* tok, const float* te, const float* pe, float* h, int64_t N
   parallel_for(N, [&](int64_t n) { for (int i = 0; i < D; ++i) h[n * D + i] = te[(int64_t)tok[n] * D + i] + pe[(n % S) * D + i]; });
 }
 
+void router_stats(const float* g, const float* lse, int64_t N, int E, int64_t leaf_tokens, int64_t leaves,
+                  float* sums) {
+  if (const OpHooks* h = op_hooks(); h && h->router_stats) return h->router_stats(g, lse, N, E, leaf_tokens, leaves, sums);
+  (void)N;  // = leaves * leaf_tokens
+  std::vector<float> part((size_t)leaves * E), zpart(leaves);
+  for (int64_t lf = 0; lf < leaves; ++lf) {
+    float* acc = &part[(size_t)lf * E];
+    float zacc = 0.0f;
+    for (int64_t n = lf * leaf_tokens; n < (lf + 1) * leaf_tokens; ++n) {
+      for (int e = 0; e < E; ++e) acc[e] = acc[e] + g[n * E + e];
+      zacc = ls::fma(lse[n], lse[n], zacc);
+    }
+    zpart[lf] = zacc;
+  }
+  std::vector<float> col(leaves);
+  for (int e = 0; e < E; ++e) {
+    for (int64_t lf = 0; lf < leaves; ++lf) col[lf] = part[(size_t)lf * E + e];
+    sums[e] = tree_sum(col.data(), leaves);
+  }
+  sums[E] = tree_sum(zpart.data(), leaves);
+}
+
 void token_losses(const float* lse, const float* logits, const int* target, int64_t N, int V, float* loss) {
   if (const OpHooks* h = op_hooks(); h && h->token_losses) return h->token_losses(lse, logits, target, N, V, loss);
   for (int64_t n = 0; n < N; ++n) loss[n] = lse[n] - logits[n * V + target[n]];

@@ -105,6 +105,11 @@ void embed(const int* tok, const float* te, const float* pe, float* h, int64_t N
 void embedding_grad(const int* tok, const float* dh, int64_t N, int S, int D, int V, int64_t leaf_tokens,
                     int64_t leaves, float* gtok, float* gpos);
 
+// Router statistics for the aux and z losses: sums[e] = canonical tree over
+// leaves of (the leaf's gates g[n][e] added in token order from +0), for
+// e < E; sums[E] the same of fma(lse[n], lse[n], .). Reduces over the token index.
+void router_stats(const float* g, const float* lse, int64_t N, int E, int64_t leaf_tokens, int64_t leaves, float* sums);
+
 // Cross-entropy per token: loss[n] = lse[n] - logits[n][target[n]]. Elementwise.
 void token_losses(const float* lse, const float* logits, const int* target, int64_t N, int V, float* loss);
 // Its gradient: dlogits[n][v] = (p[n][v] - [v = target[n]]) / Ng, the global
