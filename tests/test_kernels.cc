@@ -13,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "cli_run.h"
 #include "emu/backend.h"
 #include "emu/cuda_emu.h"
 #include "attention.cuh"
@@ -29,6 +30,7 @@
 #include "runner/golden.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
+#include "tiny_scenario.h"
 #include "weight_grad.cuh"
 
 namespace {
@@ -461,5 +463,27 @@ TEST_SUITE("kernels") {
     CHECK(launches > 1000);
     // ... and the process is back on the engine's own ops afterwards.
     CHECK(ls::ops::op_hooks() == nullptr);
+  }
+
+  TEST_CASE("a supervised cuda-emulated run: its children train on the kernels, one is killed, the job ends on the engine's hash") {
+    const auto sc = lstest::write_temp("kernels_tiny.json", lstest::tiny_scenario(true));
+    const auto dir = lstest::cli_temp_dir() / "kernels-sup";
+    std::filesystem::remove_all(dir);
+    const lstest::CliResult engine = lstest::run_cli("run " + sc.string() + " --json --quiet --set train.steps=6");
+    REQUIRE(engine.rc == 0);
+    const lstest::CliResult sup = lstest::run_cli("run " + sc.string() + " --backend cuda-emulated --json --quiet " +
+                                                  "--set train.steps=6 --set ckpt.every=2 --set ckpt.url=" + dir.string() +
+                                                  " --fault process_kill@4");
+    CAPTURE(sup.err);
+    REQUIRE(sup.rc == 0);
+    auto last_json = [](const std::string& out) {
+      const size_t nl = out.find_last_of('\n', out.size() - 2);
+      return nlohmann::json::parse(nl == std::string::npos ? out : out.substr(nl + 1));
+    };
+    const nlohmann::json j = last_json(sup.out), e = last_json(engine.out);
+    CHECK(j["backend"] == "cuda-emulated");
+    CHECK(j["restarts"].size() == 1);
+    CHECK(j["final_state_hash"] == e["final_state_hash"]);
+    CHECK(lstest::run_cli("run " + sc.string() + " --backend reference --supervise --set ckpt.url=/tmp/x --set ckpt.every=1").rc == 2);
   }
 }

@@ -208,7 +208,12 @@ int cmd_run(const RunArgs& a, const char* self) {
     so.resume = a.resume;
     so.launcher = a.launcher;
     if (a.steps > 0) so.extra_args = {"--steps", std::to_string(a.steps)};
-    if (!a.backend.empty() && a.backend != "engine") throw UserError("--supervise: the engine backend only");
+    if (!a.backend.empty() && a.backend != "engine") {
+      // The children train on it; the reference saves no checkpoint to restart from.
+      if (parse_backend(a.backend) == Backend::kReference)
+        throw UserError("--supervise: the reference backend saves no checkpoints; use engine or cuda-emulated");
+      so.extra_args.insert(so.extra_args.end(), {"--backend", a.backend});
+    }
     SuperviseResult r = supervise(so);
     if (!r.error.empty()) std::fprintf(stderr, "lockstep: error: %s\n", r.error.c_str());
     if (r.exit_code == 0 && !a.out_dir.empty()) {
@@ -440,6 +445,7 @@ int cmd_check(const CheckArgs& a) {
       // --launcher mpi: each attempt one process per rank, under mpirun.
       const bool processes = a.launcher == "mpi" && s.mesh.dp > 1;
       if (processes) so.launcher = "mpi";
+      if (parse_backend(a.backend) == Backend::kCudaEmulated) so.extra_args = {"--backend", a.backend};
       const SuperviseResult r = supervise(so);
       const std::string got = r.summary.value("final_state_hash", "");
       const size_t restarts = r.summary.value("restarts", nlohmann::json::array()).size();

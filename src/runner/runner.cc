@@ -450,7 +450,8 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   }
   std::unique_ptr<CheckpointWriter> writer;
   if (!s.ckpt.url.empty() && s.ckpt.every > 0) {
-    if (opt.backend != Backend::kEngine) throw UserError("ckpt.every: checkpoints are saved by the engine backend");
+    if (opt.backend == Backend::kReference)
+      throw UserError("ckpt.every: checkpoints are saved by the engine (or cuda-emulated) backend");
     std::shared_ptr<ObjectStore> to = open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint});
     if (injector) to = injector->wrap(to);
     writer = std::make_unique<CheckpointWriter>(
