@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <cstring>
 #include <limits>
@@ -441,28 +442,42 @@ TEST_SUITE("kernels") {
     }
   }
 
-  TEST_CASE("--backend cuda-emulated: a golden scenario trained through the kernels reproduces its golden file") {
-    const std::string root = LOCKSTEP_SOURCE_DIR;
-    std::ifstream in(root + "/golden/top2.json");
-    REQUIRE(in);
-    const nlohmann::json g = nlohmann::json::parse(in);
-    const ls::Scenario s = ls::load_scenario(root + "/" + g.at("scenario").get<std::string>(), {});
-    ls::RunOptions opt;
-    opt.backend = ls::Backend::kCudaEmulated;
-    opt.threads = 2;
-    opt.eval = false;
-    opt.hash_at = ls::golden_hash_steps(s.steps);
-    const int64_t before = ls::emu::kernel_launches();
-    const ls::RunResult r = ls::run_scenario(s, opt);
-    const int64_t launches = ls::emu::kernel_launches() - before;
-    CHECK(r.backend == "cuda-emulated");
-    CHECK(ls::compare_golden(g, r) == "");  // every loss bit, the state hashes, the final hash
-    // The kernels really ran: thousands of launches (GEMMs, weight gradients,
-    // norms, softmax, attention, SwiGLU, the gradient norm, AdamW) ...
-    MESSAGE("top2 through the emulated kernels: " << launches << " kernel launches, final_state_hash " << r.final_state_hash);
-    CHECK(launches > 1000);
-    // ... and the process is back on the engine's own ops afterwards.
-    CHECK(ls::ops::op_hooks() == nullptr);
+  TEST_CASE("--backend cuda-emulated: every golden scenario and mesh variant, trained through the kernels, reproduces its golden file") {
+    namespace fs = std::filesystem;
+    const fs::path root = LOCKSTEP_SOURCE_DIR;
+    // The golden gate's work list: each golden file's scenario and the mesh
+    // variants of the same name (scenarios/variants), as `lockstep check`.
+    std::vector<std::pair<fs::path, fs::path>> work;  // (golden file, scenario)
+    for (const auto& e : fs::directory_iterator(root / "golden")) {
+      std::ifstream in(e.path());
+      const nlohmann::json g = nlohmann::json::parse(in);
+      work.push_back({e.path(), root / g.at("scenario").get<std::string>()});
+    }
+    for (const auto& e : fs::directory_iterator(root / "scenarios/variants"))
+      work.push_back({root / "golden" / (ls::load_scenario(e.path().string(), {}).name + ".json"), e.path()});
+    REQUIRE(work.size() >= 9);
+    int64_t launches = 0;
+    for (const auto& [gpath, spath] : work) {
+      CAPTURE(spath.string());
+      std::ifstream in(gpath);
+      REQUIRE(in);
+      const nlohmann::json g = nlohmann::json::parse(in);
+      const ls::Scenario s = ls::load_scenario(spath.string(), {});
+      ls::RunOptions opt;
+      opt.backend = ls::Backend::kCudaEmulated;
+      opt.threads = 2;
+      opt.eval = false;
+      opt.hash_at = ls::golden_hash_steps(s.steps);
+      const int64_t before = ls::emu::kernel_launches();
+      const ls::RunResult r = ls::run_scenario(s, opt);
+      const int64_t n = ls::emu::kernel_launches() - before;
+      CHECK(r.backend == "cuda-emulated");
+      CHECK(ls::compare_golden(g, r) == "");  // every loss bit, the state hashes, the final hash
+      CHECK(n > 1000);  // the kernels really ran: GEMMs, gradients, norms, attention, MoE, loss, AdamW
+      launches += n;
+    }
+    MESSAGE(work.size() << " golden runs through the emulated kernels, " << launches << " kernel launches");
+    CHECK(ls::ops::op_hooks() == nullptr);  // the process is back on the engine's own ops
   }
 
   TEST_CASE("a supervised cuda-emulated run: its children train on the kernels, one is killed, the job ends on the engine's hash") {

@@ -1,8 +1,9 @@
 // The CUDA built-ins on the CPU, so that the kernels in kernels/*.cuh run
 // here as they are written (issue 18: checked without a GPU). A grid runs
-// block by block; a block's threads are fibers (ucontext) of one OS thread,
-// switched at __syncthreads(), so a barrier really separates what the block's
-// threads do before it from what they do after. __shared__ storage is
+// block by block; a block's threads are fibers of one OS thread (a small
+// hand-written context switch), switched at __syncthreads(), so a barrier
+// really separates what the block's threads do before it from what they do
+// after. __shared__ storage is
 // per block: `static thread_local`, since one OS thread runs one block at a
 // time, to its end. Blocks run in parallel on OpenMP threads.
 //
