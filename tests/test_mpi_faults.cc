@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "mpi_run.h"
+#include "runner/supervisor.h"
 
 namespace {
 
@@ -25,26 +26,10 @@ using lstest::Run;
 using lstest::run_lockstep;
 using lstest::fresh_dir;
 
-// Live (non-zombie) processes whose command line holds `tag`.
-std::vector<int> live_with(const std::string& tag) {
-  std::vector<int> out;
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    const std::string name = e.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::string cmdline = lstest::slurp(e.path() / "cmdline"), stat = lstest::slurp(e.path() / "stat");
-    const size_t close = stat.rfind(')');
-    if (close == std::string::npos || close + 2 >= stat.size() || stat[close + 2] == 'Z') continue;
-    for (char& c : cmdline)
-      if (c == '\0') c = ' ';
-    if (cmdline.find(tag) != std::string::npos) out.push_back(std::stoi(name));
-  }
-  return out;
-}
-
 // Rank processes (not mpirun, not the supervisor) of a job whose command line holds `tag`.
 std::vector<int> rank_processes(const std::string& tag) {
   std::vector<int> out;
-  for (int pid : live_with(tag)) {
+  for (int pid : ls::live_processes_matching(tag)) {
     const std::string cmdline = lstest::slurp("/proc/" + std::to_string(pid) + "/cmdline");
     // Ranks carry the supervisor's --fault-state; mpirun's own line starts with mpirun.
     if (cmdline.rfind("mpirun", 0) != 0 && cmdline.find("--fault-state") != std::string::npos) out.push_back(pid);
@@ -81,7 +66,7 @@ TEST_SUITE("mpi") {
     CHECK(restarts[2]["restore_step"] == 9);
     for (const auto& ev : restarts) CHECK(ev["processes"] == 4);
     CHECK(r.summary["faults_fired"].size() == 3);
-    CHECK(live_with(dir.string()).empty());  // no rank process of any attempt lives on
+    CHECK(ls::live_processes_matching(dir.string()).empty());  // no rank process of any attempt lives on
   }
 
   TEST_CASE("restart_mesh across processes: shrink to 2 processes, then grow to 8, on the same bits") {
@@ -140,7 +125,7 @@ TEST_SUITE("mpi") {
     const std::string failure = j["restarts"][0]["failure"];
     CHECK(failure == "exit 137");  // mpirun's exit for a rank killed by SIGKILL
     CHECK(j["restarts"][0]["restore_step"].get<int>() >= 20);
-    CHECK(live_with(dir.string()).empty());
+    CHECK(ls::live_processes_matching(dir.string()).empty());
   }
 
   TEST_CASE("faults sweep --launcher mpi: kills of random rank processes, every trial on the golden hash") {

@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <random>
 
 #include "ckpt/checkpointer.h"
@@ -159,20 +158,8 @@ int cmd_faults_sweep(const SweepArgs& a) {
     if (io && fired_in_io) ++io_kills;
     for (const auto& ev : r.summary.value("restarts", nlohmann::json::array()))
       orphan_processes += ev.value("orphans_killed", 0);
-    if (mpi) {  // no process of this trial may be left: its command line names the trial's store
-      const std::string tag = "ckpt.url=" + url;
-      for (const auto& e : fs::directory_iterator("/proc")) {
-        const std::string cmdline_path = (e.path() / "cmdline").string();
-        std::ifstream in(cmdline_path, std::ios::binary);
-        std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-        if (cmdline.find(tag + '\0') != std::string::npos) {
-          std::string stat;
-          std::getline(std::ifstream((e.path() / "stat").string()), stat);
-          const size_t close = stat.rfind(')');
-          if (close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z') ++survivors;
-        }
-      }
-    }
+    // No process of this trial may be left: its command line names the trial's store.
+    if (mpi) survivors += (int64_t)live_processes_matching("ckpt.url=" + url + '\0').size();
     fallbacks += (int)r.summary.value("restore_fallbacks", nlohmann::json::array()).size();
     // The store afterwards: the newest committed checkpoint is the last save
     // (none deleted before a newer committed); torn ones are orphans for gc.

@@ -32,17 +32,14 @@ class FaultInjector {
   // After the checkpoint of `step` committed (bitrot fires here).
   void after_commit(int64_t step);
   void set_step(int step) { step_ = step; }
-  // Under MPI: this process holds rank `rank` of `world` alone. A fault fires
+  // Under MPI: this process holds rank `rank` alone. A fault fires
   // only in the process of its home rank, so each fires once per job: its
   // `rank` for rank_crash and straggler; for a ckpt_upload fault with
   // after_objects=K, rank K (each rank writes one object: the job dies with
   // K objects possibly written, as in one process), firing before that
   // rank's own object; rank 0 for the rest (process_kill, manifest and store
   // faults, shrink, grow). -1 (default): every rank is in this process.
-  void set_process_rank(int rank, int world) {
-    process_rank_ = rank;
-    world_ = world;
-  }
+  void set_process_rank(int rank) { process_rank_ = rank; }
 
   const std::vector<FaultSpec>& faults() const { return faults_; }
 
@@ -58,7 +55,7 @@ class FaultInjector {
   std::shared_ptr<ObjectStore> inner_;
   std::mutex mu_;
   int step_ = 0;
-  int process_rank_ = -1, world_ = 1;
+  int process_rank_ = -1;
   std::map<std::string, int> put_objects_;      // objects started, per checkpoint directory
   std::map<std::string, uint64_t> put_bytes_;   // store byte total when its first object started
 };

@@ -7,7 +7,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <optional>
 #include <cstring>
 #include <functional>
 #include <stdexcept>

@@ -296,12 +296,12 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     throw UserError("numerics.level=local: the reference is the contract's definition and runs portable only; use "
                     "the engine backend");
   set_numerics_level(s.level == "local" ? NumericsLevel::kLocal : NumericsLevel::kPortable);
-  struct BackToPortable {  // however the run ends: other work in this process is portable, on the engine's ops
-    ~BackToPortable() {
+  struct BackToDefaults {  // however the run ends: other work in this process is portable, on the engine's ops
+    ~BackToDefaults() {
       set_numerics_level(NumericsLevel::kPortable);
       ops::set_op_hooks(nullptr);
     }
-  } back_to_portable;
+  } back_to_defaults;
   if (opt.backend == Backend::kCudaEmulated) {
     if (s.level == "local") throw UserError("numerics.level=local: the CUDA kernels are portable only (cuBLAS is the GPU's local level)");
     ops::set_op_hooks(&emu::kernel_hooks());
@@ -340,7 +340,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   std::unique_ptr<FaultInjector> injector;
   if (!opt.faults.empty()) {
     injector = std::make_unique<FaultInjector>(opt.faults, opt.fired, opt.fault_state);
-    if (opt.mpi && opt.mpi->size() > 1) injector->set_process_rank(opt.mpi->rank(), opt.mpi->size());
+    if (opt.mpi && opt.mpi->size() > 1) injector->set_process_rank(opt.mpi->rank());
     trainer->set_phase_hook([&injector](const char* phase, int rank) {
       const std::string p = phase;
       injector->at(-1, p == "forward" ? FaultPhase::kForward : p == "backward" ? FaultPhase::kBackward

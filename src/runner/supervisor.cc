@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 #include <sstream>
@@ -141,8 +142,12 @@ int kill_session(int sid) {
 
 }  // namespace
 
-std::vector<int> session_processes(int sid) {
-  std::vector<int> out;
+namespace {
+
+// Calls f(pid, session, /proc/PID directory) for every live (non-zombie)
+// process but this one. Linux /proc.
+template <class F>
+void for_each_live_process(F&& f) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator("/proc", ec)) {
     const std::string name = e.path().filename().string();
@@ -157,8 +162,27 @@ std::vector<int> session_processes(int sid) {
     std::string state;
     int ppid = 0, pgrp = 0, session = 0;
     if (!(rest >> state >> ppid >> pgrp >> session)) continue;
-    if (session == sid && state != "Z") out.push_back(pid);  // a zombie is dead already
+    if (state != "Z") f(pid, session, e.path());  // a zombie is dead already
   }
+}
+
+}  // namespace
+
+std::vector<int> session_processes(int sid) {
+  std::vector<int> out;
+  for_each_live_process([&](int pid, int session, const fs::path&) {
+    if (session == sid) out.push_back(pid);
+  });
+  return out;
+}
+
+std::vector<int> live_processes_matching(const std::string& text) {
+  std::vector<int> out;
+  for_each_live_process([&](int pid, int, const fs::path& dir) {
+    std::ifstream in(dir / "cmdline", std::ios::binary);
+    const std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (cmdline.find(text) != std::string::npos) out.push_back(pid);
+  });
   return out;
 }
 

@@ -46,5 +46,8 @@ SuperviseResult supervise(const SuperviseOptions& opt);
 // Processes in session `sid` (this process excluded), by pid: what a job
 // started with setsid left running. Linux /proc.
 std::vector<int> session_processes(int sid);
+// Live processes (this one excluded) whose command line, its arguments
+// separated by NUL bytes as /proc/PID/cmdline holds them, contains `text`.
+std::vector<int> live_processes_matching(const std::string& text);
 
 }  // namespace ls
