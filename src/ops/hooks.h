@@ -2,7 +2,8 @@
 // (the `cuda-emulated` backend: kernels/ launched through the CPU emulation of
 // CUDA). Each must give the bits of the op it replaces; a null entry keeps the
 // engine's. Process-wide, like the numerics level: installed by run_scenario
-// for the run and removed at its end.
+// for the run and removed at its end. Never together with numerics.level=local
+// (run_scenario refuses the pair), so an op checks the level first, then these.
 #pragma once
 
 #include <atomic>

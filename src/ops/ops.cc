@@ -325,7 +325,7 @@ float scan_max(const float* z, int n) {
 
 void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, int n0, int step, float* lse) {
   const OpTimer op_timer(OpKind::kSoftmax);
-  if (const OpHooks* h = op_hooks(); h && h->softmax_rows && step == 0 && ldz == ldp && !local_numerics())
+  if (const OpHooks* h = op_hooks(); h && h->softmax_rows && step == 0 && ldz == ldp)
     return h->softmax_rows(z, p, ldz, rows, n0, lse);
   for (int g = 0; g < rows; g += 8) {
     const int R = std::min(8, rows - g);
@@ -435,7 +435,7 @@ float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
 
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
   const OpTimer op_timer(OpKind::kSwiglu);
-  if (const OpHooks* h = op_hooks(); h && h->swiglu && !local_numerics()) return h->swiglu(u, v, s, act, n);
+  if (const OpHooks* h = op_hooks(); h && h->swiglu) return h->swiglu(u, v, s, act, n);
   // In chunks that stay in L1 between the two passes.
   constexpr int64_t kChunk = 1024;
   for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
