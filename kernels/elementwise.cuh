@@ -30,6 +30,27 @@ __global__ void swiglu_backward(const float* u, const float* v, const float* s, 
   du[i] = (dact[i] * v[i]) * (s[i] * (1.0f + u[i] * (1.0f - s[i])));
 }
 
+// act = (u * s) * v from the kept gate s: ops::swiglu_product.
+__global__ void swiglu_product(const float* u, const float* s, const float* v, float* act, int64_t n) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  act[i] = (u[i] * s[i]) * v[i];
+}
+
+// out = a + b (residual adds, LeafFold merges): ops::add.
+__global__ void add(const float* a, const float* b, float* out, int64_t n) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  out[i] = a[i] + b[i];
+}
+
+// p = value: ops::fill.
+__global__ void fill(float* p, int64_t n, float value) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  p[i] = value;
+}
+
 // Row r of `rows` rows of n entries (stride ld): p = softmax(z) as
 // ops::softmax (max by scan, cexp(z - m), sequential sum, divide); lse[r] =
 // m + clog(sum) when lse is not null.

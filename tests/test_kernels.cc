@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -371,6 +372,60 @@ TEST_SUITE("kernels") {
     }, 1, false);
     CHECK(same_bits(kdg, dg));
     CHECK(same_bits(kdye, dye));
+  }
+
+  TEST_CASE("dispatch and step kernels: row copies, slot sums, router gradient terms, adds and fills bit for bit the engine's") {
+    const int64_t N = 29;
+    const int K = 3, D = 20, E = 7;
+    const std::vector<float> rows = random_floats((size_t)(N * K * D), 31), a = random_floats((size_t)(N * D), 32),
+                             b = random_floats((size_t)(N * D), 33), g = random_floats((size_t)(N * E), 34),
+                             lse = random_floats((size_t)N, 35), vec = random_floats((size_t)E, 36),
+                             dz0 = random_floats((size_t)(N * E), 37);
+    std::vector<int64_t> row_of(N * K), src(N * K), dst(N * K);
+    for (int64_t q = 0; q < N * K; ++q) row_of[q] = (q * 11) % (N * K);
+    for (int64_t t = 0; t < N * K; ++t) src[t] = (t * 7 + 3) % (N * K), dst[t] = (N * K - 1 - t);
+    for (unsigned block : {32u, 128u}) {
+      auto run = [&](int64_t threads, const std::function<void()>& body) {
+        ls::emu::run_grid(dim3((unsigned)((threads + block - 1) / block)), dim3(block), body, 1, false);
+      };
+      CAPTURE(block);
+      // Row copies with both index lists, one, or none.
+      for (int which = 0; which < 4; ++which) {
+        const int64_t* s = which & 1 ? src.data() : nullptr;
+        const int64_t* d = which & 2 ? dst.data() : nullptr;
+        std::vector<float> want(N * K * D, -1.0f), got(N * K * D, -1.0f);
+        ls::ops::copy_rows(rows.data(), s, want.data(), d, N * K, D);
+        run(N * K * D, [&] { ls::kernels::copy_rows(rows.data(), s, got.data(), d, N * K, D); });
+        CHECK(same_bits(got, want));
+      }
+      std::vector<float> want(N * D), got(N * D, 5.0f);
+      ls::ops::slot_sum(rows.data(), row_of.data(), K, N, D, want.data());
+      run(N * D, [&] { ls::kernels::slot_sum(rows.data(), row_of.data(), K, N, D, got.data()); });
+      CHECK(same_bits(got, want));
+      ls::ops::add(a.data(), b.data(), want.data(), N * D);
+      run(N * D, [&] { ls::kernels::add(a.data(), b.data(), got.data(), N * D); });
+      CHECK(same_bits(got, want));
+      ls::ops::fill(want.data(), N * D, -0.0f);
+      run(N * D, [&] { ls::kernels::fill(got.data(), N * D, -0.0f); });
+      CHECK(same_bits(got, want));
+      // The router gradient: the aux term on some columns, then the z term.
+      std::vector<float> dzw = dz0, dzk = dz0;
+      ls::ops::add_row_vector(dzw.data(), N, E, E - 2, vec.data());
+      run(N * (E - 2), [&] { ls::kernels::add_row_vector(dzk.data(), N, E, E - 2, vec.data()); });
+      CHECK(same_bits(dzk, dzw));
+      CHECK(dzk[E - 1] == dz0[E - 1]);  // columns past `cols` untouched
+      ls::ops::z_loss_grad(g.data(), lse.data(), N, E, 2.0f * 1e-3f, (float)(N * 4), dzw.data());
+      run(N * E, [&] { ls::kernels::z_loss_grad(g.data(), lse.data(), N, E, 2.0f * 1e-3f, (float)(N * 4), dzk.data()); });
+      CHECK(same_bits(dzk, dzw));
+      CHECK(!same_bits(dzk, dz0));
+      std::vector<float> u = random_floats((size_t)(N * D), 38), sg(N * D), v = random_floats((size_t)(N * D), 39),
+                         act(N * D), pw(N * D), pk(N * D);
+      ls::ops::swiglu(u.data(), v.data(), sg.data(), act.data(), N * D);
+      ls::ops::swiglu_product(u.data(), sg.data(), v.data(), pw.data(), N * D);
+      run(N * D, [&] { ls::kernels::swiglu_product(u.data(), sg.data(), v.data(), pk.data(), N * D); });
+      CHECK(same_bits(pk, pw));
+      CHECK(same_bits(pk, act));  // the forward's product, bit for bit
+    }
   }
 
   TEST_CASE("embedding kernels: the lookup and the leaf-tree scatter-add gradient bit for bit the engine's") {

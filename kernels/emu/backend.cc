@@ -158,6 +158,36 @@ void router_stats(const float* g, const float* lse, int64_t, int E, int64_t leaf
   launch(dim3(blocks_for(E + 1, 32)), dim3(32), [&] { kernels::router_stats(g, lse, E, leaf_tokens, leaves, sums); });
 }
 
+void swiglu_product(const float* u, const float* s, const float* v, float* act, int64_t n) {
+  launch(dim3(blocks_for(n, 256)), dim3(256), [&] { kernels::swiglu_product(u, s, v, act, n); });
+}
+
+void add(const float* a, const float* b, float* out, int64_t n) {
+  launch(dim3(blocks_for(n, 256)), dim3(256), [&] { kernels::add(a, b, out, n); });
+}
+
+void fill(float* p, int64_t n, float value) {
+  launch(dim3(blocks_for(n, 256)), dim3(256), [&] { kernels::fill(p, n, value); });
+}
+
+void copy_rows(const float* src, const int64_t* src_row, float* dst, const int64_t* dst_row, int64_t n,
+               int64_t width) {
+  if (n <= 0) return;
+  launch(dim3(blocks_for(n * width, 256)), dim3(256), [&] { kernels::copy_rows(src, src_row, dst, dst_row, n, width); });
+}
+
+void slot_sum(const float* rows, const int64_t* row_of, int K, int64_t N, int D, float* out) {
+  launch(dim3(blocks_for(N * D, 128)), dim3(128), [&] { kernels::slot_sum(rows, row_of, K, N, D, out); });
+}
+
+void add_row_vector(float* x, int64_t N, int64_t ld, int cols, const float* vec) {
+  launch(dim3(blocks_for(N * cols, 128)), dim3(128), [&] { kernels::add_row_vector(x, N, ld, cols, vec); });
+}
+
+void z_loss_grad(const float* g, const float* lse, int64_t N, int E, float two_zw, float Ng, float* dz) {
+  launch(dim3(blocks_for(N * E, 128)), dim3(128), [&] { kernels::z_loss_grad(g, lse, N, E, two_zw, Ng, dz); });
+}
+
 }  // namespace
 
 const ops::OpHooks& kernel_hooks() {
@@ -185,6 +215,13 @@ const ops::OpHooks& kernel_hooks() {
     h.cross_entropy_grad = cross_entropy_grad;
     h.token_sum = token_sum;
     h.router_stats = router_stats;
+    h.swiglu_product = swiglu_product;
+    h.add = add;
+    h.fill = fill;
+    h.copy_rows = copy_rows;
+    h.slot_sum = slot_sum;
+    h.add_row_vector = add_row_vector;
+    h.z_loss_grad = z_loss_grad;
     return h;
   }();
   return hooks;

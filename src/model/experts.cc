@@ -217,7 +217,7 @@ void ExpertWeightGrads::finish(float* gW1, float* gW3, float* gW2) {
   parallel_tasks((int64_t)n * 3, [&](int64_t task) {
     const int e = (int)(task / 3), which = (int)(task % 3);
     float* dW = (which == 0 ? gW1 : which == 1 ? gW3 : gW2) + (int64_t)e * DF;
-    if (segments_[e] == 0) std::fill(dW, dW + DF, 0.0f);  // no rows: every leaf +0
+    if (segments_[e] == 0) ops::fill(dW, DF, 0.0f);  // no rows: every leaf +0
     else if (segments_[e] > 1) folds_[(size_t)e * 3 + which].finish(dW);
   });
 }

@@ -61,6 +61,14 @@ void for_each_piece(const RoundPlan& plan, int r, const int64_t* pre, const int6
   }
 }
 
+// body(first row, rows) over [0, n) in blocks of 64 rows, blocks in parallel:
+// an elementwise op on whole blocks (one call, or one kernel, per block).
+template <class Body>
+void for_row_blocks(int64_t n, Body&& body) {
+  constexpr int64_t kRows = 64;
+  parallel_for((n + kRows - 1) / kRows, [&](int64_t b) { body(b * kRows, std::min(kRows, n - b * kRows)); });
+}
+
 }  // namespace
 
 // Saved activations of one layer plus the routing of its tokens.
@@ -94,6 +102,9 @@ struct MoeTransformer::Workspace {
   // MoE buffers sized by the schedule's capacity, reused by every round and layer.
   ExpertSlots slots;
   std::vector<float> send, recv;                  // expert parallel: one round's rows out and in
+  std::vector<int64_t> from_row, to_row;          // a round's row copies (ops::copy_rows): source and destination rows
+  std::vector<int64_t> keep_row;                  // and, expert parallel, where each arriving row is kept
+  std::vector<float> row_vector;                  // a vector added to every row (router skew, aux-loss gradient)
   std::vector<std::vector<float>> grad_state;     // LeafFold state per (expert, gradient)
 };
 
@@ -318,31 +329,37 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     }
   };
   // Round r's rows of `width` floats between the sources' dispatch order and
-  // the owners' slots. to_owner: source row `disp` is src_row(disp); the owner
-  // writes slot_buf (and, if keep, the row at its expert position in keep).
-  // Back: the owner reads slot_buf and the source writes disp_out[disp].
+  // the owners' slots. to_owner: source row `disp` is row src_index(disp) of
+  // src; the owner writes slot_buf (and, if keep, the row at its expert
+  // position in keep). Back: the owner reads slot_buf and the source writes
+  // disp_out[disp]. The rows move by ops::copy_rows over index lists built
+  // here (one kernel per list on the CUDA backend).
   std::vector<int64_t> pre(El), cnt(El);
-  auto exchange_rows = [&](const LayerActs& A, int r, int width, bool to_owner,
-                           const std::function<const float*(int64_t)>& src_row, float* slot_buf, float* keep,
+  auto exchange_rows = [&](const LayerActs& A, int r, int width, bool to_owner, const float* src,
+                           const std::function<int64_t(int64_t)>& src_index, float* slot_buf, float* keep,
                            float* disp_out) {
     const OpTimer op_timer(OpKind::kMoeDispatch);
     const size_t row_bytes = sizeof(float) * width;
     const int me = ep > 1 ? mesh_->ep_rank() : 0;
     const RoundPlan& own = A.plans[me];
+    ws.from_row.clear();
+    ws.to_row.clear();
+    ws.keep_row.clear();
     if (ep == 1) {  // one source: straight between the dispatch rows and the slots
       if (r >= own.rounds()) return;
       for (int e = 0; e < El; ++e) pre[e] = 0, cnt[e] = own.load[e];
       for_each_piece(own, r, pre.data(), cnt.data(), [&](const Segment& s, int64_t lo, int64_t n) {
         for (int64_t t = 0; t < n; ++t) {
           const int64_t disp = A.expert_off[s.expert] + lo + t, slot = s.slot + lo - s.first + t;
-          if (to_owner) std::memcpy(slot_buf + slot * width, src_row(disp), row_bytes);
-          else std::memcpy(disp_out + disp * width, slot_buf + slot * width, row_bytes);
+          ws.from_row.push_back(to_owner ? src_index(disp) : slot);
+          ws.to_row.push_back(to_owner ? slot : disp);
         }
       });
+      if (to_owner) ops::copy_rows(src, ws.from_row.data(), slot_buf, ws.to_row.data(), (int64_t)ws.to_row.size(), width);
+      else ops::copy_rows(slot_buf, ws.from_row.data(), disp_out, ws.to_row.data(), (int64_t)ws.to_row.size(), width);
       return;
     }
     std::vector<size_t> sb(ep, 0), rb(ep, 0);
-    int64_t at = 0;
     // Pack: a source walks each owner's pieces; an owner walks each source's.
     for (int d = 0; d < ep; ++d) {
       const RoundPlan& plan = to_owner ? A.plans[d] : own;
@@ -350,42 +367,39 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       if (to_owner) source_part(A, me, d, pre.data(), cnt.data());
       else source_part(A, d, me, pre.data(), cnt.data());
       for_each_piece(plan, r, pre.data(), cnt.data(), [&](const Segment& s, int64_t lo, int64_t n) {
-        for (int64_t t = 0; t < n; ++t, ++at) {
-          const float* row = to_owner ? src_row(A.expert_off[d * El + s.expert] + lo - pre[s.expert] + t)
-                                      : slot_buf + (s.slot + lo - s.first + t) * width;
-          std::memcpy(&ws.send[at * width], row, row_bytes);
-        }
+        for (int64_t t = 0; t < n; ++t)
+          ws.from_row.push_back(to_owner ? src_index(A.expert_off[d * El + s.expert] + lo - pre[s.expert] + t)
+                                         : s.slot + lo - s.first + t);
         sb[d] += n * row_bytes;
       });
     }
+    ops::copy_rows(to_owner ? src : slot_buf, ws.from_row.data(), ws.send.data(), nullptr,
+                   (int64_t)ws.from_row.size(), width);
     // Unpack what arrives, in the sender's walk order.
     for (int d = 0; d < ep; ++d) {
       const RoundPlan& plan = to_owner ? own : A.plans[d];
       if (r >= plan.rounds()) continue;
       if (to_owner) source_part(A, d, me, pre.data(), cnt.data());
       else source_part(A, me, d, pre.data(), cnt.data());
-      for_each_piece(plan, r, pre.data(), cnt.data(),
-                     [&](const Segment&, int64_t, int64_t n) { rb[d] += n * row_bytes; });
-    }
-    all_to_all(ws.send.data(), sb, ws.recv.data(), rb);
-    at = 0;
-    for (int d = 0; d < ep; ++d) {
-      const RoundPlan& plan = to_owner ? own : A.plans[d];
-      if (r >= plan.rounds()) continue;
-      if (to_owner) source_part(A, d, me, pre.data(), cnt.data());
-      else source_part(A, me, d, pre.data(), cnt.data());
       for_each_piece(plan, r, pre.data(), cnt.data(), [&](const Segment& s, int64_t lo, int64_t n) {
-        for (int64_t t = 0; t < n; ++t, ++at) {
-          const float* row = &ws.recv[at * width];
+        rb[d] += n * row_bytes;
+        for (int64_t t = 0; t < n; ++t) {
           if (to_owner) {
-            std::memcpy(slot_buf + (s.slot + lo - s.first + t) * width, row, row_bytes);
-            if (keep) std::memcpy(keep + (A.rows.off[s.expert] + lo + t) * width, row, row_bytes);
+            ws.to_row.push_back(s.slot + lo - s.first + t);
+            ws.keep_row.push_back(A.rows.off[s.expert] + lo + t);
           } else {
-            std::memcpy(disp_out + (A.expert_off[d * El + s.expert] + lo - pre[s.expert] + t) * width, row,
-                        row_bytes);
+            ws.to_row.push_back(A.expert_off[d * El + s.expert] + lo - pre[s.expert] + t);
           }
         }
       });
+    }
+    all_to_all(ws.send.data(), sb, ws.recv.data(), rb);
+    const int64_t arrived = (int64_t)ws.to_row.size();
+    if (to_owner) {
+      ops::copy_rows(ws.recv.data(), nullptr, slot_buf, ws.to_row.data(), arrived, width);
+      if (keep) ops::copy_rows(ws.recv.data(), nullptr, keep, ws.keep_row.data(), arrived, width);
+    } else {
+      ops::copy_rows(ws.recv.data(), nullptr, disp_out, ws.to_row.data(), arrived, width);
     }
   };
   // Buffers only grow, each to exactly what is asked (so what is counted is
@@ -455,7 +469,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     T("fwd", l, "attention", "out", A.o.data(), {N, D});
     ws.dtmp.resize(N * D);
     ops::linear(A.o.data(), N, D, wo, D, ws.dtmp.data());
-    parallel_for(N * D, [&](int64_t i) { A.xm[i] = A.x[i] + ws.dtmp[i]; });
+    ops::add(A.x.data(), ws.dtmp.data(), A.xm.data(), N * D);
     T("fwd", l, "attn_residual", "h", A.xm.data(), {N, D});
 
     // --- MoE block: route
@@ -471,9 +485,10 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     A.lse.resize(N);
     A.sel.resize(NK);
     ops::linear(A.a2.data(), N, D, router, E, A.z.data());
-    if (c.router_skew != 0)  // a fixed preference for the first max(1, E/4) experts
-      for (int64_t n = 0; n < N; ++n)
-        for (int e = 0; e < std::max(1, E / 4); ++e) A.z[n * E + e] = A.z[n * E + e] + c.router_skew;
+    if (c.router_skew != 0) {  // a fixed preference for the first max(1, E/4) experts
+      ws.row_vector.assign(std::max(1, E / 4), c.router_skew);
+      ops::add_row_vector(A.z.data(), N, E, std::max(1, E / 4), ws.row_vector.data());
+    }
     parallel_for_groups_of_8(N, [&](int64_t n0, int rows) {
       ops::softmax_rows(&A.z[n0 * E], E, &A.g[n0 * E], E, rows, E, 0, &A.lse[n0]);
     });
@@ -545,14 +560,14 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
           for (int64_t i = 0; i < A.counts[(size_t)src * E + me * El + e]; ++i) X.leaf[fill[e]++] = leaf_in[at++];
     }
     hold_moe_buffers(A);
-    if (c.moe_policy == MoePolicy::kDrop) std::fill(A.ye.begin(), A.ye.end(), 0.0f);  // skipped rows give 0
+    if (c.moe_policy == MoePolicy::kDrop) ops::fill(A.ye.data(), (int64_t)A.ye.size(), 0.0f);  // skipped rows give 0
     for (int r = 0; r < exchange_rounds(A); ++r) {
-      exchange_rows(A, r, D, /*to_owner=*/true, [&](int64_t disp) { return &A.a2[A.row_token[disp] * D]; },
+      exchange_rows(A, r, D, /*to_owner=*/true, A.a2.data(), [&](int64_t disp) { return A.row_token[disp]; },
                     ws.slots.x.data(), ep > 1 ? X.x.data() : nullptr, nullptr);
       // Without expert parallelism the outputs go straight to the dispatch rows the combine reads.
       const RowPlace y = ep > 1 ? RowPlace{ws.slots.y.data(), true} : RowPlace{A.ye.data(), false};
       if (r < P.rounds()) stats_.expert_gemm_calls += experts_round_forward(P, r, ws.slots, X, y, W1, W3, W2, D, F);
-      if (ep > 1) exchange_rows(A, r, D, /*to_owner=*/false, nullptr, ws.slots.y.data(), nullptr, A.ye.data());
+      if (ep > 1) exchange_rows(A, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.y.data(), nullptr, A.ye.data());
     }
     stats_.rounds = std::max(stats_.rounds, P.rounds());
     stats_.borrowed += P.borrowed;
@@ -567,7 +582,9 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       A.ysh.resize(N * D);
       ops::linear(A.a2.data(), N, D, W(lname(l, "shared.w1")), F, A.su.data());
       ops::linear(A.a2.data(), N, D, W(lname(l, "shared.w3")), F, A.sv.data());
-      parallel_for(N, [&](int64_t n) { ops::swiglu(&A.su[n * F], &A.sv[n * F], &A.ssg[n * F], &A.sact[n * F], F); });
+      for_row_blocks(N, [&](int64_t n, int64_t rows) {
+        ops::swiglu(&A.su[n * F], &A.sv[n * F], &A.ssg[n * F], &A.sact[n * F], rows * F);
+      });
       ops::linear(A.sact.data(), N, F, W(lname(l, "shared.w2")), D, A.ysh.data());
     }
     // Combine: out = fold over slots of fma(gate, y_slot, out) from +0, then + shared.
@@ -647,7 +664,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     float *gW1 = G(lname(l, "experts.w1")), *gW3 = G(lname(l, "experts.w3")), *gW2 = G(lname(l, "experts.w2"));
     // --- MoE block. dh is the gradient of the block output.
     ws.dye.resize(NK * D);
-    ws.dg.assign(N * E, 0.0f);
+    ws.dg.resize(N * E);
+    ops::fill(ws.dg.data(), N * E, 0.0f);
     ops::moe_combine_backward(ws.dh.data(), A.g.data(), E, A.sel.data(), K, A.row_of.data(), A.ye_rows, ws.dg.data(),
                               ws.dye.data(), N, D);
     // Backward in the forward's rounds and slots; the weight-gradient leaf
@@ -655,7 +673,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ExpertRows& X = A.rows;
     const RoundPlan& P = A.plans[ep > 1 ? mesh_->ep_rank() : 0];
     ws.dxe.resize(NK * D);
-    if (c.moe_policy == MoePolicy::kDrop) std::fill(ws.dxe.begin(), ws.dxe.end(), 0.0f);  // skipped rows: no gradient
+    if (c.moe_policy == MoePolicy::kDrop) ops::fill(ws.dxe.data(), NK * D, 0.0f);  // skipped rows: no gradient
     ExpertWeightGrads grads;
     grads.begin(P, X, leaves * ep, D, F, &ws.grad_state);
     count_moe_memory();
@@ -664,21 +682,29 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     const RowPlace dx = ep > 1 ? RowPlace{ws.slots.dx.data(), true} : RowPlace{ws.dxe.data(), false};
     for (int r = 0; r < exchange_rounds(A); ++r) {
       if (ep > 1)
-        exchange_rows(A, r, D, /*to_owner=*/true, [&](int64_t disp) { return &ws.dye[disp * D]; },
+        exchange_rows(A, r, D, /*to_owner=*/true, ws.dye.data(), [](int64_t disp) { return disp; },
                       ws.slots.dy.data(), nullptr, nullptr);
       if (r < P.rounds()) {
         // The inputs again, into the same slots: from the layer's input rows
         // (kept per row with expert parallelism).
-        if (ep == 1)
-          exchange_rows(A, r, D, true, [&](int64_t disp) { return &A.a2[A.row_token[disp] * D]; },
+        if (ep == 1) {
+          exchange_rows(A, r, D, true, A.a2.data(), [&](int64_t disp) { return A.row_token[disp]; },
                         ws.slots.x.data(), nullptr, nullptr);
-        else
+        } else {
+          ws.from_row.clear();
+          ws.to_row.clear();
           for (const Segment& s : P.round[r])
-            std::memcpy(&ws.slots.x[s.slot * D], &X.x[(X.off[s.expert] + s.first) * D], sizeof(float) * s.rows * D);
+            for (int64_t t = 0; t < s.rows; ++t) {
+              ws.from_row.push_back(X.off[s.expert] + s.first + t);
+              ws.to_row.push_back(s.slot + t);
+            }
+          ops::copy_rows(X.x.data(), ws.from_row.data(), ws.slots.x.data(), ws.to_row.data(),
+                         (int64_t)ws.to_row.size(), D);
+        }
         stats_.expert_gemm_calls += experts_round_backward(P, r, ws.slots, X, dy, dx, W1, W3, W2, D, F);
         grads.add_round(P, r, ws.slots, X, dy, gW1, gW3, gW2);
       }
-      if (ep > 1) exchange_rows(A, r, D, /*to_owner=*/false, nullptr, ws.slots.dx.data(), nullptr, ws.dxe.data());
+      if (ep > 1) exchange_rows(A, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.dx.data(), nullptr, ws.dxe.data());
     }
     grads.finish(gW1, gW3, gW2);
     stats_.expert_gemm_calls += grads.calls();
@@ -686,14 +712,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     if (tr) T("bwd", l, "moe.experts", "dx", token_slot_order(A, dxe, D), {N, K, D});
     // da2 = (sum over slots, in slot order, from +0) + shared + router part.
     ws.da2.resize(N * D);
-    parallel_for(N, [&](int64_t n) {
-      float* d = &ws.da2[n * D];
-      std::fill(d, d + D, 0.0f);
-      for (int s = 0; s < K; ++s) {
-        const float* x = &dxe[A.row_of[n * K + s] * D];
-        for (int i = 0; i < D; ++i) d[i] = d[i] + x[i];
-      }
-    });
+    ops::slot_sum(dxe, A.row_of.data(), K, N, D, ws.da2.data());
     if (c.shared_expert) {
       const float *s1 = W(lname(l, "shared.w1")), *s3 = W(lname(l, "shared.w3")), *s2 = W(lname(l, "shared.w2"));
       ws.sdu.resize(N * F);
@@ -701,39 +720,35 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ws.sdx.resize(N * D);
       ws.dact.resize(N * F);
       ops::linear_input_grad(ws.dh.data(), N, D, s2, F, ws.dact.data(), false);
-      parallel_for(N, [&](int64_t n) {
+      for_row_blocks(N, [&](int64_t n, int64_t rows) {
         ops::swiglu_backward(&A.su[n * F], &A.sv[n * F], &A.ssg[n * F], &ws.dact[n * F], &ws.sdu[n * F],
-                             &ws.sdv[n * F], F);
+                             &ws.sdv[n * F], rows * F);
       });
       ops::linear_input_grad(ws.sdu.data(), N, F, s1, D, ws.sdx.data(), false);
       ops::linear_input_grad(ws.sdv.data(), N, F, s3, D, ws.sdx.data(), true);
       ops::weight_grad(A.a2.data(), D, ws.sdu.data(), F, D, F, uniform_off.data(), leaves, G(lname(l, "shared.w1")));
       ops::weight_grad(A.a2.data(), D, ws.sdv.data(), F, D, F, uniform_off.data(), leaves, G(lname(l, "shared.w3")));
       ops::weight_grad(A.sact.data(), F, ws.dh.data(), D, F, D, uniform_off.data(), leaves, G(lname(l, "shared.w2")));
-      parallel_for(N * D, [&](int64_t i) { ws.da2[i] = ws.da2[i] + ws.sdx[i]; });
+      ops::add(ws.da2.data(), ws.sdx.data(), ws.da2.data(), N * D);
     }
     // Router: combine gradient + aux term (counts are constants), softmax
     // backward, + z-loss term.
     {
-      std::vector<float> auxc(E);
+      ws.row_vector.resize(E);
       for (int e = 0; e < E; ++e) {
         const float f = (float)A.global_counts[e] / NKg;
-        auxc[e] = ((c.aux_loss_weight * (float)E) * f) / Ng;
+        ws.row_vector[e] = ((c.aux_loss_weight * (float)E) * f) / Ng;
       }
       ws.dz.resize(N * E);
+      ops::add_row_vector(ws.dg.data(), N, E, E, ws.row_vector.data());
       parallel_for_groups_of_8(N, [&](int64_t n0, int rows) {
-        for (int64_t n = n0; n < n0 + rows; ++n)
-          for (int e = 0; e < E; ++e) ws.dg[n * E + e] = ws.dg[n * E + e] + auxc[e];
         ops::softmax_backward_rows(&A.g[n0 * E], E, &ws.dg[n0 * E], E, &ws.dz[n0 * E], E, rows, E, 0);
-        for (int64_t n = n0; n < n0 + rows; ++n) {
-          const float zc = ((c.z_loss_weight * 2.0f) * A.lse[n]) / Ng;
-          for (int e = 0; e < E; ++e) ws.dz[n * E + e] = ws.dz[n * E + e] + zc * A.g[n * E + e];
-        }
       });
+      ops::z_loss_grad(A.g.data(), A.lse.data(), N, E, c.z_loss_weight * 2.0f, Ng, ws.dz.data());
       T("bwd", l, "router", "dz", ws.dz.data(), {N, E});
       ops::weight_grad(A.a2.data(), D, ws.dz.data(), E, D, E, uniform_off.data(), leaves, G(lname(l, "router")));
       ops::linear_input_grad(ws.dz.data(), N, E, router, D, ws.dtmp.data(), false);
-      parallel_for(N * D, [&](int64_t i) { ws.da2[i] = ws.da2[i] + ws.dtmp[i]; });
+      ops::add(ws.da2.data(), ws.dtmp.data(), ws.da2.data(), N * D);
     }
     ops::rmsnorm_weight_grad(A.xm.data(), A.r2.data(), ws.da2.data(), N, D, leaf, G(lname(l, "moe_norm")));
     ops::rmsnorm_backward(A.xm.data(), moe_norm, A.r2.data(), ws.da2.data(), ws.dh.data(), N, D, true);

@@ -28,6 +28,14 @@ struct OpHooks {
   void (*swiglu)(const float* u, const float* v, float* s, float* act, int64_t n) = nullptr;
   void (*swiglu_backward)(const float* u, const float* v, const float* s, const float* dact, float* du, float* dv,
                           int64_t n) = nullptr;
+  void (*swiglu_product)(const float* u, const float* s, const float* v, float* act, int64_t n) = nullptr;
+  void (*add)(const float* a, const float* b, float* out, int64_t n) = nullptr;
+  void (*fill)(float* p, int64_t n, float value) = nullptr;
+  void (*copy_rows)(const float* src, const int64_t* src_row, float* dst, const int64_t* dst_row, int64_t n,
+                    int64_t width) = nullptr;
+  void (*slot_sum)(const float* rows, const int64_t* row_of, int K, int64_t N, int D, float* out) = nullptr;
+  void (*add_row_vector)(float* x, int64_t N, int64_t ld, int cols, const float* vec) = nullptr;
+  void (*z_loss_grad)(const float* g, const float* lse, int64_t N, int E, float two_zw, float Ng, float* dz) = nullptr;
   float (*param_sumsq)(const float* v, int64_t n) = nullptr;
   void (*attention_forward)(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                             float* P, float* o, int64_t ldo) = nullptr;

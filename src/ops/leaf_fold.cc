@@ -8,6 +8,7 @@
 #include "ops/gemm.h"
 #include "common/numerics_level.h"
 #include "ops/local.h"
+#include "ops/ops.h"
 
 namespace ls {
 namespace ops {
@@ -30,16 +31,16 @@ void LeafFold::begin(int in, int out, int64_t leaves, std::vector<float>* state)
 }
 
 // The open leaf lives in the stack's next free entry, as LeafTree::next_leaf
-// would hand it out; pushing it merges equal-sized subtrees left + right.
+// would hand it out; pushing it merges equal-sized subtrees left + right, as
+// LeafTree::push does, each merge an ops::add (a kernel on the CUDA backend).
 void LeafFold::close_open_leaf() {
   const int64_t w = (int64_t)in_ * out_;
-  float* open = slots_ + (int64_t)depth_ * w;
-  if (!open_has_rows_) std::fill(open, open + w, 0.0f);  // an empty leaf is +0
-  LeafTree tree(slots_, w);
-  tree.pushed = open_;
-  tree.depth = depth_;
-  tree.push();
-  depth_ = tree.depth;
+  if (!open_has_rows_) fill(slots_ + (int64_t)depth_ * w, w, 0.0f);  // an empty leaf is +0
+  ++depth_;
+  for (int m = LeafTree::merges_on_push(open_); m > 0; --m, --depth_) {
+    float* left = slots_ + (int64_t)(depth_ - 2) * w;
+    ops::add(left, slots_ + (int64_t)(depth_ - 1) * w, left, w);
+  }
   ++open_;
   open_has_rows_ = false;  // the next leaf's first rows start its fold from +0 (no fill needed)
 }
@@ -71,16 +72,18 @@ void LeafFold::finish(float* dW) {
   const OpTimer op_timer(OpKind::kWeightGrad);
   const int64_t w = (int64_t)in_ * out_;
   if (local_numerics()) {
-    if (!open_has_rows_) std::fill(slots_, slots_ + w, 0.0f);
-    std::copy(slots_, slots_ + w, dW);
+    if (!open_has_rows_) fill(slots_, w, 0.0f);
+    copy_rows(slots_, nullptr, dW, nullptr, 1, w);
     return;
   }
   while (open_ < leaves_) close_open_leaf();
-  LeafTree tree(slots_, w);
-  tree.pushed = open_;
-  tree.depth = depth_;
-  const float* sum = tree.finish();
-  std::copy(sum, sum + w, dW);
+  // LeafTree::finish: the stack folded right to left into its first entry.
+  if (depth_ == 0) fill(slots_, w, 0.0f);
+  for (int d = depth_ - 1; d >= 1; --d) {
+    float* left = slots_ + (int64_t)(d - 1) * w;
+    ops::add(left, slots_ + (int64_t)d * w, left, w);
+  }
+  copy_rows(slots_, nullptr, dW, nullptr, 1, w);
 }
 
 }  // namespace ops

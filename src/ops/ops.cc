@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "common/parallel.h"
@@ -448,6 +449,7 @@ void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
 void swiglu_product(const float* __restrict u, const float* __restrict s, const float* __restrict v,
                     float* __restrict act, int64_t n) {
   const OpTimer op_timer(OpKind::kSwiglu);
+  if (const OpHooks* h = op_hooks(); h && h->swiglu_product) return h->swiglu_product(u, s, v, act, n);
   for (int64_t i = 0; i < n; ++i) act[i] = (u[i] * s[i]) * v[i];
 }
 
@@ -657,6 +659,51 @@ void embedding_grad(const int* tok_id, const float* dh, int64_t N, int S, int D,
         else std::fill(out + row * D, out + (row + 1) * D, 0.0f);
       }
     });
+  }
+}
+
+
+void add(const float* a, const float* b, float* out, int64_t n) {
+  if (const OpHooks* h = op_hooks(); h && h->add) return h->add(a, b, out, n);
+  parallel_for(n, [&](int64_t i) { out[i] = a[i] + b[i]; });
+}
+
+void fill(float* p, int64_t n, float value) {
+  if (const OpHooks* h = op_hooks(); h && h->fill) return h->fill(p, n, value);
+  std::fill(p, p + n, value);
+}
+
+void copy_rows(const float* src, const int64_t* src_row, float* dst, const int64_t* dst_row, int64_t n,
+               int64_t width) {
+  if (const OpHooks* h = op_hooks(); h && h->copy_rows) return h->copy_rows(src, src_row, dst, dst_row, n, width);
+  for (int64_t t = 0; t < n; ++t)
+    std::memcpy(dst + (dst_row ? dst_row[t] : t) * width, src + (src_row ? src_row[t] : t) * width,
+                sizeof(float) * width);
+}
+
+void slot_sum(const float* rows, const int64_t* row_of, int K, int64_t N, int D, float* out) {
+  if (const OpHooks* h = op_hooks(); h && h->slot_sum) return h->slot_sum(rows, row_of, K, N, D, out);
+  parallel_for(N, [&](int64_t n) {
+    float* d = out + n * D;
+    std::fill(d, d + D, 0.0f);
+    for (int s = 0; s < K; ++s) {
+      const float* x = rows + row_of[n * K + s] * D;
+      for (int i = 0; i < D; ++i) d[i] = d[i] + x[i];
+    }
+  });
+}
+
+void add_row_vector(float* x, int64_t N, int64_t ld, int cols, const float* vec) {
+  if (const OpHooks* h = op_hooks(); h && h->add_row_vector) return h->add_row_vector(x, N, ld, cols, vec);
+  for (int64_t n = 0; n < N; ++n)
+    for (int e = 0; e < cols; ++e) x[n * ld + e] = x[n * ld + e] + vec[e];
+}
+
+void z_loss_grad(const float* g, const float* lse, int64_t N, int E, float two_zw, float Ng, float* dz) {
+  if (const OpHooks* h = op_hooks(); h && h->z_loss_grad) return h->z_loss_grad(g, lse, N, E, two_zw, Ng, dz);
+  for (int64_t n = 0; n < N; ++n) {
+    const float zc = (two_zw * lse[n]) / Ng;
+    for (int e = 0; e < E; ++e) dz[n * E + e] = dz[n * E + e] + zc * g[n * E + e];
   }
 }
 

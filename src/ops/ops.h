@@ -116,4 +116,26 @@ void token_losses(const float* lse, const float* logits, const int* target, int6
 // token count. Elementwise.
 void cross_entropy_grad(const float* prob, const int* target, int64_t N, int V, float Ng, float* dlogits);
 
+// ---- Data movement and elementwise steps between the ops above (each a
+// kernel of its own on the CUDA backend, so that no tensor leaves the device).
+
+// out = a + b, elementwise (out may be a or b). Elementwise.
+void add(const float* a, const float* b, float* out, int64_t n);
+// p[i] = value. Elementwise.
+void fill(float* p, int64_t n, float value);
+// For t < n: row dst_row[t] of dst = row src_row[t] of src, rows of `width`
+// floats; a null index list is the identity (row t). Rows written must not
+// overlap rows read. No reduction.
+void copy_rows(const float* src, const int64_t* src_row, float* dst, const int64_t* dst_row, int64_t n,
+               int64_t width);
+// out[n] = fold over slots s = 0..K-1 of (out + rows[row_of[n*K + s]]) from
+// +0: the gradient of a token's MoE input from its K expert rows. Reduces
+// over the slot s.
+void slot_sum(const float* rows, const int64_t* row_of, int K, int64_t N, int D, float* out);
+// x[n][e] = x[n][e] + vec[e] for e < cols, rows of ld floats. Elementwise.
+void add_row_vector(float* x, int64_t N, int64_t ld, int cols, const float* vec);
+// The router gradient's z-loss term: dz[n][e] = dz[n][e] + ((two_zw * lse[n])
+// / Ng) * g[n][e], two_zw = 2 * the z-loss weight. Elementwise.
+void z_loss_grad(const float* g, const float* lse, int64_t N, int E, float two_zw, float Ng, float* dz);
+
 }  // namespace ls::ops
