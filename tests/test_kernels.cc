@@ -497,6 +497,34 @@ TEST_SUITE("kernels") {
     }
   }
 
+  TEST_CASE("the emulated device's memory: a launch handed a host pointer is refused, naming the kernel and argument") {
+    struct Restore {
+      ~Restore() {
+        ls::ops::set_op_hooks(nullptr);
+        ls::ops::set_memory_hooks(nullptr);
+      }
+    } restore;
+    ls::ops::set_op_hooks(&ls::emu::kernel_hooks());
+    ls::ops::set_memory_hooks(&ls::emu::registered_memory());
+    const ls::ops::DeviceVector<float> a(100, 1.0f), b(100, 2.0f);
+    ls::ops::DeviceVector<float> out(100);
+    const int64_t before = ls::emu::kernel_launches();
+    ls::ops::add(a.data(), b.data(), out.data(), 100);  // device memory throughout: runs
+    CHECK(ls::emu::kernel_launches() == before + 1);
+    CHECK(out[99] == 3.0f);
+    std::vector<float> host(100);
+    CHECK_THROWS_WITH_AS(ls::ops::add(a.data(), b.data(), host.data(), 100),
+                         doctest::Contains("kernel add, argument 2: a pointer outside the device's memory"),
+                         std::logic_error);
+    CHECK_THROWS_WITH_AS(ls::ops::add(a.data() + 50, host.data(), out.data(), 50),
+                         doctest::Contains("kernel add, argument 1"), std::logic_error);
+    CHECK(ls::emu::kernel_launches() == before + 1);  // neither ran
+    // Without the emulated device's memory installed, nothing is checked.
+    ls::ops::set_memory_hooks(nullptr);
+    ls::ops::add(a.data(), b.data(), host.data(), 100);
+    CHECK(host[0] == 3.0f);
+  }
+
   TEST_CASE("--backend cuda-emulated: every golden scenario and mesh variant, trained through the kernels, reproduces its golden file") {
     namespace fs = std::filesystem;
     const fs::path root = LOCKSTEP_SOURCE_DIR;
@@ -529,6 +557,8 @@ TEST_SUITE("kernels") {
       CHECK(r.backend == "cuda-emulated");
       CHECK(ls::compare_golden(g, r) == "");  // every loss bit, the state hashes, the final hash
       CHECK(n > 1000);  // the kernels really ran: GEMMs, gradients, norms, attention, MoE, loss, AdamW
+      // ... every one of them handed only the emulated device's memory (a
+      // host pointer throws): on a GPU, none would read host memory.
       launches += n;
     }
     MESSAGE(work.size() << " golden runs through the emulated kernels, " << launches << " kernel launches");
@@ -555,5 +585,34 @@ TEST_SUITE("kernels") {
     CHECK(j["restarts"].size() == 1);
     CHECK(j["final_state_hash"] == e["final_state_hash"]);
     CHECK(lstest::run_cli("run " + sc.string() + " --backend reference --supervise --set ckpt.url=/tmp/x --set ckpt.every=1").rc == 2);
+  }
+
+  TEST_CASE("--backend cuda: on a GPU the engine's bits; without one it stops at once, saying why") {
+    const auto sc = lstest::write_temp("kernels_cuda.json", lstest::tiny_scenario(true));
+    const lstest::CliResult engine = lstest::run_cli("run " + sc.string() + " --json --quiet --set train.steps=3");
+    REQUIRE(engine.rc == 0);
+    const lstest::CliResult gpu = lstest::run_cli("run " + sc.string() + " --backend cuda --json --quiet --set train.steps=3");
+    CAPTURE(gpu.err);
+    if (gpu.rc == 0) {  // a machine with a GPU (tools/gpu-check runs the whole golden gate there)
+      const auto last = [](const std::string& out) {
+        const size_t nl = out.find_last_of('\n', out.size() - 2);
+        return nlohmann::json::parse(nl == std::string::npos ? out : out.substr(nl + 1));
+      };
+      const nlohmann::json j = last(gpu.out), e = last(engine.out);
+      CHECK(j["backend"] == "cuda");
+      CHECK(j.contains("device"));
+      CHECK(j["final_state_hash"] == e["final_state_hash"]);
+      CHECK(j["losses"] == e["losses"]);
+    } else {  // this project's CI and development machines: no GPU, or no nvcc in the build
+      CHECK(gpu.rc == 2);
+      CHECK(gpu.err.find("lockstep: error: --backend cuda: ") == 0);
+      CHECK(gpu.out.find("final_state_hash") == std::string::npos);  // nothing trained
+    }
+    // A library that is not a lockstep backend is named and refused.
+    setenv("LOCKSTEP_CUDA_BACKEND", "libm.so.6", 1);
+    const lstest::CliResult wrong = lstest::run_cli("run " + sc.string() + " --backend cuda --quiet");
+    unsetenv("LOCKSTEP_CUDA_BACKEND");
+    CHECK(wrong.rc == 2);
+    CHECK(wrong.err.find("libm.so.6") != std::string::npos);
   }
 }

@@ -190,7 +190,8 @@ TEST_SUITE("moe") {
       ls::ops::weight_grad(X.data(), in, dY.data(), out, in, out, off.data(), leaves, want.data());
       for (int64_t piece : {1, 3, 8, 29, 90}) {
         CAPTURE(piece);
-        std::vector<float> state, got(in * out, 7.0f);
+        ls::ops::DeviceVector<float> state;
+        std::vector<float> got(in * out, 7.0f);
         ls::ops::LeafFold fold;
         fold.begin(in, out, leaves, &state);
         for (int64_t r = 0; r < rows; r += piece) {

@@ -7,12 +7,18 @@
 
 #include <cstdint>
 
+#include "ops/device_memory.h"
 #include "ops/hooks.h"
 
 namespace ls::emu {
 
 // The hooks that launch the kernels (ops/hooks.h).
 const ops::OpHooks& kernel_hooks();
+// The emulated device's memory (ops/device_memory.h): the heap, each block's
+// range registered. While it is installed every launch checks that each
+// pointer it is handed lies in it, and throws std::logic_error naming the
+// kernel and argument otherwise.
+const ops::MemoryHooks& registered_memory();
 // Kernel launches so far in this process, all kernels (tests: they really ran).
 int64_t kernel_launches();
 

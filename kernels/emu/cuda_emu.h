@@ -50,6 +50,3 @@ int64_t last_block_barriers();
 }  // namespace ls::emu
 
 void __syncthreads();
-
-// kernel<<<grid, block>>>(args...) on the CPU.
-#define LS_LAUNCH(kernel, grid, block, ...) ::ls::emu::run_grid((grid), (block), [&] { kernel(__VA_ARGS__); })

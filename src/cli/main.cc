@@ -73,6 +73,7 @@ void check_output_dir(const std::string& dir) {
 void print_summary(const RunResult& r, const Scenario& s) {
   std::printf("scenario        %s (%s backend, %d thread%s)\n", r.scenario.c_str(), r.backend.c_str(), r.threads,
               r.threads == 1 ? "" : "s");
+  if (!r.device.empty()) std::printf("device          %s\n", r.device.c_str());
   std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
               s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
               s.batch);
@@ -445,7 +446,8 @@ int cmd_check(const CheckArgs& a) {
       // --launcher mpi: each attempt one process per rank, under mpirun.
       const bool processes = a.launcher == "mpi" && s.mesh.dp > 1;
       if (processes) so.launcher = "mpi";
-      if (parse_backend(a.backend) == Backend::kCudaEmulated) so.extra_args = {"--backend", a.backend};
+      if (const Backend b = parse_backend(a.backend); b == Backend::kCudaEmulated || b == Backend::kCuda)
+        so.extra_args = {"--backend", a.backend};
       const SuperviseResult r = supervise(so);
       const std::string got = r.summary.value("final_state_hash", "");
       const size_t restarts = r.summary.value("restarts", nlohmann::json::array()).size();
@@ -598,8 +600,8 @@ int main(int argc, char** argv) {
   run->add_option("--set", ra.sets, "override a scenario key: dotted.key=value (repeatable)");
   run->add_option("--threads", ra.threads, "worker threads (default: all cores); the engine runs them as data lanes of whole samples where the bits allow, else splits each op (README, Speed)")->check(CLI::Range(1, 1024));
   run->add_option("--backend", ra.backend,
-                  "engine (fast), reference (scalar spec) or cuda-emulated (the CUDA kernels run on the CPU through "
-                  "an emulation of CUDA: slow, for checking the kernels' bits)");
+                  "engine (fast), reference (scalar spec), cuda-emulated (the CUDA kernels run on the CPU through "
+                  "an emulation of CUDA: slow, for checking the kernels' bits) or cuda (the kernels on a GPU)");
   run->add_option("--hash-at", ra.hash_at, "(set by lockstep check: record the state hash after these steps)")
       ->delimiter(',')
       ->group("");
@@ -639,7 +641,7 @@ int main(int argc, char** argv) {
   plan->add_option("scenario", pa.scenario, "scenario JSON file")->required();
   plan->add_option("--set", pa.sets, "override a scenario key: dotted.key=value (repeatable)");
   plan->add_option("--threads", pa.threads, "worker threads the run would use")->check(CLI::Range(1, 1024));
-  plan->add_option("--backend", pa.backend, "engine, reference or cuda-emulated");
+  plan->add_option("--backend", pa.backend, "engine, reference, cuda-emulated or cuda");
   plan->add_option("--resume", pa.resume, "count the restore buffers of a resumed run");
   plan->add_flag("--json", pa.json, "one JSON object");
 
@@ -655,7 +657,7 @@ int main(int argc, char** argv) {
   check->add_option("scenarios", ca.scenarios, "scenario JSON files (default: every golden file's scenario)");
   check->add_option("--golden-dir", ca.golden_dir, "where golden files live (default: golden)");
   check->add_option("--threads", ca.threads, "worker threads")->check(CLI::Range(1, 1024));
-  check->add_option("--backend", ca.backend, "engine, reference or cuda-emulated");
+  check->add_option("--backend", ca.backend, "engine, reference, cuda-emulated or cuda");
   check->add_option("--launcher", ca.launcher,
                     "threads (default) or mpi: run each multi-rank variant as mpirun -np mesh.dp, one process per rank");
 

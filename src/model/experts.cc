@@ -164,7 +164,7 @@ int64_t experts_round_backward(const RoundPlan& plan, int r, ExpertSlots& slots,
 }
 
 void ExpertWeightGrads::begin(const RoundPlan& plan, const ExpertRows& rows, int64_t leaves, int D, int F,
-                              std::vector<std::vector<float>>* state) {
+                              std::vector<ops::DeviceVector<float>>* state) {
   D_ = D;
   F_ = F;
   leaves_ = leaves;
@@ -200,7 +200,7 @@ void ExpertWeightGrads::add_round(const RoundPlan& plan, int r, const ExpertSlot
       return;
     }
     // All its rows in this one segment: the register-tile kernel once.
-    std::vector<int64_t> off(leaves_ + 1);
+    ops::DeviceVector<int64_t> off(leaves_ + 1);  // read by the kernel
     int64_t k = 0;
     for (int64_t lf = 0; lf <= leaves_; ++lf) {
       while (k < s.rows && leaf[k] < lf) ++k;

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops/device_memory.h"
+
 #include "model/config.h"
 #include "ops/leaf_fold.h"
 
@@ -50,8 +52,8 @@ RoundPlan plan_rounds(const ModelConfig& cfg, const std::vector<int64_t>& load, 
 
 // The capacity-sized working rows, reused by every round and layer.
 struct ExpertSlots {
-  std::vector<float> x, act, y;             // forward: input rows, SwiGLU product, output rows
-  std::vector<float> dy, dact, du, dv, dx;  // backward
+  ops::DeviceVector<float> x, act, y;             // forward: input rows, SwiGLU product, output rows
+  ops::DeviceVector<float> dy, dact, du, dv, dx;  // backward
 };
 
 // What the owner keeps per routed row between forward and backward (no
@@ -61,8 +63,8 @@ struct ExpertSlots {
 struct ExpertRows {
   std::vector<int64_t> off;   // [experts + 1]: first row of each expert
   std::vector<int64_t> leaf;  // per row: its leaf in the reduction group, ascending per expert
-  std::vector<float> x;       // [rows, D] (expert parallel only)
-  std::vector<float> u, v, sg;  // [rows, F]
+  ops::DeviceVector<float> x;       // [rows, D] (expert parallel only)
+  ops::DeviceVector<float> u, v, sg;  // [rows, F]
   int experts() const { return (int)off.size() - 1; }
 };
 
@@ -98,7 +100,7 @@ int64_t experts_round_backward(const RoundPlan& plan, int r, ExpertSlots& slots,
 class ExpertWeightGrads {
  public:
   void begin(const RoundPlan& plan, const ExpertRows& rows, int64_t leaves, int D, int F,
-             std::vector<std::vector<float>>* state);
+             std::vector<ops::DeviceVector<float>>* state);
   // After experts_round_backward(plan, r, ...).
   void add_round(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows, RowPlace dy,
                  float* gW1, float* gW3, float* gW2);

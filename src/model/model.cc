@@ -47,7 +47,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> shapes_for(const Model
 
 
 // Bytes a vector holds allocated.
-template <class T> int64_t held(const std::vector<T>& v) { return (int64_t)(v.capacity() * sizeof(T)); }
+template <class T, class A> int64_t held(const std::vector<T, A>& v) { return (int64_t)(v.capacity() * sizeof(T)); }
 
 // The source's part of each segment of an owner's round: the owner's
 // expert e takes rows pre[e] .. pre[e] + cnt[e] - 1 (in its row order) from
@@ -73,13 +73,15 @@ void for_row_blocks(int64_t n, Body&& body) {
 
 // Saved activations of one layer plus the routing of its tokens.
 struct LayerActs {
-  std::vector<float> x, a, r1, qkv, att, o, xm, a2, r2, z, g, lse;
-  std::vector<int> sel;              // [N*K] expert of each (token, slot)
-  std::vector<int64_t> row_of;       // [N*K] row of (token, slot) in the expert buffers
+  // Buffers ops read or write are DeviceVectors (ops/device_memory.h); the
+  // rest is host bookkeeping.
+  ops::DeviceVector<float> x, a, r1, qkv, att, o, xm, a2, r2, z, g, lse;
+  ops::DeviceVector<int> sel;        // [N*K] expert of each (token, slot)
+  ops::DeviceVector<int64_t> row_of;  // [N*K] row of (token, slot) in the expert buffers
   std::vector<int64_t> expert_off;   // [E+1] first row of each expert
   std::vector<int64_t> row_token;    // [N*K] token of each expert row
   std::vector<int64_t> global_counts;  // [E] assignments per expert over every data-parallel rank
-  std::vector<float> ye;             // expert outputs in dispatch order
+  ops::DeviceVector<float> ye;       // expert outputs in dispatch order
   const float* ye_rows = nullptr;    // = ye.data()
   // The round schedule: plans[d] is EP rank d's (every rank knows every
   // owner's, to place its rows); counts[src * E + e]: rows of EP rank src
@@ -87,25 +89,27 @@ struct LayerActs {
   std::vector<RoundPlan> plans;
   std::vector<int64_t> counts;
   ExpertRows rows;                   // the rows of the experts held here (from every rank of the EP group)
-  std::vector<float> su, sv, ssg, sact, ysh;  // shared expert
+  ops::DeviceVector<float> su, sv, ssg, sact, ysh;  // shared expert
 };
 
 struct MoeTransformer::Workspace {
   int batch = -1;
   std::vector<LayerActs> layers;
-  std::vector<float> h, af, rf, logits, prob, lse, loss;
+  ops::DeviceVector<float> h, af, rf, logits, prob, lse, loss;
   // backward scratch
-  std::vector<float> dh, dtmp, dlogits, dye, du, dv, dact, dxe, dg, dz, da2, dO, dqkv, sdu, sdv, sdx;
+  ops::DeviceVector<float> dh, dtmp, dlogits, dye, du, dv, dact, dxe, dg, dz, da2, dO, dqkv, sdu, sdv, sdx;
   std::vector<float> trace_rows;  // expert rows regathered in (token, slot) order for the trace
-  std::vector<int> tok_id;        // [N] the input byte of each token
-  std::vector<int> target_id;     // [N] the next byte: each token's target
+  ops::DeviceVector<int> tok_id;     // [N] the input byte of each token
+  ops::DeviceVector<int> target_id;  // [N] the next byte: each token's target
+  ops::DeviceVector<int64_t> uniform_off;  // [leaves + 1] leaf offsets of whole leaves of tokens
+  ops::DeviceVector<float> router_sums;    // [E + 1] ops::router_stats
   // MoE buffers sized by the schedule's capacity, reused by every round and layer.
   ExpertSlots slots;
-  std::vector<float> send, recv;                  // expert parallel: one round's rows out and in
-  std::vector<int64_t> from_row, to_row;          // a round's row copies (ops::copy_rows): source and destination rows
-  std::vector<int64_t> keep_row;                  // and, expert parallel, where each arriving row is kept
-  std::vector<float> row_vector;                  // a vector added to every row (router skew, aux-loss gradient)
-  std::vector<std::vector<float>> grad_state;     // LeafFold state per (expert, gradient)
+  ops::DeviceVector<float> send, recv;            // expert parallel: one round's rows out and in
+  ops::DeviceVector<int64_t> from_row, to_row;    // a round's row copies (ops::copy_rows): source and destination rows
+  ops::DeviceVector<int64_t> keep_row;            // and, expert parallel, where each arriving row is kept
+  ops::DeviceVector<float> row_vector;            // a vector added to every row (router skew, aux-loss gradient)
+  std::vector<ops::DeviceVector<float>> grad_state;  // LeafFold state per (expert, gradient)
 };
 
 MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size, int ep_rank)
@@ -266,7 +270,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   auto W = [&](const std::string& name) { return wbase + param(name).offset; };
   auto G = [&](const std::string& name) { return g_.data() + param(name).offset; };
   auto lname = [](int l, const char* s) { return "layers." + std::to_string(l) + "." + s; };
-  std::vector<int64_t> uniform_off(leaves + 1);
+  ops::DeviceVector<int64_t>& uniform_off = ws_->uniform_off;
+  uniform_off.resize(leaves + 1);
   for (int64_t l = 0; l <= leaves; ++l) uniform_off[l] = l * leaf;
   auto tok = [&](int64_t n) { return (int)tokens[(n / S) * (S + 1) + n % S]; };
   auto target = [&](int64_t n) { return (int)tokens[(n / S) * (S + 1) + n % S + 1]; };
@@ -404,19 +409,19 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   };
   // Buffers only grow, each to exactly what is asked (so what is counted is
   // what the plans asked for), and are counted as allocated.
-  auto grow = [](std::vector<float>& v, size_t n) {
+  auto grow = [](ops::DeviceVector<float>& v, size_t n) {
     if (v.size() >= n) return;
-    if (v.capacity() < n) std::vector<float>(n).swap(v);
+    if (v.capacity() < n) ops::DeviceVector<float>(n).swap(v);
     else v.resize(n);
   };
   auto count_moe_memory = [&]() {
     const ExpertSlots& sl = ws.slots;
     int64_t expert = 0, routed = 0, state = 0;
-    for (const std::vector<float>* v : {&sl.x, &sl.act, &sl.y, &sl.dy, &sl.dact, &sl.du, &sl.dv, &sl.dx})
+    for (const ops::DeviceVector<float>* v : {&sl.x, &sl.act, &sl.y, &sl.dy, &sl.dact, &sl.du, &sl.dv, &sl.dx})
       expert += held(*v);
     for (const LayerActs& A : ws.layers)
       routed += held(A.ye) + held(A.rows.u) + held(A.rows.v) + held(A.rows.sg) + held(A.rows.x) + held(A.rows.leaf);
-    for (const std::vector<float>& v : ws.grad_state) state += held(v);
+    for (const ops::DeviceVector<float>& v : ws.grad_state) state += held(v);
     stats_.peak_expert_bytes = std::max(stats_.peak_expert_bytes, expert);
     stats_.peak_dispatch_bytes = std::max(stats_.peak_dispatch_bytes, held(ws.send) + held(ws.recv));
     stats_.peak_routed_bytes = std::max(stats_.peak_routed_bytes, routed);
@@ -428,10 +433,10 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     // Without expert parallelism y, dy and dx live in the dispatch rows: no slots for them.
     grow(ws.slots.x, S * D);
     if (ep > 1)
-      for (std::vector<float>* v : {&ws.slots.y, &ws.slots.dy, &ws.slots.dx}) grow(*v, S * D);
-    for (std::vector<float>* v : {&ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv}) grow(*v, S * F);
+      for (ops::DeviceVector<float>* v : {&ws.slots.y, &ws.slots.dy, &ws.slots.dx}) grow(*v, S * D);
+    for (ops::DeviceVector<float>* v : {&ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv}) grow(*v, S * F);
     const size_t held_rows = (size_t)A.rows.off[El];
-    for (std::vector<float>* v : {&A.rows.u, &A.rows.v, &A.rows.sg}) grow(*v, held_rows * F);
+    for (ops::DeviceVector<float>* v : {&A.rows.u, &A.rows.v, &A.rows.sg}) grow(*v, held_rows * F);
     grow(A.ye, (size_t)NK * D);
     if (ep > 1) {  // a pair moves at most the destination's slots per round
       size_t all_slots = 0;
@@ -594,7 +599,8 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
     {
       // This rank's subtrees (ops::router_stats), then the canonical tree over ranks.
-      std::vector<float> sums(E + 1);
+      ops::DeviceVector<float>& sums = ws.router_sums;
+      sums.resize(E + 1);
       ops::router_stats(A.g.data(), A.lse.data(), N, E, leaf, leaves, sums.data());
       A.global_counts.resize(E);
       for (int e = 0; e < E; ++e) A.global_counts[e] = A.expert_off[e + 1] - A.expert_off[e];

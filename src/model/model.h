@@ -13,6 +13,7 @@
 
 #include "model/config.h"
 #include "model/experts.h"
+#include "ops/device_memory.h"
 #include "trace/sink.h"
 
 namespace ls {
@@ -145,7 +146,7 @@ class MoeTransformer {
   ModelConfig cfg_;
   int leaf_samples_;
   std::vector<ParamInfo> infos_;
-  std::vector<float> w_, g_;
+  ops::DeviceVector<float> w_, g_;  // weights and gradients: where the backend's kernels read them
   const float* wsrc_ = nullptr;  // read_weights_from
   MoeStats stats_;
   Workspace* ws_ = nullptr;

@@ -18,7 +18,7 @@ int64_t LeafFold::state_floats(int in, int out, int64_t leaves) {
   return (int64_t)LeafTree::levels_for(leaves) * in * out;
 }
 
-void LeafFold::begin(int in, int out, int64_t leaves, std::vector<float>* state) {
+void LeafFold::begin(int in, int out, int64_t leaves, DeviceVector<float>* state) {
   in_ = in;
   out_ = out;
   leaves_ = leaves;

@@ -10,6 +10,8 @@
 
 #include <vector>
 
+#include "ops/device_memory.h"
+
 namespace ls {
 namespace ops {
 
@@ -18,7 +20,7 @@ class LeafFold {
   // dW is in x out; the reduction group has `leaves` leaves. Storage:
   // (LeafTree::levels_for(leaves)) x in x out floats, taken from `state`
   // (kept by the caller so that it can be counted and reused).
-  void begin(int in, int out, int64_t leaves, std::vector<float>* state);
+  void begin(int in, int out, int64_t leaves, DeviceVector<float>* state);
   // Adds rows 0..rows-1 of X (ldx) and dY (ldy); row r belongs to leaf
   // leaf[r]. Leaves never decrease, within a call or from one call to the
   // next. Reduces over the token index: fma fold inside the leaf, in row

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "model/model.h"
+#include "ops/device_memory.h"
 #include "optim/config.h"
 
 namespace ls {
@@ -41,16 +42,16 @@ class AdamW {
   // (contract blocks + canonical tree), tensors added in canonical order.
   float global_norm(const float* grads) const;
 
-  const std::vector<float>& m() const { return m_; }
-  const std::vector<float>& v() const { return v_; }
-  std::vector<float>& m() { return m_; }
-  std::vector<float>& v() { return v_; }
+  const ops::DeviceVector<float>& m() const { return m_; }
+  const ops::DeviceVector<float>& v() const { return v_; }
+  ops::DeviceVector<float>& m() { return m_; }
+  ops::DeviceVector<float>& v() { return v_; }
 
  private:
   OptimConfig cfg_;
   int decay_steps_;
   std::vector<ParamInfo> params_;
-  std::vector<float> m_, v_;
+  ops::DeviceVector<float> m_, v_;  // beside the weights, on the backend's memory
 };
 
 }  // namespace ls

@@ -15,6 +15,7 @@
 #include "common/error.h"
 #include "contract.h"
 #include "model/model.h"
+#include "ops/device_memory.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
 #include "trace/sink.h"
@@ -51,8 +52,8 @@ struct Shard {
 struct ClusterTrainer::Rank {
   int index = 0;
   std::unique_ptr<MoeTransformer> model;
-  std::vector<float> m, v;          // AdamW moments for what this rank updates (shards with fsdp)
-  std::vector<float> shard_w;       // fsdp: the authoritative parameter shards, concatenated
+  ops::DeviceVector<float> m, v;    // AdamW moments for what this rank updates (shards with fsdp)
+  ops::DeviceVector<float> shard_w;  // fsdp: the authoritative parameter shards, concatenated
   std::vector<int64_t> shard_off;   // fsdp: per tensor, offset into shard_w / m / v
   std::vector<Shard> shards;        // fsdp: per tensor, its block range
   CommStats comm;                   // bytes sent, accumulated over steps
@@ -267,7 +268,7 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
       float sumsq;
       if (p.expert && ep_split) {
         // The whole tensor is the EP group's slices in rank order.
-        std::vector<float> whole((size_t)p.size * c.ep.size());
+        ops::DeviceVector<float> whole((size_t)p.size * c.ep.size());
         c.ep.all_gather(gp, whole.data(), std::vector<size_t>(c.ep.size(), (size_t)p.size * 4));
         sumsq = ops::param_sumsq(whole.data(), (int64_t)whole.size());
       } else if (fsdp_sharded(p, s_.mesh)) {
@@ -469,9 +470,9 @@ void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
       while (infos[t].name != name) ++t;
       if (!stages((int)r, t)) continue;
       if (k == out[r].size()) out[r].emplace_back();
-      std::vector<float> buffer = std::move(out[r][k].data);
-      const float* src = storage(*ranks_[r], t, kind);
-      buffer.assign(src, src + (p.global_end - p.global_begin));
+      ops::StagingVector<float> buffer = std::move(out[r][k].data);
+      buffer.resize(p.global_end - p.global_begin);
+      ops::copy_to_host(buffer.data(), storage(*ranks_[r], t, kind), buffer.size() * sizeof(float));
       out[r][k] = std::move(p);
       out[r][k].data = std::move(buffer);
       ++k;

@@ -19,6 +19,7 @@
 #include "optim/adamw.h"
 #include "reference.h"
 #include "runner/cluster_trainer.h"
+#include "runner/cuda_backend.h"
 #include "runner/data_lanes.h"
 #include "ckpt/checkpointer.h"
 #include "faults/injector.h"
@@ -43,10 +44,17 @@ Backend parse_backend(const std::string& name) {
   if (name == "engine") return Backend::kEngine;
   if (name == "reference") return Backend::kReference;
   if (name == "cuda-emulated") return Backend::kCudaEmulated;
-  throw UserError("--backend: unknown backend '" + name + "' (expected engine, reference or cuda-emulated)");
+  if (name == "cuda") return Backend::kCuda;
+  throw UserError("--backend: unknown backend '" + name + "' (expected engine, reference, cuda-emulated or cuda)");
 }
 const char* backend_name(Backend b) {
-  return b == Backend::kEngine ? "engine" : b == Backend::kReference ? "reference" : "cuda-emulated";
+  switch (b) {
+    case Backend::kEngine: return "engine";
+    case Backend::kReference: return "reference";
+    case Backend::kCudaEmulated: return "cuda-emulated";
+    case Backend::kCuda: return "cuda";
+  }
+  return "?";
 }
 
 namespace {
@@ -116,10 +124,10 @@ class EngineTrainer : public Trainer {
     out.resize(1);
     out[0].resize(needs.size());
     for (size_t i = 0; i < needs.size(); ++i) {
-      std::vector<float> buffer = std::move(out[0][i].data);  // reused capacity
+      ops::StagingVector<float> buffer = std::move(out[0][i].data);  // reused capacity
       out[0][i] = std::move(needs[i]);
-      const float* src = source(out[0][i]);
-      buffer.assign(src, src + (out[0][i].global_end - out[0][i].global_begin));
+      buffer.resize(out[0][i].global_end - out[0][i].global_begin);
+      ops::copy_to_host(buffer.data(), source(out[0][i]), buffer.size() * sizeof(float));  // device -> staging
       out[0][i].data = std::move(buffer);
     }
   }
@@ -275,7 +283,7 @@ RunOptions::Bump parse_bump(const std::string& text) {
 bool is_multi_rank(const Scenario& s) { return s.mesh.dp > 1 || s.mesh.ep > 1 || s.mesh.fsdp; }
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
-  // cuda-emulated trains the engine's model; run_scenario installs the kernels for the run.
+  // cuda-emulated and cuda train the engine's model; run_scenario installs the kernels for the run.
   if (b != Backend::kReference && is_multi_rank(s)) return std::make_unique<ClusterTrainer>(s);
   if (b != Backend::kReference) return std::make_unique<EngineTrainer>(s);
   if (is_multi_rank(s) || s.model.moe_policy == MoePolicy::kDrop)
@@ -300,11 +308,22 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     ~BackToDefaults() {
       set_numerics_level(NumericsLevel::kPortable);
       ops::set_op_hooks(nullptr);
+      ops::set_memory_hooks(nullptr);
+      ops::set_memory_hooks(nullptr, ops::MemoryKind::kStaging);
     }
   } back_to_defaults;
   if (opt.backend == Backend::kCudaEmulated) {
     if (s.level == "local") throw UserError("numerics.level=local: the CUDA kernels are portable only (cuBLAS is the GPU's local level)");
     ops::set_op_hooks(&emu::kernel_hooks());
+    ops::set_memory_hooks(&emu::registered_memory());  // and every launch checks its pointers lie in it
+  }
+  if (opt.backend == Backend::kCuda) {
+    const cuda::Backend& gpu = open_cuda_backend();  // throws, saying why, without a usable GPU
+    if (s.level == "local") throw UserError("numerics.level=local: not yet on the cuda backend (portable only)");
+    ops::set_op_hooks(gpu.hooks);
+    ops::set_memory_hooks(gpu.memory);
+    ops::set_memory_hooks(gpu.pinned, ops::MemoryKind::kStaging);
+    r.device = gpu.device;
   }
   r.threads = opt.backend == Backend::kReference ? 1 : omp_get_max_threads();
   r.steps = opt.steps >= 0 ? opt.steps : s.steps;
@@ -570,6 +589,7 @@ nlohmann::json result_json(const RunResult& r) {
   j["scenario"] = r.scenario;
   j["fingerprint"] = r.fingerprint;
   j["backend"] = r.backend;
+  if (!r.device.empty()) j["device"] = r.device;
   j["level"] = r.level;
   j["threads"] = r.threads;
   j["steps"] = r.steps;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "model/model.h"
+#include "ops/device_memory.h"
 #include "runner/scenario.h"
 #include "trace/sink.h"
 #include "trace/writer.h"
@@ -19,9 +20,11 @@
 
 namespace ls {
 
-// kCudaEmulated: the engine's model with the CUDA kernels (kernels/) run
-// through the CPU emulation of CUDA wherever a kernel exists (kernels/emu/backend.h).
-enum class Backend { kEngine, kReference, kCudaEmulated };
+// kCudaEmulated: the engine's model with every op run as its CUDA kernel
+// (kernels/) through the CPU emulation of CUDA (kernels/emu/backend.h).
+// kCuda: the same kernels on a GPU, state in CUDA managed memory
+// (kernels/cuda/backend.cu, opened by runner/cuda_backend.h).
+enum class Backend { kEngine, kReference, kCudaEmulated, kCuda };
 Backend parse_backend(const std::string& name);  // throws UserError
 const char* backend_name(Backend b);
 
@@ -69,6 +72,7 @@ struct RunResult {
   std::string scenario;
   std::string fingerprint;
   std::string backend;
+  std::string device;                    // --backend cuda: the GPU it ran on
   std::string level = "portable";        // numerics.level of the run
   int threads = 1;
   int steps = 0;
@@ -121,7 +125,7 @@ struct StatePiece {
   std::string name;
   std::vector<int64_t> global_shape;
   int64_t global_begin = 0, global_end = 0;
-  std::vector<float> data;  // the staged copy (empty for a restore need)
+  ops::StagingVector<float> data;  // the staged copy (empty for a restore need); page-locked on the GPU
 };
 
 // One training backend: model + optimizer behind one interface.
