@@ -14,10 +14,13 @@
 // threads launch side by side), each synchronized before its hook returns,
 // so the host may read what a kernel wrote. Simple, and slower than a
 // stream of unsynchronized launches; tools/gpu-check measures what it costs.
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <stdexcept>
@@ -94,6 +97,90 @@ int64_t launches() { return g_launches.load(); }
 
 #include "hook_table.inc"
 
+// ---- numerics.level=local: the GEMMs by cuBLAS (fp32, or TF32 tensor cores
+// with LOCKSTEP_CUDA_TF32=1), the other ops as above. cuBLAS is opened with
+// dlopen on the first local run, so the portable backend needs no cuBLAS.
+namespace {
+
+bool g_tf32 = false;
+
+struct Cublas {
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasSetStream_v2) set_stream = nullptr;
+  decltype(&cublasSetMathMode) set_math_mode = nullptr;
+  decltype(&cublasSgemm_v2) sgemm = nullptr;
+};
+
+const Cublas& cublas() {
+  static const Cublas c = [] {
+    void* lib = nullptr;
+    for (const char* name : {"libcublas.so.13", "libcublas.so.12", "libcublas.so"})
+      if ((lib = dlopen(name, RTLD_NOW | RTLD_LOCAL))) break;
+    if (!lib) throw std::runtime_error("cuda backend: numerics.level=local needs cuBLAS, and libcublas.so was not found");
+    Cublas f;
+    f.create = reinterpret_cast<decltype(f.create)>(dlsym(lib, "cublasCreate_v2"));
+    f.set_stream = reinterpret_cast<decltype(f.set_stream)>(dlsym(lib, "cublasSetStream_v2"));
+    f.set_math_mode = reinterpret_cast<decltype(f.set_math_mode)>(dlsym(lib, "cublasSetMathMode"));
+    f.sgemm = reinterpret_cast<decltype(f.sgemm)>(dlsym(lib, "cublasSgemm_v2"));
+    if (!f.create || !f.set_stream || !f.set_math_mode || !f.sgemm)
+      throw std::runtime_error("cuda backend: the libcublas found lacks cublasSgemm_v2 and friends");
+    return f;
+  }();
+  return c;
+}
+
+void check_blas(cublasStatus_t st, const char* what) {
+  if (st != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuda backend: ") + what + ": cuBLAS status " + std::to_string((int)st));
+}
+
+// One handle per host thread, on that thread's stream.
+cublasHandle_t blas_handle() {
+  thread_local cublasHandle_t h = nullptr;
+  if (!h) {
+    const Cublas& c = cublas();
+    check_blas(c.create(&h), "cublasCreate");
+    check_blas(c.set_stream(h, cudaStreamPerThread), "cublasSetStream");
+    check_blas(c.set_math_mode(h, g_tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+  }
+  return h;
+}
+
+// C (M x N, row-major, ldc) (+)= A B with A(i, k) = A.p[i*rs + k*cs]. cuBLAS
+// is column-major, so it computes C^T = B^T A^T: a row-major operand with
+// unit column stride is its own transpose in column-major; one with unit
+// row stride is itself. Any other layout takes the contract GEMM.
+void gemm_cublas(int64_t M, int64_t N, int64_t K, ops::ConstMat A, ops::ConstMat B, float* C, int64_t ldc,
+                 bool accumulate) {
+  if (M <= 0 || N <= 0) return;
+  cublasOperation_t opb, opa;
+  int64_t ldb, lda;
+  if (B.cs == 1 && B.rs >= N) opb = CUBLAS_OP_N, ldb = B.rs;
+  else if (B.rs == 1 && B.cs >= K) opb = CUBLAS_OP_T, ldb = B.cs;
+  else return cuda::gemm(M, N, K, A, B, C, ldc, accumulate);  // the contract kernel
+  if (A.cs == 1 && A.rs >= K) opa = CUBLAS_OP_N, lda = A.rs;
+  else if (A.rs == 1 && A.cs >= M) opa = CUBLAS_OP_T, lda = A.cs;
+  else return cuda::gemm(M, N, K, A, B, C, ldc, accumulate);  // the contract kernel
+  if (K <= 0 || ldc < N || ldb < 1 || lda < 1) return cuda::gemm(M, N, K, A, B, C, ldc, accumulate);  // the contract kernel
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  check_blas(cublas().sgemm(blas_handle(), opb, opa, (int)N, (int)M, (int)K, &alpha, B.p, (int)ldb, A.p, (int)lda,
+                            &beta, C, (int)ldc),
+             "cublasSgemm");
+  after_launch("cublasSgemm");
+}
+
+// dW = X^T dY over every row at once (the local level has no leaf tree).
+void weight_grad_cublas(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                        const int64_t* leaf_off, int64_t leaves, float* dW) {
+  int64_t first = 0, end = 0;
+  check(cudaMemcpy(&first, leaf_off, sizeof first, cudaMemcpyDefault), "leaf offsets");
+  check(cudaMemcpy(&end, leaf_off + leaves, sizeof end, cudaMemcpyDefault), "leaf offsets");
+  if (end <= first) return fill(dW, (int64_t)in * out, 0.0f);
+  gemm_cublas(in, out, end - first, ops::ConstMat{X + first * ldx, 1, ldx}, ops::ConstMat{dY + first * ldy, ldy, 1},
+              dW, out, false);
+}
+
+}  // namespace
+
 }  // namespace ls::cuda
 
 extern "C" int lockstep_cuda_open(ls::cuda::Backend* out, char* error, size_t error_len) {
@@ -110,16 +197,25 @@ extern "C" int lockstep_cuda_open(ls::cuda::Backend* out, char* error, size_t er
     return fail("cannot open CUDA device 0");
   if (!prop.managedMemory) return fail(std::string(prop.name) + ": no managed memory, which the cuda backend needs");
   static const ls::ops::OpHooks hooks = ls::cuda::make_hooks();
+  static const ls::ops::OpHooks local_hooks = [] {
+    ls::ops::OpHooks h = ls::cuda::make_hooks();
+    h.gemm = ls::cuda::gemm_cublas;
+    h.weight_grad = ls::cuda::weight_grad_cublas;
+    return h;
+  }();
+  const char* tf32 = std::getenv("LOCKSTEP_CUDA_TF32");
+  ls::cuda::g_tf32 = tf32 && std::strcmp(tf32, "1") == 0;
   static const ls::ops::MemoryHooks memory{ls::cuda::managed_alloc, ls::cuda::managed_free};
   static const ls::ops::MemoryHooks pinned{ls::cuda::pinned_alloc, ls::cuda::pinned_free};
   out->abi = ls::cuda::kBackendAbi;
   out->hooks = &hooks;
-  out->local_hooks = nullptr;
+  out->local_hooks = &local_hooks;
   out->memory = &memory;
   out->launches = ls::cuda::launches;
   out->copy_to_host = ls::cuda::copy_to_host;
   out->pinned = &pinned;
-  std::snprintf(out->device, sizeof out->device, "%s (sm_%d%d, %.0f GiB)", prop.name, prop.major, prop.minor,
-                (double)prop.totalGlobalMem / (1024.0 * 1024 * 1024));
+  std::snprintf(out->device, sizeof out->device, "%s (sm_%d%d, %.0f GiB)%s", prop.name, prop.major, prop.minor,
+                (double)prop.totalGlobalMem / (1024.0 * 1024 * 1024),
+                ls::cuda::g_tf32 ? ", local level on TF32 tensor cores" : "");
   return 0;
 }

@@ -203,8 +203,8 @@ float attention_prob(const float* P, int S, int t, int u) { return P[blocked_ind
 void attention_forward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                        float* P, float* o, int64_t ldo, AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
-  if (local_numerics()) return attention_forward_local(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
   if (const OpHooks* h = op_hooks(); h && h->attention_forward) return h->attention_forward(q, k, v, ld, S, hd, scale, P, o, ldo);
+  if (local_numerics()) return attention_forward_local(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
   scores(q, ld, k, ld, S, hd, P, sc.t1);  // s(t, u) over the feature j
   softmax_blocks(P, S, scale);            // row t over u <= t
   causal<true>(P, S, v, ld, o, ldo, hd);  // o over u <= t
@@ -214,9 +214,9 @@ void attention_backward(const float* q, const float* k, const float* v, int64_t 
                         const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv, int64_t ldd,
                         AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
-  if (local_numerics()) return attention_backward_local(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
   if (const OpHooks* h = op_hooks(); h && h->attention_backward)
     return h->attention_backward(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd);
+  if (local_numerics()) return attention_backward_local(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
   sc.t0.resize((size_t)attention_probs_floats(S));
   float* dS = sc.t0.data();
   scores(dO, ldo, v, ld, S, hd, dS, sc.t1);   // dp(t, u) over the feature j

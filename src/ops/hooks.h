@@ -1,9 +1,11 @@
-// Another backend's implementations of the contract ops, installed for a run
-// (the `cuda-emulated` backend: kernels/ launched through the CPU emulation of
-// CUDA). Each must give the bits of the op it replaces; a null entry keeps the
-// engine's. Process-wide, like the numerics level: installed by run_scenario
-// for the run and removed at its end. Never together with numerics.level=local
-// (run_scenario refuses the pair), so an op checks the level first, then these.
+// Another backend's implementations of the engine's ops, installed for a run:
+// the CUDA kernels (kernels/hook_table.inc), launched through the CPU
+// emulation of CUDA (`cuda-emulated`) or on a GPU (`cuda`). A null entry
+// keeps the engine's op. Process-wide, like the numerics level: installed by
+// run_scenario for the run and removed at its end. An op consults these
+// first, then the level: with numerics.level=portable each hook gives the
+// bits of the op it replaces; with numerics.level=local (the `cuda` backend
+// only) the hooks are that level on the GPU (cuBLAS GEMMs).
 #pragma once
 
 #include <atomic>

@@ -83,11 +83,11 @@ void weight_grad_by_leaf_gemm(const float* X, int64_t ldx, const float* dY, int6
 void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                  const int64_t* leaf_off, int64_t leaves, float* dW) {
   const OpTimer op_timer(OpKind::kWeightGrad);
+  if (const OpHooks* h = op_hooks(); h && h->weight_grad)
+    return h->weight_grad(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   if (local_numerics())
     return local::weight_grad(X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy, ldy, in, out,
                               leaf_off[leaves] - leaf_off[0], dW, false);
-  if (const OpHooks* h = op_hooks(); h && h->weight_grad)
-    return h->weight_grad(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   const GemmPath path = gemm_path();
   if (path == GemmPath::kScalar) return weight_grad_by_leaf_gemm(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   // Register tiles (leaf_grad.h), each running its whole leaf tree, so bits do
@@ -122,8 +122,8 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
 
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
   const OpTimer op_timer(OpKind::kNorm);
-  if (local_numerics()) return local::rmsnorm(x, w, y, r, N, D, eps);
   if (const OpHooks* h = op_hooks(); h && h->rmsnorm) return h->rmsnorm(x, w, y, r, N, D, eps);
+  if (local_numerics()) return local::rmsnorm(x, w, y, r, N, D, eps);
   // Eight tokens at a time: their sums of squares (each a sequential fold
   // over the feature) run as independent chains side by side.
   parallel_for_groups_of_8(N, [&](int64_t n0, int R) {
@@ -207,9 +207,9 @@ void rmsnorm_backward(const float* x, const float* w, const float* r, const floa
 void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_t N, int D,
                          int64_t leaf_tokens, float* dw) {
   const OpTimer op_timer(OpKind::kNorm);
-  if (local_numerics()) return local::rmsnorm_weight_grad(x, r, dy, N, D, dw);
   if (const OpHooks* h = op_hooks(); h && h->rmsnorm_weight_grad)
     return h->rmsnorm_weight_grad(x, r, dy, N, D, leaf_tokens, dw);
+  if (local_numerics()) return local::rmsnorm_weight_grad(x, r, dy, N, D, dw);
   const int64_t leaves = N / leaf_tokens;
   // Blocks of 16 features, each with its own leaf tree: a feature's fold
   // does not depend on which block (or thread) holds it.
@@ -383,8 +383,8 @@ void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t
 
 float param_sumsq(const float* v, int64_t n) {
   const OpTimer op_timer(OpKind::kGradNorm);
-  if (local_numerics()) return local::param_sumsq(v, n);
   if (const OpHooks* h = op_hooks(); h && h->param_sumsq) return h->param_sumsq(v, n);
+  if (local_numerics()) return local::param_sumsq(v, n);
   const int64_t blocks = (n + kParamBlock - 1) / kParamBlock;
   if (blocks <= 1) return ls::sumsq_block(v, n);
   std::vector<float> sums((size_t)blocks);
@@ -422,8 +422,8 @@ float param_sumsq(const float* v, int64_t n) {
 }
 
 float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
-  if (local_numerics()) return local::token_sum(v, N);
   if (const OpHooks* h = op_hooks(); h && h->token_sum) return h->token_sum(v, N, leaf_tokens);
+  if (local_numerics()) return local::token_sum(v, N);
   const int64_t leaves = N / leaf_tokens;
   std::vector<float> part((size_t)leaves);
   for (int64_t l = 0; l < leaves; ++l) {

@@ -313,14 +313,14 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     }
   } back_to_defaults;
   if (opt.backend == Backend::kCudaEmulated) {
-    if (s.level == "local") throw UserError("numerics.level=local: the CUDA kernels are portable only (cuBLAS is the GPU's local level)");
+    if (s.level == "local")
+      throw UserError("numerics.level=local: the emulated kernels are portable only (--backend cuda runs the local level with cuBLAS)");
     ops::set_op_hooks(&emu::kernel_hooks());
     ops::set_memory_hooks(&emu::registered_memory());  // and every launch checks its pointers lie in it
   }
   if (opt.backend == Backend::kCuda) {
     const cuda::Backend& gpu = open_cuda_backend();  // throws, saying why, without a usable GPU
-    if (s.level == "local") throw UserError("numerics.level=local: not yet on the cuda backend (portable only)");
-    ops::set_op_hooks(gpu.hooks);
+    ops::set_op_hooks(s.level == "local" ? gpu.local_hooks : gpu.hooks);  // local: cuBLAS GEMMs
     ops::set_memory_hooks(gpu.memory);
     ops::set_memory_hooks(gpu.pinned, ops::MemoryKind::kStaging);
     r.device = gpu.device;
