@@ -249,6 +249,45 @@ void check_moe() {
   expect_bits("moe_combine_backward dye", ddye.host(), dye);
 }
 
+// The MoE dispatch and the step's small kernels: row copies by index lists,
+// slot sums, the router gradient's terms, adds, fills, swiglu_product.
+void check_dispatch() {
+  const int64_t N = 300;
+  const int K = 2, D = 64, E = 8;
+  const auto rows = random_floats(N * K * D, 31), a = random_floats(N * D, 32), b = random_floats(N * D, 33),
+             g = random_floats(N * E, 34), lse = random_floats(N, 35), vec = random_floats(E, 36),
+             dz0 = random_floats(N * E, 37), u = random_floats(N * D, 38), v = random_floats(N * D, 39);
+  std::vector<int64_t> row_of(N * K), src(N * K), dst(N * K);
+  for (int64_t q = 0; q < N * K; ++q) row_of[q] = (q * 17) % (N * K), src[q] = (q * 7 + 3) % (N * K), dst[q] = N * K - 1 - q;
+  std::vector<float> copied(N * K * D), summed(N * D), added(N * D), dz = dz0, sg(N * D), act(N * D), prod(N * D);
+  ls::ops::copy_rows(rows.data(), src.data(), copied.data(), dst.data(), N * K, D);
+  ls::ops::slot_sum(rows.data(), row_of.data(), K, N, D, summed.data());
+  ls::ops::add(a.data(), b.data(), added.data(), N * D);
+  ls::ops::add_row_vector(dz.data(), N, E, E, vec.data());
+  ls::ops::z_loss_grad(g.data(), lse.data(), N, E, 2e-3f, 1200.0f, dz.data());
+  ls::ops::swiglu(u.data(), v.data(), sg.data(), act.data(), N * D);
+  ls::ops::swiglu_product(u.data(), sg.data(), v.data(), prod.data(), N * D);
+  for (unsigned block : {64u, 256u}) {
+    Dev<float> drows(rows), da(a), db(b), dg(g), dlse(lse), dvec(vec), ddz(dz0), du(u), dv(v), dsg(sg);
+    Dev<float> dcopied((size_t)(N * K * D)), dsum((size_t)(N * D)), dadd((size_t)(N * D)), dprod((size_t)(N * D));
+    Dev<int64_t> drow(row_of), dsrc(src), ddst(dst);
+    ls::kernels::copy_rows<<<blocks_for(N * K * D, block), block>>>(drows.p, dsrc.p, dcopied.p, ddst.p, N * K, D);
+    ls::kernels::slot_sum<<<blocks_for(N * D, block), block>>>(drows.p, drow.p, K, N, D, dsum.p);
+    ls::kernels::add<<<blocks_for(N * D, block), block>>>(da.p, db.p, dadd.p, N * D);
+    ls::kernels::add_row_vector<<<blocks_for(N * E, block), block>>>(ddz.p, N, E, E, dvec.p);
+    ls::kernels::z_loss_grad<<<blocks_for(N * E, block), block>>>(dg.p, dlse.p, N, E, 2e-3f, 1200.0f, ddz.p);
+    ls::kernels::swiglu_product<<<blocks_for(N * D, block), block>>>(du.p, dsg.p, dv.p, dprod.p, N * D);
+    const std::string at = " block " + std::to_string(block);
+    expect_bits("copy_rows" + at, dcopied.host(), copied);
+    expect_bits("slot_sum" + at, dsum.host(), summed);
+    expect_bits("add" + at, dadd.host(), added);
+    expect_bits("add_row_vector + z_loss_grad" + at, ddz.host(), dz);
+    expect_bits("swiglu_product" + at, dprod.host(), prod);
+    ls::kernels::fill<<<blocks_for(N * D, block), block>>>(dadd.p, N * D, -0.0f);
+    expect_bits("fill" + at, dadd.host(), std::vector<float>(N * D, -0.0f));
+  }
+}
+
 // GFLOP/s of the contract GEMM and of cuBLAS fp32 and TF32 at n x n x n.
 void speed() {
   cublasHandle_t h;
@@ -303,7 +342,7 @@ int main(int argc, char** argv) {
     if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--no-speed") with_speed = false;
     else {
-      std::fprintf(stderr, "usage: lockstep-gpu-check [--only gemm|weight_grad|norms|attention|adamw|moe] [--no-speed]\n");
+      std::fprintf(stderr, "usage: lockstep-gpu-check [--only gemm|weight_grad|norms|attention|adamw|moe|dispatch] [--no-speed]\n");
       return 2;
     }
   }
@@ -320,6 +359,7 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "attention") check_attention();
   if (only.empty() || only == "adamw") check_adamw();
   if (only.empty() || only == "moe") check_moe();
+  if (only.empty() || only == "dispatch") check_dispatch();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   if (with_speed && only.empty()) speed();
   return g_failed ? 1 : 0;
