@@ -28,6 +28,7 @@
 #include "ops/gemm.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
+#include "ops.h"  // reference/ops.h: the reference's own ops
 #include "rmsnorm.cuh"
 #include "runner/golden.h"
 #include "runner/runner.h"
@@ -372,6 +373,81 @@ TEST_SUITE("kernels") {
     }, 1, false);
     CHECK(same_bits(kdg, dg));
     CHECK(same_bits(kdye, dye));
+  }
+
+  TEST_CASE("kernels against the reference's own ops (reference/ops.h), bit for bit: matmul, RMSNorm, softmax, weight gradients, attention") {
+    const int64_t N = 24;
+    const int D = 20, V = 13, S = 12, hd = 5;
+    const std::vector<float> x = random_floats((size_t)(N * D), 51), W = random_floats((size_t)(D * V), 52),
+                             w = random_floats((size_t)D, 53), dy = random_floats((size_t)(N * D), 54),
+                             dY = random_floats((size_t)(N * V), 55);
+    auto grid = [](int64_t n, unsigned per) { return dim3((unsigned)((n + per - 1) / per)); };
+    // Y = X W: ref::dot_col per token and output feature.
+    std::vector<float> y(N * V), want(N * V);
+    ls::emu::run_grid(ls::kernels::contract_gemm_grid(N, V), ls::kernels::contract_gemm_block(), [&] {
+      ls::kernels::contract_gemm(N, V, D, ls::kernels::Mat{x.data(), D, 1}, ls::kernels::Mat{W.data(), V, 1}, y.data(), V, false);
+    }, 1, true);
+    for (int64_t n = 0; n < N; ++n)
+      for (int j = 0; j < V; ++j) want[n * V + j] = ref::dot_col(&x[n * D], W.data(), V, j, D);
+    CHECK(same_bits(y, want));
+    // RMSNorm and its backward, token by token.
+    std::vector<float> yn(N * D), r(N), dx(N * D), yref(N * D), rref(N), dxref(N * D);
+    ls::emu::run_grid(grid(N, 8), dim3(8), [&] { ls::kernels::rmsnorm_forward(x.data(), w.data(), yn.data(), r.data(), N, D, 1e-5f); }, 1, false);
+    ls::emu::run_grid(grid(N, 8), dim3(8), [&] {
+      ls::kernels::rmsnorm_backward(x.data(), w.data(), r.data(), dy.data(), dx.data(), N, D, false);
+    }, 1, false);
+    for (int64_t n = 0; n < N; ++n) {
+      rref[n] = ref::rmsnorm(&x[n * D], w.data(), &yref[n * D], D, 1e-5f);
+      ref::rmsnorm_backward(&x[n * D], w.data(), rref[n], &dy[n * D], &dxref[n * D], D);
+    }
+    CHECK(same_bits(yn, yref));
+    CHECK(same_bits(r, rref));
+    CHECK(same_bits(dx, dxref));
+    // Softmax rows with log-sum-exp, and the backward.
+    std::vector<float> p(N * V), lse(N), dz(N * V), pref(N * V), lseref(N), dzref(N * V);
+    ls::emu::run_grid(grid(N, 16), dim3(16), [&] { ls::kernels::softmax_rows(y.data(), p.data(), V, (int)N, V, lse.data()); }, 1, false);
+    ls::emu::run_grid(grid(N, 16), dim3(16), [&] { ls::kernels::softmax_backward_rows(p.data(), dY.data(), dz.data(), V, (int)N, V); }, 1, false);
+    for (int64_t n = 0; n < N; ++n) {
+      lseref[n] = ref::softmax(&y[n * V], &pref[n * V], V);
+      ref::softmax_backward(&pref[n * V], &dY[n * V], &dzref[n * V], V);
+    }
+    CHECK(same_bits(p, pref));
+    CHECK(same_bits(lse, lseref));
+    CHECK(same_bits(dz, dzref));
+    // dW = X^T dY over tokens: ref::token_reduce (leaf folds, the canonical tree).
+    for (int64_t leaf : {int64_t{1}, int64_t{4}, int64_t{24}}) {
+      CAPTURE(leaf);
+      std::vector<int64_t> off((size_t)(N / leaf + 1));
+      for (size_t l = 0; l < off.size(); ++l) off[l] = (int64_t)l * leaf;
+      std::vector<float> dW(D * V), dWref(D * V);
+      ls::emu::run_grid(dim3((unsigned)((V + 7) / 8), (unsigned)((D + 7) / 8)), dim3(8, 8), [&] {
+        ls::kernels::weight_grad_leaves(x.data(), D, dY.data(), V, D, V, off.data(), N / leaf, dW.data());
+      }, 1, false);
+      for (int i = 0; i < D; ++i)
+        for (int j = 0; j < V; ++j)
+          dWref[i * V + j] = ref::token_reduce<float>(N, leaf, [&](int64_t n, float acc) {
+            return ref::FMA(x[n * D + i], dY[n * V + j], acc);
+          });
+      CHECK(same_bits(dW, dWref));
+    }
+    // Causal attention of one head: the output and every probability.
+    const std::vector<float> qkv = random_floats((size_t)(S * 3 * hd), 56);
+    const float scale = 1.0f / ls::sqrt((float)hd);
+    std::vector<float> P((size_t)ls::kernels::attention_probs_floats(S)), o(S * hd), Pref(S * S), oref(S * hd);
+    ls::emu::run_grid(grid(S, 4), dim3(4), [&] {
+      ls::kernels::attention_forward_rows(qkv.data(), qkv.data() + hd, qkv.data() + 2 * hd, 3 * hd, S, hd, scale,
+                                          P.data(), o.data(), hd);
+    }, 1, false);
+    ref::attention_head(qkv.data(), qkv.data() + hd, qkv.data() + 2 * hd, (int64_t)3 * hd, S, hd, scale, Pref.data(),
+                        oref.data(), (int64_t)hd);
+    CHECK(same_bits(o, oref));
+    int same_probs = 0;
+    for (int t = 0; t < S; ++t)
+      for (int u = 0; u <= t; ++u) {
+        const float a = ls::ops::attention_prob(P.data(), S, t, u), b = Pref[t * S + u];
+        same_probs += std::memcmp(&a, &b, 4) == 0;
+      }
+    CHECK(same_probs == S * (S + 1) / 2);
   }
 
   TEST_CASE("dispatch and step kernels: row copies, slot sums, router gradient terms, adds and fills bit for bit the engine's") {
