@@ -19,6 +19,12 @@ build build || status=1
 build build-asan -Dloader_only=true -Db_sanitize=address,undefined -Dbuildtype=debugoptimized || status=1
 CXX=clang++-14 build build-fuzz -Dfuzz=true -Dbuildtype=debugoptimized || status=1
 if [ $status -ne 0 ]; then echo "build failed"; echo "0 passed, 1 failed"; exit 1; fi
+# Say whether nvcc built the CUDA targets here (compile and link only: no GPU on CI).
+if [ -f build/kernels/liblockstep-cuda.so ]; then
+  echo "cuda: nvcc built build/kernels/liblockstep-cuda.so and build/tools/lockstep-gpu-check (sm_90; not run: no GPU)"
+else
+  echo "cuda: no nvcc found, CUDA targets not built (--backend cuda will say so)"
+fi
 
 meson test -C build --print-errorlogs --num-processes "$(nproc)" || status=1
 meson test -C build-asan --print-errorlogs || status=1

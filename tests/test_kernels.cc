@@ -683,6 +683,11 @@ TEST_SUITE("kernels") {
       CHECK(gpu.rc == 2);
       CHECK(gpu.err.find("lockstep: error: --backend cuda: ") == 0);
       CHECK(gpu.out.find("final_state_hash") == std::string::npos);  // nothing trained
+      // Where nvcc built the library, it was loaded and its entry point ran:
+      // the refusal comes from the CUDA runtime inside it.
+      const std::filesystem::path lib =
+          std::filesystem::path(LOCKSTEP_BIN).parent_path().parent_path().parent_path() / "kernels/liblockstep-cuda.so";
+      if (std::filesystem::exists(lib)) CHECK(gpu.err.find("CUDA device") != std::string::npos);
     }
     // A library that is not a lockstep backend is named and refused.
     setenv("LOCKSTEP_CUDA_BACKEND", "libm.so.6", 1);
