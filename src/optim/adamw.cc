@@ -40,6 +40,13 @@ void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float c
     p2 = p2 * b2;
   }
   const float bc1 = 1.0f - p1, bc2 = 1.0f - p2, eps = cfg.eps, wd = cfg.weight_decay;
+  // A kernel backend: one launch per slice (elementwise, so the same bits).
+  if (const ops::OpHooks* h = ops::op_hooks(); h && h->adamw) {
+    for (const AdamWSlice& sl : slices)
+      if (sl.n > 0)
+        h->adamw(sl.w, sl.g, sl.m, sl.v, sl.n, sl.decay, b1, b2, omb1, omb2, bc1, bc2, eps, wd, lr, clip, clip_scale);
+    return;
+  }
   // One loop over chunks of every slice: small tensors (norm gains, the
   // router) no longer run alone between jobs.
   constexpr int64_t kChunk = 4096;
@@ -55,9 +62,6 @@ void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float c
     const bool decay = s.decay, clip_g = clip;
     const float B1 = b1, B2 = b2, OMB1 = omb1, OMB2 = omb2, BC1 = bc1, BC2 = bc2, EPS = eps, WD = wd, LR = lr,
                 scale = clip_scale;
-    if (const ops::OpHooks* h = ops::op_hooks(); h && h->adamw)
-      return h->adamw(pw + lo, pg + lo, pm + lo, pv + lo, hi - lo, decay, B1, B2, OMB1, OMB2, BC1, BC2, EPS, WD, LR,
-                      clip_g, scale);
     for (int64_t i = lo; i < hi; ++i) {
       float gi = pg[i];
       if (clip_g) {
