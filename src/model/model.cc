@@ -61,14 +61,6 @@ void for_each_piece(const RoundPlan& plan, int r, const int64_t* pre, const int6
   }
 }
 
-// body(first row, rows) over [0, n) in blocks of 64 rows, blocks in parallel:
-// an elementwise op on whole blocks (one call, or one kernel, per block).
-template <class Body>
-void for_row_blocks(int64_t n, Body&& body) {
-  constexpr int64_t kRows = 64;
-  parallel_for((n + kRows - 1) / kRows, [&](int64_t b) { body(b * kRows, std::min(kRows, n - b * kRows)); });
-}
-
 }  // namespace
 
 // Saved activations of one layer plus the routing of its tokens.
@@ -587,9 +579,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       A.ysh.resize(N * D);
       ops::linear(A.a2.data(), N, D, W(lname(l, "shared.w1")), F, A.su.data());
       ops::linear(A.a2.data(), N, D, W(lname(l, "shared.w3")), F, A.sv.data());
-      for_row_blocks(N, [&](int64_t n, int64_t rows) {
-        ops::swiglu(&A.su[n * F], &A.sv[n * F], &A.ssg[n * F], &A.sact[n * F], rows * F);
-      });
+      ops::swiglu(A.su.data(), A.sv.data(), A.ssg.data(), A.sact.data(), N * F);
       ops::linear(A.sact.data(), N, F, W(lname(l, "shared.w2")), D, A.ysh.data());
     }
     // Combine: out = fold over slots of fma(gate, y_slot, out) from +0, then + shared.
@@ -726,10 +716,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ws.sdx.resize(N * D);
       ws.dact.resize(N * F);
       ops::linear_input_grad(ws.dh.data(), N, D, s2, F, ws.dact.data(), false);
-      for_row_blocks(N, [&](int64_t n, int64_t rows) {
-        ops::swiglu_backward(&A.su[n * F], &A.sv[n * F], &A.ssg[n * F], &ws.dact[n * F], &ws.sdu[n * F],
-                             &ws.sdv[n * F], rows * F);
-      });
+      ops::swiglu_backward(A.su.data(), A.sv.data(), A.ssg.data(), ws.dact.data(), ws.sdu.data(), ws.sdv.data(), N * F);
       ops::linear_input_grad(ws.sdu.data(), N, F, s1, D, ws.sdx.data(), false);
       ops::linear_input_grad(ws.sdv.data(), N, F, s3, D, ws.sdx.data(), true);
       ops::weight_grad(A.a2.data(), D, ws.sdu.data(), F, D, F, uniform_off.data(), leaves, G(lname(l, "shared.w1")));

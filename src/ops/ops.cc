@@ -437,13 +437,14 @@ float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
   const OpTimer op_timer(OpKind::kSwiglu);
   if (const OpHooks* h = op_hooks(); h && h->swiglu) return h->swiglu(u, v, s, act, n);
-  // In chunks that stay in L1 between the two passes.
+  // In chunks that stay in L1 between the two passes, chunks in parallel
+  // (inline when the caller already runs on the engine's threads).
   constexpr int64_t kChunk = 1024;
-  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
-    const int64_t m = std::min(kChunk, n - i0);
+  parallel_for((n + kChunk - 1) / kChunk, [&](int64_t c) {
+    const int64_t i0 = c * kChunk, m = std::min(kChunk, n - i0);
     sigmoid_n(u + i0, s + i0, m);  // s[i] = csigmoid(u[i]), bit for bit
     for (int64_t i = i0; i < i0 + m; ++i) act[i] = (u[i] * s[i]) * v[i];
-  }
+  });
 }
 
 void swiglu_product(const float* __restrict u, const float* __restrict s, const float* __restrict v,
@@ -457,10 +458,13 @@ void swiglu_backward(const float* u, const float* v, const float* s, const float
                      int64_t n) {
   const OpTimer op_timer(OpKind::kSwiglu);
   if (const OpHooks* h = op_hooks(); h && h->swiglu_backward) return h->swiglu_backward(u, v, s, dact, du, dv, n);
-  for (int64_t i = 0; i < n; ++i) {
-    dv[i] = dact[i] * (u[i] * s[i]);
-    du[i] = (dact[i] * v[i]) * (s[i] * (1.0f + u[i] * (1.0f - s[i])));
-  }
+  constexpr int64_t kChunk = 4096;
+  parallel_for((n + kChunk - 1) / kChunk, [&](int64_t c) {
+    for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+      dv[i] = dact[i] * (u[i] * s[i]);
+      du[i] = (dact[i] * v[i]) * (s[i] * (1.0f + u[i] * (1.0f - s[i])));
+    }
+  });
 }
 
 void route_topk(const float* g_all, int64_t N, int E, int K, int* sel) {
