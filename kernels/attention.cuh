@@ -23,12 +23,11 @@ constexpr int kAttnBlock = 16;  // = ops attention_kernels::kBlock: the layout t
 __host__ __device__ inline int64_t attn_index(int S, int t, int u) {
   return (int64_t)(t / kAttnBlock) * kAttnBlock * S + (int64_t)u * kAttnBlock + t % kAttnBlock;
 }
-inline int64_t attention_probs_floats(int S) { return (int64_t)((S + kAttnBlock - 1) / kAttnBlock) * kAttnBlock * S; }
+__host__ __device__ inline int64_t attention_probs_floats(int S) { return (int64_t)((S + kAttnBlock - 1) / kAttnBlock) * kAttnBlock * S; }
 
-__global__ void attention_forward_rows(const float* q, const float* k, const float* v, int64_t ld, int S, int hd,
-                                       float scale, float* P, float* o, int64_t ldo) {
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= S) return;
+// Query row t of one head: its scores, probabilities and output.
+__device__ inline void attention_forward_row(int t, const float* q, const float* k, const float* v, int64_t ld, int S,
+                                             int hd, float scale, float* P, float* o, int64_t ldo) {
   const float* qt = q + (int64_t)t * ld;
   float m = 0.0f;
   for (int u = 0; u <= t; ++u) {
@@ -54,12 +53,16 @@ __global__ void attention_forward_rows(const float* q, const float* k, const flo
   }
 }
 
-// dS (blocked, the caller's buffer of attention_probs_floats(S)) and dq, one thread per query row t.
-__global__ void attention_backward_rows(const float* k, const float* v, int64_t ld, int S, int hd, float scale,
-                                        const float* P, const float* dO, int64_t ldo, float* dS, float* dq,
-                                        int64_t ldd) {
+__global__ void attention_forward_rows(const float* q, const float* k, const float* v, int64_t ld, int S, int hd,
+                                       float scale, float* P, float* o, int64_t ldo) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= S) return;
+  if (t < S) attention_forward_row(t, q, k, v, ld, S, hd, scale, P, o, ldo);
+}
+
+// dS (blocked, the caller's buffer of attention_probs_floats(S)) and dq of query row t.
+__device__ inline void attention_backward_row(int t, const float* k, const float* v, int64_t ld, int S, int hd,
+                                              float scale, const float* P, const float* dO, int64_t ldo, float* dS,
+                                              float* dq, int64_t ldd) {
   const float* dot_row = dO + (int64_t)t * ldo;
   float dot = 0.0f;
   for (int u = 0; u <= t; ++u) {
@@ -80,11 +83,18 @@ __global__ void attention_backward_rows(const float* k, const float* v, int64_t 
   }
 }
 
-// dk and dv, one thread per key row u, after attention_backward_rows wrote dS.
-__global__ void attention_backward_cols(const float* q, int64_t ld, int S, int hd, const float* P, const float* dS,
-                                        const float* dO, int64_t ldo, float* dk, float* dv, int64_t ldd) {
-  const int u = blockIdx.x * blockDim.x + threadIdx.x;
-  if (u >= S) return;
+// One thread per query row t.
+__global__ void attention_backward_rows(const float* k, const float* v, int64_t ld, int S, int hd, float scale,
+                                        const float* P, const float* dO, int64_t ldo, float* dS, float* dq,
+                                        int64_t ldd) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t < S) attention_backward_row(t, k, v, ld, S, hd, scale, P, dO, ldo, dS, dq, ldd);
+}
+
+// dk and dv of key row u, after the rows wrote dS.
+__device__ inline void attention_backward_col(int u, const float* q, int64_t ld, int S, int hd, const float* P,
+                                              const float* dS, const float* dO, int64_t ldo, float* dk, float* dv,
+                                              int64_t ldd) {
   for (int j = 0; j < hd; ++j) {
     float ak = 0.0f, av = 0.0f;
     for (int t = u; t < S; ++t) {
@@ -94,6 +104,54 @@ __global__ void attention_backward_cols(const float* q, int64_t ld, int S, int h
     dk[(int64_t)u * ldd + j] = ak;
     dv[(int64_t)u * ldd + j] = av;
   }
+}
+
+// One thread per key row u.
+__global__ void attention_backward_cols(const float* q, int64_t ld, int S, int hd, const float* P, const float* dS,
+                                        const float* dO, int64_t ldo, float* dk, float* dv, int64_t ldd) {
+  const int u = blockIdx.x * blockDim.x + threadIdx.x;
+  if (u < S) attention_backward_col(u, q, ld, S, hd, P, dS, dO, ldo, dk, dv, ldd);
+}
+
+// Every head of a batch in one launch: blockIdx.y = b * H + h, the model's
+// layout (ops::attention_forward_heads): q, k, v of head h of sample b at
+// rows b*S.. of qkv [B*S, 3D], columns h*hd, D + h*hd, 2D + h*hd; P (and dS)
+// of head bh at bh * attention_probs_floats(S); o, dO [B*S, D] at columns h*hd.
+struct AttnHead {
+  int64_t in, out, probs;  // offsets into qkv / dqkv, o / dO, P / dS
+};
+__device__ inline AttnHead attn_head(int bh, int H, int S, int hd) {
+  const int64_t b = bh / H, h = bh % H, D = (int64_t)H * hd;
+  return AttnHead{b * S * 3 * D + h * hd, b * S * D + h * hd, bh * attention_probs_floats(S)};
+}
+
+__global__ void attention_forward_heads(const float* qkv, int H, int S, int hd, float scale, float* P, float* o) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= S) return;
+  const int D = H * hd;
+  const AttnHead a = attn_head(blockIdx.y, H, S, hd);
+  const float* base = qkv + a.in;
+  attention_forward_row(t, base, base + D, base + 2 * D, 3 * D, S, hd, scale, P + a.probs, o + a.out, D);
+}
+
+__global__ void attention_backward_heads_rows(const float* qkv, int H, int S, int hd, float scale, const float* P,
+                                              const float* dO, float* dS, float* dqkv) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= S) return;
+  const int D = H * hd;
+  const AttnHead a = attn_head(blockIdx.y, H, S, hd);
+  attention_backward_row(t, qkv + a.in + D, qkv + a.in + 2 * D, 3 * D, S, hd, scale, P + a.probs, dO + a.out, D,
+                         dS + a.probs, dqkv + a.in, 3 * D);
+}
+
+__global__ void attention_backward_heads_cols(const float* qkv, int H, int S, int hd, const float* P, const float* dS,
+                                              const float* dO, float* dqkv) {
+  const int u = blockIdx.x * blockDim.x + threadIdx.x;
+  if (u >= S) return;
+  const int D = H * hd;
+  const AttnHead a = attn_head(blockIdx.y, H, S, hd);
+  attention_backward_col(u, qkv + a.in, 3 * D, S, hd, P + a.probs, dS + a.probs, dO + a.out, D, dqkv + a.in + D,
+                         dqkv + a.in + 2 * D, 3 * D);
 }
 
 }  // namespace ls::kernels

@@ -342,6 +342,42 @@ TEST_SUITE("kernels") {
     }
   }
 
+  TEST_CASE("attention kernels over every head of a batch in one launch: bit for bit the engine's heads") {
+    const int B = 3, H = 4, hd = 8, D = H * hd;
+    for (int S : {5, 17}) {
+      CAPTURE(S);
+      const std::vector<float> qkv = random_floats((size_t)(B * S * 3 * D), 61), dO = random_floats((size_t)(B * S * D), 62);
+      const float scale = 1.0f / std::sqrt((float)hd);
+      const size_t pf = (size_t)(B * H) * (size_t)ls::ops::attention_probs_floats(S);
+      std::vector<float> P(pf, 0.0f), o(B * S * D), dqkv(B * S * 3 * D), kP(pf, 0.0f), ko(B * S * D), kdS(pf),
+          kdqkv(B * S * 3 * D);
+      ls::ops::attention_forward_heads(qkv.data(), B, H, S, hd, scale, P.data(), o.data());
+      ls::ops::attention_backward_heads(qkv.data(), B, H, S, hd, scale, P.data(), dO.data(), dqkv.data());
+      const dim3 grid((unsigned)((S + 7) / 8), (unsigned)(B * H));
+      ls::emu::run_grid(grid, dim3(8), [&] {
+        ls::kernels::attention_forward_heads(qkv.data(), H, S, hd, scale, kP.data(), ko.data());
+      }, 1, false);
+      ls::emu::run_grid(grid, dim3(8), [&] {
+        ls::kernels::attention_backward_heads_rows(qkv.data(), H, S, hd, scale, kP.data(), dO.data(), kdS.data(),
+                                                   kdqkv.data());
+      }, 1, false);
+      ls::emu::run_grid(grid, dim3(8), [&] {
+        ls::kernels::attention_backward_heads_cols(qkv.data(), H, S, hd, kP.data(), kdS.data(), dO.data(), kdqkv.data());
+      }, 1, false);
+      CHECK(same_bits(ko, o));
+      CHECK(same_bits(kdqkv, dqkv));  // dq, dk and dv of every head in place
+      int same_probs = 0;
+      for (int bh = 0; bh < B * H; ++bh)
+        for (int t = 0; t < S; ++t)
+          for (int u = 0; u <= t; ++u) {
+            const float* p0 = P.data() + bh * ls::ops::attention_probs_floats(S);
+            const float a = ls::ops::attention_prob(p0, S, t, u), b = kP[bh * ls::ops::attention_probs_floats(S) + ls::kernels::attn_index(S, t, u)];
+            same_probs += std::memcmp(&a, &b, 4) == 0;
+          }
+      CHECK(same_probs == B * H * S * (S + 1) / 2);
+    }
+  }
+
   TEST_CASE("MoE kernels: routing, combine and its backward bit for bit the engine's ops") {
     const int64_t N = 37;
     const int E = 8, K = 2, D = 24;

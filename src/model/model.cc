@@ -457,12 +457,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     T("fwd", l, "qkv", "out", A.qkv.data(), {N, 3 * D});
     A.att.resize((size_t)B * H * probs);
     A.o.resize(N * D);
-    parallel_tasks_with<ops::AttentionScratch>(B * H, [&](ops::AttentionScratch& scratch, int64_t bh) {
-      const int b = bh / H, hh = bh % H;
-      const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
-      ops::attention_forward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, A.att.data() + bh * probs,
-                             A.o.data() + (int64_t)b * S * D + hh * hd, D, scratch);
-    });
+    ops::attention_forward_heads(A.qkv.data(), B, H, S, hd, scale, A.att.data(), A.o.data());
     T("fwd", l, "attention", "out", A.o.data(), {N, D});
     ws.dtmp.resize(N * D);
     ops::linear(A.o.data(), N, D, wo, D, ws.dtmp.data());
@@ -752,14 +747,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     ws.dO.resize(N * D);
     ops::linear_input_grad(ws.dh.data(), N, D, wo, D, ws.dO.data(), false);
     ws.dqkv.resize(N * 3 * D);
-    parallel_tasks_with<ops::AttentionScratch>(B * H, [&](ops::AttentionScratch& scratch, int64_t bh) {
-      const int b = bh / H, hh = bh % H;
-      const float* base = A.qkv.data() + (int64_t)b * S * 3 * D + hh * hd;
-      float* dbase = ws.dqkv.data() + (int64_t)b * S * 3 * D + hh * hd;
-      ops::attention_backward(base, base + D, base + 2 * D, 3 * D, S, hd, scale,
-                              A.att.data() + bh * probs, ws.dO.data() + (int64_t)b * S * D + hh * hd, D,
-                              dbase, dbase + D, dbase + 2 * D, 3 * D, scratch);
-    });
+    ops::attention_backward_heads(A.qkv.data(), B, H, S, hd, scale, A.att.data(), ws.dO.data(), ws.dqkv.data());
     T("bwd", l, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D});
     ops::weight_grad(A.a.data(), D, ws.dqkv.data(), 3 * D, D, 3 * D, uniform_off.data(), leaves, G(lname(l, "wqkv")));
     ops::linear_input_grad(ws.dqkv.data(), N, 3 * D, wqkv, D, ws.dtmp.data(), false);

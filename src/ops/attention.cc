@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "common/parallel.h"
 #include "contract.h"
 #include "ops/attention_kernels.h"
 #include "ops/gemm.h"
@@ -203,7 +204,6 @@ float attention_prob(const float* P, int S, int t, int u) { return P[blocked_ind
 void attention_forward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                        float* P, float* o, int64_t ldo, AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
-  if (const OpHooks* h = op_hooks(); h && h->attention_forward) return h->attention_forward(q, k, v, ld, S, hd, scale, P, o, ldo);
   if (local_numerics()) return attention_forward_local(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
   scores(q, ld, k, ld, S, hd, P, sc.t1);  // s(t, u) over the feature j
   softmax_blocks(P, S, scale);            // row t over u <= t
@@ -214,8 +214,6 @@ void attention_backward(const float* q, const float* k, const float* v, int64_t 
                         const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv, int64_t ldd,
                         AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
-  if (const OpHooks* h = op_hooks(); h && h->attention_backward)
-    return h->attention_backward(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd);
   if (local_numerics()) return attention_backward_local(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
   sc.t0.resize((size_t)attention_probs_floats(S));
   float* dS = sc.t0.data();
@@ -224,6 +222,38 @@ void attention_backward(const float* q, const float* k, const float* v, int64_t 
   causal<true>(dS, S, k, ld, dq, ldd, hd);     // dq over u <= t
   causal<false>(dS, S, q, ld, dk, ldd, hd);    // dk over t >= u
   causal<false>(P, S, dO, ldo, dv, ldd, hd);   // dv over t >= u
+}
+
+void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, float scale, float* P, float* o) {
+  if (const OpHooks* h = op_hooks(); h && h->attention_forward_heads) {
+    const OpTimer op_timer(OpKind::kAttention);
+    return h->attention_forward_heads(qkv, B, H, S, hd, scale, P, o);
+  }
+  const int D = H * hd;
+  const int64_t probs = attention_probs_floats(S);
+  parallel_tasks_with<AttentionScratch>((int64_t)B * H, [&](AttentionScratch& scratch, int64_t bh) {
+    const int b = (int)(bh / H), hh = (int)(bh % H);
+    const float* base = qkv + (int64_t)b * S * 3 * D + (int64_t)hh * hd;
+    attention_forward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, P + bh * probs,
+                      o + (int64_t)b * S * D + (int64_t)hh * hd, D, scratch);
+  });
+}
+
+void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, const float* P,
+                              const float* dO, float* dqkv) {
+  if (const OpHooks* h = op_hooks(); h && h->attention_backward_heads) {
+    const OpTimer op_timer(OpKind::kAttention);
+    return h->attention_backward_heads(qkv, B, H, S, hd, scale, P, dO, dqkv);
+  }
+  const int D = H * hd;
+  const int64_t probs = attention_probs_floats(S);
+  parallel_tasks_with<AttentionScratch>((int64_t)B * H, [&](AttentionScratch& scratch, int64_t bh) {
+    const int b = (int)(bh / H), hh = (int)(bh % H);
+    const int64_t in = (int64_t)b * S * 3 * D + (int64_t)hh * hd;
+    attention_backward(qkv + in, qkv + in + D, qkv + in + 2 * D, 3 * D, S, hd, scale, P + bh * probs,
+                       dO + (int64_t)b * S * D + (int64_t)hh * hd, D, dqkv + in, dqkv + in + D, dqkv + in + 2 * D,
+                       3 * D, scratch);
+  });
 }
 
 }  // namespace ls::ops

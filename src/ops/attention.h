@@ -33,4 +33,14 @@ void attention_backward(const float* q, const float* k, const float* v, int64_t 
                         const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv, int64_t ldd,
                         AttentionScratch& scratch);
 
+// Every (sample, head) of a batch in the model's layout: q, k, v of head h
+// of sample b are rows b*S.. of qkv [B*S, 3D] at columns h*hd, D + h*hd and
+// 2D + h*hd (D = H*hd); head b*H + h keeps its P at P + (b*H + h) *
+// attention_probs_floats(S); o and dO are [B*S, D] at columns h*hd. Heads in
+// parallel, each as attention_forward / attention_backward (one kernel
+// launch for all of them on a kernel backend).
+void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, float scale, float* P, float* o);
+void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, const float* P,
+                              const float* dO, float* dqkv);
+
 }  // namespace ls::ops

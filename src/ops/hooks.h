@@ -39,11 +39,11 @@ struct OpHooks {
   void (*add_row_vector)(float* x, int64_t N, int64_t ld, int cols, const float* vec) = nullptr;
   void (*z_loss_grad)(const float* g, const float* lse, int64_t N, int E, float two_zw, float Ng, float* dz) = nullptr;
   float (*param_sumsq)(const float* v, int64_t n) = nullptr;
-  void (*attention_forward)(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
-                            float* P, float* o, int64_t ldo) = nullptr;
-  void (*attention_backward)(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
-                             const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv,
-                             int64_t ldd) = nullptr;
+  // Every head of a batch at once (ops::attention_forward_heads).
+  void (*attention_forward_heads)(const float* qkv, int B, int H, int S, int hd, float scale, float* P,
+                                  float* o) = nullptr;
+  void (*attention_backward_heads)(const float* qkv, int B, int H, int S, int hd, float scale, const float* P,
+                                   const float* dO, float* dqkv) = nullptr;
   void (*route_topk)(const float* g, int64_t N, int E, int K, int* sel) = nullptr;
   void (*moe_combine)(const float* g, int E, const int* sel, int K, const int64_t* row_of, const float* ye_rows,
                       const float* shared, const float* residual, float* hout, int64_t N, int D) = nullptr;
