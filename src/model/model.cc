@@ -481,9 +481,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ws.row_vector.assign(std::max(1, E / 4), c.router_skew);
       ops::add_row_vector(A.z.data(), N, E, std::max(1, E / 4), ws.row_vector.data());
     }
-    parallel_for_groups_of_8(N, [&](int64_t n0, int rows) {
-      ops::softmax_rows(&A.z[n0 * E], E, &A.g[n0 * E], E, rows, E, 0, &A.lse[n0]);
-    });
+    ops::softmax_rows(A.z.data(), E, A.g.data(), E, (int)N, E, 0, A.lse.data());
     ops::route_topk(A.g.data(), N, E, K, A.sel.data());
     T("fwd", l, "router", "logits", A.z.data(), {N, E});
     T("fwd", l, "router", "gates", A.g.data(), {N, E});
@@ -618,9 +616,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   T("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V});
   ws.target_id.resize(N);
   for (int64_t n = 0; n < N; ++n) ws.target_id[n] = target(n);
-  parallel_for_groups_of_8(N, [&](int64_t n0, int rows) {
-    ops::softmax_rows(&ws.logits[n0 * V], V, &ws.prob[n0 * V], V, rows, V, 0, &ws.lse[n0]);
-  });
+  ops::softmax_rows(ws.logits.data(), V, ws.prob.data(), V, (int)N, V, 0, ws.lse.data());
   ops::token_losses(ws.lse.data(), ws.logits.data(), ws.target_id.data(), N, V, ws.loss.data());
   T("fwd", -1, "loss", "per_token", ws.loss.data(), {N});
   StepLosses out;
@@ -729,9 +725,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       }
       ws.dz.resize(N * E);
       ops::add_row_vector(ws.dg.data(), N, E, E, ws.row_vector.data());
-      parallel_for_groups_of_8(N, [&](int64_t n0, int rows) {
-        ops::softmax_backward_rows(&A.g[n0 * E], E, &ws.dg[n0 * E], E, &ws.dz[n0 * E], E, rows, E, 0);
-      });
+      ops::softmax_backward_rows(A.g.data(), E, ws.dg.data(), E, ws.dz.data(), E, (int)N, E, 0);
       ops::z_loss_grad(A.g.data(), A.lse.data(), N, E, c.z_loss_weight * 2.0f, Ng, ws.dz.data());
       T("bwd", l, "router", "dz", ws.dz.data(), {N, E});
       ops::weight_grad(A.a2.data(), D, ws.dz.data(), E, D, E, uniform_off.data(), leaves, G(lname(l, "router")));

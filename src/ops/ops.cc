@@ -328,8 +328,9 @@ void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, 
   const OpTimer op_timer(OpKind::kSoftmax);
   if (const OpHooks* h = op_hooks(); h && h->softmax_rows && step == 0 && ldz == ldp)
     return h->softmax_rows(z, p, ldz, rows, n0, lse);
-  for (int g = 0; g < rows; g += 8) {
-    const int R = std::min(8, rows - g);
+  // Groups of eight rows in parallel (inline when the caller already runs on the engine's threads).
+  parallel_for_groups_of_8(rows, [&](int64_t g0, int R) {
+    const int g = (int)g0;
     float m[8], sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     int n[8];
     float* pr[8];
@@ -350,7 +351,7 @@ void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, 
       for (int k = 0; k < n[r]; ++k) pr[r][k] = pr[r][k] / sum[r];
       if (lse) lse[g + r] = m[r] + (local_numerics() ? local::log(sum[r]) : ls::clog(sum[r]));
     }
-  }
+  });
 }
 
 void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t lddp, float* dz, int64_t lddz,
@@ -358,8 +359,8 @@ void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t
   const OpTimer op_timer(OpKind::kSoftmax);
   if (const OpHooks* h = op_hooks(); h && h->softmax_backward_rows && step == 0 && ldp == lddp && ldp == lddz)
     return h->softmax_backward_rows(p, dp, dz, ldp, rows, n0);
-  for (int g = 0; g < rows; g += 8) {
-    const int R = std::min(8, rows - g);
+  parallel_for_groups_of_8(rows, [&](int64_t g0, int R) {
+    const int g = (int)g0;
     float dot[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     const float *pr[8], *dpr[8];
     int n[8];
@@ -378,7 +379,7 @@ void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t
       float* dzr = dz + (int64_t)(g + r) * lddz;
       for (int k = 0; k < n[r]; ++k) dzr[k] = pr[r][k] * (dpr[r][k] - dot[r]);
     }
-  }
+  });
 }
 
 float param_sumsq(const float* v, int64_t n) {
