@@ -8,6 +8,7 @@
 #include "common/parallel.h"
 #include "contract.h"
 #include "ops/gemm.h"
+#include "ops/hooks.h"
 #include "ops/ops.h"
 
 namespace ls {
@@ -17,7 +18,9 @@ constexpr int64_t kRowBlock = 64;  // rows per task
 
 // Rows per GEMM call: blocks that threads share, or, on one thread, whole
 // segments (each call packs its expert's weights, transposed in the backward).
-int64_t row_block() { return run_inline(2) ? INT64_MAX / 4 : kRowBlock; }
+// A kernel backend takes whole segments too: one launch each, the GPU's
+// threads share it (a GEMM's outputs do not depend on how rows are split).
+int64_t row_block() { return run_inline(2) || ops::op_hooks() ? INT64_MAX / 4 : kRowBlock; }
 
 // (segment, first row in it) tasks of one round.
 std::vector<std::pair<int, int64_t>> row_tasks(const std::vector<Segment>& segs, int64_t block) {
