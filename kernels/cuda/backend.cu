@@ -24,7 +24,9 @@
 #include <cstring>
 #include <new>
 #include <stdexcept>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "attention.cuh"
 #include "cuda/backend_api.h"
@@ -66,15 +68,43 @@ float read_back(const float* p) {
   return v;
 }
 
+// Managed memory is capped below what the GPU had free when the backend
+// opened: oversubscribed managed memory can hang a GPU, not only this run.
+std::mutex g_managed_mu;
+std::unordered_map<void*, size_t> g_managed;  // live blocks and their bytes
+size_t g_managed_bytes = 0, g_managed_limit = 0;
+
 void* managed_alloc(size_t bytes) {
+  {
+    const std::lock_guard<std::mutex> lock(g_managed_mu);
+    if (g_managed_bytes + bytes > g_managed_limit)
+      throw std::runtime_error("cuda backend: " + std::to_string((g_managed_bytes + bytes) >> 20) +
+                               " MiB of managed memory would pass the cap of " + std::to_string(g_managed_limit >> 20) +
+                               " MiB (90% of the GPU's free memory at start)");
+    g_managed_bytes += bytes;
+  }
   void* p = nullptr;
   if (cudaMallocManaged(&p, bytes) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error state
+    cudaGetLastError();  // clear the error state
+    const std::lock_guard<std::mutex> lock(g_managed_mu);
+    g_managed_bytes -= bytes;
     throw std::bad_alloc();
   }
+  const std::lock_guard<std::mutex> lock(g_managed_mu);
+  g_managed[p] = bytes;
   return p;
 }
-void managed_free(void* p) { cudaFree(p); }  // errors ignored: at exit the context may be gone
+void managed_free(void* p) {
+  {
+    const std::lock_guard<std::mutex> lock(g_managed_mu);
+    auto it = g_managed.find(p);
+    if (it != g_managed.end()) {
+      g_managed_bytes -= it->second;
+      g_managed.erase(it);
+    }
+  }
+  cudaFree(p);  // errors ignored: at exit the context may be gone
+}
 
 void* pinned_alloc(size_t bytes) {
   void* p = nullptr;
@@ -196,6 +226,9 @@ extern "C" int lockstep_cuda_open(ls::cuda::Backend* out, char* error, size_t er
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || cudaSetDevice(0) != cudaSuccess)
     return fail("cannot open CUDA device 0");
   if (!prop.managedMemory) return fail(std::string(prop.name) + ": no managed memory, which the cuda backend needs");
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return fail("cudaMemGetInfo failed");
+  ls::cuda::g_managed_limit = free_bytes / 10 * 9;
   static const ls::ops::OpHooks hooks = ls::cuda::make_hooks();
   static const ls::ops::OpHooks local_hooks = [] {
     ls::ops::OpHooks h = ls::cuda::make_hooks();
