@@ -609,7 +609,7 @@ TEST_SUITE("kernels") {
     }
   }
 
-  TEST_CASE("the emulated device's memory: a launch handed a host pointer is refused, naming the kernel and argument") {
+  TEST_CASE("the emulated device: launches queue until the host synchronizes; one handed a host pointer is refused, naming the kernel and argument") {
     struct Restore {
       ~Restore() {
         ls::ops::set_op_hooks(nullptr);
@@ -621,7 +621,10 @@ TEST_SUITE("kernels") {
     const ls::ops::DeviceVector<float> a(100, 1.0f), b(100, 2.0f);
     ls::ops::DeviceVector<float> out(100);
     const int64_t before = ls::emu::kernel_launches();
-    ls::ops::add(a.data(), b.data(), out.data(), 100);  // device memory throughout: runs
+    ls::ops::add(a.data(), b.data(), out.data(), 100);  // device memory throughout: queued
+    CHECK(ls::emu::kernel_launches() == before);         // launched as on a GPU: not yet run...
+    CHECK(out[99] == 0.0f);                              // ...so the host must not read yet
+    ls::ops::synchronize();
     CHECK(ls::emu::kernel_launches() == before + 1);
     CHECK(out[99] == 3.0f);
     std::vector<float> host(100);
@@ -634,6 +637,7 @@ TEST_SUITE("kernels") {
     // Without the emulated device's memory installed, nothing is checked.
     ls::ops::set_memory_hooks(nullptr);
     ls::ops::add(a.data(), b.data(), host.data(), 100);
+    ls::ops::synchronize();
     CHECK(host[0] == 3.0f);
   }
 
@@ -651,7 +655,7 @@ TEST_SUITE("kernels") {
     for (const auto& e : fs::directory_iterator(root / "scenarios/variants"))
       work.push_back({root / "golden" / (ls::load_scenario(e.path().string(), {}).name + ".json"), e.path()});
     REQUIRE(work.size() >= 9);
-    int64_t launches = 0;
+    int64_t launches = 0, total_syncs = 0;
     for (const auto& [gpath, spath] : work) {
       CAPTURE(spath.string());
       std::ifstream in(gpath);
@@ -663,17 +667,23 @@ TEST_SUITE("kernels") {
       opt.threads = 2;
       opt.eval = false;
       opt.hash_at = ls::golden_hash_steps(s.steps);
-      const int64_t before = ls::emu::kernel_launches();
+      const int64_t before = ls::emu::kernel_launches(), syncs_before = ls::emu::synchronizations();
       const ls::RunResult r = ls::run_scenario(s, opt);
-      const int64_t n = ls::emu::kernel_launches() - before;
+      const int64_t n = ls::emu::kernel_launches() - before, syncs = ls::emu::synchronizations() - syncs_before;
       CHECK(r.backend == "cuda-emulated");
       CHECK(ls::compare_golden(g, r) == "");  // every loss bit, the state hashes, the final hash
       CHECK(n > 1000);  // the kernels really ran: GEMMs, gradients, norms, attention, MoE, loss, AdamW
+      // ... asynchronously: queued, and run only where the host waits; a
+      // missing wait would have the host read or rewrite what they had not
+      // yet touched, and the golden bits would differ.
+      CHECK(syncs * 2 < n);
+      total_syncs += syncs;
       // ... every one of them handed only the emulated device's memory (a
       // host pointer throws): on a GPU, none would read host memory.
       launches += n;
     }
-    MESSAGE(work.size() << " golden runs through the emulated kernels, " << launches << " kernel launches");
+    MESSAGE(work.size() << " golden runs through the emulated kernels, " << launches << " kernel launches, "
+                        << total_syncs << " host waits");
     CHECK(ls::ops::op_hooks() == nullptr);  // the process is back on the engine's own ops
   }
 

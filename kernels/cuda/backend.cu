@@ -10,10 +10,11 @@
 // The emulated backend proves on the CPU that no kernel is handed anything
 // else. Checkpoints copy state out by cudaMemcpy into page-locked buffers.
 //
-// Launches: on the calling host thread's default stream (the engine's
-// threads launch side by side), each synchronized before its hook returns,
-// so the host may read what a kernel wrote. Simple, and slower than a
-// stream of unsynchronized launches; tools/gpu-check measures what it costs.
+// Launches: asynchronous, all on one stream, so they run in launch order
+// whichever of the engine's threads made them; the host waits only where
+// it reads or rewrites what kernels use (ops::synchronize, read_back, a
+// free, a copy to the host). The emulated backend queues its launches the
+// same way, so the golden runs prove those waits are where they must be.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -42,6 +43,7 @@ namespace ls::cuda {
 namespace {
 
 std::atomic<int64_t> g_launches{0};
+cudaStream_t g_stream = nullptr;  // the one stream (created by lockstep_cuda_open)
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("cuda backend: ") + what + ": " + cudaGetErrorString(e));
@@ -49,22 +51,24 @@ void check(cudaError_t e, const char* what) {
 
 void after_launch(const char* kernel) {
   g_launches.fetch_add(1, std::memory_order_relaxed);
-  check(cudaGetLastError(), kernel);
-  check(cudaStreamSynchronize(cudaStreamPerThread), kernel);
+  check(cudaGetLastError(), kernel);  // a bad launch configuration; a fault surfaces at the next wait
 }
+
+void synchronize() { check(cudaStreamSynchronize(g_stream), "synchronize"); }
 
 #define LS_HOOK_LAUNCH(grid, block, kernel, ...)                                     \
   do {                                                                               \
     const dim3 grid_ = (grid);                                                       \
     if ((unsigned long long)grid_.x * grid_.y * grid_.z == 0) break;                 \
-    kernels::kernel<<<grid_, (block), 0, cudaStreamPerThread>>>(__VA_ARGS__);        \
+    kernels::kernel<<<grid_, (block), 0, g_stream>>>(__VA_ARGS__);                   \
     after_launch(#kernel);                                                           \
   } while (0)
 #define LS_HOOK_LAUNCH_BARRIERS(grid, block, kernel, ...) LS_HOOK_LAUNCH(grid, block, kernel, __VA_ARGS__)
 
 float read_back(const float* p) {
   float v = 0.0f;
-  check(cudaMemcpy(&v, p, sizeof v, cudaMemcpyDefault), "read back");
+  check(cudaMemcpyAsync(&v, p, sizeof v, cudaMemcpyDefault, g_stream), "read back");
+  synchronize();
   return v;
 }
 
@@ -95,6 +99,7 @@ void* managed_alloc(size_t bytes) {
   return p;
 }
 void managed_free(void* p) {
+  cudaStreamSynchronize(g_stream);  // queued kernels may still use p (errors surface at the next wait)
   {
     const std::lock_guard<std::mutex> lock(g_managed_mu);
     auto it = g_managed.find(p);
@@ -114,11 +119,14 @@ void* pinned_alloc(size_t bytes) {
   }
   return p;
 }
-void pinned_free(void* p) { cudaFreeHost(p); }
+void pinned_free(void* p) {
+  cudaStreamSynchronize(g_stream);
+  cudaFreeHost(p);
+}
 
 void copy_to_host(void* dst, const void* src, size_t bytes) {
-  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cudaStreamPerThread), "copy to host");
-  check(cudaStreamSynchronize(cudaStreamPerThread), "copy to host");
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, g_stream), "copy to host");
+  synchronize();
 }
 
 int64_t launches() { return g_launches.load(); }
@@ -169,7 +177,7 @@ cublasHandle_t blas_handle() {
   if (!h) {
     const Cublas& c = cublas();
     check_blas(c.create(&h), "cublasCreate");
-    check_blas(c.set_stream(h, cudaStreamPerThread), "cublasSetStream");
+    check_blas(c.set_stream(h, g_stream), "cublasSetStream");
     check_blas(c.set_math_mode(h, g_tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
   }
   return h;
@@ -202,8 +210,9 @@ void gemm_cublas(int64_t M, int64_t N, int64_t K, ops::ConstMat A, ops::ConstMat
 void weight_grad_cublas(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                         const int64_t* leaf_off, int64_t leaves, float* dW) {
   int64_t first = 0, end = 0;
-  check(cudaMemcpy(&first, leaf_off, sizeof first, cudaMemcpyDefault), "leaf offsets");
-  check(cudaMemcpy(&end, leaf_off + leaves, sizeof end, cudaMemcpyDefault), "leaf offsets");
+  synchronize();  // the host reads the offsets it wrote (managed memory)
+  first = leaf_off[0];
+  end = leaf_off[leaves];
   if (end <= first) return fill(dW, (int64_t)in * out, 0.0f);
   gemm_cublas(in, out, end - first, ops::ConstMat{X + first * ldx, 1, ldx}, ops::ConstMat{dY + first * ldy, ldy, 1},
               dW, out, false);
@@ -225,7 +234,11 @@ extern "C" int lockstep_cuda_open(ls::cuda::Backend* out, char* error, size_t er
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || cudaSetDevice(0) != cudaSuccess)
     return fail("cannot open CUDA device 0");
-  if (!prop.managedMemory) return fail(std::string(prop.name) + ": no managed memory, which the cuda backend needs");
+  if (!prop.managedMemory || !prop.concurrentManagedAccess)
+    return fail(std::string(prop.name) + ": no concurrent managed memory access, which the cuda backend needs (the host "
+                "writes index lists while kernels run)");
+  if (!ls::cuda::g_stream && cudaStreamCreateWithFlags(&ls::cuda::g_stream, cudaStreamNonBlocking) != cudaSuccess)
+    return fail("cannot create a CUDA stream");
   size_t free_bytes = 0, total_bytes = 0;
   if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return fail("cudaMemGetInfo failed");
   ls::cuda::g_managed_limit = free_bytes / 10 * 9;

@@ -10,6 +10,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <vector>
 #include <type_traits>
 
 #include "common/parallel.h"
@@ -27,7 +28,35 @@
 namespace ls::emu {
 namespace {
 
-std::atomic<int64_t> g_launches{0};
+std::atomic<int64_t> g_launches{0}, g_synchronizations{0};
+
+// The stream: launches queue here in order, with their arguments copied, and
+// run only when the host synchronizes, as on a GPU where a launch returns at
+// once. A host access that lacks its synchronize() then reads or overwrites
+// what the kernels have not yet touched, and the golden runs catch it.
+struct Pending {
+  dim3 grid, block;
+  bool barriers;
+  std::function<void()> body;
+};
+std::mutex g_queue_mu;   // guards g_queue
+std::mutex g_drain_mu;   // one drain at a time, so batches run in launch order
+std::vector<Pending> g_queue;
+
+void synchronize() {
+  const std::lock_guard<std::mutex> drain(g_drain_mu);
+  std::vector<Pending> batch;
+  {
+    const std::lock_guard<std::mutex> lock(g_queue_mu);
+    batch.swap(g_queue);
+  }
+  g_synchronizations.fetch_add(1, std::memory_order_relaxed);
+  for (Pending& k : batch) {
+    g_launches.fetch_add(1, std::memory_order_relaxed);
+    // Blocks in parallel unless the engine already runs this on one of its threads.
+    run_grid(k.grid, k.block, k.body, in_pool_job() || omp_in_parallel() ? 1 : 0, k.barriers);
+  }
+}
 
 // The emulated device's memory: heap blocks whose ranges are registered, so
 // that a launch can tell them from any other host memory.
@@ -42,6 +71,11 @@ void* registered_alloc(size_t bytes) {
 }
 
 void registered_free(void* p) {
+  // As cudaFree: the queued kernels run first (they may use this block).
+  try {
+    synchronize();
+  } catch (...) {  // a kernel's own error surfaces at the next synchronize of its run
+  }
   {
     const std::lock_guard<std::mutex> lock(g_memory_mu);
     g_regions.erase((uintptr_t)p);
@@ -59,6 +93,7 @@ bool in_registered_memory(const void* p) {
 
 // Checkpoint staging reads state out of the device's memory, nothing else.
 void registered_copy_to_host(void* dst, const void* src, size_t bytes) {
+  synchronize();
   if (bytes && !in_registered_memory(src))
     throw std::logic_error("cuda-emulated: a copy to the host from outside the device's memory");
   std::memcpy(dst, src, bytes);
@@ -77,27 +112,31 @@ void check_arg(const char* kernel, int index, const T& arg) {
   }
 }
 
-// A launch: blocks in parallel unless the engine already runs this on one of
-// its threads. Only the GEMM has barriers; the other kernels' threads run as
-// plain calls (the emulator refuses a barrier there).
+// A launch: its pointers checked now, the kernel queued (its arguments
+// copied) until the next synchronize(). Only the GEMM has barriers; the
+// other kernels' threads run as plain calls (the emulator refuses a barrier
+// there).
 template <class... Args>
-void launch(const char* kernel, dim3 grid, dim3 block, bool barriers, const std::function<void()>& body,
+void launch(const char* kernel, dim3 grid, dim3 block, bool barriers, std::function<void()> body,
             const Args&... args) {
   if ((uint64_t)grid.x * grid.y * grid.z == 0) return;  // nothing to do (an empty launch is an error on a GPU)
   if (ops::memory_hooks() == &registered_memory()) {
     int index = 0;
     (check_arg(kernel, index++, args), ...);
   }
-  g_launches.fetch_add(1, std::memory_order_relaxed);
-  run_grid(grid, block, body, in_pool_job() || omp_in_parallel() ? 1 : 0, barriers);
+  const std::lock_guard<std::mutex> lock(g_queue_mu);
+  g_queue.push_back(Pending{grid, block, barriers, std::move(body)});
 }
 
 #define LS_HOOK_LAUNCH(grid, block, kernel, ...) \
-  launch(#kernel, grid, block, false, [&] { kernels::kernel(__VA_ARGS__); }, __VA_ARGS__)
+  launch(#kernel, grid, block, false, [=] { kernels::kernel(__VA_ARGS__); }, __VA_ARGS__)
 #define LS_HOOK_LAUNCH_BARRIERS(grid, block, kernel, ...) \
-  launch(#kernel, grid, block, true, [&] { kernels::kernel(__VA_ARGS__); }, __VA_ARGS__)
+  launch(#kernel, grid, block, true, [=] { kernels::kernel(__VA_ARGS__); }, __VA_ARGS__)
 
-float read_back(const float* p) { return *p; }
+float read_back(const float* p) {
+  synchronize();
+  return *p;
+}
 
 }  // namespace
 
@@ -114,5 +153,6 @@ const ops::MemoryHooks& registered_memory() {
 }
 
 int64_t kernel_launches() { return g_launches.load(); }
+int64_t synchronizations() { return g_synchronizations.load(); }
 
 }  // namespace ls::emu

@@ -19,7 +19,10 @@ const ops::OpHooks& kernel_hooks();
 // pointer it is handed lies in it, and throws std::logic_error naming the
 // kernel and argument otherwise.
 const ops::MemoryHooks& registered_memory();
-// Kernel launches so far in this process, all kernels (tests: they really ran).
+// Kernel launches so far in this process, all kernels, counted as they run
+// (tests: they really ran). Launches queue until the host synchronizes
+// (ops::synchronize), as on a GPU; synchronizations() counts those waits.
 int64_t kernel_launches();
+int64_t synchronizations();
 
 }  // namespace ls::emu

@@ -258,6 +258,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   const float scale = 1.0f / ls::sqrt((float)hd);
   const int64_t probs = ops::attention_probs_floats(S);  // floats of one (sample, head)'s attention P
   Workspace& ws = *ws_;
+  ops::synchronize();  // a kernel backend: the last step's kernels are done before the host rewrites inputs
   const float* wbase = wsrc_ ? wsrc_ : w_.data();
   auto W = [&](const std::string& name) { return wbase + param(name).offset; };
   auto G = [&](const std::string& name) { return g_.data() + param(name).offset; };
@@ -276,10 +277,13 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   if (backward && phase_hook_) phase_hook_("forward");
   auto T = [&](const char* phase, int layer, const char* op, const char* name, const float* data,
                std::vector<int64_t> shape) {
-    if (tr) tr->tensor(phase, layer, op, name, data, shape);
+    if (!tr) return;
+    ops::synchronize();  // the host reads what kernels wrote
+    tr->tensor(phase, layer, op, name, data, shape);
   };
   // Expert rows in (token, slot) order, the layout the reference keeps.
   auto token_slot_order = [&](const LayerActs& A, const float* rows, int width) -> const float* {
+    ops::synchronize();
     ws.trace_rows.resize((size_t)NK * width);
     for (int64_t i = 0; i < NK; ++i)
       std::memcpy(&ws.trace_rows[i * width], &rows[A.row_of[i] * width], sizeof(float) * width);
@@ -339,6 +343,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     const size_t row_bytes = sizeof(float) * width;
     const int me = ep > 1 ? mesh_->ep_rank() : 0;
     const RoundPlan& own = A.plans[me];
+    ops::synchronize();  // the last copies may still read the index lists rebuilt here
     ws.from_row.clear();
     ws.to_row.clear();
     ws.keep_row.clear();
@@ -390,6 +395,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
         }
       });
     }
+    ops::synchronize();  // the packed rows, read by the host's all-to-all
     all_to_all(ws.send.data(), sb, ws.recv.data(), rb);
     const int64_t arrived = (int64_t)ws.to_row.size();
     if (to_owner) {
@@ -478,11 +484,13 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     A.sel.resize(NK);
     ops::linear(A.a2.data(), N, D, router, E, A.z.data());
     if (c.router_skew != 0) {  // a fixed preference for the first max(1, E/4) experts
+      ops::synchronize();
       ws.row_vector.assign(std::max(1, E / 4), c.router_skew);
       ops::add_row_vector(A.z.data(), N, E, std::max(1, E / 4), ws.row_vector.data());
     }
     ops::softmax_rows(A.z.data(), E, A.g.data(), E, (int)N, E, 0, A.lse.data());
     ops::route_topk(A.g.data(), N, E, K, A.sel.data());
+    ops::synchronize();  // the host plans the rounds from the routing choices
     T("fwd", l, "router", "logits", A.z.data(), {N, E});
     T("fwd", l, "router", "gates", A.g.data(), {N, E});
     // Dispatch: rows grouped by expert, in token order inside each expert.
@@ -585,6 +593,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
       ops::DeviceVector<float>& sums = ws.router_sums;
       sums.resize(E + 1);
       ops::router_stats(A.g.data(), A.lse.data(), N, E, leaf, leaves, sums.data());
+      ops::synchronize();  // read by the host (and the mesh's sum)
       A.global_counts.resize(E);
       for (int e = 0; e < E; ++e) A.global_counts[e] = A.expert_off[e + 1] - A.expert_off[e];
       if (mesh_) {
@@ -628,7 +637,10 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   for (int l = 0; l < L; ++l) out.aux = out.aux + aux_l[l];
   for (int l = 0; l < L; ++l) out.z = out.z + z_l[l];
   out.total = out.ce + c.aux_loss_weight * out.aux + c.z_loss_weight * out.z;
-  if (!backward) return out;
+  if (!backward) {
+    ops::synchronize();
+    return out;
+  }
 
   // ------------------------------------------------------------ backward --
   if (phase_hook_) phase_hook_("backward");
@@ -678,6 +690,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
           exchange_rows(A, r, D, true, A.a2.data(), [&](int64_t disp) { return A.row_token[disp]; },
                         ws.slots.x.data(), nullptr, nullptr);
         } else {
+          ops::synchronize();
           ws.from_row.clear();
           ws.to_row.clear();
           for (const Segment& s : P.round[r])
@@ -718,6 +731,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     // Router: combine gradient + aux term (counts are constants), softmax
     // backward, + z-loss term.
     {
+      ops::synchronize();
       ws.row_vector.resize(E);
       for (int e = 0; e < E; ++e) {
         const float f = (float)A.global_counts[e] / NKg;
@@ -755,6 +769,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
   ops::embedding_grad(ws.tok_id.data(), ws.dh.data(), N, S, D, V, leaf, leaves, G("tok_emb"), G("pos_emb"));
   if (tr)
     for (const ParamInfo& p : infos_) T("grad", -1, "param", p.name.c_str(), g_.data() + p.offset, p.shape);
+  ops::synchronize();  // the gradients are done: the trainer's collectives and optimizer may read them
   return out;
 }
 

@@ -57,6 +57,8 @@ struct OpHooks {
   float (*token_sum)(const float* v, int64_t N, int64_t leaf_tokens) = nullptr;
   void (*router_stats)(const float* g, const float* lse, int64_t N, int E, int64_t leaf_tokens, int64_t leaves,
                        float* sums) = nullptr;
+  // Waits for every kernel launched so far (launches are asynchronous).
+  void (*synchronize)() = nullptr;
   // One AdamW update of n elements (optim/adamw.cc's loop body, all its terms precomputed).
   void (*adamw)(float* w, float* g, float* m, float* v, int64_t n, bool decay, float beta1, float beta2,
                 float one_minus_beta1, float one_minus_beta2, float bc1, float bc2, float eps, float weight_decay,

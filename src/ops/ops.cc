@@ -712,4 +712,8 @@ void z_loss_grad(const float* g, const float* lse, int64_t N, int E, float two_z
   }
 }
 
+void synchronize() {
+  if (const OpHooks* h = op_hooks(); h && h->synchronize) h->synchronize();
+}
+
 }  // namespace ls::ops

@@ -116,6 +116,12 @@ void token_losses(const float* lse, const float* logits, const int* target, int6
 // token count. Elementwise.
 void cross_entropy_grad(const float* prob, const int* target, int64_t N, int V, float Ng, float* dlogits);
 
+// Kernel backends launch asynchronously, in order: this waits until every
+// kernel launched so far has finished, after which the host may read and
+// write what they used. The model calls it before each host access to a
+// buffer kernels touch. No-op on the engine.
+void synchronize();
+
 // ---- Data movement and elementwise steps between the ops above (each a
 // kernel of its own on the CUDA backend, so that no tensor leaves the device).
 

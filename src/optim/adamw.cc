@@ -45,6 +45,7 @@ void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float c
     for (const AdamWSlice& sl : slices)
       if (sl.n > 0)
         h->adamw(sl.w, sl.g, sl.m, sl.v, sl.n, sl.decay, b1, b2, omb1, omb2, bc1, bc2, eps, wd, lr, clip, clip_scale);
+    ops::synchronize();  // the host may read the state next (hashes, checkpoints)
     return;
   }
   // One loop over chunks of every slice: small tensors (norm gains, the
