@@ -50,7 +50,7 @@ void synchronize() {
     const std::lock_guard<std::mutex> lock(g_queue_mu);
     batch.swap(g_queue);
   }
-  g_synchronizations.fetch_add(1, std::memory_order_relaxed);
+  if (!batch.empty()) g_synchronizations.fetch_add(1, std::memory_order_relaxed);  // a wait for work
   for (Pending& k : batch) {
     g_launches.fetch_add(1, std::memory_order_relaxed);
     // Blocks in parallel unless the engine already runs this on one of its threads.

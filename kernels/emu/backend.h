@@ -21,7 +21,8 @@ const ops::OpHooks& kernel_hooks();
 const ops::MemoryHooks& registered_memory();
 // Kernel launches so far in this process, all kernels, counted as they run
 // (tests: they really ran). Launches queue until the host synchronizes
-// (ops::synchronize), as on a GPU; synchronizations() counts those waits.
+// (ops::synchronize), as on a GPU; synchronizations() counts the waits that
+// found kernels to run.
 int64_t kernel_launches();
 int64_t synchronizations();
 

@@ -189,6 +189,9 @@ void ExpertWeightGrads::add_round(const RoundPlan& plan, int r, const ExpertSlot
                                   RowPlace dy, float* gW1, float* gW3, float* gW2) {
   const std::vector<Segment>& segs = plan.round[r];
   const int D = D_, F = F_;
+  // The last round's kernels may still read the leaf offsets rewritten below.
+  ops::synchronize();
+  if (leaf_offsets_.size() < segs.size() * 3) leaf_offsets_.resize(segs.size() * 3);
   // Tasks: (segment, which gradient); an expert has one segment per round.
   parallel_tasks((int64_t)segs.size() * 3, [&](int64_t task) {
     const Segment& s = segs[task / 3];
@@ -203,7 +206,8 @@ void ExpertWeightGrads::add_round(const RoundPlan& plan, int r, const ExpertSlot
       return;
     }
     // All its rows in this one segment: the register-tile kernel once.
-    ops::DeviceVector<int64_t> off(leaves_ + 1);  // read by the kernel
+    ops::DeviceVector<int64_t>& off = leaf_offsets_[task];  // read by the kernel: kept until the next round
+    off.resize(leaves_ + 1);
     int64_t k = 0;
     for (int64_t lf = 0; lf <= leaves_; ++lf) {
       while (k < s.rows && leaf[k] < lf) ++k;

@@ -113,6 +113,7 @@ class ExpertWeightGrads {
   int64_t leaves_ = 0, calls_ = 0;
   std::vector<int> segments_;          // per expert: segments over all rounds (one per round it has rows in)
   std::vector<ops::LeafFold> folds_;   // per expert x {W1, W3, W2}, for experts of several segments
+  std::vector<ops::DeviceVector<int64_t>> leaf_offsets_;  // per task of a round: its leaf offsets, read by the kernel
 };
 
 }  // namespace ls

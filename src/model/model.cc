@@ -102,6 +102,7 @@ struct MoeTransformer::Workspace {
   ops::DeviceVector<int64_t> keep_row;            // and, expert parallel, where each arriving row is kept
   ops::DeviceVector<float> row_vector;            // a vector added to every row (router skew, aux-loss gradient)
   std::vector<ops::DeviceVector<float>> grad_state;  // LeafFold state per (expert, gradient)
+  ExpertWeightGrads expert_grads;                  // the backward's expert weight gradients, reused by every layer
 };
 
 MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size, int ep_rank)
@@ -673,7 +674,7 @@ StepLosses MoeTransformer::run(const uint8_t* tokens, int B, bool backward) {
     const RoundPlan& P = A.plans[ep > 1 ? mesh_->ep_rank() : 0];
     ws.dxe.resize(NK * D);
     if (c.moe_policy == MoePolicy::kDrop) ops::fill(ws.dxe.data(), NK * D, 0.0f);  // skipped rows: no gradient
-    ExpertWeightGrads grads;
+    ExpertWeightGrads& grads = ws.expert_grads;  // kept: its buffers are reused layer to layer
     grads.begin(P, X, leaves * ep, D, F, &ws.grad_state);
     count_moe_memory();
     // Without expert parallelism dy and dx stay in the dispatch rows (the experts' row order).
