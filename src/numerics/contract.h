@@ -132,16 +132,37 @@ struct LeafTree {
   }
   // Returns the buffer the next leaf must be written into (width floats).
   LS_HD float* next_leaf() { return slots + (int64_t)depth * width; }
-  // Commits the leaf written into next_leaf(); merges equal-sized subtrees.
-  LS_HD void push() {
+  // The tree's schedule with the caller's merge: merge(d) must set stack
+  // entry d = entry d + entry d+1 (left + right). For callers whose entries
+  // live elsewhere or merge another way (on a device, or rows kept sparse).
+  // push_with commits leaf `pushed`; finish_with folds the stack right to
+  // left into entry 0 (with no leaves pushed there is no entry: the caller's
+  // +0).
+  template <class Merge>
+  LS_HD void push_with(Merge&& merge) {
     ++depth;
     for (int m = merges_on_push(pushed++); m > 0; --m) {
-      float* l = slots + (int64_t)(depth - 2) * width;
-      const float* r = slots + (int64_t)(depth - 1) * width;
-      for (int64_t i = 0; i < width; ++i) l[i] = l[i] + r[i];
       --depth;
+      merge(depth - 1);
     }
   }
+  template <class Merge>
+  LS_HD void finish_with(Merge&& merge) {
+    for (int d = depth - 2; d >= 0; --d) merge(d);
+    if (depth > 1) depth = 1;
+  }
+  // left = left + right over this tree's entries of `width` floats.
+  struct AddEntries {
+    float* slots;
+    int64_t width;
+    LS_HD void operator()(int d) const {
+      float* l = slots + (int64_t)d * width;
+      const float* r = l + width;
+      for (int64_t i = 0; i < width; ++i) l[i] = l[i] + r[i];
+    }
+  };
+  // Commits the leaf written into next_leaf(); merges equal-sized subtrees.
+  LS_HD void push() { push_with(AddEntries{slots, width}); }
   // Folds the remaining stack right to left into slot 0; returns it.
   // With no leaves pushed the result is +0.
   LS_HD float* finish() {
@@ -149,12 +170,7 @@ struct LeafTree {
       for (int64_t i = 0; i < width; ++i) slots[i] = 0.0f;
       return slots;
     }
-    for (int d = depth - 1; d >= 1; --d) {
-      float* l = slots + (int64_t)(d - 1) * width;
-      const float* r = slots + (int64_t)d * width;
-      for (int64_t i = 0; i < width; ++i) l[i] = l[i] + r[i];
-    }
-    depth = 1;
+    finish_with(AddEntries{slots, width});
     return slots;
   }
   // Scratch levels needed for n leaves.

@@ -10,6 +10,7 @@
 
 #include <vector>
 
+#include "contract.h"
 #include "ops/device_memory.h"
 
 namespace ls {
@@ -33,12 +34,15 @@ class LeafFold {
 
  private:
   void close_open_leaf();
+  // The stack merge left = left + right as ops::add (a kernel on a kernel backend).
+  void merge(int d);
   int in_ = 0, out_ = 0;
   int64_t leaves_ = 0;
-  int64_t open_ = 0;   // the leaf being folded; leaves below it are on the stack
-  int depth_ = 0;      // stack entries
+  // The canonical tree over the state: tree_.pushed is the open leaf (the
+  // one being folded; leaves below it are on the stack), which lives in the
+  // stack's next free entry, tree_.next_leaf().
+  LeafTree tree_{nullptr, 0};
   bool open_has_rows_ = false;  // the open leaf's entry holds a fold (else it is not yet written)
-  float* slots_ = nullptr;
 };
 
 }  // namespace ops

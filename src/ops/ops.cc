@@ -616,7 +616,7 @@ void embedding_grad(const int* tok_id, const float* dh, int64_t N, int S, int D,
       const int64_t rows = std::min(kRows, (by_token ? V : S) - r0), width = rows * D;
       scratch.resize((size_t)LeafTree::levels_for(leaves) * width);
       uint32_t mask[64];  // rows of each stack entry that are not +0
-      int depth = 0;
+      LeafTree tree(scratch.data(), width);  // the canonical tree's schedule; merges are merge() below
       // left += right over the rows right holds: a row only right holds is
       // copied (0 + x is x), one only left holds stays (x + 0 is x).
       auto merge = [&](int d) {
@@ -632,7 +632,7 @@ void embedding_grad(const int* tok_id, const float* dh, int64_t N, int S, int D,
         mask[d] |= mask[d + 1];
       };
       for (int64_t lf = 0; lf < leaves; ++lf) {
-        float* acc = &scratch[(size_t)depth * width];
+        float* acc = tree.next_leaf();
         uint32_t touched = 0;
         // Each row takes its tokens in ascending order, from +0.
         auto add_token = [&](int64_t n, int64_t row) {
@@ -651,16 +651,14 @@ void embedding_grad(const int* tok_id, const float* dh, int64_t N, int S, int D,
           for (int64_t s0 = lf * leaf_tokens; s0 < (lf + 1) * leaf_tokens; s0 += S)
             for (int64_t row = 0; row < rows; ++row) add_token(s0 + r0 + row, row);
         }
-        // Push, merging left + right as LeafTree::push does.
-        mask[depth++] = touched;
-        for (int m = LeafTree::merges_on_push(lf); m > 0; --m) merge(--depth - 1);
+        mask[tree.depth] = touched;
+        tree.push_with(merge);
       }
-      // Fold the stack right to left (LeafTree::finish); no leaves give +0.
-      for (int d = depth - 2; d >= 0; --d) merge(d);
+      tree.finish_with(merge);  // no leaves give +0 (below)
       float* out = (by_token ? gtok : gpos) + r0 * D;
       for (int64_t row = 0; row < rows; ++row) {
         const float* sum = &scratch[(size_t)row * D];
-        if (depth > 0 && (mask[0] >> row & 1)) std::copy(sum, sum + D, out + row * D);
+        if (tree.depth > 0 && (mask[0] >> row & 1)) std::copy(sum, sum + D, out + row * D);
         else std::fill(out + row * D, out + (row + 1) * D, 0.0f);
       }
     });
