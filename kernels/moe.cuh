@@ -13,22 +13,10 @@
 
 namespace ls::kernels {
 
+// Token n's top-k: contract.h's scan (ties to the lowest expert).
 __global__ void route_topk(const float* g_all, int64_t N, int E, int K, int* sel) {
   const int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (n >= N) return;
-  const float* g = g_all + n * E;
-  uint64_t taken[4] = {0, 0, 0, 0};  // E <= 256
-  for (int s = 0; s < K; ++s) {
-    int best = -1;
-    float best_g = 0.0f;
-    for (int e = 0; e < E; ++e) {
-      const bool take = !((taken[e >> 6] >> (e & 63)) & 1) && (best < 0 || g[e] > best_g);
-      best = take ? e : best;
-      best_g = take ? g[e] : best_g;
-    }
-    taken[best >> 6] |= 1ull << (best & 63);
-    sel[n * K + s] = best;
-  }
+  if (n < N) ls::topk_lowest_index(g_all + n * E, E, K, sel + n * K);
 }
 
 // hout[n][j] = residual[n][j] + ((fold over s of fma(gate_s, y_s[j], .) from +0) + shared[n][j]).

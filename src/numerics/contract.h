@@ -181,6 +181,28 @@ struct LeafTree {
   }
 };
 
+// ------------------------------------------------------ discrete choices ----
+// Top-k routing of one token (rule 4): sel[s] = the s-th largest of E gates
+// (E <= 256) among those not yet taken, by a scan in ascending e with a
+// strict >, so ties go to the lowest index. The scan `if (free && (best < 0
+// || g[e] > g[best])) best = e` with selects instead of branches (gates are
+// data: branches mispredict). The engine's op and the routing kernel both
+// run this.
+LS_HD void topk_lowest_index(const float* g, int E, int K, int* sel) {
+  uint64_t taken[4] = {0, 0, 0, 0};
+  for (int s = 0; s < K; ++s) {
+    int best = -1;
+    float best_g = 0.0f;
+    for (int e = 0; e < E; ++e) {
+      const bool take = !((taken[e >> 6] >> (e & 63)) & 1) && (best < 0 || g[e] > best_g);
+      best = take ? e : best;
+      best_g = take ? g[e] : best_g;
+    }
+    taken[best >> 6] |= 1ull << (best & 63);
+    sel[s] = best;
+  }
+}
+
 // --------------------------------------------------------------- Philox ----
 // Philox4x32-10 (Salmon et al., SC'11). Key = seed; counter = (index lo,
 // index hi, purpose, 0). A value depends only on (seed, purpose, index).

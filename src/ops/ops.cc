@@ -470,23 +470,7 @@ void swiglu_backward(const float* u, const float* v, const float* s, const float
 
 void route_topk(const float* g_all, int64_t N, int E, int K, int* sel) {
   if (const OpHooks* h = op_hooks(); h && h->route_topk) return h->route_topk(g_all, N, E, K, sel);
-  parallel_for(N, [&](int64_t n) {
-    const float* g = g_all + n * E;
-    uint64_t taken[4] = {0, 0, 0, 0};  // E <= 256
-    for (int s = 0; s < K; ++s) {  // top-k by gate; ties to the lowest index
-      // The scan `if (free && (best < 0 || g[e] > g[best])) best = e`, with
-      // selects instead of branches (gates are data: branches mispredict).
-      int best = -1;
-      float best_g = 0.0f;
-      for (int e = 0; e < E; ++e) {
-        const bool take = !((taken[e >> 6] >> (e & 63)) & 1) && (best < 0 || g[e] > best_g);
-        best = take ? e : best;
-        best_g = take ? g[e] : best_g;
-      }
-      taken[best >> 6] |= 1ull << (best & 63);
-      sel[n * K + s] = best;
-    }
-  });
+  parallel_for(N, [&](int64_t n) { topk_lowest_index(g_all + n * E, E, K, sel + n * K); });
 }
 
 void moe_combine(const float* g, int E, const int* sel, int K, const int64_t* row_of, const float* ye_rows,
