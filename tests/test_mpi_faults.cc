@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "mpi_run.h"
+#include "supervisor_signals.h"
 #include "runner/supervisor.h"
 
 namespace {
@@ -126,6 +127,19 @@ TEST_SUITE("mpi") {
     CHECK(failure == "exit 137");  // mpirun's exit for a rank killed by SIGKILL
     CHECK(j["restarts"][0]["restore_step"].get<int>() >= 20);
     CHECK(ls::live_processes_matching(dir.string()).empty());
+  }
+
+  TEST_CASE("a supervisor stopped by SIGINT, SIGTERM or SIGKILL takes mpirun and every rank down with it") {
+    if (!ls::mpi_available()) return;
+    const auto sc = lstest::write_temp("mpi_signal.json", lstest::kTiny);
+    for (int sig : {SIGINT, SIGTERM, SIGKILL}) {
+      const fs::path dir = fresh_dir("mpi-sig" + std::to_string(sig));
+      lstest::stop_supervisor_by(sig,
+                                 {"run", sc.string(), "--launcher", "mpi", "--supervise", "--quiet", "--json",
+                                  "--threads", "1", "--set", "mesh.dp=2", "--set", "train.steps=100000", "--set",
+                                  "ckpt.every=5", "--set", "ckpt.url=" + dir.string()},
+                                 dir, "mpi-sig" + std::to_string(sig));
+    }
   }
 
   TEST_CASE("faults sweep --launcher mpi: kills of random rank processes, every trial on the golden hash") {

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "s3rver.h"
+#include "supervisor_signals.h"
 
 namespace fs = std::filesystem;
 
@@ -196,14 +197,29 @@ TEST_SUITE("supervisor") {
     CHECK(r.out.find("ended on the golden hash       12") != std::string::npos);
   }
 
+  TEST_CASE("a supervisor stopped by SIGINT, SIGTERM or SIGKILL takes its in-process job down with it") {
+    for (int sig : {SIGINT, SIGTERM, SIGKILL}) {
+      const fs::path dir = ckpt_dir();
+      // Thousands of steps of a few ms, a commit every 5: still training at the signal.
+      lstest::stop_supervisor_by(sig,
+                                 {"run", scenario(), "--supervise", "--quiet", "--json", "--threads", "1", "--set",
+                                  "train.steps=100000", "--set", "ckpt.every=5", "--set", "ckpt.url=" + dir.string()},
+                                 dir, "sig" + std::to_string(sig));
+    }
+  }
+
   TEST_CASE("a failed sweep trial shows what its children wrote to stderr") {
-    // Checkpoints into a directory that cannot be created: every save fails.
+    // The trial's first checkpoint directory is taken by a file: its supervisor
+    // takes the lease on the trial's prefix, and the child's first save fails.
+    const fs::path dir = tmp() / "sweep-blocked";
+    fs::create_directories(dir / "trial-0");
+    std::ofstream(dir / "trial-0" / "step-00000003") << "in the way";
     const Run r = lockstep("faults sweep " + std::string(LOCKSTEP_SOURCE_DIR) +
-                           "/scenarios/sweep_tiny.json --trials 1 --seed 3 --set ckpt.url=/proc/lockstep-no-such-dir");
+                           "/scenarios/sweep_tiny.json --trials 1 --seed 3 --set ckpt.url=" + dir.string());
     CHECK(r.rc == 1);
     CHECK(r.out.find("runs that failed               1") != std::string::npos);
     CHECK_MESSAGE(r.err.find("FAILED") != std::string::npos, r.err);
     CHECK_MESSAGE(r.err.find("  child: lockstep: ") != std::string::npos, r.err);
-    CHECK_MESSAGE(r.err.find("/proc/lockstep-no-such-dir") != std::string::npos, r.err);
+    CHECK_MESSAGE(r.err.find("sweep-blocked/trial-0: key 'step-00000003/") != std::string::npos, r.err);
   }
 }

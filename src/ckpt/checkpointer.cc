@@ -6,6 +6,7 @@
 #include <limits>
 #include <map>
 
+#include "ckpt/lease.h"
 #include "ckpt/safetensors.h"
 #include "cluster/communicator.h"
 #include "common/error.h"
@@ -26,15 +27,16 @@ std::string stored_name(const StatePiece& p) {
   return p.name + "@" + std::to_string(p.global_begin) + "-" + std::to_string(p.global_end);
 }
 
-// Every rank of comm learns whether `root` failed: root passes its error (or
-// nullptr), the others nullptr. On a failure every rank throws: root its own
-// exception, the others one of the same kind with root's message. Collective.
+}  // namespace
+
 void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context) {
-  uint64_t head[2] = {0, 0};  // kind (0 none, 1 UserError, 2 StoreError, 3 other), message bytes
+  uint64_t head[2] = {0, 0};  // kind (0 none, 1 UserError, 2 StoreError, 3 other, 4 LeaseLost), message bytes
   std::string text;
   if (comm.rank() == root && error) {
     try {
       std::rethrow_exception(error);
+    } catch (const LeaseLost& e) {
+      head[0] = 4, text = e.what();
     } catch (const UserError& e) {
       head[0] = 1, text = e.what();
     } catch (const StoreError& e) {
@@ -52,10 +54,9 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
   text = context + "rank " + std::to_string(root) + ": " + text;
   if (head[0] == 1) throw UserError(text);
   if (head[0] == 2) throw StoreError(text, false);
+  if (head[0] == 4) throw LeaseLost(text);
   throw std::runtime_error(text);
 }
-
-}  // namespace
 
 struct CheckpointWriter::Job {
   int64_t step = 0;
@@ -215,6 +216,8 @@ void CheckpointWriter::commit(Job& job) {
   m.fingerprint = fingerprint_;
   m.scenario = scenario_;
   m.mesh = mesh_;
+  m.lease_job = lease_job_;
+  m.lease_generation = lease_generation_;
   std::map<std::string, size_t> tensor_index;
   uint64_t bytes = 0;
   const int ranks = (int)job.staged.size();
@@ -251,9 +254,14 @@ void CheckpointWriter::commit(Job& job) {
   }
   validate_manifest(m, "checkpoint of step " + std::to_string(job.step));
   const std::string text = manifest_to_json(m).dump(1);
-  // The commit: the manifest, written last and only once.
+  // The commit: the manifest, written last and only once, by a job that
+  // still holds the prefix.
+  if (commit_guard_) commit_guard_();
   const bool written = with_retries([&] { return store_->put_if_absent(manifest_key(job.step), text.data(), text.size()); });
   if (!written) {
+    // Another job may have taken the prefix while this write was under way
+    // (it then owns whatever that key holds now): that is a lost lease.
+    if (commit_guard_) commit_guard_();
     // A checkpoint of this step was committed before (a run resumed from an
     // older one). The bits are deterministic: if it holds the same state, the
     // objects just re-uploaded are its objects, byte for byte (healing any
@@ -381,6 +389,7 @@ void CheckpointWriter::collect_garbage() {
   std::string dir;
   try {
     const std::vector<int64_t> steps = committed_steps(*store_);
+    if (commit_guard_ && steps.size() > (size_t)cfg_.keep_last) commit_guard_();
     for (size_t i = 0; i + cfg_.keep_last < steps.size(); ++i) {
       dir = step_dir(steps[i]);
       with_retries([&] { store_->remove(manifest_key(steps[i])); });

@@ -75,6 +75,15 @@ class CheckpointWriter {
   std::vector<SaveRecord> records();
   // Called (on the uploader thread) after a checkpoint's manifest committed.
   void set_commit_hook(std::function<void(int64_t step)> hook) { commit_hook_ = std::move(hook); }
+  // Called right before a manifest is written and before keep_last deletes
+  // anything; it throws (LeaseLost) when this job may no longer write the
+  // prefix, and nothing is committed or deleted.
+  void set_commit_guard(std::function<void()> guard) { commit_guard_ = std::move(guard); }
+  // The fencing token every manifest records: the job's lease generation.
+  void set_lease_token(std::string job, int64_t generation) {
+    lease_job_ = std::move(job);
+    lease_generation_ = generation;
+  }
 
  private:
   struct Job;
@@ -99,6 +108,9 @@ class CheckpointWriter {
   std::vector<SaveRecord> records_;
   std::vector<std::vector<std::vector<StatePiece>>> spare_;
   std::function<void(int64_t)> commit_hook_;  // staging buffers of finished uploads, for reuse
+  std::function<void()> commit_guard_;
+  std::string lease_job_;
+  int64_t lease_generation_ = 0;
   Communicator* mpi_ = nullptr;
   std::deque<std::shared_ptr<Job>> pending_;  // MPI: saved, not yet committed (oldest first)
 };
@@ -111,6 +123,13 @@ struct RestoreReport {
   double seconds = 0;
   std::string saved_mesh;
 };
+
+// Every rank of comm learns whether `root` failed: root passes its error (or
+// nullptr), the others nullptr. On a failure every rank throws: root its own
+// exception, the others one of the same kind (UserError, StoreError,
+// LeaseLost, else runtime_error) with root's message after `context` and
+// "rank N: ". Collective.
+void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context);
 
 // "URL@STEP" -> (URL, STEP); a URL without "@digits" -> (URL, -1): the latest.
 std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text);

@@ -13,6 +13,7 @@ struct CheckpointConfig {
   int max_inflight = 1;       // checkpoints uploading at once (back-pressure beyond)
   std::string restore = "broadcast";  // broadcast: each object read once, sent to ranks; naive: each rank reads
   std::string s3_endpoint;    // for s3:// URLs, e.g. http://127.0.0.1:4569
+  double lease_seconds = 30;  // the prefix's lease lives this long unless renewed (ckpt/lease.h)
 };
 
 }  // namespace ls

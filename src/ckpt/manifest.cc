@@ -78,20 +78,33 @@ json manifest_to_json(const Manifest& m) {
                         {"global_end", p.global_end}});
     tensors.push_back({{"name", t.name}, {"global_shape", t.global_shape}, {"pieces", pieces}});
   }
-  return {{"format_version", m.format_version},
-          {"step", m.step},
-          {"fingerprint", m.fingerprint},
-          {"scenario", m.scenario.is_null() ? json::object() : m.scenario},
-          {"mesh", m.mesh.is_null() ? json::object() : m.mesh},
-          {"state_hash", m.state_hash},
-          {"objects", objects},
-          {"tensors", tensors}};
+  json j = {{"format_version", m.format_version},
+            {"step", m.step},
+            {"fingerprint", m.fingerprint},
+            {"scenario", m.scenario.is_null() ? json::object() : m.scenario},
+            {"mesh", m.mesh.is_null() ? json::object() : m.mesh},
+            {"state_hash", m.state_hash},
+            {"objects", objects},
+            {"tensors", tensors}};
+  if (m.lease_generation > 0) j["lease"] = {{"job", m.lease_job}, {"generation", m.lease_generation}};
+  return j;
 }
 
 Manifest manifest_from_json(const json& j, const std::string& origin) {
-  expect_fields(j, origin, "",
-                {"format_version", "step", "fingerprint", "scenario", "mesh", "state_hash", "objects", "tensors"});
   Manifest m;
+  if (j.is_object() && j.contains("lease")) {  // optional: manifests from before leases have none
+    const json& l = j["lease"];
+    expect_fields(l, origin, "lease", {"job", "generation"});
+    m.lease_job = get_str(l["job"], origin, "lease.job");
+    m.lease_generation = get_i64(l["generation"], origin, "lease.generation", 1, kI64Max);
+    json rest = j;
+    rest.erase("lease");
+    expect_fields(rest, origin, "",
+                  {"format_version", "step", "fingerprint", "scenario", "mesh", "state_hash", "objects", "tensors"});
+  } else {
+    expect_fields(j, origin, "",
+                  {"format_version", "step", "fingerprint", "scenario", "mesh", "state_hash", "objects", "tensors"});
+  }
   // The version is checked first so a newer format reports itself, not its fields.
   m.format_version = (int)get_i64(j["format_version"], origin, "format_version", 0, kIntMax);
   if (m.format_version != 1)

@@ -43,6 +43,10 @@ struct Manifest {
   nlohmann::json scenario;  // resolved scenario (object)
   nlohmann::json mesh;      // {"dp":..,"ep":..,"fsdp":..,"replicate":..} it was saved on (object)
   std::string state_hash;   // contract state hash at this step
+  // The committing job's lease on the prefix (ckpt/lease.h): its fencing
+  // token. Generation 0: saved without a lease (by an older build).
+  std::string lease_job;
+  int64_t lease_generation = 0;
   std::vector<ManifestObject> objects;
   std::vector<ManifestTensor> tensors;
 };

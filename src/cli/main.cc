@@ -25,6 +25,8 @@
 #include "ops/gemm.h"
 #include "ckpt/checkpointer.h"
 #include "ckpt/gc.h"
+#include "ckpt/lease.h"
+#include "runner/lifeline.h"
 #include "runner/golden.h"
 #include "runner/memory_plan.h"
 #include "runner/supervisor.h"
@@ -112,6 +114,8 @@ struct RunArgs {
   std::vector<std::string> faults;
   bool supervise = false;
   std::string fault_state, heartbeat, step_log;  // set by the supervisor for its child
+  int supervisor_pid = 0;                        // the supervisor its child watches (runner/lifeline.h)
+  std::string lease;                             // the supervisor's checkpoint lease, JOB:GENERATION
   int max_restarts = 8;
   double heartbeat_timeout = 120;
   std::vector<std::string> debug_bumps;
@@ -166,6 +170,11 @@ int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
 }
 
 int cmd_run(const RunArgs& a, const char* self) {
+  // A supervised child (every rank of one) ends the moment its supervisor
+  // does, however the supervisor ends; its scratch directory goes with it.
+  if (a.supervisor_pid > 0)
+    watch_supervisor(a.supervisor_pid,
+                     a.heartbeat.empty() ? nullptr : fs::path(a.heartbeat).parent_path().string().c_str());
   Scenario s = load_scenario(a.scenario, a.sets);
   if (a.launcher != "threads" && a.launcher != "mpi")
     throw UserError("--launcher: 'threads' (ranks as threads of this process) or 'mpi' (one process per rank), got '" +
@@ -265,6 +274,8 @@ int cmd_run(const RunArgs& a, const char* self) {
   opt.fault_state = a.fault_state;
   opt.heartbeat = a.heartbeat;
   opt.step_log = a.step_log;
+  opt.lease = a.lease;
+  opt.lease_wait = !a.resume.empty();  // an explicit --resume waits out a dead job's lease
   opt.profile_ops = a.profile_ops;
   if (child) opt.fired = read_fault_state(a.fault_state).indices;
   if (!a.trace_dump.empty()) {
@@ -627,6 +638,8 @@ int main(int argc, char** argv) {
   run->add_option("--fault-state", ra.fault_state, "(set by the supervisor for its child)")->group("");
   run->add_option("--heartbeat", ra.heartbeat, "(set by the supervisor for its child)")->group("");
   run->add_option("--step-log", ra.step_log, "(set by the supervisor for its child)")->group("");
+  run->add_option("--supervisor-pid", ra.supervisor_pid, "(set by the supervisor for its child)")->group("");
+  run->add_option("--lease", ra.lease, "(set by the supervisor for its child)")->group("");
   run->add_option("--trace", ra.trace, "write a per-op trace (JSON Lines, docs/TRACE.md) to this file");
   run->add_option("--trace-dump", ra.trace_dump, "keep full tensors in the trace for STEP or STEP:OP");
   run->add_option("--debug-reorder", ra.debug_reorder,
@@ -796,6 +809,9 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
+  } catch (const LeaseLost& e) {
+    std::fprintf(stderr, "lockstep: error: %s\n", e.what());
+    return kExitLeaseLost;
   } catch (const UserError& e) {
     std::fprintf(stderr, "lockstep: error: %s\n", e.what());
     return 2;

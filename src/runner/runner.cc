@@ -22,6 +22,9 @@
 #include "runner/cuda_backend.h"
 #include "runner/data_lanes.h"
 #include "ckpt/checkpointer.h"
+#include "ckpt/lease.h"
+#include "common/json_input.h"
+#include "runner/lifeline.h"
 #include "faults/injector.h"
 #include "store/store.h"
 
@@ -262,6 +265,21 @@ std::string fmt_duration(double s) {
   return buf;
 }
 
+// The run's lease on ckpt.url: its supervisor's ("JOB:GENERATION"), checked
+// to be current, or one of its own (its own store: injected storage faults
+// are for the checkpoints).
+std::unique_ptr<CheckpointLease> take_lease(const Scenario& s, const RunOptions& opt) {
+  std::shared_ptr<ObjectStore> store = open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint});
+  if (!opt.lease.empty()) {
+    const size_t colon = opt.lease.rfind(':');
+    if (colon == std::string::npos) throw UserError("--lease: JOB:GENERATION, got '" + opt.lease + "'");
+    return CheckpointLease::attach(std::move(store), opt.lease.substr(0, colon),
+                                   parse_int_field(opt.lease.substr(colon + 1), 1, 999999999999, "--lease generation"));
+  }
+  return CheckpointLease::acquire(std::move(store), new_job_id(), s.ckpt.lease_seconds, opt.lease_wait,
+                                  [](const std::string& m) { std::fprintf(stderr, "lockstep: %s\n", m.c_str()); });
+}
+
 }  // namespace
 
 RunOptions::Bump parse_bump(const std::string& text) {
@@ -390,6 +408,24 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
 
   std::map<std::string, uint64_t> train_bytes;
   double train_comm_seconds = 0;
+  // One live job per checkpoint prefix: the lease is taken (or, under a
+  // supervisor, joined) before anything is restored or saved. Under MPI
+  // rank 0 holds it and every rank learns the outcome.
+  const bool saves = !s.ckpt.url.empty() && s.ckpt.every > 0 && opt.backend != Backend::kReference;
+  std::unique_ptr<CheckpointLease> lease;
+  if (saves) {
+    std::exception_ptr refused;
+    if (lead) {
+      try {
+        lease = take_lease(s, opt);
+      } catch (...) {
+        refused = std::current_exception();
+      }
+    }
+    if (procs) share_error(*procs, 0, refused, "");
+    else if (refused) std::rethrow_exception(refused);
+    if (lease) r.lease = {{"job", lease->job()}, {"generation", lease->generation()}};
+  }
   // Resume: the latest (or the named) committed checkpoint, on this mesh.
   int start = 0;
   if (!opt.resume.empty()) {
@@ -478,6 +514,13 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
         nlohmann::json{{"dp", s.mesh.dp}, {"ep", s.mesh.ep}, {"fsdp", s.mesh.fsdp}, {"replicate", s.mesh.replicate}},
         procs);
     if (injector) writer->set_commit_hook([&injector](int64_t step) { injector->after_commit(step); });
+    // Nothing is committed or deleted by a job that no longer holds the
+    // prefix, or whose supervisor is gone (its lifeline ends it an instant later).
+    writer->set_commit_guard([l = lease.get()] {
+      if (!supervisor_alive()) throw LeaseLost("the supervisor is gone: not committing");
+      if (l) l->check();
+    });
+    if (lease) writer->set_lease_token(lease->job(), lease->generation());
   }
 
   double train_seconds = 0, steady_seconds = 0;
@@ -492,6 +535,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   auto t_start = std::chrono::steady_clock::now();
   double last_progress = -1;  // seconds into the loop of the last progress line
   for (int step = start; step < r.steps; ++step) {
+    if (lease && lease->known_lost()) lease->check();  // throws LeaseLost: stop now, not at the next save
     if (!opt.heartbeat.empty() && lead) {
       // The supervisor's liveness signal: the step being run.
       if (FILE* hb = std::fopen(opt.heartbeat.c_str(), "w")) {
@@ -561,6 +605,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   }
   if (writer) {
     writer->finish();
+    if (lease) lease->release();  // the next job on this prefix need not wait for it to expire
     nlohmann::json saves = nlohmann::json::array();
     for (const SaveRecord& rec : writer->records())
       saves.push_back({{"step", rec.step}, {"stall_seconds", rec.stall_seconds}, {"wait_seconds", rec.wait_seconds},
@@ -627,6 +672,7 @@ nlohmann::json result_json(const RunResult& r) {
   if (r.resumed_from) j["resumed_from"] = r.resumed_from;
   if (!r.checkpoint.is_null()) j["checkpoint"] = r.checkpoint;
   if (!r.restore.is_null()) j["restore"] = r.restore;
+  if (!r.lease.is_null()) j["lease"] = r.lease;
   if (!r.op_seconds.empty()) j["op_seconds"] = r.op_seconds;
   j["memory"] = {{"estimated_total_bytes", r.memory_estimate_bytes}, {"peak_rss_bytes", r.peak_rss_bytes}};
   return j;

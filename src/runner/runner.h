@@ -49,6 +49,11 @@ struct RunOptions {
   // and per evaluation ("eval N BPB_BITS") here, so the supervisor can report
   // every step of the job, whichever attempt ran it.
   std::string step_log;
+  // The checkpoint lease (ckpt/lease.h): a supervised child writes under its
+  // supervisor's, "JOB:GENERATION"; any other run takes one itself, and
+  // with lease_wait (an explicit --resume) waits out a dead holder's.
+  std::string lease;
+  bool lease_wait = false;
   std::string trace_path;     // --trace FILE: per-op trace (docs/TRACE.md)
   DumpSpec trace_dump;        // --trace-dump STEP[:OP]
   // Debug-only perturbations the drift tools are tested against.
@@ -100,6 +105,7 @@ struct RunResult {
   nlohmann::json checkpoint;                  // saves: stall/upload seconds, bytes
   nlohmann::json restore;                     // store_bytes_read, checkpoint_bytes, seconds
   nlohmann::json restarts;                    // supervised runs: the failure/restore timeline
+  nlohmann::json lease;                       // the checkpoint lease it wrote under: job, generation
   uint64_t memory_estimate_bytes = 0;         // runner/memory_plan.h: a formula, checked before the run
   uint64_t peak_rss_bytes = 0;                // measured: the process's peak resident set at the end
   std::map<std::string, double> op_seconds;   // --profile-ops: thread-seconds per kind of op over the training steps

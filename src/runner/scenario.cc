@@ -507,6 +507,10 @@ std::vector<Row> make_rows() {
               }}}),
       field("ckpt.s3_endpoint", [](S& s) -> std::string& { return s.ckpt.s3_endpoint; },
             "S3 endpoint for s3:// URLs (e.g. http://127.0.0.1:4569); empty = env LOCKSTEP_S3_ENDPOINT."),
+      field("ckpt.lease_seconds", [](S& s) -> double& { return s.ckpt.lease_seconds; },
+            "A job holds its ckpt.url through a lease renewed every third of this; a job that dies without "
+            "releasing it blocks the prefix this long (docs/CHECKPOINTS.md).",
+            {in_range(1.0, 86400.0)}),
       field("mesh.fsdp", [](S& s) -> bool& { return s.mesh.fsdp; },
             "Shard parameters, gradients and AdamW state across data-parallel ranks "
             "(all-gather before use, reduce-scatter of gradients)."),

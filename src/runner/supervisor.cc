@@ -20,10 +20,12 @@
 #include <thread>
 
 #include "ckpt/checkpointer.h"
+#include "ckpt/lease.h"
 #include "cluster/mpi.h"
 #include "common/error.h"
 #include "contract.h"
 #include "faults/injector.h"
+#include "runner/lifeline.h"
 #include "runner/scenario.h"
 #include "store/store.h"
 
@@ -62,6 +64,7 @@ std::string describe(int status) {
   const int code = WEXITSTATUS(status);
   if (code == kExitRankCrash) return "exit " + std::to_string(code) + " (a rank crashed)";
   if (code == kExitMeshChange) return "exit " + std::to_string(code) + " (the mesh changed: shrink/grow)";
+  if (code == kExitLeaseLost) return "exit " + std::to_string(code) + " (another job took the checkpoint lease)";
   return "exit " + std::to_string(code);
 }
 
@@ -140,6 +143,40 @@ int kill_session(int sid) {
   return found;
 }
 
+// SIGINT, SIGTERM and SIGHUP while a supervisor runs: recorded here, acted
+// on by its loop (a handler may do nothing else safely).
+volatile sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+// Installs on_stop_signal for the supervisor's lifetime; a signal the
+// caller ignores (nohup, a background job of a shell) stays ignored.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    for (size_t i = 0; i < 3; ++i) {
+      struct sigaction sa {};
+      sa.sa_handler = on_stop_signal;
+      sigemptyset(&sa.sa_mask);
+      ::sigaction(kSignals[i], nullptr, &old_[i]);
+      if (old_[i].sa_handler != SIG_IGN) ::sigaction(kSignals[i], &sa, nullptr);
+    }
+  }
+  ~StopSignals() {
+    for (size_t i = 0; i < 3; ++i) ::sigaction(kSignals[i], &old_[i], nullptr);
+  }
+
+ private:
+  static constexpr int kSignals[3] = {SIGINT, SIGTERM, SIGHUP};
+  struct sigaction old_[3];
+};
+
+// Sleeps `seconds`, returning early once a stop signal arrived.
+void sleep_unless_stopped(double seconds) {
+  const double until = now() + seconds;
+  while (!g_stop_signal && now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+}
+
 }  // namespace
 
 namespace {
@@ -186,6 +223,33 @@ std::vector<int> live_processes_matching(const std::string& text) {
   return out;
 }
 
+namespace {
+
+// Passes `sig` on to the whole job (the child; under mpi, every process of
+// its session: mpirun and the ranks), reaps the child, and gives the job
+// 5 s to end before SIGKILL. Returns the processes signalled.
+int stop_job(pid_t pid, bool mpi, int sig) {
+  std::vector<int> procs = mpi ? session_processes(pid) : std::vector<int>{pid};
+  for (int p : procs) ::kill(p, sig);
+  int status = 0;
+  bool reaped = false;
+  for (int i = 0; i < 500; ++i) {
+    reaped = reaped || ::waitpid(pid, &status, WNOHANG) == pid;
+    if (reaped && (!mpi || session_processes(pid).empty())) return (int)procs.size();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (mpi) kill_session(pid);
+  ::kill(pid, SIGKILL);
+  if (!reaped) ::waitpid(pid, &status, 0);
+  return (int)procs.size();
+}
+
+const char* signal_name(int sig) {
+  return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : sig == SIGHUP ? "SIGHUP" : "a signal";
+}
+
+}  // namespace
+
 SuperviseResult supervise(const SuperviseOptions& opt) {
   const Scenario s = load_scenario(opt.scenario, opt.sets);
   // Every fault the children inject, in their order (bad specs: exit 2 before anything runs).
@@ -199,9 +263,25 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
   if (s.ckpt.url.empty() || s.ckpt.every <= 0)
     throw UserError("ckpt.url / ckpt.every: a supervised run restarts from committed checkpoints; set both "
                     "(e.g. --set ckpt.url=/tmp/run --set ckpt.every=5)");
-  char tmpl[] = "/tmp/lockstep-supervisor-XXXXXX";
-  if (!mkdtemp(tmpl)) throw UserError("supervisor: cannot create a temporary directory");
+  // One live job per prefix: the supervisor takes the lease for the whole
+  // job (its children write under it, and restarts keep it), renews it,
+  // and releases it when the job ends; an explicit --resume waits out a dead
+  // holder's.
+  std::unique_ptr<CheckpointLease> lease = CheckpointLease::acquire(
+      open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint}), new_job_id(), s.ckpt.lease_seconds,
+      !opt.resume.empty(), [](const std::string& m) { std::fprintf(stderr, "supervisor: %s\n", m.c_str()); });
+  const char* tmp_root = std::getenv("TMPDIR");
+  std::string tmpl = std::string(tmp_root && *tmp_root ? tmp_root : "/tmp") + "/lockstep-supervisor-XXXXXX";
+  if (!mkdtemp(tmpl.data())) throw UserError("supervisor: cannot create a temporary directory under " + tmpl);
   const fs::path dir = tmpl;
+  struct RemoveOnReturn {  // however supervise() returns or throws
+    fs::path dir;
+    ~RemoveOnReturn() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } remove_dir{dir};
+  const StopSignals stop_signals;
   const std::string state = (dir / "faults.state").string(), hb = (dir / "heartbeat").string(),
                     out = (dir / "child.out").string(), step_log = (dir / "steps.log").string();
   const double job_started = now();
@@ -221,6 +301,18 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
   size_t seen = 0;
   int new_dp = 0, attempt = 0;
   double fail_time = 0;
+  // After a stop signal, once no process of the job is left: clean up, say
+  // so, and die of the signal, as a shell expects of an interrupted command.
+  auto die_of_signal = [&](int sig, const std::string& what) {
+    fs::remove_all(dir);
+    lease->release();
+    std::fprintf(stderr, "supervisor: %s: %s; committed checkpoints in %s are intact (continue with --resume %s)\n",
+                 signal_name(sig), what.c_str(), s.ckpt.url.c_str(), s.ckpt.url.c_str());
+    std::fflush(nullptr);
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    std::_Exit(128 + sig);
+  };
   auto say = [&](const std::string& m) {
     if (opt.progress) std::fprintf(stderr, "supervisor: %s\n", m.c_str());
   };
@@ -228,7 +320,9 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
     std::unique_ptr<ObjectStore> store = open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint});
     const std::vector<int64_t> committed = committed_steps(*store);
     std::vector<std::string> args = {opt.binary, "run", opt.scenario, "--json", opt.child_progress ? "--progress" : "--quiet",
-                                     "--fault-state", state, "--heartbeat", hb, "--step-log", step_log};
+                                     "--fault-state", state, "--heartbeat", hb, "--step-log", step_log,
+                                     "--supervisor-pid", std::to_string(::getpid()),
+                                     "--lease", lease->job() + ":" + std::to_string(lease->generation())};
     for (const std::string& x : opt.sets) args.insert(args.end(), {"--set", x});
     for (const std::string& f : opt.faults) args.insert(args.end(), {"--fault", f});
     if (new_dp > 0) {
@@ -274,6 +368,14 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
     int status = 0;
     int beat_step = -1;
     for (;;) {
+      if (g_stop_signal) {
+        // Ctrl-C, kill, a closed terminal: the job goes down with its
+        // supervisor, before it exits, and commits nothing more.
+        const int sig = g_stop_signal;
+        const int n = stop_job(pid, mpi, sig);
+        die_of_signal(sig, "stopped the job (" + std::to_string(n) + " process" + (n == 1 ? "" : "es") +
+                               ") at step " + std::to_string(beat_step));
+      }
       const pid_t w = ::waitpid(pid, &status, WNOHANG);
       if (w == pid) break;
       struct stat st;
@@ -332,7 +434,6 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       } catch (const std::exception& e) {
         res.exit_code = 3;
         res.error = e.what();
-        fs::remove_all(dir);
         return res;
       }
       if (res.summary.contains("resumed_from") && first > 1) res.summary["resumed_from"] = first - 1;
@@ -346,7 +447,6 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
         res.error = "the run finished but planned fault(s) never fired: " + missed +
                     " (a threshold the checkpoint never reached, or a step the job resumed past)";
         res.summary["faults_not_fired"] = missed;
-        fs::remove_all(dir);
         return res;
       }
       nlohmann::json fallbacks = nlohmann::json::array();
@@ -354,23 +454,22 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       for (const std::string& l : new_lines(state, from_start))
         if (l.rfind("fallback", 0) == 0) fallbacks.push_back(l);
       res.summary["restore_fallbacks"] = fallbacks;
-      fs::remove_all(dir);
       return res;
     }
     const std::string failure = hung ? "hang (no heartbeat for " + std::to_string((int)opt.heartbeat_timeout) + " s)"
                                      : describe(status);
     int failed_step = 0;
     std::ifstream(hb) >> failed_step;
-    if (!hung && WIFEXITED(status) && (WEXITSTATUS(status) == 2 || WEXITSTATUS(status) == 3)) {
-      // Bad input or an unavailable store: restarting cannot help.
-      res.exit_code = WEXITSTATUS(status);
-      res.error = "the job stopped (" + failure + ") at step " + std::to_string(failed_step) +
-                  "; not restarting: " + (res.exit_code == 2 ? "bad input" : "the store failed") +
+    const int code = !hung && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (code == 2 || code == 3 || code == kExitLeaseLost) {
+      // Bad input, an unavailable store, or another job on the prefix: restarting cannot help.
+      res.exit_code = code;
+      res.error = "the job stopped (" + failure + ") at step " + std::to_string(failed_step) + "; not restarting: " +
+                  (code == 2 ? "bad input" : code == 3 ? "the store failed" : "another job took the checkpoint lease") +
                   "; committed checkpoints are intact";
       res.summary = {{"restarts", timeline}, {"faults_fired", read_fault_state(state).lines}};
       if (opt.resume.empty() && existing >= 0) res.summary["resumed_existing_checkpoint"] = {{"url", s.ckpt.url}, {"step", existing}};
       say(res.error);
-      fs::remove_all(dir);
       return res;
     }
     if (attempt >= opt.max_restarts) {
@@ -378,7 +477,6 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       res.error = "restart budget exhausted after " + std::to_string(attempt) + " restarts (last: " + failure + ")";
       res.summary = {{"restarts", timeline}};
       say(res.error);
-      fs::remove_all(dir);
       return res;
     }
     const FiredFaults fired = read_fault_state(state);
@@ -404,7 +502,8 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
     fail_time = detected;
     const double backoff = opt.backoff_seconds * std::pow(2.0, std::min(attempt, 6)) *
                            (0.5 + 0.5 * std::uniform_real_distribution<double>(0, 1)(rng));
-    std::this_thread::sleep_for(std::chrono::duration<double>(backoff));
+    sleep_unless_stopped(backoff);
+    if (g_stop_signal) die_of_signal(g_stop_signal, "stopped between attempts");
   }
 }
 

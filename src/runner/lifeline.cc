@@ -1,0 +1,96 @@
+#include "runner/lifeline.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cerrno>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+namespace ls {
+namespace {
+
+std::atomic<int> g_watched{0};     // the supervisor's pid, 0 when none is watched
+std::atomic<int> g_pidfd{-1};      // its pidfd, -1 without one
+
+bool process_exists(int pid) { return ::kill(pid, 0) == 0 || errno == EPERM; }
+
+// A pidfd is readable once its process has ended (a zombie not yet reaped
+// included, which kill(pid, 0) would still find).
+bool pidfd_ended(int fd, int timeout_ms) {
+  pollfd p{fd, POLLIN, 0};
+  return ::poll(&p, 1, timeout_ms) > 0 && (p.revents & (POLLIN | POLLHUP | POLLERR));
+}
+
+[[noreturn]] void supervisor_gone(int pid, const std::string& cleanup_dir) {
+  std::fprintf(stderr,
+               "lockstep: the supervisor (pid %d) is gone: this job stops now, committing nothing more "
+               "(exit %d)\n",
+               pid, kExitSupervisorLost);
+  std::fflush(stderr);
+  if (!cleanup_dir.empty()) {
+    // The other threads run on until _exit: moved aside first, the
+    // directory gets no new files from them (a step log line, say) while it
+    // is removed. Several ranks may race for it: errors are expected.
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path gone = cleanup_dir + ".gone-" + std::to_string(::getpid());
+    fs::rename(cleanup_dir, gone, ec);
+    const fs::path& victim = ec ? fs::path(cleanup_dir) : gone;
+    for (int i = 0; i < 50 && fs::exists(victim, ec); ++i) {
+      fs::remove_all(victim, ec);
+      if (fs::exists(victim, ec)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  ::_exit(kExitSupervisorLost);
+}
+
+}  // namespace
+
+void watch_supervisor(int pid, const char* cleanup_dir) {
+  const std::string dir = cleanup_dir ? cleanup_dir : "";
+  // A pidfd turns readable when the process ends: no polling delay. It refers
+  // to the process, so a recycled pid cannot fool it once it is open.
+  int fd = -1;
+#ifdef SYS_pidfd_open
+  fd = (int)::syscall(SYS_pidfd_open, pid, 0);
+#endif
+  if (fd < 0) {
+    // An older kernel: poll the pid, and where the supervisor is the parent,
+    // have the kernel kill this process with it too (no message, no
+    // cleanup, but no 100 ms of polling either). Checking getppid() after
+    // prctl closes the race with a parent that died before it.
+    if (::getppid() == pid) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != pid) supervisor_gone(pid, dir);
+    }
+    if (!process_exists(pid)) supervisor_gone(pid, dir);
+  }
+  g_pidfd = fd;
+  g_watched = pid;
+  std::thread([pid, fd, dir] {
+    for (;;) {
+      if (fd >= 0) {
+        if (pidfd_ended(fd, 1000)) supervisor_gone(pid, dir);
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (!process_exists(pid)) supervisor_gone(pid, dir);
+      }
+    }
+  }).detach();
+}
+
+bool supervisor_alive() {
+  const int pid = g_watched.load(), fd = g_pidfd.load();
+  if (pid == 0) return true;
+  return fd >= 0 ? !pidfd_ended(fd, 0) : process_exists(pid);
+}
+
+}  // namespace ls
