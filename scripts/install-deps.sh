@@ -10,7 +10,8 @@ PKGS=(meson ninja-build g++ pkg-config libeigen3-dev nlohmann-json3-dev libcli11
       doctest-dev libxxhash-dev python3 python3-numpy chromium libcurl4-openssl-dev
       libssl-dev python3-botocore python3-boto3 python3-xxhash
       clang-14 libclang-rt-14-dev   # clang-14 + its runtime: libFuzzer, ASan, UBSan (fuzz/)
-      libopenmpi-dev openmpi-bin)   # the MPI communicator (src/cluster/mpi.cc); the build works without it
+      libopenmpi-dev openmpi-bin    # the MPI communicator (src/cluster/mpi.cc); the build works without it
+      ceph-mon ceph-osd radosgw ceph-common)  # a one-node Ceph RADOS Gateway for the rgw suite (tests/rgw/)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -14,6 +14,15 @@ build() {  # build DIR [meson options...]
   ninja -C "$dir" >/dev/null || ninja -C "$dir"
 }
 
+# The Ceph RADOS Gateway for the rgw suite (tests/rgw.h), started while the
+# builds run and stopped by its pid files at the end, however this ends. If
+# it cannot start, the rgw cases say why and count as skipped.
+rgw_dir=$(mktemp -d /tmp/lockstep-rgw-XXXXXX)
+rgw_log=$(mktemp /tmp/lockstep-rgw-start-XXXXXX.log)
+tests/rgw/start.sh "$rgw_dir" >/dev/null 2>"$rgw_log" &
+rgw_pid=$!
+trap 'kill $rgw_pid 2>/dev/null; wait $rgw_pid 2>/dev/null; tests/rgw/stop.sh "$rgw_dir"; rm -f "$rgw_log"' EXIT
+
 status=0
 build build || status=1
 build build-asan -Dloader_only=true -Db_sanitize=address,undefined -Dbuildtype=debugoptimized || status=1
@@ -26,6 +35,16 @@ else
   echo "cuda: no nvcc found, CUDA targets not built (--backend cuda will say so)"
 fi
 
+if wait "$rgw_pid" && [ -s "$rgw_dir/env" ]; then
+  rgw_var() { sed -n "s/^$1=//p" "$rgw_dir/env"; }
+  export LOCKSTEP_RGW_ENDPOINT=$(rgw_var LOCKSTEP_RGW_ENDPOINT) LOCKSTEP_RGW_BUCKET=$(rgw_var LOCKSTEP_RGW_BUCKET)
+  export LOCKSTEP_RGW_ACCESS_KEY=$(rgw_var AWS_ACCESS_KEY_ID) LOCKSTEP_RGW_SECRET_KEY=$(rgw_var AWS_SECRET_ACCESS_KEY)
+  echo "rgw: Ceph RADOS Gateway at $LOCKSTEP_RGW_ENDPOINT for the rgw suite"
+else
+  export LOCKSTEP_RGW_UNAVAILABLE="tests/rgw/start.sh failed: $(grep '^rgw: ' "$rgw_log" | tail -n 1)"
+  echo "rgw: $LOCKSTEP_RGW_UNAVAILABLE; the rgw cases are skipped"
+  tail -n 20 "$rgw_log"
+fi
 meson test -C build --print-errorlogs --num-processes "$(nproc)" || status=1
 meson test -C build-asan --print-errorlogs || status=1
 meson test -C build-fuzz --print-errorlogs || status=1

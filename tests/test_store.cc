@@ -29,6 +29,7 @@
 #include "common/error.h"
 #include "store/sigv4.h"
 #include "store/store.h"
+#include "rgw.h"
 #include "s3rver.h"
 #include "sigv4_proxy.h"
 
@@ -858,5 +859,167 @@ TEST_SUITE("store") {
       CHECK(r.signed_headers.find("expect") == std::string::npos);
     }
     CHECK(methods == std::set<std::string>{"DELETE", "GET", "HEAD", "PUT"});
+  }
+}
+
+// Against Ceph's RADOS Gateway (tests/rgw.h): what s3rver cannot show.
+TEST_SUITE("rgw") {
+  TEST_CASE("rgw: the S3 store meets the contract") {
+    const lstest::RgwServer* rgw = lstest::rgw_or_skip();
+    if (!rgw) return;
+    ls::StoreOptions o = small_parts();
+    o.s3_endpoint = rgw->endpoint;
+    auto s = ls::open_store(rgw->fresh_url("contract"), o);
+    contract(*s);
+  }
+
+  TEST_CASE("rgw: two writers race for one manifest key and exactly one commits, through the server's 412") {
+    const lstest::RgwServer* rgw = lstest::rgw_or_skip();
+    if (!rgw) return;
+    // Exact interleaving: A and B both find the key absent, A writes, then
+    // B writes with If-None-Match: * -- and RGW, unlike s3rver, refuses it.
+    const std::string url = rgw->fresh_url("race");
+    std::atomic<bool> a_written{false}, b_checked{false};
+    bool b_result = true;
+    std::thread tb;
+    ls::StoreOptions ob;
+    ob.s3_endpoint = rgw->endpoint;
+    ob.s3_commit_hook = [&](const std::string& st) {
+      if (st == "checked") {
+        b_checked = true;
+        while (!a_written) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    };
+    auto b = ls::open_store(url, ob);
+    ls::StoreOptions oa;
+    oa.s3_endpoint = rgw->endpoint;
+    oa.s3_commit_hook = [&](const std::string& st) {
+      if (st == "checked") {
+        tb = std::thread([&] { b_result = b->put_if_absent("step-00000004/manifest.json", "from B", 6); });
+        while (!b_checked) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      } else if (st == "written") {
+        a_written = true;
+      }
+    };
+    auto a = ls::open_store(url, oa);
+    const bool a_result = a->put_if_absent("step-00000004/manifest.json", "from A", 6);
+    REQUIRE(tb.joinable());  // A found the key absent and started B
+    tb.join();
+    CHECK(a_result);
+    CHECK_FALSE(b_result);
+    CHECK(b->metrics_snapshot().conditional_refusals == 1);  // the server's 412, not the read-back
+    CHECK(a->get("step-00000004/manifest.json") == bytes("from A"));
+
+    // Free-running: three writers race for each of 12 keys; with the server
+    // enforcing the condition, exactly one wins every time and the object
+    // holds its bytes.
+    ls::StoreOptions o;
+    o.s3_endpoint = rgw->endpoint;
+    auto w0 = ls::open_store(url, o), w1 = ls::open_store(url, o), w2 = ls::open_store(url, o);
+    ls::ObjectStore* ws[3] = {w0.get(), w1.get(), w2.get()};
+    uint64_t refusals = 0;
+    for (int round = 0; round < 12; ++round) {
+      const std::string key = "free/k" + std::to_string(round);
+      std::atomic<int> ready{0};
+      bool won[3] = {false, false, false};
+      std::vector<std::thread> th;
+      for (int w = 0; w < 3; ++w)
+        th.emplace_back([&, w] {
+          ready++;
+          while (ready < 3) std::this_thread::yield();
+          const std::string v = "writer " + std::to_string(w);
+          won[w] = ws[w]->put_if_absent(key, v.data(), v.size());
+        });
+      for (auto& t : th) t.join();
+      CHECK(won[0] + won[1] + won[2] == 1);
+      const std::vector<uint8_t> got = w0->get(key);
+      const int owner = got.back() - '0';
+      REQUIRE((owner >= 0 && owner < 3));
+      CHECK(won[owner]);
+    }
+    for (auto* w : ws) refusals += w->metrics_snapshot().conditional_refusals;
+    MESSAGE("free-running rounds: " << refusals << " losers refused by the server's 412 (the rest saw the key at HEAD)");
+  }
+
+  TEST_CASE("rgw: a wrong secret or key id exits 3 with the server's code; a missing bucket is named") {
+    const lstest::RgwServer* rgw = lstest::rgw_or_skip();
+    if (!rgw) return;
+    const std::string sets = " --threads 1 --quiet --set ckpt.every=2 --set ckpt.s3_endpoint=" + rgw->endpoint;
+    const std::string url = rgw->fresh_url("creds");
+    auto [rc, text] = lockstep("run " + tiny_scenario() + sets + " --set ckpt.url=" + url);
+    REQUIRE_MESSAGE(rc == 0, text);  // the control: right credentials
+    std::tie(rc, text) =
+        lockstep("run " + tiny_scenario() + sets + " --set ckpt.url=" + rgw->fresh_url("creds") + " --resume " + url + "@4");
+    CHECK_MESSAGE(rc == 0, text);
+    setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret", 1);
+    std::tie(rc, text) = lockstep("run " + tiny_scenario() + sets + " --set ckpt.url=" + rgw->fresh_url("creds"));
+    CHECK(rc == 3);
+    CHECK_MESSAGE(text.find("HTTP 403 SignatureDoesNotMatch") != std::string::npos, text);
+    setenv("AWS_SECRET_ACCESS_KEY", rgw->secret_key.c_str(), 1);
+    setenv("AWS_ACCESS_KEY_ID", "NOSUCHKEYID", 1);
+    std::tie(rc, text) = lockstep("run " + tiny_scenario() + sets + " --set ckpt.url=" + rgw->fresh_url("creds"));
+    CHECK(rc == 3);
+    CHECK_MESSAGE(text.find("HTTP 403 InvalidAccessKeyId") != std::string::npos, text);
+    setenv("AWS_ACCESS_KEY_ID", rgw->access_key.c_str(), 1);
+
+    // A missing bucket: every operation says so, PUT included (it used to say "no such object").
+    ls::StoreOptions o;
+    o.s3_endpoint = rgw->endpoint;
+    auto s = ls::open_store("s3://no-such-bucket-here/run", o);
+    for (const auto& [what, op] : std::vector<std::pair<std::string, std::function<void()>>>{
+             {"put", [&] { put(*s, "step-00000002/rank-00000.safetensors", bytes("x")); }},
+             {"get", [&] { s->get("step-00000002/manifest.json"); }},
+             {"list", [&] { s->list("step-"); }}}) {
+      CAPTURE(what);
+      std::string msg;
+      try {
+        op();
+      } catch (const ls::StoreError& e) {
+        msg = e.what();
+      }
+      CHECK_MESSAGE(msg.find("no such bucket 'no-such-bucket-here'") != std::string::npos, msg);
+      CHECK_MESSAGE(msg.find("NoSuchBucket") != std::string::npos, msg);
+    }
+    std::tie(rc, text) = lockstep("run " + tiny_scenario() + sets + " --set ckpt.url=s3://no-such-bucket-here/run");
+    CHECK(rc == 3);
+    CHECK_MESSAGE(text.find("no such bucket 'no-such-bucket-here'") != std::string::npos, text);
+  }
+
+  TEST_CASE("rgw: checkpoint, ls, inspect, verify, resume resharded, gc") {
+    const lstest::RgwServer* rgw = lstest::rgw_or_skip();
+    if (!rgw) return;
+    const std::string ep = " --s3-endpoint " + rgw->endpoint, url = rgw->fresh_url("cli-run");
+    auto [rc, text] = lockstep("run " + tiny_scenario() + " --threads 2 --quiet --json");
+    REQUIRE_MESSAGE(rc == 0, text);
+    const std::string want = last_json(text)["final_state_hash"];
+    std::tie(rc, text) = lockstep("run " + tiny_scenario() + " --threads 2 --quiet --json --set mesh.dp=2 --set ckpt.url=" +
+                                  url + " --set ckpt.every=2 --set ckpt.keep_last=0 --set ckpt.s3_endpoint=" + rgw->endpoint);
+    REQUIRE_MESSAGE(rc == 0, text);
+    CHECK(last_json(text)["final_state_hash"] == want);
+    std::tie(rc, text) = lockstep("ckpt ls " + url + ep);
+    CHECK_MESSAGE(rc == 0, text);
+    CHECK(text.find("step 4") != std::string::npos);
+    std::tie(rc, text) = lockstep("ckpt inspect " + url + "@2" + ep);
+    CHECK_MESSAGE(rc == 0, text);
+    std::tie(rc, text) = lockstep("ckpt verify " + url + ep);
+    CHECK_MESSAGE(rc == 0, text);
+    // Saved on two ranks, resumed on one (resharded) and on four.
+    for (const char* dp : {"1", "4"}) {
+      std::tie(rc, text) = lockstep("run " + tiny_scenario() + " --threads 2 --quiet --json --set mesh.dp=" + dp +
+                                    " --resume " + url + "@2 --set ckpt.s3_endpoint=" + rgw->endpoint);
+      REQUIRE_MESSAGE(rc == 0, text);
+      CHECK(last_json(text)["resumed_from"] == 2);
+      CHECK(last_json(text)["final_state_hash"] == want);
+    }
+    // gc: a torn step's objects go, committed ones stay.
+    ls::StoreOptions o;
+    o.s3_endpoint = rgw->endpoint;
+    auto s = ls::open_store(url, o);
+    put(*s, "step-00000003/rank-00000.safetensors", bytes("torn"));
+    const size_t n_before = s->list("").size();
+    std::tie(rc, text) = lockstep("ckpt gc " + url + " --delete" + ep);
+    CHECK_MESSAGE(rc == 0, text);
+    CHECK(s->list("").size() == n_before - 1);
+    CHECK_FALSE(s->exists("step-00000003/rank-00000.safetensors"));
   }
 }

@@ -214,7 +214,10 @@ class S3Store : public ObjectStore {
       if (!multipart(key, data, n, hdrs)) return false;
     } else {
       Response r = request("PUT", key, {}, data, n, hdrs);
-      if (r.status == 412) return false;
+      if (r.status == 412) {  // the server enforced If-None-Match: someone else's object is there
+        count_conditional_refusal();
+        return false;
+      }
       if (r.status != 200) fail("PUT", key, r);
     }
     if (commit_hook_) commit_hook_("written");
@@ -351,14 +354,20 @@ class S3Store : public ObjectStore {
                       "' longer than S3's " + std::to_string(kMaxKeyBytes) + " bytes");
   }
 
+  // Every error carries the server's status, code and message; a missing
+  // bucket is named as such (a 404 is not always a missing object).
   [[noreturn]] void fail(const char* method, const std::string& key, const Response& r) const {
     const std::string doc = r.text();
-    if (r.status == 404 && std::string(method) != "LIST")
-      throw StoreError(where(method, key) + ": no such object", false);
-    std::string msg = where(method, key) + ": HTTP " + std::to_string(r.status);
     const std::string code = xml_first(doc, "Code"), text = xml_first(doc, "Message");
-    if (!code.empty()) msg += " " + code;
-    if (!text.empty()) msg += ": " + text;
+    std::string server = "HTTP " + std::to_string(r.status);
+    if (!code.empty()) server += " " + code;
+    if (!text.empty()) server += ": " + text;
+    if (code == "NoSuchBucket")
+      throw StoreError(where(method, key) + ": no such bucket '" + bucket_ + "' at " + origin_ + " (" + server + ")",
+                       false);
+    if (r.status == 404 && std::string(method) != "LIST")
+      throw StoreError(where(method, key) + ": no such object" + (code.empty() ? "" : " (" + server + ")"), false);
+    std::string msg = where(method, key) + ": " + server;
     // 409 on a conditional write is S3's "concurrent conditional request";
     // a body whose hash does not match arrived damaged, and may not again.
     const bool transient = r.status >= 500 || r.status == 429 || r.status == 409 ||
@@ -488,6 +497,7 @@ class S3Store : public ObjectStore {
       done += "</CompleteMultipartUpload>";
       Response cr = request("POST", key, {{"uploadId", id}}, done.data(), done.size(), done_h);
       if (!done_h.empty() && cr.status == 412) {
+        count_conditional_refusal();
         abort_upload(key, id);
         return false;
       }
@@ -514,6 +524,10 @@ class S3Store : public ObjectStore {
   void count_request() {
     std::lock_guard<std::mutex> g(metrics_mu);
     ++metrics.requests;
+  }
+  void count_conditional_refusal() {
+    std::lock_guard<std::mutex> g(metrics_mu);
+    ++metrics.conditional_refusals;
   }
 
   std::string url_, origin_, host_, path_prefix_, bucket_, base_;

@@ -31,6 +31,10 @@ struct StoreError : std::runtime_error {
 struct StoreMetrics {
   uint64_t puts = 0, gets = 0, ranged_gets = 0, lists = 0, deletes = 0, bytes_written = 0, bytes_read = 0;
   uint64_t requests = 0;
+  // S3: conditional writes the server itself refused (HTTP 412 to
+  // If-None-Match: *). Servers that ignore the header never count one; the
+  // commit read-back catches those races instead.
+  uint64_t conditional_refusals = 0;
   double seconds = 0;
 };
 
