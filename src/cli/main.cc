@@ -581,6 +581,9 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
   if (!r.stale_temps.empty())
     std::printf("gc: %zu stale temp file%s, %llu bytes %s\n", r.stale_temps.size(), r.stale_temps.size() == 1 ? "" : "s",
                 (unsigned long long)r.stale_temp_bytes, r.deleted ? "deleted" : "would be deleted");
+  if (!r.empty_dirs.empty())
+    std::printf("gc: %zu empty step director%s (of checkpoints removed earlier) %s\n", r.empty_dirs.size(),
+                r.empty_dirs.size() == 1 ? "y" : "ies", r.deleted ? "deleted" : "would be deleted");
   return 0;
 }
 
