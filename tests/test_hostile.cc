@@ -86,9 +86,10 @@ TEST_SUITE("hostile") {
     check_refused(run_cli("ckpt inspect " + dir.string()), "nested deeper");
     const fs::path tiny = write_temp("tiny.json", kTiny);
     check_refused(run_cli("run " + tiny.string() + " --resume " + dir.string() + "@1 --quiet"), "nested deeper");
-    // The latest, unnamed: a corrupt manifest falls back (here to the start), saying why.
+    // The latest, unnamed: a corrupt manifest, and none older to fall back to: an
+    // explicit --resume is refused, saying why (it never starts from scratch silently).
     const auto fell = run_cli("run " + tiny.string() + " --resume " + dir.string() + " --quiet");
-    CHECK(fell.rc == 0);
+    check_refused(fell, "not starting from scratch");
     CHECK(fell.err.find("step-00000001/manifest.json: corrupt manifest: JSON nested deeper") != std::string::npos);
     write_temp("deep-ckpt/step-00000001/manifest.json", "{\"format_version\": 1e999}");
     check_refused(run_cli("ckpt inspect " + dir.string()), "number overflow");

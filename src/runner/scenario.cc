@@ -268,6 +268,9 @@ std::string check_faults(const Scenario& s) {
         return at + "step: no checkpoint is saved after step " + show(f.step) + " (ckpt.every = " +
                show(s.ckpt.every) + "); a fault at phase " + fault_phase_name(f.phase) +
                " fires while its step's checkpoint is saved";
+      if (f.kind == FaultKind::kBitrot && f.step % s.ckpt.every != 0)
+        return at + "step: bitrot corrupts the checkpoint saved after its step, and none is saved after step " +
+               show(f.step) + " (ckpt.every = " + show(s.ckpt.every) + "); use a multiple of ckpt.every";
       if (f.kind == FaultKind::kBitrot && f.step <= s.ckpt.every)
         return at + "step: must be > ckpt.every = " + show(s.ckpt.every) +
                " so that a checkpoint exists to corrupt, got " + show(f.step);
@@ -802,7 +805,7 @@ std::vector<std::string> numerics_differences(const nlohmann::json& a, const nlo
   return out;
 }
 
-std::string scenario_fingerprint(const Scenario& s) {
+std::string scenario_fingerprint(const Scenario& s, const std::string& data_digest) {
   // The numerics: every key except names and the keys that only decide how
   // the work is decomposed (mesh, MoE capacity schedule), which must not
   // change one bit. A run on any mesh shares its single-rank twin's golden.
@@ -817,6 +820,7 @@ std::string scenario_fingerprint(const Scenario& s) {
     if (v == r.info.default_value) continue;
     j[k] = v;
   }
+  if (!s.data.path.empty() && !data_digest.empty()) j["data.path.content_xxh128"] = data_digest;
   const std::string d = j.dump();
   XXH128_canonical_t c;
   XXH128_canonicalFromHash(&c, XXH3_128bits(d.data(), d.size()));

@@ -238,8 +238,11 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
         args.insert(args.end(), {"--set", "mesh.replicate=1"});
     }
     // This job's own commits in ckpt.url win once they pass the user's start.
-    if (!committed.empty() && committed.back() > user_resume) args.insert(args.end(), {"--resume", s.ckpt.url});
-    else if (!opt.resume.empty()) args.insert(args.end(), {"--resume", opt.resume});
+    // With every one of them unusable, the job (not a user's --resume) starts over.
+    if (!committed.empty() && committed.back() > user_resume) {
+      args.insert(args.end(), {"--resume", s.ckpt.url});
+      if (opt.resume.empty()) args.push_back("--resume-fallback-start");
+    } else if (!opt.resume.empty()) args.insert(args.end(), {"--resume", opt.resume});
     if (opt.threads > 0) args.insert(args.end(), {"--threads", std::to_string(opt.threads)});
     args.insert(args.end(), opt.extra_args.begin(), opt.extra_args.end());
     ::unlink(hb.c_str());
@@ -354,6 +357,9 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       for (const std::string& l : new_lines(state, from_start))
         if (l.rfind("fallback", 0) == 0) fallbacks.push_back(l);
       res.summary["restore_fallbacks"] = fallbacks;
+      // A job that leaves a rotten checkpoint committed says so (a restore from it would fall back).
+      res.summary["corrupt_checkpoints"] =
+          corrupt_checkpoints_left(state, *open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint}));
       fs::remove_all(dir);
       return res;
     }
