@@ -288,6 +288,7 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       }
       if (!pending.is_null() && ::stat(hb.c_str(), &st) == 0) {
         pending["time_to_resume_seconds"] = now() - fail_time;
+        pending["resumed"] = true;
         timeline.push_back(pending);
         pending = nullptr;
       }
@@ -304,8 +305,11 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
     // Whatever way the job ended, no rank process of it may live on into the
     // next attempt (or past the supervisor).
     const int orphans_killed = mpi ? kill_session(pid) : 0;
-    if (!pending.is_null()) {  // the child died before its first step
+    if (!pending.is_null()) {  // the child died before its first step: it resumed and replayed nothing
       pending["time_to_resume_seconds"] = nullptr;
+      pending["resumed"] = false;
+      pending["steps_replayed"] = 0;
+      pending["time_to_failure_seconds"] = detected - fail_time;  // what was measured: until it was found dead
       timeline.push_back(pending);
       pending = nullptr;
     }
