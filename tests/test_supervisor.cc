@@ -235,12 +235,12 @@ TEST_SUITE("supervisor") {
     REQUIRE(t.size() == 2);
     CHECK(t[0]["failed_at_step"] == 7);
     CHECK(t[0]["restore_step"] == 4);
-    CHECK(t[0]["resumed"] == false);
-    CHECK(t[0]["steps_replayed"] == 0);
+    CHECK(t[0].value("steps_replayed", -1) == 0);
+    CHECK(t[0].value("resumed", true) == false);
     CHECK(t[0]["time_to_resume_seconds"].is_null());
-    CHECK(t[0]["time_to_failure_seconds"].get<double>() >= 0);
+    CHECK(t[0].value("time_to_failure_seconds", -1.0) >= 0);
     CHECK(t[1]["failure"] == "exit 9");
-    CHECK(t[1]["resumed"] == true);
+    CHECK(t[1].value("resumed", false) == true);
     CHECK(t[1]["time_to_resume_seconds"].get<double>() >= 0);
   }
 }
