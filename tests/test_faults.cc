@@ -279,7 +279,7 @@ TEST_SUITE("faults") {
 
     // --set works on the list as a whole.
     const ls::Scenario set = ls::scenario_from_json(json::parse(kBase), "x.json",
-                                                    {R"(faults=[{"kind": "bitrot", "step": 9}])"});
+                                                    {R"(faults=[{"kind": "bitrot", "step": 12}])"});
     REQUIRE(set.faults.size() == 1);
     CHECK(set.faults[0].kind == ls::FaultKind::kBitrot);
 

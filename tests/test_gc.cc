@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "ckpt/gc.h"
 #include "ckpt/manifest.h"
@@ -397,5 +398,48 @@ TEST_SUITE("gc") {
     CHECK(a.seconds == b.seconds);
     CHECK(a.puts == b.puts);
     CHECK(a.bytes_read == b.bytes_read);
+  }
+}
+
+TEST_SUITE("gc") {
+  TEST_CASE("a checkpoint's directory goes with it; gc removes the empty step directories older runs left") {
+    const fs::path base = make_tmp("rotate");
+    std::ofstream(base / "tiny40.json") << R"({"model": {"d_model": 16, "n_heads": 2, "seq_len": 8, "d_ff": 8},
+      "moe": {"experts": 4}, "train": {"steps": 40, "batch": 4, "eval_every": 0, "eval_batches": 1},
+      "data": {"synthetic_bytes": 8192}})";
+    const fs::path ck = base / "ckpt";
+    auto [rc, text] = lockstep("run " + (base / "tiny40.json").string() + " --threads 1 --quiet --set ckpt.url=" +
+                               ck.string() + " --set ckpt.every=2 --set ckpt.keep_last=2");
+    INFO(text);
+    REQUIRE(rc == 0);
+    // 20 saves, keep_last=2: exactly the last two step directories remain.
+    std::set<std::string> dirs;
+    for (auto& e : fs::directory_iterator(ck)) dirs.insert(e.path().filename().string());
+    CHECK(dirs == std::set<std::string>{"step-00000038", "step-00000040"});
+
+    // The file store's remove() takes the emptied directory, never the root.
+    auto store = ls::open_store(ck.string());
+    put(*store, "step-00000099/a/b", "x");
+    store->remove("step-00000099/a/b");
+    CHECK_FALSE(fs::exists(ck / "step-00000099"));
+    CHECK(fs::exists(ck));
+
+    // Empty step directories an older lockstep left: gc reports, then removes them.
+    for (const char* d : {"step-00000002", "step-00000004", "step-00000006/nested"}) fs::create_directories(ck / d);
+    fs::create_directories(ck / "not-a-step");  // not ours: left alone
+    std::tie(rc, text) = lockstep("ckpt gc " + ck.string());
+    INFO(text);
+    CHECK(rc == 0);
+    CHECK(text.find("gc: 3 empty step directories (of checkpoints removed earlier) would be deleted") !=
+          std::string::npos);
+    CHECK(fs::exists(ck / "step-00000002"));
+    std::tie(rc, text) = lockstep("ckpt gc " + ck.string() + " --delete");
+    CHECK(rc == 0);
+    CHECK(text.find("gc: 3 empty step directories (of checkpoints removed earlier) deleted") != std::string::npos);
+    dirs.clear();
+    for (auto& e : fs::directory_iterator(ck)) dirs.insert(e.path().filename().string());
+    CHECK(dirs == std::set<std::string>{"not-a-step", "step-00000038", "step-00000040"});
+    std::tie(rc, text) = lockstep("ckpt verify " + ck.string());
+    CHECK(rc == 0);
   }
 }

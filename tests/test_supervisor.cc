@@ -223,3 +223,40 @@ TEST_SUITE("supervisor") {
     CHECK_MESSAGE(r.err.find("sweep-blocked/trial-0: key 'step-00000003/") != std::string::npos, r.err);
   }
 }
+
+#include "runner/supervisor.h"
+
+TEST_SUITE("supervisor") {
+  TEST_CASE("restart records are true: an attempt that dies before it resumes claims no replayed steps") {
+    // The child binary is a wrapper whose second start dies at once (exit 9),
+    // before it restores anything; the other starts run lockstep.
+    const fs::path dir = tmp() / "dies-early";
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    const fs::path wrapper = dir / "lockstep-wrapper.sh", count = dir / "starts";
+    std::ofstream(wrapper) << "#!/bin/sh\nn=$(cat " << count.string() << " 2>/dev/null || echo 0)\nn=$((n+1))\necho $n > "
+                           << count.string() << "\n[ $n -eq 2 ] && exit 9\nexec " << LOCKSTEP_BIN << " \"$@\"\n";
+    fs::permissions(wrapper, fs::perms::owner_all);
+    ls::SuperviseOptions so;
+    so.binary = wrapper.string();
+    so.scenario = scenario();
+    // Saves at 4 and 8; the kill at step 7 leaves steps 5-6 to replay, but the next attempt never starts them.
+    so.sets = {"ckpt.url=" + (dir / "ckpt").string(), "ckpt.every=4", "ckpt.async=false"};
+    so.faults = {"process_kill@7"};
+    so.progress = false;
+    const ls::SuperviseResult r = ls::supervise(so);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.error);
+    CHECK(r.summary["final_state_hash"] == golden());
+    const nlohmann::json& t = r.summary["restarts"];
+    REQUIRE(t.size() == 2);
+    CHECK(t[0]["failed_at_step"] == 7);
+    CHECK(t[0]["restore_step"] == 4);
+    CHECK(t[0].value("steps_replayed", -1) == 0);
+    CHECK(t[0].value("resumed", true) == false);
+    CHECK(t[0]["time_to_resume_seconds"].is_null());
+    CHECK(t[0].value("time_to_failure_seconds", -1.0) >= 0);
+    CHECK(t[1]["failure"] == "exit 9");
+    CHECK(t[1].value("resumed", false) == true);
+    CHECK(t[1]["time_to_resume_seconds"].get<double>() >= 0);
+  }
+}

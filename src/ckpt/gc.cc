@@ -135,6 +135,8 @@ GcReport find_orphans(ObjectStore& store) {
       if (!named.count(k)) r.orphan_keys.push_back(k);
   }
   r.stale_temps = store.stale_leftovers();
+  for (const std::string& d : store.empty_dirs())
+    if (step_of_key(d + "/x") >= 0) r.empty_dirs.push_back(d);  // under a step directory
   for (const auto& t : r.stale_temps) r.stale_temp_bytes += t.bytes;
   std::sort(r.orphan_keys.begin(), r.orphan_keys.end());
   for (const std::string& k : r.orphan_keys) {
@@ -172,6 +174,7 @@ GcReport collect_garbage(ObjectStore& store, bool do_delete) {
     std::sort(out.committed_steps.begin(), out.committed_steps.end());
   }
   for (const auto& t : r.stale_temps) store.remove_leftover(t.path);
+  for (const std::string& d : r.empty_dirs) store.remove_empty_dir(d);
   out.deleted = true;
   return out;
 }

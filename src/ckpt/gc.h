@@ -36,6 +36,9 @@ struct GcReport {
   std::vector<int64_t> unreadable_steps;  // committed, but the manifest could not be read: directory left alone
   std::vector<ObjectStore::Leftover> stale_temps;  // temp files of dead writers (file store), invisible to list()
   uint64_t stale_temp_bytes = 0;
+  // Empty step directories (file store): left by keep_last before the file
+  // store removed a directory with its last object; removed with the orphans.
+  std::vector<std::string> empty_dirs;
   bool deleted = false;                   // collect_garbage removed the orphans
 };
 

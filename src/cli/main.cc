@@ -87,9 +87,16 @@ void print_summary(const RunResult& r, const Scenario& s) {
     std::printf("data            synthetic corpus, %llu bytes\n", (unsigned long long)s.data.synthetic_bytes);
   else
     std::printf("data            %s\n", s.data.path.c_str());
-  if (r.resumed_from > 0)
+  if (r.already_complete)
+    std::printf("resumed         the checkpoint of step %d in %s is the final step: nothing was left to run\n",
+                r.resumed_from, r.restore.value("url", std::string("?")).c_str());
+  else if (r.resumed_from > 0)
     std::printf("resumed         from the checkpoint of step %d in %s; this run trained steps %d-%d\n", r.resumed_from,
                 r.restore.value("url", std::string("?")).c_str(), r.resumed_from + 1, r.steps);
+  if (!r.restore.is_null())
+    for (const auto& f : r.restore.value("fallbacks", nlohmann::json::array()))
+      std::printf("                the checkpoint of step %lld was unusable: %s\n", (long long)f.value("step", 0),
+                  f.value("why", "").c_str());
   if (!s.ckpt.url.empty() && s.ckpt.every > 0)
     std::printf("checkpoints     %s, every %d steps (%zu saved)\n", s.ckpt.url.c_str(), s.ckpt.every,
                 r.checkpoint.is_null() ? (size_t)0 : r.checkpoint["saves"].size());
@@ -97,8 +104,9 @@ void print_summary(const RunResult& r, const Scenario& s) {
     std::printf("loss            %.4f -> %.4f nats/byte over steps %d-%d\n", r.losses.front(), r.losses.back(),
                 r.resumed_from + 1, r.steps);
   for (const EvalPoint& e : r.evals) std::printf("held-out        step %-6d %.4f bits/byte\n", e.step, e.bpb);
-  std::printf("speed           %.0f tokens/s (%.2f GFLOP/s model)\n", r.tokens_per_second,
-              r.tokens_per_second * r.train_flops_per_token * 1e-9);
+  if (!r.already_complete)
+    std::printf("speed           %.0f tokens/s (%.2f GFLOP/s model)\n", r.tokens_per_second,
+                r.tokens_per_second * r.train_flops_per_token * 1e-9);
   std::printf("final_state_hash %s\n", r.final_state_hash.c_str());
 }
 
@@ -116,6 +124,7 @@ struct RunArgs {
   std::string fault_state, heartbeat, step_log;  // set by the supervisor for its child
   int supervisor_pid = 0;                        // the supervisor its child watches (runner/lifeline.h)
   std::string lease;                             // the supervisor's checkpoint lease, JOB:GENERATION
+  bool resume_fallback_to_start = false;         // (the supervisor's restarts: RunOptions)
   int max_restarts = 8;
   double heartbeat_timeout = 120;
   std::vector<std::string> debug_bumps;
@@ -243,10 +252,19 @@ int cmd_run(const RunArgs& a, const char* self) {
                     r.summary.value("steps", 0));
       for (const auto& e : r.summary["evals"])
         std::printf("held-out        step %-6d %.4f bits/byte\n", e["step"].get<int>(), e["bpb"].get<double>());
+      if (r.summary.value("already_complete", false))
+        std::printf("resumed         the checkpoint of step %d is the final step: nothing was left to run\n",
+                    r.summary.value("steps", 0));
       std::printf("speed           %.0f tokens/s over %lld steps run (replays included)\n",
                   r.summary.value("tokens_per_second", 0.0), (long long)r.summary.value("steps_run", 0));
       std::printf("final_state_hash %s\n", r.summary.value("final_state_hash", "").c_str());
     }
+    for (const auto& c : r.summary.value("corrupt_checkpoints", nlohmann::json::array()))
+      std::fprintf(stderr, "lockstep: warning: the committed checkpoint of step %lld is left corrupt (%s: %s)\n",
+                   (long long)c.value("step", 0), c.value("key", "").c_str(), c.value("why", "").c_str());
+    if (!a.json && r.exit_code == 0 && !r.summary.value("corrupt_checkpoints", nlohmann::json::array()).empty())
+      std::printf("corrupt         %zu committed checkpoint object(s) left corrupt (see corrupt_checkpoints in --json)\n",
+                  r.summary["corrupt_checkpoints"].size());
     return r.exit_code;
   }
   RunOptions opt;
@@ -270,6 +288,7 @@ int cmd_run(const RunArgs& a, const char* self) {
   opt.progress = report && (a.progress || (!a.quiet && isatty(2)));
   opt.trace_path = a.trace;
   opt.resume = a.resume;
+  opt.resume_fallback_to_start = a.resume_fallback_to_start;
   opt.faults = faults;
   opt.fault_state = a.fault_state;
   opt.heartbeat = a.heartbeat;
@@ -462,7 +481,8 @@ int cmd_check(const CheckArgs& a) {
       const SuperviseResult r = supervise(so);
       const std::string got = r.summary.value("final_state_hash", "");
       const size_t restarts = r.summary.value("restarts", nlohmann::json::array()).size();
-      const std::string fp = scenario_fingerprint(s);
+      // The child's: with data.path it covers the file's content.
+      const std::string fp = r.summary.value("fingerprint", scenario_fingerprint(s));
       std::string why;
       if (r.exit_code != 0) why = r.error;
       else if (fp != g.value("fingerprint", "")) why = "scenario fingerprint differs from the twin's golden file";
@@ -592,6 +612,9 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
   if (!r.stale_temps.empty())
     std::printf("gc: %zu stale temp file%s, %llu bytes %s\n", r.stale_temps.size(), r.stale_temps.size() == 1 ? "" : "s",
                 (unsigned long long)r.stale_temp_bytes, r.deleted ? "deleted" : "would be deleted");
+  if (!r.empty_dirs.empty())
+    std::printf("gc: %zu empty step director%s (of checkpoints removed earlier) %s\n", r.empty_dirs.size(),
+                r.empty_dirs.size() == 1 ? "y" : "ies", r.deleted ? "deleted" : "would be deleted");
   return 0;
 }
 
@@ -629,7 +652,9 @@ int main(int argc, char** argv) {
                 "time each kind of op (GEMM, weight gradients, attention, softmax, norms, MoE dispatch and combine, "
                 "AdamW, gradient norm): op_seconds in the --json summary, thread-seconds over the training steps");
   run->add_option("--resume", ra.resume,
-                  "continue from the latest committed checkpoint at URL (or URL@STEP), on this run's mesh");
+                  "continue from the latest committed checkpoint at URL (or URL@STEP), on this run's mesh; an "
+                  "unusable one falls back to the one before; none usable: exit 2 (never a silent restart from step "
+                  "0); already at the final step: exit 0, nothing left to run");
   run->add_option("--fault", ra.faults,
                   "inject a fault: KIND@STEP[:key=value,...] (docs/FAULTS.md); runs supervised (repeatable)");
   run->add_flag("--supervise", ra.supervise, "run as a supervised child process, restarted from checkpoints on failure");
@@ -640,6 +665,8 @@ int main(int argc, char** argv) {
   run->add_option("--step-log", ra.step_log, "(set by the supervisor for its child)")->group("");
   run->add_option("--supervisor-pid", ra.supervisor_pid, "(set by the supervisor for its child)")->group("");
   run->add_option("--lease", ra.lease, "(set by the supervisor for its child)")->group("");
+  run->add_flag("--resume-fallback-start", ra.resume_fallback_to_start, "(set by the supervisor for its child)")
+      ->group("");
   run->add_option("--trace", ra.trace, "write a per-op trace (JSON Lines, docs/TRACE.md) to this file");
   run->add_option("--trace-dump", ra.trace_dump, "keep full tensors in the trace for STEP or STEP:OP");
   run->add_option("--debug-reorder", ra.debug_reorder,

@@ -18,11 +18,11 @@ namespace ls {
 FaultInjector::FaultInjector(std::vector<FaultSpec> faults, std::set<int> fired, std::string state_path)
     : faults_(std::move(faults)), fired_(std::move(fired)), state_path_(std::move(state_path)) {}
 
-void FaultInjector::fire(int index, const std::string& detail) {
+void FaultInjector::fire(int index, const std::string& detail, int step) {
   fired_.insert(index);
   const FaultSpec& f = faults_[index];
   // Record first, durably: the process may be gone a microsecond later.
-  std::string line = "fired " + std::to_string(index) + " " + f.text() + " step=" + std::to_string(step_);
+  std::string line = "fired " + std::to_string(index) + " " + f.text() + " step=" + std::to_string(step >= 0 ? step : step_);
   if (f.kind == FaultKind::kShrink || f.kind == FaultKind::kGrow) line += " dp=" + std::to_string(f.dp);
   line += " " + detail + "\n";
   if (!state_path_.empty()) {
@@ -125,14 +125,40 @@ void FaultInjector::after_commit(int64_t step) {
   std::lock_guard<std::mutex> lk(mu_);
   for (size_t i = 0; i < faults_.size(); ++i) {
     const FaultSpec& f = faults_[i];
-    if (f.kind != FaultKind::kBitrot || !pending((int)i) || step < f.step || !inner_) continue;
+    // bitrot@S rots the checkpoint of step S (the scenario check makes S a
+    // checkpoint step), as soon as it commits -- with async saves, while a
+    // later step trains; the record names step S.
+    if (f.kind != FaultKind::kBitrot || !pending((int)i) || step != f.step || !inner_) continue;
     // Silently corrupt the first object of the checkpoint just committed, at rest.
     const std::string key = shard_key(step, 0);
     std::vector<uint8_t> bytes = inner_->get(key);
     if (bytes.size() > 64) bytes[bytes.size() / 2] ^= 0x5a;
     inner_->put(key, bytes.data(), bytes.size());
-    fire((int)i, "corrupted " + key);
+    fire((int)i, "corrupted " + key, (int)step);
   }
+}
+
+nlohmann::json corrupt_checkpoints_left(const std::string& state_path, ObjectStore& store) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const std::string& line : read_fault_state(state_path).lines) {
+    const size_t at = line.find(" corrupted ");
+    if (at == std::string::npos) continue;
+    const std::string key = line.substr(at + 11, line.find(' ', at + 11) - at - 11);
+    const int64_t step = std::atoll(key.c_str() + 5);  // "step-00000008/..."
+    try {
+      if (!store.exists(manifest_key(step))) continue;  // rotated away: nothing corrupt is left
+      const Manifest m = read_manifest(store, step);
+      for (const ManifestObject& o : m.objects)
+        if (o.key == key) {
+          const std::vector<uint8_t> bytes = store.get(key);
+          if (xxh128_hex(bytes.data(), bytes.size()) != o.xxh128)
+            out.push_back({{"step", step}, {"key", key}, {"why", "checksum mismatch (bitrot)"}});
+        }
+    } catch (const std::exception& e) {
+      out.push_back({{"step", step}, {"key", key}, {"why", e.what()}});
+    }
+  }
+  return out;
 }
 
 FiredFaults read_fault_state(const std::string& path) {

@@ -29,7 +29,7 @@ class FaultInjector {
   void at(int step, FaultPhase phase, int rank = 0);
   // Wraps the checkpoint store so store faults and upload crashes can fire.
   std::shared_ptr<ObjectStore> wrap(std::shared_ptr<ObjectStore> store);
-  // After the checkpoint of `step` committed (bitrot fires here).
+  // After the checkpoint of `step` committed (bitrot@step fires here).
   void after_commit(int64_t step);
   void set_step(int step) { step_ = step; }
   // Under MPI: this process holds rank `rank` alone. A fault fires
@@ -44,7 +44,8 @@ class FaultInjector {
   const std::vector<FaultSpec>& faults() const { return faults_; }
 
  private:
-  void fire(int index, const std::string& detail);  // records, then acts
+  // Records (with `step`, or the current step when -1), then acts.
+  void fire(int index, const std::string& detail, int step = -1);
   // Not fired yet, and its home rank is in this process.
   bool pending(int index) const;
 
@@ -68,5 +69,12 @@ struct FiredFaults {
   std::vector<std::string> lines;
 };
 FiredFaults read_fault_state(const std::string& path);
+
+// The committed checkpoints a fired bitrot (state file at `state_path`) left
+// corrupt in `store` at the end of a job: each corrupted object whose
+// manifest is still there is read and checked against it (a replay's re-save
+// of the step heals it; keep_last may have removed it). One entry per object
+// still bad: {"step", "key", "why"}.
+nlohmann::json corrupt_checkpoints_left(const std::string& state_path, ObjectStore& store);
 
 }  // namespace ls

@@ -314,7 +314,6 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
   RunResult r;
   r.scenario = s.name;
-  r.fingerprint = scenario_fingerprint(s);
   r.backend = backend_name(opt.backend);
   r.level = s.level;
   // The level is process-wide (the ranks of an in-process mesh are threads of this run).
@@ -350,6 +349,9 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.memory_estimate_bytes = estimate_run_memory(s, opt).total_bytes;
   if (opt.memory_check) check_run_memory(s, opt);
   Corpus corpus = load_corpus(s.data, s.seed, T);
+  // A data file counts by its content, as read: a changed byte is other numerics.
+  r.fingerprint = scenario_fingerprint(
+      s, s.data.path.empty() ? std::string() : xxh128_hex(corpus.bytes.data(), corpus.bytes.size()));
   std::unique_ptr<Trainer> trainer;
   if (opt.mpi) {  // one rank per process
     if (opt.mpi->size() != s.mesh.dp)
@@ -443,11 +445,20 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     RestoreReport rep;
     Manifest m;
     bool restored = false;
+    std::string tried;  // "step N (why); ..." for the error when none is usable
     // The trainer is untouched by a failed candidate (pieces load only once
     // every object read clean): fall back to the previous committed
-    // checkpoint, or, with none left, to the start -- the same bits, only later.
+    // checkpoint. With none left, the user's --resume stops (it never starts
+    // from scratch silently); a supervised restart of its own job starts
+    // over from step 0 -- the same bits, only later.
     auto fall_back = [&](size_t c, int64_t step, const std::string& why) {
-      const int64_t to = c + 1 < candidates.size() ? candidates[c + 1] : 0;
+      tried += (tried.empty() ? "" : "; ") + ("step " + std::to_string(step) + ": " + why);
+      const bool last = c + 1 >= candidates.size();
+      if (last && !opt.resume_fallback_to_start)
+        throw UserError("--resume: no usable committed checkpoint in " + url + " (tried " +
+                        std::to_string(candidates.size()) + ": " + tried +
+                        "); not starting from scratch: fix or remove them, or run without --resume");
+      const int64_t to = last ? 0 : candidates[c + 1];
       std::fprintf(stderr, "restore: checkpoint of step %lld unusable (%s); falling back to %s\n", (long long)step,
                    why.c_str(), to ? ("step " + std::to_string(to)).c_str() : "the start (no older committed checkpoint)");
       fallbacks.push_back({{"step", step}, {"why", why}});
@@ -473,6 +484,12 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
           keys += (keys.empty() ? "" : ", ") + d;
           steps_differ = steps_differ || d.rfind("train.steps ", 0) == 0;
         }
+        // Same keys, same data file name, other fingerprint: the file's bytes changed.
+        if (keys.empty() && !s.data.path.empty())
+          throw UserError("--resume: data.path '" + s.data.path + "' is not the data the checkpoint of step " +
+                          std::to_string(m.step) + " in " + url +
+                          " was trained on: its content changed (the fingerprint covers the file's bytes; "
+                          "fingerprint " + m.fingerprint + ", this run " + r.fingerprint + ")");
         throw UserError("--resume: the checkpoint of step " + std::to_string(m.step) + " in " + url +
                         " was saved by a scenario with other numerics" + (keys.empty() ? "" : ": " + keys) +
                         " (fingerprint " + m.fingerprint + ", this run " + r.fingerprint + ")" +
@@ -480,9 +497,26 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
                                         "stop early with --steps N instead"
                                       : ""));
       }
-      if (m.step >= r.steps)
-        throw UserError("--resume: the checkpoint is at step " + std::to_string(m.step) + ", nothing left of " +
-                        std::to_string(r.steps) + " steps");
+      if (m.step == r.steps) {
+        // The job is done (a requeued job that finished): nothing to train;
+        // the summary is the committed final state.
+        r.already_complete = true;
+        r.resumed_from = r.steps;
+        r.final_state_hash = m.state_hash;
+        r.mesh = s.mesh;
+        r.restore = {{"step", m.step}, {"url", url}, {"mode", "none"}, {"store_bytes_read", 0},
+                     {"checkpoint_bytes", 0}, {"seconds", 0.0}, {"saved_mesh", m.mesh}, {"fallbacks", fallbacks}};
+        if (opt.progress)
+          std::fprintf(stderr, "resume: the checkpoint of step %lld in %s is the final step: nothing left to run\n",
+                       (long long)m.step, url.c_str());
+        if (tracer) tracer->finish(r.final_state_hash, r.steps);
+        r.peak_rss_bytes = peak_rss_bytes();
+        return r;
+      }
+      if (m.step > r.steps)
+        throw UserError("--resume: the checkpoint is at step " + std::to_string(m.step) + ", past the " +
+                        std::to_string(r.steps) + " steps of this run" +
+                        (opt.steps >= 0 ? " (--steps " + std::to_string(opt.steps) + ")" : std::string()));
       try {
         rep = restore_state(*trainer, *from, m, s.ckpt.restore, procs);
         restored = true;
@@ -543,10 +577,15 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
         std::fclose(hb);
       }
     }
+    // A straggler's delay (at step start) is part of the step's time, as a
+    // slow rank's would be: it is timed with the step below.
+    double fault_seconds = 0;
     if (injector) {
+      const auto f0 = std::chrono::steady_clock::now();
       injector->set_step(step + 1);
       for (int rank = 0; rank < trainer->world(); ++rank)
         if (!procs || rank == procs->rank()) injector->at(step + 1, FaultPhase::kStepStart, rank);
+      fault_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count();
     }
     train_batch(corpus, s.seed, step, B, T, batch.data());
     for (const RunOptions::Bump& b : opt.debug_bumps)
@@ -555,7 +594,8 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     auto t0 = std::chrono::steady_clock::now();
     float norm = 0;
     float loss = trainer->train_step(batch.data(), B, step, &norm);
-    const double step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double step_seconds =
+        fault_seconds + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     train_seconds += step_seconds;
     if (step >= start + 2) steady_seconds += step_seconds;
     if (tracer) tracer->end_step(loss, norm, trainer->state_hash());
@@ -670,6 +710,8 @@ nlohmann::json result_json(const RunResult& r) {
   j["bytes_sent_per_rank_per_step"] = r.bytes_sent_per_step;
   j["comm_seconds_per_rank_per_step"] = r.comm_seconds_per_step;
   if (r.resumed_from) j["resumed_from"] = r.resumed_from;
+  // true: --resume found the final step committed and trained nothing (losses empty).
+  j["already_complete"] = r.already_complete;
   if (!r.checkpoint.is_null()) j["checkpoint"] = r.checkpoint;
   if (!r.restore.is_null()) j["restore"] = r.restore;
   if (!r.lease.is_null()) j["lease"] = r.lease;

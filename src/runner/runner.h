@@ -40,6 +40,10 @@ struct RunOptions {
   // (its size must equal mesh.dp). nullptr: ranks are threads of this process.
   class Communicator* mpi = nullptr;
   std::string resume;         // --resume URL[@STEP]: continue from a committed checkpoint
+  // When every committed checkpoint is unusable: false (the user's --resume)
+  // refuses, naming each one; true (a supervised child restarting from its
+  // own job's checkpoints) starts over from step 0 -- the same bits, later.
+  bool resume_fallback_to_start = false;
   // Fault injection (a supervised child): the plan, the faults that already
   // fired in earlier attempts, the supervisor's state and heartbeat files.
   std::vector<FaultSpec> faults;
@@ -102,6 +106,9 @@ struct RunResult {
   std::map<std::string, double> bytes_sent_per_step;  // by collective kind, busiest rank
   double comm_seconds_per_step = 0;  // measured wall time in collectives per step (waits included), slowest rank
   int resumed_from = 0;                       // steps already done by the checkpoint resumed from
+  // --resume found the final step committed: nothing was trained; the
+  // summary (final_state_hash, steps) is the manifest's.
+  bool already_complete = false;
   nlohmann::json checkpoint;                  // saves: stall/upload seconds, bytes
   nlohmann::json restore;                     // store_bytes_read, checkpoint_bytes, seconds
   nlohmann::json restarts;                    // supervised runs: the failure/restore timeline

@@ -14,6 +14,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <set>
 #include <sstream>
@@ -248,6 +249,9 @@ std::string check_faults(const Scenario& s) {
                    [&](size_t a, size_t b) { return s.faults[a].step < s.faults[b].step; });
   int dp = s.mesh.dp;
   std::string dp_from = "mesh.dp = " + show(dp);
+  // The scenario on a shrunk/grown mesh, made once without the fault list:
+  // a copy per shrink/grow fault made a long list quadratic.
+  std::unique_ptr<Scenario> next;
   for (size_t i : order) {
     const FaultSpec& f = s.faults[i];
     const std::string at = "faults[" + std::to_string(i) + "].";
@@ -264,6 +268,9 @@ std::string check_faults(const Scenario& s) {
         return at + "step: no checkpoint is saved after step " + show(f.step) + " (ckpt.every = " +
                show(s.ckpt.every) + "); a fault at phase " + fault_phase_name(f.phase) +
                " fires while its step's checkpoint is saved";
+      if (f.kind == FaultKind::kBitrot && f.step % s.ckpt.every != 0)
+        return at + "step: bitrot corrupts the checkpoint saved after its step, and none is saved after step " +
+               show(f.step) + " (ckpt.every = " + show(s.ckpt.every) + "); use a multiple of ckpt.every";
       if (f.kind == FaultKind::kBitrot && f.step <= s.ckpt.every)
         return at + "step: must be > ckpt.every = " + show(s.ckpt.every) +
                " so that a checkpoint exists to corrupt, got " + show(f.step);
@@ -279,9 +286,13 @@ std::string check_faults(const Scenario& s) {
       // (No direction check: after the restart, the child's mesh.dp already
       // is the new size while the fired fault is still listed.)
       // The new mesh must keep the bits, as mesh.dp itself must.
-      Scenario next = s;
-      next.mesh.dp = f.dp;
-      if (std::string e = find_row("mesh.dp")->check(next); !e.empty())
+      if (!next) {
+        Scenario base = s;
+        base.faults.clear();
+        next = std::make_unique<Scenario>(std::move(base));
+      }
+      next->mesh.dp = f.dp;
+      if (std::string e = find_row("mesh.dp")->check(*next); !e.empty())
         return at + "dp: cannot restart on mesh.dp = " + show(f.dp) + ": " + e;
       dp = f.dp;
       dp_from = "mesh.dp = " + show(dp) + " (after " + kind + " at step " + show(f.step) + ")";
@@ -798,7 +809,7 @@ std::vector<std::string> numerics_differences(const nlohmann::json& a, const nlo
   return out;
 }
 
-std::string scenario_fingerprint(const Scenario& s) {
+std::string scenario_fingerprint(const Scenario& s, const std::string& data_digest) {
   // The numerics: every key except names and the keys that only decide how
   // the work is decomposed (mesh, MoE capacity schedule), which must not
   // change one bit. A run on any mesh shares its single-rank twin's golden.
@@ -813,6 +824,7 @@ std::string scenario_fingerprint(const Scenario& s) {
     if (v == r.info.default_value) continue;
     j[k] = v;
   }
+  if (!s.data.path.empty() && !data_digest.empty()) j["data.path.content_xxh128"] = data_digest;
   const std::string d = j.dump();
   XXH128_canonical_t c;
   XXH128_canonicalFromHash(&c, XXH3_128bits(d.data(), d.size()));

@@ -72,8 +72,11 @@ Scenario scenario_from_json(const nlohmann::json& j, const std::string& origin,
 // (moe.capacity_factor, capacity, group_size, borrow, and policy unless it
 // is drop) -- and less every key at its default value, so adding a key
 // changes no existing fingerprint. Equal numerics, equal fingerprints, on
-// any mesh.
-std::string scenario_fingerprint(const Scenario& s);
+// any mesh. With data.path set, `data_digest` (the XXH3-128 of the file's
+// bytes as the run read them; the runner passes it) joins it, so that a
+// changed byte of the data is other numerics; the built-in synthetic corpus
+// is covered by its keys, and its fingerprints do not change.
+std::string scenario_fingerprint(const Scenario& s, const std::string& data_digest = std::string());
 
 // Every fault the run injects: the scenario's list, then the --fault specs,
 // each checked against the scenario as the list's entries are (a fault that

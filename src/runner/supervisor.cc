@@ -332,8 +332,11 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
         args.insert(args.end(), {"--set", "mesh.replicate=1"});
     }
     // This job's own commits in ckpt.url win once they pass the user's start.
-    if (!committed.empty() && committed.back() > user_resume) args.insert(args.end(), {"--resume", s.ckpt.url});
-    else if (!opt.resume.empty()) args.insert(args.end(), {"--resume", opt.resume});
+    // With every one of them unusable, the job (not a user's --resume) starts over.
+    if (!committed.empty() && committed.back() > user_resume) {
+      args.insert(args.end(), {"--resume", s.ckpt.url});
+      if (opt.resume.empty()) args.push_back("--resume-fallback-start");
+    } else if (!opt.resume.empty()) args.insert(args.end(), {"--resume", opt.resume});
     if (opt.threads > 0) args.insert(args.end(), {"--threads", std::to_string(opt.threads)});
     args.insert(args.end(), opt.extra_args.begin(), opt.extra_args.end());
     ::unlink(hb.c_str());
@@ -387,6 +390,7 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       }
       if (!pending.is_null() && ::stat(hb.c_str(), &st) == 0) {
         pending["time_to_resume_seconds"] = now() - fail_time;
+        pending["resumed"] = true;
         timeline.push_back(pending);
         pending = nullptr;
       }
@@ -403,8 +407,11 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
     // Whatever way the job ended, no rank process of it may live on into the
     // next attempt (or past the supervisor).
     const int orphans_killed = mpi ? kill_session(pid) : 0;
-    if (!pending.is_null()) {  // the child died before its first step
+    if (!pending.is_null()) {  // the child died before its first step: it resumed and replayed nothing
       pending["time_to_resume_seconds"] = nullptr;
+      pending["resumed"] = false;
+      pending["steps_replayed"] = 0;
+      pending["time_to_failure_seconds"] = detected - fail_time;  // what was measured: until it was found dead
       timeline.push_back(pending);
       pending = nullptr;
     }
@@ -454,6 +461,9 @@ SuperviseResult supervise(const SuperviseOptions& opt) {
       for (const std::string& l : new_lines(state, from_start))
         if (l.rfind("fallback", 0) == 0) fallbacks.push_back(l);
       res.summary["restore_fallbacks"] = fallbacks;
+      // A job that leaves a rotten checkpoint committed says so (a restore from it would fall back).
+      res.summary["corrupt_checkpoints"] =
+          corrupt_checkpoints_left(state, *open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint}));
       return res;
     }
     const std::string failure = hung ? "hang (no heartbeat for " + std::to_string((int)opt.heartbeat_timeout) + " s)"

@@ -171,7 +171,30 @@ class FileStore : public ObjectStore {
     CallTimer t(this);
     check_key(key);
     if (::unlink(full(key).c_str()) != 0 && errno != ENOENT && errno != ENOTDIR) fail("unlink", key, errno);
+    // A directory goes with its last object (keep_last's rotations would
+    // otherwise leave one empty step directory per checkpoint, and every
+    // listing would walk them all).
+    remove_empty_parents(fs::path(key).parent_path());
     count_delete();
+  }
+
+  std::vector<std::string> empty_dirs() override {
+    std::vector<std::string> out;
+    std::error_code ec;
+    if (!fs::is_directory(root_, ec)) return out;
+    fs::recursive_directory_iterator it(root_, ec), end;
+    for (; !ec && it != end; it.increment(ec))
+      if (it->is_directory(ec) && !it->is_symlink(ec) && fs::is_empty(it->path(), ec))
+        out.push_back(it->path().lexically_relative(root_).generic_string());
+    std::sort(out.begin(), out.end(), [](const std::string& a, const std::string& b) { return a > b; });
+    return out;
+  }
+
+  void remove_empty_dir(const std::string& path) override {
+    const fs::path p = fs::path(path);
+    if (path.empty() || path.find("..") != std::string::npos || p.is_absolute())
+      throw UserError("store " + url_ + ": '" + path + "' is not a directory inside this store");
+    remove_empty_parents(p);
   }
 
   std::string url() const override { return url_; }
@@ -210,6 +233,14 @@ class FileStore : public ObjectStore {
 
   std::string full(const std::string& key) const { return root_ + "/" + key; }
 
+  // rmdir `dir` (relative to the root) and its parents while they are empty;
+  // rmdir itself refuses a directory that is not, so a concurrent put is
+  // safe (and write_temp recreates a directory removed under it).
+  void remove_empty_parents(fs::path dir) const {
+    for (; !dir.empty() && dir != "." && dir != "/"; dir = dir.parent_path())
+      if (::rmdir((fs::path(root_) / dir).c_str()) != 0) break;
+  }
+
   // Writes data to a fresh temp file next to `path` and fsyncs it.
   std::string write_temp(const std::string& key, const std::string& path, const void* data, size_t n) {
     const std::string parent = fs::path(path).parent_path().string();
@@ -218,7 +249,12 @@ class FileStore : public ObjectStore {
     if (ec) fail("mkdir", key, ec.value());
     const std::string tmp = parent + "/" + kTmpPrefix + std::to_string(::getpid()) + "." +
                             std::to_string(tmp_seq.fetch_add(1));
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    // The directory emptied and removed between the two (remove()'s rmdir): again.
+    for (int i = 0; i < 3 && fd < 0 && errno == ENOENT; ++i) {
+      fs::create_directories(parent, ec);
+      fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    }
     if (fd < 0) fail("create temp file", key, errno);
     const char* p = static_cast<const char*>(data);
     size_t left = n;

@@ -84,6 +84,12 @@ class ObjectStore {
   };
   virtual std::vector<Leftover> stale_leftovers() { return {}; }
   virtual void remove_leftover(const std::string& path) { (void)path; }
+  // Empty directories under the root (the file store; older versions left
+  // one per removed checkpoint), relative paths, deepest first; stores
+  // without directories report none. remove_empty_dir removes one if it is
+  // still empty, and then its parents that became empty (never the root).
+  virtual std::vector<std::string> empty_dirs() { return {}; }
+  virtual void remove_empty_dir(const std::string& path) { (void)path; }
   virtual std::string url() const = 0;
 
   // Updated by every call under metrics_mu; read it with metrics_snapshot()
