@@ -141,3 +141,71 @@ TEST_SUITE("trace") {
     std::filesystem::remove(path);
   }
 }
+
+TEST_SUITE("trace") {
+  TEST_CASE("a trace cut mid-line by a kill diffs as a run that stopped early (exit 4); a torn middle line is an error") {
+    const fs::path full = tmp() / "full.jsonl";
+    REQUIRE(lockstep("run " + scenario().string() + " --quiet --trace " + full.string()) == 0);
+    std::string text;
+    {
+      std::ifstream in(full, std::ios::binary);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      text = ss.str();
+    }
+    auto write = [](const std::string& name, const std::string& bytes) {
+      const fs::path p = tmp() / name;
+      std::ofstream(p, std::ios::binary) << bytes;
+      return p.string();
+    };
+    // Where the line of the n-th record of a kind starts.
+    auto line_of = [&](const std::string& kind, int n) {
+      size_t at = 0;
+      for (int i = 0; i < n; ++i) at = text.find("\"kind\":\"" + kind + "\"", at + 1);
+      REQUIRE(at != std::string::npos);
+      return text.rfind('\n', at) + 1;
+    };
+    auto step_line = [&](int n) { return line_of("step", n); };
+    struct Cut {
+      size_t bytes;
+      int whole_steps;  // steps the cut trace still holds whole
+    };
+    const size_t s3 = step_line(3), s4 = step_line(4), end = line_of("end", 1);
+    const size_t tensor_of_4 = text.find('\n', s3) + 1;  // the first record of step 4
+    const std::vector<Cut> cuts = {
+        {s3 + 20, 2},                                         // inside step 3's step record
+        {tensor_of_4 + 1, 3},                                 // one byte into step 4's first tensor record
+        {text.find('\n', tensor_of_4) + 1 + 57, 3},           // inside step 4's second tensor record
+        {s4 + (text.find('\n', s4) - s4) - 1, 3},             // one byte short of step 4's record's end
+        {end + 10, 4},                                        // inside the end record
+    };
+    const std::string full_s = full.string();
+    for (const Cut& c : cuts) {
+      CAPTURE(c.bytes);
+      REQUIRE(c.bytes < text.size());
+      REQUIRE(text[c.bytes - 1] != '\n');
+      const std::string cut = write("cut.jsonl", text.substr(0, c.bytes));
+      const std::string held = "steps 1-" + std::to_string(c.whole_steps) + " are identical";
+      std::string out;
+      CHECK(lockstep("diff " + cut + " " + full_s, &out) == 4);
+      CHECK(out.find(held) != std::string::npos);
+      CHECK(out.find("was cut off mid-record (a killed run) and is ignored") != std::string::npos);
+      CHECK(lockstep("diff " + full_s + " " + cut, &out) == 4);
+      CHECK(out.find(held) != std::string::npos);
+      CHECK(lockstep("diff --json " + cut + " " + full_s, &out) == 4);
+      const nlohmann::json j = nlohmann::json::parse(out);
+      CHECK(j.at("identical_until_truncation") == true);
+      CHECK(j.at("truncated").at("ends_at") == c.whole_steps);
+      CHECK(j.at("torn").contains("A"));
+      CHECK(lockstep("report " + cut + " " + full_s + " -o " + (tmp() / "cut.html").string(), &out) == 0);
+      CHECK(out.find("identical until one trace ends") != std::string::npos);
+    }
+    // Only the last line may be torn: the same bytes in the middle, or a last
+    // line that a newline ends, are still malformed input.
+    const std::string middle = write("middle.jsonl", text.substr(0, s3 + 20) + "\n" + text.substr(s3));
+    CHECK(lockstep("diff " + middle + " " + full_s) == 2);
+    CHECK(lockstep("report " + middle + " " + full_s + " -o " + (tmp() / "m.html").string()) == 2);
+    const std::string ended = write("ended.jsonl", text.substr(0, s3 + 20) + "\n");
+    CHECK(lockstep("diff " + ended + " " + full_s) == 2);
+  }
+}
