@@ -209,3 +209,57 @@ TEST_SUITE("trace") {
     CHECK(lockstep("diff " + ended + " " + full_s) == 2);
   }
 }
+
+TEST_SUITE("trace") {
+  TEST_CASE("bisect across a mesh difference: the mesh keys are set aside, named, and the rest bisected") {
+    std::string out;
+    CHECK(lockstep("bisect " + scenario().string() + " --set-b mesh.dp=2 --set-b moe.aux_loss_weight=0.02", &out) == 1);
+    CHECK(out.find("mesh keys set aside: mesh.dp=2") != std::string::npos);
+    CHECK(out.find("moe.aux_loss_weight=0.02 alone changes the bits at step 1") != std::string::npos);
+    CHECK(out.find("mesh keys set aside;") != std::string::npos);
+    CHECK(out.find("determinism bug") == std::string::npos);
+    // Both sides on the same multi-rank mesh: traced on one rank.
+    CHECK(lockstep("bisect " + scenario().string() + " --set-a mesh.dp=2 --set-b mesh.dp=2 --set-b moe.aux_loss_weight=0.02",
+                   &out) == 1);
+    CHECK(out.find("mesh set aside: A on mesh dp 2, ep 1, B on mesh dp 2, ep 1") != std::string::npos);
+    CHECK(out.find("moe.aux_loss_weight=0.02 alone changes the bits at step 1") != std::string::npos);
+    // A mesh that keeps the bits: the runs agree.
+    CHECK(lockstep("bisect " + scenario().string() + " --set-b mesh.dp=2", &out) == 0);
+    CHECK(out.find("the runs agree") != std::string::npos);
+  }
+
+  TEST_CASE("bisect: when only mesh keys differ and the bits do, it reports a determinism bug with both hashes") {
+    // A "binary" whose two-rank runs break the contract (it changes the
+    // learning rate when the scenario it is given has mesh.dp 2).
+    const fs::path broken = tmp() / "broken-mesh.sh";
+    std::ofstream(broken) << "#!/bin/sh\nif grep -q '\"dp\": 2' \"$2\"; then exec " << LOCKSTEP_BIN
+                          << " \"$@\" --set train.lr=0.0123; fi\nexec " << LOCKSTEP_BIN << " \"$@\"\n";
+    fs::permissions(broken, fs::perms::owner_all);
+    std::string out;
+    CHECK(lockstep("bisect " + scenario().string() + " --bin-a " + broken.string() + " --bin-b " + broken.string() +
+                       " --set-b mesh.dp=2",
+                   &out) == 1);
+    CAPTURE(out);
+    CHECK(out.find("mesh keys set aside: mesh.dp=2") != std::string::npos);
+    CHECK(out.find("determinism bug: B on mesh dp 2, ep 1 ends on final_state_hash ") != std::string::npos);
+    CHECK(out.find("only the mesh keys (mesh.dp=2) make the runs differ: on one rank both sides end on "
+                   "final_state_hash ") != std::string::npos);
+    CHECK(out.find("the mesh must not change the bits: this is a determinism bug") != std::string::npos);
+  }
+
+  TEST_CASE("bisect removes its temporary directory when one side's run fails") {
+    // Side B's "binary" notes the scenario file it was given (inside the
+    // bisect's directory), then fails.
+    const fs::path log = tmp() / "failing-b.log", failing = tmp() / "failing-b.sh";
+    fs::remove(log);
+    std::ofstream(failing) << "#!/bin/sh\necho \"$2\" >>" << log.string() << "\necho 'no such luck' >&2\nexit 3\n";
+    fs::permissions(failing, fs::perms::owner_all);
+    CHECK(lockstep("bisect " + scenario().string() + " --bin-b " + failing.string()) == 2);
+    std::ifstream in(log);
+    std::string given;
+    REQUIRE(std::getline(in, given));
+    const fs::path dir = fs::path(given).parent_path();
+    CHECK(dir.filename().string().rfind("lockstep-bisect-", 0) == 0);
+    CHECK_FALSE(fs::exists(dir));
+  }
+}
