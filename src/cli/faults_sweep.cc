@@ -43,7 +43,20 @@ std::string tail_since(const fs::path& path, std::uintmax_t from, int max_lines)
 }  // namespace
 
 int cmd_faults_sweep(const SweepArgs& a) {
-  Scenario s = load_scenario(a.scenario, a.sets);
+  // The sweep gives every trial its own ckpt.url (under the scenario's, if it
+  // names one), so a scenario made for sweeps may set ckpt.every alone, which
+  // `run` refuses: it is loaded as the trials load it, with a ckpt.url.
+  Scenario s = [&] {
+    try {
+      return load_scenario(a.scenario, a.sets);
+    } catch (const UserError&) {
+      std::vector<std::string> sets = a.sets;
+      sets.push_back("ckpt.url=/tmp/lockstep-sweep-trial");  // a stand-in: each trial sets its own
+      Scenario t = load_scenario(a.scenario, sets);           // any other error is thrown again here
+      t.ckpt.url.clear();
+      return t;
+    }
+  }();
   if (a.trials < 1) throw UserError("--trials: must be at least 1");
   const bool mpi = a.launcher == "mpi";
   if (a.launcher != "threads" && !mpi) throw UserError("--launcher: 'threads' or 'mpi', got '" + a.launcher + "'");
