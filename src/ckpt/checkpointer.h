@@ -75,6 +75,13 @@ class CheckpointWriter {
   std::vector<SaveRecord> records();
   // Called (on the uploader thread) after a checkpoint's manifest committed.
   void set_commit_hook(std::function<void(int64_t step)> hook) { commit_hook_ = std::move(hook); }
+  // Called once per save when it settles: committed (error empty; bytes are
+  // the object bytes written) or failed (error says why; bytes are those of
+  // the objects it encoded). On the uploader thread, or the training thread
+  // under MPI and for synchronous saves. For the progress line.
+  void set_settled_hook(std::function<void(const SaveRecord& rec, const std::string& error)> hook) {
+    settled_hook_ = std::move(hook);
+  }
 
  private:
   struct Job;
@@ -99,6 +106,8 @@ class CheckpointWriter {
   std::vector<SaveRecord> records_;
   std::vector<std::vector<std::vector<StatePiece>>> spare_;
   std::function<void(int64_t)> commit_hook_;  // staging buffers of finished uploads, for reuse
+  std::function<void(const SaveRecord&, const std::string&)> settled_hook_;
+  void settled(const Job& job, std::exception_ptr error);  // calls settled_hook_
   Communicator* mpi_ = nullptr;
   std::deque<std::shared_ptr<Job>> pending_;  // MPI: saved, not yet committed (oldest first)
 };

@@ -478,6 +478,15 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
         nlohmann::json{{"dp", s.mesh.dp}, {"ep", s.mesh.ep}, {"fsdp", s.mesh.fsdp}, {"replicate", s.mesh.replicate}},
         procs);
     if (injector) writer->set_commit_hook([&injector](int64_t step) { injector->after_commit(step); });
+    if (opt.progress)  // one line per checkpoint, when it settles
+      writer->set_settled_hook([](const SaveRecord& rec, const std::string& error) {
+        if (error.empty())
+          std::fprintf(stderr, "checkpoint step %lld: committed, %llu bytes (upload %.3f s, training stalled %.3f s)\n",
+                       (long long)rec.step, (unsigned long long)rec.bytes, rec.upload_seconds, rec.stall_seconds);
+        else
+          std::fprintf(stderr, "checkpoint step %lld: failed, %llu bytes not committed: %s\n", (long long)rec.step,
+                       (unsigned long long)rec.bytes, error.c_str());
+      });
   }
 
   double train_seconds = 0, steady_seconds = 0;
