@@ -1,5 +1,6 @@
 // lockstep: the command line. Subcommands run, golden, check, keys.
-// Exit codes: 0 ok, 1 a check found different bits, 2 bad input.
+// Exit codes: 0 ok, 1 a check found different bits, 2 bad input, 5 plan /
+// --dry-run: the plan does not fit in the memory available.
 #include <omp.h>
 #include <unistd.h>
 
@@ -70,7 +71,17 @@ void check_output_dir(const std::string& dir) {
   fs::remove(probe, ec);
 }
 
-void print_summary(const RunResult& r, const Scenario& s) {
+// How the mesh's ranks ran, for the summaries: "threads" (every rank a thread
+// of one process) or "mpi" (one process per rank under mpirun).
+std::string launcher_line(const std::string& launcher, int processes, int ranks) {
+  if (launcher == "mpi")
+    return "mpi (" + std::to_string(processes) + " process" + (processes == 1 ? "" : "es") +
+           " under mpirun, one rank each)";
+  return "threads (1 process" +
+         (ranks > 1 ? "; the mesh's " + std::to_string(ranks) + " ranks are threads of it" : std::string()) + ")";
+}
+
+void print_summary(const RunResult& r, const Scenario& s, const std::string& launcher, int processes) {
   std::printf("scenario        %s (%s backend, %d thread%s)\n", r.scenario.c_str(), r.backend.c_str(), r.threads,
               r.threads == 1 ? "" : "s");
   if (!r.device.empty()) std::printf("device          %s\n", r.device.c_str());
@@ -78,9 +89,9 @@ void print_summary(const RunResult& r, const Scenario& s) {
               s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
               s.batch);
   if (s.mesh.dp > 1 || s.mesh.ep > 1 || s.mesh.fsdp)
-    std::printf("mesh            dp %d, ep %d%s%s (simulated ranks in this process)\n", s.mesh.dp, s.mesh.ep,
-                s.mesh.fsdp ? ", fsdp" : "",
+    std::printf("mesh            dp %d, ep %d%s%s\n", s.mesh.dp, s.mesh.ep, s.mesh.fsdp ? ", fsdp" : "",
                 s.mesh.fsdp && s.mesh.replicate > 1 ? (", replicate " + std::to_string(s.mesh.replicate)).c_str() : "");
+  std::printf("launcher        %s\n", launcher_line(launcher, processes, s.mesh.dp).c_str());
   if (s.data.path.empty())
     std::printf("data            synthetic corpus, %llu bytes\n", (unsigned long long)s.data.synthetic_bytes);
   else
@@ -146,7 +157,11 @@ std::vector<std::string> g_args;
   throw UserError(std::string("--launcher mpi: cannot start mpirun: ") + std::strerror(errno));
 }
 
-// plan / run --dry-run: the memory estimate per part, nothing trained.
+// plan / run --dry-run: the memory estimate per part, nothing trained. Exits
+// kExitDoesNotFit when the estimate exceeds the memory available, so that a
+// script (or CI) can gate on it; 2 stays for bad input.
+constexpr int kExitDoesNotFit = 5;
+
 int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
   const MemoryEstimate e = estimate_run_memory(s, opt);
   const uint64_t available = available_memory_bytes();
@@ -160,9 +175,10 @@ int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
                 s.name.c_str(), s.model.d_model, s.model.n_layers, s.model.experts, s.model.top_k, s.batch,
                 s.model.seq_len, s.mesh.dp, s.mesh.ep, s.mesh.fsdp ? " fsdp" : "");
     std::printf("%s", format_memory_estimate(e, available).c_str());
-    if (available && e.total_bytes > available) std::printf("does not fit: `lockstep run` would refuse it\n");
+    if (available && e.total_bytes > available)
+      std::printf("does not fit: `lockstep run` would refuse it (plan exits %d)\n", kExitDoesNotFit);
   }
-  return 0;
+  return available && e.total_bytes > available ? kExitDoesNotFit : 0;
 }
 
 int cmd_run(const RunArgs& a, const char* self) {
@@ -170,6 +186,12 @@ int cmd_run(const RunArgs& a, const char* self) {
   if (a.launcher != "threads" && a.launcher != "mpi")
     throw UserError("--launcher: 'threads' (ranks as threads of this process) or 'mpi' (one process per rank), got '" +
                     a.launcher + "'");
+  // A trace holds one rank: under mpirun every rank process would refuse it
+  // on its own, so a multi-rank mpi run is refused here, once, before mpirun.
+  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.trace.empty() && s.mesh.dp > 1)
+    throw UserError("--trace: not available with --launcher mpi on mesh.dp = " + std::to_string(s.mesh.dp) +
+                    " (a trace holds one rank); trace the same scenario with --launcher threads and --set mesh.dp=1, "
+                    "which must give the same bits");
   const std::vector<FaultSpec> faults = planned_faults(s, a.faults, a.steps);
   const bool child = !a.fault_state.empty();
   const bool supervised = !child && (a.supervise || !faults.empty());
@@ -228,6 +250,11 @@ int cmd_run(const RunArgs& a, const char* self) {
       const nlohmann::json& losses = r.summary["losses"];
       std::printf("supervised      %d attempt%s, %zu restart%s\n", r.summary.value("attempts", 1),
                   r.summary.value("attempts", 1) == 1 ? "" : "s", n, n == 1 ? "" : "s");
+      if (r.summary.contains("launcher"))  // the last attempt's
+        std::printf("launcher        %s\n", launcher_line(r.summary.value("launcher", ""),
+                                                          r.summary.value("processes", 1),
+                                                          r.summary.value("mesh", nlohmann::json::object())
+                                                              .value("dp", s.mesh.dp)).c_str());
       if (!losses.empty())
         std::printf("loss            %.4f -> %.4f nats/byte over steps %d-%d\n", losses.front().get<double>(),
                     losses.back().get<double>(), r.summary.value("losses_first_step", 1),
@@ -280,6 +307,10 @@ int cmd_run(const RunArgs& a, const char* self) {
   RunResult r = run_scenario(s, opt);
   if (!report) return 0;
   nlohmann::json j = result_json(r);
+  const std::string launcher = opt.mpi ? "mpi" : "threads";
+  const int processes = opt.mpi ? opt.mpi->size() : 1;
+  j["launcher"] = launcher;
+  j["processes"] = processes;
   if (!a.out_dir.empty()) {
     fs::create_directories(a.out_dir);
     write_file_atomic((fs::path(a.out_dir) / "summary.json").string(), j.dump(2) + "\n");
@@ -288,7 +319,7 @@ int cmd_run(const RunArgs& a, const char* self) {
   if (a.json) {
     std::printf("%s\n", j.dump().c_str());
   } else {
-    print_summary(r, s);
+    print_summary(r, s, launcher, processes);
   }
   return 0;
 }
@@ -613,7 +644,8 @@ int main(int argc, char** argv) {
   run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");
   run->add_flag("--progress", ra.progress, "progress lines on stderr even when it is not a terminal");
   run->add_flag("--quiet", ra.quiet, "no progress lines");
-  run->add_flag("--dry-run", ra.dry_run, "print the memory estimate per part (as `plan`) and train nothing");
+  run->add_flag("--dry-run", ra.dry_run,
+                "print the memory estimate per part (as `plan`) and train nothing; exit 5 when it does not fit");
   run->add_flag("--profile-ops", ra.profile_ops,
                 "time each kind of op (GEMM, weight gradients, attention, softmax, norms, MoE dispatch and combine, "
                 "AdamW, gradient norm): op_seconds in the --json summary, thread-seconds over the training steps");
@@ -637,7 +669,8 @@ int main(int argc, char** argv) {
 
   RunArgs pa;
   auto* plan = app.add_subcommand("plan", "estimate a scenario's memory per part (weights, moments, activations, MoE "
-                                          "buffers, checkpoint staging) against what is available; trains nothing");
+                                          "buffers, checkpoint staging) against what is available; trains nothing "
+                                          "(exit 0 fits, 5 does not fit, 2 bad input)");
   plan->add_option("scenario", pa.scenario, "scenario JSON file")->required();
   plan->add_option("--set", pa.sets, "override a scenario key: dotted.key=value (repeatable)");
   plan->add_option("--threads", pa.threads, "worker threads the run would use")->check(CLI::Range(1, 1024));
@@ -681,7 +714,8 @@ int main(int argc, char** argv) {
   BisectArgs ba;
   auto* bisect = app.add_subcommand(
       "bisect", "two runs that disagree -> first divergent step/op/tensor/element and the smallest set of "
-                "differences (config keys, backend, binary, threads) that causes it (exit 0 agree, 1 differ)");
+                "differences (config keys, backend, binary, threads) that causes it (exit 0 agree, 1 differ); "
+                "mesh keys are set aside and both sides compared on one rank (docs/TRACE.md)");
   bisect->add_option("scenario_a", ba.scenario_a, "scenario of run A")->required();
   bisect->add_option("scenario_b", ba.scenario_b, "scenario of run B (default: the same)");
   bisect->add_option("--set-a", ba.sets_a, "override for run A: dotted.key=value (repeatable)");
