@@ -272,3 +272,104 @@ TEST_SUITE("cli") {
     CHECK(r.err.find(" bytes not committed: store file:///proc/lockstep-no-such-dir") != std::string::npos);
   }
 }
+
+namespace {
+
+// What a JUnit file holds, read by Python's XML parser (which refuses a
+// malformed document): "<testcases> <failures> <tests attr> <failures attr>"
+// on the first line, then "type|message" per failure.
+std::string junit_summary(const fs::path& xml) {
+  const fs::path out = temp_dir() / "junit-summary.txt";
+  const std::string script =
+      "import sys, xml.etree.ElementTree as E\n"
+      "r = E.parse(sys.argv[1]).getroot()\n"
+      "cases = r.findall('.//testcase'); fails = r.findall('.//testcase/failure')\n"
+      "print(len(cases), len(fails), r.get('tests'), r.get('failures'))\n"
+      "for f in fails: print(f.get('type') + '|' + f.get('message'))\n";
+  const fs::path py = write("junit_summary.py", script);
+  const int rc = std::system(("/usr/bin/python3 " + py.string() + " " + xml.string() + " >" + out.string()).c_str());
+  return rc == 0 ? slurp(out) : "unreadable (python3 exit " + std::to_string(rc) + ")";
+}
+
+}  // namespace
+
+TEST_SUITE("cli") {
+  TEST_CASE("check --json and --junit: one test case per scenario; a failure names the first differing step and field") {
+    // top1 with one loss bit flipped at step 3, aux_z as it is.
+    fs::path gdir = temp_dir() / "golden-junit";
+    fs::remove_all(gdir);
+    fs::create_directories(gdir);
+    nlohmann::json g = nlohmann::json::parse(slurp(kRoot / "golden" / "top1.json"));
+    std::string bits = g["loss_bits"][2];
+    const std::string good = bits;
+    bits.back() = bits.back() == '0' ? '1' : '0';
+    g["loss_bits"][2] = bits;
+    std::ofstream(gdir / "top1.json") << g.dump(2);
+    fs::copy_file(kRoot / "golden" / "aux_z.json", gdir / "aux_z.json");
+    const fs::path xml = temp_dir() / "check.xml";
+    fs::remove(xml);
+    Result r = run("check " + (kRoot / "scenarios" / "top1.json").string() + " " +
+                   (kRoot / "scenarios" / "aux_z.json").string() + " --golden-dir " + gdir.string() +
+                   " --json --junit " + xml.string());
+    CAPTURE(r.err);
+    CHECK(r.rc == 1);
+    const nlohmann::json j = nlohmann::json::parse(last_line(r.out));
+    CHECK(r.out.find("FAIL") == std::string::npos);  // --json: the object alone
+    CHECK(j.at("scenarios") == 2);
+    CHECK(j.at("failed") == 1);
+    REQUIRE(j.at("results").size() == 2);
+    const nlohmann::json& top1 = j["results"][0];
+    CHECK(top1.at("name") == "top1");
+    CHECK(top1.at("ok") == false);
+    CHECK(top1.at("failure").at("step") == 3);
+    CHECK(top1.at("failure").at("field") == "loss_bits");
+    CHECK(top1.at("failure").at("golden") == bits);
+    CHECK(top1.at("failure").at("now") == good);
+    CHECK(j["results"][1].at("ok") == true);
+    CHECK(j["results"][1].at("failure").is_null());
+
+    const std::string summary = junit_summary(xml);
+    CAPTURE(summary);
+    CHECK(summary.rfind("2 1 2 1\n", 0) == 0);
+    CHECK(summary.find("loss_bits|step 3: loss_bits differ: golden " + bits) != std::string::npos);
+    const std::string text = slurp(xml);
+    CHECK(text.find("<testcase classname=\"lockstep.check.aux_z\" name=\"aux_z.json\"") != std::string::npos);
+    CHECK(text.find("step: 3\nfield: loss_bits\n") != std::string::npos);
+
+    // A path that cannot be written is refused before anything runs.
+    r = run("check " + (kRoot / "scenarios" / "top1.json").string() + " --junit /proc/lockstep-no/x.xml");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--junit /proc/lockstep-no/x.xml") != std::string::npos);
+    CHECK(r.out.empty());
+  }
+
+  TEST_CASE("faults sweep --json and --junit: one test case per trial; a failed trial is a failure") {
+    const std::string sweep = "faults sweep " + (kRoot / "scenarios" / "sweep_tiny.json").string();
+    const fs::path xml = temp_dir() / "sweep.xml";
+    fs::remove(xml);
+    Result r = run(sweep + " --trials 3 --json --junit " + xml.string());
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    const nlohmann::json j = nlohmann::json::parse(last_line(r.out));
+    CHECK(j.at("trials") == 3);
+    CHECK(j.at("matches") == 3);
+    REQUIRE(j.at("results").size() == 3);
+    for (const nlohmann::json& t : j["results"]) {
+      CHECK(t.at("outcome") == "golden");
+      CHECK(t.at("final_state_hash") == j.at("golden"));
+      CHECK(t.at("faults").size() >= 1);
+    }
+    CHECK(junit_summary(xml).rfind("3 0 3 0\n", 0) == 0);
+    // Every trial fails: its store cannot be written.
+    r = run(sweep + " --trials 2 --set ckpt.url=/proc/lockstep-no-such-dir --json --junit " + xml.string());
+    CHECK(r.rc == 1);
+    const nlohmann::json f = nlohmann::json::parse(last_line(r.out));
+    CHECK(f.at("failed") == 2);
+    CHECK(f["results"][0].at("outcome") == "failed");
+    CHECK(f["results"][0].at("failure").at("field") == "run");
+    const std::string summary = junit_summary(xml);
+    CAPTURE(summary);
+    CHECK(summary.rfind("2 2 2 2\n", 0) == 0);
+    CHECK(summary.find("run|the supervised run failed (exit 3)") != std::string::npos);
+  }
+}

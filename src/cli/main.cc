@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include "cli/bisect.h"
 #include "cli/self_exe.h"
 #include "cli/faults_sweep.h"
+#include "cli/junit.h"
 #include "cluster/mpi.h"
 #include "contract.h"
 #include "common/error.h"
@@ -370,7 +372,43 @@ struct CheckArgs {
   int threads = 0;
   std::string backend = "engine";
   std::string launcher = "threads";
+  bool json = false;  // one JSON object on stdout instead of the lines
+  std::string junit;  // write JUnit XML here
 };
+
+// What `check` found for one scenario, for --json and --junit.
+struct CheckOutcome {
+  nlohmann::json results = nlohmann::json::array();
+  std::vector<JUnitCase> cases;
+
+  void add(const Scenario& s, const std::string& spath, const std::string& gpath, double seconds,
+           const GoldenMismatch& m, nlohmann::json detail) {
+    detail["name"] = s.name;
+    detail["scenario"] = spath;
+    detail["golden"] = gpath;
+    detail["ok"] = !m.differs();
+    detail["seconds"] = seconds;
+    detail["failure"] = m.differs() ? m.to_json() : nlohmann::json(nullptr);
+    results.push_back(std::move(detail));
+    JUnitCase c;
+    c.classname = "lockstep.check." + s.name;
+    c.name = fs::path(spath).filename().string();
+    c.seconds = seconds;
+    if (m.differs()) {
+      c.failed = true;
+      c.failure_type = m.field;
+      c.failure_message = m.message;
+      c.failure_text = (m.step ? "step: " + std::to_string(m.step) + "\n" : std::string()) + "field: " + m.field +
+                       "\ngolden: " + m.golden + "\nnow: " + m.now + "\ngolden file: " + gpath +
+                       "\nscenario: " + spath + "\n";
+    }
+    cases.push_back(std::move(c));
+  }
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 // A mesh variant run as `mpirun -np mesh.dp lockstep run` (check --launcher
 // mpi): its summary, as the RunResult compare_golden reads. Throws UserError
@@ -454,11 +492,14 @@ int cmd_check(const CheckArgs& a) {
       work.push_back({(fs::path(a.golden_dir) / (s.name + ".json")).string(), sc});
     }
   }
+  if (!a.junit.empty()) check_junit_path(a.junit);
+  CheckOutcome outcome;
   int failed = 0;
   const bool tty = isatty(2);  // a long check shows which scenario runs
   size_t index = 0;
   for (auto& [gpath, spath] : work) {
     ++index;
+    const auto t0 = std::chrono::steady_clock::now();
     if (tty) std::fprintf(stderr, "check [%zu/%zu] %s\n", index, work.size(), fs::path(spath).filename().c_str());
     nlohmann::json g = read_json_file(gpath);
     Scenario s = load_scenario(spath, {});
@@ -483,19 +524,54 @@ int cmd_check(const CheckArgs& a) {
       const std::string got = r.summary.value("final_state_hash", "");
       const size_t restarts = r.summary.value("restarts", nlohmann::json::array()).size();
       const std::string fp = scenario_fingerprint(s);
-      std::string why;
-      if (r.exit_code != 0) why = r.error;
-      else if (fp != g.value("fingerprint", "")) why = "scenario fingerprint differs from the twin's golden file";
-      else if (got != g.value("final_state_hash", "")) why = "final_state_hash " + got + " differs from the golden";
-      if (why.empty()) {
-        std::printf("ok    %-16s %-28s %zu restart%s%s, final_state_hash %s\n", s.name.c_str(),
-                    fs::path(spath).filename().string().c_str(), restarts, restarts == 1 ? "" : "s",
-                    processes ? (", " + std::to_string(s.mesh.dp) + " processes").c_str() : "", got.c_str());
+      GoldenMismatch m;
+      if (r.exit_code != 0) {
+        m.field = "run";
+        m.golden = "exit 0";
+        m.now = "exit " + std::to_string(r.exit_code);
+        m.message = r.error.empty() ? "the supervised run failed (exit " + std::to_string(r.exit_code) + ")" : r.error;
+      } else if (fp != g.value("fingerprint", "")) {
+        m.field = "fingerprint";
+        m.golden = g.value("fingerprint", "");
+        m.now = fp;
+        m.message = "scenario fingerprint differs from the twin's golden file";
+      } else if (got != g.value("final_state_hash", "")) {
+        m.step = s.steps;
+        m.field = "final_state_hash";
+        m.golden = g.value("final_state_hash", "");
+        m.now = got;
+        m.message = "final_state_hash " + got + " differs from the golden";
+        // Where it parted: the first loss the restarted job got other bits for.
+        const nlohmann::json want = g.value("loss_bits", nlohmann::json::array()),
+                             bits = r.summary.value("loss_bits", nlohmann::json::array());
+        const int first = r.summary.value("losses_first_step", 1);
+        for (size_t i = 0; i < bits.size(); ++i) {
+          const size_t at = (size_t)first - 1 + i;
+          if (first < 1 || at >= want.size() || bits[i] == want[at]) continue;
+          m.step = (int)at + 1;
+          m.field = "loss_bits";
+          m.golden = want[at].get<std::string>();
+          m.now = bits[i].get<std::string>();
+          m.message = "step " + std::to_string(m.step) + ": loss_bits differ: golden " + m.golden + ", now " + m.now +
+                      " (final_state_hash " + got + " differs from the golden)";
+          break;
+        }
+      }
+      outcome.add(s, spath, gpath, seconds_since(t0), m,
+                  {{"kind", "faults"}, {"launcher", processes ? "mpi" : "threads"},
+                   {"processes", processes ? s.mesh.dp : 1}, {"restarts", restarts}, {"final_state_hash", got},
+                   {"logs", m.differs() ? nlohmann::json(tmpl) : nlohmann::json(nullptr)}});
+      if (!m.differs()) {
+        if (!a.json)
+          std::printf("ok    %-16s %-28s %zu restart%s%s, final_state_hash %s\n", s.name.c_str(),
+                      fs::path(spath).filename().string().c_str(), restarts, restarts == 1 ? "" : "s",
+                      processes ? (", " + std::to_string(s.mesh.dp) + " processes").c_str() : "", got.c_str());
         fs::remove_all(tmpl);
       } else {
         ++failed;
-        std::printf("FAIL  %-16s %s: %s (logs in %s)\n", s.name.c_str(), fs::path(spath).filename().string().c_str(),
-                    why.c_str(), tmpl);
+        if (!a.json)
+          std::printf("FAIL  %-16s %s: %s (logs in %s)\n", s.name.c_str(),
+                      fs::path(spath).filename().string().c_str(), m.message.c_str(), tmpl);
       }
       continue;
     }
@@ -507,26 +583,38 @@ int cmd_check(const CheckArgs& a) {
     opt.eval = false;
     const bool processes = a.launcher == "mpi" && s.mesh.dp > 1;
     RunResult r;
-    std::string diff;
+    GoldenMismatch m;
     try {
       r = processes ? run_under_mpirun(spath, s, a.threads) : run_scenario(s, opt);
-      diff = compare_golden(g, r);
+      m = golden_mismatch(g, r);
     } catch (const UserError& e) {
       if (!processes) throw;
-      diff = e.what();  // one failing variant, reported; the others still run
+      m.field = "run";  // one failing variant, reported; the others still run
+      m.message = e.what();
     }
-    if (diff.empty()) {
-      std::printf("ok    %-16s %-28s %d steps, %s, final_state_hash %s\n", s.name.c_str(),
-                  fs::path(spath).filename().string().c_str(), r.steps,
-                  processes ? (std::to_string(s.mesh.dp) + " processes").c_str()
-                            : (std::to_string(r.threads) + " threads").c_str(),
-                  r.final_state_hash.c_str());
+    outcome.add(s, spath, gpath, seconds_since(t0), m,
+                {{"kind", "golden"}, {"launcher", processes ? "mpi" : "threads"},
+                 {"processes", processes ? s.mesh.dp : 1}, {"threads", r.threads}, {"steps", r.steps},
+                 {"final_state_hash", r.final_state_hash}});
+    if (!m.differs()) {
+      if (!a.json)
+        std::printf("ok    %-16s %-28s %d steps, %s, final_state_hash %s\n", s.name.c_str(),
+                    fs::path(spath).filename().string().c_str(), r.steps,
+                    processes ? (std::to_string(s.mesh.dp) + " processes").c_str()
+                              : (std::to_string(r.threads) + " threads").c_str(),
+                    r.final_state_hash.c_str());
     } else {
       ++failed;
-      std::printf("FAIL  %-16s %s (golden %s)\n", s.name.c_str(), diff.c_str(), gpath.c_str());
+      if (!a.json) std::printf("FAIL  %-16s %s (golden %s)\n", s.name.c_str(), m.message.c_str(), gpath.c_str());
     }
   }
-  std::printf("check: %zu scenario%s, %d failed\n", work.size(), work.size() == 1 ? "" : "s", failed);
+  if (a.json)
+    std::printf("%s\n", nlohmann::json{{"scenarios", work.size()}, {"failed", failed}, {"results", outcome.results}}
+                             .dump()
+                             .c_str());
+  else
+    std::printf("check: %zu scenario%s, %d failed\n", work.size(), work.size() == 1 ? "" : "s", failed);
+  if (!a.junit.empty()) write_junit(a.junit, "lockstep check", outcome.cases);
   return failed ? 1 : 0;
 }
 
@@ -693,6 +781,12 @@ int main(int argc, char** argv) {
   check->add_option("--backend", ca.backend, "engine, reference, cuda-emulated or cuda");
   check->add_option("--launcher", ca.launcher,
                     "threads (default) or mpi: run each multi-rank variant as mpirun -np mesh.dp, one process per rank");
+  check->add_flag("--json", ca.json,
+                  "print one JSON object instead of the lines: per scenario ok, and for a failure the first differing "
+                  "step and field with both values");
+  check->add_option("--junit", ca.junit,
+                    "also write JUnit XML here for CI: one test case per scenario or variant, a failure naming the "
+                    "first differing step and field");
 
   std::string diff_a, diff_b;
   bool diff_json_out = false;
@@ -758,6 +852,12 @@ int main(int argc, char** argv) {
   sweep->add_flag("--store-faults", sa.store_faults, "also inject transient store errors in some trials");
   sweep->add_flag("--keep", sa.keep, "keep the trial checkpoints (no gc)");
   sweep->add_option("--threads", sa.threads, "threads per run")->check(CLI::Range(1, 1024));
+  sweep->add_flag("--json", sa.json,
+                  "print one JSON object instead of the counts: the counts and, per trial, its faults, outcome and "
+                  "for a failure the first differing step and field");
+  sweep->add_option("--junit", sa.junit,
+                    "also write JUnit XML here for CI: one test case per trial, a failure naming the first differing "
+                    "step and field");
   sweep->add_option("--launcher", sa.launcher,
                     "threads (default: ranks are threads of each run's process) or mpi (each trial an mpirun job, one "
                     "process per rank; kills hit random rank processes)");
