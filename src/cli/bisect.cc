@@ -271,7 +271,9 @@ int cmd_bisect(const BisectArgs& a) {
                   aside.c_str(), meshes.c_str());
     const Side A1 = single_rank(A), B1 = single_rank(B);
     say("running both sides on one rank");
-    const Child ca1 = must(r, A1, steps, "A (one rank)"), cb1 = must(r, B1, steps, "B (one rank)");
+    // (A side already on one rank is its own twin.)
+    const Child ca1 = multi_rank(A.resolved) ? must(r, A1, steps, "A (one rank)") : ca,
+                cb1 = multi_rank(B.resolved) ? must(r, B1, steps, "B (one rank)") : cb;
     // Each side against its own single-rank twin: the mesh must keep the bits.
     bool mesh_bug = false;
     for (auto [name, side, full, one] : {std::tuple{"A", &A, &ca, &ca1}, std::tuple{"B", &B, &cb, &cb1}})
