@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_run.h"
+#include "cluster/mpi.h"
 
 namespace fs = std::filesystem;
 
@@ -25,6 +26,12 @@ using lstest::slurp;
 inline fs::path temp_dir() { return lstest::cli_temp_dir(); }
 inline Result run(const std::string& args) { return lstest::run_cli(args); }
 inline fs::path write(const std::string& name, const std::string& text) { return lstest::write_temp(name, text); }
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
 
 std::string last_line(const std::string& s) {
   std::string t = s;
@@ -164,5 +171,205 @@ TEST_SUITE("cli") {
     r = run("keys");
     CHECK(r.rc == 0);
     CHECK(r.out.find("moe.top_k") != std::string::npos);
+  }
+}
+
+TEST_SUITE("cli") {
+  TEST_CASE("the summary names the launcher and the number of processes, text and --json") {
+    fs::path sc = write("tiny.json", kTiny);
+    Result r = run("run " + sc.string() + " --quiet --set mesh.dp=2");
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("launcher        threads (1 process; the mesh's 2 ranks are threads of it)\n") != std::string::npos);
+    CHECK(r.out.find("simulated ranks") == std::string::npos);
+    r = run("run " + sc.string() + " --quiet --json");
+    REQUIRE(r.rc == 0);
+    nlohmann::json j = nlohmann::json::parse(last_line(r.out));
+    CHECK(j.at("launcher") == "threads");
+    CHECK(j.at("processes") == 1);
+    if (!ls::mpi_available()) return;
+    r = run("run " + sc.string() + " --quiet --threads 1 --launcher mpi --set mesh.dp=2");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("launcher        mpi (2 processes under mpirun, one rank each)\n") != std::string::npos);
+    CHECK(r.out.find("simulated ranks") == std::string::npos);
+    CHECK(r.out.find("in this process") == std::string::npos);
+    r = run("run " + sc.string() + " --quiet --threads 1 --launcher mpi --set mesh.dp=2 --json");
+    REQUIRE(r.rc == 0);
+    j = nlohmann::json::parse(last_line(r.out));
+    CHECK(j.at("launcher") == "mpi");
+    CHECK(j.at("processes") == 2);
+  }
+
+  TEST_CASE("--trace with --launcher mpi on a multi-rank mesh is refused once, before mpirun starts") {
+    fs::path sc = write("tiny.json", kTiny);
+    const fs::path trace = temp_dir() / "mpi-trace.jsonl";
+    fs::remove(trace);
+    Result r = run("run " + sc.string() + " --quiet --launcher mpi --set mesh.dp=2 --trace " + trace.string());
+    CAPTURE(r.err);
+    CHECK(r.rc == 2);
+    CHECK(count(r.err, "--trace") == 1);
+    CHECK(count(r.err, "\n") == 1);  // one error line: no rank, no mpirun said anything
+    CHECK(r.err.find("--launcher mpi on mesh.dp = 2") != std::string::npos);
+    CHECK(r.out.empty());
+    CHECK_FALSE(fs::exists(trace));
+  }
+
+  TEST_CASE("a scenario that sets only one of ckpt.url and ckpt.every is refused naming both") {
+    fs::path sc = write("tiny.json", kTiny);
+    const std::string dir = (temp_dir() / "one-sided").string();
+    fs::remove_all(dir);
+    for (const std::string& set : {std::string("ckpt.every=2"), "ckpt.url=" + dir}) {
+      CAPTURE(set);
+      Result r = run("run " + sc.string() + " --quiet --set " + set);
+      CHECK(r.rc == 2);
+      CHECK(r.err.find("ckpt.url") != std::string::npos);
+      CHECK(r.err.find("ckpt.every") != std::string::npos);
+      CHECK(r.err.find("no checkpoint would be saved") != std::string::npos);
+      CHECK(r.out.empty());
+      CHECK(run("plan " + sc.string() + " --set " + set).rc == 2);
+    }
+    CHECK_FALSE(fs::exists(dir));
+    // In the file: named there.
+    nlohmann::json only_every = nlohmann::json::parse(kTiny);
+    only_every["ckpt"] = {{"every", 2}};
+    Result r = run("run " + write("only-every.json", only_every.dump()).string() + " --quiet");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("only-every.json: ckpt.every: is 2 but ckpt.url is empty") != std::string::npos);
+    // Both, or neither with --resume URL (restores, saves nothing): fine.
+    REQUIRE(run("run " + sc.string() + " --quiet --set ckpt.every=2 --set ckpt.url=" + dir).rc == 0);
+    r = run("run " + sc.string() + " --quiet --json --resume " + dir + "@2");
+    CAPTURE(r.err);
+    CHECK(r.rc == 0);
+    CHECK(nlohmann::json::parse(last_line(r.out)).at("resumed_from") == 2);
+  }
+
+  TEST_CASE("--progress prints one line per checkpoint: the step, the bytes, committed or failed") {
+    fs::path sc = write("tiny.json", kTiny);
+    const std::string dir = (temp_dir() / "progress-ckpt").string();
+    fs::remove_all(dir);
+    Result r = run("run " + sc.string() + " --progress --json --set ckpt.every=1 --set ckpt.url=" + dir);
+    REQUIRE(r.rc == 0);
+    const nlohmann::json saves = nlohmann::json::parse(last_line(r.out)).at("checkpoint").at("saves");
+    REQUIRE(saves.size() == 3);
+    for (int step = 1; step <= 3; ++step) {
+      CAPTURE(step);
+      const std::string head = "checkpoint step " + std::to_string(step) + ": ";
+      CHECK(count(r.err, head) == 1);
+      CHECK(r.err.find(head + "committed, " + std::to_string(saves[step - 1].at("bytes").get<uint64_t>()) +
+                       " bytes (upload ") != std::string::npos);
+    }
+    // Without --progress (not a terminal): no such line.
+    fs::remove_all(dir);
+    r = run("run " + sc.string() + " --set ckpt.every=1 --set ckpt.url=" + dir);
+    REQUIRE(r.rc == 0);
+    CHECK(r.err.find("checkpoint step") == std::string::npos);
+    // A save that cannot be written says so, once.
+    r = run("run " + sc.string() + " --progress --set ckpt.async=false --set ckpt.every=2 --set "
+            "ckpt.url=/proc/lockstep-no-such-dir");
+    CHECK(r.rc == 3);
+    CHECK(count(r.err, "checkpoint step 2: ") == 1);
+    CHECK(r.err.find("checkpoint step 2: failed, ") != std::string::npos);
+    CHECK(r.err.find(" bytes not committed: store file:///proc/lockstep-no-such-dir") != std::string::npos);
+  }
+}
+
+namespace {
+
+// What a JUnit file holds, read by Python's XML parser (which refuses a
+// malformed document): "<testcases> <failures> <tests attr> <failures attr>"
+// on the first line, then "type|message" per failure.
+std::string junit_summary(const fs::path& xml) {
+  const fs::path out = temp_dir() / "junit-summary.txt";
+  const std::string script =
+      "import sys, xml.etree.ElementTree as E\n"
+      "r = E.parse(sys.argv[1]).getroot()\n"
+      "cases = r.findall('.//testcase'); fails = r.findall('.//testcase/failure')\n"
+      "print(len(cases), len(fails), r.get('tests'), r.get('failures'))\n"
+      "for f in fails: print(f.get('type') + '|' + f.get('message'))\n";
+  const fs::path py = write("junit_summary.py", script);
+  const int rc = std::system(("/usr/bin/python3 " + py.string() + " " + xml.string() + " >" + out.string()).c_str());
+  return rc == 0 ? slurp(out) : "unreadable (python3 exit " + std::to_string(rc) + ")";
+}
+
+}  // namespace
+
+TEST_SUITE("cli") {
+  TEST_CASE("check --json and --junit: one test case per scenario; a failure names the first differing step and field") {
+    // top1 with one loss bit flipped at step 3, aux_z as it is.
+    fs::path gdir = temp_dir() / "golden-junit";
+    fs::remove_all(gdir);
+    fs::create_directories(gdir);
+    nlohmann::json g = nlohmann::json::parse(slurp(kRoot / "golden" / "top1.json"));
+    std::string bits = g["loss_bits"][2];
+    const std::string good = bits;
+    bits.back() = bits.back() == '0' ? '1' : '0';
+    g["loss_bits"][2] = bits;
+    std::ofstream(gdir / "top1.json") << g.dump(2);
+    fs::copy_file(kRoot / "golden" / "aux_z.json", gdir / "aux_z.json");
+    const fs::path xml = temp_dir() / "check.xml";
+    fs::remove(xml);
+    Result r = run("check " + (kRoot / "scenarios" / "top1.json").string() + " " +
+                   (kRoot / "scenarios" / "aux_z.json").string() + " --golden-dir " + gdir.string() +
+                   " --json --junit " + xml.string());
+    CAPTURE(r.err);
+    CHECK(r.rc == 1);
+    const nlohmann::json j = nlohmann::json::parse(last_line(r.out));
+    CHECK(r.out.find("FAIL") == std::string::npos);  // --json: the object alone
+    CHECK(j.at("scenarios") == 2);
+    CHECK(j.at("failed") == 1);
+    REQUIRE(j.at("results").size() == 2);
+    const nlohmann::json& top1 = j["results"][0];
+    CHECK(top1.at("name") == "top1");
+    CHECK(top1.at("ok") == false);
+    CHECK(top1.at("failure").at("step") == 3);
+    CHECK(top1.at("failure").at("field") == "loss_bits");
+    CHECK(top1.at("failure").at("golden") == bits);
+    CHECK(top1.at("failure").at("now") == good);
+    CHECK(j["results"][1].at("ok") == true);
+    CHECK(j["results"][1].at("failure").is_null());
+
+    const std::string summary = junit_summary(xml);
+    CAPTURE(summary);
+    CHECK(summary.rfind("2 1 2 1\n", 0) == 0);
+    CHECK(summary.find("loss_bits|step 3: loss_bits differ: golden " + bits) != std::string::npos);
+    const std::string text = slurp(xml);
+    CHECK(text.find("<testcase classname=\"lockstep.check.aux_z\" name=\"aux_z.json\"") != std::string::npos);
+    CHECK(text.find("step: 3\nfield: loss_bits\n") != std::string::npos);
+
+    // A path that cannot be written is refused before anything runs.
+    r = run("check " + (kRoot / "scenarios" / "top1.json").string() + " --junit /proc/lockstep-no/x.xml");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--junit /proc/lockstep-no/x.xml") != std::string::npos);
+    CHECK(r.out.empty());
+  }
+
+  TEST_CASE("faults sweep --json and --junit: one test case per trial; a failed trial is a failure") {
+    const std::string sweep = "faults sweep " + (kRoot / "scenarios" / "sweep_tiny.json").string();
+    const fs::path xml = temp_dir() / "sweep.xml";
+    fs::remove(xml);
+    Result r = run(sweep + " --trials 3 --json --junit " + xml.string());
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    const nlohmann::json j = nlohmann::json::parse(last_line(r.out));
+    CHECK(j.at("trials") == 3);
+    CHECK(j.at("matches") == 3);
+    REQUIRE(j.at("results").size() == 3);
+    for (const nlohmann::json& t : j["results"]) {
+      CHECK(t.at("outcome") == "golden");
+      CHECK(t.at("final_state_hash") == j.at("golden"));
+      CHECK(t.at("faults").size() >= 1);
+    }
+    CHECK(junit_summary(xml).rfind("3 0 3 0\n", 0) == 0);
+    // Every trial fails: its store cannot be written.
+    r = run(sweep + " --trials 2 --set ckpt.url=/proc/lockstep-no-such-dir --json --junit " + xml.string());
+    CHECK(r.rc == 1);
+    const nlohmann::json f = nlohmann::json::parse(last_line(r.out));
+    CHECK(f.at("failed") == 2);
+    CHECK(f["results"][0].at("outcome") == "failed");
+    CHECK(f["results"][0].at("failure").at("field") == "run");
+    const std::string summary = junit_summary(xml);
+    CAPTURE(summary);
+    CHECK(summary.rfind("2 2 2 2\n", 0) == 0);
+    CHECK(summary.find("run|the supervised run failed (exit 3)") != std::string::npos);
   }
 }

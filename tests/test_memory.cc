@@ -82,9 +82,16 @@ TEST_SUITE("memory") {
     CHECK(r.err.find("needs an estimated") != std::string::npos);
     CHECK(r.err.find("available") != std::string::npos);
     CHECK(r.err.find("bad_alloc") == std::string::npos);
+    // plan and --dry-run: the estimate, and exit 5 (does not fit; 2 is bad input).
     r = lstest::run_cli("plan " + big.string() + " --json");
-    CHECK(r.rc == 0);
+    CHECK(r.rc == 5);
     CHECK_FALSE(last_json_line(r.out).at("fits").get<bool>());
+    r = lstest::run_cli("plan " + big.string());
+    CHECK(r.rc == 5);
+    CHECK(r.out.find("does not fit") != std::string::npos);
+    r = lstest::run_cli("run " + big.string() + " --dry-run");
+    CHECK(r.rc == 5);
+    CHECK(r.out.find("does not fit") != std::string::npos);
     const fs::path sc = lstest::write_temp("medium.json", kMedium);
     r = lstest::run_cli("run " + sc.string() + " --set train.batch=1073741824");
     CHECK(r.rc == 2);

@@ -141,3 +141,125 @@ TEST_SUITE("trace") {
     std::filesystem::remove(path);
   }
 }
+
+TEST_SUITE("trace") {
+  TEST_CASE("a trace cut mid-line by a kill diffs as a run that stopped early (exit 4); a torn middle line is an error") {
+    const fs::path full = tmp() / "full.jsonl";
+    REQUIRE(lockstep("run " + scenario().string() + " --quiet --trace " + full.string()) == 0);
+    std::string text;
+    {
+      std::ifstream in(full, std::ios::binary);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      text = ss.str();
+    }
+    auto write = [](const std::string& name, const std::string& bytes) {
+      const fs::path p = tmp() / name;
+      std::ofstream(p, std::ios::binary) << bytes;
+      return p.string();
+    };
+    // Where the line of the n-th record of a kind starts.
+    auto line_of = [&](const std::string& kind, int n) {
+      size_t at = 0;
+      for (int i = 0; i < n; ++i) at = text.find("\"kind\":\"" + kind + "\"", at + 1);
+      REQUIRE(at != std::string::npos);
+      return text.rfind('\n', at) + 1;
+    };
+    auto step_line = [&](int n) { return line_of("step", n); };
+    struct Cut {
+      size_t bytes;
+      int whole_steps;  // steps the cut trace still holds whole
+    };
+    const size_t s3 = step_line(3), s4 = step_line(4), end = line_of("end", 1);
+    const size_t tensor_of_4 = text.find('\n', s3) + 1;  // the first record of step 4
+    const std::vector<Cut> cuts = {
+        {s3 + 20, 2},                                         // inside step 3's step record
+        {tensor_of_4 + 1, 3},                                 // one byte into step 4's first tensor record
+        {text.find('\n', tensor_of_4) + 1 + 57, 3},           // inside step 4's second tensor record
+        {s4 + (text.find('\n', s4) - s4) - 1, 3},             // one byte short of step 4's record's end
+        {end + 10, 4},                                        // inside the end record
+    };
+    const std::string full_s = full.string();
+    for (const Cut& c : cuts) {
+      CAPTURE(c.bytes);
+      REQUIRE(c.bytes < text.size());
+      REQUIRE(text[c.bytes - 1] != '\n');
+      const std::string cut = write("cut.jsonl", text.substr(0, c.bytes));
+      const std::string held = "steps 1-" + std::to_string(c.whole_steps) + " are identical";
+      std::string out;
+      CHECK(lockstep("diff " + cut + " " + full_s, &out) == 4);
+      CHECK(out.find(held) != std::string::npos);
+      CHECK(out.find("was cut off mid-record (a killed run) and is ignored") != std::string::npos);
+      CHECK(lockstep("diff " + full_s + " " + cut, &out) == 4);
+      CHECK(out.find(held) != std::string::npos);
+      CHECK(lockstep("diff --json " + cut + " " + full_s, &out) == 4);
+      const nlohmann::json j = nlohmann::json::parse(out);
+      CHECK(j.at("identical_until_truncation") == true);
+      CHECK(j.at("truncated").at("ends_at") == c.whole_steps);
+      CHECK(j.at("torn").contains("A"));
+      CHECK(lockstep("report " + cut + " " + full_s + " -o " + (tmp() / "cut.html").string(), &out) == 0);
+      CHECK(out.find("identical until one trace ends") != std::string::npos);
+    }
+    // Only the last line may be torn: the same bytes in the middle, or a last
+    // line that a newline ends, are still malformed input.
+    const std::string middle = write("middle.jsonl", text.substr(0, s3 + 20) + "\n" + text.substr(s3));
+    CHECK(lockstep("diff " + middle + " " + full_s) == 2);
+    CHECK(lockstep("report " + middle + " " + full_s + " -o " + (tmp() / "m.html").string()) == 2);
+    const std::string ended = write("ended.jsonl", text.substr(0, s3 + 20) + "\n");
+    CHECK(lockstep("diff " + ended + " " + full_s) == 2);
+  }
+}
+
+TEST_SUITE("trace") {
+  TEST_CASE("bisect across a mesh difference: the mesh keys are set aside, named, and the rest bisected") {
+    std::string out;
+    CHECK(lockstep("bisect " + scenario().string() + " --set-b mesh.dp=2 --set-b moe.aux_loss_weight=0.02", &out) == 1);
+    CHECK(out.find("mesh keys set aside: mesh.dp=2") != std::string::npos);
+    CHECK(out.find("moe.aux_loss_weight=0.02 alone changes the bits at step 1") != std::string::npos);
+    CHECK(out.find("mesh keys set aside;") != std::string::npos);
+    CHECK(out.find("determinism bug") == std::string::npos);
+    // Both sides on the same multi-rank mesh: traced on one rank.
+    CHECK(lockstep("bisect " + scenario().string() + " --set-a mesh.dp=2 --set-b mesh.dp=2 --set-b moe.aux_loss_weight=0.02",
+                   &out) == 1);
+    CHECK(out.find("mesh set aside: A on mesh dp 2, ep 1, B on mesh dp 2, ep 1") != std::string::npos);
+    CHECK(out.find("moe.aux_loss_weight=0.02 alone changes the bits at step 1") != std::string::npos);
+    // A mesh that keeps the bits: the runs agree.
+    CHECK(lockstep("bisect " + scenario().string() + " --set-b mesh.dp=2", &out) == 0);
+    CHECK(out.find("the runs agree") != std::string::npos);
+  }
+
+  TEST_CASE("bisect: when only mesh keys differ and the bits do, it reports a determinism bug with both hashes") {
+    // A "binary" whose two-rank runs break the contract (it changes the
+    // learning rate when the scenario it is given has mesh.dp 2).
+    const fs::path broken = tmp() / "broken-mesh.sh";
+    std::ofstream(broken) << "#!/bin/sh\nif grep -q '\"dp\": 2' \"$2\"; then exec " << LOCKSTEP_BIN
+                          << " \"$@\" --set train.lr=0.0123; fi\nexec " << LOCKSTEP_BIN << " \"$@\"\n";
+    fs::permissions(broken, fs::perms::owner_all);
+    std::string out;
+    CHECK(lockstep("bisect " + scenario().string() + " --bin-a " + broken.string() + " --bin-b " + broken.string() +
+                       " --set-b mesh.dp=2",
+                   &out) == 1);
+    CAPTURE(out);
+    CHECK(out.find("mesh keys set aside: mesh.dp=2") != std::string::npos);
+    CHECK(out.find("determinism bug: B on mesh dp 2, ep 1 ends on final_state_hash ") != std::string::npos);
+    CHECK(out.find("only the mesh keys (mesh.dp=2) make the runs differ: on one rank both sides end on "
+                   "final_state_hash ") != std::string::npos);
+    CHECK(out.find("the mesh must not change the bits: this is a determinism bug") != std::string::npos);
+  }
+
+  TEST_CASE("bisect removes its temporary directory when one side's run fails") {
+    // Side B's "binary" notes the scenario file it was given (inside the
+    // bisect's directory), then fails.
+    const fs::path log = tmp() / "failing-b.log", failing = tmp() / "failing-b.sh";
+    fs::remove(log);
+    std::ofstream(failing) << "#!/bin/sh\necho \"$2\" >>" << log.string() << "\necho 'no such luck' >&2\nexit 3\n";
+    fs::permissions(failing, fs::perms::owner_all);
+    CHECK(lockstep("bisect " + scenario().string() + " --bin-b " + failing.string()) == 2);
+    std::ifstream in(log);
+    std::string given;
+    REQUIRE(std::getline(in, given));
+    const fs::path dir = fs::path(given).parent_path();
+    CHECK(dir.filename().string().rfind("lockstep-bisect-", 0) == 0);
+    CHECK_FALSE(fs::exists(dir));
+  }
+}

@@ -153,12 +153,15 @@ void CheckpointWriter::save(int64_t step, Trainer& trainer) {
     return;
   }
   auto run = [this, job] {
+    std::exception_ptr failed;
     try {
       upload(*job);
     } catch (...) {
+      failed = std::current_exception();
       std::lock_guard<std::mutex> lk(mu_);
-      if (!error_) error_ = std::current_exception();
+      if (!error_) error_ = failed;
     }
+    settled(*job, failed);
     std::lock_guard<std::mutex> lk(mu_);
     spare_.push_back(std::move(job->staged));
     --inflight_;
@@ -315,7 +318,12 @@ bool CheckpointWriter::settle_oldest(bool wait) {
   const std::string context = "checkpoint of step " + std::to_string(job->step) + " not committed: ";
   if (failed >= 0) {
     recycle();
-    share_error(*mpi_, failed, me == failed ? job->error : nullptr, context);
+    try {
+      share_error(*mpi_, failed, me == failed ? job->error : nullptr, context);
+    } catch (...) {
+      settled(*job, std::current_exception());
+      throw;
+    }
   }
   // Rank 0 commits: it receives every rank's object description and staged
   // pieces (the manifest names them; the state hash streams them in order).
@@ -366,11 +374,38 @@ bool CheckpointWriter::settle_oldest(bool wait) {
   try {
     share_error(*mpi_, 0, error, context);
   } catch (...) {
-    std::lock_guard<std::mutex> lk(mu_);
-    records_[job->record].committed = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      records_[job->record].committed = false;
+    }
+    settled(*job, std::current_exception());
     throw;
   }
+  settled(*job, nullptr);
   return true;
+}
+
+void CheckpointWriter::settled(const Job& job, std::exception_ptr error) {
+  if (!settled_hook_) return;
+  SaveRecord rec;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    rec = records_[job.record];
+  }
+  std::string why;
+  if (error) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      why = e.what();
+    } catch (...) {
+      why = "unknown error";
+    }
+    if (why.empty()) why = "unknown error";
+    rec.bytes = 0;
+    for (const ManifestObject& o : job.objects) rec.bytes += o.size;
+  }
+  settled_hook_(rec, why);
 }
 
 void CheckpointWriter::poll() {

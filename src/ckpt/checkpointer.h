@@ -84,6 +84,13 @@ class CheckpointWriter {
     lease_job_ = std::move(job);
     lease_generation_ = generation;
   }
+  // Called once per save when it settles: committed (error empty; bytes are
+  // the object bytes written) or failed (error says why; bytes are those of
+  // the objects it encoded). On the uploader thread, or the training thread
+  // under MPI and for synchronous saves. For the progress line.
+  void set_settled_hook(std::function<void(const SaveRecord& rec, const std::string& error)> hook) {
+    settled_hook_ = std::move(hook);
+  }
 
  private:
   struct Job;
@@ -111,6 +118,8 @@ class CheckpointWriter {
   std::function<void()> commit_guard_;
   std::string lease_job_;
   int64_t lease_generation_ = 0;
+  std::function<void(const SaveRecord&, const std::string&)> settled_hook_;
+  void settled(const Job& job, std::exception_ptr error);  // calls settled_hook_
   Communicator* mpi_ = nullptr;
   std::deque<std::shared_ptr<Job>> pending_;  // MPI: saved, not yet committed (oldest first)
 };

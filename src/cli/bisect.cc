@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 #include "common/error.h"
 #include "runner/scenario.h"
@@ -44,9 +45,17 @@ struct Child {
   std::string err;
 };
 
+// Runs the children in a temporary directory, which goes when the bisect
+// ends, however it ends (a side that fails throws out of cmd_bisect).
 class Runner {
  public:
   explicit Runner(fs::path dir) : dir_(std::move(dir)) {}
+  ~Runner() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  Runner(const Runner&) = delete;
+  Runner& operator=(const Runner&) = delete;
 
   // Runs `side` for `steps`; trace written to `trace` when non-empty.
   Child run(const Side& side, int steps, const std::string& trace = "", const std::string& dump = "") {
@@ -176,6 +185,34 @@ std::string where(const TraceDiff& d) {
   return s + ", op " + r.value("op", "") + " (tensor " + r.value("tensor", "") + ")";
 }
 
+bool is_mesh_key(const std::string& k) { return k.rfind("mesh.", 0) == 0; }
+
+// The side on one rank: tracing needs a single-rank mesh, and the mesh must
+// not change the bits, so the twin ends on the same bits as the side.
+Side single_rank(const Side& s) {
+  Side t = s;
+  t.resolved["mesh"] = {{"dp", 1}, {"ep", 1}, {"fsdp", false}, {"replicate", 1}};
+  return t;
+}
+
+bool multi_rank(const nlohmann::json& resolved) {
+  const nlohmann::json m = resolved.value("mesh", nlohmann::json::object());
+  return m.value("dp", 1) > 1 || m.value("ep", 1) > 1 || m.value("fsdp", false);
+}
+
+std::string mesh_text(const nlohmann::json& resolved) {
+  const nlohmann::json m = resolved.value("mesh", nlohmann::json::object());
+  std::string t = "mesh dp " + std::to_string(m.value("dp", 1)) + ", ep " + std::to_string(m.value("ep", 1));
+  if (m.value("fsdp", false)) t += ", fsdp, replicate " + std::to_string(m.value("replicate", 1));
+  return t;
+}
+
+int first_loss_step(const Child& a, const Child& b) {
+  for (size_t i = 0; i < std::min(a.summary["loss_bits"].size(), b.summary["loss_bits"].size()); ++i)
+    if (a.summary["loss_bits"][i] != b.summary["loss_bits"][i]) return (int)i + 1;
+  return 0;
+}
+
 
 }  // namespace
 
@@ -207,15 +244,65 @@ int cmd_bisect(const BisectArgs& a) {
   if (same_bits(ca, cb)) {
     std::printf("the runs agree: same loss bits at every step and final_state_hash %s\n",
                 ca.summary["final_state_hash"].get<std::string>().c_str());
-    fs::remove_all(r.dir());
     return 0;
   }
-  int limit = steps;
-  for (size_t i = 0; i < ca.summary["loss_bits"].size(); ++i)
-    if (ca.summary["loss_bits"][i] != cb.summary["loss_bits"][i]) {
-      limit = (int)i + 1;
-      break;
+
+  // 1b. A trace holds one rank, and the mesh must not change the bits: the
+  // mesh keys are set aside and both sides traced on one rank. If the sides
+  // then agree, only the mesh made them differ, which is a determinism bug.
+  std::vector<std::string> mesh_keys;  // "mesh.dp=2" (B's values)
+  {
+    std::map<std::string, nlohmann::json> fa, fb;
+    flatten(A.resolved, "", fa);
+    flatten(B.resolved, "", fb);
+    for (auto& [k, v] : fb)
+      if (is_mesh_key(k) && (!fa.count(k) || fa[k] != v)) mesh_keys.push_back(k + "=" + v.dump());
+  }
+  if (!mesh_keys.empty() || multi_rank(A.resolved) || multi_rank(B.resolved)) {
+    std::string aside;
+    for (const std::string& k : mesh_keys) aside += (aside.empty() ? "" : ", ") + k;
+    const std::string meshes = "A on " + mesh_text(A.resolved) + ", B on " + mesh_text(B.resolved);
+    if (mesh_keys.empty())
+      std::printf("mesh set aside: %s; both sides are traced on one rank (the mesh must not change the bits)\n",
+                  meshes.c_str());
+    else
+      std::printf("mesh keys set aside: %s (%s); both sides are compared on one rank (the mesh must not change "
+                  "the bits)\n",
+                  aside.c_str(), meshes.c_str());
+    const Side A1 = single_rank(A), B1 = single_rank(B);
+    say("running both sides on one rank");
+    // (A side already on one rank is its own twin.)
+    const Child ca1 = multi_rank(A.resolved) ? must(r, A1, steps, "A (one rank)") : ca,
+                cb1 = multi_rank(B.resolved) ? must(r, B1, steps, "B (one rank)") : cb;
+    // Each side against its own single-rank twin: the mesh must keep the bits.
+    bool mesh_bug = false;
+    for (auto [name, side, full, one] : {std::tuple{"A", &A, &ca, &ca1}, std::tuple{"B", &B, &cb, &cb1}})
+      if (multi_rank(side->resolved) && !same_bits(*full, *one)) {
+        mesh_bug = true;
+        std::printf("determinism bug: %s on %s ends on final_state_hash %s, on one rank on %s (first loss that "
+                    "differs: step %d): its mesh changed the bits\n",
+                    name, mesh_text(side->resolved).c_str(), full->summary["final_state_hash"].get<std::string>().c_str(),
+                    one->summary["final_state_hash"].get<std::string>().c_str(), first_loss_step(*full, *one));
+      }
+    if (same_bits(ca1, cb1)) {
+      std::printf("%s: on one rank both sides end on final_state_hash %s, but A ends on %s and B on %s (first loss "
+                  "that differs: step %d)\n",
+                  mesh_keys.empty() ? "the mesh alone makes the runs differ"
+                                    : ("only the mesh keys (" + aside + ") make the runs differ").c_str(),
+                  ca1.summary["final_state_hash"].get<std::string>().c_str(),
+                  ca.summary["final_state_hash"].get<std::string>().c_str(),
+                  cb.summary["final_state_hash"].get<std::string>().c_str(), first_loss_step(ca, cb));
+      std::printf("the mesh must not change the bits: this is a determinism bug%s\n",
+                  mesh_bug ? " (the side named above)" : "");
+      return 1;
     }
+    A = A1;
+    B = B1;
+    ca = ca1;
+    cb = cb1;
+  }
+  int limit = steps;
+  if (const int first = first_loss_step(ca, cb)) limit = first;
   // 2. Traced, only as far as the first loss that differs.
   say("tracing both sides to step " + std::to_string(limit));
   const std::string ta = (r.dir() / "a.jsonl").string(), tb = (r.dir() / "b.jsonl").string();
@@ -268,16 +355,13 @@ int cmd_bisect(const BisectArgs& a) {
   const std::string ma = (r.dir() / "min.jsonl").string();
   must(r, with_changes(A, minimal), step, "A + minimal change", ma, dump);
   TraceDiff alone = diff_traces(read_trace(da), read_trace(ma));
-  std::printf("%s %s the bits at %s (%zu of %zu differences; %d runs)\n", names.c_str(),
+  std::printf("%s %s the bits at %s (%zu of %zu differences%s; %d runs)\n", names.c_str(),
               minimal.size() == 1 ? "alone changes" : "together change", where(alone).c_str(), minimal.size(),
-              changes.size(), r.runs());
-  if (a.keep.empty()) {
-    fs::remove_all(r.dir());
-  } else {
+              changes.size(), mesh_keys.empty() ? "" : ", mesh keys set aside", r.runs());
+  if (!a.keep.empty()) {
     fs::create_directories(a.keep);
     for (const char* f : {"a.jsonl", "b.jsonl", "a-dump.jsonl", "b-dump.jsonl", "min.jsonl"})
       fs::copy_file(r.dir() / f, fs::path(a.keep) / f, fs::copy_options::overwrite_existing);
-    fs::remove_all(r.dir());
     std::printf("traces kept in %s\n", a.keep.c_str());
   }
   return 1;

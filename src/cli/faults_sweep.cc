@@ -3,9 +3,11 @@
 // must end on the fault-free run's final_state_hash.
 #include "cli/faults_sweep.h"
 #include "cli/self_exe.h"
+#include "cli/junit.h"
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +16,7 @@
 #include "ckpt/checkpointer.h"
 #include "ckpt/gc.h"
 #include "common/error.h"
+#include "contract.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
 #include "runner/supervisor.h"
@@ -43,8 +46,22 @@ std::string tail_since(const fs::path& path, std::uintmax_t from, int max_lines)
 }  // namespace
 
 int cmd_faults_sweep(const SweepArgs& a) {
-  Scenario s = load_scenario(a.scenario, a.sets);
+  // The sweep gives every trial its own ckpt.url (under the scenario's, if it
+  // names one), so a scenario made for sweeps may set ckpt.every alone, which
+  // `run` refuses: it is loaded as the trials load it, with a ckpt.url.
+  Scenario s = [&] {
+    try {
+      return load_scenario(a.scenario, a.sets);
+    } catch (const UserError&) {
+      std::vector<std::string> sets = a.sets;
+      sets.push_back("ckpt.url=/tmp/lockstep-sweep-trial");  // a stand-in: each trial sets its own
+      Scenario t = load_scenario(a.scenario, sets);           // any other error is thrown again here
+      t.ckpt.url.clear();
+      return t;
+    }
+  }();
   if (a.trials < 1) throw UserError("--trials: must be at least 1");
+  if (!a.junit.empty()) check_junit_path(a.junit);
   const bool mpi = a.launcher == "mpi";
   if (a.launcher != "threads" && !mpi) throw UserError("--launcher: 'threads' or 'mpi', got '" + a.launcher + "'");
   const int every = s.ckpt.every > 0 ? s.ckpt.every : std::max(1, s.steps / 4);
@@ -60,7 +77,8 @@ int cmd_faults_sweep(const SweepArgs& a) {
   Scenario clean = s;
   clean.faults.clear();
   clean.ckpt.every = 0;  // the golden run saves nothing
-  const std::string golden = run_scenario(clean, plain).final_state_hash;
+  const RunResult golden_run = run_scenario(clean, plain);
+  const std::string golden = golden_run.final_state_hash;
   std::fprintf(stderr, "faults sweep: %d trials of %s (%d steps, checkpoint every %d%s), golden %s\n", a.trials,
                s.name.c_str(), s.steps, every, mpi ? ", one process per rank under mpirun" : "", golden.c_str());
 
@@ -70,6 +88,8 @@ int cmd_faults_sweep(const SweepArgs& a) {
   uint64_t orphans = 0;
   int64_t orphan_processes = 0;  // rank processes alive after their job's mpirun ended (killed by the supervisor)
   int64_t survivors = 0;         // rank processes still alive after a trial: must be 0
+  nlohmann::json results = nlohmann::json::array();  // per trial, for --json
+  std::vector<JUnitCase> cases;                      // per trial, for --junit
   std::vector<int> ckpt_steps;
   for (int k = every; k <= s.steps; k += every) ckpt_steps.push_back(k);
   for (int trial = 0; trial < a.trials; ++trial) {
@@ -131,20 +151,61 @@ int cmd_faults_sweep(const SweepArgs& a) {
     so.heartbeat_timeout = 60;
     std::error_code no_log;  // before the first trial's children write it
     const std::uintmax_t log_size = fs::file_size(child_log, no_log), log_start = no_log ? 0 : log_size;
+    const auto t0 = std::chrono::steady_clock::now();
     SuperviseResult r = supervise(so);
+    const double trial_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const std::string got = r.summary.value("final_state_hash", "");
+    std::string faults_text;
+    for (const std::string& f : so.faults) faults_text += (faults_text.empty() ? "" : " ") + f;
+    JUnitCase jc;
+    jc.classname = "lockstep.faults_sweep." + s.name;
+    jc.name = "trial " + std::to_string(trial) + ": " + faults_text;
+    jc.seconds = trial_seconds;
+    nlohmann::json failure = nullptr;  // {step, field, golden, now, message}
     if (r.exit_code != 0) {
       ++failed;
-      std::string faults_text;
-      for (const std::string& f : so.faults) faults_text += (faults_text.empty() ? "" : " ") + f;
-      std::fprintf(stderr, "trial %d (%s): FAILED: %s\n%s", trial, faults_text.c_str(), r.error.c_str(),
-                   tail_since(child_log, log_start, 40).c_str());
+      const std::string tail = tail_since(child_log, log_start, 40);
+      std::fprintf(stderr, "trial %d (%s): FAILED: %s\n%s", trial, faults_text.c_str(), r.error.c_str(), tail.c_str());
+      failure = {{"step", 0}, {"field", "run"}, {"golden", "exit 0"}, {"now", "exit " + std::to_string(r.exit_code)},
+                 {"message", "the supervised run failed (exit " + std::to_string(r.exit_code) + "): " + r.error}};
+      jc.failure_text = tail;
     } else if (got == golden) {
       ++matches;
     } else {
       ++mismatches;
       std::fprintf(stderr, "trial %d (%s): MISMATCH %s\n", trial, fault.c_str(), got.c_str());
+      failure = {{"step", s.steps}, {"field", "final_state_hash"}, {"golden", golden}, {"now", got},
+                 {"message", "final_state_hash " + got + " differs from the fault-free run's " + golden}};
+      // Where it parted: the first loss with other bits than the fault-free run's.
+      const nlohmann::json bits = r.summary.value("loss_bits", nlohmann::json::array());
+      const int first = r.summary.value("losses_first_step", 1);
+      for (size_t i = 0; i < bits.size(); ++i) {
+        const size_t at = (size_t)first - 1 + i;
+        if (first < 1 || at >= golden_run.losses.size() || !bits[i].is_string()) continue;
+        const std::string want = hex_bits(golden_run.losses[at]);
+        if (bits[i].get<std::string>() == want) continue;
+        failure = {{"step", at + 1}, {"field", "loss_bits"}, {"golden", want}, {"now", bits[i]},
+                   {"message", "step " + std::to_string(at + 1) + ": loss_bits differ: fault-free " + want + ", now " +
+                                   bits[i].get<std::string>() + " (final_state_hash " + got + " differs from " +
+                                   golden + ")"}};
+        break;
+      }
     }
+    if (!failure.is_null()) {
+      jc.failed = true;
+      jc.failure_type = failure["field"];
+      jc.failure_message = failure["message"];
+      jc.failure_text = (failure["step"].get<int>() ? "step: " + failure["step"].dump() + "\n" : std::string()) +
+                        "field: " + failure["field"].get<std::string>() + "\nfault-free: " +
+                        failure["golden"].get<std::string>() + "\nnow: " + failure["now"].get<std::string>() +
+                        "\nfaults: " + faults_text + "\n" + jc.failure_text;
+    }
+    cases.push_back(jc);
+    results.push_back({{"trial", trial}, {"faults", so.faults}, {"outcome", r.exit_code != 0 ? "failed"
+                                                                         : got == golden ? "golden"
+                                                                                         : "mismatch"},
+                       {"final_state_hash", got}, {"restarts", r.summary.value("restarts", nlohmann::json::array()).size()},
+                       {"seconds", trial_seconds}, {"failure", failure}});
     bool fired_in_io = false;
     for (const auto& ev : r.summary.value("restarts", nlohmann::json::array())) {
       if (ev.value("restore_step", 0) > 0) ++restores;
@@ -178,6 +239,21 @@ int cmd_faults_sweep(const SweepArgs& a) {
     else if ((trial + 1) % 50 == 0 || trial + 1 == a.trials)
       std::fprintf(stderr, "faults sweep: %d/%d trials, %d mismatches\n", trial + 1, a.trials, mismatches);
   }
+  if (!a.junit.empty()) write_junit(a.junit, "lockstep faults sweep", cases);
+  if (!a.keep) fs::remove_all(dir);
+  const int rc = mismatches || failed || deleted_early || survivors ? 1 : 0;
+  if (a.json) {
+    nlohmann::json j = {{"scenario", s.name}, {"golden", golden}, {"trials", a.trials}, {"io_kills", io_kills},
+                        {"store_faults", store_faults}, {"restores", restores}, {"fallbacks", fallbacks},
+                        {"matches", matches}, {"mismatches", mismatches}, {"failed", failed},
+                        {"deleted_early", deleted_early}, {"orphan_objects", orphans}, {"results", results}};
+    if (mpi) {
+      j["orphan_processes"] = orphan_processes;
+      j["survivors"] = survivors;
+    }
+    std::printf("%s\n", j.dump().c_str());
+    return rc;
+  }
   std::printf("trials                         %d\n", a.trials);
   std::printf("kills during checkpoint I/O    %d\n", io_kills);
   std::printf("store fault injections         %d\n", store_faults);
@@ -194,8 +270,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
                 (long long)orphan_processes);
     std::printf("rank processes outliving trial %lld\n", (long long)survivors);
   }
-  if (!a.keep) fs::remove_all(dir);
-  return mismatches || failed || deleted_early || survivors ? 1 : 0;
+  return rc;
 }
 
 }  // namespace ls

@@ -20,6 +20,8 @@ struct SweepArgs {
   // faults then kill a random rank's process (rank_crash), and no rank
   // process may outlive its trial.
   std::string launcher = "threads";
+  bool json = false;  // one JSON object on stdout instead of the counts
+  std::string junit;  // write JUnit XML here: one test case per trial
 };
 
 // Prints the counts; 0 when every trial ended on the golden hash.

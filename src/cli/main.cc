@@ -1,10 +1,12 @@
 // lockstep: the command line. Subcommands run, golden, check, keys.
-// Exit codes: 0 ok, 1 a check found different bits, 2 bad input.
+// Exit codes: 0 ok, 1 a check found different bits, 2 bad input, 5 plan /
+// --dry-run: the plan does not fit in the memory available.
 #include <omp.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -17,6 +19,7 @@
 #include "cli/bisect.h"
 #include "cli/self_exe.h"
 #include "cli/faults_sweep.h"
+#include "cli/junit.h"
 #include "cluster/mpi.h"
 #include "contract.h"
 #include "common/error.h"
@@ -72,7 +75,17 @@ void check_output_dir(const std::string& dir) {
   fs::remove(probe, ec);
 }
 
-void print_summary(const RunResult& r, const Scenario& s) {
+// How the mesh's ranks ran, for the summaries: "threads" (every rank a thread
+// of one process) or "mpi" (one process per rank under mpirun).
+std::string launcher_line(const std::string& launcher, int processes, int ranks) {
+  if (launcher == "mpi")
+    return "mpi (" + std::to_string(processes) + " process" + (processes == 1 ? "" : "es") +
+           " under mpirun, one rank each)";
+  return "threads (1 process" +
+         (ranks > 1 ? "; the mesh's " + std::to_string(ranks) + " ranks are threads of it" : std::string()) + ")";
+}
+
+void print_summary(const RunResult& r, const Scenario& s, const std::string& launcher, int processes) {
   std::printf("scenario        %s (%s backend, %d thread%s)\n", r.scenario.c_str(), r.backend.c_str(), r.threads,
               r.threads == 1 ? "" : "s");
   if (!r.device.empty()) std::printf("device          %s\n", r.device.c_str());
@@ -80,9 +93,9 @@ void print_summary(const RunResult& r, const Scenario& s) {
               s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
               s.batch);
   if (s.mesh.dp > 1 || s.mesh.ep > 1 || s.mesh.fsdp)
-    std::printf("mesh            dp %d, ep %d%s%s (simulated ranks in this process)\n", s.mesh.dp, s.mesh.ep,
-                s.mesh.fsdp ? ", fsdp" : "",
+    std::printf("mesh            dp %d, ep %d%s%s\n", s.mesh.dp, s.mesh.ep, s.mesh.fsdp ? ", fsdp" : "",
                 s.mesh.fsdp && s.mesh.replicate > 1 ? (", replicate " + std::to_string(s.mesh.replicate)).c_str() : "");
+  std::printf("launcher        %s\n", launcher_line(launcher, processes, s.mesh.dp).c_str());
   if (s.data.path.empty())
     std::printf("data            synthetic corpus, %llu bytes\n", (unsigned long long)s.data.synthetic_bytes);
   else
@@ -159,7 +172,11 @@ std::vector<std::string> g_args;
   throw UserError(std::string("--launcher mpi: cannot start mpirun: ") + std::strerror(errno));
 }
 
-// plan / run --dry-run: the memory estimate per part, nothing trained.
+// plan / run --dry-run: the memory estimate per part, nothing trained. Exits
+// kExitDoesNotFit when the estimate exceeds the memory available, so that a
+// script (or CI) can gate on it; 2 stays for bad input.
+constexpr int kExitDoesNotFit = 5;
+
 int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
   const MemoryEstimate e = estimate_run_memory(s, opt);
   const uint64_t available = available_memory_bytes();
@@ -173,9 +190,10 @@ int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
                 s.name.c_str(), s.model.d_model, s.model.n_layers, s.model.experts, s.model.top_k, s.batch,
                 s.model.seq_len, s.mesh.dp, s.mesh.ep, s.mesh.fsdp ? " fsdp" : "");
     std::printf("%s", format_memory_estimate(e, available).c_str());
-    if (available && e.total_bytes > available) std::printf("does not fit: `lockstep run` would refuse it\n");
+    if (available && e.total_bytes > available)
+      std::printf("does not fit: `lockstep run` would refuse it (plan exits %d)\n", kExitDoesNotFit);
   }
-  return 0;
+  return available && e.total_bytes > available ? kExitDoesNotFit : 0;
 }
 
 int cmd_run(const RunArgs& a, const char* self) {
@@ -188,6 +206,12 @@ int cmd_run(const RunArgs& a, const char* self) {
   if (a.launcher != "threads" && a.launcher != "mpi")
     throw UserError("--launcher: 'threads' (ranks as threads of this process) or 'mpi' (one process per rank), got '" +
                     a.launcher + "'");
+  // A trace holds one rank: under mpirun every rank process would refuse it
+  // on its own, so a multi-rank mpi run is refused here, once, before mpirun.
+  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.trace.empty() && s.mesh.dp > 1)
+    throw UserError("--trace: not available with --launcher mpi on mesh.dp = " + std::to_string(s.mesh.dp) +
+                    " (a trace holds one rank); trace the same scenario with --launcher threads and --set mesh.dp=1, "
+                    "which must give the same bits");
   const std::vector<FaultSpec> faults = planned_faults(s, a.faults, a.steps);
   const bool child = !a.fault_state.empty();
   const bool supervised = !child && (a.supervise || !faults.empty());
@@ -246,6 +270,11 @@ int cmd_run(const RunArgs& a, const char* self) {
       const nlohmann::json& losses = r.summary["losses"];
       std::printf("supervised      %d attempt%s, %zu restart%s\n", r.summary.value("attempts", 1),
                   r.summary.value("attempts", 1) == 1 ? "" : "s", n, n == 1 ? "" : "s");
+      if (r.summary.contains("launcher"))  // the last attempt's
+        std::printf("launcher        %s\n", launcher_line(r.summary.value("launcher", ""),
+                                                          r.summary.value("processes", 1),
+                                                          r.summary.value("mesh", nlohmann::json::object())
+                                                              .value("dp", s.mesh.dp)).c_str());
       if (!losses.empty())
         std::printf("loss            %.4f -> %.4f nats/byte over steps %d-%d\n", losses.front().get<double>(),
                     losses.back().get<double>(), r.summary.value("losses_first_step", 1),
@@ -310,6 +339,10 @@ int cmd_run(const RunArgs& a, const char* self) {
   RunResult r = run_scenario(s, opt);
   if (!report) return 0;
   nlohmann::json j = result_json(r);
+  const std::string launcher = opt.mpi ? "mpi" : "threads";
+  const int processes = opt.mpi ? opt.mpi->size() : 1;
+  j["launcher"] = launcher;
+  j["processes"] = processes;
   if (!a.out_dir.empty()) {
     fs::create_directories(a.out_dir);
     write_file_atomic((fs::path(a.out_dir) / "summary.json").string(), j.dump(2) + "\n");
@@ -318,7 +351,7 @@ int cmd_run(const RunArgs& a, const char* self) {
   if (a.json) {
     std::printf("%s\n", j.dump().c_str());
   } else {
-    print_summary(r, s);
+    print_summary(r, s, launcher, processes);
   }
   return 0;
 }
@@ -369,7 +402,43 @@ struct CheckArgs {
   int threads = 0;
   std::string backend = "engine";
   std::string launcher = "threads";
+  bool json = false;  // one JSON object on stdout instead of the lines
+  std::string junit;  // write JUnit XML here
 };
+
+// What `check` found for one scenario, for --json and --junit.
+struct CheckOutcome {
+  nlohmann::json results = nlohmann::json::array();
+  std::vector<JUnitCase> cases;
+
+  void add(const Scenario& s, const std::string& spath, const std::string& gpath, double seconds,
+           const GoldenMismatch& m, nlohmann::json detail) {
+    detail["name"] = s.name;
+    detail["scenario"] = spath;
+    detail["golden"] = gpath;
+    detail["ok"] = !m.differs();
+    detail["seconds"] = seconds;
+    detail["failure"] = m.differs() ? m.to_json() : nlohmann::json(nullptr);
+    results.push_back(std::move(detail));
+    JUnitCase c;
+    c.classname = "lockstep.check." + s.name;
+    c.name = fs::path(spath).filename().string();
+    c.seconds = seconds;
+    if (m.differs()) {
+      c.failed = true;
+      c.failure_type = m.field;
+      c.failure_message = m.message;
+      c.failure_text = (m.step ? "step: " + std::to_string(m.step) + "\n" : std::string()) + "field: " + m.field +
+                       "\ngolden: " + m.golden + "\nnow: " + m.now + "\ngolden file: " + gpath +
+                       "\nscenario: " + spath + "\n";
+    }
+    cases.push_back(std::move(c));
+  }
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 // A mesh variant run as `mpirun -np mesh.dp lockstep run` (check --launcher
 // mpi): its summary, as the RunResult compare_golden reads. Throws UserError
@@ -453,11 +522,14 @@ int cmd_check(const CheckArgs& a) {
       work.push_back({(fs::path(a.golden_dir) / (s.name + ".json")).string(), sc});
     }
   }
+  if (!a.junit.empty()) check_junit_path(a.junit);
+  CheckOutcome outcome;
   int failed = 0;
   const bool tty = isatty(2);  // a long check shows which scenario runs
   size_t index = 0;
   for (auto& [gpath, spath] : work) {
     ++index;
+    const auto t0 = std::chrono::steady_clock::now();
     if (tty) std::fprintf(stderr, "check [%zu/%zu] %s\n", index, work.size(), fs::path(spath).filename().c_str());
     nlohmann::json g = read_json_file(gpath);
     Scenario s = load_scenario(spath, {});
@@ -483,19 +555,54 @@ int cmd_check(const CheckArgs& a) {
       const size_t restarts = r.summary.value("restarts", nlohmann::json::array()).size();
       // The child's: with data.path it covers the file's content.
       const std::string fp = r.summary.value("fingerprint", scenario_fingerprint(s));
-      std::string why;
-      if (r.exit_code != 0) why = r.error;
-      else if (fp != g.value("fingerprint", "")) why = "scenario fingerprint differs from the twin's golden file";
-      else if (got != g.value("final_state_hash", "")) why = "final_state_hash " + got + " differs from the golden";
-      if (why.empty()) {
-        std::printf("ok    %-16s %-28s %zu restart%s%s, final_state_hash %s\n", s.name.c_str(),
-                    fs::path(spath).filename().string().c_str(), restarts, restarts == 1 ? "" : "s",
-                    processes ? (", " + std::to_string(s.mesh.dp) + " processes").c_str() : "", got.c_str());
+      GoldenMismatch m;
+      if (r.exit_code != 0) {
+        m.field = "run";
+        m.golden = "exit 0";
+        m.now = "exit " + std::to_string(r.exit_code);
+        m.message = r.error.empty() ? "the supervised run failed (exit " + std::to_string(r.exit_code) + ")" : r.error;
+      } else if (fp != g.value("fingerprint", "")) {
+        m.field = "fingerprint";
+        m.golden = g.value("fingerprint", "");
+        m.now = fp;
+        m.message = "scenario fingerprint differs from the twin's golden file";
+      } else if (got != g.value("final_state_hash", "")) {
+        m.step = s.steps;
+        m.field = "final_state_hash";
+        m.golden = g.value("final_state_hash", "");
+        m.now = got;
+        m.message = "final_state_hash " + got + " differs from the golden";
+        // Where it parted: the first loss the restarted job got other bits for.
+        const nlohmann::json want = g.value("loss_bits", nlohmann::json::array()),
+                             bits = r.summary.value("loss_bits", nlohmann::json::array());
+        const int first = r.summary.value("losses_first_step", 1);
+        for (size_t i = 0; i < bits.size(); ++i) {
+          const size_t at = (size_t)first - 1 + i;
+          if (first < 1 || at >= want.size() || bits[i] == want[at]) continue;
+          m.step = (int)at + 1;
+          m.field = "loss_bits";
+          m.golden = want[at].get<std::string>();
+          m.now = bits[i].get<std::string>();
+          m.message = "step " + std::to_string(m.step) + ": loss_bits differ: golden " + m.golden + ", now " + m.now +
+                      " (final_state_hash " + got + " differs from the golden)";
+          break;
+        }
+      }
+      outcome.add(s, spath, gpath, seconds_since(t0), m,
+                  {{"kind", "faults"}, {"launcher", processes ? "mpi" : "threads"},
+                   {"processes", processes ? s.mesh.dp : 1}, {"restarts", restarts}, {"final_state_hash", got},
+                   {"logs", m.differs() ? nlohmann::json(tmpl) : nlohmann::json(nullptr)}});
+      if (!m.differs()) {
+        if (!a.json)
+          std::printf("ok    %-16s %-28s %zu restart%s%s, final_state_hash %s\n", s.name.c_str(),
+                      fs::path(spath).filename().string().c_str(), restarts, restarts == 1 ? "" : "s",
+                      processes ? (", " + std::to_string(s.mesh.dp) + " processes").c_str() : "", got.c_str());
         fs::remove_all(tmpl);
       } else {
         ++failed;
-        std::printf("FAIL  %-16s %s: %s (logs in %s)\n", s.name.c_str(), fs::path(spath).filename().string().c_str(),
-                    why.c_str(), tmpl);
+        if (!a.json)
+          std::printf("FAIL  %-16s %s: %s (logs in %s)\n", s.name.c_str(),
+                      fs::path(spath).filename().string().c_str(), m.message.c_str(), tmpl);
       }
       continue;
     }
@@ -507,26 +614,38 @@ int cmd_check(const CheckArgs& a) {
     opt.eval = false;
     const bool processes = a.launcher == "mpi" && s.mesh.dp > 1;
     RunResult r;
-    std::string diff;
+    GoldenMismatch m;
     try {
       r = processes ? run_under_mpirun(spath, s, a.threads) : run_scenario(s, opt);
-      diff = compare_golden(g, r);
+      m = golden_mismatch(g, r);
     } catch (const UserError& e) {
       if (!processes) throw;
-      diff = e.what();  // one failing variant, reported; the others still run
+      m.field = "run";  // one failing variant, reported; the others still run
+      m.message = e.what();
     }
-    if (diff.empty()) {
-      std::printf("ok    %-16s %-28s %d steps, %s, final_state_hash %s\n", s.name.c_str(),
-                  fs::path(spath).filename().string().c_str(), r.steps,
-                  processes ? (std::to_string(s.mesh.dp) + " processes").c_str()
-                            : (std::to_string(r.threads) + " threads").c_str(),
-                  r.final_state_hash.c_str());
+    outcome.add(s, spath, gpath, seconds_since(t0), m,
+                {{"kind", "golden"}, {"launcher", processes ? "mpi" : "threads"},
+                 {"processes", processes ? s.mesh.dp : 1}, {"threads", r.threads}, {"steps", r.steps},
+                 {"final_state_hash", r.final_state_hash}});
+    if (!m.differs()) {
+      if (!a.json)
+        std::printf("ok    %-16s %-28s %d steps, %s, final_state_hash %s\n", s.name.c_str(),
+                    fs::path(spath).filename().string().c_str(), r.steps,
+                    processes ? (std::to_string(s.mesh.dp) + " processes").c_str()
+                              : (std::to_string(r.threads) + " threads").c_str(),
+                    r.final_state_hash.c_str());
     } else {
       ++failed;
-      std::printf("FAIL  %-16s %s (golden %s)\n", s.name.c_str(), diff.c_str(), gpath.c_str());
+      if (!a.json) std::printf("FAIL  %-16s %s (golden %s)\n", s.name.c_str(), m.message.c_str(), gpath.c_str());
     }
   }
-  std::printf("check: %zu scenario%s, %d failed\n", work.size(), work.size() == 1 ? "" : "s", failed);
+  if (a.json)
+    std::printf("%s\n", nlohmann::json{{"scenarios", work.size()}, {"failed", failed}, {"results", outcome.results}}
+                             .dump()
+                             .c_str());
+  else
+    std::printf("check: %zu scenario%s, %d failed\n", work.size(), work.size() == 1 ? "" : "s", failed);
+  if (!a.junit.empty()) write_junit(a.junit, "lockstep check", outcome.cases);
   return failed ? 1 : 0;
 }
 
@@ -647,7 +766,8 @@ int main(int argc, char** argv) {
   run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");
   run->add_flag("--progress", ra.progress, "progress lines on stderr even when it is not a terminal");
   run->add_flag("--quiet", ra.quiet, "no progress lines");
-  run->add_flag("--dry-run", ra.dry_run, "print the memory estimate per part (as `plan`) and train nothing");
+  run->add_flag("--dry-run", ra.dry_run,
+                "print the memory estimate per part (as `plan`) and train nothing; exit 5 when it does not fit");
   run->add_flag("--profile-ops", ra.profile_ops,
                 "time each kind of op (GEMM, weight gradients, attention, softmax, norms, MoE dispatch and combine, "
                 "AdamW, gradient norm): op_seconds in the --json summary, thread-seconds over the training steps");
@@ -677,7 +797,8 @@ int main(int argc, char** argv) {
 
   RunArgs pa;
   auto* plan = app.add_subcommand("plan", "estimate a scenario's memory per part (weights, moments, activations, MoE "
-                                          "buffers, checkpoint staging) against what is available; trains nothing");
+                                          "buffers, checkpoint staging) against what is available; trains nothing "
+                                          "(exit 0 fits, 5 does not fit, 2 bad input)");
   plan->add_option("scenario", pa.scenario, "scenario JSON file")->required();
   plan->add_option("--set", pa.sets, "override a scenario key: dotted.key=value (repeatable)");
   plan->add_option("--threads", pa.threads, "worker threads the run would use")->check(CLI::Range(1, 1024));
@@ -700,6 +821,12 @@ int main(int argc, char** argv) {
   check->add_option("--backend", ca.backend, "engine, reference, cuda-emulated or cuda");
   check->add_option("--launcher", ca.launcher,
                     "threads (default) or mpi: run each multi-rank variant as mpirun -np mesh.dp, one process per rank");
+  check->add_flag("--json", ca.json,
+                  "print one JSON object instead of the lines: per scenario ok, and for a failure the first differing "
+                  "step and field with both values");
+  check->add_option("--junit", ca.junit,
+                    "also write JUnit XML here for CI: one test case per scenario or variant, a failure naming the "
+                    "first differing step and field");
 
   std::string diff_a, diff_b;
   bool diff_json_out = false;
@@ -721,7 +848,8 @@ int main(int argc, char** argv) {
   BisectArgs ba;
   auto* bisect = app.add_subcommand(
       "bisect", "two runs that disagree -> first divergent step/op/tensor/element and the smallest set of "
-                "differences (config keys, backend, binary, threads) that causes it (exit 0 agree, 1 differ)");
+                "differences (config keys, backend, binary, threads) that causes it (exit 0 agree, 1 differ); "
+                "mesh keys are set aside and both sides compared on one rank (docs/TRACE.md)");
   bisect->add_option("scenario_a", ba.scenario_a, "scenario of run A")->required();
   bisect->add_option("scenario_b", ba.scenario_b, "scenario of run B (default: the same)");
   bisect->add_option("--set-a", ba.sets_a, "override for run A: dotted.key=value (repeatable)");
@@ -764,6 +892,12 @@ int main(int argc, char** argv) {
   sweep->add_flag("--store-faults", sa.store_faults, "also inject transient store errors in some trials");
   sweep->add_flag("--keep", sa.keep, "keep the trial checkpoints (no gc)");
   sweep->add_option("--threads", sa.threads, "threads per run")->check(CLI::Range(1, 1024));
+  sweep->add_flag("--json", sa.json,
+                  "print one JSON object instead of the counts: the counts and, per trial, its faults, outcome and "
+                  "for a failure the first differing step and field");
+  sweep->add_option("--junit", sa.junit,
+                    "also write JUnit XML here for CI: one test case per trial, a failure naming the first differing "
+                    "step and field");
   sweep->add_option("--launcher", sa.launcher,
                     "threads (default: ranks are threads of each run's process) or mpi (each trial an mpirun job, one "
                     "process per rank; kills hit random rank processes)");

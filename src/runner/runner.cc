@@ -555,6 +555,15 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
       if (l) l->check();
     });
     if (lease) writer->set_lease_token(lease->job(), lease->generation());
+    if (opt.progress)  // one line per checkpoint, when it settles
+      writer->set_settled_hook([](const SaveRecord& rec, const std::string& error) {
+        if (error.empty())
+          std::fprintf(stderr, "checkpoint step %lld: committed, %llu bytes (upload %.3f s, training stalled %.3f s)\n",
+                       (long long)rec.step, (unsigned long long)rec.bytes, rec.upload_seconds, rec.stall_seconds);
+        else
+          std::fprintf(stderr, "checkpoint step %lld: failed, %llu bytes not committed: %s\n", (long long)rec.step,
+                       (unsigned long long)rec.bytes, error.c_str());
+      });
   }
 
   double train_seconds = 0, steady_seconds = 0;

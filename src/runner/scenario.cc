@@ -499,10 +499,24 @@ std::vector<Row> make_rows() {
                   return "must divide moe.experts = " + show(s.model.experts) + ", got " + show(v);
                 return std::string();
               }}}),
+      // One of the two alone saves nothing, silently: refused, naming both.
       field("ckpt.url", [](S& s) -> std::string& { return s.ckpt.url; },
-            "Where checkpoints go: file://DIR (or a plain path) or s3://bucket/prefix; empty = none."),
+            "Where checkpoints go: file://DIR (or a plain path) or s3://bucket/prefix; empty = none.",
+            {{"set together with ckpt.every", [](const S& s, std::string v) {
+                return v.empty() || s.ckpt.every != 0
+                           ? std::string()
+                           : "is set but ckpt.every is 0, so no checkpoint would be saved; set ckpt.every >= 1 "
+                             "as well, or leave both ckpt.url and ckpt.every out";
+              }}}),
       field("ckpt.every", [](S& s) -> int& { return s.ckpt.every; },
-            "Save a checkpoint after every N steps; 0 = never.", {at_least(0)}),
+            "Save a checkpoint after every N steps; 0 = never.",
+            {at_least(0),
+             {"set together with ckpt.url", [](const S& s, int v) {
+                return v == 0 || !s.ckpt.url.empty()
+                           ? std::string()
+                           : "is " + show(v) + " but ckpt.url is empty, so no checkpoint would be saved; set ckpt.url "
+                             "as well, or leave both ckpt.url and ckpt.every out";
+              }}}),
       field("ckpt.async", [](S& s) -> bool& { return s.ckpt.async; },
             "Upload in the background: only the copy to DRAM staging blocks training."),
       field("ckpt.keep_last", [](S& s) -> int& { return s.ckpt.keep_last; },

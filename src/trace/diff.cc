@@ -111,9 +111,12 @@ std::string check_record(const nlohmann::json& r, const std::string& kind) {
 
 // One line of at most max_bytes into `line` (without the newline); false at
 // the end of the input. A longer line (or /dev/zero) is an error, not an
-// allocation without end.
-bool read_bounded_line(std::istream& in, std::string& line, size_t max_bytes, const std::string& where) {
+// allocation without end. `terminated` says whether a newline ended it (only
+// the last line of a file can lack one).
+bool read_bounded_line(std::istream& in, std::string& line, size_t max_bytes, const std::string& where,
+                       bool& terminated) {
   line.clear();
+  terminated = false;
   char buf[1 << 16];
   for (;;) {
     in.getline(buf, sizeof buf);
@@ -122,7 +125,7 @@ bool read_bounded_line(std::istream& in, std::string& line, size_t max_bytes, co
     line.append(buf, (size_t)in.gcount() - (ended ? 1 : 0));
     if (line.size() > max_bytes)
       throw UserError(where + ": a line longer than the limit of " + std::to_string(max_bytes) + " bytes");
-    if (ended) return true;
+    if (ended) return terminated = true;
     if (in.eof()) return !line.empty();  // the last line, without a newline
     if (in.bad()) throw UserError(where + ": read error");
     in.clear();                                    // the buffer filled: the line goes on
@@ -142,11 +145,22 @@ Trace read_trace(const std::string& path) {
   int64_t lineno = 0;
   // diff pairs records by (step, phase, layer, op, tensor): each must be unique.
   std::set<std::string> seen_tensors;
-  while (read_bounded_line(in, line, kMaxTraceLine, path + ":" + std::to_string(lineno + 1))) {
+  bool terminated = false;
+  while (read_bounded_line(in, line, kMaxTraceLine, path + ":" + std::to_string(lineno + 1), terminated)) {
     ++lineno;
     if (line.empty()) continue;
     const std::string where = path + ":" + std::to_string(lineno);
-    nlohmann::json j = parse_untrusted_json(line, where);
+    nlohmann::json j;
+    try {
+      j = parse_untrusted_json(line, where);
+    } catch (const UserError&) {
+      // The writer ends every record with a newline, so a last line without
+      // one that does not parse is a record a killed run was writing: ignored,
+      // like the rest of its half-written step. Anywhere else it is an error.
+      if (terminated) throw;
+      t.torn_last_line = lineno;
+      break;
+    }
     if (!j.is_object()) throw UserError(where + ": not a trace record (expected a JSON object)");
     if (j.contains("kind") && !j["kind"].is_string()) throw UserError(where + ": field 'kind' must be a string");
     const std::string kind = j.value("kind", "");
@@ -251,6 +265,8 @@ int last_step(const Trace& t) {
 
 TraceDiff diff_traces(const Trace& a, const Trace& b) {
   TraceDiff d;
+  if (a.torn_last_line) d.torn["A"] = a.torn_last_line;
+  if (b.torn_last_line) d.torn["B"] = b.torn_last_line;
   // Compare only the steps both traces reached.
   const int last_a = last_step(a), last_b = last_step(b);
   const int common = std::min(last_a, last_b);
@@ -382,6 +398,9 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
 
 std::string format_diff(const TraceDiff& d) {
   std::ostringstream o;
+  for (auto& [which, line] : d.torn.items())
+    o << "trace " << which << ": line " << line.get<int64_t>()
+      << " was cut off mid-record (a killed run) and is ignored\n";
   if (d.identical) {
     o << "traces identical: every traced tensor, loss and state hash has the same bits\n";
     return o.str();
@@ -459,7 +478,7 @@ std::string format_diff(const TraceDiff& d) {
 }
 
 nlohmann::json diff_json(const TraceDiff& d) {
-  return {{"identical", d.identical}, {"truncated", d.truncated},
+  return {{"identical", d.identical}, {"truncated", d.truncated}, {"torn", d.torn},
           {"identical_until_truncation", d.identical_until_truncation()},
           {"config_changes", d.config_changes}, {"first_loss_step", d.first_loss_step},
           {"first", d.first}, {"elements", d.elements}, {"spread", d.spread}, {"heat", d.heat}};

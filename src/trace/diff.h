@@ -15,8 +15,12 @@ struct Trace {
   std::vector<nlohmann::json> tensors;  // in emission order
   std::vector<nlohmann::json> steps;    // one per step
   nlohmann::json end;                   // null if the run did not finish
+  // The line number of a last line cut mid-record (no newline, not JSON: a
+  // run killed while writing it), which is ignored; 0 when there is none.
+  int64_t torn_last_line = 0;
 };
-Trace read_trace(const std::string& path);  // throws UserError naming the file and line
+// Throws UserError naming the file and line; a torn last line is not an error.
+Trace read_trace(const std::string& path);
 
 // Distance in units in the last place between two floats (0 when equal bits;
 // +0 and -0 are one apart).
@@ -37,6 +41,9 @@ struct TraceDiff {
   // the steps both reached are compared. {short: "A"|"B", ends_at, has_end,
   // other_ends_at, other_has_end}; null when both reach the same step.
   nlohmann::json truncated;
+  // Per trace ("A", "B") whose last line was cut mid-record: that line's
+  // number (ignored when reading). An empty object when neither was.
+  nlohmann::json torn = nlohmann::json::object();
   // Nothing differs in the steps both traces hold, but one ends earlier:
   // neither identical nor diverged (`lockstep diff` exits 4).
   bool identical_until_truncation() const { return !identical && first.is_null() && first_loss_step == 0 && !truncated.is_null(); }

@@ -595,7 +595,11 @@ std::string render_report(const Trace& a, const Trace& b, const TraceDiff& d, co
   } else {
     o += "The runs differ.";
   }
-  o += "</h2>\n<div class=\"grid\">\n<div>\n<h3>Runs</h3>\n" + runs_table(a, b) + "</div>\n<div>\n<h3>Config keys that "
+  o += "</h2>\n";
+  for (auto& [which, line] : d.torn.items())
+    o += "<p>Trace " + esc(which) + ": line " + std::to_string(line.get<int64_t>()) +
+         " was cut off mid-record (a killed run) and is ignored.</p>\n";
+  o += "<div class=\"grid\">\n<div>\n<h3>Runs</h3>\n" + runs_table(a, b) + "</div>\n<div>\n<h3>Config keys that "
        "differ</h3>\n" + config_table(d) + "</div>\n</div>\n</section>\n";
 
   o += "<section id=\"loss\">\n<h2>Loss</h2>\n" + loss_chart(la, lb, ax, mark_step, run_label(a), run_label(b)) +
