@@ -11,6 +11,8 @@
 #include <sstream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 namespace lstest {
 
 struct CliResult {
@@ -39,6 +41,20 @@ inline CliResult run_cli(const std::string& args) {
   const std::string cmd = std::string(LOCKSTEP_BIN) + " " + args + " >" + out.string() + " 2>" + err.string();
   const int status = std::system(cmd.c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), slurp(out), slurp(err)};
+}
+
+// The --json summary: the last line of a command's stdout.
+inline nlohmann::json last_json(std::string out) {
+  while (!out.empty() && out.back() == '\n') out.pop_back();
+  const size_t nl = out.rfind('\n');
+  return nlohmann::json::parse(nl == std::string::npos ? out : out.substr(nl + 1));
+}
+
+// An empty path under the suite's temporary folder (removed if present).
+inline std::filesystem::path fresh_dir(const std::string& name) {
+  const std::filesystem::path d = cli_temp_dir() / name;
+  std::filesystem::remove_all(d);
+  return d;
 }
 
 inline std::filesystem::path write_temp(const std::string& name, const std::string& text) {

@@ -46,11 +46,4 @@ inline Run run_lockstep(int np, const std::string& args) {
   return r;
 }
 
-// An empty path under the suite's temporary folder (removed if present).
-inline std::filesystem::path fresh_dir(const std::string& name) {
-  const std::filesystem::path d = cli_temp_dir() / name;
-  std::filesystem::remove_all(d);
-  return d;
-}
-
 }  // namespace lstest

@@ -263,13 +263,18 @@ TEST_SUITE("cli") {
     r = run("run " + sc.string() + " --set ckpt.every=1 --set ckpt.url=" + dir);
     REQUIRE(r.rc == 0);
     CHECK(r.err.find("checkpoint step") == std::string::npos);
-    // A save that cannot be written says so, once.
-    r = run("run " + sc.string() + " --progress --set ckpt.async=false --set ckpt.every=2 --set "
-            "ckpt.url=/proc/lockstep-no-such-dir");
+    // A save that cannot be written says so, once: a file stands where its
+    // step directory would go (the job's lease, taken first, is written).
+    const fs::path blocked = temp_dir() / "progress-blocked";
+    fs::remove_all(blocked);
+    fs::create_directories(blocked);
+    std::ofstream(blocked / "step-00000002") << "in the way";
+    r = run("run " + sc.string() + " --progress --set ckpt.async=false --set ckpt.every=2 --set ckpt.url=" +
+            blocked.string());
     CHECK(r.rc == 3);
     CHECK(count(r.err, "checkpoint step 2: ") == 1);
     CHECK(r.err.find("checkpoint step 2: failed, ") != std::string::npos);
-    CHECK(r.err.find(" bytes not committed: store file:///proc/lockstep-no-such-dir") != std::string::npos);
+    CHECK(r.err.find(" bytes not committed: store file://" + blocked.string()) != std::string::npos);
   }
 }
 
@@ -360,8 +365,14 @@ TEST_SUITE("cli") {
       CHECK(t.at("faults").size() >= 1);
     }
     CHECK(junit_summary(xml).rfind("3 0 3 0\n", 0) == 0);
-    // Every trial fails: its store cannot be written.
-    r = run(sweep + " --trials 2 --set ckpt.url=/proc/lockstep-no-such-dir --json --junit " + xml.string());
+    // Every trial fails: a file stands where its first step directory would go.
+    const fs::path blocked = temp_dir() / "sweep-blocked";
+    fs::remove_all(blocked);
+    for (const char* trial : {"trial-0", "trial-1"}) {
+      fs::create_directories(blocked / trial);
+      std::ofstream(blocked / trial / "step-00000003") << "in the way";
+    }
+    r = run(sweep + " --trials 2 --set ckpt.url=" + blocked.string() + " --json --junit " + xml.string());
     CHECK(r.rc == 1);
     const nlohmann::json f = nlohmann::json::parse(last_line(r.out));
     CHECK(f.at("failed") == 2);

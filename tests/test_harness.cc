@@ -20,24 +20,13 @@
 namespace fs = std::filesystem;
 using lstest::run_cli;
 using lstest::write_temp;
+using lstest::fresh_dir;
+using lstest::last_json;
 
 namespace {
 
 const char* kTiny = R"({"model": {"d_model": 16, "n_heads": 2, "seq_len": 8, "d_ff": 8}, "moe": {"experts": 4},
   "train": {"steps": 6, "batch": 4, "eval_every": 0, "eval_batches": 1}, "data": {"synthetic_bytes": 8192}})";
-
-nlohmann::json last_json(const std::string& out) {
-  std::string t = out;
-  while (!t.empty() && t.back() == '\n') t.pop_back();
-  const size_t nl = t.rfind('\n');
-  return nlohmann::json::parse(nl == std::string::npos ? t : t.substr(nl + 1));
-}
-
-fs::path fresh_dir(const std::string& name) {
-  const fs::path d = lstest::cli_temp_dir() / name;
-  fs::remove_all(d);
-  return d;
-}
 
 }  // namespace
 

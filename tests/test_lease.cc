@@ -99,13 +99,6 @@ void lease_rules(const std::string& url, const std::string& endpoint) {
   c->release();
 }
 
-// The --json summary: the last line of stdout.
-nlohmann::json summary_of(std::string out) {
-  while (!out.empty() && out.back() == '\n') out.pop_back();
-  const size_t nl = out.rfind('\n');
-  return nlohmann::json::parse(nl == std::string::npos ? out : out.substr(nl + 1));
-}
-
 std::vector<int64_t> commits_in(const std::string& url, const std::string& endpoint) {
   return ls::committed_steps(*store_at(url, endpoint));
 }
@@ -147,11 +140,11 @@ void two_jobs_on_one_prefix(const std::string& url, const std::string& endpoint,
   REQUIRE_MESSAGE(c.rc == 0, c.err);
   CHECK(c.err.find("waiting for it to expire") != std::string::npos);
   CHECK(c.err.find("took over the lease of " + holder) != std::string::npos);
-  const nlohmann::json cs = summary_of(c.out);
+  const nlohmann::json cs = lstest::last_json(c.out);
   CHECK(cs["lease"]["generation"] == held.generation + 1);
   CHECK(cs["resumed_from"] == a_commits.back());
   const lstest::CliResult clean = lstest::run_cli(run + " --set train.steps=400");
-  CHECK(cs["final_state_hash"] == summary_of(clean.out)["final_state_hash"]);
+  CHECK(cs["final_state_hash"] == lstest::last_json(clean.out)["final_state_hash"]);
   const std::vector<int64_t> c_commits = commits_in(url, endpoint);
   CHECK(c_commits.back() == 400);
 

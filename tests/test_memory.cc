@@ -21,11 +21,6 @@ const char* kMedium = R"({"model": {"d_model": 128, "n_layers": 4, "n_heads": 4,
   "moe": {"experts": 16, "top_k": 2}, "train": {"steps": 2, "batch": 16, "eval_every": 0, "eval_batches": 1},
   "data": {"synthetic_bytes": 1048576}})";
 
-nlohmann::json last_json_line(const std::string& out) {
-  std::string t = out;
-  while (!t.empty() && t.back() == '\n') t.pop_back();
-  return nlohmann::json::parse(t.substr(t.rfind('\n') == std::string::npos ? 0 : t.rfind('\n') + 1));
-}
 
 }  // namespace
 
@@ -43,7 +38,7 @@ TEST_SUITE("memory") {
       const lstest::CliResult r = lstest::run_cli("run " + sc.string() + " " + args + " --json --quiet");
       CAPTURE(r.err);
       REQUIRE(r.rc == 0);
-      const nlohmann::json m = last_json_line(r.out).at("memory");
+      const nlohmann::json m = lstest::last_json(r.out).at("memory");
       const double est = m.at("estimated_total_bytes").get<double>(), rss = m.at("peak_rss_bytes").get<double>();
       CAPTURE(est);
       CAPTURE(rss);
@@ -57,7 +52,7 @@ TEST_SUITE("memory") {
     const fs::path sc = lstest::write_temp("medium.json", kMedium);
     lstest::CliResult r = lstest::run_cli("plan " + sc.string() + " --json");
     REQUIRE(r.rc == 0);
-    const nlohmann::json j = last_json_line(r.out);
+    const nlohmann::json j = lstest::last_json(r.out);
     CHECK(j.at("fits").get<bool>());
     uint64_t sum = 0;
     for (const char* part : {"weights", "gradients", "adamw_moments", "activations", "moe_expert_buffers", "corpus"}) {
@@ -85,7 +80,7 @@ TEST_SUITE("memory") {
     // plan and --dry-run: the estimate, and exit 5 (does not fit; 2 is bad input).
     r = lstest::run_cli("plan " + big.string() + " --json");
     CHECK(r.rc == 5);
-    CHECK_FALSE(last_json_line(r.out).at("fits").get<bool>());
+    CHECK_FALSE(lstest::last_json(r.out).at("fits").get<bool>());
     r = lstest::run_cli("plan " + big.string());
     CHECK(r.rc == 5);
     CHECK(r.out.find("does not fit") != std::string::npos);
