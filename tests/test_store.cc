@@ -1022,4 +1022,71 @@ TEST_SUITE("rgw") {
     CHECK(s->list("").size() == n_before - 1);
     CHECK_FALSE(s->exists("step-00000003/rank-00000.safetensors"));
   }
+
+  TEST_CASE("rgw: a failed multipart upload is aborted; gc aborts the stale ones a killed writer left, keeps newer ones") {
+    const lstest::RgwServer* rgw = lstest::rgw_or_skip();
+    if (!rgw) return;
+    const std::string url = rgw->fresh_url("multipart");
+    ls::StoreOptions o;
+    o.s3_endpoint = rgw->endpoint;
+    // A checkpointed run: commits at steps 4 and 6 (keep_last 2).
+    auto [rc, text] = lockstep("run " + tiny_scenario() + " --threads 1 --quiet --set ckpt.every=2 --set ckpt.url=" + url +
+                               " --set ckpt.s3_endpoint=" + rgw->endpoint);
+    REQUIRE_MESSAGE(rc == 0, text);
+    auto store = ls::open_store(url, o);
+    const auto listed = [&] {
+      std::set<std::string> keys;
+      const std::optional<std::vector<ls::ObjectStore::PendingUpload>> uploads = store->pending_uploads();
+      REQUIRE(uploads.has_value());  // RGW lists them (s3rver does not)
+      for (const auto& u : *uploads) keys.insert(u.key);
+      return keys;
+    };
+    REQUIRE(listed().empty());
+
+    // An upload whose part fails is aborted by the writer: no parts left behind.
+    const std::vector<uint8_t> big(11 << 20, 7);
+    ls::StoreOptions failing = o;
+    failing.part_size = 5 << 20;
+    std::atomic<int> part_puts{0};
+    failing.s3_request_hook = [&](const std::string& method, const std::string&) {
+      if (method == "PUT" && ++part_puts >= 2) throw ls::StoreError("test: the link dropped", false);
+    };
+    auto writer = ls::open_store(url, failing);
+    CHECK_THROWS_AS(writer->put("step-00000008/rank-00000.safetensors", big.data(), big.size()), ls::StoreError);
+    CHECK(listed().empty());
+
+    // Writers killed mid-upload (here: boto3 begins an upload and stops) leave
+    // uploads S3 keeps, and bills, until someone aborts them.
+    const std::string py = lstest::python_with("boto3, botocore");
+    REQUIRE_MESSAGE(!py.empty(), "no python3 with boto3: run scripts/install-deps.sh");
+    const std::string prefix = url.substr(url.find('/', 5) + 1);
+    const fs::path script = make_tmp("mpu") / "begin.py";
+    std::ofstream(script) << "import sys, boto3\n"
+                             "from botocore.config import Config\n"
+                             "s3 = boto3.client('s3', endpoint_url=sys.argv[1], region_name='us-east-1',\n"
+                             "                  config=Config(s3={'addressing_style': 'path'}))\n"
+                             "for key in sys.argv[3:]:\n"
+                             "    u = s3.create_multipart_upload(Bucket=sys.argv[2], Key=key)\n"
+                             "    s3.upload_part(Bucket=sys.argv[2], Key=key, UploadId=u['UploadId'], PartNumber=1,\n"
+                             "                   Body=b'x' * (5 << 20))\n";
+    const std::string cmd = py + " " + script.string() + " " + rgw->endpoint + " " + rgw->bucket + " " + prefix +
+                            "/step-00000002/rank-00000.safetensors " + prefix + "/step-00000008/rank-00001.safetensors";
+    REQUIRE(std::system(cmd.c_str()) == 0);
+    CHECK(listed() == std::set<std::string>{"step-00000002/rank-00000.safetensors", "step-00000008/rank-00001.safetensors"});
+
+    // gc: the one under a step older than the newest commit is stale; the one
+    // newer than every commit may be a live upload, and stays.
+    std::tie(rc, text) = lockstep("ckpt gc " + url + " --s3-endpoint " + rgw->endpoint);
+    CHECK_MESSAGE(rc == 0, text);
+    CHECK(text.find("stale    step-00000002/rank-00000.safetensors") != std::string::npos);
+    CHECK(text.find("kept     step-00000008/rank-00001.safetensors") != std::string::npos);
+    CHECK(text.find("gc: 1 incomplete multipart upload would be aborted; 1 possibly in progress kept") != std::string::npos);
+    CHECK(listed().size() == 2);  // a dry run changes nothing
+    std::tie(rc, text) = lockstep("ckpt gc " + url + " --delete --s3-endpoint " + rgw->endpoint);
+    CHECK_MESSAGE(rc == 0, text);
+    CHECK(text.find("gc: 1 incomplete multipart upload aborted; 1 possibly in progress kept") != std::string::npos);
+    CHECK(listed() == std::set<std::string>{"step-00000008/rank-00001.safetensors"});
+    std::tie(rc, text) = lockstep("ckpt verify " + url + " --s3-endpoint " + rgw->endpoint);
+    CHECK_MESSAGE(rc == 0, text);
+  }
 }

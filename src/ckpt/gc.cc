@@ -134,6 +134,13 @@ GcReport find_orphans(ObjectStore& store) {
     for (const std::string& k : keys)
       if (!named.count(k)) r.orphan_keys.push_back(k);
   }
+  std::optional<std::vector<ObjectStore::PendingUpload>> uploads = with_retries([&] { return store.pending_uploads(); });
+  r.uploads_listed = uploads.has_value();
+  for (ObjectStore::PendingUpload& u : uploads.value_or(std::vector<ObjectStore::PendingUpload>{})) {
+    const int64_t step = step_of_key(u.key);
+    if (step < 0) continue;  // not a checkpoint object: not ours to judge
+    (step > newest ? r.uploads_in_progress : r.stale_uploads).push_back(std::move(u));
+  }
   r.stale_temps = store.stale_leftovers();
   for (const std::string& d : store.empty_dirs())
     if (step_of_key(d + "/x") >= 0) r.empty_dirs.push_back(d);  // under a step directory
@@ -174,6 +181,7 @@ GcReport collect_garbage(ObjectStore& store, bool do_delete) {
     std::sort(out.committed_steps.begin(), out.committed_steps.end());
   }
   for (const auto& t : r.stale_temps) store.remove_leftover(t.path);
+  for (const auto& u : r.stale_uploads) with_retries([&] { store.abort_pending_upload(u); });
   for (const std::string& d : r.empty_dirs) store.remove_empty_dir(d);
   out.deleted = true;
   return out;

@@ -15,7 +15,9 @@
 // max_inflight > 1 a slower older upload could be taken for torn; run gc
 // only when no run writes to the store. Temp files the file store's writes
 // leave when a process dies mid-upload (Ctrl-C, SIGKILL) are invisible to
-// list(); those whose writer is dead are collected too (stale_temps).
+// list(); those whose writer is dead are collected too (stale_temps). So are
+// the multipart uploads a killed writer left on S3 (stale_uploads), under
+// the same rule as torn steps.
 #pragma once
 
 #include <cstdint>
@@ -39,7 +41,12 @@ struct GcReport {
   // Empty step directories (file store): left by keep_last before the file
   // store removed a directory with its last object; removed with the orphans.
   std::vector<std::string> empty_dirs;
-  bool deleted = false;                   // collect_garbage removed the orphans
+  // Incomplete multipart uploads (S3) of objects under step directories:
+  // stale when the step is older than the newest commit (the same rule as
+  // torn steps), else possibly in progress and kept.
+  std::vector<ObjectStore::PendingUpload> stale_uploads, uploads_in_progress;
+  bool uploads_listed = true;             // false: the server cannot list multipart uploads
+  bool deleted = false;                   // collect_garbage removed the orphans (and aborted the stale uploads)
 };
 
 // Lists the store and reports orphans; changes nothing. Sizes come from

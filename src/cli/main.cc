@@ -731,6 +731,18 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
   if (!r.stale_temps.empty())
     std::printf("gc: %zu stale temp file%s, %llu bytes %s\n", r.stale_temps.size(), r.stale_temps.size() == 1 ? "" : "s",
                 (unsigned long long)r.stale_temp_bytes, r.deleted ? "deleted" : "would be deleted");
+  for (const auto& u : r.stale_uploads)
+    std::printf("%s %-44s upload %s, begun %s (incomplete multipart upload)\n", r.deleted ? "aborted " : "stale   ",
+                u.key.c_str(), u.upload_id.c_str(), u.initiated.c_str());
+  for (const auto& u : r.uploads_in_progress)
+    std::printf("kept     %-44s upload %s, begun %s (newer than every commit: possibly in progress)\n", u.key.c_str(),
+                u.upload_id.c_str(), u.initiated.c_str());
+  if (!r.uploads_listed)
+    std::printf("gc: incomplete multipart uploads not checked: this server does not list them (ListMultipartUploads)\n");
+  if (!r.stale_uploads.empty() || !r.uploads_in_progress.empty())
+    std::printf("gc: %zu incomplete multipart upload%s %s; %zu possibly in progress kept\n", r.stale_uploads.size(),
+                r.stale_uploads.size() == 1 ? "" : "s", r.deleted ? "aborted" : "would be aborted",
+                r.uploads_in_progress.size());
   if (!r.empty_dirs.empty())
     std::printf("gc: %zu empty step director%s (of checkpoints removed earlier) %s\n", r.empty_dirs.size(),
                 r.empty_dirs.size() == 1 ? "y" : "ies", r.deleted ? "deleted" : "would be deleted");

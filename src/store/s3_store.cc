@@ -308,6 +308,42 @@ class S3Store : public ObjectStore {
     return keys;
   }
 
+  std::optional<std::vector<PendingUpload>> pending_uploads() override {
+    CallTimer t(this);
+    std::vector<PendingUpload> out;
+    std::string key_marker, id_marker;
+    for (;;) {
+      Params q = {{"uploads", ""}, {"prefix", base_}};
+      if (!key_marker.empty()) q.insert(q.end(), {{"key-marker", key_marker}, {"upload-id-marker", id_marker}});
+      Response r = request("GET", "", q, nullptr, 0, {});
+      if (r.status == 501) return std::nullopt;  // NotImplemented (s3rver)
+      if (r.status != 200) fail("LIST (multipart uploads)", "", r);
+      const std::string doc = r.text();
+      for (const std::string& u : xml_all(doc, "Upload")) {
+        const std::string k = xml_first(u, "Key");
+        if (k.compare(0, base_.size(), base_) != 0) continue;  // not under the prefix: not ours
+        std::string rel = k.substr(base_.size());
+        if (!object_key_problem(rel).empty()) continue;  // a key no call of ours could address
+        out.push_back({std::move(rel), xml_first(u, "UploadId"), xml_first(u, "Initiated")});
+      }
+      count_list();
+      if (xml_first(doc, "IsTruncated") != "true") break;
+      key_marker = xml_first(doc, "NextKeyMarker");
+      id_marker = xml_first(doc, "NextUploadIdMarker");
+      if (key_marker.empty())
+        throw StoreError(where("LIST (multipart uploads)", "") + ": truncated listing without a marker", true);
+    }
+    return out;
+  }
+
+  void abort_pending_upload(const PendingUpload& u) override {
+    CallTimer t(this);
+    check_key(u.key);
+    Response r = request("DELETE", u.key, {{"uploadId", u.upload_id}}, nullptr, 0, {});
+    if (r.status != 204 && r.status != 200 && r.status != 404) fail("DELETE (abort multipart)", u.key, r);
+    count_delete();
+  }
+
   void remove(const std::string& key) override {
     CallTimer t(this);
     check_key(key);

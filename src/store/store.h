@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -90,6 +91,18 @@ class ObjectStore {
   // still empty, and then its parents that became empty (never the root).
   virtual std::vector<std::string> empty_dirs() { return {}; }
   virtual void remove_empty_dir(const std::string& path) { (void)path; }
+  // Multipart uploads begun under the store and neither completed nor
+  // aborted (S3's ListMultipartUploads): a writer killed mid-upload leaves
+  // its parts stored, and billed, but listed nowhere else. Stores without
+  // multipart uploads report none; nullopt: the server cannot list them
+  // (s3rver answers 501). Aborting one frees its parts.
+  struct PendingUpload {
+    std::string key;        // relative to the store's prefix
+    std::string upload_id;
+    std::string initiated;  // as the server gave it (ISO 8601)
+  };
+  virtual std::optional<std::vector<PendingUpload>> pending_uploads() { return std::vector<PendingUpload>{}; }
+  virtual void abort_pending_upload(const PendingUpload& upload) { (void)upload; }
   virtual std::string url() const = 0;
 
   // Updated by every call under metrics_mu; read it with metrics_snapshot()
