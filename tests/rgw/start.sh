@@ -51,7 +51,8 @@ mon cluster log file = $DIR/log/cluster.log
 mon data = $DIR/mon/\$id
 osd data = $DIR/osd/\$id
 osd objectstore = memstore
-memstore device bytes = 2147483648
+memstore device bytes = 6442450944
+mon data avail warn = 5
 osd pool default size = 1
 osd pool default min size = 1
 osd pool default pg num = 8
@@ -67,6 +68,8 @@ osd max object namespace len = 64
 rgw frontends = beast endpoint=127.0.0.1:$RGW_PORT
 rgw data = $DIR/rgw
 rgw dns name = 127.0.0.1
+rgw gc obj min wait = 5
+rgw gc processor period = 5
 CONF
 C=(-c "$CONF")
 echo "rgw: keys and monitor map under $DIR" >&2
