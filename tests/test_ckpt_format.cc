@@ -295,6 +295,19 @@ TEST_CASE("a shard opens from Python with numpy (tools/read_shard.py)") {
     }
     if (n == 0) CHECK(py_sum == 0.0);
   }
+  // A name the shard does not hold (say, a logical tensor's, where shards
+  // hold pieces): one line naming the file, the name and what is there; no
+  // Python traceback.
+  const fs::path out = tmp() / "py-missing.txt";
+  const int st = std::system((py + " " + std::string(LOCKSTEP_SOURCE_DIR) + "/tools/read_shard.py " + file.string() +
+                              " param/no.such >" + out.string() + " 2>&1")
+                                 .c_str());
+  std::ifstream in(out);
+  std::stringstream said;
+  said << in.rdbuf();
+  CHECK((WIFEXITED(st) && WEXITSTATUS(st) == 1));
+  CHECK_MESSAGE(said.str().find("has no tensor 'param/no.such'; tensors here: ") != std::string::npos, said.str());
+  CHECK_MESSAGE(said.str().find("Traceback") == std::string::npos, said.str());
   fs::remove_all(tmp());
 }
 

@@ -66,6 +66,15 @@ TEST_SUITE("memory") {
     CHECK(r.out.find("adamw_moments") != std::string::npos);
     CHECK(r.out.find("not a measurement") != std::string::npos);
     CHECK(r.out.find("final_state_hash") == std::string::npos);
+    // Sizes read as a person writes them: past 1 GiB in GiB ("8.4 GiB", not "8600.5 MiB").
+    r = lstest::run_cli("plan " + sc.string() + " --set model.d_model=2048 --set model.n_layers=8");
+    CAPTURE(r.out);
+    CHECK(r.out.find("  total ") != std::string::npos);
+    CHECK(r.out.substr(r.out.find("  total ")).find(" GiB") < r.out.substr(r.out.find("  total ")).find('\n'));
+    for (size_t at = r.out.find(" MiB"); at != std::string::npos; at = r.out.find(" MiB", at + 1)) {
+      const size_t start = r.out.rfind(' ', at - 1) + 1;
+      CHECK(std::stod(r.out.substr(start, at - start)) < 1024.0);
+    }
   }
 
   TEST_CASE("a scenario that cannot fit is refused before allocating, naming the estimate and the limit") {

@@ -93,6 +93,23 @@ TEST_SUITE("report") {
     CHECK(html.find("same bits at every step") != std::string::npos);
   }
 
+  TEST_CASE("a shape mismatch: the page and diff say so, and suggest no --trace-dump that could not help") {
+    make_traces();
+    const fs::path sc = tmp() / "tiny.json", wide = tmp() / "wide.jsonl";
+    REQUIRE(lockstep("run " + sc.string() + " --quiet --threads 2 --set model.d_ff=16 --trace " + wide.string()) == 0);
+    const ls::Trace a = ls::read_trace((tmp() / "a.jsonl").string()), b = ls::read_trace(wide.string());
+    const ls::TraceDiff d = ls::diff_traces(a, b);
+    REQUIRE(d.first.contains("shapes_differ"));
+    const std::string html = ls::render_report(a, b, d, "d_ff 8 vs 16");
+    CHECK(html.find("The shapes differ") != std::string::npos);
+    CHECK(html.find("--trace-dump") == std::string::npos);
+    CHECK(ls::format_diff(d).find("--trace-dump") == std::string::npos);
+    // The control: a difference of values, same shapes, does suggest it.
+    const ls::Trace bumped = ls::read_trace((tmp() / "b.jsonl").string());
+    const ls::Trace plain = ls::read_trace((tmp() / "a.jsonl").string());
+    REQUIRE(!ls::diff_traces(plain, bumped).first.contains("shapes_differ"));
+  }
+
   TEST_CASE("a long run's heat map bins steps into at most 400 columns") {
     ls::Trace a;
     a.header = {{"kind", "header"}, {"format", "lockstep-trace-1"}, {"backend", "engine"}, {"scenario", "long"}};

@@ -632,7 +632,7 @@ int cmd_check(const CheckArgs& a) {
         std::printf("ok    %-16s %-28s %d steps, %s, final_state_hash %s\n", s.name.c_str(),
                     fs::path(spath).filename().string().c_str(), r.steps,
                     processes ? (std::to_string(s.mesh.dp) + " processes").c_str()
-                              : (std::to_string(r.threads) + " threads").c_str(),
+                              : (std::to_string(r.threads) + (r.threads == 1 ? " thread" : " threads")).c_str(),
                     r.final_state_hash.c_str());
     } else {
       ++failed;
@@ -773,7 +773,9 @@ int main(int argc, char** argv) {
   run->add_option("--launcher", ra.launcher,
                   "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp, one "
                   "process per rank; docs/CLUSTER.md)");
-  run->add_option("--steps", ra.steps, "train this many steps instead of train.steps");
+  run->add_option("--steps", ra.steps,
+                  "stop after this many steps; the learning-rate schedule stays train.steps' (so a run stopped "
+                  "early matches the full run's first N steps bit for bit, and its checkpoints resume it)");
   run->add_option("--out", ra.out_dir, "write summary.json and scenario.resolved.json here");
   run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");
   run->add_flag("--progress", ra.progress, "progress lines on stderr even when it is not a terminal");

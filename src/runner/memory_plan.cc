@@ -22,8 +22,8 @@ constexpr uint64_t kMiB = uint64_t(1) << 20;
 
 std::string mib(uint64_t b) {
   char buf[32];
-  if (b >= (uint64_t(10) << 40)) std::snprintf(buf, sizeof buf, "%.1f TiB", b / double(uint64_t(1) << 40));
-  else if (b >= (uint64_t(10) << 30)) std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(uint64_t(1) << 30));
+  if (b >= (uint64_t(1) << 40)) std::snprintf(buf, sizeof buf, "%.1f TiB", b / double(uint64_t(1) << 40));
+  else if (b >= (uint64_t(1) << 30)) std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(uint64_t(1) << 30));
   else std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(kMiB));
   return buf;
 }

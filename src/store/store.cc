@@ -175,8 +175,8 @@ std::string s3_endpoint(const std::string& url, const StoreOptions& opt, const s
     static std::once_flag said;
     std::call_once(said, [&] {
       std::fprintf(stderr,
-                   "lockstep: note: %s has no S3 endpoint (ckpt.s3_endpoint, --s3-endpoint or "
-                   "LOCKSTEP_S3_ENDPOINT): using AWS at %s\n",
+                   "lockstep: note: %s has no S3 endpoint (run: --set ckpt.s3_endpoint=URL; ckpt: --s3-endpoint URL; "
+                   "or env LOCKSTEP_S3_ENDPOINT): using AWS at %s\n",
                    url.c_str(), ep.c_str());
     });
   }

@@ -477,6 +477,10 @@ std::string first_divergence(const TraceDiff& d, const std::vector<LossPoint>& l
              esc(text_of(r.value("ulp", json()))) + "</td></tr>\n";
       }
       o += "</tbody></table>\n";
+    } else if (tensor && b.is_object() && d.first.contains("shapes_differ")) {
+      // Element dumps compare like with like: a shape mismatch is the finding.
+      o += "<p class=\"muted\">The shapes differ, so no element-wise comparison applies: the runs computed "
+           "different tensors here (a config or code difference, not rounding).</p>\n";
     } else if (tensor && b.is_object()) {
       o += "<p class=\"muted\">Rerun both with <code>--trace-dump " + std::to_string(a.value("step", 0)) + ":" +
            esc(a.value("op", "")) + "</code> to see the differing elements.</p>\n";
