@@ -208,6 +208,29 @@ TEST_SUITE("supervisor") {
     }
   }
 
+  TEST_CASE("the --fault examples in docs/FAULTS.md run as written and end on top1's golden hash") {
+    const std::string root = LOCKSTEP_SOURCE_DIR;
+    std::ifstream doc(root + "/docs/FAULTS.md"), golden_file(root + "/golden/top1.json");
+    const std::string want = nlohmann::json::parse(golden_file)["final_state_hash"];
+    int examples = 0;
+    for (std::string line; std::getline(doc, line);) {
+      if (line.rfind("lockstep run scenarios/", 0) != 0 || line.find("--fault ") == std::string::npos) continue;
+      ++examples;
+      CAPTURE(line);
+      std::string args = line.substr(std::string("lockstep ").size());  // "run scenarios/top1.json ..."
+      args.replace(args.find("scenarios/"), 10, root + "/scenarios/");
+      for (size_t at = args.find("/tmp/"); at != std::string::npos; at = args.find("/tmp/", at + 1)) {
+        const std::string dir = (tmp() / ("doc-example-" + std::to_string(examples))).string() + "/";
+        args.replace(at, 5, dir);
+        at += dir.size();
+      }
+      const Run r = lockstep(args + " --quiet --json --threads 1");
+      CHECK_MESSAGE(r.rc == 0, r.err);
+      CHECK(r.summary.value("final_state_hash", "") == want);
+    }
+    CHECK(examples == 5);
+  }
+
   TEST_CASE("a failed sweep trial shows what its children wrote to stderr") {
     // The trial's first checkpoint directory is taken by a file: its supervisor
     // takes the lease on the trial's prefix, and the child's first save fails.

@@ -63,6 +63,52 @@ const json* find_row(const json& rows, const std::string& policy, double factor,
 }  // namespace
 
 TEST_SUITE("sweep") {
+  TEST_CASE("moe-sweep: the example in docs/SCENARIOS.md prints what the page shows (all but the timings)") {
+    std::ifstream doc(std::string(LOCKSTEP_SOURCE_DIR) + "/docs/SCENARIOS.md");
+    std::vector<std::string> shown;
+    std::string command;
+    for (std::string line; std::getline(doc, line);) {
+      if (command.empty()) {
+        if (line.rfind("$ tools/moe-sweep ", 0) == 0) command = line.substr(std::string("$ tools/moe-sweep ").size());
+      } else if (line.rfind("```", 0) == 0) {
+        break;
+      } else {
+        shown.push_back(line);
+      }
+    }
+    REQUIRE(!command.empty());
+    TempDir dir;
+    const Sweep s = run_sweep(dir.path, command);
+    REQUIRE_MESSAGE(s.rc == 0, s.err);
+    std::vector<std::string> got;
+    std::istringstream lines(s.out);
+    for (std::string line; std::getline(lines, line);) got.push_back(line);
+    REQUIRE(got.size() == shown.size());
+    auto words = [](const std::string& line) {
+      std::vector<std::string> w;
+      std::istringstream in(line);
+      for (std::string x; in >> x;) w.push_back(x);
+      return w;
+    };
+    for (size_t i = 0; i < got.size(); ++i) {
+      CAPTURE(shown[i]);
+      CAPTURE(got[i]);
+      std::vector<std::string> a = words(shown[i]), b = words(got[i]);
+      const bool row = a.size() == 19 && (a[0] == "peak" || a[0] == "rounds" || a[0] == "drop");
+      if (row && b.size() == 19) {
+        // policy .. per-row/rank, then final loss, gap and hash: everything
+        // but peak RSS (two words) and step ms, which are measured.
+        a.erase(a.begin() + 13, a.begin() + 16);
+        b.erase(b.begin() + 13, b.begin() + 16);
+        CHECK(a == b);
+      } else if (shown[i].rfind("cost of rounds:", 0) == 0) {
+        CHECK(got[i].rfind("cost of rounds: step time over peak's --", 0) == 0);
+      } else {
+        CHECK(got[i] == shown[i]);
+      }
+    }
+  }
+
   TEST_CASE("moe-sweep: one hash for rounds/peak, drop differs, factor trades memory for rounds") {
     TempDir tmp;
     const fs::path scn = tmp.path / "tiny.json";
