@@ -11,6 +11,8 @@ PKGS=(meson ninja-build g++ pkg-config libeigen3-dev nlohmann-json3-dev libcli11
       libssl-dev python3-botocore python3-boto3 python3-xxhash
       clang-14 libclang-rt-14-dev   # clang-14 + its runtime: libFuzzer, ASan, UBSan (fuzz/)
       libopenmpi-dev openmpi-bin    # the MPI communicator (src/cluster/mpi.cc); the build works without it
+      libopenblas-openmp-dev        # numerics.level=local's GEMMs (src/ops/local.cc); Eigen without it
+      libopenblas0-pthread          # the BLAS numpy (and PyTorch, for tools/bench) load: not the reference BLAS
       ceph-mon ceph-osd radosgw ceph-common)  # a one-node Ceph RADOS Gateway for the rgw suite (tests/rgw/)
 missing=()
 for p in "${PKGS[@]}"; do

@@ -9,6 +9,7 @@ does), Switch aux loss and router z-loss, AdamW. Prints one JSON line.
 """
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -119,7 +120,20 @@ def main():
             seconds += time.perf_counter() - t0
     tps = a.steps * a.batch * a.seq_len / seconds
     print(json.dumps({"peer": "pytorch-eager", "torch": torch.__version__, "threads": a.threads,
-                      "tokens_per_second": tps}))
+                      "tokens_per_second": tps, "blas": loaded_blas(),
+                      "openblas_env": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")}}))
+
+
+def loaded_blas():
+    """The BLAS libraries this process mapped (after training ran its matmuls): what PyTorch's GEMMs call."""
+    libs = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            name = os.path.basename(path)
+            if "blas" in name or "mkl" in name:
+                libs.add(os.path.realpath(path))
+    return sorted(libs)
 
 
 if __name__ == "__main__":

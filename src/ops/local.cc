@@ -5,9 +5,13 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include <Eigen/Core>
+#ifdef LOCKSTEP_HAVE_OPENBLAS
+#include <cblas.h>
+#endif
 
 #include "common/parallel.h"
 
@@ -36,24 +40,73 @@ void with_view(ConstMat m, int64_t rows, int64_t cols, F&& f) {
 
 }  // namespace
 
+#ifdef LOCKSTEP_HAVE_OPENBLAS
+namespace {
+
+// A strided matrix as BLAS takes it: row-major with leading dimension ld,
+// transposed or not; a matrix with neither stride 1 is packed first.
+struct BlasView {
+  const float* p;
+  CBLAS_TRANSPOSE trans;
+  int64_t ld;
+  std::vector<float> packed;
+};
+
+void blas_view(ConstMat m, int64_t rows, int64_t cols, BlasView& v) {
+  if (m.cs == 1) {
+    v = {m.p, CblasNoTrans, m.rs, {}};
+  } else if (m.rs == 1) {
+    v = {m.p, CblasTrans, m.cs, {}};  // the transpose of a row-major cols x rows matrix
+  } else {
+    v.packed.resize((size_t)(rows * cols));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) v.packed[(size_t)(r * cols + c)] = m.p[r * m.rs + c * m.cs];
+    v.p = v.packed.data();
+    v.trans = CblasNoTrans;
+    v.ld = cols;
+  }
+}
+
+}  // namespace
+#endif
+
+std::string gemm_library() {
+#ifdef LOCKSTEP_HAVE_OPENBLAS
+  // The kernel OpenBLAS picked for this CPU (OPENBLAS_CORETYPE overrides it).
+  return std::string("OpenBLAS sgemm (") + openblas_get_corename() + ")";
+#else
+  return "Eigen";
+#endif
+}
+
 void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc, bool accumulate) {
   if (M <= 0 || N <= 0) return;
-  Eigen::Map<RowMajor, 0, Eigen::OuterStride<>> c(C, M, N, Eigen::OuterStride<>(ldc));
   if (K <= 0) {
-    if (!accumulate) c.setZero();
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
     return;
   }
-  // Inside the engine's own parallel work Eigen must stay on this thread
-  // (its OpenMP team would oversubscribe the cores): one thread there.
+  // Inside the engine's own parallel work the library must stay on this
+  // thread (an OpenMP team of its own would oversubscribe the cores).
   const bool nested = in_pool_job() || omp_in_parallel();
   const int saved = omp_get_max_threads();
   if (nested) omp_set_num_threads(1);
+#ifdef LOCKSTEP_HAVE_OPENBLAS
+  BlasView a, b;
+  blas_view(A, M, K, a);
+  blas_view(B, K, N, b);
+  // ld of a transposed operand counts its stored (row-major) rows' stride.
+  cblas_sgemm(CblasRowMajor, a.trans, b.trans, (blasint)M, (blasint)N, (blasint)K, 1.0f, a.p, (blasint)a.ld, b.p,
+              (blasint)b.ld, accumulate ? 1.0f : 0.0f, C, (blasint)ldc);
+#else
+  Eigen::Map<RowMajor, 0, Eigen::OuterStride<>> c(C, M, N, Eigen::OuterStride<>(ldc));
   with_view(A, M, K, [&](const auto& a) {
     with_view(B, K, N, [&](const auto& b) {
       if (accumulate) c.noalias() += a * b;
       else c.noalias() = a * b;
     });
   });
+#endif
   if (nested) omp_set_num_threads(saved);
 }
 

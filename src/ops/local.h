@@ -1,6 +1,6 @@
 // The ops of the `local` numerics level (common/numerics_level.h): the same
 // math as the contract ops, computed the way an ordinary fast trainer does.
-// Eigen's GEMM, weight gradients over all tokens at once, the C library's
+// OpenBLAS's (or Eigen's) GEMM, weight gradients over all tokens at once, the C library's
 // expf, reductions vectorised and split over threads in whatever order is
 // fastest. This translation unit alone is compiled with contraction allowed
 // (-ffp-contract=fast). The portable ops call these when the level is local;
@@ -9,12 +9,18 @@
 
 #include <stdint.h>
 
+#include <string>
+
 #include "ops/gemm.h"
 
 namespace ls::ops::local {
 
-// C (+)= A·B with Eigen (its own blocking over k).
+// C (+)= A·B with OpenBLAS's sgemm where the build found it, else Eigen (each
+// with its own blocking over k).
 void gemm(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc, bool accumulate);
+// What gemm() calls: "OpenBLAS sgemm (CORE)" with the kernel OpenBLAS chose
+// for this CPU, or "Eigen" in a build without OpenBLAS.
+std::string gemm_library();
 // dW (+)= X^T dY over `rows` rows at once (no leaves). Reduces over the token index.
 void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out, int64_t rows,
                  float* dW, bool accumulate);

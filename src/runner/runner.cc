@@ -13,6 +13,7 @@
 #include "common/op_profile.h"
 #include "emu/backend.h"
 #include "ops/hooks.h"
+#include "ops/local.h"
 #include "contract.h"
 #include "data/corpus.h"
 #include "model/model.h"
@@ -316,6 +317,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.scenario = s.name;
   r.backend = backend_name(opt.backend);
   r.level = s.level;
+  if (s.level == "local") r.local_gemm = ops::local::gemm_library();
   // The level is process-wide (the ranks of an in-process mesh are threads of this run).
   if (s.level == "local" && opt.backend == Backend::kReference)
     throw UserError("numerics.level=local: the reference is the contract's definition and runs portable only; use "
@@ -685,6 +687,7 @@ nlohmann::json result_json(const RunResult& r) {
   j["backend"] = r.backend;
   if (!r.device.empty()) j["device"] = r.device;
   j["level"] = r.level;
+  if (!r.local_gemm.empty()) j["local_gemm"] = r.local_gemm;
   j["threads"] = r.threads;
   j["steps"] = r.steps;
   j["final_state_hash"] = r.final_state_hash;

@@ -83,6 +83,7 @@ struct RunResult {
   std::string backend;
   std::string device;                    // --backend cuda: the GPU it ran on
   std::string level = "portable";        // numerics.level of the run
+  std::string local_gemm;                // level local: the library its GEMMs call (ops/local.h)
   int threads = 1;
   int steps = 0;
   std::vector<float> losses;             // mean cross-entropy (nats/byte) of each step's batch, before its update
