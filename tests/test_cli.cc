@@ -146,9 +146,13 @@ TEST_SUITE("cli") {
 
   TEST_CASE("check passes on the repository's golden files and fails loudly on a changed one") {
     Result ok = run("check " + (kRoot / "scenarios" / "top1.json").string() + " --golden-dir " +
-                    (kRoot / "golden").string());
+                    (kRoot / "golden").string() + " --threads 1");
     CHECK(ok.rc == 0);
     CHECK(ok.out.find("ok") != std::string::npos);
+    CHECK(ok.out.find("16 steps, 1 thread, final_state_hash") != std::string::npos);  // not "1 threads"
+    // --steps says what it keeps: the schedule of train.steps.
+    Result help = run("run --help");
+    CHECK(help.out.find("learning-rate schedule stays train.steps'") != std::string::npos);
 
     // A golden directory whose top1 file has one loss bit flipped at step 3.
     fs::path gdir = temp_dir() / "golden";
