@@ -81,7 +81,8 @@ const char* kFull = R"({
           "router_skew": 1.5},
   "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2},
   "ckpt": {"url": "s3://bucket/run", "every": 50, "async": false, "keep_last": 3, "max_inflight": 2,
-           "restore": "naive", "s3_endpoint": "http://127.0.0.1:9000", "lease_seconds": 12.5},
+           "restore": "naive", "s3_endpoint": "http://127.0.0.1:9000", "lease_seconds": 12.5, "retry_seconds": 5.5,
+           "on_failure": "stop"},
   "faults": [{"kind": "process_kill", "phase": "step_start", "step": 100}],
   "train": {"steps": 300, "batch": 32, "lr": 0.0005, "min_lr_ratio": 0.05,
             "warmup_steps": 10, "decay_steps": 250, "beta1": 0.8, "beta2": 0.99,
@@ -213,6 +214,8 @@ TEST_SUITE("scenario") {
     CHECK(s.ckpt.restore == "naive");
     CHECK(s.ckpt.s3_endpoint == "http://127.0.0.1:9000");
     CHECK(s.ckpt.lease_seconds == 12.5);
+    CHECK(s.ckpt.retry_seconds == 5.5);
+    CHECK(s.ckpt.on_failure == "stop");
     REQUIRE(s.faults.size() == 1);
     CHECK(s.faults[0].kind == ls::FaultKind::kProcessKill);
     CHECK(s.faults[0].step == 100);

@@ -138,6 +138,39 @@ TEST_SUITE("supervisor") {
     CHECK(v.out.find("step 4") != std::string::npos);  // the last one committed before the outage
   }
 
+  TEST_CASE("store outages: ridden out within ckpt.retry_seconds; past it a save fails and training goes on, or stops") {
+    // Seven failing calls in a row outlast the five attempts saves used to
+    // make (about 0.4-0.75 s); the default budget rides them out.
+    Run r = faulty("--fault store_transient@3:calls=7 --set ckpt.async=false");
+    REQUIRE_MESSAGE(r.rc == 0, r.err);
+    CHECK(r.summary["final_state_hash"] == golden());
+    CHECK(r.summary["checkpoint"]["failed_saves"] == 0);
+    CHECK(r.summary["checkpoint"]["retries"] == 7);
+    CHECK(r.summary["checkpoint"]["longest_outage_seconds"].get<double>() > 1.0);
+    // Past a 0.3 s budget the save of step 4 fails: continue (the default)
+    // says so and trains on; the next saves commit, and the bits are the same.
+    r = faulty("--fault store_transient@3:calls=5 --set ckpt.async=false --set ckpt.retry_seconds=0.3");
+    REQUIRE_MESSAGE(r.rc == 0, r.err);
+    CHECK(r.summary["final_state_hash"] == golden());
+    CHECK(r.summary["checkpoint"]["failed_saves"] == 1);
+    CHECK(r.err.find("the checkpoint of step 4 failed after") != std::string::npos);
+    bool later_commit = false;
+    for (const auto& save : r.summary["checkpoint"]["saves"])
+      later_commit = later_commit || (save["step"].get<int>() > 4 && save["committed"].get<bool>());
+    CHECK(later_commit);
+    // stop: the run ends with exit 3, not restarted; resuming from the last
+    // commit ends on the uninterrupted run's bits.
+    const std::string dir = ckpt_dir();
+    r = lockstep("run " + scenario() + " --json --set ckpt.url=" + dir + " --set ckpt.every=2 --set ckpt.async=false " +
+                 "--set ckpt.retry_seconds=0.3 --set ckpt.on_failure=stop --fault store_transient@3:calls=5");
+    CHECK(r.rc == 3);
+    CHECK(r.err.find("the store failed") != std::string::npos);
+    r = lockstep("run " + scenario() + " --json --quiet --resume " + dir);
+    REQUIRE_MESSAGE(r.rc == 0, r.err);
+    CHECK(r.summary["resumed_from"] == 2);
+    CHECK(r.summary["final_state_hash"] == golden());
+  }
+
   TEST_CASE("a hang is detected by heartbeat, and the restart budget is enforced") {
     const Run r = faulty("--fault straggler@3:slow=3", "--heartbeat-timeout 0.5 --max-restarts 1");
     CHECK(r.rc == 1);

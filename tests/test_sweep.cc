@@ -77,6 +77,7 @@ TEST_SUITE("sweep") {
       }
     }
     REQUIRE(!command.empty());
+    command.replace(command.find("scenarios/"), 10, std::string(LOCKSTEP_SOURCE_DIR) + "/scenarios/");  // the page's paths are the repository's
     TempDir dir;
     const Sweep s = run_sweep(dir.path, command);
     REQUIRE_MESSAGE(s.rc == 0, s.err);

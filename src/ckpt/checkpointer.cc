@@ -30,7 +30,8 @@ std::string stored_name(const StatePiece& p) {
 }  // namespace
 
 void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context) {
-  uint64_t head[2] = {0, 0};  // kind (0 none, 1 UserError, 2 StoreError, 3 other, 4 LeaseLost), message bytes
+  // kind (0 none, 1 UserError, 2 StoreError, 3 other, 4 LeaseLost, 5 transient StoreError), message bytes
+  uint64_t head[2] = {0, 0};
   std::string text;
   if (comm.rank() == root && error) {
     try {
@@ -40,7 +41,7 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
     } catch (const UserError& e) {
       head[0] = 1, text = e.what();
     } catch (const StoreError& e) {
-      head[0] = 2, text = e.what();
+      head[0] = e.transient ? 5 : 2, text = e.what();
     } catch (const std::exception& e) {
       head[0] = 3, text = e.what();
     }
@@ -53,7 +54,7 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
   if (comm.rank() == root) std::rethrow_exception(error);
   text = context + "rank " + std::to_string(root) + ": " + text;
   if (head[0] == 1) throw UserError(text);
-  if (head[0] == 2) throw StoreError(text, false);
+  if (head[0] == 2 || head[0] == 5) throw StoreError(text, head[0] == 5);
   if (head[0] == 4) throw LeaseLost(text);
   throw std::runtime_error(text);
 }
@@ -76,6 +77,57 @@ CheckpointWriter::CheckpointWriter(const CheckpointConfig& cfg, std::shared_ptr<
                                    Communicator* mpi)
     : cfg_(cfg), store_(std::move(store)), scenario_(std::move(scenario)), mesh_(std::move(mesh)),
       fingerprint_(std::move(fingerprint)), mpi_(mpi) {}
+
+template <class F>
+auto CheckpointWriter::retry(F f) -> decltype(f()) {
+  RetryPolicy p;
+  p.budget_seconds = cfg_.retry_seconds;
+  RetryRecord rec;
+  struct Count {  // however the call ends
+    CheckpointWriter* w;
+    RetryRecord* rec;
+    ~Count() {
+      std::lock_guard<std::mutex> lk(w->mu_);
+      w->trouble_.retries += (uint64_t)rec->retries;
+      w->trouble_.longest_outage_seconds = std::max(w->trouble_.longest_outage_seconds, rec->outage_seconds);
+    }
+  } count{this, &rec};
+  return with_retry_budget(f, p, &rec);
+}
+
+bool CheckpointWriter::let_go(std::exception_ptr error) const {
+  if (cfg_.on_failure != "continue" || !error) return false;
+  try {
+    std::rethrow_exception(error);
+  } catch (const StoreError& e) {
+    return e.transient;
+  } catch (...) {
+    return false;
+  }
+}
+
+void CheckpointWriter::note_failed_save(int64_t step, std::exception_ptr error) {
+  std::string why;
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++trouble_.failed_saves;
+  }
+  if (!mpi_ || mpi_->rank() == 0)
+    std::fprintf(stderr,
+                 "lockstep: warning: the checkpoint of step %lld failed after %.0f s of retries (%s); training "
+                 "continues and the next save tries again (ckpt.on_failure=continue)\n",
+                 (long long)step, cfg_.retry_seconds, why.c_str());
+}
+
+CheckpointWriter::StoreTrouble CheckpointWriter::store_trouble() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return trouble_;
+}
 
 CheckpointWriter::~CheckpointWriter() {
   if (mpi_) {
@@ -158,8 +210,12 @@ void CheckpointWriter::save(int64_t step, Trainer& trainer) {
       upload(*job);
     } catch (...) {
       failed = std::current_exception();
-      std::lock_guard<std::mutex> lk(mu_);
-      if (!error_) error_ = failed;
+      if (let_go(failed)) {
+        note_failed_save(job->step, failed);
+      } else {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!error_) error_ = failed;
+      }
     }
     settled(*job, failed);
     std::lock_guard<std::mutex> lk(mu_);
@@ -201,7 +257,7 @@ void CheckpointWriter::write_objects(Job& job) {
             encode_safetensors(slices, {{"step", std::to_string(job.step)}, {"rank", std::to_string(r)}});
         job.objects[r] = {shard_key(job.step, r), obj.size(), xxh128_hex(obj.data(), obj.size()), r};
         const double p0 = now();
-        with_retries([&] { store_->put(job.objects[r].key, obj.data(), obj.size()); });
+        retry([&] { store_->put(job.objects[r].key, obj.data(), obj.size()); });
         job.put_seconds[r] = now() - p0;
       } catch (...) {
         errors[r] = std::current_exception();
@@ -260,7 +316,7 @@ void CheckpointWriter::commit(Job& job) {
   // The commit: the manifest, written last and only once, by a job that
   // still holds the prefix.
   if (commit_guard_) commit_guard_();
-  const bool written = with_retries([&] { return store_->put_if_absent(manifest_key(job.step), text.data(), text.size()); });
+  const bool written = retry([&] { return store_->put_if_absent(manifest_key(job.step), text.data(), text.size()); });
   if (!written) {
     // Another job may have taken the prefix while this write was under way
     // (it then owns whatever that key holds now): that is a lost lease.
@@ -269,7 +325,7 @@ void CheckpointWriter::commit(Job& job) {
     // older one). The bits are deterministic: if it holds the same state, the
     // objects just re-uploaded are its objects, byte for byte (healing any
     // that rotted), and it stays committed. Anything else is another run.
-    const std::vector<uint8_t> old = with_retries([&] { return store_->get(manifest_key(job.step)); });
+    const std::vector<uint8_t> old = retry([&] { return store_->get(manifest_key(job.step)); });
     std::string old_hash;
     try {
       old_hash = nlohmann::json::parse(old.begin(), old.end()).value("state_hash", "");
@@ -322,7 +378,10 @@ bool CheckpointWriter::settle_oldest(bool wait) {
       share_error(*mpi_, failed, me == failed ? job->error : nullptr, context);
     } catch (...) {
       settled(*job, std::current_exception());
-      throw;
+      // Every rank got the same kind of error: all let it go, or none.
+      if (!let_go(std::current_exception())) throw;
+      note_failed_save(job->step, std::current_exception());
+      return true;
     }
   }
   // Rank 0 commits: it receives every rank's object description and staged
@@ -379,7 +438,9 @@ bool CheckpointWriter::settle_oldest(bool wait) {
       records_[job->record].committed = false;
     }
     settled(*job, std::current_exception());
-    throw;
+    if (!let_go(std::current_exception())) throw;
+    note_failed_save(job->step, std::current_exception());
+    return true;
   }
   settled(*job, nullptr);
   return true;
@@ -427,9 +488,9 @@ void CheckpointWriter::collect_garbage() {
     if (commit_guard_ && steps.size() > (size_t)cfg_.keep_last) commit_guard_();
     for (size_t i = 0; i + cfg_.keep_last < steps.size(); ++i) {
       dir = step_dir(steps[i]);
-      with_retries([&] { store_->remove(manifest_key(steps[i])); });
-      for (const std::string& key : with_retries([&] { return store_->list(dir + "/"); }))
-        with_retries([&] { store_->remove(key); });
+      retry([&] { store_->remove(manifest_key(steps[i])); });
+      for (const std::string& key : retry([&] { return store_->list(dir + "/"); }))
+        retry([&] { store_->remove(key); });
     }
   } catch (const StoreError& e) {
     std::fprintf(stderr,

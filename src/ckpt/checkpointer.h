@@ -73,6 +73,16 @@ class CheckpointWriter {
   // written (one small all-gather when any is pending). A no-op otherwise.
   void poll();
   std::vector<SaveRecord> records();
+  // Store trouble the saves met (ckpt.retry_seconds, ckpt.on_failure):
+  // saves that failed past the retry budget and were let go (continue),
+  // retries made in all, and the longest stretch of transient errors a call
+  // rode out to success.
+  struct StoreTrouble {
+    int failed_saves = 0;
+    uint64_t retries = 0;
+    double longest_outage_seconds = 0;
+  };
+  StoreTrouble store_trouble();
   // Called (on the uploader thread) after a checkpoint's manifest committed.
   void set_commit_hook(std::function<void(int64_t step)> hook) { commit_hook_ = std::move(hook); }
   // Called right before a manifest is written and before keep_last deletes
@@ -102,6 +112,12 @@ class CheckpointWriter {
   // Returns whether it left the queue. Collective.
   bool settle_oldest(bool wait);
   void collect_garbage();
+  // f under the retry budget, its retries and outage counted.
+  template <class F> auto retry(F f) -> decltype(f());
+  // A save failure ckpt.on_failure=continue lets go: a transient store error
+  // past the retry budget (a permanent one, bad input or a lost lease stop).
+  bool let_go(std::exception_ptr error) const;
+  void note_failed_save(int64_t step, std::exception_ptr error);
 
   CheckpointConfig cfg_;
   std::shared_ptr<ObjectStore> store_;
@@ -118,6 +134,7 @@ class CheckpointWriter {
   std::function<void()> commit_guard_;
   std::string lease_job_;
   int64_t lease_generation_ = 0;
+  StoreTrouble trouble_;  // under mu_
   std::function<void(const SaveRecord&, const std::string&)> settled_hook_;
   void settled(const Job& job, std::exception_ptr error);  // calls settled_hook_
   Communicator* mpi_ = nullptr;

@@ -14,6 +14,8 @@ struct CheckpointConfig {
   std::string restore = "broadcast";  // broadcast: each object read once, sent to ranks; naive: each rank reads
   std::string s3_endpoint;    // for s3:// URLs, e.g. http://127.0.0.1:4569
   double lease_seconds = 30;  // the prefix's lease lives this long unless renewed (ckpt/lease.h)
+  double retry_seconds = 30;  // a save's store call retries transient errors this long
+  std::string on_failure = "continue";  // a save that fails past that: continue (training goes on) or stop
 };
 
 }  // namespace ls

@@ -116,6 +116,13 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
   if (!s.ckpt.url.empty() && s.ckpt.every > 0)
     std::printf("checkpoints     %s, every %d steps (%zu saved)\n", s.ckpt.url.c_str(), s.ckpt.every,
                 r.checkpoint.is_null() ? (size_t)0 : r.checkpoint["saves"].size());
+  if (!r.checkpoint.is_null() && r.checkpoint.value("failed_saves", 0) > 0)
+    std::printf("                %d FAILED (the store stayed unavailable past ckpt.retry_seconds = %g s); training "
+                "went on\n",
+                r.checkpoint.value("failed_saves", 0), r.checkpoint.value("retry_seconds", 0.0));
+  if (!r.checkpoint.is_null() && r.checkpoint.value("retries", 0) > 0)
+    std::printf("                store trouble ridden out: %d retries, the longest outage %.2f s\n",
+                r.checkpoint.value("retries", 0), r.checkpoint.value("longest_outage_seconds", 0.0));
   if (!r.losses.empty())
     std::printf("loss            %.4f -> %.4f nats/byte over steps %d-%d\n", r.losses.front(), r.losses.back(),
                 r.resumed_from + 1, r.steps);

@@ -662,7 +662,15 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
       saves.push_back({{"step", rec.step}, {"stall_seconds", rec.stall_seconds}, {"wait_seconds", rec.wait_seconds},
                        {"stage_seconds", rec.stage_seconds}, {"upload_seconds", rec.upload_seconds},
                        {"put_seconds", rec.put_seconds}, {"bytes", rec.bytes}, {"committed", rec.committed}});
-    r.checkpoint = {{"url", s.ckpt.url}, {"async", s.ckpt.async}, {"saves", saves}};
+    const CheckpointWriter::StoreTrouble t = writer->store_trouble();
+    r.checkpoint = {{"url", s.ckpt.url},
+                    {"async", s.ckpt.async},
+                    {"saves", saves},
+                    {"failed_saves", t.failed_saves},
+                    {"retries", t.retries},
+                    {"longest_outage_seconds", t.longest_outage_seconds},
+                    {"retry_seconds", s.ckpt.retry_seconds},
+                    {"on_failure", s.ckpt.on_failure}};
   }
   if (opt.eval && r.steps > 0) evaluate(r.steps);
   r.final_state_hash = trainer->state_hash();

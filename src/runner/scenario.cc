@@ -532,6 +532,17 @@ std::vector<Row> make_rows() {
               }}}),
       field("ckpt.s3_endpoint", [](S& s) -> std::string& { return s.ckpt.s3_endpoint; },
             "S3 endpoint for s3:// URLs (e.g. http://127.0.0.1:4569); empty = env LOCKSTEP_S3_ENDPOINT."),
+      field("ckpt.retry_seconds", [](S& s) -> double& { return s.ckpt.retry_seconds; },
+            "A save's store call retries transient errors (an outage, a gateway restart) this long, with "
+            "exponential backoff and jitter, before the save fails.",
+            {in_range(0.0, 86400.0)}),
+      field("ckpt.on_failure", [](S& s) -> std::string& { return s.ckpt.on_failure; },
+            "continue: a save that fails past ckpt.retry_seconds is reported and training goes on (the next save "
+            "tries again); stop: the run stops with exit 3.",
+            {{"continue or stop", [](const S&, std::string v) {
+                return v == "continue" || v == "stop" ? std::string()
+                                                      : "must be continue or stop, got \"" + v + "\"";
+              }}}),
       field("ckpt.lease_seconds", [](S& s) -> double& { return s.ckpt.lease_seconds; },
             "A job holds its ckpt.url through a lease renewed every third of this; a job that dies without "
             "releasing it blocks the prefix this long (docs/CHECKPOINTS.md).",

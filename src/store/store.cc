@@ -21,12 +21,19 @@ std::unique_ptr<ObjectStore> make_s3_store(const std::string& url, const std::st
 StoreError::StoreError(std::string msg, bool transient_)
     : std::runtime_error(std::move(msg)), transient(transient_) {}
 
-void retry_backoff(int attempt, double base_seconds) {
+void retry_backoff(int attempt, const RetryPolicy& p) {
   // Per-thread generator: jitter needs no reproducibility, only spread.
   thread_local std::mt19937_64 gen(std::random_device{}());
   std::uniform_real_distribution<double> u(0.5, 1.0);
-  const double d = base_seconds * static_cast<double>(1ull << std::min(attempt - 1, 20)) * u(gen);
-  std::this_thread::sleep_for(std::chrono::duration<double>(d));
+  const double d = std::min(p.base_seconds * static_cast<double>(1ull << std::min(attempt - 1, 20)), p.max_delay_seconds);
+  std::this_thread::sleep_for(std::chrono::duration<double>(d * u(gen)));
+}
+
+void retry_backoff(int attempt, double base_seconds) {
+  RetryPolicy p;
+  p.base_seconds = base_seconds;
+  p.max_delay_seconds = 1e300;  // uncapped: a count of attempts bounds it
+  retry_backoff(attempt, p);
 }
 
 namespace {

@@ -14,6 +14,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace ls {
@@ -177,6 +178,53 @@ std::unique_ptr<ObjectStore> open_store(const std::string& url, const StoreOptio
 // Sleeps before retry number `attempt` (1-based): base * 2^(attempt-1),
 // scaled by a random factor in [0.5, 1) so that ranks do not retry in step.
 void retry_backoff(int attempt, double base_seconds);
+
+// A retry budget in seconds: how long a run keeps retrying one store call
+// through transient errors (an outage, a gateway restart) before giving up.
+struct RetryPolicy {
+  double budget_seconds = 30;    // from the call's first failure
+  double base_seconds = 0.05;    // first backoff; doubles per retry
+  double max_delay_seconds = 2;  // no single sleep longer than this
+};
+
+// What riding out transient errors cost one call: the retries it made and
+// the seconds from its first failure to its success (0 if none failed).
+struct RetryRecord {
+  int retries = 0;
+  double outage_seconds = 0;
+};
+
+// Sleeps before retry number `attempt` (1-based) under `p`: base * 2^(attempt-1),
+// capped at max_delay_seconds, scaled by a random factor in [0.5, 1).
+void retry_backoff(int attempt, const RetryPolicy& p);
+
+// Calls f, retrying transient StoreErrors with jittered exponential backoff
+// until p.budget_seconds have passed since the first failure (the last error
+// is rethrown then), and rethrowing a non-transient one at once. `record`,
+// when given, gets the retries made and the outage ridden out.
+template <class F>
+auto with_retry_budget(F f, const RetryPolicy& p, RetryRecord* record = nullptr) -> decltype(f()) {
+  std::chrono::steady_clock::time_point first{};
+  for (int i = 1;; ++i) {
+    try {
+      if constexpr (std::is_void_v<decltype(f())>) {
+        f();
+        if (record && i > 1) record->outage_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - first).count();
+        return;
+      } else {
+        auto v = f();
+        if (record && i > 1) record->outage_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - first).count();
+        return v;
+      }
+    } catch (const StoreError& e) {
+      if (!e.transient) throw;
+      if (i == 1) first = std::chrono::steady_clock::now();
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - first).count() >= p.budget_seconds) throw;
+    }
+    if (record) ++record->retries;
+    retry_backoff(i, p);
+  }
+}
 
 // Calls f, retrying transient StoreErrors up to `attempts` calls in all with
 // exponential backoff and jitter; rethrows the last error, and any
