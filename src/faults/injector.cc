@@ -129,13 +129,26 @@ void FaultInjector::after_commit(int64_t step) {
     // checkpoint step), as soon as it commits -- with async saves, while a
     // later step trains; the record names step S.
     if (f.kind != FaultKind::kBitrot || !pending((int)i) || step != f.step || !inner_) continue;
-    // Silently corrupt the first object of the checkpoint just committed, at rest.
-    const std::string key = shard_key(step, 0);
-    std::vector<uint8_t> bytes = inner_->get(key);
-    if (bytes.size() > 64) bytes[bytes.size() / 2] ^= 0x5a;
-    inner_->put(key, bytes.data(), bytes.size());
-    fire((int)i, "corrupted " + key, (int)step);
+    rot((int)i, *inner_);
   }
+}
+
+void FaultInjector::rot_committed(ObjectStore& store) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (size_t i = 0; i < faults_.size(); ++i) {
+    const FaultSpec& f = faults_[i];
+    if (f.kind == FaultKind::kBitrot && pending((int)i) && store.exists(manifest_key(f.step))) rot((int)i, store);
+  }
+}
+
+void FaultInjector::rot(int index, ObjectStore& store) {
+  // Silently corrupt the first object of the checkpoint of the fault's step, at rest.
+  const int64_t step = faults_[index].step;
+  const std::string key = shard_key(step, 0);
+  std::vector<uint8_t> bytes = store.get(key);
+  if (bytes.size() > 64) bytes[bytes.size() / 2] ^= 0x5a;
+  store.put(key, bytes.data(), bytes.size());
+  fire(index, "corrupted " + key, (int)step);
 }
 
 nlohmann::json corrupt_checkpoints_left(const std::string& state_path, ObjectStore& store) {

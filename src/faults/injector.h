@@ -31,6 +31,10 @@ class FaultInjector {
   std::shared_ptr<ObjectStore> wrap(std::shared_ptr<ObjectStore> store);
   // After the checkpoint of `step` committed (bitrot@step fires here).
   void after_commit(int64_t step);
+  // A restarted attempt's start: a bitrot whose checkpoint an earlier attempt
+  // committed but was killed before rotting it (the commit and the hook are
+  // two moments) rots it now, before anything restores from it.
+  void rot_committed(ObjectStore& store);
   void set_step(int step) { step_ = step; }
   // Under MPI: this process holds rank `rank` alone. A fault fires
   // only in the process of its home rank, so each fires once per job: its
@@ -46,6 +50,7 @@ class FaultInjector {
  private:
   // Records (with `step`, or the current step when -1), then acts.
   void fire(int index, const std::string& detail, int step = -1);
+  void rot(int index, ObjectStore& store);  // bitrot fault `index`: under mu_
   // Not fired yet, and its home rank is in this process.
   bool pending(int index) const;
 

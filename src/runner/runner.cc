@@ -382,6 +382,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   if (!opt.faults.empty()) {
     injector = std::make_unique<FaultInjector>(opt.faults, opt.fired, opt.fault_state);
     if (opt.mpi && opt.mpi->size() > 1) injector->set_process_rank(opt.mpi->rank());
+    if (!s.ckpt.url.empty()) injector->rot_committed(*open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint}));
     trainer->set_phase_hook([&injector](const char* phase, int rank) {
       const std::string p = phase;
       injector->at(-1, p == "forward" ? FaultPhase::kForward : p == "backward" ? FaultPhase::kBackward
