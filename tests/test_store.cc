@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <functional>
 #include <map>
@@ -285,6 +286,22 @@ void check_refused(ls::ObjectStore& s, const std::string& key) {
     }
     CHECK(thrown);
   }
+}
+
+// Three writers race put_if_absent for `key`, released at once; which won.
+std::array<bool, 3> race_three(ls::ObjectStore* const ws[3], const std::string& key) {
+  std::atomic<int> ready{0};
+  std::array<bool, 3> won{false, false, false};
+  std::vector<std::thread> th;
+  for (int w = 0; w < 3; ++w)
+    th.emplace_back([&, w] {
+      ready++;
+      while (ready < 3) std::this_thread::yield();
+      const std::string v = "writer " + std::to_string(w);
+      won[w] = ws[w]->put_if_absent(key, v.data(), v.size());
+    });
+  for (auto& t : th) t.join();
+  return won;
 }
 
 }  // namespace
@@ -710,17 +727,7 @@ TEST_SUITE("store") {
     int doubles = 0, lost_owner = 0;
     for (int round = 0; round < 12; ++round) {
       const std::string key = "free/k" + std::to_string(round);
-      std::atomic<int> ready{0};
-      bool won[3] = {false, false, false};
-      std::vector<std::thread> th;
-      for (int w = 0; w < 3; ++w)
-        th.emplace_back([&, w] {
-          ready++;
-          while (ready < 3) std::this_thread::yield();
-          const std::string v = "writer " + std::to_string(w);
-          won[w] = ws[w]->put_if_absent(key, v.data(), v.size());
-        });
-      for (auto& t : th) t.join();
+      const std::array<bool, 3> won = race_three(ws, key);
       const int wins = won[0] + won[1] + won[2];
       CHECK(wins >= 1);
       doubles += wins > 1;
@@ -920,17 +927,7 @@ TEST_SUITE("rgw") {
     uint64_t refusals = 0;
     for (int round = 0; round < 12; ++round) {
       const std::string key = "free/k" + std::to_string(round);
-      std::atomic<int> ready{0};
-      bool won[3] = {false, false, false};
-      std::vector<std::thread> th;
-      for (int w = 0; w < 3; ++w)
-        th.emplace_back([&, w] {
-          ready++;
-          while (ready < 3) std::this_thread::yield();
-          const std::string v = "writer " + std::to_string(w);
-          won[w] = ws[w]->put_if_absent(key, v.data(), v.size());
-        });
-      for (auto& t : th) t.join();
+      const std::array<bool, 3> won = race_three(ws, key);
       CHECK(won[0] + won[1] + won[2] == 1);
       const std::vector<uint8_t> got = w0->get(key);
       const int owner = got.back() - '0';
