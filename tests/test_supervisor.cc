@@ -251,12 +251,15 @@ TEST_SUITE("supervisor") {
       ++examples;
       CAPTURE(line);
       std::string args = line.substr(std::string("lockstep ").size());  // "run scenarios/top1.json ..."
-      args.replace(args.find("scenarios/"), 10, root + "/scenarios/");
-      for (size_t at = args.find("/tmp/"); at != std::string::npos; at = args.find("/tmp/", at + 1)) {
-        const std::string dir = (tmp() / ("doc-example-" + std::to_string(examples))).string() + "/";
-        args.replace(at, 5, dir);
+      // The page's checkpoint folders under this suite's own; then its
+      // scenario path from the source tree (which may itself be under /tmp).
+      const std::string url = "ckpt.url=/tmp/";
+      for (size_t at = args.find(url); at != std::string::npos; at = args.find(url, at + 1)) {
+        const std::string dir = "ckpt.url=" + (tmp() / ("doc-example-" + std::to_string(examples))).string() + "/";
+        args.replace(at, url.size(), dir);
         at += dir.size();
       }
+      args.replace(args.find("scenarios/"), 10, root + "/scenarios/");
       const Run r = lockstep(args + " --quiet --json --threads 1");
       CHECK_MESSAGE(r.rc == 0, r.err);
       CHECK(r.summary.value("final_state_hash", "") == want);
