@@ -27,6 +27,17 @@ std::string stored_name(const StatePiece& p) {
   return p.name + "@" + std::to_string(p.global_begin) + "-" + std::to_string(p.global_end);
 }
 
+// What a failed save threw, for messages.
+std::string message_of(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return *e.what() ? e.what() : "unknown error";
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
 }  // namespace
 
 void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context) {
@@ -107,12 +118,7 @@ bool CheckpointWriter::let_go(std::exception_ptr error) const {
 }
 
 void CheckpointWriter::note_failed_save(int64_t step, std::exception_ptr error) {
-  std::string why;
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    why = e.what();
-  }
+  const std::string why = message_of(error);
   {
     std::lock_guard<std::mutex> lk(mu_);
     ++trouble_.failed_saves;
@@ -455,14 +461,7 @@ void CheckpointWriter::settled(const Job& job, std::exception_ptr error) {
   }
   std::string why;
   if (error) {
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& e) {
-      why = e.what();
-    } catch (...) {
-      why = "unknown error";
-    }
-    if (why.empty()) why = "unknown error";
+    why = message_of(error);
     rec.bytes = 0;
     for (const ManifestObject& o : job.objects) rec.bytes += o.size;
   }
