@@ -39,6 +39,7 @@ if wait "$rgw_pid" && [ -s "$rgw_dir/env" ]; then
   rgw_var() { sed -n "s/^$1=//p" "$rgw_dir/env"; }
   export LOCKSTEP_RGW_ENDPOINT=$(rgw_var LOCKSTEP_RGW_ENDPOINT) LOCKSTEP_RGW_BUCKET=$(rgw_var LOCKSTEP_RGW_BUCKET)
   export LOCKSTEP_RGW_ACCESS_KEY=$(rgw_var AWS_ACCESS_KEY_ID) LOCKSTEP_RGW_SECRET_KEY=$(rgw_var AWS_SECRET_ACCESS_KEY)
+  export LOCKSTEP_RGW_DIR=$rgw_dir  # the outage cases kill and restart its radosgw
   echo "rgw: Ceph RADOS Gateway at $LOCKSTEP_RGW_ENDPOINT for the rgw suite"
 else
   export LOCKSTEP_RGW_UNAVAILABLE="tests/rgw/start.sh failed: $(grep '^rgw: ' "$rgw_log" | tail -n 1)"

@@ -16,6 +16,7 @@
 #include <thread>
 #include <tuple>
 
+#include "ckpt/checkpointer.h"
 #include "ckpt/gc.h"
 #include "ckpt/manifest.h"
 #include "store/faulty_store.h"
@@ -202,6 +203,25 @@ TEST_SUITE("gc") {
       total += sizes[k];
     }
     CHECK(r.orphan_bytes == total);
+  }
+
+  TEST_CASE("resume reads ride out an outage for the run's retry budget; the tools' reads retry briefly") {
+    const fs::path dir = committed_run("resume-budget");
+    ls::FaultyStore faulty(ls::open_store(dir.string()));
+    const std::vector<int64_t> committed = ls::committed_steps(faulty);
+    REQUIRE(!committed.empty());
+    // A gateway down for ~1.5 s: twelve calls that each fail after 0.125 s.
+    faulty.fail_next(12, 0.125, "list");
+    CHECK_THROWS_AS(ls::committed_steps(faulty), ls::StoreError);  // a few quick retries, then give up
+    const int quick = faulty.injected();
+    CHECK(quick < 12);
+    faulty.fail_next(12, 0.125, "list");
+    ls::RetryPolicy budget;
+    budget.budget_seconds = 30;
+    CHECK(ls::committed_steps(faulty, budget) == committed);
+    CHECK(faulty.injected() == quick + 12);
+    faulty.fail_next(12, 0.125, "get");
+    CHECK(ls::read_manifest(faulty, -1, budget).step == committed.back());
   }
 
   TEST_CASE("gc retries transient failures and stops on an outage") {

@@ -27,6 +27,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "background_run.h"
+#include "ckpt/checkpointer.h"
 #include "common/error.h"
 #include "store/sigv4.h"
 #include "store/store.h"
@@ -1085,5 +1087,122 @@ TEST_SUITE("rgw") {
     CHECK(listed() == std::set<std::string>{"step-00000008/rank-00001.safetensors"});
     std::tie(rc, text) = lockstep("ckpt verify " + url + " --s3-endpoint " + rgw->endpoint);
     CHECK_MESSAGE(rc == 0, text);
+  }
+
+  // radosgw killed (SIGKILL) while a checkpoint's multipart upload is in
+  // flight, and started again: the three ways a run comes through it.
+  TEST_CASE("rgw: radosgw killed and restarted mid multipart save: ridden out, let go, or stopped; the bits never change") {
+    const lstest::RgwServer* rgw = lstest::rgw_or_skip();
+    if (!rgw) return;
+    if (rgw->dir.empty()) {
+      std::printf("lockstep-skip: rgw: LOCKSTEP_RGW_DIR is unset, so this test cannot restart the gateway\n");
+      return;
+    }
+    // ~80 MB of state: every save is a multipart upload of about a second.
+    const std::vector<std::string> model = {
+        (fs::path(LOCKSTEP_SOURCE_DIR) / "scenarios/quickstart.json").string(), "--threads", "1", "--quiet", "--json",
+        "--set", "model.d_model=128", "--set", "model.n_layers=4", "--set", "model.d_ff=512", "--set",
+        "model.n_heads=4", "--set", "train.batch=8", "--set", "train.eval_every=0", "--set", "train.steps=32"};
+    const auto args = [&](std::vector<std::string> extra) {
+      std::vector<std::string> a = {"run"};
+      a.insert(a.end(), model.begin(), model.end());
+      a.insert(a.end(), extra.begin(), extra.end());
+      return a;
+    };
+    static std::string want;  // the uninterrupted run's, computed once for the three subcases
+    if (want.empty()) {
+      lstest::BackgroundRun plain = lstest::BackgroundRun::start(args({}), "rgw-outage-plain");
+      REQUIRE(plain.wait(300) == 0);
+      want = lstest::last_json(plain.stdout_text())["final_state_hash"];
+    }
+
+    ls::StoreOptions o;
+    o.s3_endpoint = rgw->endpoint;
+    // Starts a checkpointed run on a fresh prefix, waits until the upload of
+    // step `step`'s shard has begun, and kills radosgw under it.
+    struct Outage {
+      lstest::BackgroundRun run;
+      std::string url;
+      std::shared_ptr<ls::ObjectStore> store;
+    };
+    const auto run_into_outage = [&](const std::string& name, int64_t step, std::vector<std::string> sets) {
+      const std::string url = rgw->fresh_url(name);
+      std::vector<std::string> extra = {"--set", "ckpt.url=" + url, "--set", "ckpt.every=8", "--set",
+                                        "ckpt.keep_last=0", "--set", "ckpt.s3_endpoint=" + rgw->endpoint};
+      extra.insert(extra.end(), sets.begin(), sets.end());
+      auto run = lstest::BackgroundRun::start(args(extra), "rgw-outage-" + name);
+      auto store = ls::open_store(url, o);
+      char shard[64];
+      std::snprintf(shard, sizeof shard, "step-%08lld/rank-00000.safetensors", (long long)step);
+      const bool uploading = lstest::wait_until(
+          [&] {
+            const auto uploads = store->pending_uploads();
+            for (const auto& u : uploads.value_or(std::vector<ls::ObjectStore::PendingUpload>{}))
+              if (u.key == shard) return true;
+            return false;
+          },
+          120);
+      REQUIRE_MESSAGE(uploading, "no multipart upload of " << shard << " seen; the run said: " << run.stderr_text());
+      rgw->kill_gateway();
+      return Outage{std::move(run), url, std::move(store)};
+    };
+
+    SUBCASE("an outage shorter than ckpt.retry_seconds (30 s) is ridden out: every save commits") {
+      Outage outage = run_into_outage("rideout", 8, {});
+      lstest::BackgroundRun& run = outage.run;
+      ls::ObjectStore* store = outage.store.get();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      rgw->restart_gateway();
+      REQUIRE(run.wait(300) == 0);
+      const nlohmann::json summary = lstest::last_json(run.stdout_text());
+      CHECK(summary["final_state_hash"] == want);
+      CHECK(summary["checkpoint"]["failed_saves"] == 0);
+      CHECK(summary["checkpoint"]["retries"].get<int>() >= 1);
+      CHECK(summary["checkpoint"]["longest_outage_seconds"].get<double>() >= 1.0);
+      CHECK(ls::committed_steps(*store) == std::vector<int64_t>{8, 16, 24, 32});
+    }
+    SUBCASE("past ckpt.retry_seconds, on_failure=continue (the default): that save fails, training goes on, the next "
+            "save commits; gc then leaves no upload behind") {
+      Outage outage = run_into_outage("continue", 8, {"--set", "ckpt.retry_seconds=1"});
+      lstest::BackgroundRun& run = outage.run;
+      ls::ObjectStore* store = outage.store.get();
+      const std::string& url = outage.url;
+      const bool warned = lstest::wait_until(
+          [&] { return run.stderr_text().find("the checkpoint of step 8 failed") != std::string::npos; }, 120);
+      rgw->restart_gateway();
+      REQUIRE_MESSAGE(warned, run.stderr_text());
+      REQUIRE(run.wait(300) == 0);
+      const nlohmann::json summary = lstest::last_json(run.stdout_text());
+      CHECK(summary["final_state_hash"] == want);
+      CHECK(summary["checkpoint"]["failed_saves"].get<int>() >= 1);
+      const std::vector<int64_t> steps = ls::committed_steps(*store);
+      CHECK(std::find(steps.begin(), steps.end(), 8) == steps.end());
+      REQUIRE(!steps.empty());
+      CHECK(steps.back() == 32);
+      auto [rc, text] = lockstep("ckpt verify " + url + " --s3-endpoint " + rgw->endpoint);
+      CHECK_MESSAGE(rc == 0, text);
+      std::tie(rc, text) = lockstep("ckpt gc " + url + " --delete --s3-endpoint " + rgw->endpoint);
+      CHECK_MESSAGE(rc == 0, text);
+      CHECK(store->pending_uploads().value().empty());
+    }
+    SUBCASE("on_failure=stop: exit 3 past ckpt.retry_seconds, and a resume ends on the uninterrupted hash") {
+      Outage outage = run_into_outage(
+          "stop", 16,
+          {"--set", "ckpt.retry_seconds=1", "--set", "ckpt.on_failure=stop", "--set", "ckpt.lease_seconds=2"});
+      lstest::BackgroundRun& run = outage.run;
+      ls::ObjectStore* store = outage.store.get();
+      const std::string& url = outage.url;
+      const int rc_run = run.wait(300);
+      rgw->restart_gateway();
+      REQUIRE_MESSAGE(rc_run == 3, run.stderr_text());
+      CHECK(run.stderr_text().find("step-00000016") != std::string::npos);
+      CHECK(ls::committed_steps(*store) == std::vector<int64_t>{8});
+      std::vector<std::string> extra = {"--resume", url, "--set", "ckpt.s3_endpoint=" + rgw->endpoint};
+      auto resumed = lstest::BackgroundRun::start(args(extra), "rgw-outage-resume");
+      REQUIRE_MESSAGE(resumed.wait(300) == 0, resumed.stderr_text());
+      const nlohmann::json summary = lstest::last_json(resumed.stdout_text());
+      CHECK(summary["resumed_from"] == 8);
+      CHECK(summary["final_state_hash"] == want);
+    }
   }
 }

@@ -532,9 +532,16 @@ std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text) {
   return {text, -1};
 }
 
-std::vector<int64_t> committed_steps(ObjectStore& store) {
+namespace {
+template <class F>
+auto read_retrying(const std::optional<RetryPolicy>& retry, F f) -> decltype(f()) {
+  return retry ? with_retry_budget(f, *retry) : with_retries(f);
+}
+}  // namespace
+
+std::vector<int64_t> committed_steps(ObjectStore& store, const std::optional<RetryPolicy>& retry) {
   std::vector<int64_t> steps;
-  for (const std::string& key : with_retries([&] { return store.list("step-"); })) {
+  for (const std::string& key : read_retrying(retry, [&] { return store.list("step-"); })) {
     const int64_t s = step_of_manifest_key(key);
     if (s >= 0) steps.push_back(s);
   }
@@ -542,14 +549,14 @@ std::vector<int64_t> committed_steps(ObjectStore& store) {
   return steps;
 }
 
-Manifest read_manifest(ObjectStore& store, int64_t step) {
-  const std::vector<int64_t> steps = committed_steps(store);
+Manifest read_manifest(ObjectStore& store, int64_t step, const std::optional<RetryPolicy>& retry) {
+  const std::vector<int64_t> steps = committed_steps(store, retry);
   if (steps.empty()) throw UserError("no committed checkpoint (no manifest) in " + store.url());
   if (step < 0) step = steps.back();
   if (std::find(steps.begin(), steps.end(), step) == steps.end())
     throw UserError("no committed checkpoint of step " + std::to_string(step) + " in " + store.url());
   const std::string key = manifest_key(step);
-  const std::vector<uint8_t> bytes = with_retries([&] { return store.get(key); });
+  const std::vector<uint8_t> bytes = read_retrying(retry, [&] { return store.get(key); });
   const std::string origin = store.url() + "/" + key;
   Manifest m = manifest_from_bytes(bytes, origin);
   // Keys a manifest names are input like any other: refuse one that could
@@ -562,7 +569,7 @@ Manifest read_manifest(ObjectStore& store, int64_t step) {
 }
 
 RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode,
-                            Communicator* mpi) {
+                            Communicator* mpi, const std::optional<RetryPolicy>& retry) {
   if (mode != "broadcast" && mode != "naive")
     throw UserError("ckpt.restore: must be broadcast or naive, got \"" + mode + "\"");
   const double t0 = now();
@@ -589,7 +596,7 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
   }
   // Fetches and checks one object.
   auto fetch = [&](const ManifestObject& o) {
-    std::vector<uint8_t> bytes = with_retries([&] { return store.get(o.key); });
+    std::vector<uint8_t> bytes = read_retrying(retry, [&] { return store.get(o.key); });
     if (bytes.size() != o.size || xxh128_hex(bytes.data(), bytes.size()) != o.xxh128)
       throw UserError(store.url() + "/" + o.key + ": checksum mismatch: the object is corrupt (manifest of step " +
                       std::to_string(m.step) + " says " + o.xxh128 + ", " + std::to_string(o.size) + " bytes)");

@@ -29,6 +29,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -160,15 +161,21 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
 // "URL@STEP" -> (URL, STEP); a URL without "@digits" -> (URL, -1): the latest.
 std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text);
 
+// The reads below retry transient store errors for `retry`'s budget when
+// given (a resume rides out an outage as long as a save does:
+// ckpt.retry_seconds), else a few times in about half a second (the ckpt
+// tools, and a first contact, where a refused connection is likelier a
+// wrong endpoint than an outage).
+
 // Committed checkpoints under the store, oldest first: the manifests found.
-std::vector<int64_t> committed_steps(ObjectStore& store);
+std::vector<int64_t> committed_steps(ObjectStore& store, const std::optional<RetryPolicy>& retry = std::nullopt);
 // The manifest of `step` (-1: the latest committed), validated.
-Manifest read_manifest(ObjectStore& store, int64_t step);
+Manifest read_manifest(ObjectStore& store, int64_t step, const std::optional<RetryPolicy>& retry = std::nullopt);
 // Loads the manifest's state into every rank of the trainer. mpi: the
 // trainer holds this process's rank only; objects travel between processes
 // and store_bytes_read counts every process's reads. A failure is agreed:
 // every process throws, and no rank loads anything.
 RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode,
-                            Communicator* mpi = nullptr);
+                            Communicator* mpi = nullptr, const std::optional<RetryPolicy>& retry = std::nullopt);
 
 }  // namespace ls

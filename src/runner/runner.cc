@@ -436,11 +436,13 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   if (!opt.resume.empty()) {
     const auto [url, at] = split_checkpoint_url(opt.resume);
     std::unique_ptr<ObjectStore> from = open_store(url, StoreOptions{s.ckpt.s3_endpoint});
+    RetryPolicy read_retry;  // a resume rides out an outage as long as a save would
+    read_retry.budget_seconds = s.ckpt.retry_seconds;
     // The named checkpoint; or the latest committed one, falling back to older
     // committed ones when a restore finds an object corrupt.
     std::vector<int64_t> candidates = {at};
     if (at < 0) {
-      candidates = committed_steps(*from);
+      candidates = committed_steps(*from, read_retry);
       std::reverse(candidates.begin(), candidates.end());
       if (candidates.empty()) throw UserError("--resume: no committed checkpoint (no manifest) in " + from->url());
     }
@@ -473,7 +475,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     };
     for (size_t c = 0; c < candidates.size(); ++c) {
       try {
-        m = read_manifest(*from, candidates[c]);
+        m = read_manifest(*from, candidates[c], read_retry);
       } catch (const UserError& e) {
         if (at >= 0) throw UserError(std::string("--resume: ") + e.what());  // the named checkpoint, or nothing
         fall_back(c, candidates[c], e.what());  // a torn or corrupt manifest, as a corrupt shard
@@ -521,7 +523,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
                         std::to_string(r.steps) + " steps of this run" +
                         (opt.steps >= 0 ? " (--steps " + std::to_string(opt.steps) + ")" : std::string()));
       try {
-        rep = restore_state(*trainer, *from, m, s.ckpt.restore, procs);
+        rep = restore_state(*trainer, *from, m, s.ckpt.restore, procs, read_retry);
         restored = true;
         break;
       } catch (const UserError& e) {
