@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,9 @@ struct Losses {
 };
 
 template <class T>
+struct Step;  // one step's activations (blocks.h)
+
+template <class T>
 class Model {
  public:
   Model(const Config& c, uint64_t seed);  // contract init (Philox, purpose kInit)
@@ -52,6 +56,17 @@ class Model {
   Losses<T> forward(const uint8_t* tokens, int batch);
   // forward + backward; leaves gradients in Param::g (overwritten).
   Losses<T> forward_backward(const uint8_t* tokens, int batch);
+  // The blocks (blocks.h), in forward order, named as the engine's.
+  std::vector<std::string> block_names() const;
+  // One step over blocks [first, last) only, as the engine's
+  // MoeTransformer::forward_range: the forward takes the residual stream
+  // entering block `first` (first > 0) and the loss sums so far, and writes
+  // the stream entering block `last` (last < the block count); the
+  // backward (after a training forward of the same range) takes that
+  // stream's gradient and writes its input stream's. [N * d_model] each.
+  Losses<T> forward_range(const uint8_t* tokens, int batch, bool training, int first, int last, const T* stream_in,
+                          T* stream_out, Losses<T> carried);
+  void backward_range(int first, int last, const T* grad_out, T* grad_in);
   // Global-norm clip then AdamW at 0-based `step`. Returns the pre-clip norm.
   T optimizer_step(int step);
   T learning_rate(int step) const;
@@ -66,6 +81,8 @@ class Model {
 
  private:
   Losses<T> run(const uint8_t* tokens, int batch, bool backward);
+  void check_range(int first, int last) const;
+  std::shared_ptr<Step<T>> step_;  // the last forward's activations
 };
 
 extern template class Model<float>;

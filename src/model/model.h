@@ -71,7 +71,7 @@ struct MoeStats {
   int64_t peak_grad_state_bytes = 0;       // leaf-tree state of gradients spanning rounds
 };
 
-// What run() keeps allocated for `batch` samples on one rank, in bytes: a
+// What a training step keeps allocated for `batch` samples on one rank, in bytes: a
 // formula (not a measurement) that mirrors the resize calls of model.cc and
 // experts.cc. Buffers keep their capacity across steps, so this is what a
 // model holds from its first training step on. Expert rows are counted at
@@ -89,6 +89,18 @@ int64_t count_weights(const ModelConfig& cfg, int ep_size);
 // Model FLOPs per token of one training step (forward + backward ~ 3x the
 // forward), counting the k routed experts evaluated and causal attention.
 double train_flops_per_token(const ModelConfig& cfg);
+
+// What a range of blocks [first, last) exchanges with the ranges before and
+// after it (MoeTransformer::forward_range).
+struct StageIo {
+  const float* stream_in = nullptr;  // [batch * seq_len, d_model]: the residual stream entering block `first` (first > 0)
+  float* stream_out = nullptr;       // written: the stream entering block `last` (last < num_blocks)
+  StepLosses carried;                // the loss sums of the blocks before `first`
+};
+
+class Block;
+struct StepContext;
+struct StepWorkspace;
 
 class MoeTransformer {
  public:
@@ -110,14 +122,30 @@ class MoeTransformer {
   StepLosses forward(const uint8_t* tokens, int batch);
   StepLosses forward_backward(const uint8_t* tokens, int batch);
 
+  // The model as blocks (model/blocks.h), in forward order: "embedding",
+  // then per layer "layers.L.attention", ".moe_routing", ".moe_dispatch",
+  // ".moe_experts", ".moe_combine", then "head".
+  int num_blocks() const { return (int)blocks_.size(); }
+  std::vector<std::string> block_names() const;
+  // One step over blocks [first, last) only, as a pipeline stage runs it:
+  // the same bits as the whole step, block for block. A range begins and
+  // ends where only the residual stream crosses (before the embedding, a
+  // layer's attention or MoE routing, the head, or at the end); elsewhere
+  // UserError. The forward takes its input stream (and the loss sums so
+  // far) from io and writes the stream it hands on; the training backward
+  // (after a training forward of the same range) takes the gradient of
+  // that output stream (grad_out; nullptr when the range ends with the
+  // head) and writes the gradient of its input stream (grad_in; nullptr when
+  // it begins with the embedding). Gradients of the range's parameters only
+  // are written. The losses: ce and total once the head has run.
+  StepLosses forward_range(const uint8_t* tokens, int batch, bool training, int first, int last, const StageIo& io);
+  void backward_range(int first, int last, const float* grad_out, float* grad_in);
+
   const ModelConfig& config() const { return cfg_; }
   const std::vector<ParamInfo>& params() const { return infos_; }  // canonical order
   const ParamInfo& param(const std::string& name) const;
   float* weights() { return w_.data(); }
   const float* weights() const { return w_.data(); }
-  // Passes read their weights from `w` (another model's weights(), laid out
-  // the same) instead of this model's own; nullptr: its own.
-  void read_weights_from(const float* w) { wsrc_ = w; }
   float* grads() { return g_.data(); }
   const float* grads() const { return g_.data(); }
   int64_t num_weights() const { return (int64_t)w_.size(); }
@@ -138,18 +166,21 @@ class MoeTransformer {
   double train_flops_per_token() const { return ls::train_flops_per_token(cfg_); }
 
  private:
-  struct Workspace;
   struct LaneTag {};
   MoeTransformer(const MoeTransformer& main, LaneTag);
-  StepLosses run(const uint8_t* tokens, int batch, bool backward);
+  StepLosses run(const uint8_t* tokens, int batch, bool training);
+  // The step's context for blocks; tokens: nullptr in a backward.
+  StepContext step_context(const uint8_t* tokens, int batch, bool training);
+  void check_range(int first, int last) const;
 
   ModelConfig cfg_;
   int leaf_samples_;
   std::vector<ParamInfo> infos_;
   ops::DeviceVector<float> w_, g_;  // weights and gradients: where the backend's kernels read them
-  const float* wsrc_ = nullptr;  // read_weights_from
+  const float* wsrc_ = nullptr;  // a lane reads its main model's weights; nullptr: its own
   MoeStats stats_;
-  Workspace* ws_ = nullptr;
+  StepWorkspace* ws_ = nullptr;
+  std::vector<std::unique_ptr<Block>> blocks_;
   TraceSink* trace_ = nullptr;
   MeshHooks* mesh_ = nullptr;
   int ep_size_ = 1, ep_rank_ = 0;

@@ -163,6 +163,8 @@ class EngineTrainer : public Trainer {
   std::function<void(const char*, int)> phase_hook_;
 };
 
+}  // namespace
+
 ref::Config reference_config(const Scenario& s) {
   ref::Config c;
   const ModelConfig& m = s.model;
@@ -194,6 +196,8 @@ ref::Config reference_config(const Scenario& s) {
   c.decay_steps = o.decay_steps > 0 ? o.decay_steps : s.steps;
   return c;
 }
+
+namespace {
 
 class ReferenceTrainer : public Trainer {
  public:

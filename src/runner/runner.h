@@ -18,6 +18,10 @@
 #include "faults/fault_spec.h"
 #include <set>
 
+namespace ref {
+struct Config;
+}  // namespace ref
+
 namespace ls {
 
 // kCudaEmulated: the engine's model with every op run as its CUDA kernel
@@ -172,6 +176,8 @@ class Trainer {
   virtual void set_phase_hook(std::function<void(const char*, int)> hook) { (void)hook; }
 };
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b);
+// The reference model's config for a scenario (reference/reference.h).
+ref::Config reference_config(const Scenario& s);
 
 RunResult run_scenario(const Scenario& s, const RunOptions& opt);
 

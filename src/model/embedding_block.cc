@@ -1,0 +1,38 @@
+// The embedding block: h[n] = tok_emb[byte of token n] + pos_emb[n mod seq_len].
+// Backward: the embeddings' gradients, per leaf the tokens' dh in token
+// order, leaves by the canonical tree (ops::embedding_grad). Matches
+// ref::Embedding.
+#include <string>
+
+#include "model/blocks.h"
+#include "ops/ops.h"
+
+namespace ls {
+
+namespace {
+
+class EmbeddingBlock : public Block {
+ public:
+  std::string name() const override { return "embedding"; }
+
+  void forward(StepContext& ctx, StepLosses&) override {
+    const int S = ctx.cfg.seq_len, D = ctx.cfg.d_model;
+    const int64_t N = ctx.tokens;
+    StepWorkspace& ws = ctx.ws;
+    ws.tok_id.resize(N);
+    for (int64_t n = 0; n < N; ++n) ws.tok_id[n] = (int)ctx.token_bytes[(n / S) * (S + 1) + n % S];
+    ops::embed(ws.tok_id.data(), ctx.weight("tok_emb"), ctx.weight("pos_emb"), ctx.stream(0), N, S, D);
+  }
+
+  void backward(StepContext& ctx) override {
+    const ModelConfig& c = ctx.cfg;
+    ops::embedding_grad(ctx.ws.tok_id.data(), ctx.ws.dh.data(), ctx.tokens, c.seq_len, c.d_model, c.vocab,
+                        ctx.leaf_tokens, ctx.leaves, ctx.grad("tok_emb"), ctx.grad("pos_emb"));
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Block> make_embedding_block() { return std::make_unique<EmbeddingBlock>(); }
+
+}  // namespace ls

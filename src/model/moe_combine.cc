@@ -1,0 +1,113 @@
+// The moe_combine block: the shared expert (if any), then the layer's
+// output, residual + the gated sum of the token's expert outputs over its
+// slots + the shared expert's, and the layer's load-balancing and z losses.
+// Matches ref::MoeCombine.
+#include <string>
+#include <vector>
+
+#include "contract.h"
+#include "model/blocks.h"
+#include "ops/ops.h"
+
+namespace ls {
+
+namespace {
+
+class MoeCombine : public Block {
+ public:
+  explicit MoeCombine(int layer) : layer_(layer) {}
+  std::string name() const override { return "layers." + std::to_string(layer_) + ".moe_combine"; }
+
+  void forward(StepContext& ctx, StepLosses& losses) override {
+    const ModelConfig& c = ctx.cfg;
+    const int D = c.d_model, F = c.d_ff, E = c.experts, K = c.top_k;
+    const int64_t N = ctx.tokens;
+    LayerActs& acts = ctx.layer(layer_);
+    float* out = ctx.stream(layer_ + 1);
+    if (c.shared_expert) {
+      acts.shared_u.resize(N * F);
+      acts.shared_v.resize(N * F);
+      acts.shared_gate.resize(N * F);
+      acts.shared_act.resize(N * F);
+      acts.shared_out.resize(N * D);
+      ops::linear(acts.moe_in.data(), N, D, ctx.layer_weight(layer_, "shared.w1"), F, acts.shared_u.data());
+      ops::linear(acts.moe_in.data(), N, D, ctx.layer_weight(layer_, "shared.w3"), F, acts.shared_v.data());
+      ops::swiglu(acts.shared_u.data(), acts.shared_v.data(), acts.shared_gate.data(), acts.shared_act.data(), N * F);
+      ops::linear(acts.shared_act.data(), N, F, ctx.layer_weight(layer_, "shared.w2"), D, acts.shared_out.data());
+    }
+    // out = fold over slots of fma(gate, y_slot, out) from +0, then + shared, + residual.
+    ops::moe_combine(acts.gates.data(), E, acts.sel.data(), K, acts.row_of.data(), acts.ye_rows,
+                     c.shared_expert ? acts.shared_out.data() : nullptr, acts.mid.data(), out, N, D);
+    ctx.trace_tensor("fwd", layer_, "moe.combine", "h", out, {N, D});
+    // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
+    // This rank's subtrees (ops::router_stats), then the canonical tree over ranks.
+    StepWorkspace& ws = ctx.ws;
+    ops::DeviceVector<float>& sums = ws.router_sums;
+    sums.resize(E + 1);
+    ops::router_stats(acts.gates.data(), acts.router_lse.data(), N, E, ctx.leaf_tokens, ctx.leaves, sums.data());
+    ops::synchronize();  // read by the host (and the mesh's sum)
+    acts.global_counts.resize(E);
+    for (int e = 0; e < E; ++e) acts.global_counts[e] = acts.expert_off[e + 1] - acts.expert_off[e];
+    if (ctx.mesh) {
+      ctx.mesh->sum_partials(sums.data(), sums.size());
+      ctx.mesh->sum_counts(acts.global_counts.data(), E);
+    }
+    float dot = 0.0f;  // reduces over the expert index e
+    for (int e = 0; e < E; ++e) {
+      const float f = (float)acts.global_counts[e] / ctx.global_assignments;
+      const float share = sums[e] / ctx.global_tokens;
+      dot = ls::fma(f, share, dot);
+    }
+    ws.aux_loss[layer_] = (float)E * dot;
+    ws.z_loss[layer_] = sums[E] / ctx.global_tokens;
+    // The step's sums fold layer by layer, in layer order.
+    losses.aux = losses.aux + ws.aux_loss[layer_];
+    losses.z = losses.z + ws.z_loss[layer_];
+  }
+
+  // dh (the gradient of the layer's output) -> the gates' gradient dg and
+  // the expert outputs' dye; the shared expert's weight gradients and its
+  // input gradient (added by the dispatch block). The residual's gradient
+  // stays in dh for the routing block's norm to add to.
+  void backward(StepContext& ctx) override {
+    const ModelConfig& c = ctx.cfg;
+    const int D = c.d_model, F = c.d_ff, E = c.experts, K = c.top_k;
+    const int64_t N = ctx.tokens, NK = N * K;
+    StepWorkspace& ws = ctx.ws;
+    const LayerActs& acts = ctx.layer(layer_);
+    ws.dye.resize(NK * D);
+    ws.dg.resize(N * E);
+    ops::fill(ws.dg.data(), N * E, 0.0f);
+    ops::moe_combine_backward(ws.dh.data(), acts.gates.data(), E, acts.sel.data(), K, acts.row_of.data(), acts.ye_rows,
+                              ws.dg.data(), ws.dye.data(), N, D);
+    if (!c.shared_expert) return;
+    const float* w1 = ctx.layer_weight(layer_, "shared.w1");
+    const float* w3 = ctx.layer_weight(layer_, "shared.w3");
+    const float* w2 = ctx.layer_weight(layer_, "shared.w2");
+    const int64_t* leaf_off = ws.uniform_off.data();
+    ws.shared_du.resize(N * F);
+    ws.shared_dv.resize(N * F);
+    ws.shared_dx.resize(N * D);
+    ws.shared_dact.resize(N * F);
+    ops::linear_input_grad(ws.dh.data(), N, D, w2, F, ws.shared_dact.data(), false);
+    ops::swiglu_backward(acts.shared_u.data(), acts.shared_v.data(), acts.shared_gate.data(), ws.shared_dact.data(),
+                         ws.shared_du.data(), ws.shared_dv.data(), N * F);
+    ops::linear_input_grad(ws.shared_du.data(), N, F, w1, D, ws.shared_dx.data(), false);
+    ops::linear_input_grad(ws.shared_dv.data(), N, F, w3, D, ws.shared_dx.data(), true);
+    ops::weight_grad(acts.moe_in.data(), D, ws.shared_du.data(), F, D, F, leaf_off, ctx.leaves,
+                     ctx.layer_grad(layer_, "shared.w1"));
+    ops::weight_grad(acts.moe_in.data(), D, ws.shared_dv.data(), F, D, F, leaf_off, ctx.leaves,
+                     ctx.layer_grad(layer_, "shared.w3"));
+    ops::weight_grad(acts.shared_act.data(), F, ws.dh.data(), D, F, D, leaf_off, ctx.leaves,
+                     ctx.layer_grad(layer_, "shared.w2"));
+  }
+
+ private:
+  int layer_;
+};
+
+}  // namespace
+
+std::unique_ptr<Block> make_moe_combine_block(int layer) { return std::make_unique<MoeCombine>(layer); }
+
+}  // namespace ls

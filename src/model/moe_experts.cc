@@ -1,0 +1,116 @@
+// The moe_experts block: the routed experts' SwiGLU over their rows, in the
+// rounds and slots of the layer's plan, each round's rows exchanged to
+// their owners and back. Matches ref::MoeExperts (per row: independent;
+// weight gradients: each expert's leaf tree over its rows).
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "model/blocks.h"
+#include "model/moe_exchange.h"
+#include "ops/ops.h"
+
+namespace ls {
+
+namespace {
+
+class MoeExperts : public Block {
+ public:
+  explicit MoeExperts(int layer) : layer_(layer) {}
+  std::string name() const override { return "layers." + std::to_string(layer_) + ".moe_experts"; }
+
+  // moe_in rows -> ye (dispatch order).
+  void forward(StepContext& ctx, StepLosses&) override {
+    const int D = ctx.cfg.d_model, F = ctx.cfg.d_ff, ep = ctx.ep;
+    StepWorkspace& ws = ctx.ws;
+    LayerActs& acts = ctx.layer(layer_);
+    ExpertRows& rows = acts.rows;
+    const RoundPlan& own = ctx.own_plan(acts);
+    const float* w1 = ctx.layer_weight(layer_, "experts.w1");
+    const float* w3 = ctx.layer_weight(layer_, "experts.w3");
+    const float* w2 = ctx.layer_weight(layer_, "experts.w2");
+    for (int r = 0; r < exchange_rounds(acts); ++r) {
+      exchange_rows(ctx, acts, r, D, /*to_owner=*/true, acts.moe_in.data(),
+                    [&](int64_t disp) { return acts.row_token[disp]; }, ws.slots.x.data(),
+                    ep > 1 ? rows.x.data() : nullptr, nullptr);
+      // Without expert parallelism the outputs go straight to the dispatch rows the combine reads.
+      const RowPlace y = ep > 1 ? RowPlace{ws.slots.y.data(), true} : RowPlace{acts.ye.data(), false};
+      if (r < own.rounds()) ctx.stats.expert_gemm_calls += experts_round_forward(own, r, ws.slots, rows, y, w1, w3, w2, D, F);
+      if (ep > 1) exchange_rows(ctx, acts, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.y.data(), nullptr, acts.ye.data());
+    }
+    ctx.stats.rounds = std::max(ctx.stats.rounds, own.rounds());
+    ctx.stats.borrowed += own.borrowed;
+    ctx.stats.dropped += own.dropped;
+    acts.ye_rows = acts.ye.data();
+    if (ctx.trace)
+      ctx.trace_tensor("fwd", layer_, "moe.experts", "out", ctx.token_slot_order(acts, acts.ye_rows, D),
+                       {ctx.tokens, ctx.cfg.top_k, D});
+  }
+
+  // dye (dispatch order) -> dxe; the experts' weight gradients. Backward in
+  // the forward's rounds and slots; the weight-gradient leaf trees continue
+  // from round to round.
+  void backward(StepContext& ctx) override {
+    const int D = ctx.cfg.d_model, F = ctx.cfg.d_ff, ep = ctx.ep;
+    const int64_t NK = ctx.tokens * ctx.cfg.top_k;
+    StepWorkspace& ws = ctx.ws;
+    LayerActs& acts = ctx.layer(layer_);
+    ExpertRows& rows = acts.rows;
+    const RoundPlan& own = ctx.own_plan(acts);
+    const float* w1 = ctx.layer_weight(layer_, "experts.w1");
+    const float* w3 = ctx.layer_weight(layer_, "experts.w3");
+    const float* w2 = ctx.layer_weight(layer_, "experts.w2");
+    float* grad_w1 = ctx.layer_grad(layer_, "experts.w1");
+    float* grad_w3 = ctx.layer_grad(layer_, "experts.w3");
+    float* grad_w2 = ctx.layer_grad(layer_, "experts.w2");
+    ws.dxe.resize(NK * D);
+    if (ctx.cfg.moe_policy == MoePolicy::kDrop) ops::fill(ws.dxe.data(), NK * D, 0.0f);  // skipped rows: no gradient
+    ExpertWeightGrads& grads = ws.expert_grads;  // kept: its buffers are reused layer to layer
+    grads.begin(own, rows, ctx.leaves * ep, D, F, &ws.grad_state);
+    count_moe_memory(ctx);
+    // Without expert parallelism dy and dx stay in the dispatch rows (the experts' row order).
+    const RowPlace dy = ep > 1 ? RowPlace{ws.slots.dy.data(), true} : RowPlace{ws.dye.data(), false};
+    const RowPlace dx = ep > 1 ? RowPlace{ws.slots.dx.data(), true} : RowPlace{ws.dxe.data(), false};
+    for (int r = 0; r < exchange_rounds(acts); ++r) {
+      if (ep > 1)
+        exchange_rows(ctx, acts, r, D, /*to_owner=*/true, ws.dye.data(), [](int64_t disp) { return disp; },
+                      ws.slots.dy.data(), nullptr, nullptr);
+      if (r < own.rounds()) {
+        // The inputs again, into the same slots: from the layer's input rows
+        // (kept per row with expert parallelism).
+        if (ep == 1) {
+          exchange_rows(ctx, acts, r, D, true, acts.moe_in.data(), [&](int64_t disp) { return acts.row_token[disp]; },
+                        ws.slots.x.data(), nullptr, nullptr);
+        } else {
+          ops::synchronize();
+          ws.from_row.clear();
+          ws.to_row.clear();
+          for (const Segment& s : own.round[r])
+            for (int64_t t = 0; t < s.rows; ++t) {
+              ws.from_row.push_back(rows.off[s.expert] + s.first + t);
+              ws.to_row.push_back(s.slot + t);
+            }
+          ops::copy_rows(rows.x.data(), ws.from_row.data(), ws.slots.x.data(), ws.to_row.data(),
+                         (int64_t)ws.to_row.size(), D);
+        }
+        ctx.stats.expert_gemm_calls += experts_round_backward(own, r, ws.slots, rows, dy, dx, w1, w3, w2, D, F);
+        grads.add_round(own, r, ws.slots, rows, dy, grad_w1, grad_w3, grad_w2);
+      }
+      if (ep > 1) exchange_rows(ctx, acts, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.dx.data(), nullptr, ws.dxe.data());
+    }
+    grads.finish(grad_w1, grad_w3, grad_w2);
+    ctx.stats.expert_gemm_calls += grads.calls();
+    if (ctx.trace)
+      ctx.trace_tensor("bwd", layer_, "moe.experts", "dx", ctx.token_slot_order(acts, ws.dxe.data(), D),
+                       {ctx.tokens, ctx.cfg.top_k, D});
+  }
+
+ private:
+  int layer_;
+};
+
+}  // namespace
+
+std::unique_ptr<Block> make_moe_experts_block(int layer) { return std::make_unique<MoeExperts>(layer); }
+
+}  // namespace ls

@@ -1,0 +1,95 @@
+// The moe_routing block: RMSNorm of the stream after attention, router
+// logits (plus the optional fixed skew), softmax gates and the top-k
+// choice per token. Backward: the router's gradient (the combine's gate
+// gradient + the load-balancing term, softmax backward, + the z-loss term)
+// and the norm's, added to the residual's. Matches ref::MoeRouting.
+#include <algorithm>
+#include <string>
+
+#include "model/blocks.h"
+#include "ops/ops.h"
+
+namespace ls {
+
+namespace {
+
+class MoeRouting : public Block {
+ public:
+  explicit MoeRouting(int layer) : layer_(layer) {}
+  std::string name() const override { return "layers." + std::to_string(layer_) + ".moe_routing"; }
+  bool begins_at_stream() const override { return true; }
+  float* stream_in(StepWorkspace& ws) const override { return ws.layers[layer_].mid.data(); }
+
+  void forward(StepContext& ctx, StepLosses&) override {
+    const ModelConfig& c = ctx.cfg;
+    const int D = c.d_model, E = c.experts, K = c.top_k;
+    const int64_t N = ctx.tokens;
+    LayerActs& acts = ctx.layer(layer_);
+    const float* norm = ctx.layer_weight(layer_, "moe_norm");
+    acts.moe_in.resize(N * D);
+    acts.moe_inv_rms.resize(N);
+    if (ctx.debug_reorder_moe_norm)
+      ops::rmsnorm_debug_reversed(acts.mid.data(), norm, acts.moe_in.data(), acts.moe_inv_rms.data(), N, D, c.rms_eps);
+    else
+      ops::rmsnorm(acts.mid.data(), norm, acts.moe_in.data(), acts.moe_inv_rms.data(), N, D, c.rms_eps);
+    ctx.trace_tensor("fwd", layer_, "moe_norm", "out", acts.moe_in.data(), {N, D});
+    acts.router_logits.resize(N * E);
+    acts.gates.resize(N * E);
+    acts.router_lse.resize(N);
+    acts.sel.resize(N * K);
+    ops::linear(acts.moe_in.data(), N, D, ctx.layer_weight(layer_, "router"), E, acts.router_logits.data());
+    if (c.router_skew != 0) {  // a fixed preference for the first max(1, E/4) experts
+      ops::synchronize();
+      ctx.ws.row_vector.assign(std::max(1, E / 4), c.router_skew);
+      ops::add_row_vector(acts.router_logits.data(), N, E, std::max(1, E / 4), ctx.ws.row_vector.data());
+    }
+    ops::softmax_rows(acts.router_logits.data(), E, acts.gates.data(), E, (int)N, E, 0, acts.router_lse.data());
+    ops::route_topk(acts.gates.data(), N, E, K, acts.sel.data());
+    ops::synchronize();  // the host plans the rounds from the routing choices
+    ctx.trace_tensor("fwd", layer_, "router", "logits", acts.router_logits.data(), {N, E});
+    ctx.trace_tensor("fwd", layer_, "router", "gates", acts.gates.data(), {N, E});
+  }
+
+  // dg (from the combine) and d(moe_in) (from the dispatch) -> the router's
+  // and the norm's weight gradients; dh += the norm's input gradient.
+  void backward(StepContext& ctx) override {
+    const ModelConfig& c = ctx.cfg;
+    const int D = c.d_model, E = c.experts;
+    const int64_t N = ctx.tokens;
+    StepWorkspace& ws = ctx.ws;
+    const LayerActs& acts = ctx.layer(layer_);
+    // The gate gradient + the aux term (the counts are constants), softmax
+    // backward, + the z-loss term.
+    ops::synchronize();
+    ws.row_vector.resize(E);
+    for (int e = 0; e < E; ++e) {
+      const float f = (float)acts.global_counts[e] / ctx.global_assignments;
+      ws.row_vector[e] = ((c.aux_loss_weight * (float)E) * f) / ctx.global_tokens;
+    }
+    ws.dz.resize(N * E);
+    ops::add_row_vector(ws.dg.data(), N, E, E, ws.row_vector.data());
+    ops::softmax_backward_rows(acts.gates.data(), E, ws.dg.data(), E, ws.dz.data(), E, (int)N, E, 0);
+    ops::z_loss_grad(acts.gates.data(), acts.router_lse.data(), N, E, c.z_loss_weight * 2.0f, ctx.global_tokens,
+                     ws.dz.data());
+    ctx.trace_tensor("bwd", layer_, "router", "dz", ws.dz.data(), {N, E});
+    ops::weight_grad(acts.moe_in.data(), D, ws.dz.data(), E, D, E, ws.uniform_off.data(), ctx.leaves,
+                     ctx.layer_grad(layer_, "router"));
+    ws.dtmp.resize(N * D);
+    ops::linear_input_grad(ws.dz.data(), N, E, ctx.layer_weight(layer_, "router"), D, ws.dtmp.data(), false);
+    ops::add(ws.dmoe_in.data(), ws.dtmp.data(), ws.dmoe_in.data(), N * D);
+    ops::rmsnorm_weight_grad(acts.mid.data(), acts.moe_inv_rms.data(), ws.dmoe_in.data(), N, D, ctx.leaf_tokens,
+                             ctx.layer_grad(layer_, "moe_norm"));
+    ops::rmsnorm_backward(acts.mid.data(), ctx.layer_weight(layer_, "moe_norm"), acts.moe_inv_rms.data(),
+                          ws.dmoe_in.data(), ws.dh.data(), N, D, true);
+    ctx.trace_tensor("bwd", layer_, "moe_norm", "dh", ws.dh.data(), {N, D});
+  }
+
+ private:
+  int layer_;
+};
+
+}  // namespace
+
+std::unique_ptr<Block> make_moe_routing_block(int layer) { return std::make_unique<MoeRouting>(layer); }
+
+}  // namespace ls

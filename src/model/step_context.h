@@ -1,0 +1,129 @@
+// What the blocks of one training step share (model/blocks.h): each layer's
+// saved activations, the scratch reused from step to step, and the step's
+// context -- shapes, weights and gradients, the mesh, the trace sink and
+// the statistics. Internal to src/model.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/experts.h"
+#include "model/model.h"
+#include "ops/device_memory.h"
+#include "trace/sink.h"
+
+namespace ls {
+
+// Saved activations of one layer plus the routing of its tokens. Buffers ops
+// read or write are DeviceVectors (ops/device_memory.h); the rest is host
+// bookkeeping. Shapes per rank: N tokens, K slots, E experts.
+struct LayerActs {
+  // Attention block.
+  ops::DeviceVector<float> x;               // [N, D] the layer's input: the residual stream
+  ops::DeviceVector<float> attn_in;         // [N, D] RMSNorm(x)
+  ops::DeviceVector<float> attn_inv_rms;    // [N] that norm's 1/rms
+  ops::DeviceVector<float> qkv;             // [N, 3D]
+  ops::DeviceVector<float> attn_probs;      // per (sample, head): the causal softmax P
+  ops::DeviceVector<float> attn_out;        // [N, D] P V, before the output projection
+  ops::DeviceVector<float> mid;             // [N, D] x + attention: the stream the MoE block reads
+  // MoE routing.
+  ops::DeviceVector<float> moe_in;          // [N, D] RMSNorm(mid): what the experts and the router read
+  ops::DeviceVector<float> moe_inv_rms;     // [N]
+  ops::DeviceVector<float> router_logits;   // [N, E]
+  ops::DeviceVector<float> gates;           // [N, E] softmax of the logits
+  ops::DeviceVector<float> router_lse;      // [N] their log-sum-exp (z-loss)
+  ops::DeviceVector<int> sel;               // [N*K] expert of each (token, slot)
+  // MoE dispatch.
+  ops::DeviceVector<int64_t> row_of;        // [N*K] row of (token, slot) in the expert buffers
+  std::vector<int64_t> expert_off;          // [E+1] first row of each expert
+  std::vector<int64_t> row_token;           // [N*K] token of each expert row
+  std::vector<int64_t> global_counts;       // [E] assignments per expert over every data-parallel rank
+  // The round schedule: plans[d] is EP rank d's (every rank knows every
+  // owner's, to place its rows); counts[src * E + e]: rows of EP rank src
+  // for expert e. Without expert parallelism: one plan, counts = the loads.
+  std::vector<RoundPlan> plans;
+  std::vector<int64_t> counts;
+  ExpertRows rows;                          // the rows of the experts held here (from every rank of the EP group)
+  // MoE experts and combine.
+  ops::DeviceVector<float> ye;              // [N*K, D] expert outputs in dispatch order
+  const float* ye_rows = nullptr;           // = ye.data()
+  ops::DeviceVector<float> shared_u, shared_v, shared_gate, shared_act;  // [N, F] the shared expert's SwiGLU
+  ops::DeviceVector<float> shared_out;                                   // [N, D]
+};
+
+// Everything a model keeps allocated between steps.
+struct StepWorkspace {
+  int batch = -1;
+  std::vector<LayerActs> layers;
+  std::vector<float> aux_loss, z_loss;  // per layer, this step's
+  ops::DeviceVector<float> h;           // [N, D] the stream after the last layer: the head's input
+  // Head.
+  ops::DeviceVector<float> final_out, final_inv_rms, logits, prob, lse, loss;
+  // Backward scratch.
+  ops::DeviceVector<float> dh;          // the gradient of the residual stream where the backward stands
+  ops::DeviceVector<float> dtmp, dlogits, dye, dxe, dg, dz, dmoe_in, dattn_out, dqkv;
+  ops::DeviceVector<float> shared_dact, shared_du, shared_dv, shared_dx;
+  std::vector<float> trace_rows;               // expert rows regathered in (token, slot) order for the trace
+  ops::DeviceVector<int> tok_id;               // [N] the input byte of each token
+  ops::DeviceVector<int> target_id;            // [N] the next byte: each token's target
+  ops::DeviceVector<int64_t> uniform_off;      // [leaves + 1] leaf offsets of whole leaves of tokens
+  ops::DeviceVector<float> router_sums;        // [E + 1] ops::router_stats
+  // MoE buffers sized by the schedule's capacity, reused by every round and layer.
+  ExpertSlots slots;
+  ops::DeviceVector<float> send, recv;          // expert parallel: one round's rows out and in
+  ops::DeviceVector<int64_t> from_row, to_row;  // a round's row copies (ops::copy_rows): source and destination rows
+  ops::DeviceVector<int64_t> keep_row;          // and, expert parallel, where each arriving row is kept
+  std::vector<int64_t> piece_first_row, piece_rows;  // exchange_rows: per local expert, a source's part of a round
+  ops::DeviceVector<float> row_vector;          // a vector added to every row (router skew, aux-loss gradient)
+  std::vector<ops::DeviceVector<float>> grad_state;  // LeafFold state per (expert, gradient)
+  ExpertWeightGrads expert_grads;               // the backward's expert weight gradients, reused by every layer
+};
+
+// One step as the blocks see it.
+struct StepContext {
+  const ModelConfig& cfg;
+  StepWorkspace& ws;
+  MoeStats& stats;
+  const std::vector<ParamInfo>& params;
+  const float* weights;          // read (a lane reads its main model's)
+  float* grads;                  // written by the backward
+  const uint8_t* token_bytes;    // batch * (seq_len + 1): inputs, then the shifted targets (forward only)
+  int batch = 0;
+  int64_t tokens = 0;            // N = batch * seq_len on this rank
+  int64_t leaf_tokens = 0;       // tokens per leaf of the canonical reduction tree
+  int64_t leaves = 0;            // leaves on this rank
+  int dp = 1;                    // data-parallel ranks
+  int ep = 1, ep_rank = 0;       // the expert-parallel group and this rank in it
+  int local_experts = 0;         // experts held here: experts / ep
+  float global_tokens = 0;       // N over every data-parallel rank
+  float global_assignments = 0;  // N * K over every data-parallel rank
+  MeshHooks* mesh = nullptr;     // nullptr: one rank
+  TraceSink* trace = nullptr;    // nullptr: not traced (evaluation passes never are)
+  bool debug_reorder_moe_norm = false;
+
+  const float* weight(const std::string& name) const { return weights + param(name).offset; }
+  float* grad(const std::string& name) const { return grads + param(name).offset; }
+  const float* layer_weight(int layer, const char* name) const { return weight(layer_param(layer, name)); }
+  float* layer_grad(int layer, const char* name) const { return grad(layer_param(layer, name)); }
+  LayerActs& layer(int l) const { return ws.layers[(size_t)l]; }
+  // The residual stream entering layer l; l == n_layers: the head's input.
+  float* stream(int l) const { return l < cfg.n_layers ? ws.layers[(size_t)l].x.data() : ws.h.data(); }
+  // The plan of the experts held here, for layer l.
+  const RoundPlan& own_plan(const LayerActs& acts) const { return acts.plans[(size_t)ep_rank]; }
+
+  // A tensor to the trace sink, if tracing.
+  void trace_tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
+                    std::vector<int64_t> shape) const;
+  // Expert rows in (token, slot) order, the layout the reference keeps (for the trace).
+  const float* token_slot_order(const LayerActs& acts, const float* rows, int width) const;
+
+ private:
+  static std::string layer_param(int layer, const char* name) {
+    return "layers." + std::to_string(layer) + "." + name;
+  }
+  const ParamInfo& param(const std::string& name) const;
+};
+
+}  // namespace ls
