@@ -15,6 +15,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -250,270 +251,347 @@ const char* signal_name(int sig) {
 
 }  // namespace
 
-SuperviseResult supervise(const SuperviseOptions& opt) {
-  const Scenario s = load_scenario(opt.scenario, opt.sets);
-  // Every fault the children inject, in their order (bad specs: exit 2 before anything runs).
-  std::vector<FaultSpec> planned = s.faults;
-  for (const std::string& f : opt.faults) planned.push_back(parse_fault(f));
-  const bool mpi = opt.launcher == "mpi";
-  if (opt.launcher != "threads" && !mpi) throw UserError("--launcher: 'threads' or 'mpi', got '" + opt.launcher + "'");
-  if (mpi && !mpi_available())
+namespace {
+
+// How one attempt's child ended.
+struct AttemptEnd {
+  int status = 0;          // waitpid's
+  bool hung = false;       // killed for a missing heartbeat
+  double started = 0, last_beat = 0, detected = 0;
+  int orphans_killed = 0;  // mpi: rank processes left after it ended
+  bool exited_ok() const { return !hung && WIFEXITED(status) && WEXITSTATUS(status) == 0; }
+  int exit_code() const { return !hung && WIFEXITED(status) ? WEXITSTATUS(status) : -1; }
+};
+
+// One supervised job: its scenario, lease, scratch directory and the
+// timeline of its restarts, and the named steps supervise() runs.
+class Supervision {
+ public:
+  explicit Supervision(const SuperviseOptions& opt);
+  ~Supervision() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);  // however supervise() returns or throws
+  }
+  std::vector<std::string> child_command();
+  pid_t spawn(std::vector<std::string> args) const;
+  AttemptEnd watch(pid_t pid);
+  // The job finished: its summary, stitched over every attempt.
+  SuperviseResult finished(int attempt);
+  // The failed attempt ends the job (bad input, the store, the lease, the
+  // restart budget): the result; or nothing, and the restart is planned.
+  std::optional<SuperviseResult> stop_or_plan_restart(const AttemptEnd& end, int attempt);
+  void back_off(int attempt);
+  // The resumed child of a pending restart showed its first heartbeat or
+  // died before it: the restart goes into the timeline.
+  void settle_pending(bool resumed, double at);
+  [[noreturn]] void die_of_signal(int sig, const std::string& what);
+
+ private:
+  void say(const std::string& m) const {
+    if (opt_.progress) std::fprintf(stderr, "supervisor: %s\n", m.c_str());
+  }
+  void note_resumed_existing(nlohmann::json& summary) const {
+    if (opt_.resume.empty() && existing_ >= 0) summary["resumed_existing_checkpoint"] = {{"url", s_.ckpt.url}, {"step", existing_}};
+  }
+  std::unique_ptr<ObjectStore> store() const { return open_store(s_.ckpt.url, StoreOptions{s_.ckpt.s3_endpoint}); }
+
+  const SuperviseOptions& opt_;
+  const Scenario s_;
+  std::vector<FaultSpec> planned_;  // every fault the children inject, in their order
+  const bool mpi_;
+  std::unique_ptr<CheckpointLease> lease_;
+  fs::path dir_;
+  std::string state_, hb_, out_, step_log_;
+  double job_started_ = 0;
+  int64_t user_resume_ = -1, existing_ = -1;
+  std::mt19937_64 rng_;
+  nlohmann::json timeline_ = nlohmann::json::array();
+  nlohmann::json pending_;  // the restart whose child has not shown a heartbeat yet
+  size_t seen_ = 0;         // fault-state lines already read
+  int new_dp_ = 0;          // the mesh.dp a shrink/grow fault asked for
+  int processes_ = 0;       // ranks of the current attempt
+  std::optional<StopSignals> stop_signals_;
+  double fail_time_ = 0;
+};
+
+Supervision::Supervision(const SuperviseOptions& opt)
+    : opt_(opt), s_(load_scenario(opt.scenario, opt.sets)), mpi_(opt.launcher == "mpi"),
+      rng_(std::hash<std::string>{}(opt.scenario)) {
+  planned_ = s_.faults;  // bad specs: exit 2 before anything runs
+  for (const std::string& f : opt.faults) planned_.push_back(parse_fault(f));
+  if (opt.launcher != "threads" && !mpi_) throw UserError("--launcher: 'threads' or 'mpi', got '" + opt.launcher + "'");
+  if (mpi_ && !mpi_available())
     throw UserError("--launcher mpi: this lockstep was built without MPI (install libopenmpi-dev via "
                     "scripts/install-deps.sh, then meson setup --reconfigure build)");
-  if (s.ckpt.url.empty() || s.ckpt.every <= 0)
+  if (s_.ckpt.url.empty() || s_.ckpt.every <= 0)
     throw UserError("ckpt.url / ckpt.every: a supervised run restarts from committed checkpoints; set both "
                     "(e.g. --set ckpt.url=/tmp/run --set ckpt.every=5)");
   // One live job per prefix: the supervisor takes the lease for the whole
   // job (its children write under it, and restarts keep it), renews it,
   // and releases it when the job ends; an explicit --resume waits out a dead
   // holder's.
-  std::unique_ptr<CheckpointLease> lease = CheckpointLease::acquire(
-      open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint}), new_job_id(), s.ckpt.lease_seconds,
-      !opt.resume.empty(), [](const std::string& m) { std::fprintf(stderr, "supervisor: %s\n", m.c_str()); });
+  lease_ = CheckpointLease::acquire(store(), new_job_id(), s_.ckpt.lease_seconds, !opt.resume.empty(),
+                                    [](const std::string& m) { std::fprintf(stderr, "supervisor: %s\n", m.c_str()); });
   const char* tmp_root = std::getenv("TMPDIR");
   std::string tmpl = std::string(tmp_root && *tmp_root ? tmp_root : "/tmp") + "/lockstep-supervisor-XXXXXX";
   if (!mkdtemp(tmpl.data())) throw UserError("supervisor: cannot create a temporary directory under " + tmpl);
-  const fs::path dir = tmpl;
-  struct RemoveOnReturn {  // however supervise() returns or throws
-    fs::path dir;
-    ~RemoveOnReturn() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
-  } remove_dir{dir};
-  const StopSignals stop_signals;
-  const std::string state = (dir / "faults.state").string(), hb = (dir / "heartbeat").string(),
-                    out = (dir / "child.out").string(), step_log = (dir / "steps.log").string();
-  const double job_started = now();
+  dir_ = tmpl;
+  stop_signals_.emplace();
+  state_ = (dir_ / "faults.state").string();
+  hb_ = (dir_ / "heartbeat").string();
+  out_ = (dir_ / "child.out").string();
+  step_log_ = (dir_ / "steps.log").string();
+  job_started_ = now();
   // Where the job starts: the user's --resume, else what ckpt.url already
   // holds (said on the first line: an old run's checkpoints are resumed).
-  const int64_t user_resume = opt.resume.empty() ? -1 : resume_step(opt.resume, s.ckpt.s3_endpoint);
-  const int64_t existing = latest_commit(s.ckpt.url, s.ckpt.s3_endpoint);
-  if (opt.resume.empty() && existing >= 0)  // always: the run will not start from scratch
+  user_resume_ = opt.resume.empty() ? -1 : resume_step(opt.resume, s_.ckpt.s3_endpoint);
+  existing_ = latest_commit(s_.ckpt.url, s_.ckpt.s3_endpoint);
+  if (opt.resume.empty() && existing_ >= 0)  // always: the run will not start from scratch
     std::fprintf(stderr,
                  "supervisor: ckpt.url %s already holds committed checkpoints (latest step %lld): the job resumes "
                  "from it (use a fresh ckpt.url to start from scratch)\n",
-                 s.ckpt.url.c_str(), (long long)existing);
-  std::mt19937_64 rng(std::hash<std::string>{}(opt.scenario));
-  SuperviseResult res;
-  nlohmann::json timeline = nlohmann::json::array();
-  nlohmann::json pending;  // the restart whose child has not shown a heartbeat yet
-  size_t seen = 0;
-  int new_dp = 0, attempt = 0;
-  double fail_time = 0;
-  // After a stop signal, once no process of the job is left: clean up, say
-  // so, and die of the signal, as a shell expects of an interrupted command.
-  auto die_of_signal = [&](int sig, const std::string& what) {
-    fs::remove_all(dir);
-    lease->release();
-    std::fprintf(stderr, "supervisor: %s: %s; committed checkpoints in %s are intact (continue with --resume %s)\n",
-                 signal_name(sig), what.c_str(), s.ckpt.url.c_str(), s.ckpt.url.c_str());
-    std::fflush(nullptr);
-    ::signal(sig, SIG_DFL);
-    ::raise(sig);
-    std::_Exit(128 + sig);
-  };
-  auto say = [&](const std::string& m) {
-    if (opt.progress) std::fprintf(stderr, "supervisor: %s\n", m.c_str());
-  };
-  for (;; ++attempt) {
-    std::unique_ptr<ObjectStore> store = open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint});
-    const std::vector<int64_t> committed = committed_steps(*store);
-    std::vector<std::string> args = {opt.binary, "run", opt.scenario, "--json", opt.child_progress ? "--progress" : "--quiet",
-                                     "--fault-state", state, "--heartbeat", hb, "--step-log", step_log,
-                                     "--supervisor-pid", std::to_string(::getpid()),
-                                     "--lease", lease->job() + ":" + std::to_string(lease->generation())};
-    for (const std::string& x : opt.sets) args.insert(args.end(), {"--set", x});
-    for (const std::string& f : opt.faults) args.insert(args.end(), {"--fault", f});
-    if (new_dp > 0) {
-      args.insert(args.end(), {"--set", "mesh.dp=" + std::to_string(new_dp)});
-      if (s.mesh.ep > new_dp) args.insert(args.end(), {"--set", "mesh.ep=" + std::to_string(new_dp)});
-      if (s.mesh.fsdp && s.mesh.replicate > 1 && new_dp % s.mesh.replicate != 0)
-        args.insert(args.end(), {"--set", "mesh.replicate=1"});
-    }
-    // This job's own commits in ckpt.url win once they pass the user's start.
-    // With every one of them unusable, the job (not a user's --resume) starts over.
-    if (!committed.empty() && committed.back() > user_resume) {
-      args.insert(args.end(), {"--resume", s.ckpt.url});
-      if (opt.resume.empty()) args.push_back("--resume-fallback-start");
-    } else if (!opt.resume.empty()) args.insert(args.end(), {"--resume", opt.resume});
-    if (opt.threads > 0) args.insert(args.end(), {"--threads", std::to_string(opt.threads)});
-    args.insert(args.end(), opt.extra_args.begin(), opt.extra_args.end());
-    ::unlink(hb.c_str());
-    const int np = new_dp > 0 ? new_dp : s.mesh.dp;
-    if (mpi) {  // one rank per process: mpirun starts them
-      std::vector<std::string> launch = mpirun_command(np);
-      args.insert(args.begin(), launch.begin(), launch.end());
-    }
+                 s_.ckpt.url.c_str(), (long long)existing_);
+}
 
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (!opt.child_stderr.empty())
-      posix_spawn_file_actions_addopen(&fa, 2, opt.child_stderr.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    // The job in a session of its own: mpirun puts each rank in its own
-    // process group, but they all stay in the session, so the session is
-    // what the teardown below kills.
-    posix_spawnattr_t attr;
-    posix_spawnattr_init(&attr);
-    if (mpi) posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSID);
-    pid_t pid;
-    const int rc = posix_spawnp(&pid, argv[0], &fa, &attr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    posix_spawnattr_destroy(&attr);
-    if (rc != 0) throw UserError(std::string("supervisor: cannot start ") + argv[0] + ": " + std::strerror(rc));
-    const double started = now();
-    double last_beat = started;
-    bool hung = false;
-    int status = 0;
-    int beat_step = -1;
-    for (;;) {
-      if (g_stop_signal) {
-        // Ctrl-C, kill, a closed terminal: the job goes down with its
-        // supervisor, before it exits, and commits nothing more.
-        const int sig = g_stop_signal;
-        const int n = stop_job(pid, mpi, sig);
-        die_of_signal(sig, "stopped the job (" + std::to_string(n) + " process" + (n == 1 ? "" : "es") +
-                               ") at step " + std::to_string(beat_step));
-      }
-      const pid_t w = ::waitpid(pid, &status, WNOHANG);
-      if (w == pid) break;
-      struct stat st;
-      int step_now = -1;
-      std::ifstream(hb) >> step_now;
-      if (step_now != beat_step) {  // a new step started: progress
-        beat_step = step_now;
-        last_beat = now();
-      }
-      if (!pending.is_null() && ::stat(hb.c_str(), &st) == 0) {
-        pending["time_to_resume_seconds"] = now() - fail_time;
-        pending["resumed"] = true;
-        timeline.push_back(pending);
-        pending = nullptr;
-      }
-      if (now() - last_beat > opt.heartbeat_timeout) {
-        hung = true;
-        if (mpi) kill_session(pid);
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+std::vector<std::string> Supervision::child_command() {
+  const std::vector<int64_t> committed = committed_steps(*store());
+  std::vector<std::string> args = {opt_.binary, "run", opt_.scenario, "--json",
+                                   opt_.child_progress ? "--progress" : "--quiet",
+                                   "--fault-state", state_, "--heartbeat", hb_, "--step-log", step_log_,
+                                   "--supervisor-pid", std::to_string(::getpid()),
+                                   "--lease", lease_->job() + ":" + std::to_string(lease_->generation())};
+  for (const std::string& x : opt_.sets) args.insert(args.end(), {"--set", x});
+  for (const std::string& f : opt_.faults) args.insert(args.end(), {"--fault", f});
+  if (new_dp_ > 0) {
+    args.insert(args.end(), {"--set", "mesh.dp=" + std::to_string(new_dp_)});
+    if (s_.mesh.ep > new_dp_) args.insert(args.end(), {"--set", "mesh.ep=" + std::to_string(new_dp_)});
+    if (s_.mesh.fsdp && s_.mesh.replicate > 1 && new_dp_ % s_.mesh.replicate != 0)
+      args.insert(args.end(), {"--set", "mesh.replicate=1"});
+  }
+  // This job's own commits in ckpt.url win once they pass the user's start.
+  // With every one of them unusable, the job (not a user's --resume) starts over.
+  if (!committed.empty() && committed.back() > user_resume_) {
+    args.insert(args.end(), {"--resume", s_.ckpt.url});
+    if (opt_.resume.empty()) args.push_back("--resume-fallback-start");
+  } else if (!opt_.resume.empty()) {
+    args.insert(args.end(), {"--resume", opt_.resume});
+  }
+  if (opt_.threads > 0) args.insert(args.end(), {"--threads", std::to_string(opt_.threads)});
+  args.insert(args.end(), opt_.extra_args.begin(), opt_.extra_args.end());
+  processes_ = new_dp_ > 0 ? new_dp_ : s_.mesh.dp;
+  if (mpi_) {  // one rank per process: mpirun starts them
+    const std::vector<std::string> launch = mpirun_command(processes_);
+    args.insert(args.begin(), launch.begin(), launch.end());
+  }
+  return args;
+}
+
+pid_t Supervision::spawn(std::vector<std::string> args) const {
+  ::unlink(hb_.c_str());
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (!opt_.child_stderr.empty())
+    posix_spawn_file_actions_addopen(&fa, 2, opt_.child_stderr.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  // The job in a session of its own: mpirun puts each rank in its own
+  // process group, but they all stay in the session, so the session is
+  // what the teardown kills.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  if (mpi_) posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSID);
+  pid_t pid;
+  const int rc = posix_spawnp(&pid, argv[0], &fa, &attr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) throw UserError(std::string("supervisor: cannot start ") + argv[0] + ": " + std::strerror(rc));
+  return pid;
+}
+
+AttemptEnd Supervision::watch(pid_t pid) {
+  AttemptEnd end;
+  end.started = end.last_beat = now();
+  int beat_step = -1;
+  for (;;) {
+    if (g_stop_signal) {
+      // Ctrl-C, kill, a closed terminal: the job goes down with its
+      // supervisor, before it exits, and commits nothing more.
+      const int sig = g_stop_signal;
+      const int n = stop_job(pid, mpi_, sig);
+      die_of_signal(sig, "stopped the job (" + std::to_string(n) + " process" + (n == 1 ? "" : "es") + ") at step " +
+                             std::to_string(beat_step));
     }
-    const double detected = now();
-    // Whatever way the job ended, no rank process of it may live on into the
-    // next attempt (or past the supervisor).
-    const int orphans_killed = mpi ? kill_session(pid) : 0;
-    if (!pending.is_null()) {  // the child died before its first step: it resumed and replayed nothing
-      pending["time_to_resume_seconds"] = nullptr;
-      pending["resumed"] = false;
-      pending["steps_replayed"] = 0;
-      pending["time_to_failure_seconds"] = detected - fail_time;  // what was measured: until it was found dead
-      timeline.push_back(pending);
-      pending = nullptr;
+    if (::waitpid(pid, &end.status, WNOHANG) == pid) break;
+    struct stat st;
+    int step_now = -1;
+    std::ifstream(hb_) >> step_now;
+    if (step_now != beat_step) {  // a new step started: progress
+      beat_step = step_now;
+      end.last_beat = now();
     }
-    const std::vector<std::string> events = new_lines(state, seen);
-    if (!hung && WIFEXITED(status) && WEXITSTATUS(status) == 0) {
-      std::istringstream text(slurp(out));
-      std::string line, last;
-      while (std::getline(text, line))
-        if (!line.empty()) last = line;
-      try {
-        res.summary = nlohmann::json::parse(last);
-      } catch (const std::exception&) {
-        res.exit_code = 3;
-        res.error = "the last child exited 0 without a JSON summary";
-        return res;
-      }
-      const FiredFaults fired = read_fault_state(state);
-      res.summary["restarts"] = timeline;
-      res.summary["faults_fired"] = fired.lines;
-      res.summary["attempts"] = attempt + 1;
-      res.summary["wall_seconds"] = now() - job_started;
-      if (opt.resume.empty() && existing >= 0) res.summary["resumed_existing_checkpoint"] = {{"url", s.ckpt.url}, {"step", existing}};
-      const int first = (int)(opt.resume.empty() ? std::max<int64_t>(existing, 0) : user_resume) + 1;
-      const int last_step = res.summary.value("steps", 0);
-      try {
-        stitch_steps(step_log, first, last_step, (int64_t)s.batch * s.model.seq_len, res.summary);
-      } catch (const std::exception& e) {
-        res.exit_code = 3;
-        res.error = e.what();
-        return res;
-      }
-      if (res.summary.contains("resumed_from") && first > 1) res.summary["resumed_from"] = first - 1;
-      else res.summary.erase("resumed_from");
-      // A planned fault that never fired leaves the run unproven: say which.
-      std::string missed;
-      for (size_t i = 0; i < planned.size(); ++i)
-        if (!fired.indices.count((int)i)) missed += (missed.empty() ? "" : ", ") + planned[i].text();
-      if (!missed.empty()) {
-        res.exit_code = 1;
-        res.error = "the run finished but planned fault(s) never fired: " + missed +
-                    " (a threshold the checkpoint never reached, or a step the job resumed past)";
-        res.summary["faults_not_fired"] = missed;
-        return res;
-      }
-      nlohmann::json fallbacks = nlohmann::json::array();
-      size_t from_start = 0;
-      for (const std::string& l : new_lines(state, from_start))
-        if (l.rfind("fallback", 0) == 0) fallbacks.push_back(l);
-      res.summary["restore_fallbacks"] = fallbacks;
-      // A job that leaves a rotten checkpoint committed says so (a restore from it would fall back).
-      res.summary["corrupt_checkpoints"] =
-          corrupt_checkpoints_left(state, *open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint}));
-      return res;
+    if (!pending_.is_null() && ::stat(hb_.c_str(), &st) == 0) settle_pending(true, now());
+    if (now() - end.last_beat > opt_.heartbeat_timeout) {
+      end.hung = true;
+      if (mpi_) kill_session(pid);
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &end.status, 0);
+      break;
     }
-    const std::string failure = hung ? "hang (no heartbeat for " + std::to_string((int)opt.heartbeat_timeout) + " s)"
-                                     : describe(status);
-    int failed_step = 0;
-    std::ifstream(hb) >> failed_step;
-    const int code = !hung && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    if (code == 2 || code == 3 || code == kExitLeaseLost) {
-      // Bad input, an unavailable store, or another job on the prefix: restarting cannot help.
-      res.exit_code = code;
-      res.error = "the job stopped (" + failure + ") at step " + std::to_string(failed_step) + "; not restarting: " +
-                  (code == 2 ? "bad input" : code == 3 ? "the store failed" : "another job took the checkpoint lease") +
-                  "; committed checkpoints are intact";
-      res.summary = {{"restarts", timeline}, {"faults_fired", read_fault_state(state).lines}};
-      if (opt.resume.empty() && existing >= 0) res.summary["resumed_existing_checkpoint"] = {{"url", s.ckpt.url}, {"step", existing}};
-      say(res.error);
-      return res;
-    }
-    if (attempt >= opt.max_restarts) {
-      res.exit_code = 1;
-      res.error = "restart budget exhausted after " + std::to_string(attempt) + " restarts (last: " + failure + ")";
-      res.summary = {{"restarts", timeline}};
-      say(res.error);
-      return res;
-    }
-    const FiredFaults fired = read_fault_state(state);
-    if (fired.new_dp > 0) new_dp = fired.new_dp;
-    std::unique_ptr<ObjectStore> after = open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint});
-    const std::vector<int64_t> now_committed = committed_steps(*after);
-    const int64_t restore_step = now_committed.empty() ? 0 : now_committed.back();
-    pending = {{"attempt", attempt + 1},
-               {"failure", failure},
-               {"events", events},
-               {"failed_at_step", failed_step},
-               {"detection_seconds", detected - std::max(last_beat, started)},
-               {"restore_step", restore_step},
-               {"steps_replayed", std::max<int64_t>(0, failed_step - 1 - restore_step)},
-               {"mesh_dp_after", new_dp > 0 ? new_dp : s.mesh.dp}};
-    if (mpi) {
-      pending["processes"] = np;
-      pending["orphans_killed"] = orphans_killed;
-    }
-    say(failure + " at step " + std::to_string(failed_step) + "; restarting from " +
-        (restore_step ? "checkpoint " + std::to_string(restore_step) : std::string("scratch")) +
-        (new_dp > 0 ? " on mesh.dp=" + std::to_string(new_dp) : std::string()));
-    fail_time = detected;
-    const double backoff = opt.backoff_seconds * std::pow(2.0, std::min(attempt, 6)) *
-                           (0.5 + 0.5 * std::uniform_real_distribution<double>(0, 1)(rng));
-    sleep_unless_stopped(backoff);
-    if (g_stop_signal) die_of_signal(g_stop_signal, "stopped between attempts");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  end.detected = now();
+  // Whatever way the job ended, no rank process of it may live on into the
+  // next attempt (or past the supervisor).
+  end.orphans_killed = mpi_ ? kill_session(pid) : 0;
+  if (!pending_.is_null()) settle_pending(false, end.detected);  // it died before its first step
+  return end;
+}
+
+void Supervision::settle_pending(bool resumed, double at) {
+  if (resumed) {
+    pending_["time_to_resume_seconds"] = at - fail_time_;
+    pending_["resumed"] = true;
+  } else {  // it resumed and replayed nothing
+    pending_["time_to_resume_seconds"] = nullptr;
+    pending_["resumed"] = false;
+    pending_["steps_replayed"] = 0;
+    pending_["time_to_failure_seconds"] = at - fail_time_;  // what was measured: until it was found dead
+  }
+  timeline_.push_back(pending_);
+  pending_ = nullptr;
+}
+
+SuperviseResult Supervision::finished(int attempt) {
+  SuperviseResult res;
+  std::istringstream text(slurp(out_));
+  std::string line, last;
+  while (std::getline(text, line))
+    if (!line.empty()) last = line;
+  try {
+    res.summary = nlohmann::json::parse(last);
+  } catch (const std::exception&) {
+    res.exit_code = 3;
+    res.error = "the last child exited 0 without a JSON summary";
+    return res;
+  }
+  const FiredFaults fired = read_fault_state(state_);
+  res.summary["restarts"] = timeline_;
+  res.summary["faults_fired"] = fired.lines;
+  res.summary["attempts"] = attempt + 1;
+  res.summary["wall_seconds"] = now() - job_started_;
+  note_resumed_existing(res.summary);
+  const int first = (int)(opt_.resume.empty() ? std::max<int64_t>(existing_, 0) : user_resume_) + 1;
+  try {
+    stitch_steps(step_log_, first, res.summary.value("steps", 0), (int64_t)s_.batch * s_.model.seq_len, res.summary);
+  } catch (const std::exception& e) {
+    res.exit_code = 3;
+    res.error = e.what();
+    return res;
+  }
+  if (res.summary.contains("resumed_from") && first > 1) res.summary["resumed_from"] = first - 1;
+  else res.summary.erase("resumed_from");
+  // A planned fault that never fired leaves the run unproven: say which.
+  std::string missed;
+  for (size_t i = 0; i < planned_.size(); ++i)
+    if (!fired.indices.count((int)i)) missed += (missed.empty() ? "" : ", ") + planned_[i].text();
+  if (!missed.empty()) {
+    res.exit_code = 1;
+    res.error = "the run finished but planned fault(s) never fired: " + missed +
+                " (a threshold the checkpoint never reached, or a step the job resumed past)";
+    res.summary["faults_not_fired"] = missed;
+    return res;
+  }
+  nlohmann::json fallbacks = nlohmann::json::array();
+  size_t from_start = 0;
+  for (const std::string& l : new_lines(state_, from_start))
+    if (l.rfind("fallback", 0) == 0) fallbacks.push_back(l);
+  res.summary["restore_fallbacks"] = fallbacks;
+  // A job that leaves a rotten checkpoint committed says so (a restore from it would fall back).
+  res.summary["corrupt_checkpoints"] = corrupt_checkpoints_left(state_, *store());
+  return res;
+}
+
+std::optional<SuperviseResult> Supervision::stop_or_plan_restart(const AttemptEnd& end, int attempt) {
+  const std::vector<std::string> events = new_lines(state_, seen_);
+  const std::string failure =
+      end.hung ? "hang (no heartbeat for " + std::to_string((int)opt_.heartbeat_timeout) + " s)" : describe(end.status);
+  int failed_step = 0;
+  std::ifstream(hb_) >> failed_step;
+  const int code = end.exit_code();
+  SuperviseResult res;
+  if (code == 2 || code == 3 || code == kExitLeaseLost) {
+    // Bad input, an unavailable store, or another job on the prefix: restarting cannot help.
+    res.exit_code = code;
+    res.error = "the job stopped (" + failure + ") at step " + std::to_string(failed_step) + "; not restarting: " +
+                (code == 2 ? "bad input" : code == 3 ? "the store failed" : "another job took the checkpoint lease") +
+                "; committed checkpoints are intact";
+    res.summary = {{"restarts", timeline_}, {"faults_fired", read_fault_state(state_).lines}};
+    note_resumed_existing(res.summary);
+    say(res.error);
+    return res;
+  }
+  if (attempt >= opt_.max_restarts) {
+    res.exit_code = 1;
+    res.error = "restart budget exhausted after " + std::to_string(attempt) + " restarts (last: " + failure + ")";
+    res.summary = {{"restarts", timeline_}};
+    say(res.error);
+    return res;
+  }
+  const FiredFaults fired = read_fault_state(state_);
+  if (fired.new_dp > 0) new_dp_ = fired.new_dp;
+  const std::vector<int64_t> now_committed = committed_steps(*store());
+  const int64_t restore_step = now_committed.empty() ? 0 : now_committed.back();
+  pending_ = {{"attempt", attempt + 1},
+              {"failure", failure},
+              {"events", events},
+              {"failed_at_step", failed_step},
+              {"detection_seconds", end.detected - std::max(end.last_beat, end.started)},
+              {"restore_step", restore_step},
+              {"steps_replayed", std::max<int64_t>(0, failed_step - 1 - restore_step)},
+              {"mesh_dp_after", new_dp_ > 0 ? new_dp_ : s_.mesh.dp}};
+  if (mpi_) {
+    pending_["processes"] = processes_;
+    pending_["orphans_killed"] = end.orphans_killed;
+  }
+  say(failure + " at step " + std::to_string(failed_step) + "; restarting from " +
+      (restore_step ? "checkpoint " + std::to_string(restore_step) : std::string("scratch")) +
+      (new_dp_ > 0 ? " on mesh.dp=" + std::to_string(new_dp_) : std::string()));
+  fail_time_ = end.detected;
+  return std::nullopt;
+}
+
+void Supervision::back_off(int attempt) {
+  const double backoff = opt_.backoff_seconds * std::pow(2.0, std::min(attempt, 6)) *
+                         (0.5 + 0.5 * std::uniform_real_distribution<double>(0, 1)(rng_));
+  sleep_unless_stopped(backoff);
+  if (g_stop_signal) die_of_signal(g_stop_signal, "stopped between attempts");
+}
+
+// After a stop signal, once no process of the job is left: clean up, say
+// so, and die of the signal, as a shell expects of an interrupted command.
+void Supervision::die_of_signal(int sig, const std::string& what) {
+  std::error_code ec;
+  fs::remove_all(dir_, ec);
+  lease_->release();
+  std::fprintf(stderr, "supervisor: %s: %s; committed checkpoints in %s are intact (continue with --resume %s)\n",
+               signal_name(sig), what.c_str(), s_.ckpt.url.c_str(), s_.ckpt.url.c_str());
+  std::fflush(nullptr);
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+  std::_Exit(128 + sig);
+}
+
+}  // namespace
+
+SuperviseResult supervise(const SuperviseOptions& opt) {
+  Supervision job(opt);
+  for (int attempt = 0;; ++attempt) {
+    const AttemptEnd end = job.watch(job.spawn(job.child_command()));
+    if (end.exited_ok()) return job.finished(attempt);
+    if (std::optional<SuperviseResult> stopped = job.stop_or_plan_restart(end, attempt)) return *stopped;
+    job.back_off(attempt);
   }
 }
 
