@@ -133,77 +133,65 @@ void ClusterTrainer::set_debug_reorder_moe_norm(bool on) {
     if (r) r->model->set_debug_reorder_moe_norm(on);
 }
 
-// Runs `body` once per rank, each on its own thread with its communicators:
-// world (all data-parallel ranks), its EP group, its expert-data-parallel
-// group (same experts, other EP groups), its FSDP shard group and replica group.
+std::vector<std::unique_ptr<Communicator>> ClusterTrainer::split_groups(Communicator& world) const {
+  const int ep = s_.mesh.ep, shard_size = s_.mesh.fsdp ? s_.mesh.dp / s_.mesh.replicate : 1;
+  std::vector<std::unique_ptr<Communicator>> groups;
+  groups.push_back(world.split(world.rank() / ep, world.rank()));                  // ep
+  groups.push_back(world.split(world.rank() % ep, world.rank()));                  // edp
+  groups.push_back(world.split(world.rank() / shard_size, world.rank()));          // shard
+  groups.push_back(world.split(world.rank() % shard_size, world.rank()));          // replica
+  return groups;
+}
+
+void ClusterTrainer::run_rank(Communicator& world, const std::vector<std::unique_ptr<Communicator>>& groups,
+                              const std::function<void(RankCtx&)>& body) {
+  Rank& rank = *ranks_[world.rank()];
+  std::vector<Communicator*> all = {&world};
+  for (const auto& g : groups) all.push_back(g.get());
+  // The communicators may outlive this call (MPI): count only what it sent.
+  auto totals = [&](std::map<std::string, uint64_t>& bytes, std::map<std::string, uint64_t>& calls) {
+    double seconds = 0;
+    for (Communicator* c : all) {
+      seconds += c->stats.seconds;
+      for (auto& [k, b] : c->stats.bytes_sent) bytes[k] += b, calls[k] += c->stats.calls[k];
+    }
+    return seconds;
+  };
+  std::map<std::string, uint64_t> before_bytes, before_calls, after_bytes, after_calls;
+  const double before_seconds = totals(before_bytes, before_calls);
+  RankHooks hooks(world, *groups[0]);
+  rank.model->set_mesh(&hooks);
+  RankCtx ctx{rank, world, *groups[0], *groups[1], *groups[2], *groups[3]};
+  body(ctx);
+  rank.model->set_mesh(nullptr);
+  rank.comm.seconds += totals(after_bytes, after_calls) - before_seconds;
+  for (auto& [k, b] : after_bytes) {
+    rank.comm.bytes_sent[k] += b - before_bytes[k];
+    rank.comm.calls[k] += after_calls[k] - before_calls[k];
+  }
+}
+
+// Runs `body` once per rank with its communicators: world (all
+// data-parallel ranks), its EP group, its expert-data-parallel group (same
+// experts, other EP groups), its FSDP shard group and replica group. In
+// process every rank is a thread; under MPI this process's one rank runs,
+// its groups split once and kept (a split is a collective).
 void ClusterTrainer::each_rank(const std::function<void(RankCtx&)>& body) {
-  if (mpi_) return each_rank_mpi(body);
-  const int world = s_.mesh.dp, ep = s_.mesh.ep;
-  const int shard_size = s_.mesh.fsdp ? world / s_.mesh.replicate : 1;
+  if (mpi_) {
+    if (mpi_groups_.empty()) mpi_groups_ = split_groups(*mpi_);
+    if (threads_ > 0) omp_set_num_threads(threads_);  // --threads is per process
+    run_rank(*mpi_, mpi_groups_, body);
+    return;
+  }
+  const int world = s_.mesh.dp;
   const int threads_per_rank = std::max(1, (threads_ > 0 ? threads_ : omp_get_max_threads()) / world);
   run_in_process(
       world,
       [&](Communicator& comm) {
         omp_set_num_threads(threads_per_rank);
-        Rank& rank = *ranks_[comm.rank()];
-        std::unique_ptr<Communicator> epg = comm.split(comm.rank() / ep, comm.rank());
-        std::unique_ptr<Communicator> edp = comm.split(comm.rank() % ep, comm.rank());
-        std::unique_ptr<Communicator> shard = comm.split(comm.rank() / shard_size, comm.rank());
-        std::unique_ptr<Communicator> replica = comm.split(comm.rank() % shard_size, comm.rank());
-        RankHooks hooks(comm, *epg);
-        rank.model->set_mesh(&hooks);
-        RankCtx ctx{rank, comm, *epg, *edp, *shard, *replica};
-        body(ctx);
-        rank.model->set_mesh(nullptr);
-        for (Communicator* c : {&comm, epg.get(), edp.get(), shard.get(), replica.get()}) {
-          rank.comm.seconds += c->stats.seconds;
-          for (auto& [k, b] : c->stats.bytes_sent) {
-            rank.comm.bytes_sent[k] += b;
-            rank.comm.calls[k] += c->stats.calls[k];
-          }
-        }
+        run_rank(comm, split_groups(comm), body);
       },
       jitter_seed_);
-}
-
-// This process's one rank, with the same groups as the threads would have
-// (split once, kept: a split is a collective).
-void ClusterTrainer::each_rank_mpi(const std::function<void(RankCtx&)>& body) {
-  Communicator& comm = *mpi_;
-  const int ep = s_.mesh.ep, shard_size = s_.mesh.fsdp ? s_.mesh.dp / s_.mesh.replicate : 1;
-  if (mpi_groups_.empty()) {
-    mpi_groups_.push_back(comm.split(comm.rank() / ep, comm.rank()));
-    mpi_groups_.push_back(comm.split(comm.rank() % ep, comm.rank()));
-    mpi_groups_.push_back(comm.split(comm.rank() / shard_size, comm.rank()));
-    mpi_groups_.push_back(comm.split(comm.rank() % shard_size, comm.rank()));
-  }
-  if (threads_ > 0) omp_set_num_threads(threads_);  // --threads is per process
-  Rank& rank = *ranks_[comm.rank()];
-  std::vector<Communicator*> all = {&comm};
-  for (auto& g : mpi_groups_) all.push_back(g.get());
-  std::map<std::string, uint64_t> before_bytes, before_calls;
-  double before_seconds = 0;
-  for (Communicator* c : all) {
-    before_seconds += c->stats.seconds;
-    for (auto& [k, b] : c->stats.bytes_sent) before_bytes[k] += b, before_calls[k] += c->stats.calls[k];
-  }
-  RankHooks hooks(comm, *mpi_groups_[0]);
-  rank.model->set_mesh(&hooks);
-  RankCtx ctx{rank, comm, *mpi_groups_[0], *mpi_groups_[1], *mpi_groups_[2], *mpi_groups_[3]};
-  body(ctx);
-  rank.model->set_mesh(nullptr);
-  // The communicators live on: add what this call sent.
-  std::map<std::string, uint64_t> after_bytes, after_calls;
-  double after_seconds = 0;
-  for (Communicator* c : all) {
-    after_seconds += c->stats.seconds;
-    for (auto& [k, b] : c->stats.bytes_sent) after_bytes[k] += b, after_calls[k] += c->stats.calls[k];
-  }
-  rank.comm.seconds += after_seconds - before_seconds;
-  for (auto& [k, b] : after_bytes) {
-    rank.comm.bytes_sent[k] += b - before_bytes[k];
-    rank.comm.calls[k] += after_calls[k] - before_calls[k];
-  }
 }
 
 namespace {

@@ -51,6 +51,12 @@ class ClusterTrainer : public Trainer {
     Communicator& replica;  // HSDP replicas of my shard
   };
   void each_rank(const std::function<void(RankCtx&)>& body);
+  // world's sub-groups, in RankCtx's order: ep, edp, shard, replica.
+  std::vector<std::unique_ptr<Communicator>> split_groups(Communicator& world) const;
+  // body on world.rank()'s rank; its communicators' traffic during the call
+  // is added to the rank's.
+  void run_rank(Communicator& world, const std::vector<std::unique_ptr<Communicator>>& groups,
+                const std::function<void(RankCtx&)>& body);
   std::pair<int64_t, int64_t> range(const Rank& r, size_t tensor) const;  // elements this rank owns
   // Where rank r keeps kind ("param", "adam_m", "adam_v") of tensor t's owned range.
   float* storage(Rank& r, size_t tensor, const std::string& kind) const;
@@ -63,7 +69,6 @@ class ClusterTrainer : public Trainer {
   std::vector<std::unique_ptr<Rank>> ranks_;  // under MPI only this process's rank is non-null
   Communicator* mpi_ = nullptr;
   std::vector<std::unique_ptr<Communicator>> mpi_groups_;  // ep, edp, shard, replica: split once
-  void each_rank_mpi(const std::function<void(RankCtx&)>& body);
   std::function<void(const char*, int)> phase_hook_;
 };
 
