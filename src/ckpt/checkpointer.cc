@@ -532,35 +532,6 @@ std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text) {
   return {text, -1};
 }
 
-std::vector<int64_t> committed_steps(ObjectStore& store) {
-  std::vector<int64_t> steps;
-  for (const std::string& key : with_retries([&] { return store.list("step-"); })) {
-    const int64_t s = step_of_manifest_key(key);
-    if (s >= 0) steps.push_back(s);
-  }
-  std::sort(steps.begin(), steps.end());
-  return steps;
-}
-
-Manifest read_manifest(ObjectStore& store, int64_t step) {
-  const std::vector<int64_t> steps = committed_steps(store);
-  if (steps.empty()) throw UserError("no committed checkpoint (no manifest) in " + store.url());
-  if (step < 0) step = steps.back();
-  if (std::find(steps.begin(), steps.end(), step) == steps.end())
-    throw UserError("no committed checkpoint of step " + std::to_string(step) + " in " + store.url());
-  const std::string key = manifest_key(step);
-  const std::vector<uint8_t> bytes = with_retries([&] { return store.get(key); });
-  const std::string origin = store.url() + "/" + key;
-  Manifest m = manifest_from_bytes(bytes, origin);
-  // Keys a manifest names are input like any other: refuse one that could
-  // leave the store's root or prefix before anything is read from it.
-  for (const ManifestObject& o : m.objects) {
-    const std::string why = object_key_problem(o.key);
-    if (!why.empty()) throw UserError(origin + ": corrupt manifest: bad object key " + quote_key(o.key) + ": " + why);
-  }
-  return m;
-}
-
 RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode,
                             Communicator* mpi) {
   if (mode != "broadcast" && mode != "naive")

@@ -37,7 +37,7 @@
 
 #include "ckpt/config.h"
 #include "ckpt/manifest.h"
-#include "runner/runner.h"
+#include "ckpt/trainer.h"
 #include "store/store.h"
 
 namespace ls {
@@ -160,10 +160,6 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
 // "URL@STEP" -> (URL, STEP); a URL without "@digits" -> (URL, -1): the latest.
 std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text);
 
-// Committed checkpoints under the store, oldest first: the manifests found.
-std::vector<int64_t> committed_steps(ObjectStore& store);
-// The manifest of `step` (-1: the latest committed), validated.
-Manifest read_manifest(ObjectStore& store, int64_t step);
 // Loads the manifest's state into every rank of the trainer. mpi: the
 // trainer holds this process's rank only; objects travel between processes
 // and store_bytes_read counts every process's reads. A failure is agreed:

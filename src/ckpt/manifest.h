@@ -15,6 +15,8 @@
 
 namespace ls {
 
+class ObjectStore;
+
 struct ManifestObject {
   std::string key;     // relative to the checkpoint root, e.g. "step-00000012/rank-00003.safetensors"
   uint64_t size;       // bytes
@@ -83,5 +85,10 @@ std::string shard_key(int64_t step, int rank);
 std::string manifest_key(int64_t step);
 // Parses exactly manifest_key(s) back to s ("step-00000012/manifest.json" -> 12); else -1.
 int64_t step_of_manifest_key(const std::string& key);
+
+// Committed checkpoints under the store, oldest first: the manifests found.
+std::vector<int64_t> committed_steps(ObjectStore& store);
+// The manifest of `step` (-1: the latest committed), validated.
+Manifest read_manifest(ObjectStore& store, int64_t step);
 
 }  // namespace ls

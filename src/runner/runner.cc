@@ -31,19 +31,6 @@
 
 namespace ls {
 
-void MeshReport::add(const MoeStats& st) {
-  rounds = std::max(rounds, st.rounds);
-  borrowed += st.borrowed;
-  dropped += st.dropped;
-  expert_gemm_calls += st.expert_gemm_calls;
-  all_to_all_calls += st.all_to_all_calls;
-  all_to_all_bytes += st.all_to_all_bytes;
-  peak_expert_bytes = std::max(peak_expert_bytes, st.peak_expert_bytes);
-  peak_dispatch_bytes = std::max(peak_dispatch_bytes, st.peak_dispatch_bytes);
-  peak_routed_bytes = std::max(peak_routed_bytes, st.peak_routed_bytes);
-  peak_grad_state_bytes = std::max(peak_grad_state_bytes, st.peak_grad_state_bytes);
-}
-
 Backend parse_backend(const std::string& name) {
   if (name == "engine") return Backend::kEngine;
   if (name == "reference") return Backend::kReference;
