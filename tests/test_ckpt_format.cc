@@ -27,14 +27,19 @@ namespace {
 
 const std::string kObj = "step-00000001/rank-00000.safetensors";
 
-// The message of the UserError `f` throws; "" (and a failed check) if none.
+// The message of the CorruptCheckpoint `f` throws (every malformed object or
+// manifest is one: a resume falls back on it); "" and a failed check if `f`
+// throws none, or another UserError.
 std::string user_error(const std::function<void()>& f) {
   try {
     f();
+  } catch (const ls::CorruptCheckpoint& e) {
+    return e.what();
   } catch (const ls::UserError& e) {
+    FAIL_CHECK("a UserError that is not a CorruptCheckpoint: " << e.what());
     return e.what();
   }
-  FAIL_CHECK("no ls::UserError thrown");
+  FAIL_CHECK("no ls::CorruptCheckpoint thrown");
   return "";
 }
 

@@ -23,7 +23,7 @@ namespace {
 using nlohmann::json;
 
 [[noreturn]] void fail(const std::string& origin, const std::string& field, const std::string& what) {
-  throw UserError(origin + ": manifest field '" + field + "': " + what);
+  throw CorruptCheckpoint(origin + ": manifest field '" + field + "': " + what);
 }
 
 // Checks that `j` is an object holding exactly `keys`.
@@ -169,7 +169,11 @@ nlohmann::json parse_manifest_json(const std::vector<uint8_t>& bytes, const std:
   JsonInputOptions jo;
   jo.max_bytes = kMaxManifestBytes;
   const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-  return parse_untrusted_json(text, origin + ": corrupt manifest", jo);
+  try {
+    return parse_untrusted_json(text, origin + ": corrupt manifest", jo);
+  } catch (const UserError& e) {
+    throw CorruptCheckpoint(e.what());
+  }
 }
 
 Manifest manifest_from_bytes(const std::vector<uint8_t>& bytes, const std::string& origin) {
@@ -292,7 +296,7 @@ Manifest read_manifest(ObjectStore& store, int64_t step) {
   // leave the store's root or prefix before anything is read from it.
   for (const ManifestObject& o : m.objects) {
     const std::string why = object_key_problem(o.key);
-    if (!why.empty()) throw UserError(origin + ": corrupt manifest: bad object key " + quote_key(o.key) + ": " + why);
+    if (!why.empty()) throw CorruptCheckpoint(origin + ": corrupt manifest: bad object key " + quote_key(o.key) + ": " + why);
   }
   return m;
 }

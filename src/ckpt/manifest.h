@@ -54,12 +54,12 @@ struct Manifest {
 };
 
 nlohmann::json manifest_to_json(const Manifest& m);
-// Throws ls::UserError naming `origin` and the field on anything malformed:
+// Throws ls::CorruptCheckpoint naming `origin` and the field on anything malformed:
 // missing or unknown field, wrong type, negative size, unknown format_version.
 // Structural consistency is validate_manifest's job.
 Manifest manifest_from_json(const nlohmann::json& j, const std::string& origin);
 // A manifest object's bytes as JSON, parsed under the untrusted-JSON limits
-// (common/json_input.h); UserError naming origin.
+// (common/json_input.h); CorruptCheckpoint naming origin.
 nlohmann::json parse_manifest_json(const std::vector<uint8_t>& bytes, const std::string& origin);
 // The same, decoded and validated (validate_manifest).
 Manifest manifest_from_bytes(const std::vector<uint8_t>& bytes, const std::string& origin);
@@ -70,7 +70,7 @@ constexpr size_t kMaxManifestBytes = size_t(64) << 20;
 // state hash prints.
 std::string xxh128_hex(const void* data, size_t n);
 
-// Checks the manifest's own consistency and throws ls::UserError naming
+// Checks the manifest's own consistency and throws ls::CorruptCheckpoint naming
 // `origin`: object keys unique with 32-hex digests, tensor names unique,
 // every piece's object listed, no stored tensor referenced twice, and the
 // pieces of each tensor cover [0, numel(global_shape)) exactly once.

@@ -461,10 +461,12 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     for (size_t c = 0; c < candidates.size(); ++c) {
       try {
         m = read_manifest(*from, candidates[c]);
-      } catch (const UserError& e) {
-        if (at >= 0) throw UserError(std::string("--resume: ") + e.what());  // the named checkpoint, or nothing
+      } catch (const CorruptCheckpoint& e) {
+        if (at >= 0) throw CorruptCheckpoint(std::string("--resume: ") + e.what());  // the named checkpoint, or nothing
         fall_back(c, candidates[c], e.what());  // a torn or corrupt manifest, as a corrupt shard
         continue;
+      } catch (const UserError& e) {
+        throw UserError(std::string("--resume: ") + e.what());  // an input mistake: no older checkpoint mends it
       }
       if (m.fingerprint != r.fingerprint) {
         const std::vector<std::string> diffs = numerics_differences(m.scenario, s.resolved);
@@ -511,7 +513,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
         rep = restore_state(*trainer, *from, m, s.ckpt.restore, procs);
         restored = true;
         break;
-      } catch (const UserError& e) {
+      } catch (const CorruptCheckpoint& e) {  // only bad bytes fall back; any other error stops the resume
         if (at >= 0) throw;  // the named checkpoint, or nothing
         fall_back(c, m.step, e.what());
       }
