@@ -15,6 +15,7 @@
 #include <functional>
 #include <sstream>
 
+#include "bits.h"
 #include "ckpt/manifest.h"
 #include "ckpt/safetensors.h"
 #include "common/error.h"
@@ -52,13 +53,6 @@ std::vector<uint8_t> raw_object(const std::string& header, size_t data_bytes) {
 
 std::string parse_error(const std::vector<uint8_t>& b) {
   return user_error([&] { ls::parse_safetensors(b.data(), b.size(), kObj); });
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (ls::bits(a[i]) != ls::bits(b[i])) return false;
-  return true;
 }
 
 fs::path tmp() {
@@ -113,7 +107,7 @@ TEST_CASE("safetensors round trip is bit-exact with scalars and empty tensors") 
     int64_t n = 1;
     for (int64_t d : s.shape) n *= d;
     CHECK(t->end - t->begin == (uint64_t)n * 4);
-    CHECK(same_bits(ls::read_tensor(b.data(), v, *t), std::vector<float>(s.data, s.data + n)));
+    CHECK_SAME_BITS(ls::read_tensor(b.data(), v, *t), std::vector<float>(s.data, s.data + n));
   }
   CHECK(v.find("param/absent") == nullptr);
   // Data is contiguous in name order.
