@@ -304,12 +304,14 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.scenario = s.name;
   r.backend = backend_name(opt.backend);
   r.level = s.level;
-  if (s.level == "local") r.local_gemm = ops::local::gemm_library();
+  // The scenario's string (the loader accepts portable or local), compared once.
+  const NumericsLevel level = s.level == "local" ? NumericsLevel::kLocal : NumericsLevel::kPortable;
+  if (level == NumericsLevel::kLocal) r.local_gemm = ops::local::gemm_library();
   // The level is process-wide (the ranks of an in-process mesh are threads of this run).
-  if (s.level == "local" && opt.backend == Backend::kReference)
+  if (level == NumericsLevel::kLocal && opt.backend == Backend::kReference)
     throw UserError("numerics.level=local: the reference is the contract's definition and runs portable only; use "
                     "the engine backend");
-  set_numerics_level(s.level == "local" ? NumericsLevel::kLocal : NumericsLevel::kPortable);
+  set_numerics_level(level);
   struct BackToDefaults {  // however the run ends: other work in this process is portable, on the engine's ops
     ~BackToDefaults() {
       set_numerics_level(NumericsLevel::kPortable);
@@ -319,14 +321,14 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     }
   } back_to_defaults;
   if (opt.backend == Backend::kCudaEmulated) {
-    if (s.level == "local")
+    if (level == NumericsLevel::kLocal)
       throw UserError("numerics.level=local: the emulated kernels are portable only (--backend cuda runs the local level with cuBLAS)");
     ops::set_op_hooks(&emu::kernel_hooks());
     ops::set_memory_hooks(&emu::registered_memory());  // and every launch checks its pointers lie in it
   }
   if (opt.backend == Backend::kCuda) {
     const cuda::Backend& gpu = open_cuda_backend();  // throws, saying why, without a usable GPU
-    ops::set_op_hooks(s.level == "local" ? gpu.local_hooks : gpu.hooks);  // local: cuBLAS GEMMs
+    ops::set_op_hooks(level == NumericsLevel::kLocal ? gpu.local_hooks : gpu.hooks);  // local: cuBLAS GEMMs
     ops::set_memory_hooks(gpu.memory);
     ops::set_memory_hooks(gpu.pinned, ops::MemoryKind::kStaging);
     r.device = gpu.device;
