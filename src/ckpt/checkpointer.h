@@ -129,8 +129,8 @@ class CheckpointWriter {
   std::exception_ptr error_;
   std::vector<std::thread> threads_;
   std::vector<SaveRecord> records_;
-  std::vector<std::vector<std::vector<StatePiece>>> spare_;
-  std::function<void(int64_t)> commit_hook_;  // staging buffers of finished uploads, for reuse
+  std::vector<std::vector<std::vector<StatePiece>>> spare_;  // staging buffers of finished uploads, for reuse
+  std::function<void(int64_t)> commit_hook_;
   std::function<void()> commit_guard_;
   std::string lease_job_;
   int64_t lease_generation_ = 0;

@@ -69,8 +69,8 @@ struct RunOptions {
     int step = 0;  // 1-based: applied just before this step's forward
   };
   std::vector<Bump> debug_bumps;        // --debug-bump PARAM[INDEX]@STEP: +1 ulp
-  bool memory_check = true;
-  bool profile_ops = false;  // --profile-ops: seconds per kind of op (common/op_profile.h) in the summary  // refuse a scenario whose memory estimate exceeds the available memory
+  bool memory_check = true;  // refuse a scenario whose memory estimate exceeds the available memory
+  bool profile_ops = false;  // --profile-ops: seconds per kind of op (common/op_profile.h) in the summary
 };
 
 struct EvalPoint {
