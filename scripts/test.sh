@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs dependencies, builds, and runs the whole test suite: the doctest
 # suites (unit, engine == reference, golden gate, CLI), the scenario-loader
-# tests again under ASan+UBSan, and the libFuzzer targets (fuzz/README.md):
-# every past finding replayed, then each target fuzzed briefly. Ends with one
+# tests again under ASan+UBSan, the libFuzzer targets (fuzz/README.md):
+# every past finding replayed, then each target fuzzed briefly, and the
+# include layering of src/, reference/ and kernels/ (tools/check-layering,
+# counted as one test). Ends with one
 # line: "N passed, N failed" (", N skipped" when a case could not run here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,15 +55,22 @@ meson test -C build-fuzz --print-errorlogs || status=1
 # crash that comes back is caught even where no reproducer was kept.
 rm -f build-fuzz/fuzz-ci.json
 tools/fuzz --seconds 10 --fresh --no-build --json build-fuzz/fuzz-ci.json || status=1
+# Includes go down the layers (the rule is in the script): one test.
+layering_rc=0
+python3 tools/check-layering || layering_rc=1
 
 # Count doctest cases across every meson test's log. (doctest's own "skipped"
 # counts the cases another suite's filter left out, not skips: not reported.)
 # A case that finds at run time it cannot run here (tests/test_two_hosts.cc:
 # no network namespaces) prints "lockstep-skip: WHY" and passes: a skip.
-python3 - build/meson-logs/testlog.json build-asan/meson-logs/testlog.json build-fuzz/meson-logs/testlog.json \
+LAYERING_RC=$layering_rc python3 - build/meson-logs/testlog.json build-asan/meson-logs/testlog.json build-fuzz/meson-logs/testlog.json \
   build-fuzz/fuzz-ci.json <<'PY'
 import json, os, re, sys
 passed = failed = skipped = 0
+if os.environ.get("LAYERING_RC") == "0":  # tools/check-layering
+    passed += 1
+else:
+    failed += 1
 for path in sys.argv[1:]:
     if path.endswith("fuzz-ci.json"):  # tools/fuzz: one result per target
         if not os.path.exists(path):

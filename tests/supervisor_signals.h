@@ -1,7 +1,7 @@
 // The check every launcher's signal test runs: a supervised job, stopped
 // through its supervisor by SIGINT, SIGTERM or SIGKILL once it has
 // committed a checkpoint, leaves no process, no scratch directory and no
-// commit after the signal behind (issue 25).
+// commit after the signal behind.
 #pragma once
 
 #include <doctest/doctest.h>

@@ -152,6 +152,45 @@ TEST_SUITE("checkpoint") {
     CHECK_THROWS_AS(run({}, fresh_dir("empty").string()), ls::UserError);
   }
 
+  TEST_CASE("resume falls back on a corrupt checkpoint only: an input mistake stops it at once") {
+    const fs::path dir = fresh_dir("mistake");
+    const ls::Scenario saver =
+        ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json", {"ckpt.url=" + dir.string(), "ckpt.every=2"});
+    ls::RunOptions opt;
+    opt.threads = 2;
+    opt.eval = false;
+    opt.steps = 4;
+    ls::run_scenario(saver, opt);  // commits steps 2 and 4 of 6
+    opt.steps = -1;
+    opt.resume = dir.string();
+    // An input mistake (one the loader refuses, made past it): not a reason
+    // to try the older checkpoint; the error is the mistake's own.
+    ls::Scenario s = ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json", {});
+    s.ckpt.restore = "bogus";
+    std::string what;
+    bool corrupt = false;
+    try {
+      ls::run_scenario(s, opt);
+    } catch (const ls::CorruptCheckpoint& e) {
+      corrupt = true;
+      what = e.what();
+    } catch (const ls::UserError& e) {
+      what = e.what();
+    }
+    CAPTURE(what);
+    CHECK_FALSE(corrupt);
+    CHECK(what.rfind("ckpt.restore: must be broadcast or naive", 0) == 0);  // not "no usable checkpoint (tried 2: ...)"
+    // An object the newest manifest names is missing: that checkpoint is
+    // corrupt, and the resume falls back to step 2.
+    fs::remove(dir / "step-00000004" / "rank-00000.safetensors");
+    s.ckpt.restore = "broadcast";
+    const ls::RunResult r = ls::run_scenario(s, opt);
+    CHECK(r.resumed_from == 2);
+    CHECK(r.restore.at("fallbacks").size() == 1);
+    CHECK_THROWS_WITH_AS(run({}, dir.string() + "@4"), doctest::Contains("missing"), ls::CorruptCheckpoint);
+    omp_set_num_threads(omp_get_num_procs());
+  }
+
   TEST_CASE("on the S3 server: save, resume on another mesh, read once, same hash") {
     if (access(lstest::S3rver::binary().c_str(), X_OK) != 0)
       FAIL("S3 test server missing at " << lstest::S3rver::binary() << ": run scripts/install-deps.sh");
@@ -229,6 +268,6 @@ TEST_SUITE("checkpoint") {
     std::tie(rc, text) = sh("ckpt verify " + dir.string() + "@3");
     CHECK(rc == 1);
     CHECK(text.find("BAD") != std::string::npos);
-    CHECK_THROWS_WITH_AS(run({}, dir.string() + "@3"), doctest::Contains("checksum mismatch"), ls::UserError);
+    CHECK_THROWS_WITH_AS(run({}, dir.string() + "@3"), doctest::Contains("checksum mismatch"), ls::CorruptCheckpoint);
   }
 }

@@ -15,6 +15,7 @@
 #include <functional>
 #include <sstream>
 
+#include "bits.h"
 #include "ckpt/manifest.h"
 #include "ckpt/safetensors.h"
 #include "common/error.h"
@@ -27,14 +28,19 @@ namespace {
 
 const std::string kObj = "step-00000001/rank-00000.safetensors";
 
-// The message of the UserError `f` throws; "" (and a failed check) if none.
+// The message of the CorruptCheckpoint `f` throws (every malformed object or
+// manifest is one: a resume falls back on it); "" and a failed check if `f`
+// throws none, or another UserError.
 std::string user_error(const std::function<void()>& f) {
   try {
     f();
+  } catch (const ls::CorruptCheckpoint& e) {
+    return e.what();
   } catch (const ls::UserError& e) {
+    FAIL_CHECK("a UserError that is not a CorruptCheckpoint: " << e.what());
     return e.what();
   }
-  FAIL_CHECK("no ls::UserError thrown");
+  FAIL_CHECK("no ls::CorruptCheckpoint thrown");
   return "";
 }
 
@@ -47,13 +53,6 @@ std::vector<uint8_t> raw_object(const std::string& header, size_t data_bytes) {
 
 std::string parse_error(const std::vector<uint8_t>& b) {
   return user_error([&] { ls::parse_safetensors(b.data(), b.size(), kObj); });
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (ls::bits(a[i]) != ls::bits(b[i])) return false;
-  return true;
 }
 
 fs::path tmp() {
@@ -108,7 +107,7 @@ TEST_CASE("safetensors round trip is bit-exact with scalars and empty tensors") 
     int64_t n = 1;
     for (int64_t d : s.shape) n *= d;
     CHECK(t->end - t->begin == (uint64_t)n * 4);
-    CHECK(same_bits(ls::read_tensor(b.data(), v, *t), std::vector<float>(s.data, s.data + n)));
+    CHECK_SAME_BITS(ls::read_tensor(b.data(), v, *t), std::vector<float>(s.data, s.data + n));
   }
   CHECK(v.find("param/absent") == nullptr);
   // Data is contiguous in name order.

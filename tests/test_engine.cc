@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "bits.h"
 #include "contract.h"
 #include "data/corpus.h"
 #include "ops.h"  // reference/ops.h
@@ -24,13 +25,6 @@ std::vector<float> random_vec(size_t n, uint64_t seed, float a = 1.0f) {
   std::vector<float> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = ls::random_symmetric(seed, ls::Purpose::kTest, i, a);
   return v;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (ls::bits(a[i]) != ls::bits(b[i])) return false;
-  return true;
 }
 
 ls::Scenario tiny_scenario(const std::string& overrides_json, std::vector<std::string> sets = {}) {
@@ -112,14 +106,14 @@ TEST_SUITE("engine") {
         rr[n] = ref::rmsnorm(&x[n * D], w.data(), &ry[n * D], D, 1e-5f);
         ref::rmsnorm_backward(&x[n * D], w.data(), rr[n], &dy[n * D], &rdx[n * D], D);
       }
-      CHECK(same_bits(y, ry));
-      CHECK(same_bits(r, rr));
-      CHECK(same_bits(dh, rdx));
+      CHECK_SAME_BITS(y, ry);
+      CHECK_SAME_BITS(r, rr);
+      CHECK_SAME_BITS(dh, rdx);
       // accumulate = true adds the same gradient to what dh holds.
       std::vector<float> acc = dy, want(N * D);
       ls::ops::rmsnorm_backward(x.data(), w.data(), r.data(), dy.data(), acc.data(), N, D, true);
       for (int i = 0; i < N * D; ++i) want[i] = dy[i] + rdx[i];
-      CHECK(same_bits(acc, want));
+      CHECK_SAME_BITS(acc, want);
     }
   }
 
@@ -164,8 +158,8 @@ TEST_SUITE("engine") {
       ls::ops::softmax_backward(p.data(), dp.data(), dz.data(), n);
       ref::softmax_backward(rp.data(), dp.data(), rdz.data(), n);
       CHECK(ls::bits(lse) == ls::bits(rlse));
-      CHECK(same_bits(p, rp));
-      CHECK(same_bits(dz, rdz));
+      CHECK_SAME_BITS(p, rp);
+      CHECK_SAME_BITS(dz, rdz);
     }
   }
 
@@ -355,7 +349,7 @@ TEST_SUITE("engine") {
             CAPTURE(in);
             CAPTURE(out);
             CAPTURE(leaves);
-            CHECK(same_bits(got, want));
+            CHECK_SAME_BITS(got, want);
           }
         }
       }
@@ -479,7 +473,7 @@ TEST_SUITE("engine") {
     for (int threads : {2, 3, 4}) {
       CAPTURE(threads);
       const Trace many = train(s, ls::Backend::kEngine, threads);
-      CHECK(same_bits(many.losses, one.losses));
+      CHECK_SAME_BITS(many.losses, one.losses);
       CHECK(many.hashes == one.hashes);
     }
     omp_set_num_threads(omp_get_num_procs());

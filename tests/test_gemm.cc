@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "bits.h"
 #include "numerics/contract.h"
 #include "ops/gemm.h"
 
@@ -53,10 +54,6 @@ void fill(std::vector<float>& v, uint64_t seed, bool specials) {
   }
 }
 
-bool same_bits(const std::vector<float>& x, const std::vector<float>& y) {
-  return x.size() == y.size() && memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
-}
-
 // A stored with row stride / column stride chosen by layout:
 // 0 row-major, 1 transposed (column-major), 2 padded rows, 3 neither stride 1.
 struct View {
@@ -94,7 +91,7 @@ void check_case(int64_t M, int64_t N, int64_t K, int la, int lb, bool accumulate
       INFO("M=" << M << " N=" << N << " K=" << K << " layoutA=" << la << " layoutB=" << lb
                 << " acc=" << accumulate << " threads=" << t
                 << " path=" << ls::ops::gemm_path_name());
-      CHECK(same_bits(got, want));
+      CHECK_SAME_BITS(got, want);
     }
   }
 }
@@ -213,7 +210,7 @@ TEST_SUITE("gemm") {
     std::vector<std::vector<float>> got(4, std::vector<float>(M * N));
 #pragma omp parallel for num_threads(4)
     for (int t = 0; t < 4; ++t) ls::ops::gemm(M, N, K, a.m, b.m, got[t].data(), N, false);
-    for (int t = 0; t < 4; ++t) CHECK(same_bits(got[t], want));
+    for (int t = 0; t < 4; ++t) CHECK_SAME_BITS(got[t], want);
   }
 
   TEST_CASE("order matters: the test can tell the fold from a blocked sum") {
@@ -230,7 +227,7 @@ TEST_SUITE("gemm") {
     std::vector<float> got(M * N), want(M * N), blocked(M * N);
     ls::ops::gemm(M, N, K, x.m, w.m, got.data(), N, false, 2);
     ls::ops::gemm_naive(M, N, K, x.m, w.m, want.data(), N, false);
-    CHECK(same_bits(got, want));
+    CHECK_SAME_BITS(got, want);
     int differ = 0;
     for (int64_t i = 0; i < M; ++i)
       for (int64_t j = 0; j < N; ++j) {

@@ -1,4 +1,4 @@
-// A harness that never reports what did not happen (issue 14): resumes that
+// A harness that never reports what did not happen: resumes that
 // really restore, options that reach supervised children, faults that must
 // fire, diffs and summaries that say what they saw.
 #include <doctest/doctest.h>

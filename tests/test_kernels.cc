@@ -15,6 +15,7 @@
 #include <random>
 #include <vector>
 
+#include "bits.h"
 #include "cli_run.h"
 #include "emu/backend.h"
 #include "emu/cuda_emu.h"
@@ -44,10 +45,6 @@ std::vector<float> random_floats(size_t n, uint64_t seed) {
   std::vector<float> v(n);
   for (float& x : v) x = d(rng);
   return v;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 // Each thread writes its index, waits at the barrier, then reads its
@@ -119,7 +116,7 @@ TEST_SUITE("kernels") {
               ls::kernels::contract_gemm(sh.M, sh.N, sh.K, ls::kernels::Mat{A.p, A.rs, A.cs},
                                          ls::kernels::Mat{B.p, B.rs, B.cs}, got.data(), sh.N, accumulate);
             }, os_threads);
-            CHECK(same_bits(got, want));
+            CHECK_SAME_BITS(got, want);
           }
         }
     }
@@ -134,7 +131,7 @@ TEST_SUITE("kernels") {
     ls::emu::run_grid(ls::kernels::contract_gemm_grid(M, N), ls::kernels::contract_gemm_block(), [&] {
       ls::kernels::contract_gemm(M, N, K, {a.data(), K, 1}, {b.data(), N, 1}, got.data(), N, false);
     });
-    CHECK(same_bits(got, want));
+    CHECK_SAME_BITS(got, want);
     CHECK(std::isinf(got[0]));
   }
 
@@ -152,8 +149,8 @@ TEST_SUITE("kernels") {
         ls::emu::run_grid(grid, dim3(block), [&] {
           ls::kernels::rmsnorm_forward(x.data(), w.data(), y.data(), r.data(), N, D, 1e-5f);
         });
-        CHECK(same_bits(y, y_want));
-        CHECK(same_bits(r, r_want));
+        CHECK_SAME_BITS(y, y_want);
+        CHECK_SAME_BITS(r, r_want);
       }
     }
   }
@@ -180,7 +177,7 @@ TEST_SUITE("kernels") {
           ls::kernels::weight_grad_leaves(X.data(), ldx, dY.data(), ldy, c.in, c.out, c.leaf_off.data(), leaves,
                                           got.data());
         });
-        CHECK(same_bits(got, want));
+        CHECK_SAME_BITS(got, want);
       }
     }
   }
@@ -196,10 +193,10 @@ TEST_SUITE("kernels") {
     ls::emu::run_grid(grid, dim3(128), [&] {
       ls::kernels::swiglu_backward(u.data(), v.data(), ks.data(), dact.data(), kdu.data(), kdv.data(), n);
     });
-    CHECK(same_bits(ks, s));
-    CHECK(same_bits(kact, act));
-    CHECK(same_bits(kdu, du));
-    CHECK(same_bits(kdv, dv));
+    CHECK_SAME_BITS(ks, s);
+    CHECK_SAME_BITS(kact, act);
+    CHECK_SAME_BITS(kdu, du);
+    CHECK_SAME_BITS(kdv, dv);
   }
 
   TEST_CASE("softmax-rows kernel: bit for bit ops::softmax_rows, log-sum-exp included") {
@@ -214,8 +211,8 @@ TEST_SUITE("kernels") {
       ls::emu::run_grid(dim3(3), dim3(16), [&] {
         ls::kernels::softmax_rows(z.data(), kp.data(), ld, rows, n, klse.data());
       });
-      CHECK(same_bits(kp, p));
-      CHECK(same_bits(klse, lse));
+      CHECK_SAME_BITS(kp, p);
+      CHECK_SAME_BITS(klse, lse);
     }
   }
 
@@ -260,10 +257,10 @@ TEST_SUITE("kernels") {
         ls::emu::run_grid(dim3((unsigned)((n + 255) / 256)), dim3(256), [&] {
           ls::kernels::adamw_step(kw.data(), kg.data(), km.data(), kv.data(), n, args);
         });
-        CHECK(same_bits(kw, w));
-        CHECK(same_bits(kg, g));
-        CHECK(same_bits(km, m));
-        CHECK(same_bits(kv, v));
+        CHECK_SAME_BITS(kw, w);
+        CHECK_SAME_BITS(kg, g);
+        CHECK_SAME_BITS(km, m);
+        CHECK_SAME_BITS(kv, v);
       }
   }
 
@@ -282,7 +279,7 @@ TEST_SUITE("kernels") {
         ls::emu::run_grid(dim3(2), dim3(32), [&] {
           ls::kernels::rmsnorm_backward(x.data(), w.data(), r.data(), dy.data(), got.data(), N, D, accumulate);
         });
-        CHECK(same_bits(got, want));
+        CHECK_SAME_BITS(got, want);
       }
       for (int64_t leaf_tokens : {int64_t{1}, int64_t{3}, int64_t{16}}) {
         CAPTURE(leaf_tokens);
@@ -291,7 +288,7 @@ TEST_SUITE("kernels") {
         ls::emu::run_grid(dim3((unsigned)((D + 7) / 8)), dim3(8), [&] {
           ls::kernels::rmsnorm_weight_grad(x.data(), r.data(), dy.data(), N, D, leaf_tokens, got.data());
         });
-        CHECK(same_bits(got, want));
+        CHECK_SAME_BITS(got, want);
       }
     }
   }
@@ -333,10 +330,10 @@ TEST_SUITE("kernels") {
               const float a = ls::ops::attention_prob(P.data(), S, t, u), b = kP[(size_t)ls::kernels::attn_index(S, t, u)];
               CHECK(std::memcmp(&a, &b, 4) == 0);
             }
-          CHECK(same_bits(ko, o));
-          CHECK(same_bits(kdq, dq));
-          CHECK(same_bits(kdk, dk));
-          CHECK(same_bits(kdv, dv));
+          CHECK_SAME_BITS(ko, o);
+          CHECK_SAME_BITS(kdq, dq);
+          CHECK_SAME_BITS(kdk, dk);
+          CHECK_SAME_BITS(kdv, dv);
         }
       }
     }
@@ -364,8 +361,8 @@ TEST_SUITE("kernels") {
       ls::emu::run_grid(grid, dim3(8), [&] {
         ls::kernels::attention_backward_heads_cols(qkv.data(), H, S, hd, kP.data(), kdS.data(), dO.data(), kdqkv.data());
       }, 1, false);
-      CHECK(same_bits(ko, o));
-      CHECK(same_bits(kdqkv, dqkv));  // dq, dk and dv of every head in place
+      CHECK_SAME_BITS(ko, o);
+      CHECK_SAME_BITS(kdqkv, dqkv);  // dq, dk and dv of every head in place
       int same_probs = 0;
       for (int bh = 0; bh < B * H; ++bh)
         for (int t = 0; t < S; ++t)
@@ -399,7 +396,7 @@ TEST_SUITE("kernels") {
       ls::emu::run_grid(dim3(2), dim3(32), [&] {
         ls::kernels::moe_combine(g.data(), E, sel.data(), K, row_of.data(), ye.data(), sh, residual.data(), got.data(), N, D);
       }, 1, false);
-      CHECK(same_bits(got, want));
+      CHECK_SAME_BITS(got, want);
     }
     std::vector<float> dg(N * E, 0.0f), dye(N * K * D), kdg(N * E, 0.0f), kdye(N * K * D);
     ls::ops::moe_combine_backward(dh.data(), g.data(), E, sel.data(), K, row_of.data(), ye.data(), dg.data(), dye.data(), N, D);
@@ -407,8 +404,8 @@ TEST_SUITE("kernels") {
       ls::kernels::moe_combine_backward(dh.data(), g.data(), E, sel.data(), K, row_of.data(), ye.data(), kdg.data(),
                                         kdye.data(), N, D);
     }, 1, false);
-    CHECK(same_bits(kdg, dg));
-    CHECK(same_bits(kdye, dye));
+    CHECK_SAME_BITS(kdg, dg);
+    CHECK_SAME_BITS(kdye, dye);
   }
 
   TEST_CASE("kernels against the reference's own ops (reference/ops.h), bit for bit: matmul, RMSNorm, softmax, weight gradients, attention") {
@@ -425,7 +422,7 @@ TEST_SUITE("kernels") {
     }, 1, true);
     for (int64_t n = 0; n < N; ++n)
       for (int j = 0; j < V; ++j) want[n * V + j] = ref::dot_col(&x[n * D], W.data(), V, j, D);
-    CHECK(same_bits(y, want));
+    CHECK_SAME_BITS(y, want);
     // RMSNorm and its backward, token by token.
     std::vector<float> yn(N * D), r(N), dx(N * D), yref(N * D), rref(N), dxref(N * D);
     ls::emu::run_grid(grid(N, 8), dim3(8), [&] { ls::kernels::rmsnorm_forward(x.data(), w.data(), yn.data(), r.data(), N, D, 1e-5f); }, 1, false);
@@ -436,9 +433,9 @@ TEST_SUITE("kernels") {
       rref[n] = ref::rmsnorm(&x[n * D], w.data(), &yref[n * D], D, 1e-5f);
       ref::rmsnorm_backward(&x[n * D], w.data(), rref[n], &dy[n * D], &dxref[n * D], D);
     }
-    CHECK(same_bits(yn, yref));
-    CHECK(same_bits(r, rref));
-    CHECK(same_bits(dx, dxref));
+    CHECK_SAME_BITS(yn, yref);
+    CHECK_SAME_BITS(r, rref);
+    CHECK_SAME_BITS(dx, dxref);
     // Softmax rows with log-sum-exp, and the backward.
     std::vector<float> p(N * V), lse(N), dz(N * V), pref(N * V), lseref(N), dzref(N * V);
     ls::emu::run_grid(grid(N, 16), dim3(16), [&] { ls::kernels::softmax_rows(y.data(), p.data(), V, (int)N, V, lse.data()); }, 1, false);
@@ -447,9 +444,9 @@ TEST_SUITE("kernels") {
       lseref[n] = ref::softmax(&y[n * V], &pref[n * V], V);
       ref::softmax_backward(&pref[n * V], &dY[n * V], &dzref[n * V], V);
     }
-    CHECK(same_bits(p, pref));
-    CHECK(same_bits(lse, lseref));
-    CHECK(same_bits(dz, dzref));
+    CHECK_SAME_BITS(p, pref);
+    CHECK_SAME_BITS(lse, lseref);
+    CHECK_SAME_BITS(dz, dzref);
     // dW = X^T dY over tokens: ref::token_reduce (leaf folds, the canonical tree).
     for (int64_t leaf : {int64_t{1}, int64_t{4}, int64_t{24}}) {
       CAPTURE(leaf);
@@ -464,7 +461,7 @@ TEST_SUITE("kernels") {
           dWref[i * V + j] = ref::token_reduce<float>(N, leaf, [&](int64_t n, float acc) {
             return ref::FMA(x[n * D + i], dY[n * V + j], acc);
           });
-      CHECK(same_bits(dW, dWref));
+      CHECK_SAME_BITS(dW, dWref);
     }
     // Causal attention of one head: the output and every probability.
     const std::vector<float> qkv = random_floats((size_t)(S * 3 * hd), 56);
@@ -476,7 +473,7 @@ TEST_SUITE("kernels") {
     }, 1, false);
     ref::attention_head(qkv.data(), qkv.data() + hd, qkv.data() + 2 * hd, (int64_t)3 * hd, S, hd, scale, Pref.data(),
                         oref.data(), (int64_t)hd);
-    CHECK(same_bits(o, oref));
+    CHECK_SAME_BITS(o, oref);
     int same_probs = 0;
     for (int t = 0; t < S; ++t)
       for (int u = 0; u <= t; ++u) {
@@ -508,35 +505,35 @@ TEST_SUITE("kernels") {
         std::vector<float> want(N * K * D, -1.0f), got(N * K * D, -1.0f);
         ls::ops::copy_rows(rows.data(), s, want.data(), d, N * K, D);
         run(N * K * D, [&] { ls::kernels::copy_rows(rows.data(), s, got.data(), d, N * K, D); });
-        CHECK(same_bits(got, want));
+        CHECK_SAME_BITS(got, want);
       }
       std::vector<float> want(N * D), got(N * D, 5.0f);
       ls::ops::slot_sum(rows.data(), row_of.data(), K, N, D, want.data());
       run(N * D, [&] { ls::kernels::slot_sum(rows.data(), row_of.data(), K, N, D, got.data()); });
-      CHECK(same_bits(got, want));
+      CHECK_SAME_BITS(got, want);
       ls::ops::add(a.data(), b.data(), want.data(), N * D);
       run(N * D, [&] { ls::kernels::add(a.data(), b.data(), got.data(), N * D); });
-      CHECK(same_bits(got, want));
+      CHECK_SAME_BITS(got, want);
       ls::ops::fill(want.data(), N * D, -0.0f);
       run(N * D, [&] { ls::kernels::fill(got.data(), N * D, -0.0f); });
-      CHECK(same_bits(got, want));
+      CHECK_SAME_BITS(got, want);
       // The router gradient: the aux term on some columns, then the z term.
       std::vector<float> dzw = dz0, dzk = dz0;
       ls::ops::add_row_vector(dzw.data(), N, E, E - 2, vec.data());
       run(N * (E - 2), [&] { ls::kernels::add_row_vector(dzk.data(), N, E, E - 2, vec.data()); });
-      CHECK(same_bits(dzk, dzw));
+      CHECK_SAME_BITS(dzk, dzw);
       CHECK(dzk[E - 1] == dz0[E - 1]);  // columns past `cols` untouched
       ls::ops::z_loss_grad(g.data(), lse.data(), N, E, 2.0f * 1e-3f, (float)(N * 4), dzw.data());
       run(N * E, [&] { ls::kernels::z_loss_grad(g.data(), lse.data(), N, E, 2.0f * 1e-3f, (float)(N * 4), dzk.data()); });
-      CHECK(same_bits(dzk, dzw));
-      CHECK(!same_bits(dzk, dz0));
+      CHECK_SAME_BITS(dzk, dzw);
+      CHECK(!lstest::same_bits(dzk, dz0));
       std::vector<float> u = random_floats((size_t)(N * D), 38), sg(N * D), v = random_floats((size_t)(N * D), 39),
                          act(N * D), pw(N * D), pk(N * D);
       ls::ops::swiglu(u.data(), v.data(), sg.data(), act.data(), N * D);
       ls::ops::swiglu_product(u.data(), sg.data(), v.data(), pw.data(), N * D);
       run(N * D, [&] { ls::kernels::swiglu_product(u.data(), sg.data(), v.data(), pk.data(), N * D); });
-      CHECK(same_bits(pk, pw));
-      CHECK(same_bits(pk, act));  // the forward's product, bit for bit
+      CHECK_SAME_BITS(pk, pw);
+      CHECK_SAME_BITS(pk, act);  // the forward's product, bit for bit
     }
   }
 
@@ -558,9 +555,9 @@ TEST_SUITE("kernels") {
       ls::emu::run_grid(dim3((unsigned)(((V + S) * D + 127) / 128)), dim3(128), [&] {
         ls::kernels::embedding_grad(tok.data(), dh.data(), N, S, D, V, leaf_tokens, leaves, kgt.data(), kgp.data());
       }, 2, false);
-      CHECK(same_bits(kh, h));
-      CHECK(same_bits(kgt, gt));
-      CHECK(same_bits(kgp, gp));
+      CHECK_SAME_BITS(kh, h);
+      CHECK_SAME_BITS(kgt, gt);
+      CHECK_SAME_BITS(kgp, gp);
     }
   }
 
@@ -577,7 +574,7 @@ TEST_SUITE("kernels") {
     ls::emu::run_grid(dim3(2), dim3(64), [&] {
       ls::kernels::token_losses(lse.data(), logits.data(), target.data(), N, V, kloss.data());
     }, 1, false);
-    CHECK(same_bits(kloss, loss));
+    CHECK_SAME_BITS(kloss, loss);
     for (float Ng : {96.0f, 128.0f, 1000.0f}) {  // a power of two takes the reciprocal path
       CAPTURE(Ng);
       std::vector<float> d(N * V), kd(N * V);
@@ -585,7 +582,7 @@ TEST_SUITE("kernels") {
       ls::emu::run_grid(dim3(2), dim3(64), [&] {
         ls::kernels::cross_entropy_grad(prob.data(), target.data(), N, V, Ng, kd.data());
       }, 1, false);
-      CHECK(same_bits(kd, d));
+      CHECK_SAME_BITS(kd, d);
     }
     for (int64_t leaf_tokens : {int64_t{1}, int64_t{8}, int64_t{96}}) {
       CAPTURE(leaf_tokens);
@@ -605,7 +602,7 @@ TEST_SUITE("kernels") {
       ls::emu::run_grid(dim3(1), dim3(16), [&] {
         ls::kernels::router_stats(g.data(), lse.data(), E, leaf_tokens, leaves, ksums.data());
       }, 1, false);
-      CHECK(same_bits(ksums, sums));
+      CHECK_SAME_BITS(ksums, sums);
     }
   }
 

@@ -1,4 +1,4 @@
-// One live job per checkpoint prefix (issue 25): the lease that a job takes
+// One live job per checkpoint prefix: the lease that a job takes
 // before its first save, renews while it runs and releases when it ends; a
 // second job refused while it is live; --resume waiting out a dead holder's;
 // and a job that lost it stopping without committing -- on file:// and S3.

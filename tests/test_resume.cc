@@ -1,4 +1,4 @@
-// Resume as a requeued job needs it (issue 25): a finished job reruns as a
+// Resume as a requeued job needs it: a finished job reruns as a
 // no-op, an explicit --resume never starts over silently, the fingerprint
 // covers the data file's bytes, bitrot rots the checkpoint its step names
 // and a job that leaves one rotten says so, a straggler's delay is timed.

@@ -961,7 +961,7 @@ TEST_SUITE("rgw") {
     CHECK_MESSAGE(text.find("HTTP 403 InvalidAccessKeyId") != std::string::npos, text);
     setenv("AWS_ACCESS_KEY_ID", rgw->access_key.c_str(), 1);
 
-    // A missing bucket: every operation says so, PUT included (it used to say "no such object").
+    // A missing bucket: every operation says so, PUT included (not "no such object").
     ls::StoreOptions o;
     o.s3_endpoint = rgw->endpoint;
     auto s = ls::open_store("s3://no-such-bucket-here/run", o);

@@ -1,4 +1,4 @@
-// Two hosts (issue 16 §6): the ranks of one `lockstep run` under mpirun on
+// Two hosts: the ranks of one `lockstep run` under mpirun on
 // two network namespaces joined by a veth pair, Open MPI held to TCP on that
 // link (tools/two-hosts), end on the single-process final_state_hash. Where
 // the machine cannot make namespaces the case says why and is counted as

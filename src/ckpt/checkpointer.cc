@@ -41,7 +41,8 @@ std::string message_of(std::exception_ptr error) {
 }  // namespace
 
 void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context) {
-  // kind (0 none, 1 UserError, 2 StoreError, 3 other, 4 LeaseLost, 5 transient StoreError), message bytes
+  // kind (0 none, 1 UserError, 2 StoreError, 3 other, 4 LeaseLost, 5 transient StoreError,
+  // 6 CorruptCheckpoint), message bytes
   uint64_t head[2] = {0, 0};
   std::string text;
   if (comm.rank() == root && error) {
@@ -49,6 +50,8 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
       std::rethrow_exception(error);
     } catch (const LeaseLost& e) {
       head[0] = 4, text = e.what();
+    } catch (const CorruptCheckpoint& e) {
+      head[0] = 6, text = e.what();
     } catch (const UserError& e) {
       head[0] = 1, text = e.what();
     } catch (const StoreError& e) {
@@ -64,6 +67,7 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
   comm.broadcast(text.data(), text.size(), root);
   if (comm.rank() == root) std::rethrow_exception(error);
   text = context + "rank " + std::to_string(root) + ": " + text;
+  if (head[0] == 6) throw CorruptCheckpoint(text);
   if (head[0] == 1) throw UserError(text);
   if (head[0] == 2 || head[0] == 5) throw StoreError(text, head[0] == 5);
   if (head[0] == 4) throw LeaseLost(text);
@@ -539,35 +543,6 @@ auto read_retrying(const std::optional<RetryPolicy>& retry, F f) -> decltype(f()
 }
 }  // namespace
 
-std::vector<int64_t> committed_steps(ObjectStore& store, const std::optional<RetryPolicy>& retry) {
-  std::vector<int64_t> steps;
-  for (const std::string& key : read_retrying(retry, [&] { return store.list("step-"); })) {
-    const int64_t s = step_of_manifest_key(key);
-    if (s >= 0) steps.push_back(s);
-  }
-  std::sort(steps.begin(), steps.end());
-  return steps;
-}
-
-Manifest read_manifest(ObjectStore& store, int64_t step, const std::optional<RetryPolicy>& retry) {
-  const std::vector<int64_t> steps = committed_steps(store, retry);
-  if (steps.empty()) throw UserError("no committed checkpoint (no manifest) in " + store.url());
-  if (step < 0) step = steps.back();
-  if (std::find(steps.begin(), steps.end(), step) == steps.end())
-    throw UserError("no committed checkpoint of step " + std::to_string(step) + " in " + store.url());
-  const std::string key = manifest_key(step);
-  const std::vector<uint8_t> bytes = read_retrying(retry, [&] { return store.get(key); });
-  const std::string origin = store.url() + "/" + key;
-  Manifest m = manifest_from_bytes(bytes, origin);
-  // Keys a manifest names are input like any other: refuse one that could
-  // leave the store's root or prefix before anything is read from it.
-  for (const ManifestObject& o : m.objects) {
-    const std::string why = object_key_problem(o.key);
-    if (!why.empty()) throw UserError(origin + ": corrupt manifest: bad object key " + quote_key(o.key) + ": " + why);
-  }
-  return m;
-}
-
 RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode,
                             Communicator* mpi, const std::optional<RetryPolicy>& retry) {
   if (mode != "broadcast" && mode != "naive")
@@ -596,9 +571,18 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
   }
   // Fetches and checks one object.
   auto fetch = [&](const ManifestObject& o) {
-    std::vector<uint8_t> bytes = read_retrying(retry, [&] { return store.get(o.key); });
+    std::vector<uint8_t> bytes;
+    try {
+      bytes = read_retrying(retry, [&] { return store.get(o.key); });
+    } catch (const StoreError& e) {
+      // Missing although the manifest names it: the checkpoint is incomplete.
+      // Any other store failure is the store's, not the checkpoint's.
+      if (e.transient || store.exists(o.key)) throw;
+      throw CorruptCheckpoint(store.url() + "/" + o.key + ": missing: the manifest of step " +
+                              std::to_string(m.step) + " names it (" + e.what() + ")");
+    }
     if (bytes.size() != o.size || xxh128_hex(bytes.data(), bytes.size()) != o.xxh128)
-      throw UserError(store.url() + "/" + o.key + ": checksum mismatch: the object is corrupt (manifest of step " +
+      throw CorruptCheckpoint(store.url() + "/" + o.key + ": checksum mismatch: the object is corrupt (manifest of step " +
                       std::to_string(m.step) + " says " + o.xxh128 + ", " + std::to_string(o.size) + " bytes)");
     return bytes;
   };
@@ -613,7 +597,7 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
       const std::string& name = it->second.first;
       const int64_t b = it->second.second.first, e = it->second.second.second;
       if ((int64_t)((st.end - st.begin) / 4) != e - b)
-        throw UserError(store.url() + "/" + o.key + ": stored tensor " + st.name + " holds " +
+        throw CorruptCheckpoint(store.url() + "/" + o.key + ": stored tensor " + st.name + " holds " +
                         std::to_string((st.end - st.begin) / 4) + " elements, the manifest says " +
                         std::to_string(e - b));
       for (size_t i = 0; i < needs[r].size(); ++i) {
@@ -667,17 +651,24 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
   };
   if (mpi) {
     // A rank that failed alone (naive mode reads on its own) must not leave
-    // the others waiting in the next collective: agree first.
+    // the others waiting in the next collective: agree first, on the kind
+    // too, so that every rank falls back (corrupt) or stops (anything else).
     std::exception_ptr error;
+    bool corrupt = false;
     try {
       body(*mpi);
+    } catch (const CorruptCheckpoint&) {
+      error = std::current_exception();
+      corrupt = true;
     } catch (...) {
       error = std::current_exception();
     }
-    int64_t failed = error ? 1 : 0;
-    mpi->all_reduce_sum(&failed, 1);
+    int64_t failed[2] = {error && corrupt ? 1 : 0, error && !corrupt ? 1 : 0};  // corrupt, other
+    mpi->all_reduce_sum(failed, 2);
     if (error) std::rethrow_exception(error);
-    if (failed) throw UserError(store.url() + ": restore of step " + std::to_string(m.step) + " failed on another rank");
+    const std::string elsewhere = store.url() + ": restore of step " + std::to_string(m.step) + " failed on another rank";
+    if (failed[1]) throw UserError(elsewhere);
+    if (failed[0]) throw CorruptCheckpoint(elsewhere + ": a corrupt object");
   } else {
     run_in_process(world, body);
   }
@@ -696,7 +687,7 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
       uncovered = store.url() + ": checkpoint of step " + std::to_string(m.step) + " does not cover what " +
                   std::to_string(bad) + " other rank(s) hold";
   }
-  if (!uncovered.empty()) throw UserError(uncovered);
+  if (!uncovered.empty()) throw CorruptCheckpoint(uncovered);  // the manifest's tensors lack state this model holds
   for (int r = 0; r < world; ++r)
     for (size_t i = 0; i < needs[r].size(); ++i) trainer.load_piece(r, needs[r][i], buffers[r][i].data());
   int64_t read = (int64_t)(store.metrics_snapshot().bytes_read - read_before);

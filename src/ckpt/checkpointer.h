@@ -38,7 +38,7 @@
 
 #include "ckpt/config.h"
 #include "ckpt/manifest.h"
-#include "runner/runner.h"
+#include "ckpt/trainer.h"
 #include "store/store.h"
 
 namespace ls {
@@ -130,8 +130,8 @@ class CheckpointWriter {
   std::exception_ptr error_;
   std::vector<std::thread> threads_;
   std::vector<SaveRecord> records_;
-  std::vector<std::vector<std::vector<StatePiece>>> spare_;
-  std::function<void(int64_t)> commit_hook_;  // staging buffers of finished uploads, for reuse
+  std::vector<std::vector<std::vector<StatePiece>>> spare_;  // staging buffers of finished uploads, for reuse
+  std::function<void(int64_t)> commit_hook_;
   std::function<void()> commit_guard_;
   std::string lease_job_;
   int64_t lease_generation_ = 0;
@@ -161,16 +161,6 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
 // "URL@STEP" -> (URL, STEP); a URL without "@digits" -> (URL, -1): the latest.
 std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text);
 
-// The reads below retry transient store errors for `retry`'s budget when
-// given (a resume rides out an outage as long as a save does:
-// ckpt.retry_seconds), else a few times in about half a second (the ckpt
-// tools, and a first contact, where a refused connection is likelier a
-// wrong endpoint than an outage).
-
-// Committed checkpoints under the store, oldest first: the manifests found.
-std::vector<int64_t> committed_steps(ObjectStore& store, const std::optional<RetryPolicy>& retry = std::nullopt);
-// The manifest of `step` (-1: the latest committed), validated.
-Manifest read_manifest(ObjectStore& store, int64_t step, const std::optional<RetryPolicy>& retry = std::nullopt);
 // Loads the manifest's state into every rank of the trainer. mpi: the
 // trainer holds this process's rank only; objects travel between processes
 // and store_bytes_read counts every process's reads. A failure is agreed:

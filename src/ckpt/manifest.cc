@@ -14,6 +14,7 @@
 
 #include "common/error.h"
 #include "common/json_input.h"
+#include "store/store.h"
 
 namespace ls {
 
@@ -22,7 +23,7 @@ namespace {
 using nlohmann::json;
 
 [[noreturn]] void fail(const std::string& origin, const std::string& field, const std::string& what) {
-  throw UserError(origin + ": manifest field '" + field + "': " + what);
+  throw CorruptCheckpoint(origin + ": manifest field '" + field + "': " + what);
 }
 
 // Checks that `j` is an object holding exactly `keys`.
@@ -168,7 +169,11 @@ nlohmann::json parse_manifest_json(const std::vector<uint8_t>& bytes, const std:
   JsonInputOptions jo;
   jo.max_bytes = kMaxManifestBytes;
   const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-  return parse_untrusted_json(text, origin + ": corrupt manifest", jo);
+  try {
+    return parse_untrusted_json(text, origin + ": corrupt manifest", jo);
+  } catch (const UserError& e) {
+    throw CorruptCheckpoint(e.what());
+  }
 }
 
 Manifest manifest_from_bytes(const std::vector<uint8_t>& bytes, const std::string& origin) {
@@ -265,6 +270,42 @@ int64_t step_of_manifest_key(const std::string& key) {
     return -1;
   const int64_t step = std::stoll(digits);
   return manifest_key(step) == key ? step : -1;  // only the canonical spelling
+}
+
+namespace {
+template <class F>
+auto read_retrying(const std::optional<RetryPolicy>& retry, F f) -> decltype(f()) {
+  return retry ? with_retry_budget(f, *retry) : with_retries(f);
+}
+}  // namespace
+
+std::vector<int64_t> committed_steps(ObjectStore& store, const std::optional<RetryPolicy>& retry) {
+  std::vector<int64_t> steps;
+  for (const std::string& key : read_retrying(retry, [&] { return store.list("step-"); })) {
+    const int64_t s = step_of_manifest_key(key);
+    if (s >= 0) steps.push_back(s);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+Manifest read_manifest(ObjectStore& store, int64_t step, const std::optional<RetryPolicy>& retry) {
+  const std::vector<int64_t> steps = committed_steps(store, retry);
+  if (steps.empty()) throw UserError("no committed checkpoint (no manifest) in " + store.url());
+  if (step < 0) step = steps.back();
+  if (std::find(steps.begin(), steps.end(), step) == steps.end())
+    throw UserError("no committed checkpoint of step " + std::to_string(step) + " in " + store.url());
+  const std::string key = manifest_key(step);
+  const std::vector<uint8_t> bytes = read_retrying(retry, [&] { return store.get(key); });
+  const std::string origin = store.url() + "/" + key;
+  Manifest m = manifest_from_bytes(bytes, origin);
+  // Keys a manifest names are input like any other: refuse one that could
+  // leave the store's root or prefix before anything is read from it.
+  for (const ManifestObject& o : m.objects) {
+    const std::string why = object_key_problem(o.key);
+    if (!why.empty()) throw CorruptCheckpoint(origin + ": corrupt manifest: bad object key " + quote_key(o.key) + ": " + why);
+  }
+  return m;
 }
 
 }  // namespace ls

@@ -8,12 +8,17 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "store/store.h"
+
 namespace ls {
+
+class ObjectStore;
 
 struct ManifestObject {
   std::string key;     // relative to the checkpoint root, e.g. "step-00000012/rank-00003.safetensors"
@@ -52,12 +57,12 @@ struct Manifest {
 };
 
 nlohmann::json manifest_to_json(const Manifest& m);
-// Throws ls::UserError naming `origin` and the field on anything malformed:
+// Throws ls::CorruptCheckpoint naming `origin` and the field on anything malformed:
 // missing or unknown field, wrong type, negative size, unknown format_version.
 // Structural consistency is validate_manifest's job.
 Manifest manifest_from_json(const nlohmann::json& j, const std::string& origin);
 // A manifest object's bytes as JSON, parsed under the untrusted-JSON limits
-// (common/json_input.h); UserError naming origin.
+// (common/json_input.h); CorruptCheckpoint naming origin.
 nlohmann::json parse_manifest_json(const std::vector<uint8_t>& bytes, const std::string& origin);
 // The same, decoded and validated (validate_manifest).
 Manifest manifest_from_bytes(const std::vector<uint8_t>& bytes, const std::string& origin);
@@ -68,7 +73,7 @@ constexpr size_t kMaxManifestBytes = size_t(64) << 20;
 // state hash prints.
 std::string xxh128_hex(const void* data, size_t n);
 
-// Checks the manifest's own consistency and throws ls::UserError naming
+// Checks the manifest's own consistency and throws ls::CorruptCheckpoint naming
 // `origin`: object keys unique with 32-hex digests, tensor names unique,
 // every piece's object listed, no stored tensor referenced twice, and the
 // pieces of each tensor cover [0, numel(global_shape)) exactly once.
@@ -83,5 +88,16 @@ std::string shard_key(int64_t step, int rank);
 std::string manifest_key(int64_t step);
 // Parses exactly manifest_key(s) back to s ("step-00000012/manifest.json" -> 12); else -1.
 int64_t step_of_manifest_key(const std::string& key);
+
+// The reads below retry transient store errors for `retry`'s budget when
+// given (a resume rides out an outage as long as a save does:
+// ckpt.retry_seconds), else a few times in about half a second (the ckpt
+// tools, and a first contact, where a refused connection is likelier a
+// wrong endpoint than an outage).
+
+// Committed checkpoints under the store, oldest first: the manifests found.
+std::vector<int64_t> committed_steps(ObjectStore& store, const std::optional<RetryPolicy>& retry = std::nullopt);
+// The manifest of `step` (-1: the latest committed), validated.
+Manifest read_manifest(ObjectStore& store, int64_t step, const std::optional<RetryPolicy>& retry = std::nullopt);
 
 }  // namespace ls

@@ -35,7 +35,7 @@ uint64_t numel_of(const std::vector<int64_t>& shape) {
 }
 
 [[noreturn]] void corrupt(const std::string& object, const std::string& what) {
-  throw UserError(object + ": corrupt safetensors object: " + what);
+  throw CorruptCheckpoint(object + ": corrupt safetensors object: " + what);
 }
 
 }  // namespace

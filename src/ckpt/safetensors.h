@@ -43,7 +43,7 @@ struct SafetensorsView {
 
 // Validates everything (header length within the object, JSON object,
 // dtype F32 only, shape matches byte size, offsets tile the data buffer
-// exactly with no gap, overlap or trailing bytes) and throws ls::UserError
+// exactly with no gap, overlap or trailing bytes) and throws ls::CorruptCheckpoint
 // naming `object_name` on any corruption.
 SafetensorsView parse_safetensors(const uint8_t* bytes, size_t n, const std::string& object_name);
 

@@ -25,7 +25,6 @@
 #include "common/error.h"
 #include "common/json_input.h"
 #include "common/text.h"
-#include "ops/gemm.h"
 #include "ckpt/checkpointer.h"
 #include "ckpt/gc.h"
 #include "ckpt/lease.h"

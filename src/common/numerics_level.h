@@ -22,6 +22,5 @@ inline std::atomic<int>& numerics_level_slot() {
 inline NumericsLevel numerics_level() { return (NumericsLevel)numerics_level_slot().load(std::memory_order_relaxed); }
 inline void set_numerics_level(NumericsLevel l) { numerics_level_slot().store((int)l, std::memory_order_relaxed); }
 inline bool local_numerics() { return numerics_level() == NumericsLevel::kLocal; }
-inline const char* numerics_level_name(NumericsLevel l) { return l == NumericsLevel::kLocal ? "local" : "portable"; }
 
 }  // namespace ls

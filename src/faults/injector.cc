@@ -10,7 +10,6 @@
 #include <sstream>
 #include <thread>
 
-#include "ckpt/checkpointer.h"
 #include "ckpt/manifest.h"
 
 namespace ls {

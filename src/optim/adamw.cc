@@ -48,8 +48,8 @@ void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float c
     ops::synchronize();  // the host may read the state next (hashes, checkpoints)
     return;
   }
-  // One loop over chunks of every slice: small tensors (norm gains, the
-  // router) no longer run alone between jobs.
+  // One loop over chunks of every slice, so that small tensors (norm gains,
+  // the router) share jobs with the large ones instead of running alone.
   constexpr int64_t kChunk = 4096;
   std::vector<std::pair<int, int64_t>> chunks;  // (slice, first element)
   for (size_t s = 0; s < slices.size(); ++s)

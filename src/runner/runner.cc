@@ -31,19 +31,6 @@
 
 namespace ls {
 
-void MeshReport::add(const MoeStats& st) {
-  rounds = std::max(rounds, st.rounds);
-  borrowed += st.borrowed;
-  dropped += st.dropped;
-  expert_gemm_calls += st.expert_gemm_calls;
-  all_to_all_calls += st.all_to_all_calls;
-  all_to_all_bytes += st.all_to_all_bytes;
-  peak_expert_bytes = std::max(peak_expert_bytes, st.peak_expert_bytes);
-  peak_dispatch_bytes = std::max(peak_dispatch_bytes, st.peak_dispatch_bytes);
-  peak_routed_bytes = std::max(peak_routed_bytes, st.peak_routed_bytes);
-  peak_grad_state_bytes = std::max(peak_grad_state_bytes, st.peak_grad_state_bytes);
-}
-
 Backend parse_backend(const std::string& name) {
   if (name == "engine") return Backend::kEngine;
   if (name == "reference") return Backend::kReference;
@@ -321,12 +308,14 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.scenario = s.name;
   r.backend = backend_name(opt.backend);
   r.level = s.level;
-  if (s.level == "local") r.local_gemm = ops::local::gemm_library();
+  // The scenario's string (the loader accepts portable or local), compared once.
+  const NumericsLevel level = s.level == "local" ? NumericsLevel::kLocal : NumericsLevel::kPortable;
+  if (level == NumericsLevel::kLocal) r.local_gemm = ops::local::gemm_library();
   // The level is process-wide (the ranks of an in-process mesh are threads of this run).
-  if (s.level == "local" && opt.backend == Backend::kReference)
+  if (level == NumericsLevel::kLocal && opt.backend == Backend::kReference)
     throw UserError("numerics.level=local: the reference is the contract's definition and runs portable only; use "
                     "the engine backend");
-  set_numerics_level(s.level == "local" ? NumericsLevel::kLocal : NumericsLevel::kPortable);
+  set_numerics_level(level);
   struct BackToDefaults {  // however the run ends: other work in this process is portable, on the engine's ops
     ~BackToDefaults() {
       set_numerics_level(NumericsLevel::kPortable);
@@ -336,14 +325,14 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     }
   } back_to_defaults;
   if (opt.backend == Backend::kCudaEmulated) {
-    if (s.level == "local")
+    if (level == NumericsLevel::kLocal)
       throw UserError("numerics.level=local: the emulated kernels are portable only (--backend cuda runs the local level with cuBLAS)");
     ops::set_op_hooks(&emu::kernel_hooks());
     ops::set_memory_hooks(&emu::registered_memory());  // and every launch checks its pointers lie in it
   }
   if (opt.backend == Backend::kCuda) {
     const cuda::Backend& gpu = open_cuda_backend();  // throws, saying why, without a usable GPU
-    ops::set_op_hooks(s.level == "local" ? gpu.local_hooks : gpu.hooks);  // local: cuBLAS GEMMs
+    ops::set_op_hooks(level == NumericsLevel::kLocal ? gpu.local_hooks : gpu.hooks);  // local: cuBLAS GEMMs
     ops::set_memory_hooks(gpu.memory);
     ops::set_memory_hooks(gpu.pinned, ops::MemoryKind::kStaging);
     r.device = gpu.device;
@@ -480,10 +469,12 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
     for (size_t c = 0; c < candidates.size(); ++c) {
       try {
         m = read_manifest(*from, candidates[c], read_retry);
-      } catch (const UserError& e) {
-        if (at >= 0) throw UserError(std::string("--resume: ") + e.what());  // the named checkpoint, or nothing
+      } catch (const CorruptCheckpoint& e) {
+        if (at >= 0) throw CorruptCheckpoint(std::string("--resume: ") + e.what());  // the named checkpoint, or nothing
         fall_back(c, candidates[c], e.what());  // a torn or corrupt manifest, as a corrupt shard
         continue;
+      } catch (const UserError& e) {
+        throw UserError(std::string("--resume: ") + e.what());  // an input mistake: no older checkpoint mends it
       }
       if (m.fingerprint != r.fingerprint) {
         const std::vector<std::string> diffs = numerics_differences(m.scenario, s.resolved);
@@ -530,7 +521,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
         rep = restore_state(*trainer, *from, m, s.ckpt.restore, procs, read_retry);
         restored = true;
         break;
-      } catch (const UserError& e) {
+      } catch (const CorruptCheckpoint& e) {  // only bad bytes fall back; any other error stops the resume
         if (at >= 0) throw;  // the named checkpoint, or nothing
         fall_back(c, m.step, e.what());
       }

@@ -1,0 +1,85 @@
+// The training backend as the checkpointer sees it: the Trainer interface
+// (model + optimizer, one or many ranks) and the StatePiece a save stages
+// and a restore delivers. The runner implements Trainer (runner/runner.cc,
+// runner/cluster_trainer.h); ckpt saves from it and restores into it. It
+// lives here, below runner, so that ckpt needs nothing from runner.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+#include "ops/device_memory.h"
+#include "trace/sink.h"
+
+namespace ls {
+
+// MoE schedule and mesh figures of the last training step.
+struct MeshReport {
+  // The last step's MoE execution (model.h's MoeStats): counts summed over
+  // ranks (rounds: the most), memory high-water marks of the largest rank.
+  int rounds = 0;
+  int64_t borrowed = 0, dropped = 0;                       // rows, summed over layers and ranks
+  int64_t expert_gemm_calls = 0, all_to_all_calls = 0, all_to_all_bytes = 0;
+  int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;  // per rank, the largest
+  int64_t peak_routed_bytes = 0, peak_grad_state_bytes = 0;
+  void add(const MoeStats& st) {  // one rank's step
+    rounds = std::max(rounds, st.rounds);
+    borrowed += st.borrowed;
+    dropped += st.dropped;
+    expert_gemm_calls += st.expert_gemm_calls;
+    all_to_all_calls += st.all_to_all_calls;
+    all_to_all_bytes += st.all_to_all_bytes;
+    peak_expert_bytes = std::max(peak_expert_bytes, st.peak_expert_bytes);
+    peak_dispatch_bytes = std::max(peak_dispatch_bytes, st.peak_dispatch_bytes);
+    peak_routed_bytes = std::max(peak_routed_bytes, st.peak_routed_bytes);
+    peak_grad_state_bytes = std::max(peak_grad_state_bytes, st.peak_grad_state_bytes);
+  }
+  std::map<std::string, uint64_t> bytes_sent_max;          // by collective kind, the busiest rank, all steps
+  double comm_seconds_max = 0;  // measured wall time inside collectives, the slowest rank, all steps
+};
+
+// A piece of training state: elements [global_begin, global_end) of the
+// flattened global tensor `name` ("param/<p>", "adam_m/<p>" or "adam_v/<p>").
+struct StatePiece {
+  std::string name;
+  std::vector<int64_t> global_shape;
+  int64_t global_begin = 0, global_end = 0;
+  ops::StagingVector<float> data;  // the staged copy (empty for a restore need); page-locked on the GPU
+};
+
+// One training backend: model + optimizer behind one interface.
+class Trainer {
+ public:
+  virtual ~Trainer() = default;
+  virtual float train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) = 0;
+  virtual float eval_loss(const uint8_t* tokens, int batch) = 0;
+  virtual std::string state_hash() const = 0;
+  virtual double train_flops_per_token() const = 0;
+  virtual std::vector<int64_t> tokens_per_expert() const { return {}; }
+  virtual void set_trace(TraceSink* sink) = 0;
+  // Debug only: the weight `param`[index] moves up by one ulp.
+  virtual void debug_bump_weight(const std::string& param, int64_t index) = 0;
+  virtual void set_debug_reorder_moe_norm(bool on) = 0;
+  virtual MeshReport mesh_report() const { return {}; }
+  // Checkpoints. Ranks of the (simulated) job; a single-rank trainer has one.
+  virtual int world() const { return 1; }
+  // Copies the state into per-rank pieces (the part of a save that blocks
+  // training); every global element is staged by exactly one rank. `out`
+  // may hold the buffers of an earlier save: they are reused, so a save
+  // touches no fresh memory.
+  virtual void stage_state(std::vector<std::vector<StatePiece>>& out) = 0;
+  // The global ranges rank `rank` holds (data empty): what a restore must
+  // deliver to it, whatever mesh the checkpoint was saved on.
+  virtual std::vector<StatePiece> state_needs(int rank) const = 0;
+  virtual void load_piece(int rank, const StatePiece& need, const float* data) = 0;
+  // Called with (phase, rank) as a training step enters "forward", "backward"
+  // and "optimizer" on a rank (fault injection triggers on it).
+  virtual void set_phase_hook(std::function<void(const char*, int)> hook) { (void)hook; }
+};
+
+}  // namespace ls
