@@ -66,9 +66,9 @@ void add_norm_backward(const Config& c, int64_t N, const std::vector<T>& x, cons
 
 // Assignments per expert over the step's (token, slot) pairs.
 template <class T>
-int64_t count_of(const typename Step<T>::Layer& A, int64_t NK, int e) {
+int64_t count_of(const typename Step<T>::Layer& acts, int64_t NK, int e) {
   int64_t count = 0;
-  for (int64_t i = 0; i < NK; ++i) count += A.sel[i] == e;
+  for (int64_t i = 0; i < NK; ++i) count += acts.sel[i] == e;
   return count;
 }
 
@@ -111,30 +111,30 @@ void attention_forward(Model<T>& m, Step<T>& st, int l, Losses<T>&) {
   const int S = c.seq_len, D = c.d_model, H = c.n_heads, hd = D / H, B = st.batch;
   const int64_t N = st.N;
   const T scale = T(1) / SQRT(T(hd));
-  typename Step<T>::Layer& A = st.layers[l];
+  typename Step<T>::Layer& acts = st.layers[l];
   const T *attn_norm = layer_param(m, l, "attn_norm").w.data(), *wqkv = layer_param(m, l, "wqkv").w.data(),
           *wo = layer_param(m, l, "wo").w.data();
-  A.a.resize(N * D);
-  A.r1.resize(N);
-  for (int64_t n = 0; n < N; ++n) A.r1[n] = rmsnorm(&A.x[n * D], attn_norm, &A.a[n * D], D, T(c.rms_eps));
-  trace(m, st, "fwd", l, "attn_norm", "out", A.a, {N, D});
-  A.qkv.resize(N * 3 * D);
+  acts.a.resize(N * D);
+  acts.r1.resize(N);
+  for (int64_t n = 0; n < N; ++n) acts.r1[n] = rmsnorm(&acts.x[n * D], attn_norm, &acts.a[n * D], D, T(c.rms_eps));
+  trace(m, st, "fwd", l, "attn_norm", "out", acts.a, {N, D});
+  acts.qkv.resize(N * 3 * D);
   for (int64_t n = 0; n < N; ++n)
-    for (int j = 0; j < 3 * D; ++j) A.qkv[n * 3 * D + j] = dot_col(&A.a[n * D], wqkv, 3 * D, j, D);
-  trace(m, st, "fwd", l, "qkv", "out", A.qkv, {N, 3 * D});
-  A.att.assign((size_t)B * H * S * S, T(0));
-  A.o.resize(N * D);
+    for (int j = 0; j < 3 * D; ++j) acts.qkv[n * 3 * D + j] = dot_col(&acts.a[n * D], wqkv, 3 * D, j, D);
+  trace(m, st, "fwd", l, "qkv", "out", acts.qkv, {N, 3 * D});
+  acts.att.assign((size_t)B * H * S * S, T(0));
+  acts.o.resize(N * D);
   for (int b = 0; b < B; ++b)
     for (int head = 0; head < H; ++head) {
-      const T* base = &A.qkv[(int64_t)b * S * 3 * D + head * hd];
-      attention_head(base, base + D, base + 2 * D, 3 * D, S, hd, scale, &A.att[((int64_t)b * H + head) * S * S],
-                     &A.o[(int64_t)b * S * D + head * hd], D);
+      const T* base = &acts.qkv[(int64_t)b * S * 3 * D + head * hd];
+      attention_head(base, base + D, base + 2 * D, 3 * D, S, hd, scale, &acts.att[((int64_t)b * H + head) * S * S],
+                     &acts.o[(int64_t)b * S * D + head * hd], D);
     }
-  trace(m, st, "fwd", l, "attention", "out", A.o, {N, D});
-  A.xm.resize(N * D);
+  trace(m, st, "fwd", l, "attention", "out", acts.o, {N, D});
+  acts.xm.resize(N * D);
   for (int64_t n = 0; n < N; ++n)
-    for (int j = 0; j < D; ++j) A.xm[n * D + j] = A.x[n * D + j] + dot_col(&A.o[n * D], wo, D, j, D);
-  trace(m, st, "fwd", l, "attn_residual", "h", A.xm, {N, D});
+    for (int j = 0; j < D; ++j) acts.xm[n * D + j] = acts.x[n * D + j] + dot_col(&acts.o[n * D], wo, D, j, D);
+  trace(m, st, "fwd", l, "attn_residual", "h", acts.xm, {N, D});
 }
 
 template <class T>
@@ -143,11 +143,11 @@ void attention_backward(Model<T>& m, Step<T>& st, int l) {
   const int S = c.seq_len, D = c.d_model, H = c.n_heads, hd = D / H, B = st.batch;
   const int64_t N = st.N;
   const T scale = T(1) / SQRT(T(hd));
-  typename Step<T>::Layer& A = st.layers[l];
+  typename Step<T>::Layer& acts = st.layers[l];
   const T *attn_norm = layer_param(m, l, "attn_norm").w.data(), *wqkv = layer_param(m, l, "wqkv").w.data(),
           *wo = layer_param(m, l, "wo").w.data();
   std::vector<T>& dh = st.dh;
-  weight_grad(c, N, layer_param(m, l, "wo").g.data(), A.o, D, dh, D, D, D);
+  weight_grad(c, N, layer_param(m, l, "wo").g.data(), acts.o, D, dh, D, D, D);
   std::vector<T> dO(N * D), dqkv(N * 3 * D, T(0));
   for (int64_t n = 0; n < N; ++n)
     for (int i = 0; i < D; ++i) {
@@ -157,14 +157,14 @@ void attention_backward(Model<T>& m, Step<T>& st, int l) {
     }
   for (int b = 0; b < B; ++b)
     for (int head = 0; head < H; ++head) {
-      const T* base = &A.qkv[(int64_t)b * S * 3 * D + head * hd];
+      const T* base = &acts.qkv[(int64_t)b * S * 3 * D + head * hd];
       T* dbase = &dqkv[(int64_t)b * S * 3 * D + head * hd];
       attention_head_backward(base, base + D, base + 2 * D, 3 * D, S, hd, scale,
-                              &A.att[((int64_t)b * H + head) * S * S], &dO[(int64_t)b * S * D + head * hd], D, dbase,
+                              &acts.att[((int64_t)b * H + head) * S * S], &dO[(int64_t)b * S * D + head * hd], D, dbase,
                               dbase + D, dbase + 2 * D, 3 * D);
     }
   trace(m, st, "bwd", l, "attention", "dqkv", dqkv, {N, 3 * D});
-  weight_grad(c, N, layer_param(m, l, "wqkv").g.data(), A.a, D, dqkv, 3 * D, D, 3 * D);
+  weight_grad(c, N, layer_param(m, l, "wqkv").g.data(), acts.a, D, dqkv, 3 * D, D, 3 * D);
   std::vector<T> da(N * D);
   for (int64_t n = 0; n < N; ++n)
     for (int i = 0; i < D; ++i) {
@@ -172,8 +172,8 @@ void attention_backward(Model<T>& m, Step<T>& st, int l) {
       for (int j = 0; j < 3 * D; ++j) acc = FMA(dqkv[n * 3 * D + j], wqkv[(int64_t)i * 3 * D + j], acc);
       da[n * D + i] = acc;
     }
-  norm_grad(c, N, layer_param(m, l, "attn_norm").g.data(), A.x, A.r1, da);
-  add_norm_backward(c, N, A.x, attn_norm, A.r1, da, dh);
+  norm_grad(c, N, layer_param(m, l, "attn_norm").g.data(), acts.x, acts.r1, da);
+  add_norm_backward(c, N, acts.x, attn_norm, acts.r1, da, dh);
   trace(m, st, "bwd", l, "attn_norm", "dh", dh, {N, D});
 }
 
@@ -183,34 +183,34 @@ void moe_routing_forward(Model<T>& m, Step<T>& st, int l, Losses<T>&) {
   const Config& c = m.cfg;
   const int D = c.d_model, E = c.experts, K = c.top_k;
   const int64_t N = st.N;
-  typename Step<T>::Layer& A = st.layers[l];
+  typename Step<T>::Layer& acts = st.layers[l];
   const T *moe_norm = layer_param(m, l, "moe_norm").w.data(), *router = layer_param(m, l, "router").w.data();
-  A.a2.resize(N * D);
-  A.r2.resize(N);
-  for (int64_t n = 0; n < N; ++n) A.r2[n] = rmsnorm(&A.xm[n * D], moe_norm, &A.a2[n * D], D, T(c.rms_eps));
-  trace(m, st, "fwd", l, "moe_norm", "out", A.a2, {N, D});
-  A.z.resize(N * E);
-  A.g.resize(N * E);
-  A.lse.resize(N);
-  A.sel.resize(N * K);
+  acts.a2.resize(N * D);
+  acts.r2.resize(N);
+  for (int64_t n = 0; n < N; ++n) acts.r2[n] = rmsnorm(&acts.xm[n * D], moe_norm, &acts.a2[n * D], D, T(c.rms_eps));
+  trace(m, st, "fwd", l, "moe_norm", "out", acts.a2, {N, D});
+  acts.z.resize(N * E);
+  acts.g.resize(N * E);
+  acts.lse.resize(N);
+  acts.sel.resize(N * K);
   for (int64_t n = 0; n < N; ++n) {
-    for (int e = 0; e < E; ++e) A.z[n * E + e] = dot_col(&A.a2[n * D], router, E, e, D);
+    for (int e = 0; e < E; ++e) acts.z[n * E + e] = dot_col(&acts.a2[n * D], router, E, e, D);
     // A fixed preference for the first max(1, E/4) experts (skewed routing).
     if (c.router_skew != 0)
-      for (int e = 0; e < std::max(1, E / 4); ++e) A.z[n * E + e] = A.z[n * E + e] + T(c.router_skew);
-    A.lse[n] = softmax(&A.z[n * E], &A.g[n * E], E);
+      for (int e = 0; e < std::max(1, E / 4); ++e) acts.z[n * E + e] = acts.z[n * E + e] + T(c.router_skew);
+    acts.lse[n] = softmax(&acts.z[n * E], &acts.g[n * E], E);
     // Top-k by gate probability; ties go to the lowest expert index.
     std::vector<bool> taken(E, false);
     for (int s = 0; s < K; ++s) {
       int best = -1;
       for (int e = 0; e < E; ++e)
-        if (!taken[e] && (best < 0 || A.g[n * E + e] > A.g[n * E + best])) best = e;
+        if (!taken[e] && (best < 0 || acts.g[n * E + e] > acts.g[n * E + best])) best = e;
       taken[best] = true;
-      A.sel[n * K + s] = best;
+      acts.sel[n * K + s] = best;
     }
   }
-  trace(m, st, "fwd", l, "router", "logits", A.z, {N, E});
-  trace(m, st, "fwd", l, "router", "gates", A.g, {N, E});
+  trace(m, st, "fwd", l, "router", "logits", acts.z, {N, E});
+  trace(m, st, "fwd", l, "router", "gates", acts.g, {N, E});
 }
 
 // Router: dg from the combine, plus the aux-loss term (counts are
@@ -220,21 +220,21 @@ void moe_routing_backward(Model<T>& m, Step<T>& st, int l) {
   const Config& c = m.cfg;
   const int D = c.d_model, E = c.experts, K = c.top_k;
   const int64_t N = st.N;
-  typename Step<T>::Layer& A = st.layers[l];
+  typename Step<T>::Layer& acts = st.layers[l];
   const T *moe_norm = layer_param(m, l, "moe_norm").w.data(), *router = layer_param(m, l, "router").w.data();
   std::vector<T> auxc(E), dz(N * E);
   for (int e = 0; e < E; ++e) {
-    T f = T(count_of<T>(A, N * K, e)) / T(N * K);
+    T f = T(count_of<T>(acts, N * K, e)) / T(N * K);
     auxc[e] = ((T(c.aux_loss_weight) * T(E)) * f) / T(N);
   }
   for (int64_t n = 0; n < N; ++n) {
     for (int e = 0; e < E; ++e) st.dg[n * E + e] = st.dg[n * E + e] + auxc[e];
-    softmax_backward(&A.g[n * E], &st.dg[n * E], &dz[n * E], E);
-    T zc = ((T(c.z_loss_weight) * T(2)) * A.lse[n]) / T(N);
-    for (int e = 0; e < E; ++e) dz[n * E + e] = dz[n * E + e] + zc * A.g[n * E + e];
+    softmax_backward(&acts.g[n * E], &st.dg[n * E], &dz[n * E], E);
+    T zc = ((T(c.z_loss_weight) * T(2)) * acts.lse[n]) / T(N);
+    for (int e = 0; e < E; ++e) dz[n * E + e] = dz[n * E + e] + zc * acts.g[n * E + e];
   }
   trace(m, st, "bwd", l, "router", "dz", dz, {N, E});
-  weight_grad(c, N, layer_param(m, l, "router").g.data(), A.a2, D, dz, E, D, E);
+  weight_grad(c, N, layer_param(m, l, "router").g.data(), acts.a2, D, dz, E, D, E);
   std::vector<T>& da2 = st.da2;
   for (int64_t n = 0; n < N; ++n)
     for (int i = 0; i < D; ++i) {
@@ -242,8 +242,8 @@ void moe_routing_backward(Model<T>& m, Step<T>& st, int l) {
       for (int e = 0; e < E; ++e) acc = FMA(dz[n * E + e], router[(int64_t)i * E + e], acc);
       da2[n * D + i] = da2[n * D + i] + acc;
     }
-  norm_grad(c, N, layer_param(m, l, "moe_norm").g.data(), A.xm, A.r2, da2);
-  add_norm_backward(c, N, A.xm, moe_norm, A.r2, da2, st.dh);
+  norm_grad(c, N, layer_param(m, l, "moe_norm").g.data(), acts.xm, acts.r2, da2);
+  add_norm_backward(c, N, acts.xm, moe_norm, acts.r2, da2, st.dh);
   trace(m, st, "bwd", l, "moe_norm", "dh", st.dh, {N, D});
 }
 
@@ -252,10 +252,10 @@ void moe_routing_backward(Model<T>& m, Step<T>& st, int l) {
 template <class T>
 void moe_dispatch_forward(Model<T>& m, Step<T>& st, int l, Losses<T>&) {
   const int D = m.cfg.d_model, K = m.cfg.top_k;
-  typename Step<T>::Layer& A = st.layers[l];
-  A.xe.resize(st.N * K * D);
+  typename Step<T>::Layer& acts = st.layers[l];
+  acts.xe.resize(st.N * K * D);
   for (int64_t n = 0; n < st.N; ++n)
-    for (int s = 0; s < K; ++s) std::copy(&A.a2[n * D], &A.a2[n * D] + D, &A.xe[(n * K + s) * D]);
+    for (int s = 0; s < K; ++s) std::copy(&acts.a2[n * D], &acts.a2[n * D] + D, &acts.xe[(n * K + s) * D]);
 }
 
 // da2 = (sum over slots, in slot order, from +0) + the shared expert's
@@ -269,7 +269,7 @@ void moe_dispatch_backward(Model<T>& m, Step<T>& st, int) {
     for (int s = 0; s < K; ++s)
       for (int i = 0; i < D; ++i) st.da2[n * D + i] = st.da2[n * D + i] + st.dxe[(n * K + s) * D + i];
   if (m.cfg.shared_expert)
-    for (int64_t n = 0; n < N * D; ++n) st.da2[n] = st.da2[n] + st.sdx[n];
+    for (int64_t n = 0; n < N * D; ++n) st.da2[n] = st.da2[n] + st.shared_dx[n];
 }
 
 // -------------------------------------------------------------- moe_experts
@@ -278,19 +278,19 @@ void moe_experts_forward(Model<T>& m, Step<T>& st, int l, Losses<T>&) {
   const Config& c = m.cfg;
   const int D = c.d_model, F = c.d_ff, K = c.top_k;
   const int64_t N = st.N;
-  typename Step<T>::Layer& A = st.layers[l];
+  typename Step<T>::Layer& acts = st.layers[l];
   Param<T>&W1 = layer_param(m, l, "experts.w1"), &W3 = layer_param(m, l, "experts.w3"),
   &W2 = layer_param(m, l, "experts.w2");
-  A.u.resize(N * K * F);
-  A.v.resize(N * K * F);
-  A.act.resize(N * K * F);
-  A.ye.resize(N * K * D);
+  acts.u.resize(N * K * F);
+  acts.v.resize(N * K * F);
+  acts.act.resize(N * K * F);
+  acts.ye.resize(N * K * D);
   for (int64_t ns = 0; ns < N * K; ++ns) {
-    const int e = A.sel[ns];
-    expert_forward(&A.xe[ns * D], &W1.w[(int64_t)e * D * F], &W3.w[(int64_t)e * D * F], &W2.w[(int64_t)e * F * D], D,
-                   F, &A.u[ns * F], &A.v[ns * F], &A.act[ns * F], &A.ye[ns * D]);
+    const int e = acts.sel[ns];
+    expert_forward(&acts.xe[ns * D], &W1.w[(int64_t)e * D * F], &W3.w[(int64_t)e * D * F], &W2.w[(int64_t)e * F * D], D,
+                   F, &acts.u[ns * F], &acts.v[ns * F], &acts.act[ns * F], &acts.ye[ns * D]);
   }
-  trace(m, st, "fwd", l, "moe.experts", "out", A.ye, {N, K, D});
+  trace(m, st, "fwd", l, "moe.experts", "out", acts.ye, {N, K, D});
 }
 
 // dye -> dxe per (token, slot); the expert weight gradients are token
@@ -300,21 +300,21 @@ void moe_experts_backward(Model<T>& m, Step<T>& st, int l) {
   const Config& c = m.cfg;
   const int D = c.d_model, F = c.d_ff, K = c.top_k, E = c.experts;
   const int64_t N = st.N, leaf = (int64_t)c.leaf_samples * c.seq_len;
-  typename Step<T>::Layer& A = st.layers[l];
+  typename Step<T>::Layer& acts = st.layers[l];
   Param<T>&W1 = layer_param(m, l, "experts.w1"), &W3 = layer_param(m, l, "experts.w3"),
   &W2 = layer_param(m, l, "experts.w2");
   std::vector<T> du(N * K * F), dv(N * K * F);
   st.dxe.resize(N * K * D);
   for (int64_t ns = 0; ns < N * K; ++ns) {
-    const int e = A.sel[ns];
-    expert_backward(&A.u[ns * F], &A.v[ns * F], &W1.w[(int64_t)e * D * F], &W3.w[(int64_t)e * D * F],
+    const int e = acts.sel[ns];
+    expert_backward(&acts.u[ns * F], &acts.v[ns * F], &W1.w[(int64_t)e * D * F], &W3.w[(int64_t)e * D * F],
                     &W2.w[(int64_t)e * F * D], &st.dye[ns * D], D, F, &du[ns * F], &dv[ns * F], &st.dxe[ns * D]);
   }
   trace(m, st, "bwd", l, "moe.experts", "dx", st.dxe, {N, K, D});
   for (int e = 0; e < E; ++e) {
     auto slot_of = [&](int64_t n) {
       for (int s = 0; s < K; ++s)
-        if (A.sel[n * K + s] == e) return s;
+        if (acts.sel[n * K + s] == e) return s;
       return -1;
     };
     auto reduce_routed = [&](auto term) {
@@ -326,14 +326,14 @@ void moe_experts_backward(Model<T>& m, Step<T>& st, int l) {
     for (int i = 0; i < D; ++i)
       for (int f = 0; f < F; ++f) {
         W1.g[((int64_t)e * D + i) * F + f] =
-            reduce_routed([&](int64_t ns, T acc) { return FMA(A.xe[ns * D + i], du[ns * F + f], acc); });
+            reduce_routed([&](int64_t ns, T acc) { return FMA(acts.xe[ns * D + i], du[ns * F + f], acc); });
         W3.g[((int64_t)e * D + i) * F + f] =
-            reduce_routed([&](int64_t ns, T acc) { return FMA(A.xe[ns * D + i], dv[ns * F + f], acc); });
+            reduce_routed([&](int64_t ns, T acc) { return FMA(acts.xe[ns * D + i], dv[ns * F + f], acc); });
       }
     for (int f = 0; f < F; ++f)
       for (int j = 0; j < D; ++j)
         W2.g[((int64_t)e * F + f) * D + j] =
-            reduce_routed([&](int64_t ns, T acc) { return FMA(A.act[ns * F + f], st.dye[ns * D + j], acc); });
+            reduce_routed([&](int64_t ns, T acc) { return FMA(acts.act[ns * F + f], st.dye[ns * D + j], acc); });
   }
 }
 
@@ -343,16 +343,16 @@ void moe_combine_forward(Model<T>& m, Step<T>& st, int l, Losses<T>& losses) {
   const Config& c = m.cfg;
   const int D = c.d_model, F = c.d_ff, E = c.experts, K = c.top_k;
   const int64_t N = st.N, leaf = (int64_t)c.leaf_samples * c.seq_len;
-  typename Step<T>::Layer& A = st.layers[l];
+  typename Step<T>::Layer& acts = st.layers[l];
   if (c.shared_expert) {
-    A.su.resize(N * F);
-    A.sv.resize(N * F);
-    A.sact.resize(N * F);
-    A.ysh.resize(N * D);
+    acts.shared_u.resize(N * F);
+    acts.shared_v.resize(N * F);
+    acts.shared_act.resize(N * F);
+    acts.shared_out.resize(N * D);
     const T *s1 = layer_param(m, l, "shared.w1").w.data(), *s3 = layer_param(m, l, "shared.w3").w.data(),
             *s2 = layer_param(m, l, "shared.w2").w.data();
     for (int64_t n = 0; n < N; ++n)
-      expert_forward(&A.a2[n * D], s1, s3, s2, D, F, &A.su[n * F], &A.sv[n * F], &A.sact[n * F], &A.ysh[n * D]);
+      expert_forward(&acts.a2[n * D], s1, s3, s2, D, F, &acts.shared_u[n * F], &acts.shared_v[n * F], &acts.shared_act[n * F], &acts.shared_out[n * D]);
   }
   // out = fold over slots of fma(gate, y_slot, out) from +0, then + shared; h = residual + out.
   std::vector<T>& h = layer_output(st, l);
@@ -360,24 +360,24 @@ void moe_combine_forward(Model<T>& m, Step<T>& st, int l, Losses<T>& losses) {
   for (int64_t n = 0; n < N; ++n)
     for (int j = 0; j < D; ++j) {
       T out = 0;
-      for (int s = 0; s < K; ++s) out = FMA(A.g[n * E + A.sel[n * K + s]], A.ye[(n * K + s) * D + j], out);
-      if (c.shared_expert) out = out + A.ysh[n * D + j];
-      h[n * D + j] = A.xm[n * D + j] + out;
+      for (int s = 0; s < K; ++s) out = FMA(acts.g[n * E + acts.sel[n * K + s]], acts.ye[(n * K + s) * D + j], out);
+      if (c.shared_expert) out = out + acts.shared_out[n * D + j];
+      h[n * D + j] = acts.xm[n * D + j] + out;
     }
   trace(m, st, "fwd", l, "moe.combine", "h", h, {N, D});
   // Switch load balancing: aux = E * sum_e f_e * P_e, f_e = count_e / (N K),
   // P_e = mean over tokens of g_e (a token reduction).
   T dot = 0;  // reduces over the expert index e
   for (int e = 0; e < E; ++e) {
-    T f = T(count_of<T>(A, N * K, e)) / T(N * K);
-    T Pe = token_reduce<T>(N, leaf, [&](int64_t n, T acc) { return acc + A.g[n * E + e]; }) / T(N);
+    T f = T(count_of<T>(acts, N * K, e)) / T(N * K);
+    T Pe = token_reduce<T>(N, leaf, [&](int64_t n, T acc) { return acc + acts.g[n * E + e]; }) / T(N);
     dot = FMA(f, Pe, dot);
   }
-  A.aux = T(E) * dot;
+  acts.aux = T(E) * dot;
   // z-loss: mean over tokens of lse^2 (a token reduction).
-  A.zl = token_reduce<T>(N, leaf, [&](int64_t n, T acc) { return FMA(A.lse[n], A.lse[n], acc); }) / T(N);
-  losses.aux = losses.aux + A.aux;  // the step's sums fold layer by layer
-  losses.z = losses.z + A.zl;
+  acts.zl = token_reduce<T>(N, leaf, [&](int64_t n, T acc) { return FMA(acts.lse[n], acts.lse[n], acc); }) / T(N);
+  losses.aux = losses.aux + acts.aux;  // the step's sums fold layer by layer
+  losses.z = losses.z + acts.zl;
 }
 
 // dh (the layer output's gradient) -> dg and dye; the shared expert's
@@ -387,30 +387,30 @@ void moe_combine_backward(Model<T>& m, Step<T>& st, int l) {
   const Config& c = m.cfg;
   const int D = c.d_model, F = c.d_ff, E = c.experts, K = c.top_k;
   const int64_t N = st.N;
-  typename Step<T>::Layer& A = st.layers[l];
+  typename Step<T>::Layer& acts = st.layers[l];
   const std::vector<T>& dh = st.dh;
   st.dg.assign(N * E, T(0));
   st.dye.resize(N * K * D);
   for (int64_t n = 0; n < N; ++n)
     for (int s = 0; s < K; ++s) {
-      const int e = A.sel[n * K + s];
+      const int e = acts.sel[n * K + s];
       const int64_t ns = n * K + s;
-      const T gate = A.g[n * E + e];
+      const T gate = acts.g[n * E + e];
       T dgate = 0;  // reduces over the model feature j
-      for (int j = 0; j < D; ++j) dgate = FMA(dh[n * D + j], A.ye[ns * D + j], dgate);
+      for (int j = 0; j < D; ++j) dgate = FMA(dh[n * D + j], acts.ye[ns * D + j], dgate);
       st.dg[n * E + e] = dgate;
       for (int j = 0; j < D; ++j) st.dye[ns * D + j] = gate * dh[n * D + j];
     }
   if (!c.shared_expert) return;
-  std::vector<T> sdu(N * F), sdv(N * F);
-  st.sdx.resize(N * D);
+  std::vector<T> shared_du(N * F), shared_dv(N * F);
+  st.shared_dx.resize(N * D);
   for (int64_t n = 0; n < N; ++n)
-    expert_backward(&A.su[n * F], &A.sv[n * F], layer_param(m, l, "shared.w1").w.data(),
+    expert_backward(&acts.shared_u[n * F], &acts.shared_v[n * F], layer_param(m, l, "shared.w1").w.data(),
                     layer_param(m, l, "shared.w3").w.data(), layer_param(m, l, "shared.w2").w.data(), &dh[n * D], D, F,
-                    &sdu[n * F], &sdv[n * F], &st.sdx[n * D]);
-  weight_grad(c, N, layer_param(m, l, "shared.w1").g.data(), A.a2, D, sdu, F, D, F);
-  weight_grad(c, N, layer_param(m, l, "shared.w3").g.data(), A.a2, D, sdv, F, D, F);
-  weight_grad(c, N, layer_param(m, l, "shared.w2").g.data(), A.sact, F, dh, D, F, D);
+                    &shared_du[n * F], &shared_dv[n * F], &st.shared_dx[n * D]);
+  weight_grad(c, N, layer_param(m, l, "shared.w1").g.data(), acts.a2, D, shared_du, F, D, F);
+  weight_grad(c, N, layer_param(m, l, "shared.w3").g.data(), acts.a2, D, shared_dv, F, D, F);
+  weight_grad(c, N, layer_param(m, l, "shared.w2").g.data(), acts.shared_act, F, dh, D, F, D);
 }
 
 // --------------------------------------------------------------------- head

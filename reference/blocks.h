@@ -33,7 +33,7 @@ struct Step {
     std::vector<int> sel;              // [N*K] expert of each (token, slot)
     std::vector<T> xe;                 // [N*K, D] each slot's input row (dispatch)
     std::vector<T> u, v, act, ye;      // [N*K, F] SwiGLU inputs and product; [N*K, D] expert outputs
-    std::vector<T> su, sv, sact, ysh;  // the shared expert
+    std::vector<T> shared_u, shared_v, shared_act, shared_out;  // the shared expert
     T aux = 0, zl = 0;                 // this layer's load-balancing and z losses
   };
   std::vector<int> tok_id, target_id;  // [N] each token's input byte and its target, the next byte
@@ -45,7 +45,7 @@ struct Step {
   std::vector<T> af, rf, logits, prob, loss;
   // Backward: dh is the gradient of the stream where the backward stands;
   // the MoE blocks of a layer hand on dg, dye, dxe and da2.
-  std::vector<T> dh, dg, dye, dxe, da2, sdx;
+  std::vector<T> dh, dg, dye, dxe, da2, shared_dx;
 };
 
 // A block: its forward (adding to the step's loss sums) and backward over

@@ -1,4 +1,4 @@
-// The `cuda` backend (issue 18): the contract kernels of kernels/*.cuh on a
+// The `cuda` backend: the contract kernels of kernels/*.cuh on a
 // GPU, launched by the same hook table the emulated backend runs on the CPU
 // (kernels/hook_table.inc), over CUDA managed memory. Built by nvcc into
 // liblockstep-cuda.so and opened by the runner (runner/cuda_backend.cc).

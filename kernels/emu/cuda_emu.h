@@ -1,5 +1,5 @@
 // The CUDA built-ins on the CPU, so that the kernels in kernels/*.cuh run
-// here as they are written (issue 18: checked without a GPU). A grid runs
+// here as they are written (checked without a GPU). A grid runs
 // block by block; a block's threads are fibers of one OS thread (a small
 // hand-written context switch), switched at __syncthreads(), so a barrier
 // really separates what the block's threads do before it from what they do
