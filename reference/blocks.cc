@@ -106,11 +106,20 @@ void embedding_backward(Model<T>& m, Step<T>& st, int) {
 
 // ---------------------------------------------------------------- attention
 template <class T>
+struct AttentionShape {
+  AttentionShape(const Config& c, int batch)
+      : S(c.seq_len), D(c.d_model), H(c.n_heads), hd(c.d_model / c.n_heads), B(batch), scale(T(1) / SQRT(T(hd))) {}
+  int S, D, H, hd, B;
+  T scale;  // 1 / sqrt(head dim)
+};
+
+template <class T>
 void attention_forward(Model<T>& m, Step<T>& st, int l, Losses<T>&) {
   const Config& c = m.cfg;
-  const int S = c.seq_len, D = c.d_model, H = c.n_heads, hd = D / H, B = st.batch;
+  const AttentionShape<T> sh(c, st.batch);
+  const int S = sh.S, D = sh.D, H = sh.H, hd = sh.hd, B = sh.B;
   const int64_t N = st.N;
-  const T scale = T(1) / SQRT(T(hd));
+  const T scale = sh.scale;
   typename Step<T>::Layer& acts = st.layers[l];
   const T *attn_norm = layer_param(m, l, "attn_norm").w.data(), *wqkv = layer_param(m, l, "wqkv").w.data(),
           *wo = layer_param(m, l, "wo").w.data();
@@ -140,9 +149,10 @@ void attention_forward(Model<T>& m, Step<T>& st, int l, Losses<T>&) {
 template <class T>
 void attention_backward(Model<T>& m, Step<T>& st, int l) {
   const Config& c = m.cfg;
-  const int S = c.seq_len, D = c.d_model, H = c.n_heads, hd = D / H, B = st.batch;
+  const AttentionShape<T> sh(c, st.batch);
+  const int S = sh.S, D = sh.D, H = sh.H, hd = sh.hd, B = sh.B;
   const int64_t N = st.N;
-  const T scale = T(1) / SQRT(T(hd));
+  const T scale = sh.scale;
   typename Step<T>::Layer& acts = st.layers[l];
   const T *attn_norm = layer_param(m, l, "attn_norm").w.data(), *wqkv = layer_param(m, l, "wqkv").w.data(),
           *wo = layer_param(m, l, "wo").w.data();

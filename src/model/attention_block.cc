@@ -12,10 +12,9 @@ namespace ls {
 
 namespace {
 
-class AttentionBlock : public Block {
+class AttentionBlock : public LayerBlock {
  public:
-  explicit AttentionBlock(int layer) : layer_(layer) {}
-  std::string name() const override { return "layers." + std::to_string(layer_) + ".attention"; }
+  explicit AttentionBlock(int layer) : LayerBlock(layer, "attention") {}
   bool begins_at_stream() const override { return true; }
   float* stream_in(StepWorkspace& ws) const override { return ws.layers[layer_].x.data(); }
 
@@ -73,7 +72,6 @@ class AttentionBlock : public Block {
 
  private:
   static float scale(const ModelConfig& c) { return 1.0f / ls::sqrt((float)(c.d_model / c.n_heads)); }
-  int layer_;
 };
 
 }  // namespace

@@ -40,6 +40,19 @@ class Block {
   virtual float* stream_in(StepWorkspace&) const { return nullptr; }
 };
 
+// A block of one layer, named "layers.L.<kind>".
+class LayerBlock : public Block {
+ public:
+  LayerBlock(int layer, const char* kind) : layer_(layer), kind_(kind) {}
+  std::string name() const override { return "layers." + std::to_string(layer_) + "." + kind_; }
+
+ protected:
+  const int layer_;
+
+ private:
+  const char* kind_;
+};
+
 // The blocks of a model of `cfg`, in forward order.
 std::vector<std::unique_ptr<Block>> make_blocks(const ModelConfig& cfg);
 

@@ -13,10 +13,9 @@ namespace ls {
 
 namespace {
 
-class MoeCombine : public Block {
+class MoeCombine : public LayerBlock {
  public:
-  explicit MoeCombine(int layer) : layer_(layer) {}
-  std::string name() const override { return "layers." + std::to_string(layer_) + ".moe_combine"; }
+  explicit MoeCombine(int layer) : LayerBlock(layer, "moe_combine") {}
 
   void forward(StepContext& ctx, StepLosses& losses) override {
     const ModelConfig& c = ctx.cfg;
@@ -102,8 +101,6 @@ class MoeCombine : public Block {
                      ctx.layer_grad(layer_, "shared.w2"));
   }
 
- private:
-  int layer_;
 };
 
 }  // namespace

@@ -79,10 +79,9 @@ void hold_moe_buffers(StepContext& ctx, LayerActs& acts) {
   count_moe_memory(ctx);
 }
 
-class MoeDispatch : public Block {
+class MoeDispatch : public LayerBlock {
  public:
-  explicit MoeDispatch(int layer) : layer_(layer) {}
-  std::string name() const override { return "layers." + std::to_string(layer_) + ".moe_dispatch"; }
+  explicit MoeDispatch(int layer) : LayerBlock(layer, "moe_dispatch") {}
 
   void forward(StepContext& ctx, StepLosses&) override {
     const ModelConfig& c = ctx.cfg;
@@ -168,8 +167,6 @@ class MoeDispatch : public Block {
     if (ctx.cfg.shared_expert) ops::add(ws.dmoe_in.data(), ws.shared_dx.data(), ws.dmoe_in.data(), N * D);
   }
 
- private:
-  int layer_;
 };
 
 }  // namespace

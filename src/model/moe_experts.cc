@@ -14,10 +14,9 @@ namespace ls {
 
 namespace {
 
-class MoeExperts : public Block {
+class MoeExperts : public LayerBlock {
  public:
-  explicit MoeExperts(int layer) : layer_(layer) {}
-  std::string name() const override { return "layers." + std::to_string(layer_) + ".moe_experts"; }
+  explicit MoeExperts(int layer) : LayerBlock(layer, "moe_experts") {}
 
   // moe_in rows -> ye (dispatch order).
   void forward(StepContext& ctx, StepLosses&) override {
@@ -26,16 +25,14 @@ class MoeExperts : public Block {
     LayerActs& acts = ctx.layer(layer_);
     ExpertRows& rows = acts.rows;
     const RoundPlan& own = ctx.own_plan(acts);
-    const float* w1 = ctx.layer_weight(layer_, "experts.w1");
-    const float* w3 = ctx.layer_weight(layer_, "experts.w3");
-    const float* w2 = ctx.layer_weight(layer_, "experts.w2");
+    const ExpertWeights w = weights(ctx);
     for (int r = 0; r < exchange_rounds(acts); ++r) {
       exchange_rows(ctx, acts, r, D, /*to_owner=*/true, acts.moe_in.data(),
                     [&](int64_t disp) { return acts.row_token[disp]; }, ws.slots.x.data(),
                     ep > 1 ? rows.x.data() : nullptr, nullptr);
       // Without expert parallelism the outputs go straight to the dispatch rows the combine reads.
       const RowPlace y = ep > 1 ? RowPlace{ws.slots.y.data(), true} : RowPlace{acts.ye.data(), false};
-      if (r < own.rounds()) ctx.stats.expert_gemm_calls += experts_round_forward(own, r, ws.slots, rows, y, w1, w3, w2, D, F);
+      if (r < own.rounds()) ctx.stats.expert_gemm_calls += experts_round_forward(own, r, ws.slots, rows, y, w.w1, w.w3, w.w2, D, F);
       if (ep > 1) exchange_rows(ctx, acts, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.y.data(), nullptr, acts.ye.data());
     }
     ctx.stats.rounds = std::max(ctx.stats.rounds, own.rounds());
@@ -57,9 +54,7 @@ class MoeExperts : public Block {
     LayerActs& acts = ctx.layer(layer_);
     ExpertRows& rows = acts.rows;
     const RoundPlan& own = ctx.own_plan(acts);
-    const float* w1 = ctx.layer_weight(layer_, "experts.w1");
-    const float* w3 = ctx.layer_weight(layer_, "experts.w3");
-    const float* w2 = ctx.layer_weight(layer_, "experts.w2");
+    const ExpertWeights w = weights(ctx);
     float* grad_w1 = ctx.layer_grad(layer_, "experts.w1");
     float* grad_w3 = ctx.layer_grad(layer_, "experts.w3");
     float* grad_w2 = ctx.layer_grad(layer_, "experts.w2");
@@ -93,7 +88,7 @@ class MoeExperts : public Block {
           ops::copy_rows(rows.x.data(), ws.from_row.data(), ws.slots.x.data(), ws.to_row.data(),
                          (int64_t)ws.to_row.size(), D);
         }
-        ctx.stats.expert_gemm_calls += experts_round_backward(own, r, ws.slots, rows, dy, dx, w1, w3, w2, D, F);
+        ctx.stats.expert_gemm_calls += experts_round_backward(own, r, ws.slots, rows, dy, dx, w.w1, w.w3, w.w2, D, F);
         grads.add_round(own, r, ws.slots, rows, dy, grad_w1, grad_w3, grad_w2);
       }
       if (ep > 1) exchange_rows(ctx, acts, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.dx.data(), nullptr, ws.dxe.data());
@@ -105,8 +100,15 @@ class MoeExperts : public Block {
                        {ctx.tokens, ctx.cfg.top_k, D});
   }
 
+
  private:
-  int layer_;
+  struct ExpertWeights {
+    const float *w1, *w3, *w2;  // [experts held, D, F], [.., D, F], [.., F, D]
+  };
+  ExpertWeights weights(const StepContext& ctx) const {
+    return {ctx.layer_weight(layer_, "experts.w1"), ctx.layer_weight(layer_, "experts.w3"),
+            ctx.layer_weight(layer_, "experts.w2")};
+  }
 };
 
 }  // namespace

@@ -13,10 +13,9 @@ namespace ls {
 
 namespace {
 
-class MoeRouting : public Block {
+class MoeRouting : public LayerBlock {
  public:
-  explicit MoeRouting(int layer) : layer_(layer) {}
-  std::string name() const override { return "layers." + std::to_string(layer_) + ".moe_routing"; }
+  explicit MoeRouting(int layer) : LayerBlock(layer, "moe_routing") {}
   bool begins_at_stream() const override { return true; }
   float* stream_in(StepWorkspace& ws) const override { return ws.layers[layer_].mid.data(); }
 
@@ -84,8 +83,6 @@ class MoeRouting : public Block {
     ctx.trace_tensor("bwd", layer_, "moe_norm", "dh", ws.dh.data(), {N, D});
   }
 
- private:
-  int layer_;
 };
 
 }  // namespace
