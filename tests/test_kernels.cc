@@ -26,6 +26,7 @@
 #include "loss.cuh"
 #include "moe.cuh"
 #include "ops/attention.h"
+#include "ops/dispatch.h"
 #include "ops/gemm.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
@@ -607,14 +608,10 @@ TEST_SUITE("kernels") {
   }
 
   TEST_CASE("the emulated device: launches queue until the host synchronizes; one handed a host pointer is refused, naming the kernel and argument") {
-    struct Restore {
-      ~Restore() {
-        ls::ops::set_op_hooks(nullptr);
-        ls::ops::set_memory_hooks(nullptr);
-      }
-    } restore;
-    ls::ops::set_op_hooks(&ls::emu::kernel_hooks());
-    ls::ops::set_memory_hooks(&ls::emu::registered_memory());
+    ls::ops::ExecutionTarget emulated;
+    emulated.kernels = &ls::emu::kernel_hooks();
+    emulated.memory = &ls::emu::registered_memory();
+    const ls::ops::ScopedExecutionTarget installed(emulated);
     const ls::ops::DeviceVector<float> a(100, 1.0f), b(100, 2.0f);
     ls::ops::DeviceVector<float> out(100);
     const int64_t before = ls::emu::kernel_launches();
@@ -632,7 +629,8 @@ TEST_SUITE("kernels") {
                          doctest::Contains("kernel add, argument 1"), std::logic_error);
     CHECK(ls::emu::kernel_launches() == before + 1);  // neither ran
     // Without the emulated device's memory installed, nothing is checked.
-    ls::ops::set_memory_hooks(nullptr);
+    emulated.memory = nullptr;
+    ls::ops::install(emulated);
     ls::ops::add(a.data(), b.data(), host.data(), 100);
     ls::ops::synchronize();
     CHECK(host[0] == 3.0f);
@@ -681,7 +679,7 @@ TEST_SUITE("kernels") {
     }
     MESSAGE(work.size() << " golden runs through the emulated kernels, " << launches << " kernel launches, "
                         << total_syncs << " host waits");
-    CHECK(ls::ops::op_hooks() == nullptr);  // the process is back on the engine's own ops
+    CHECK(ls::ops::installed_kernels() == nullptr);  // the process is back on the engine's own ops
   }
 
   TEST_CASE("a supervised cuda-emulated run: its children train on the kernels, one is killed, the job ends on the engine's hash") {

@@ -6,6 +6,7 @@
 // fixed thread count and mesh, held to `portable` by tolerance.
 //
 // Process-wide: the ranks of an in-process mesh are threads of one run.
+// Installed with the backend for a run by ops::install (ops/dispatch.h).
 #pragma once
 
 #include <atomic>
@@ -20,7 +21,6 @@ inline std::atomic<int>& numerics_level_slot() {
   return level;
 }
 inline NumericsLevel numerics_level() { return (NumericsLevel)numerics_level_slot().load(std::memory_order_relaxed); }
-inline void set_numerics_level(NumericsLevel l) { numerics_level_slot().store((int)l, std::memory_order_relaxed); }
 inline bool local_numerics() { return numerics_level() == NumericsLevel::kLocal; }
 
 }  // namespace ls

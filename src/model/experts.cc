@@ -8,7 +8,7 @@
 #include "common/parallel.h"
 #include "contract.h"
 #include "ops/gemm.h"
-#include "ops/hooks.h"
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace ls {
@@ -20,7 +20,7 @@ constexpr int64_t kRowBlock = 64;  // rows per task
 // segments (each call packs its expert's weights, transposed in the backward).
 // A kernel backend takes whole segments too: one launch each, the GPU's
 // threads share it (a GEMM's outputs do not depend on how rows are split).
-int64_t row_block() { return run_inline(2) || ops::op_hooks() ? INT64_MAX / 4 : kRowBlock; }
+int64_t row_block() { return run_inline(2) || ops::installed_kernels() ? INT64_MAX / 4 : kRowBlock; }
 
 // (segment, first row in it) tasks of one round.
 std::vector<std::pair<int, int64_t>> row_tasks(const std::vector<Segment>& segs, int64_t block) {

@@ -11,7 +11,7 @@
 #include "ops/gemm.h"
 #include "common/numerics_level.h"
 #include "ops/local.h"
-#include "ops/hooks.h"
+#include "ops/dispatch.h"
 #include "ops/vec_avx2.h"
 #include "ops/vmath.h"
 
@@ -225,9 +225,9 @@ void attention_backward(const float* q, const float* k, const float* v, int64_t 
 }
 
 void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, float scale, float* P, float* o) {
-  if (const OpHooks* h = op_hooks(); h && h->attention_forward_heads) {
+  if (auto k = kernel(&OpHooks::attention_forward_heads)) {
     const OpTimer op_timer(OpKind::kAttention);
-    return h->attention_forward_heads(qkv, B, H, S, hd, scale, P, o);
+    return k(qkv, B, H, S, hd, scale, P, o);
   }
   const int D = H * hd;
   const int64_t probs = attention_probs_floats(S);
@@ -241,9 +241,9 @@ void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, floa
 
 void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, const float* P,
                               const float* dO, float* dqkv) {
-  if (const OpHooks* h = op_hooks(); h && h->attention_backward_heads) {
+  if (auto k = kernel(&OpHooks::attention_backward_heads)) {
     const OpTimer op_timer(OpKind::kAttention);
-    return h->attention_backward_heads(qkv, B, H, S, hd, scale, P, dO, dqkv);
+    return k(qkv, B, H, S, hd, scale, P, dO, dqkv);
   }
   const int D = H * hd;
   const int64_t probs = attention_probs_floats(S);

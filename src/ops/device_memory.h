@@ -37,12 +37,9 @@ inline std::atomic<const MemoryHooks*>& memory_hooks_slot(MemoryKind kind) {
   static std::atomic<const MemoryHooks*> hooks[2] = {nullptr, nullptr};
   return hooks[(int)kind];
 }
-// Installed by run_scenario with the op hooks, for the run; nullptr: the heap.
+// Installed with the op hooks for a run (ops::install, ops/dispatch.h); nullptr: the heap.
 inline const MemoryHooks* memory_hooks(MemoryKind kind = MemoryKind::kDevice) {
   return memory_hooks_slot(kind).load(std::memory_order_relaxed);
-}
-inline void set_memory_hooks(const MemoryHooks* hooks, MemoryKind kind = MemoryKind::kDevice) {
-  memory_hooks_slot(kind).store(hooks, std::memory_order_relaxed);
 }
 
 // bytes from device memory (or the host) into host memory.

@@ -1,14 +1,12 @@
 // Another backend's implementations of the engine's ops, installed for a run:
 // the CUDA kernels (kernels/hook_table.inc), launched through the CPU
 // emulation of CUDA (`cuda-emulated`) or on a GPU (`cuda`). A null entry
-// keeps the engine's op. Process-wide, like the numerics level: installed by
-// run_scenario for the run and removed at its end. An op consults these
-// first, then the level: with numerics.level=portable each hook gives the
-// bits of the op it replaces; with numerics.level=local (the `cuda` backend
-// only) the hooks are that level on the GPU (cuBLAS GEMMs).
+// keeps the engine's op. Installed with the numerics level for a run
+// (ops/dispatch.h, where the ops look them up): with numerics.level=portable
+// each hook gives the bits of the op it replaces; with numerics.level=local
+// (the `cuda` backend only) the hooks are that level on the GPU (cuBLAS GEMMs).
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 
 #include "ops/gemm.h"
@@ -64,13 +62,5 @@ struct OpHooks {
                 float one_minus_beta1, float one_minus_beta2, float bc1, float bc2, float eps, float weight_decay,
                 float lr, bool clip, float clip_scale) = nullptr;
 };
-
-inline std::atomic<const OpHooks*>& op_hooks_slot() {
-  static std::atomic<const OpHooks*> hooks{nullptr};
-  return hooks;
-}
-// The installed hooks, or nullptr (the engine's own ops).
-inline const OpHooks* op_hooks() { return op_hooks_slot().load(std::memory_order_relaxed); }
-inline void set_op_hooks(const OpHooks* hooks) { op_hooks_slot().store(hooks, std::memory_order_relaxed); }
 
 }  // namespace ls::ops

@@ -8,7 +8,7 @@
 #include "ops/gemm.h"
 #include "common/numerics_level.h"
 #include "ops/local.h"
-#include "ops/hooks.h"
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace ls {
@@ -43,8 +43,8 @@ void LeafFold::close_open_leaf() {
 void LeafFold::add(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64_t* leaf, int64_t rows) {
   const OpTimer op_timer(OpKind::kWeightGrad);
   if (local_numerics()) {  // every row at once into one accumulator, whatever its leaf
-    if (const OpHooks* h = op_hooks(); h && h->gemm)  // the backend's local level: cuBLAS on the GPU
-      h->gemm(in_, out_, rows, ConstMat{X, 1, ldx}, ConstMat{dY, ldy, 1}, tree_.slots, out_, open_has_rows_);
+    if (auto k = kernel(&OpHooks::gemm))  // the backend's local level: cuBLAS on the GPU
+      k(in_, out_, rows, ConstMat{X, 1, ldx}, ConstMat{dY, ldy, 1}, tree_.slots, out_, open_has_rows_);
     else
       local::weight_grad(X, ldx, dY, ldy, in_, out_, rows, tree_.slots, open_has_rows_);
     open_has_rows_ = open_has_rows_ || rows > 0;

@@ -17,7 +17,7 @@
 #include "ops/vmath.h"
 #include "common/numerics_level.h"
 #include "ops/local.h"
-#include "ops/hooks.h"
+#include "ops/dispatch.h"
 
 namespace ls::ops {
 
@@ -83,8 +83,7 @@ void weight_grad_by_leaf_gemm(const float* X, int64_t ldx, const float* dY, int6
 void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                  const int64_t* leaf_off, int64_t leaves, float* dW) {
   const OpTimer op_timer(OpKind::kWeightGrad);
-  if (const OpHooks* h = op_hooks(); h && h->weight_grad)
-    return h->weight_grad(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
+  if (auto k = kernel(&OpHooks::weight_grad)) return k(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   if (local_numerics())
     return local::weight_grad(X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy, ldy, in, out,
                               leaf_off[leaves] - leaf_off[0], dW, false);
@@ -122,7 +121,7 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
 
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) {
   const OpTimer op_timer(OpKind::kNorm);
-  if (const OpHooks* h = op_hooks(); h && h->rmsnorm) return h->rmsnorm(x, w, y, r, N, D, eps);
+  if (auto k = kernel(&OpHooks::rmsnorm)) return k(x, w, y, r, N, D, eps);
   if (local_numerics()) return local::rmsnorm(x, w, y, r, N, D, eps);
   // Eight tokens at a time: their sums of squares (each a sequential fold
   // over the feature) run as independent chains side by side.
@@ -161,7 +160,7 @@ void rmsnorm_debug_reversed(const float* x, const float* w, float* y, float* r, 
 void rmsnorm_backward(const float* x, const float* w, const float* r, const float* dy, float* dh,
                       int64_t N, int D, bool accumulate) {
   const OpTimer op_timer(OpKind::kNorm);
-  if (const OpHooks* h = op_hooks(); h && h->rmsnorm_backward) return h->rmsnorm_backward(x, w, r, dy, dh, N, D, accumulate);
+  if (auto k = kernel(&OpHooks::rmsnorm_backward)) return k(x, w, r, dy, dh, N, D, accumulate);
   // Eight tokens at a time, their dot products (sequential folds over the
   // feature) side by side.
   parallel_for_groups_of_8(N, [&](int64_t n0, int R) {
@@ -207,8 +206,7 @@ void rmsnorm_backward(const float* x, const float* w, const float* r, const floa
 void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_t N, int D,
                          int64_t leaf_tokens, float* dw) {
   const OpTimer op_timer(OpKind::kNorm);
-  if (const OpHooks* h = op_hooks(); h && h->rmsnorm_weight_grad)
-    return h->rmsnorm_weight_grad(x, r, dy, N, D, leaf_tokens, dw);
+  if (auto k = kernel(&OpHooks::rmsnorm_weight_grad)) return k(x, r, dy, N, D, leaf_tokens, dw);
   if (local_numerics()) return local::rmsnorm_weight_grad(x, r, dy, N, D, dw);
   const int64_t leaves = N / leaf_tokens;
   // Blocks of 16 features, each with its own leaf tree: a feature's fold
@@ -326,8 +324,8 @@ float scan_max(const float* z, int n) {
 
 void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, int n0, int step, float* lse) {
   const OpTimer op_timer(OpKind::kSoftmax);
-  if (const OpHooks* h = op_hooks(); h && h->softmax_rows && step == 0 && ldz == ldp)
-    return h->softmax_rows(z, p, ldz, rows, n0, lse);
+  // The kernels take rows of one length with one stride in and out (other layouts keep the engine's op).
+  if (auto k = kernel(&OpHooks::softmax_rows); k && step == 0 && ldz == ldp) return k(z, p, ldz, rows, n0, lse);
   // Groups of eight rows in parallel (inline when the caller already runs on the engine's threads).
   parallel_for_groups_of_8(rows, [&](int64_t g0, int R) {
     const int g = (int)g0;
@@ -357,8 +355,9 @@ void softmax_rows(const float* z, int64_t ldz, float* p, int64_t ldp, int rows, 
 void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t lddp, float* dz, int64_t lddz,
                            int rows, int n0, int step) {
   const OpTimer op_timer(OpKind::kSoftmax);
-  if (const OpHooks* h = op_hooks(); h && h->softmax_backward_rows && step == 0 && ldp == lddp && ldp == lddz)
-    return h->softmax_backward_rows(p, dp, dz, ldp, rows, n0);
+  // As softmax_rows: rows of one length with one stride.
+  if (auto k = kernel(&OpHooks::softmax_backward_rows); k && step == 0 && ldp == lddp && ldp == lddz)
+    return k(p, dp, dz, ldp, rows, n0);
   parallel_for_groups_of_8(rows, [&](int64_t g0, int R) {
     const int g = (int)g0;
     float dot[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -384,7 +383,7 @@ void softmax_backward_rows(const float* p, int64_t ldp, const float* dp, int64_t
 
 float param_sumsq(const float* v, int64_t n) {
   const OpTimer op_timer(OpKind::kGradNorm);
-  if (const OpHooks* h = op_hooks(); h && h->param_sumsq) return h->param_sumsq(v, n);
+  if (auto k = kernel(&OpHooks::param_sumsq)) return k(v, n);
   if (local_numerics()) return local::param_sumsq(v, n);
   const int64_t blocks = (n + kParamBlock - 1) / kParamBlock;
   if (blocks <= 1) return ls::sumsq_block(v, n);
@@ -423,7 +422,7 @@ float param_sumsq(const float* v, int64_t n) {
 }
 
 float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
-  if (const OpHooks* h = op_hooks(); h && h->token_sum) return h->token_sum(v, N, leaf_tokens);
+  if (auto k = kernel(&OpHooks::token_sum)) return k(v, N, leaf_tokens);
   if (local_numerics()) return local::token_sum(v, N);
   const int64_t leaves = N / leaf_tokens;
   std::vector<float> part((size_t)leaves);
@@ -437,7 +436,7 @@ float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {
 
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
   const OpTimer op_timer(OpKind::kSwiglu);
-  if (const OpHooks* h = op_hooks(); h && h->swiglu) return h->swiglu(u, v, s, act, n);
+  if (auto k = kernel(&OpHooks::swiglu)) return k(u, v, s, act, n);
   // In chunks that stay in L1 between the two passes, chunks in parallel
   // (inline when the caller already runs on the engine's threads).
   constexpr int64_t kChunk = 1024;
@@ -451,14 +450,14 @@ void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
 void swiglu_product(const float* __restrict u, const float* __restrict s, const float* __restrict v,
                     float* __restrict act, int64_t n) {
   const OpTimer op_timer(OpKind::kSwiglu);
-  if (const OpHooks* h = op_hooks(); h && h->swiglu_product) return h->swiglu_product(u, s, v, act, n);
+  if (auto k = kernel(&OpHooks::swiglu_product)) return k(u, s, v, act, n);
   for (int64_t i = 0; i < n; ++i) act[i] = (u[i] * s[i]) * v[i];
 }
 
 void swiglu_backward(const float* u, const float* v, const float* s, const float* dact, float* du, float* dv,
                      int64_t n) {
   const OpTimer op_timer(OpKind::kSwiglu);
-  if (const OpHooks* h = op_hooks(); h && h->swiglu_backward) return h->swiglu_backward(u, v, s, dact, du, dv, n);
+  if (auto k = kernel(&OpHooks::swiglu_backward)) return k(u, v, s, dact, du, dv, n);
   constexpr int64_t kChunk = 4096;
   parallel_for((n + kChunk - 1) / kChunk, [&](int64_t c) {
     for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
@@ -469,15 +468,14 @@ void swiglu_backward(const float* u, const float* v, const float* s, const float
 }
 
 void route_topk(const float* g_all, int64_t N, int E, int K, int* sel) {
-  if (const OpHooks* h = op_hooks(); h && h->route_topk) return h->route_topk(g_all, N, E, K, sel);
+  if (auto k = kernel(&OpHooks::route_topk)) return k(g_all, N, E, K, sel);
   parallel_for(N, [&](int64_t n) { topk_lowest_index(g_all + n * E, E, K, sel + n * K); });
 }
 
 void moe_combine(const float* g, int E, const int* sel, int K, const int64_t* row_of, const float* ye_rows,
                  const float* shared, const float* residual, float* hout, int64_t N, int D) {
   const OpTimer op_timer(OpKind::kMoeCombine);
-  if (const OpHooks* h = op_hooks(); h && h->moe_combine)
-    return h->moe_combine(g, E, sel, K, row_of, ye_rows, shared, residual, hout, N, D);
+  if (auto k = kernel(&OpHooks::moe_combine)) return k(g, E, sel, K, row_of, ye_rows, shared, residual, hout, N, D);
   parallel_for(N, [&](int64_t n) {
     float out[4096];
     std::fill(out, out + D, 0.0f);
@@ -495,8 +493,8 @@ void moe_combine(const float* g, int E, const int* sel, int K, const int64_t* ro
 void moe_combine_backward(const float* dh_all, const float* g, int E, const int* sel, int K, const int64_t* row_of,
                           const float* ye_rows, float* dg, float* dye_all, int64_t N, int D) {
   const OpTimer op_timer(OpKind::kMoeCombine);
-  if (const OpHooks* h = op_hooks(); h && h->moe_combine_backward)
-    return h->moe_combine_backward(dh_all, g, E, sel, K, row_of, ye_rows, dg, dye_all, N, D);
+  if (auto k = kernel(&OpHooks::moe_combine_backward))
+    return k(dh_all, g, E, sel, K, row_of, ye_rows, dg, dye_all, N, D);
   // Over (token, slot) pairs q = n*K + s, eight at a time: each gate gradient
   // is a sequential fold over the model feature j; eight run side by side.
   parallel_for_groups_of_8(N * K, [&](int64_t q0, int R) {
@@ -525,13 +523,13 @@ void moe_combine_backward(const float* dh_all, const float* g, int E, const int*
 }
 
 void embed(const int* tok, const float* te, const float* pe, float* h, int64_t N, int S, int D) {
-  if (const OpHooks* hk = op_hooks(); hk && hk->embed) return hk->embed(tok, te, pe, h, N, S, D);
+  if (auto k = kernel(&OpHooks::embed)) return k(tok, te, pe, h, N, S, D);
   parallel_for(N, [&](int64_t n) { for (int i = 0; i < D; ++i) h[n * D + i] = te[(int64_t)tok[n] * D + i] + pe[(n % S) * D + i]; });
 }
 
 void router_stats(const float* g, const float* lse, int64_t N, int E, int64_t leaf_tokens, int64_t leaves,
                   float* sums) {
-  if (const OpHooks* h = op_hooks(); h && h->router_stats) return h->router_stats(g, lse, N, E, leaf_tokens, leaves, sums);
+  if (auto k = kernel(&OpHooks::router_stats)) return k(g, lse, N, E, leaf_tokens, leaves, sums);
   (void)N;  // = leaves * leaf_tokens
   std::vector<float> part((size_t)leaves * E), zpart(leaves);
   for (int64_t lf = 0; lf < leaves; ++lf) {
@@ -552,13 +550,12 @@ void router_stats(const float* g, const float* lse, int64_t N, int E, int64_t le
 }
 
 void token_losses(const float* lse, const float* logits, const int* target, int64_t N, int V, float* loss) {
-  if (const OpHooks* h = op_hooks(); h && h->token_losses) return h->token_losses(lse, logits, target, N, V, loss);
+  if (auto k = kernel(&OpHooks::token_losses)) return k(lse, logits, target, N, V, loss);
   for (int64_t n = 0; n < N; ++n) loss[n] = lse[n] - logits[n * V + target[n]];
 }
 
 void cross_entropy_grad(const float* prob, const int* target, int64_t N, int V, float Ng, float* dlogits) {
-  if (const OpHooks* h = op_hooks(); h && h->cross_entropy_grad)
-    return h->cross_entropy_grad(prob, target, N, V, Ng, dlogits);
+  if (auto k = kernel(&OpHooks::cross_entropy_grad)) return k(prob, target, N, V, Ng, dlogits);
   // Dividing by a power of two is scaling by its exact reciprocal: both round
   // the same real number once, so the bits agree (subnormals included), and a
   // multiply is several times cheaper than a divide.
@@ -589,8 +586,7 @@ void cross_entropy_grad(const float* prob, const int* target, int64_t N, int V, 
 // added and merged: the canonical tree's bits, without its zero rows.
 void embedding_grad(const int* tok_id, const float* dh, int64_t N, int S, int D, int V, int64_t leaf_tokens,
                     int64_t leaves, float* gtok, float* gpos) {
-  if (const OpHooks* hk = op_hooks(); hk && hk->embedding_grad)
-    return hk->embedding_grad(tok_id, dh, N, S, D, V, leaf_tokens, leaves, gtok, gpos);
+  if (auto k = kernel(&OpHooks::embedding_grad)) return k(tok_id, dh, N, S, D, V, leaf_tokens, leaves, gtok, gpos);
   {
     constexpr int64_t kRows = 16;
     const int64_t tok_blocks = (V + kRows - 1) / kRows, pos_blocks = (S + kRows - 1) / kRows;
@@ -651,25 +647,25 @@ void embedding_grad(const int* tok_id, const float* dh, int64_t N, int S, int D,
 
 
 void add(const float* a, const float* b, float* out, int64_t n) {
-  if (const OpHooks* h = op_hooks(); h && h->add) return h->add(a, b, out, n);
+  if (auto k = kernel(&OpHooks::add)) return k(a, b, out, n);
   parallel_for(n, [&](int64_t i) { out[i] = a[i] + b[i]; });
 }
 
 void fill(float* p, int64_t n, float value) {
-  if (const OpHooks* h = op_hooks(); h && h->fill) return h->fill(p, n, value);
+  if (auto k = kernel(&OpHooks::fill)) return k(p, n, value);
   std::fill(p, p + n, value);
 }
 
 void copy_rows(const float* src, const int64_t* src_row, float* dst, const int64_t* dst_row, int64_t n,
                int64_t width) {
-  if (const OpHooks* h = op_hooks(); h && h->copy_rows) return h->copy_rows(src, src_row, dst, dst_row, n, width);
+  if (auto k = kernel(&OpHooks::copy_rows)) return k(src, src_row, dst, dst_row, n, width);
   for (int64_t t = 0; t < n; ++t)
     std::memcpy(dst + (dst_row ? dst_row[t] : t) * width, src + (src_row ? src_row[t] : t) * width,
                 sizeof(float) * width);
 }
 
 void slot_sum(const float* rows, const int64_t* row_of, int K, int64_t N, int D, float* out) {
-  if (const OpHooks* h = op_hooks(); h && h->slot_sum) return h->slot_sum(rows, row_of, K, N, D, out);
+  if (auto k = kernel(&OpHooks::slot_sum)) return k(rows, row_of, K, N, D, out);
   parallel_for(N, [&](int64_t n) {
     float* d = out + n * D;
     std::fill(d, d + D, 0.0f);
@@ -681,13 +677,13 @@ void slot_sum(const float* rows, const int64_t* row_of, int K, int64_t N, int D,
 }
 
 void add_row_vector(float* x, int64_t N, int64_t ld, int cols, const float* vec) {
-  if (const OpHooks* h = op_hooks(); h && h->add_row_vector) return h->add_row_vector(x, N, ld, cols, vec);
+  if (auto k = kernel(&OpHooks::add_row_vector)) return k(x, N, ld, cols, vec);
   for (int64_t n = 0; n < N; ++n)
     for (int e = 0; e < cols; ++e) x[n * ld + e] = x[n * ld + e] + vec[e];
 }
 
 void z_loss_grad(const float* g, const float* lse, int64_t N, int E, float two_zw, float Ng, float* dz) {
-  if (const OpHooks* h = op_hooks(); h && h->z_loss_grad) return h->z_loss_grad(g, lse, N, E, two_zw, Ng, dz);
+  if (auto k = kernel(&OpHooks::z_loss_grad)) return k(g, lse, N, E, two_zw, Ng, dz);
   for (int64_t n = 0; n < N; ++n) {
     const float zc = (two_zw * lse[n]) / Ng;
     for (int e = 0; e < E; ++e) dz[n * E + e] = dz[n * E + e] + zc * g[n * E + e];
@@ -695,7 +691,7 @@ void z_loss_grad(const float* g, const float* lse, int64_t N, int E, float two_z
 }
 
 void synchronize() {
-  if (const OpHooks* h = op_hooks(); h && h->synchronize) h->synchronize();
+  if (auto k = kernel(&OpHooks::synchronize)) k();
 }
 
 }  // namespace ls::ops

@@ -1,5 +1,5 @@
 #include "optim/adamw.h"
-#include "ops/hooks.h"
+#include "ops/dispatch.h"
 #include "common/op_profile.h"
 
 #include <algorithm>
@@ -41,10 +41,10 @@ void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float c
   }
   const float bc1 = 1.0f - p1, bc2 = 1.0f - p2, eps = cfg.eps, wd = cfg.weight_decay;
   // A kernel backend: one launch per slice (elementwise, so the same bits).
-  if (const ops::OpHooks* h = ops::op_hooks(); h && h->adamw) {
+  if (auto k = ops::kernel(&ops::OpHooks::adamw)) {
     for (const AdamWSlice& sl : slices)
       if (sl.n > 0)
-        h->adamw(sl.w, sl.g, sl.m, sl.v, sl.n, sl.decay, b1, b2, omb1, omb2, bc1, bc2, eps, wd, lr, clip, clip_scale);
+        k(sl.w, sl.g, sl.m, sl.v, sl.n, sl.decay, b1, b2, omb1, omb2, bc1, bc2, eps, wd, lr, clip, clip_scale);
     ops::synchronize();  // the host may read the state next (hashes, checkpoints)
     return;
   }

@@ -11,8 +11,6 @@
 #include "common/error.h"
 #include "common/numerics_level.h"
 #include "common/op_profile.h"
-#include "emu/backend.h"
-#include "ops/hooks.h"
 #include "ops/local.h"
 #include "contract.h"
 #include "data/corpus.h"
@@ -20,7 +18,7 @@
 #include "optim/adamw.h"
 #include "reference.h"
 #include "runner/cluster_trainer.h"
-#include "runner/cuda_backend.h"
+#include "runner/execution_target.h"
 #include "runner/data_lanes.h"
 #include "ckpt/checkpointer.h"
 #include "ckpt/lease.h"
@@ -743,32 +741,12 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   // The scenario's string (the loader accepts portable or local), compared once.
   const NumericsLevel level = s.level == "local" ? NumericsLevel::kLocal : NumericsLevel::kPortable;
   if (level == NumericsLevel::kLocal) r.local_gemm = ops::local::gemm_library();
-  // The level is process-wide (the ranks of an in-process mesh are threads of this run).
-  if (level == NumericsLevel::kLocal && opt.backend == Backend::kReference)
-    throw UserError("numerics.level=local: the reference is the contract's definition and runs portable only; use "
-                    "the engine backend");
-  set_numerics_level(level);
-  struct BackToDefaults {  // however the run ends: other work in this process is portable, on the engine's ops
-    ~BackToDefaults() {
-      set_numerics_level(NumericsLevel::kPortable);
-      ops::set_op_hooks(nullptr);
-      ops::set_memory_hooks(nullptr);
-      ops::set_memory_hooks(nullptr, ops::MemoryKind::kStaging);
-    }
-  } back_to_defaults;
-  if (opt.backend == Backend::kCudaEmulated) {
-    if (level == NumericsLevel::kLocal)
-      throw UserError("numerics.level=local: the emulated kernels are portable only (--backend cuda runs the local level with cuBLAS)");
-    ops::set_op_hooks(&emu::kernel_hooks());
-    ops::set_memory_hooks(&emu::registered_memory());  // and every launch checks its pointers lie in it
-  }
-  if (opt.backend == Backend::kCuda) {
-    const cuda::Backend& gpu = open_cuda_backend();  // throws, saying why, without a usable GPU
-    ops::set_op_hooks(level == NumericsLevel::kLocal ? gpu.local_hooks : gpu.hooks);  // local: cuBLAS GEMMs
-    ops::set_memory_hooks(gpu.memory);
-    ops::set_memory_hooks(gpu.pinned, ops::MemoryKind::kStaging);
-    r.device = gpu.device;
-  }
+  // Backend and level, process-wide for the run (the ranks of an in-process mesh are threads of this run);
+  // however the run ends, other work in this process is portable, on the engine's ops. Throws for a combination
+  // that does not exist.
+  const ops::ExecutionTarget target = execution_target(opt.backend, level);
+  const ops::ScopedExecutionTarget installed(target);
+  r.device = target.device;
   TrainingRun run(s, opt, r);
   run.take_lease();
   if (!opt.resume.empty() && !run.resume()) return r;  // the checkpoint is the final step

@@ -1,0 +1,40 @@
+#include "runner/execution_target.h"
+
+#include "common/error.h"
+#include "emu/backend.h"
+#include "runner/cuda_backend.h"
+
+namespace ls {
+
+ops::ExecutionTarget execution_target(Backend backend, NumericsLevel level) {
+  const bool local = level == NumericsLevel::kLocal;
+  ops::ExecutionTarget t;
+  t.level = level;
+  switch (backend) {
+    case Backend::kReference:  // runs none of the engine's ops
+      if (local)
+        throw UserError("numerics.level=local: the reference is the contract's definition and runs portable only; "
+                        "use the engine backend");
+      return t;
+    case Backend::kEngine:
+      return t;
+    case Backend::kCudaEmulated:
+      if (local)
+        throw UserError("numerics.level=local: the emulated kernels are portable only (--backend cuda runs the local "
+                        "level with cuBLAS)");
+      t.kernels = &emu::kernel_hooks();
+      t.memory = &emu::registered_memory();  // and every launch checks its pointers lie in it
+      return t;
+    case Backend::kCuda: {
+      const cuda::Backend& gpu = open_cuda_backend();  // throws, saying why, without a usable GPU
+      t.kernels = local ? gpu.local_hooks : gpu.hooks;  // local: cuBLAS GEMMs, the contract kernels for the rest
+      t.memory = gpu.memory;                            // managed memory
+      t.staging = gpu.pinned;                           // page-locked checkpoint staging
+      t.device = gpu.device;
+      return t;
+    }
+  }
+  return t;
+}
+
+}  // namespace ls

@@ -1,0 +1,17 @@
+// The one place a run's backend (--backend) and numerics level
+// (numerics.level) are chosen together: which kernel table, memory and level
+// the engine's ops run with (ops/dispatch.h). run_scenario installs the
+// result for the run.
+#pragma once
+
+#include "common/numerics_level.h"
+#include "ops/dispatch.h"
+#include "runner/runner.h"
+
+namespace ls {
+
+// Throws UserError for a combination that does not exist (local on the
+// reference or on the emulated kernels) and, for `cuda`, without a usable GPU.
+ops::ExecutionTarget execution_target(Backend backend, NumericsLevel level);
+
+}  // namespace ls
