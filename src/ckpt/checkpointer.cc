@@ -38,6 +38,12 @@ std::string message_of(std::exception_ptr error) {
   }
 }
 
+// Whether this process holds trainer rank r of `ranks`: each process holds an
+// even block of them (under MPI one each; alone, all).
+bool holds_rank(const Communicator& processes, int ranks, int r) {
+  return r / std::max(1, ranks / processes.size()) == processes.rank();
+}
+
 }  // namespace
 
 void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context) {
@@ -91,7 +97,8 @@ CheckpointWriter::CheckpointWriter(const CheckpointConfig& cfg, std::shared_ptr<
                                    nlohmann::json scenario, std::string fingerprint, nlohmann::json mesh,
                                    Communicator* mpi)
     : cfg_(cfg), store_(std::move(store)), scenario_(std::move(scenario)), mesh_(std::move(mesh)),
-      fingerprint_(std::move(fingerprint)), mpi_(mpi) {}
+      fingerprint_(std::move(fingerprint)), mpi_(mpi),
+      solo_(mpi ? nullptr : solo_communicator()), processes_(mpi ? mpi : solo_.get()) {}
 
 template <class F>
 auto CheckpointWriter::retry(F f) -> decltype(f()) {
@@ -127,7 +134,7 @@ void CheckpointWriter::note_failed_save(int64_t step, std::exception_ptr error) 
     std::lock_guard<std::mutex> lk(mu_);
     ++trouble_.failed_saves;
   }
-  if (!mpi_ || mpi_->rank() == 0)
+  if (processes_->rank() == 0)
     std::fprintf(stderr,
                  "lockstep: warning: the checkpoint of step %lld failed after %.0f s of retries (%s); training "
                  "continues and the next save tries again (ckpt.on_failure=continue)\n",
@@ -156,6 +163,9 @@ CheckpointWriter::~CheckpointWriter() {
 
 void CheckpointWriter::save(int64_t step, Trainer& trainer) {
   const double t0 = now();
+  // Two data flows stay apart: across processes the commit is a collective
+  // on this thread (settle_oldest, at poll and here); alone, each upload's
+  // own thread commits as soon as its objects are written.
   if (mpi_) {
     // Back-pressure: settle the oldest until a slot is free (the same on
     // every rank: pending_ changes only by agreed settles).
@@ -189,7 +199,7 @@ void CheckpointWriter::save(int64_t step, Trainer& trainer) {
     records_.push_back(rec);
   }
   job->started = now();
-  if (mpi_) {
+  if (mpi_) {  // write now, commit when every process has written (settle_oldest)
     pending_.push_back(job);
     Job* j = job.get();
     auto write = [this, j] {
@@ -257,7 +267,7 @@ void CheckpointWriter::write_objects(Job& job) {
   std::vector<std::exception_ptr> errors(ranks);
   std::vector<std::thread> uploaders;
   for (int r = 0; r < ranks; ++r) {
-    if (mpi_ && r != mpi_->rank()) continue;
+    if (!holds_rank(*processes_, ranks, r)) continue;
     uploaders.emplace_back([&, r] {
       try {
         std::vector<TensorSlice> slices;
@@ -365,9 +375,9 @@ bool CheckpointWriter::settle_oldest(bool wait) {
     if (wait) cv_.wait(lk, [&] { return job->written; });
     state = !job->written ? 0 : job->error ? 2 : 1;
   }
-  const int R = mpi_->size(), me = mpi_->rank();
+  const int R = processes_->size(), me = processes_->rank();
   std::vector<int32_t> states(R);
-  mpi_->all_gather(&state, states.data(), std::vector<size_t>(R, sizeof state));
+  processes_->all_gather(&state, states.data(), std::vector<size_t>(R, sizeof state));
   int failed = -1;
   for (int r = 0; r < R; ++r) {
     if (states[r] == 0) return false;  // somebody is still uploading
@@ -385,7 +395,7 @@ bool CheckpointWriter::settle_oldest(bool wait) {
   if (failed >= 0) {
     recycle();
     try {
-      share_error(*mpi_, failed, me == failed ? job->error : nullptr, context);
+      share_error(*processes_, failed, me == failed ? job->error : nullptr, context);
     } catch (...) {
       settled(*job, std::current_exception());
       // Every rank got the same kind of error: all let it go, or none.
@@ -406,15 +416,15 @@ bool CheckpointWriter::settle_oldest(bool wait) {
       head["pieces"].push_back({p.name, p.global_shape, p.global_begin, p.global_end});
     const std::string text = head.dump();
     const uint64_t n = text.size();
-    mpi_->send(&n, sizeof n, 0);
-    mpi_->send(text.data(), n, 0);
-    for (const StatePiece& p : job->staged[me]) mpi_->send(p.data.data(), p.data.size() * 4, 0);
+    processes_->send(&n, sizeof n, 0);
+    processes_->send(text.data(), n, 0);
+    for (const StatePiece& p : job->staged[me]) processes_->send(p.data.data(), p.data.size() * 4, 0);
   } else {
     for (int r = 1; r < R; ++r) {
       uint64_t n = 0;
-      mpi_->recv(&n, sizeof n, r);
+      processes_->recv(&n, sizeof n, r);
       std::string text(n, '\0');
-      mpi_->recv(text.data(), n, r);
+      processes_->recv(text.data(), n, r);
       const nlohmann::json head = nlohmann::json::parse(text);
       job->objects[r] = {head["key"], head["size"], head["xxh128"], r};
       job->put_seconds[r] = head["put_seconds"];
@@ -422,7 +432,7 @@ bool CheckpointWriter::settle_oldest(bool wait) {
       for (const auto& p : head["pieces"]) {
         StatePiece piece{p[0], p[1].get<std::vector<int64_t>>(), p[2], p[3], {}};
         piece.data.resize(piece.global_end - piece.global_begin);
-        mpi_->recv(piece.data.data(), piece.data.size() * 4, r);
+        processes_->recv(piece.data.data(), piece.data.size() * 4, r);
         job->staged[r].push_back(std::move(piece));
       }
     }
@@ -441,7 +451,7 @@ bool CheckpointWriter::settle_oldest(bool wait) {
   }
   recycle();
   try {
-    share_error(*mpi_, 0, error, context);
+    share_error(*processes_, 0, error, context);
   } catch (...) {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -473,7 +483,6 @@ void CheckpointWriter::settled(const Job& job, std::exception_ptr error) {
 }
 
 void CheckpointWriter::poll() {
-  if (!mpi_) return;
   while (!pending_.empty() && settle_oldest(false)) {
   }
 }
@@ -504,10 +513,10 @@ void CheckpointWriter::collect_garbage() {
 }
 
 void CheckpointWriter::finish() {
-  if (mpi_) {
-    while (!pending_.empty()) settle_oldest(true);
-    return;
-  }
+  // Saves across processes wait in pending_ for a collective commit; saves
+  // of this process alone commit on their threads_ (each set is empty in
+  // the other case).
+  while (!pending_.empty()) settle_oldest(true);
   std::vector<std::thread> threads;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -547,6 +556,8 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
                             Communicator* mpi, const std::optional<RetryPolicy>& retry) {
   if (mode != "broadcast" && mode != "naive")
     throw UserError("ckpt.restore: must be broadcast or naive, got \"" + mode + "\"");
+  std::unique_ptr<Communicator> solo = mpi ? nullptr : solo_communicator();
+  Communicator& processes = mpi ? *mpi : *solo;  // those that agree on the outcome
   const double t0 = now();
   const uint64_t read_before = store.metrics_snapshot().bytes_read;
   RestoreReport rep;
@@ -564,7 +575,7 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
   std::vector<std::vector<std::vector<float>>> buffers(world);
   std::vector<std::vector<int64_t>> filled(world);
   for (int r = 0; r < world; ++r) {
-    if (mpi && r != mpi->rank()) continue;  // held by another process
+    if (!holds_rank(processes, world, r)) continue;  // held by another process
     needs[r] = trainer.state_needs(r);
     for (const StatePiece& n : needs[r]) buffers[r].emplace_back(n.global_end - n.global_begin);
     filled[r].assign(needs[r].size(), 0);
@@ -649,29 +660,29 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
       take(r, o, bytes);
     }
   };
-  if (mpi) {
-    // A rank that failed alone (naive mode reads on its own) must not leave
-    // the others waiting in the next collective: agree first, on the kind
-    // too, so that every rank falls back (corrupt) or stops (anything else).
-    std::exception_ptr error;
-    bool corrupt = false;
-    try {
+  // A process that failed alone (naive mode reads on its own) must not leave
+  // the others waiting in the next collective: agree first, on the kind
+  // too, so that every process falls back (corrupt) or stops (anything else).
+  std::exception_ptr error;
+  bool corrupt = false;
+  try {
+    // The ranks are processes under MPI, threads of this one otherwise.
+    if (mpi)
       body(*mpi);
-    } catch (const CorruptCheckpoint&) {
-      error = std::current_exception();
-      corrupt = true;
-    } catch (...) {
-      error = std::current_exception();
-    }
-    int64_t failed[2] = {error && corrupt ? 1 : 0, error && !corrupt ? 1 : 0};  // corrupt, other
-    mpi->all_reduce_sum(failed, 2);
-    if (error) std::rethrow_exception(error);
-    const std::string elsewhere = store.url() + ": restore of step " + std::to_string(m.step) + " failed on another rank";
-    if (failed[1]) throw UserError(elsewhere);
-    if (failed[0]) throw CorruptCheckpoint(elsewhere + ": a corrupt object");
-  } else {
-    run_in_process(world, body);
+    else
+      run_in_process(world, body);
+  } catch (const CorruptCheckpoint&) {
+    error = std::current_exception();
+    corrupt = true;
+  } catch (...) {
+    error = std::current_exception();
   }
+  int64_t failed[2] = {error && corrupt ? 1 : 0, error && !corrupt ? 1 : 0};  // corrupt, other
+  processes.all_reduce_sum(failed, 2);
+  if (error) std::rethrow_exception(error);
+  const std::string elsewhere = store.url() + ": restore of step " + std::to_string(m.step) + " failed on another rank";
+  if (failed[1]) throw UserError(elsewhere);
+  if (failed[0]) throw CorruptCheckpoint(elsewhere + ": a corrupt object");
   std::string uncovered;
   for (int r = 0; r < world; ++r)
     for (size_t i = 0; i < needs[r].size() && uncovered.empty(); ++i) {
@@ -680,9 +691,9 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
         uncovered = store.url() + ": checkpoint of step " + std::to_string(m.step) + " does not cover " + n.name +
                     " [" + std::to_string(n.global_begin) + ", " + std::to_string(n.global_end) + ")";
     }
-  if (mpi) {  // agreed: every process loads, or none does
+  {  // agreed: every process loads, or none does
     int64_t bad = uncovered.empty() ? 0 : 1;
-    mpi->all_reduce_sum(&bad, 1);
+    processes.all_reduce_sum(&bad, 1);
     if (bad && uncovered.empty())
       uncovered = store.url() + ": checkpoint of step " + std::to_string(m.step) + " does not cover what " +
                   std::to_string(bad) + " other rank(s) hold";
@@ -691,7 +702,7 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
   for (int r = 0; r < world; ++r)
     for (size_t i = 0; i < needs[r].size(); ++i) trainer.load_piece(r, needs[r][i], buffers[r][i].data());
   int64_t read = (int64_t)(store.metrics_snapshot().bytes_read - read_before);
-  if (mpi) mpi->all_reduce_sum(&read, 1);  // every process's reads
+  processes.all_reduce_sum(&read, 1);  // every process's reads
   rep.store_bytes_read = (uint64_t)read;
   rep.seconds = now() - t0;
   return rep;

@@ -138,7 +138,9 @@ class CheckpointWriter {
   StoreTrouble trouble_;  // under mu_
   std::function<void(const SaveRecord&, const std::string&)> settled_hook_;
   void settled(const Job& job, std::exception_ptr error);  // calls settled_hook_
-  Communicator* mpi_ = nullptr;
+  Communicator* mpi_ = nullptr;  // chooses the data flow of save (see save())
+  std::unique_ptr<Communicator> solo_;  // processes_ when this process is alone
+  Communicator* processes_ = nullptr;   // the processes sharing this checkpoint: mpi_, or solo_
   std::deque<std::shared_ptr<Job>> pending_;  // MPI: saved, not yet committed (oldest first)
 };
 

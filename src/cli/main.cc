@@ -160,9 +160,7 @@ std::vector<std::string> g_args;
 // --launcher mpi: this process becomes `mpirun -np mesh.dp lockstep ...` with
 // the same arguments (less --launcher), one rank per process.
 [[noreturn]] void exec_under_mpirun(const Scenario& s, const char* self) {
-  if (!mpi_available())
-    throw UserError("--launcher mpi: this lockstep was built without MPI (install libopenmpi-dev via "
-                    "scripts/install-deps.sh, then meson setup --reconfigure build)");
+  require_mpi("--launcher mpi");
   std::vector<std::string> cmd = mpirun_command(s.mesh.dp);
   cmd.push_back(self);
   for (size_t i = 1; i < g_args.size(); ++i) {
@@ -488,9 +486,7 @@ RunResult run_under_mpirun(const std::string& spath, const Scenario& s, int thre
 int cmd_check(const CheckArgs& a) {
   if (a.launcher != "threads" && a.launcher != "mpi")
     throw UserError("--launcher: 'threads' or 'mpi', got '" + a.launcher + "'");
-  if (a.launcher == "mpi" && !mpi_available())
-    throw UserError("--launcher mpi: this lockstep was built without MPI (install libopenmpi-dev via "
-                    "scripts/install-deps.sh, then meson setup --reconfigure build)");
+  if (a.launcher == "mpi") require_mpi("--launcher mpi");
   // (golden file, scenario path) pairs.
   std::vector<std::pair<std::string, std::string>> work;
   if (a.scenarios.empty()) {

@@ -76,6 +76,11 @@ class Communicator {
   CommStats stats;
 };
 
+// A world of one rank, used from the calling thread: every collective hands
+// back this rank's own data. For code that runs one algorithm whether or not
+// it has peers.
+std::unique_ptr<Communicator> solo_communicator();
+
 // An in-process world of `size` ranks, each run on its own thread. The body
 // runs once per rank with that rank's communicator; an exception in any rank
 // is rethrown here after every rank has stopped. `jitter_seed` != 0 makes

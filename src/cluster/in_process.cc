@@ -265,6 +265,10 @@ class InProcessComm : public Communicator {
 
 }  // namespace
 
+std::unique_ptr<Communicator> solo_communicator() {
+  return std::make_unique<InProcessComm>(std::make_shared<Hub>(1), 0, 0);
+}
+
 void run_in_process(int size, const std::function<void(Communicator&)>& body, uint64_t jitter_seed) {
   auto hub = std::make_shared<Hub>(size);
   std::vector<std::exception_ptr> errors(size);

@@ -1,45 +1,20 @@
+// The MPI build's half of cluster/mpi.h (meson compiles this file when it
+// finds MPI, mpi_stub.cc otherwise; mpirun.cc is in both).
 #include "cluster/mpi.h"
 
-#include <unistd.h>
+#include <mpi.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "common/error.h"
-#include "contract.h"
-
-#ifdef LOCKSTEP_HAVE_MPI
-#include <mpi.h>
-#endif
-
 namespace ls {
 
-bool launched_by_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
-
-std::vector<std::string> mpirun_command(int np) {
-  std::vector<std::string> cmd = {"mpirun"};
-  if (geteuid() == 0) cmd.push_back("--allow-run-as-root");
-  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  if (np > cores) cmd.push_back("--oversubscribe");
-  cmd.push_back("-np");
-  cmd.push_back(std::to_string(np));
-  return cmd;
-}
-
-#ifndef LOCKSTEP_HAVE_MPI
-
-bool mpi_available() { return false; }
-Communicator& mpi_world() {
-  throw UserError("this lockstep was built without MPI: install libopenmpi-dev (scripts/install-deps.sh) and "
-                  "reconfigure the build (meson setup --reconfigure build)");
-}
-
-#else
-
 bool mpi_available() { return true; }
+void require_mpi(const std::string&) {}
 
 namespace {
 
@@ -219,7 +194,5 @@ Communicator& mpi_world() {
   static World world;
   return *world.comm;
 }
-
-#endif
 
 }  // namespace ls

@@ -14,6 +14,9 @@ namespace ls {
 
 // Whether this build has MPI (meson found it; scripts/install-deps.sh installs Open MPI).
 bool mpi_available();
+// Without MPI: UserError "<what>: this lockstep was built without MPI (how to
+// get it)". With MPI: nothing.
+void require_mpi(const std::string& what);
 // True when this process runs under mpirun (Open MPI's environment).
 bool launched_by_mpirun();
 // The mpirun command line that starts `np` processes here: Open MPI's flags

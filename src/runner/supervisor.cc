@@ -320,9 +320,7 @@ Supervision::Supervision(const SuperviseOptions& opt)
   planned_ = s_.faults;  // bad specs: exit 2 before anything runs
   for (const std::string& f : opt.faults) planned_.push_back(parse_fault(f));
   if (opt.launcher != "threads" && !mpi_) throw UserError("--launcher: 'threads' or 'mpi', got '" + opt.launcher + "'");
-  if (mpi_ && !mpi_available())
-    throw UserError("--launcher mpi: this lockstep was built without MPI (install libopenmpi-dev via "
-                    "scripts/install-deps.sh, then meson setup --reconfigure build)");
+  if (mpi_) require_mpi("--launcher mpi");
   if (s_.ckpt.url.empty() || s_.ckpt.every <= 0)
     throw UserError("ckpt.url / ckpt.every: a supervised run restarts from committed checkpoints; set both "
                     "(e.g. --set ckpt.url=/tmp/run --set ckpt.every=5)");
