@@ -545,13 +545,6 @@ std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text) {
   return {text, -1};
 }
 
-namespace {
-template <class F>
-auto read_retrying(const std::optional<RetryPolicy>& retry, F f) -> decltype(f()) {
-  return retry ? with_retry_budget(f, *retry) : with_retries(f);
-}
-}  // namespace
-
 RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode,
                             Communicator* mpi, const std::optional<RetryPolicy>& retry) {
   if (mode != "broadcast" && mode != "naive")

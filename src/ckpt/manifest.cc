@@ -272,13 +272,6 @@ int64_t step_of_manifest_key(const std::string& key) {
   return manifest_key(step) == key ? step : -1;  // only the canonical spelling
 }
 
-namespace {
-template <class F>
-auto read_retrying(const std::optional<RetryPolicy>& retry, F f) -> decltype(f()) {
-  return retry ? with_retry_budget(f, *retry) : with_retries(f);
-}
-}  // namespace
-
 std::vector<int64_t> committed_steps(ObjectStore& store, const std::optional<RetryPolicy>& retry) {
   std::vector<int64_t> steps;
   for (const std::string& key : read_retrying(retry, [&] { return store.list("step-"); })) {

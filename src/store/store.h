@@ -241,4 +241,11 @@ auto with_retries(F f, int attempts = 5, double base_seconds = 0.05) -> decltype
   }
 }
 
+// A read under the run's retry budget when it has one (ckpt.retry_seconds),
+// else under with_retries' few quick attempts.
+template <class F>
+auto read_retrying(const std::optional<RetryPolicy>& retry, F f) -> decltype(f()) {
+  return retry ? with_retry_budget(f, *retry) : with_retries(f);
+}
+
 }  // namespace ls
