@@ -27,10 +27,14 @@ struct MeshReport {
   int64_t expert_gemm_calls = 0, all_to_all_calls = 0, all_to_all_bytes = 0;
   int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;  // per rank, the largest
   int64_t peak_routed_bytes = 0, peak_grad_state_bytes = 0;
-  void add(const MoeStats& st) {  // one rank's step
+  // One rank's step. count_rows: false for the tensor-parallel ranks past
+  // the first of their group, which compute parts of the same rows.
+  void add(const MoeStats& st, bool count_rows = true) {
     rounds = std::max(rounds, st.rounds);
-    borrowed += st.borrowed;
-    dropped += st.dropped;
+    if (count_rows) {
+      borrowed += st.borrowed;
+      dropped += st.dropped;
+    }
     expert_gemm_calls += st.expert_gemm_calls;
     all_to_all_calls += st.all_to_all_calls;
     all_to_all_bytes += st.all_to_all_bytes;

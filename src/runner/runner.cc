@@ -288,10 +288,12 @@ RunOptions::Bump parse_bump(const std::string& text) {
   return b;
 }
 
-bool is_multi_rank(const Scenario& s) { return s.mesh.dp > 1 || s.mesh.ep > 1 || s.mesh.fsdp; }
+bool is_multi_rank(const Scenario& s) { return s.mesh.world() > 1 || s.mesh.ep > 1 || s.mesh.fsdp; }
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
   // cuda-emulated and cuda train the engine's model; run_scenario installs the kernels for the run.
+  if (s.mesh.tp > 1 && b != Backend::kEngine)
+    throw UserError("mesh.tp: a tensor-parallel mesh runs on --backend engine only for now");
   if (b != Backend::kReference && is_multi_rank(s)) return std::make_unique<ClusterTrainer>(s);
   if (b != Backend::kReference) return std::make_unique<EngineTrainer>(s);
   if (is_multi_rank(s) || s.model.moe_policy == MoePolicy::kDrop)
@@ -370,10 +372,11 @@ void TrainingRun::make_trainer() {
   const Scenario& s = s_;
   const RunOptions& opt = opt_;
   if (opt.mpi) {  // one rank per process
-    if (opt.mpi->size() != s.mesh.dp)
-      throw UserError("mpirun started " + std::to_string(opt.mpi->size()) + " processes but mesh.dp = " +
-                      std::to_string(s.mesh.dp) + ": one process per rank (use --set mesh.dp=" +
-                      std::to_string(opt.mpi->size()) + " or mpirun -np " + std::to_string(s.mesh.dp) + ")");
+    if (opt.mpi->size() != s.mesh.world())
+      throw UserError("mpirun started " + std::to_string(opt.mpi->size()) + " processes but mesh.dp x mesh.tp = " +
+                      std::to_string(s.mesh.dp) + " x " + std::to_string(s.mesh.tp) + " = " +
+                      std::to_string(s.mesh.world()) + ": one process per rank (mpirun -np " +
+                      std::to_string(s.mesh.world()) + ")");
     if (opt.backend != Backend::kEngine) throw UserError("--backend: under mpirun only the engine runs");
     if (opt.mpi->size() > 1) {
       if (!opt.trace_path.empty()) throw UserError("--trace: tracing needs mesh.dp=1 (one process)");
@@ -784,7 +787,8 @@ nlohmann::json result_json(const RunResult& r) {
   nlohmann::json hashes = nlohmann::json::object();
   for (auto& [step, h] : r.state_hashes) hashes[std::to_string(step)] = h;
   j["state_hashes"] = hashes;
-  j["mesh"] = {{"dp", r.mesh.dp}, {"ep", r.mesh.ep}, {"fsdp", r.mesh.fsdp}, {"replicate", r.mesh.replicate}};
+  j["mesh"] = {{"dp", r.mesh.dp}, {"ep", r.mesh.ep}, {"fsdp", r.mesh.fsdp}, {"replicate", r.mesh.replicate},
+               {"tp", r.mesh.tp}};
   j["moe"] = {{"rounds", r.moe_rounds},
               {"borrowed", r.moe_borrowed},
               {"dropped", r.moe_dropped},

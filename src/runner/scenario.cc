@@ -499,6 +499,26 @@ std::vector<Row> make_rows() {
                   return "must divide moe.experts = " + show(s.model.experts) + ", got " + show(v);
                 return std::string();
               }}}),
+      field("mesh.tp", [](S& s) -> int& { return s.mesh.tp; },
+            "Tensor-parallel ranks per data-parallel rank (world = mesh.dp x mesh.tp): attention heads and "
+            "the experts' hidden features are split across them; a fold over a split feature is chained "
+            "from rank to rank in the contract's order (docs/NUMERICS.md), so the bits do not depend on it.",
+            {in_range(1, 64),
+             {"divides model.n_heads and model.d_ff", [](const S& s, int v) {
+                if (s.model.n_heads % v != 0)
+                  return "must divide model.n_heads = " + show(s.model.n_heads) + ", got " + show(v);
+                if (s.model.d_ff % v != 0) return "must divide model.d_ff = " + show(s.model.d_ff) + ", got " + show(v);
+                return std::string();
+              }},
+             {"not yet with mesh.fsdp, checkpoints or numerics.level=local", [](const S& s, int v) {
+                if (v == 1) return std::string();
+                if (s.mesh.fsdp) return "is " + show(v) + " with mesh.fsdp: FSDP over a tensor-parallel mesh is not built yet";
+                if (!s.ckpt.url.empty())
+                  return "is " + show(v) + " with ckpt.url: checkpoints of a tensor-parallel mesh are not built yet";
+                if (s.level == "local")
+                  return "is " + show(v) + " with numerics.level=local: the chained fold needs the portable GEMM";
+                return std::string();
+              }}}),
       // One of the two alone saves nothing, silently: refused, naming both.
       field("ckpt.url", [](S& s) -> std::string& { return s.ckpt.url; },
             "Where checkpoints go: file://DIR (or a plain path) or s3://bucket/prefix; empty = none.",
