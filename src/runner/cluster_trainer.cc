@@ -478,52 +478,73 @@ float* ClusterTrainer::storage(Rank& r, size_t t, const std::string& kind) const
 bool ClusterTrainer::stages(int rank, size_t t) const {
   const ParamInfo& p = ranks_[rank]->model->params()[t];
   const MeshConfig& m = s_.mesh;
-  if (p.expert && m.ep > 1) return rank < m.ep;                    // EP group 0 holds one copy of each slice
-  if (fsdp_sharded(p, m)) return rank < m.dp / m.replicate;         // replica 0's shards
-  return rank == (int)(t % m.dp);                                   // replicated: spread writers by tensor
+  const int d = rank / m.tp;
+  if (p.tp_mid == 0 && rank % m.tp != 0) return false;  // TP rank 0 writes what its group holds alike
+  if (p.expert && m.ep > 1) return d < m.ep;             // EP group 0 holds one copy of each slice
+  if (fsdp_sharded(p, m)) return d < m.dp / m.replicate;  // replica 0's shards
+  if (p.tp_mid > 0) return d == 0;                        // each TP rank of data-parallel rank 0 writes a range
+  return d == (int)(t % m.dp);                            // replicated: spread writers by tensor
 }
 
+// What rank `rank` holds, as global ranges: its range of each tensor; of a
+// tensor-parallel split tensor, whose held part is strided, the whole
+// tensor (its expert-parallel slice), from which load_piece keeps the part.
 std::vector<StatePiece> ClusterTrainer::state_needs(int rank) const {
-  if (s_.mesh.tp > 1)  // the scenario refuses ckpt.url with mesh.tp > 1 first
-    throw UserError("mesh.tp: checkpoints of a tensor-parallel mesh are not built yet");
   std::vector<StatePiece> out;
   const Rank& r = *ranks_[rank];
   const auto& infos = r.model->params();
   for (const char* kind : {"param/", "adam_m/", "adam_v/"})
     for (size_t t = 0; t < infos.size(); ++t) {
+      const ParamInfo& p = infos[t];
       const auto [lo, hi] = range(r, t);
       if (hi <= lo) continue;
-      out.push_back({kind + infos[t].name, infos[t].global_shape, infos[t].global_offset + lo,
-                     infos[t].global_offset + hi, {}});
+      const int64_t end = p.tp_mid > 0 ? p.global_offset + p.size * s_.mesh.tp : p.global_offset + hi;
+      out.push_back({kind + p.name, p.global_shape, p.global_offset + lo, end, {}});
     }
   return out;
 }
 
+// Every global element is staged once. A tensor-parallel split tensor is
+// staged in contiguous ranges: TP rank q of a writing group assembles the
+// tensor (its expert-parallel slice) from the group's parts (an all-gather)
+// and stages the q-th of tp equal ranges, as much as it holds.
 void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
   out.resize(ranks_.size());
-  for (size_t r = 0; r < ranks_.size(); ++r) {
-    if (!ranks_[r]) {  // another process's rank: it stages its own
-      out[r].clear();
-      continue;
-    }
-    const auto& infos = ranks_[r]->model->params();
-    size_t k = 0;  // pieces staged by rank r; buffers of an earlier save are reused in order
-    for (StatePiece& p : state_needs((int)r)) {
-      const size_t slash = p.name.find('/');
-      const std::string kind = p.name.substr(0, slash), name = p.name.substr(slash + 1);
-      size_t t = 0;
-      while (infos[t].name != name) ++t;
-      if (!stages((int)r, t)) continue;
-      if (k == out[r].size()) out[r].emplace_back();
-      ops::StagingVector<float> buffer = std::move(out[r][k].data);
-      buffer.resize(p.global_end - p.global_begin);
-      ops::copy_to_host(buffer.data(), storage(*ranks_[r], t, kind), buffer.size() * sizeof(float));
-      out[r][k] = std::move(p);
-      out[r][k].data = std::move(buffer);
-      ++k;
-    }
-    out[r].resize(k);
-  }
+  for (size_t r = 0; r < ranks_.size(); ++r)
+    if (!ranks_[r]) out[r].clear();  // another process's rank: it stages its own
+  each_rank([&](RankCtx& c) {
+    Rank& rank = c.rank;
+    std::vector<StatePiece>& staged = out[(size_t)rank.index];
+    const auto& infos = rank.model->params();
+    size_t k = 0;  // pieces staged by this rank; buffers of an earlier save are reused in order
+    ops::DeviceVector<float> parts, whole;
+    for (const char* kind : {"param", "adam_m", "adam_v"})
+      for (size_t t = 0; t < infos.size(); ++t) {
+        const ParamInfo& p = infos[t];
+        if (!stages(rank.index, t)) continue;
+        const auto [lo, hi] = range(rank, t);
+        if (hi <= lo) continue;
+        const float* from = storage(rank, t, kind);
+        StatePiece piece{std::string(kind) + "/" + p.name, p.global_shape, p.global_offset + lo, p.global_offset + hi, {}};
+        if (p.tp_mid > 0) {
+          parts.resize((size_t)p.size * c.tp.size());
+          c.tp.all_gather(from, parts.data(), std::vector<size_t>(c.tp.size(), (size_t)p.size * 4));
+          whole.resize(parts.size());
+          assemble_tp_parts(p, parts.data(), c.tp.size(), whole.data());
+          from = whole.data() + (int64_t)rank.tp_index * p.size;
+          piece.global_begin = p.global_offset + (int64_t)rank.tp_index * p.size;
+          piece.global_end = piece.global_begin + p.size;
+        }
+        if (k == staged.size()) staged.emplace_back();
+        ops::StagingVector<float> buffer = std::move(staged[k].data);
+        buffer.resize(piece.global_end - piece.global_begin);
+        ops::copy_to_host(buffer.data(), from, buffer.size() * sizeof(float));
+        staged[k] = std::move(piece);
+        staged[k].data = std::move(buffer);
+        ++k;
+      }
+    staged.resize(k);
+  });
 }
 
 void ClusterTrainer::load_piece(int rank, const StatePiece& need, const float* data) {
@@ -533,7 +554,13 @@ void ClusterTrainer::load_piece(int rank, const StatePiece& need, const float* d
   const std::string kind = need.name.substr(0, slash), name = need.name.substr(slash + 1);
   size_t t = 0;
   while (infos[t].name != name) ++t;
-  std::copy(data, data + (need.global_end - need.global_begin), storage(r, t, kind));
+  const ParamInfo& p = infos[t];
+  float* to = storage(r, t, kind);
+  if (p.tp_mid == 0) {
+    std::copy(data, data + (need.global_end - need.global_begin), to);
+    return;
+  }
+  for (int64_t i = 0; i < p.size; ++i) to[i] = data[p.global_index(i) - need.global_begin];  // the held part
 }
 
 std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {

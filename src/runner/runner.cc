@@ -577,7 +577,8 @@ void TrainingRun::open_writer() {
   if (injector_) to = injector_->wrap(to);
   writer_ = std::make_unique<CheckpointWriter>(
       s_.ckpt, to, s_.resolved, r_.fingerprint,
-      nlohmann::json{{"dp", s_.mesh.dp}, {"ep", s_.mesh.ep}, {"fsdp", s_.mesh.fsdp}, {"replicate", s_.mesh.replicate}},
+      nlohmann::json{{"dp", s_.mesh.dp}, {"ep", s_.mesh.ep}, {"fsdp", s_.mesh.fsdp}, {"replicate", s_.mesh.replicate},
+                     {"tp", s_.mesh.tp}},
       procs_);
   if (injector_) writer_->set_commit_hook([this](int64_t step) { injector_->after_commit(step); });
   // Nothing is committed or deleted by a job that no longer holds the
