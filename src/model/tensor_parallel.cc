@@ -11,6 +11,8 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
     fold(0, passes, false);
     return;
   }
+  // Kernels run asynchronously on a kernel backend: none may still touch the outputs the host is about to write.
+  ops::synchronize();
   // A contiguous output travels itself; scattered outputs through the packed buffer.
   float* buffer = out.data;
   if (!buffer) {
@@ -22,6 +24,7 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
   for (int p = 0; p < passes; ++p) {
     const int segment = p * tp + me;
     if (segment > 0) {
+      ops::synchronize();
       ctx.mesh->tp_recv(buffer, out.floats, previous);
       if (out.unpack) out.unpack(buffer);
     }

@@ -292,8 +292,6 @@ bool is_multi_rank(const Scenario& s) { return s.mesh.world() > 1 || s.mesh.ep >
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
   // cuda-emulated and cuda train the engine's model; run_scenario installs the kernels for the run.
-  if (s.mesh.tp > 1 && b != Backend::kEngine)
-    throw UserError("mesh.tp: a tensor-parallel mesh runs on --backend engine only for now");
   if (b != Backend::kReference && is_multi_rank(s)) return std::make_unique<ClusterTrainer>(s);
   if (b != Backend::kReference) return std::make_unique<EngineTrainer>(s);
   if (is_multi_rank(s) || s.model.moe_policy == MoePolicy::kDrop)
