@@ -87,6 +87,23 @@ TEST_SUITE("tensor_parallel") {
     CHECK(meshes == 9);
   }
 
+  TEST_CASE("a tensor-parallel rank holds fewer weight and activation bytes, measured from its buffers") {
+    const ls::RunResult one = run({}, 1);
+    const ls::RunResult two = run({"mesh.tp=2"}, 1), four = run({"mesh.tp=4"}, 1);
+    CAPTURE(one.weight_bytes);
+    CAPTURE(two.weight_bytes);
+    CAPTURE(one.workspace_bytes);
+    CAPTURE(two.workspace_bytes);
+    CHECK(one.weight_bytes > 0);
+    CHECK(two.weight_bytes < one.weight_bytes);
+    CHECK(four.weight_bytes < two.weight_bytes);
+    CHECK(two.workspace_bytes < one.workspace_bytes);
+    CHECK(four.workspace_bytes < two.workspace_bytes);
+    // Weights and gradients: exactly what the rank's slices hold.
+    const ls::Scenario s = scenario({});
+    CHECK(two.weight_bytes == 2 * 4 * ls::count_weights(s.model, 1, 2));
+  }
+
   TEST_CASE("the CUDA kernels, emulated, give the same bits on a tensor-parallel mesh") {
     // Kernels launch asynchronously: a chained fold must wait for them before the host hands partials on.
     const ls::RunResult one = run({}, 1);

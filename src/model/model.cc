@@ -219,7 +219,10 @@ void MoeTransformer::set_moe_stats_from_lanes(const std::vector<const MoeStats*>
     st.peak_dispatch_bytes = std::max(st.peak_dispatch_bytes, lane->peak_dispatch_bytes);
     st.peak_routed_bytes = std::max(st.peak_routed_bytes, lane->peak_routed_bytes);
     st.peak_grad_state_bytes = std::max(st.peak_grad_state_bytes, lane->peak_grad_state_bytes);
+    st.workspace_bytes += lane->workspace_bytes;  // the lanes are one rank's threads: their buffers add up
+    st.weight_bytes += lane->weight_bytes;        // a lane's own gradients (it reads these weights)
   }
+  st.weight_bytes += (int64_t)(w_.capacity() + g_.capacity()) * (int64_t)sizeof(float);
   stats_ = st;
 }
 
@@ -345,7 +348,32 @@ void MoeTransformer::backward_range(int first, int last, const float* grad_out, 
   if (first == 0 && ctx.trace)
     for (const ParamInfo& p : infos_) ctx.trace_tensor("grad", -1, "param", p.name.c_str(), g_.data() + p.offset, p.shape);
   ops::synchronize();  // the gradients are done: the trainer's collectives and optimizer may read them
+  stats_.workspace_bytes = ws_->allocated_bytes();
+  stats_.weight_bytes = (int64_t)(w_.capacity() + g_.capacity()) * (int64_t)sizeof(float);
   if (first > 0 && grad_in) ops::copy_to_host(grad_in, ws_->dh.data(), sizeof(float) * N * D);
+}
+
+namespace {
+template <class T>
+int64_t allocated(const ops::DeviceVector<T>& v) { return (int64_t)(v.capacity() * sizeof(T)); }
+}  // namespace
+
+int64_t StepWorkspace::allocated_bytes() const {
+  int64_t n = 0;
+  for (const LayerActs& a : layers) {
+    for (const auto* v : {&a.x, &a.attn_in, &a.attn_inv_rms, &a.qkv, &a.attn_probs, &a.attn_out, &a.mid, &a.moe_in,
+                          &a.moe_inv_rms, &a.router_logits, &a.gates, &a.router_lse, &a.ye, &a.shared_u, &a.shared_v,
+                          &a.shared_gate, &a.shared_act, &a.shared_out, &a.rows.x, &a.rows.u, &a.rows.v, &a.rows.sg})
+      n += allocated(*v);
+    n += allocated(a.sel) + allocated(a.row_of);
+  }
+  for (const auto* v : {&h, &final_out, &final_inv_rms, &logits, &prob, &lse, &loss, &dh, &dtmp, &dlogits, &dye, &dxe,
+                        &dg, &dz, &dmoe_in, &dattn_out, &dqkv, &shared_dact, &shared_du, &shared_dv, &shared_dx,
+                        &router_sums, &slots.x, &slots.act, &slots.y, &slots.dy, &slots.dact, &slots.du, &slots.dv,
+                        &slots.dx, &send, &recv, &row_vector, &tp_partial})
+    n += allocated(*v);
+  for (const auto& v : grad_state) n += allocated(v);
+  return n;
 }
 
 // A step: every block forward, then (training) every block backward.

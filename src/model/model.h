@@ -85,6 +85,9 @@ struct MoeStats {
   int64_t peak_dispatch_bytes = 0;         // the per-round all-to-all send and receive buffers
   int64_t peak_routed_bytes = 0;           // what is kept per routed row (u, v, inputs, outputs) for the backward
   int64_t peak_grad_state_bytes = 0;       // leaf-tree state of gradients spanning rounds
+  // Measured: what the model holds, in bytes, after its last step.
+  int64_t workspace_bytes = 0;             // activations and scratch: the allocated size of every step buffer
+  int64_t weight_bytes = 0;                // parameters and their gradients (the rank's slices)
 };
 
 // What a training step keeps allocated for `batch` samples on one rank, in bytes: a
@@ -172,7 +175,8 @@ class MoeTransformer {
   const MoeStats& moe_stats() const { return stats_; }
   // The statistics of a step that other models ran in data-parallel lanes
   // (each over consecutive samples): tokens per expert summed; what they
-  // executed summed (rounds: the most; memory: the largest lane's).
+  // executed summed (rounds: the most; MoE buffers: the largest lane's; the
+  // workspace and weight bytes: this model's and every lane's together).
   void set_moe_stats_from_lanes(const std::vector<const MoeStats*>& lanes);
   // Tensors of forward_backward() go to `sink` (nullptr: no tracing).
   void set_trace(TraceSink* sink) { trace_ = sink; }

@@ -80,6 +80,8 @@ struct StepWorkspace {
   std::vector<ops::DeviceVector<float>> grad_state;  // LeafFold state per (expert, gradient)
   ExpertWeightGrads expert_grads;               // the backward's expert weight gradients, reused by every layer
   ops::DeviceVector<float> tp_partial;          // tensor parallel: a chained fold's partial outputs, packed
+  // Measured: the bytes every float buffer above holds allocated (capacities), the layers' included.
+  int64_t allocated_bytes() const;
 };
 
 // One step as the blocks see it.

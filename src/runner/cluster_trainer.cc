@@ -584,7 +584,7 @@ MeshReport ClusterTrainer::mesh_report() const {
     static const char* kKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send"};
     std::vector<int64_t> rec = {st.rounds, st.borrowed, st.dropped, st.expert_gemm_calls, st.all_to_all_calls,
                                 st.all_to_all_bytes, st.peak_expert_bytes, st.peak_dispatch_bytes,
-                                st.peak_routed_bytes, st.peak_grad_state_bytes};
+                                st.peak_routed_bytes, st.peak_grad_state_bytes, st.workspace_bytes, st.weight_bytes};
     for (const char* k : kKinds) rec.push_back(me.comm.bytes_sent.count(k) ? (int64_t)me.comm.bytes_sent.at(k) : -1);
     rec.push_back((int64_t)(me.comm.seconds * 1e9));  // nanoseconds in collectives
     const int R = mpi_->size();
@@ -603,9 +603,11 @@ MeshReport ClusterTrainer::mesh_report() const {
       s.peak_dispatch_bytes = x[7];
       s.peak_routed_bytes = x[8];
       s.peak_grad_state_bytes = x[9];
+      s.workspace_bytes = x[10];
+      s.weight_bytes = x[11];
       rep.add(s, /*count_rows=*/r % s_.mesh.tp == 0);
       for (size_t k = 0; k < sizeof kKinds / sizeof *kKinds; ++k)
-        if (x[10 + k] >= 0) rep.bytes_sent_max[kKinds[k]] = std::max<uint64_t>(rep.bytes_sent_max[kKinds[k]], x[10 + k]);
+        if (x[12 + k] >= 0) rep.bytes_sent_max[kKinds[k]] = std::max<uint64_t>(rep.bytes_sent_max[kKinds[k]], x[12 + k]);
       rep.comm_seconds_max = std::max(rep.comm_seconds_max, (double)x[rec.size() - 1] * 1e-9);
     }
     return rep;

@@ -673,6 +673,8 @@ void TrainingRun::record_step(int step, float loss, double step_seconds) {
   r_.peak_dispatch_bytes = std::max(r_.peak_dispatch_bytes, mr.peak_dispatch_bytes);
   r_.peak_routed_bytes = std::max(r_.peak_routed_bytes, mr.peak_routed_bytes);
   r_.peak_grad_state_bytes = std::max(r_.peak_grad_state_bytes, mr.peak_grad_state_bytes);
+  r_.workspace_bytes = std::max(r_.workspace_bytes, mr.workspace_bytes);
+  r_.weight_bytes = std::max(r_.weight_bytes, mr.weight_bytes);
   if (done == r_.steps) {
     train_bytes_ = mr.bytes_sent_max;
     train_comm_seconds_ = mr.comm_seconds_max;
@@ -807,7 +809,10 @@ nlohmann::json result_json(const RunResult& r) {
   if (!r.restore.is_null()) j["restore"] = r.restore;
   if (!r.lease.is_null()) j["lease"] = r.lease;
   if (!r.op_seconds.empty()) j["op_seconds"] = r.op_seconds;
-  j["memory"] = {{"estimated_total_bytes", r.memory_estimate_bytes}, {"peak_rss_bytes", r.peak_rss_bytes}};
+  j["memory"] = {{"estimated_total_bytes", r.memory_estimate_bytes},
+                 {"peak_rss_bytes", r.peak_rss_bytes},
+                 {"workspace_bytes_per_rank", r.workspace_bytes},
+                 {"weight_bytes_per_rank", r.weight_bytes}};
   return j;
 }
 
