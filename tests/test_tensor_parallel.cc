@@ -164,6 +164,28 @@ TEST_SUITE("tensor_parallel") {
     CHECK(verify.rc == 0);
   }
 
+  TEST_CASE("on a tp mesh a supervised job survives a rank crash and a shrink, and faults sweep holds the hash") {
+    const std::string sc = lstest::write_temp("tp-faults.json", kScenario).string();
+    const auto whole = lstest::run_cli("run " + sc + " --json --quiet --set train.steps=6");
+    REQUIRE(whole.rc == 0);
+    const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
+    const auto ck = lstest::fresh_dir("tp-faults");
+    const std::string sets = " --set train.steps=6 --set mesh.tp=2 --set mesh.dp=2 --set ckpt.every=2 --set ckpt.url=" + ck.string();
+    // World rank 1 is TP rank 1 of data-parallel rank 0; after the shrink the world is 1 x 2.
+    const auto r = lstest::run_cli("run " + sc + sets + " --json --quiet --fault rank_crash@2:rank=1 --fault shrink@4:dp=1");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    const nlohmann::json j = lstest::last_json(r.out);
+    CHECK(j.at("final_state_hash") == hash);
+    REQUIRE(j.at("restarts").size() == 2);
+    CHECK(j.at("restarts")[0].at("failure") == "exit 86 (a rank crashed)");
+    CHECK(j.at("restarts")[1].at("mesh_dp_after") == 1);
+    const auto sweep = lstest::run_cli("faults sweep " + sc + " --trials 3 --seed 7" + sets);
+    CAPTURE(sweep.out);
+    CHECK(sweep.rc == 0);
+    CHECK(sweep.out.find("ended on the golden hash       3") != std::string::npos);
+  }
+
   TEST_CASE("bad tensor-parallel input is refused with exit 2, naming the key") {
     const std::string sc = lstest::write_temp("tp-bad.json", kScenario).string();
     for (const auto& [sets, says] : std::vector<std::pair<std::string, std::string>>{

@@ -777,7 +777,7 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->group("");
   run->add_option("--launcher", ra.launcher,
-                  "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp, one "
+                  "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp x mesh.tp, one "
                   "process per rank; docs/CLUSTER.md)");
   run->add_option("--steps", ra.steps,
                   "stop after this many steps; the learning-rate schedule stays train.steps' (so a run stopped "
