@@ -95,6 +95,8 @@ TEST_SUITE("mpi") {
         {4, "--set mesh.dp=4 --set mesh.fsdp=true"},
         {4, "--set mesh.dp=4 --set mesh.fsdp=true --set mesh.replicate=2"},
         {8, "--set mesh.dp=8 --set mesh.ep=4 --set moe.capacity_factor=0.25"},
+        {2, "--set mesh.tp=2"},
+        {4, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.ep=2"},
     };
     for (const auto& [np, mesh] : meshes) {
       CAPTURE(mesh);
@@ -109,8 +111,13 @@ TEST_SUITE("mpi") {
       // The same execution, really across processes: the same MoE rounds and exchanges.
       CHECK(mpi.summary["moe"]["rounds"] == threads.summary["moe"]["rounds"]);
       CHECK(mpi.summary["moe"]["all_to_all_calls"] == threads.summary["moe"]["all_to_all_calls"]);
-      CHECK(mpi.summary["bytes_sent_per_rank_per_step"]["all_reduce"] ==
-            threads.summary["bytes_sent_per_rank_per_step"]["all_reduce"]);
+      auto sent = [](const Run& r, const char* kind) {
+        const nlohmann::json& bytes = r.summary.at("bytes_sent_per_rank_per_step");
+        return bytes.contains(kind) ? bytes.at(kind).get<double>() : 0.0;
+      };
+      for (const char* kind : {"all_reduce", "send", "broadcast"})  // send, broadcast: tensor parallel's chained partials
+        CHECK(sent(mpi, kind) == sent(threads, kind));
+      if (mesh.find("mesh.tp=2") != std::string::npos) CHECK(sent(mpi, "send") > 0);
     }
   }
 
@@ -124,7 +131,7 @@ TEST_SUITE("mpi") {
     CHECK(launched.summary["moe"]["all_to_all_calls"][0].get<int64_t>() > 0);
     const Run wrong = run_lockstep(3, "--set mesh.dp=4");
     CHECK(wrong.rc != 0);
-    CHECK(wrong.err.find("mpirun started 3 processes but mesh.dp = 4") != std::string::npos);
+    CHECK(wrong.err.find("mpirun started 3 processes but mesh.dp x mesh.tp = 4 x 1 = 4") != std::string::npos);
     CHECK(run_lockstep(0, "--launcher nope").rc == 2);
   }
 }

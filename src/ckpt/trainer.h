@@ -27,10 +27,15 @@ struct MeshReport {
   int64_t expert_gemm_calls = 0, all_to_all_calls = 0, all_to_all_bytes = 0;
   int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;  // per rank, the largest
   int64_t peak_routed_bytes = 0, peak_grad_state_bytes = 0;
-  void add(const MoeStats& st) {  // one rank's step
+  int64_t workspace_bytes = 0, weight_bytes = 0;           // measured, per rank, the largest
+  // One rank's step. count_rows: false for the tensor-parallel ranks past
+  // the first of their group, which compute parts of the same rows.
+  void add(const MoeStats& st, bool count_rows = true) {
     rounds = std::max(rounds, st.rounds);
-    borrowed += st.borrowed;
-    dropped += st.dropped;
+    if (count_rows) {
+      borrowed += st.borrowed;
+      dropped += st.dropped;
+    }
     expert_gemm_calls += st.expert_gemm_calls;
     all_to_all_calls += st.all_to_all_calls;
     all_to_all_bytes += st.all_to_all_bytes;
@@ -38,6 +43,8 @@ struct MeshReport {
     peak_dispatch_bytes = std::max(peak_dispatch_bytes, st.peak_dispatch_bytes);
     peak_routed_bytes = std::max(peak_routed_bytes, st.peak_routed_bytes);
     peak_grad_state_bytes = std::max(peak_grad_state_bytes, st.peak_grad_state_bytes);
+    workspace_bytes = std::max(workspace_bytes, st.workspace_bytes);
+    weight_bytes = std::max(weight_bytes, st.weight_bytes);
   }
   std::map<std::string, uint64_t> bytes_sent_max;          // by collective kind, the busiest rank, all steps
   double comm_seconds_max = 0;  // measured wall time inside collectives, the slowest rank, all steps

@@ -101,7 +101,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
     const int any_step = 1 + (int)(rng() % s.steps);
     const int ck = ckpt_steps.empty() ? any_step : ckpt_steps[rng() % ckpt_steps.size()];
     // Across processes a kill hits one rank's process: rank_crash on a random rank.
-    const std::string rank_opt = ",rank=" + std::to_string(rng() % std::max(1, s.mesh.dp));
+    const std::string rank_opt = ",rank=" + std::to_string(rng() % std::max(1, s.mesh.world()));
     const std::string kind = mpi || u(rng) >= 0.8 ? "rank_crash" : "process_kill";
     const std::string kind_opts = kind == "rank_crash" ? rank_opt : "";
     bool io = false;
@@ -111,7 +111,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
       io = true;
     } else if (p < 0.30 && !ckpt_steps.empty()) {
       fault = "process_kill@" + std::to_string(ck) + ":phase=ckpt_upload,after_objects=" +
-              std::to_string(rng() % std::max(1, s.mesh.dp));
+              std::to_string(rng() % std::max(1, s.mesh.world()));
       io = true;
     } else if (p < 0.45 && !ckpt_steps.empty()) {
       fault = "process_kill@" + std::to_string(ck) + ":phase=manifest_write";

@@ -94,10 +94,11 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
   std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
               s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
               s.batch);
-  if (s.mesh.dp > 1 || s.mesh.ep > 1 || s.mesh.fsdp)
-    std::printf("mesh            dp %d, ep %d%s%s\n", s.mesh.dp, s.mesh.ep, s.mesh.fsdp ? ", fsdp" : "",
+  if (s.mesh.world() > 1 || s.mesh.ep > 1 || s.mesh.fsdp)
+    std::printf("mesh            dp %d, ep %d%s%s%s\n", s.mesh.dp, s.mesh.ep,
+                s.mesh.tp > 1 ? (", tp " + std::to_string(s.mesh.tp)).c_str() : "", s.mesh.fsdp ? ", fsdp" : "",
                 s.mesh.fsdp && s.mesh.replicate > 1 ? (", replicate " + std::to_string(s.mesh.replicate)).c_str() : "");
-  std::printf("launcher        %s\n", launcher_line(launcher, processes, s.mesh.dp).c_str());
+  std::printf("launcher        %s\n", launcher_line(launcher, processes, s.mesh.world()).c_str());
   if (s.data.path.empty())
     std::printf("data            synthetic corpus, %llu bytes\n", (unsigned long long)s.data.synthetic_bytes);
   else
@@ -157,11 +158,11 @@ struct RunArgs {
 // The command line as given, for --launcher mpi to hand to mpirun.
 std::vector<std::string> g_args;
 
-// --launcher mpi: this process becomes `mpirun -np mesh.dp lockstep ...` with
+// --launcher mpi: this process becomes `mpirun -np mesh.dp*mesh.tp lockstep ...` with
 // the same arguments (less --launcher), one rank per process.
 [[noreturn]] void exec_under_mpirun(const Scenario& s, const char* self) {
   require_mpi("--launcher mpi");
-  std::vector<std::string> cmd = mpirun_command(s.mesh.dp);
+  std::vector<std::string> cmd = mpirun_command(s.mesh.world());
   cmd.push_back(self);
   for (size_t i = 1; i < g_args.size(); ++i) {
     if (g_args[i] == "--launcher") {
@@ -215,8 +216,8 @@ int cmd_run(const RunArgs& a, const char* self) {
                     a.launcher + "'");
   // A trace holds one rank: under mpirun every rank process would refuse it
   // on its own, so a multi-rank mpi run is refused here, once, before mpirun.
-  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.trace.empty() && s.mesh.dp > 1)
-    throw UserError("--trace: not available with --launcher mpi on mesh.dp = " + std::to_string(s.mesh.dp) +
+  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.trace.empty() && s.mesh.world() > 1)
+    throw UserError("--trace: not available with --launcher mpi on mesh.dp x mesh.tp = " + std::to_string(s.mesh.world()) +
                     " (a trace holds one rank); trace the same scenario with --launcher threads and --set mesh.dp=1, "
                     "which must give the same bits");
   const std::vector<FaultSpec> faults = planned_faults(s, a.faults, a.steps);
@@ -447,7 +448,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// A mesh variant run as `mpirun -np mesh.dp lockstep run` (check --launcher
+// A mesh variant run as `mpirun -np mesh.dp*mesh.tp lockstep run` (check --launcher
 // mpi): its summary, as the RunResult compare_golden reads. Throws UserError
 // with the child's stderr when it fails.
 RunResult run_under_mpirun(const std::string& spath, const Scenario& s, int threads) {
@@ -455,7 +456,7 @@ RunResult run_under_mpirun(const std::string& spath, const Scenario& s, int thre
   if (!mkdtemp(tmpl)) throw UserError("check: cannot create a temporary directory");
   const std::string dir = tmpl;
   std::string cmd;
-  for (const std::string& w : mpirun_command(s.mesh.dp)) cmd += w + " ";
+  for (const std::string& w : mpirun_command(s.mesh.world())) cmd += w + " ";
   cmd += "'" + self_executable() + "' run '" + spath + "' --json --quiet --hash-at ";
   std::string steps;
   for (int h : golden_hash_steps(s.steps)) steps += (steps.empty() ? "" : ",") + std::to_string(h);
@@ -551,7 +552,7 @@ int cmd_check(const CheckArgs& a) {
       so.progress = false;
       so.child_stderr = std::string(tmpl) + "/children.log";
       // --launcher mpi: each attempt one process per rank, under mpirun.
-      const bool processes = a.launcher == "mpi" && s.mesh.dp > 1;
+      const bool processes = a.launcher == "mpi" && s.mesh.world() > 1;
       if (processes) so.launcher = "mpi";
       if (const Backend b = parse_backend(a.backend); b == Backend::kCudaEmulated || b == Backend::kCuda)
         so.extra_args = {"--backend", a.backend};
@@ -595,13 +596,13 @@ int cmd_check(const CheckArgs& a) {
       }
       outcome.add(s, spath, gpath, seconds_since(t0), m,
                   {{"kind", "faults"}, {"launcher", processes ? "mpi" : "threads"},
-                   {"processes", processes ? s.mesh.dp : 1}, {"restarts", restarts}, {"final_state_hash", got},
+                   {"processes", processes ? s.mesh.world() : 1}, {"restarts", restarts}, {"final_state_hash", got},
                    {"logs", m.differs() ? nlohmann::json(tmpl) : nlohmann::json(nullptr)}});
       if (!m.differs()) {
         if (!a.json)
           std::printf("ok    %-16s %-28s %zu restart%s%s, final_state_hash %s\n", s.name.c_str(),
                       fs::path(spath).filename().string().c_str(), restarts, restarts == 1 ? "" : "s",
-                      processes ? (", " + std::to_string(s.mesh.dp) + " processes").c_str() : "", got.c_str());
+                      processes ? (", " + std::to_string(s.mesh.world()) + " processes").c_str() : "", got.c_str());
         fs::remove_all(tmpl);
       } else {
         ++failed;
@@ -617,7 +618,7 @@ int cmd_check(const CheckArgs& a) {
     opt.progress = tty;
     opt.hash_at = golden_hash_steps(s.steps);
     opt.eval = false;
-    const bool processes = a.launcher == "mpi" && s.mesh.dp > 1;
+    const bool processes = a.launcher == "mpi" && s.mesh.world() > 1;
     RunResult r;
     GoldenMismatch m;
     try {
@@ -630,13 +631,13 @@ int cmd_check(const CheckArgs& a) {
     }
     outcome.add(s, spath, gpath, seconds_since(t0), m,
                 {{"kind", "golden"}, {"launcher", processes ? "mpi" : "threads"},
-                 {"processes", processes ? s.mesh.dp : 1}, {"threads", r.threads}, {"steps", r.steps},
+                 {"processes", processes ? s.mesh.world() : 1}, {"threads", r.threads}, {"steps", r.steps},
                  {"final_state_hash", r.final_state_hash}});
     if (!m.differs()) {
       if (!a.json)
         std::printf("ok    %-16s %-28s %d steps, %s, final_state_hash %s\n", s.name.c_str(),
                     fs::path(spath).filename().string().c_str(), r.steps,
-                    processes ? (std::to_string(s.mesh.dp) + " processes").c_str()
+                    processes ? (std::to_string(s.mesh.world()) + " processes").c_str()
                               : (std::to_string(r.threads) + (r.threads == 1 ? " thread" : " threads")).c_str(),
                     r.final_state_hash.c_str());
     } else {
@@ -776,7 +777,7 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->group("");
   run->add_option("--launcher", ra.launcher,
-                  "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp, one "
+                  "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp x mesh.tp, one "
                   "process per rank; docs/CLUSTER.md)");
   run->add_option("--steps", ra.steps,
                   "stop after this many steps; the learning-rate schedule stays train.steps' (so a run stopped "

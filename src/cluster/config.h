@@ -8,7 +8,8 @@ struct MeshConfig {
   int ep = 1;          // expert-parallel group size: consecutive ranks sharing the experts
   bool fsdp = false;   // shard parameters, gradients and optimizer state (ZeRO-3 style)
   int replicate = 1;   // with fsdp: replica groups (HSDP); shards span dp/replicate ranks
-  int world() const { return dp; }
+  int tp = 1;          // tensor-parallel ranks per data-parallel rank (heads and hidden features split)
+  int world() const { return dp * tp; }
 };
 
 }  // namespace ls

@@ -126,44 +126,85 @@ int64_t for_each_block(const RoundPlan& plan, int r, const ExpertRows& rows, con
     const Segment& s = segs[tasks[t].first];
     const int64_t b = tasks[t].second, n = std::min(block, s.rows - b);
     const int64_t e = s.expert;
-    fn(s, b, n, s.slot + b, rows.off[e] + s.first + b, W1 + e * D * F, W3 + e * D * F, W2 + e * F * D);
+    const int64_t per_expert = (int64_t)D * F;  // a part passes nullptr for the weights it does not read
+    fn(s, b, n, s.slot + b, rows.off[e] + s.first + b, W1 ? W1 + e * per_expert : nullptr,
+       W3 ? W3 + e * per_expert : nullptr, W2 ? W2 + e * per_expert : nullptr);
   });
   return (int64_t)tasks.size();
 }
 
 }  // namespace
 
-int64_t experts_round_forward(const RoundPlan& plan, int r, ExpertSlots& slots, ExpertRows& rows, RowPlace y,
-                              const float* W1, const float* W3, const float* W2, int D, int F) {
-  const int64_t tasks = for_each_block(plan, r, rows, W1, W3, W2, D, F,
-                                       [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t row,
-                                           const float* w1, const float* w3, const float* w2) {
+int64_t experts_round_hidden(const RoundPlan& plan, int r, ExpertSlots& slots, ExpertRows& rows, const float* W1,
+                             const float* W3, int D, int F) {
+  const int64_t tasks = for_each_block(plan, r, rows, W1, W3, nullptr, D, F,
+                                       [&](const Segment&, int64_t, int64_t n, int64_t slot, int64_t row,
+                                           const float* w1, const float* w3, const float*) {
     float *u = &rows.u[row * F], *v = &rows.v[row * F];
-    // u = x W1, v = x W3 reduce over the model feature; y = act W2 over the hidden one.
     ops::gemm(n, F, D, {&slots.x[slot * D], D, 1}, {w1, F, 1}, u, F, false, 1);
     ops::gemm(n, F, D, {&slots.x[slot * D], D, 1}, {w3, F, 1}, v, F, false, 1);
     ops::swiglu(u, v, &rows.sg[row * F], &slots.act[slot * F], n * F);
-    ops::gemm(n, D, F, {&slots.act[slot * F], F, 1}, {w2, D, 1}, y.at(rows, s, b, D), D, false, 1);
   });
-  return 3 * tasks;  // GEMM calls: u, v, y per task
+  return 2 * tasks;  // GEMM calls: u, v per task
 }
 
-int64_t experts_round_backward(const RoundPlan& plan, int r, ExpertSlots& slots, const ExpertRows& rows, RowPlace dy,
-                               RowPlace dx, const float* W1, const float* W3, const float* W2, int D, int F) {
-  const int64_t tasks = for_each_block(plan, r, rows, W1, W3, W2, D, F,
-                                       [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t row,
-                                           const float* w1, const float* w3, const float* w2) {
+int64_t experts_round_output(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows, RowPlace y,
+                             const float* W2, int D, int F, bool accumulate) {
+  return for_each_block(plan, r, rows, nullptr, nullptr, W2, D, F,
+                        [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t, const float*, const float*,
+                            const float* w2) {
+    ops::gemm(n, D, F, {&slots.act[slot * F], F, 1}, {w2, D, 1}, y.at(rows, s, b, D), D, accumulate, 1);
+  });
+}
+
+int64_t experts_round_backward_hidden(const RoundPlan& plan, int r, ExpertSlots& slots, const ExpertRows& rows,
+                                      RowPlace dy, const float* W2, int D, int F) {
+  return for_each_block(plan, r, rows, nullptr, nullptr, W2, D, F,
+                        [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t row, const float*,
+                            const float*, const float* w2) {
     const float *u = &rows.u[row * F], *v = &rows.v[row * F], *sg = &rows.sg[row * F];
     float *act = &slots.act[slot * F], *dact = &slots.dact[slot * F];
-    float *du = &slots.du[slot * F], *dv = &slots.dv[slot * F], *dxr = dx.at(rows, s, b, D);
     ops::swiglu_product(u, sg, v, act, n * F);  // the forward's act, for W2's gradient
-    // dact reduces over the model feature; dx over the hidden index of u, then continues over that of v.
     ops::gemm(n, F, D, {dy.at(rows, s, b, D), D, 1}, {w2, 1, D}, dact, F, false, 1);
-    ops::swiglu_backward(u, v, sg, dact, du, dv, n * F);
-    ops::gemm(n, D, F, {du, F, 1}, {w1, 1, F}, dxr, D, false, 1);
-    ops::gemm(n, D, F, {dv, F, 1}, {w3, 1, F}, dxr, D, true, 1);
+    ops::swiglu_backward(u, v, sg, dact, &slots.du[slot * F], &slots.dv[slot * F], n * F);
   });
-  return 3 * tasks;  // GEMM calls: dact, dx (twice) per task
+}
+
+int64_t experts_round_input_grad(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows,
+                                 RowPlace dx, const float* W1, const float* W3, int D, int F, int first_pass, int count,
+                                 bool accumulate) {
+  const int64_t tasks = for_each_block(plan, r, rows, W1, W3, nullptr, D, F,
+                                       [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t,
+                                           const float* w1, const float* w3, const float*) {
+    float* dxr = dx.at(rows, s, b, D);
+    for (int pass = first_pass; pass < first_pass + count; ++pass) {
+      const float* dhidden = pass == 0 ? &slots.du[slot * F] : &slots.dv[slot * F];
+      ops::gemm(n, D, F, {dhidden, F, 1}, {pass == 0 ? w1 : w3, 1, F}, dxr, D, accumulate || pass > first_pass, 1);
+    }
+  });
+  return count * tasks;
+}
+
+int64_t round_rows(const RoundPlan& plan, int r) {
+  int64_t n = 0;
+  for (const Segment& s : plan.round[r]) n += s.rows;
+  return n;
+}
+
+void pack_round_rows(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int width, float* buffer) {
+  ops::synchronize();
+  for (const Segment& s : plan.round[r]) {
+    std::copy(place.at(rows, s, 0, width), place.at(rows, s, s.rows, width), buffer);
+    buffer += s.rows * width;
+  }
+}
+
+void unpack_round_rows(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int width,
+                       const float* buffer) {
+  for (const Segment& s : plan.round[r]) {
+    std::copy(buffer, buffer + s.rows * width, place.at(rows, s, 0, width));
+    buffer += s.rows * width;
+  }
 }
 
 void ExpertWeightGrads::begin(const RoundPlan& plan, const ExpertRows& rows, int64_t leaves, int D, int F,

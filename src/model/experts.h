@@ -81,15 +81,35 @@ struct RowPlace {
 };
 
 // Round r forward with the experts' weights W1, W3 [experts, D, F] and W2
-// [experts, F, D]: slots.x -> rows.u, v, sg, slots.act -> y. Each segment
-// runs with its expert's weights (a grouped GEMM). Rows are independent.
-// Returns the GEMM calls made.
-int64_t experts_round_forward(const RoundPlan& plan, int r, ExpertSlots& slots, ExpertRows& rows, RowPlace y,
-                              const float* W1, const float* W3, const float* W2, int D, int F);
-// Round r backward: dy (and slots.x) -> dx; du, dv and act stay in the
-// slots for the weight gradients. Returns the GEMM calls made.
-int64_t experts_round_backward(const RoundPlan& plan, int r, ExpertSlots& slots, const ExpertRows& rows, RowPlace dy,
-                               RowPlace dx, const float* W1, const float* W3, const float* W2, int D, int F);
+// [experts, F, D] (F: the hidden features held; tensor parallel holds a
+// range of them), in two parts. Each segment runs with its expert's weights
+// (a grouped GEMM); rows are independent. Each returns the GEMM calls made.
+// The hidden part: slots.x -> rows.u, v, sg and slots.act; u = x W1 and
+// v = x W3 reduce over the model feature.
+int64_t experts_round_hidden(const RoundPlan& plan, int r, ExpertSlots& slots, ExpertRows& rows, const float* W1,
+                             const float* W3, int D, int F);
+// The output part: y (+)= slots.act W2, reducing over the hidden feature;
+// with accumulate each output's fold continues (tensor parallel chains it).
+int64_t experts_round_output(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows, RowPlace y,
+                             const float* W2, int D, int F, bool accumulate);
+// Round r backward, in two parts. The hidden part: dy (and rows.u, v, sg)
+// -> slots.act (the forward's, for W2's gradient), dact, du and dv; dact
+// reduces over the model feature.
+int64_t experts_round_backward_hidden(const RoundPlan& plan, int r, ExpertSlots& slots, const ExpertRows& rows,
+                                      RowPlace dy, const float* W2, int D, int F);
+// The input gradient: dx (+)= du W1^T (pass 0), then dv W3^T (pass 1), for
+// passes first_pass .. first_pass + count - 1: one fold over the hidden
+// index of u, continuing over that of v; with accumulate the first pass
+// continues dx's fold.
+int64_t experts_round_input_grad(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows,
+                                 RowPlace dx, const float* W1, const float* W3, int D, int F, int first_pass, int count,
+                                 bool accumulate);
+// The rows of round r at `place` (width floats each), in segment order,
+// packed into `buffer` or unpacked from it: what a chained fold hands on.
+int64_t round_rows(const RoundPlan& plan, int r);
+void pack_round_rows(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int width, float* buffer);
+void unpack_round_rows(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int width,
+                       const float* buffer);
 
 // The experts' weight gradients, fed round by round: per expert the leaf
 // tree over its rows (leaves 0..leaves-1 of the reduction group; empty

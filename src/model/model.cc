@@ -44,12 +44,44 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> shapes_for(const Model
   return out;
 }
 
+bool ends_with(const std::string& s, const char* tail) {
+  const size_t n = std::strlen(tail);
+  return s.size() >= n && s.compare(s.size() - n, n, tail) == 0;
+}
+
+// How tensor parallelism cuts a tensor (ParamInfo::tp_*): QKV by head
+// columns in each of q, k, v; the output projection by head rows; the
+// experts' and the shared expert's w1, w3 by hidden columns and w2 by hidden
+// rows. `held_experts`: the experts of the tensor's expert-parallel slice.
+void set_tp_split(ParamInfo& p, const ModelConfig& c, int64_t held_experts) {
+  const int64_t D = c.d_model, F = c.d_ff;
+  if (ends_with(p.name, ".wqkv")) p.tp_outer = D * 3, p.tp_mid = D, p.tp_inner = 1;
+  else if (ends_with(p.name, ".wo")) p.tp_outer = 1, p.tp_mid = D, p.tp_inner = D;
+  else if (ends_with(p.name, "experts.w1") || ends_with(p.name, "experts.w3")) p.tp_outer = held_experts * D, p.tp_mid = F, p.tp_inner = 1;
+  else if (ends_with(p.name, "experts.w2")) p.tp_outer = held_experts, p.tp_mid = F, p.tp_inner = D;
+  else if (ends_with(p.name, "shared.w1") || ends_with(p.name, "shared.w3")) p.tp_outer = D, p.tp_mid = F, p.tp_inner = 1;
+  else if (ends_with(p.name, "shared.w2")) p.tp_outer = 1, p.tp_mid = F, p.tp_inner = D;
+}
+
 }  // namespace
 
-MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size, int ep_rank)
-    : cfg_(cfg), leaf_samples_(leaf_samples), ws_(new StepWorkspace), blocks_(make_blocks(cfg)), ep_size_(ep_size), ep_rank_(ep_rank) {
+int64_t ParamInfo::tp_held() const { return tp_mid == 0 ? 0 : size / (tp_outer * tp_inner); }
+
+int64_t ParamInfo::global_index(int64_t i) const {
+  if (tp_mid == 0) return global_offset + i;
+  const int64_t held = tp_held();
+  const int64_t outer = i / (held * tp_inner), rest = i % (held * tp_inner);
+  return global_offset + (outer * tp_mid + tp_first + rest / tp_inner) * tp_inner + rest % tp_inner;
+}
+
+MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size, int ep_rank,
+                               int tp_size, int tp_rank)
+    : cfg_(cfg), leaf_samples_(leaf_samples), ws_(new StepWorkspace), blocks_(make_blocks(cfg)), ep_size_(ep_size),
+      ep_rank_(ep_rank), tp_size_(tp_size), tp_rank_(tp_rank) {
   if (ep_size < 1 || cfg.experts % ep_size != 0)
     throw std::invalid_argument("engine: expert parallel size must divide the expert count");
+  if (tp_size < 1 || cfg.n_heads % tp_size != 0 || cfg.d_ff % tp_size != 0)
+    throw std::invalid_argument("engine: tensor parallel size must divide the heads and the hidden width");
   const int64_t local_experts = cfg.experts / ep_size;
   int64_t off = 0;
   for (auto& [name, shape] : shapes_for(cfg)) {
@@ -63,6 +95,14 @@ MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_
     if (p.expert) {
       p.shape[0] = local_experts;
       p.global_offset = global_size / cfg.experts * local_experts * ep_rank;
+    }
+    if (tp_size > 1) {
+      set_tp_split(p, cfg, local_experts);
+      if (p.tp_mid > 0) {
+        p.tp_first = p.tp_mid / tp_size * tp_rank;
+        // The held shape: the split dimension (columns: the last; rows: the one before the inner width).
+        p.shape[p.tp_inner == 1 ? p.shape.size() - 1 : p.shape.size() - 2] /= tp_size;
+      }
     }
     p.size = 1;
     for (int64_t d : p.shape) p.size *= d;
@@ -80,13 +120,14 @@ MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_
       continue;
     }
     const uint32_t id = tensor_id(p.name.c_str());
-    parallel_for(p.size, [&](int64_t i) { w[i] = init_uniform(seed, id, (uint64_t)(p.global_offset + i), cfg.init_std); }, 65537);
+    parallel_for(p.size, [&](int64_t i) { w[i] = init_uniform(seed, id, (uint64_t)p.global_index(i), cfg.init_std); }, 65537);
   }
 }
 
 MoeTransformer::MoeTransformer(const MoeTransformer& main, LaneTag)
     : cfg_(main.cfg_), leaf_samples_(main.leaf_samples_), infos_(main.infos_), ws_(new StepWorkspace),
-      blocks_(make_blocks(main.cfg_)), ep_size_(main.ep_size_), ep_rank_(main.ep_rank_) {
+      blocks_(make_blocks(main.cfg_)), ep_size_(main.ep_size_), ep_rank_(main.ep_rank_), tp_size_(main.tp_size_),
+      tp_rank_(main.tp_rank_) {
   g_.assign(main.w_.size(), 0.0f);
   wsrc_ = main.weights();
 }
@@ -103,12 +144,16 @@ const ParamInfo& MoeTransformer::param(const std::string& name) const {
   throw std::out_of_range("engine: no parameter '" + name + "'");
 }
 
-int64_t count_weights(const ModelConfig& c, int ep_size) {
+int64_t count_weights(const ModelConfig& c, int ep_size, int tp_size) {
   int64_t n = 0;
   for (auto& [name, shape] : shapes_for(c)) {
+    ParamInfo p;
+    p.name = name;
+    set_tp_split(p, c, c.experts);
     int64_t size = 1;
     for (int64_t d : shape) size *= d;
-    n += name.find(".experts.") != std::string::npos ? size / ep_size : size;
+    if (name.find(".experts.") != std::string::npos) size /= ep_size;
+    n += p.tp_mid > 0 ? size / tp_size : size;
   }
   return n;
 }
@@ -174,7 +219,10 @@ void MoeTransformer::set_moe_stats_from_lanes(const std::vector<const MoeStats*>
     st.peak_dispatch_bytes = std::max(st.peak_dispatch_bytes, lane->peak_dispatch_bytes);
     st.peak_routed_bytes = std::max(st.peak_routed_bytes, lane->peak_routed_bytes);
     st.peak_grad_state_bytes = std::max(st.peak_grad_state_bytes, lane->peak_grad_state_bytes);
+    st.workspace_bytes += lane->workspace_bytes;  // the lanes are one rank's threads: their buffers add up
+    st.weight_bytes += lane->weight_bytes;        // a lane's own gradients (it reads these weights)
   }
+  st.weight_bytes += (int64_t)(w_.capacity() + g_.capacity()) * (int64_t)sizeof(float);
   stats_ = st;
 }
 
@@ -213,6 +261,8 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   const ModelConfig& c = cfg_;
   const int dp = mesh_ ? mesh_->dp_size() : 1, ep = mesh_ ? mesh_->ep_size() : 1;
   if (ep != ep_size_) throw std::logic_error("engine: mesh hooks disagree with the model's expert parallel size");
+  if ((mesh_ ? mesh_->tp_size() : 1) != tp_size_)
+    throw std::logic_error("engine: mesh hooks disagree with the model's tensor parallel size");
   if (batch % leaf_samples_ != 0)
     throw std::invalid_argument("engine: batch " + std::to_string(batch) + " is not a multiple of numerics.leaf_samples");
   StepContext ctx{c, *ws_, stats_, infos_, wsrc_ ? wsrc_ : w_.data(), g_.data(), tokens};
@@ -224,6 +274,8 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   ctx.ep = ep;
   ctx.ep_rank = ep > 1 ? mesh_->ep_rank() : 0;
   ctx.local_experts = c.experts / ep;
+  ctx.tp = tp_size_;
+  ctx.tp_rank = tp_rank_;
   ctx.global_tokens = (float)(ctx.tokens * dp);
   ctx.global_assignments = (float)(ctx.tokens * c.top_k * dp);
   ctx.mesh = mesh_;
@@ -296,7 +348,32 @@ void MoeTransformer::backward_range(int first, int last, const float* grad_out, 
   if (first == 0 && ctx.trace)
     for (const ParamInfo& p : infos_) ctx.trace_tensor("grad", -1, "param", p.name.c_str(), g_.data() + p.offset, p.shape);
   ops::synchronize();  // the gradients are done: the trainer's collectives and optimizer may read them
+  stats_.workspace_bytes = ws_->allocated_bytes();
+  stats_.weight_bytes = (int64_t)(w_.capacity() + g_.capacity()) * (int64_t)sizeof(float);
   if (first > 0 && grad_in) ops::copy_to_host(grad_in, ws_->dh.data(), sizeof(float) * N * D);
+}
+
+namespace {
+template <class T>
+int64_t allocated(const ops::DeviceVector<T>& v) { return (int64_t)(v.capacity() * sizeof(T)); }
+}  // namespace
+
+int64_t StepWorkspace::allocated_bytes() const {
+  int64_t n = 0;
+  for (const LayerActs& a : layers) {
+    for (const auto* v : {&a.x, &a.attn_in, &a.attn_inv_rms, &a.qkv, &a.attn_probs, &a.attn_out, &a.mid, &a.moe_in,
+                          &a.moe_inv_rms, &a.router_logits, &a.gates, &a.router_lse, &a.ye, &a.shared_u, &a.shared_v,
+                          &a.shared_gate, &a.shared_act, &a.shared_out, &a.rows.x, &a.rows.u, &a.rows.v, &a.rows.sg})
+      n += allocated(*v);
+    n += allocated(a.sel) + allocated(a.row_of);
+  }
+  for (const auto* v : {&h, &final_out, &final_inv_rms, &logits, &prob, &lse, &loss, &dh, &dtmp, &dlogits, &dye, &dxe,
+                        &dg, &dz, &dmoe_in, &dattn_out, &dqkv, &shared_dact, &shared_du, &shared_dv, &shared_dx,
+                        &router_sums, &slots.x, &slots.act, &slots.y, &slots.dy, &slots.dact, &slots.du, &slots.dv,
+                        &slots.dx, &send, &recv, &row_vector, &tp_partial})
+    n += allocated(*v);
+  for (const auto& v : grad_state) n += allocated(v);
+  return n;
 }
 
 // A step: every block forward, then (training) every block backward.

@@ -28,6 +28,13 @@ struct ParamInfo {
   int64_t size = 0;
   bool decay = true;                  // AdamW weight decay applies (matrices, not norms)
   bool expert = false;                // a routed-expert tensor (sliced by expert parallelism)
+  // Tensor parallel: the tensor (its expert-parallel slice) viewed as
+  // [tp_outer, tp_mid, tp_inner]; this rank holds indices [tp_first,
+  // tp_first + tp_mid / tp) of the middle one. tp_mid = 0: not split.
+  int64_t tp_outer = 1, tp_mid = 0, tp_inner = 1, tp_first = 0;
+  int64_t tp_held() const;  // the middle indices held: tp_mid / tp
+  // The element of the whole tensor that held element `i` is.
+  int64_t global_index(int64_t i) const;
 };
 
 // What one data-parallel rank needs from the others inside a step. The model
@@ -46,6 +53,15 @@ class MeshHooks {
   virtual int ep_rank() const = 0;
   virtual void ep_all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
                              const std::vector<size_t>& recv_bytes) = 0;
+  // Tensor parallel group: tp_size() ranks with the same samples, rank
+  // tp_rank() holding heads [tp_rank * H/tp, ...) and hidden features
+  // [tp_rank * F/tp, ...). The chained folds (model/tensor_parallel.h) pass
+  // partial outputs from rank to rank and broadcast the finished ones.
+  virtual int tp_size() const { return 1; }
+  virtual int tp_rank() const { return 0; }
+  virtual void tp_send(const float*, size_t, int) {}
+  virtual void tp_recv(float*, size_t, int) {}
+  virtual void tp_broadcast(float*, size_t, int) {}
 };
 
 struct StepLosses {
@@ -69,6 +85,9 @@ struct MoeStats {
   int64_t peak_dispatch_bytes = 0;         // the per-round all-to-all send and receive buffers
   int64_t peak_routed_bytes = 0;           // what is kept per routed row (u, v, inputs, outputs) for the backward
   int64_t peak_grad_state_bytes = 0;       // leaf-tree state of gradients spanning rounds
+  // Measured: what the model holds, in bytes, after its last step.
+  int64_t workspace_bytes = 0;             // activations and scratch: the allocated size of every step buffer
+  int64_t weight_bytes = 0;                // parameters and their gradients (the rank's slices)
 };
 
 // What a training step keeps allocated for `batch` samples on one rank, in bytes: a
@@ -83,8 +102,9 @@ struct WorkspaceEstimate {
   int64_t dispatch_buffers = 0;  // expert parallel: one round's send and receive buffers
 };
 WorkspaceEstimate estimate_workspace(const ModelConfig& cfg, int batch, int ep_size);
-// Weights one rank holds (an expert-parallel rank holds E / ep_size experts).
-int64_t count_weights(const ModelConfig& cfg, int ep_size);
+// Weights one rank holds (an expert-parallel rank holds E / ep_size experts;
+// a tensor-parallel rank 1/tp_size of the split tensors).
+int64_t count_weights(const ModelConfig& cfg, int ep_size, int tp_size = 1);
 
 // Model FLOPs per token of one training step (forward + backward ~ 3x the
 // forward), counting the k routed experts evaluated and causal attention.
@@ -107,7 +127,10 @@ class MoeTransformer {
   // Parameters drawn by the contract init (Philox, purpose kInit), the same
   // values the reference draws. leaf_samples fixes the token-reduction tree.
   // ep_size/ep_rank: hold only experts [ep_rank * E/ep_size, ...) (expert parallel).
-  MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size = 1, int ep_rank = 0);
+  // tp_size/tp_rank: hold only that slice of the heads and hidden features
+  // (tensor parallel: ParamInfo::tp_*).
+  MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size = 1, int ep_rank = 0,
+                 int tp_size = 1, int tp_rank = 0);
   // A model that reads `main`'s weights (no copy, no init) and has gradients
   // and a workspace of its own: a data-parallel lane (runner/data_lanes.h).
   static std::unique_ptr<MoeTransformer> lane_of(const MoeTransformer& main);
@@ -152,7 +175,8 @@ class MoeTransformer {
   const MoeStats& moe_stats() const { return stats_; }
   // The statistics of a step that other models ran in data-parallel lanes
   // (each over consecutive samples): tokens per expert summed; what they
-  // executed summed (rounds: the most; memory: the largest lane's).
+  // executed summed (rounds: the most; MoE buffers: the largest lane's; the
+  // workspace and weight bytes: this model's and every lane's together).
   void set_moe_stats_from_lanes(const std::vector<const MoeStats*>& lanes);
   // Tensors of forward_backward() go to `sink` (nullptr: no tracing).
   void set_trace(TraceSink* sink) { trace_ = sink; }
@@ -184,6 +208,7 @@ class MoeTransformer {
   TraceSink* trace_ = nullptr;
   MeshHooks* mesh_ = nullptr;
   int ep_size_ = 1, ep_rank_ = 0;
+  int tp_size_ = 1, tp_rank_ = 0;
   bool debug_reorder_moe_norm_ = false;
   std::function<void(const char*)> phase_hook_;
 };

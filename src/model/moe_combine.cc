@@ -7,6 +7,7 @@
 
 #include "contract.h"
 #include "model/blocks.h"
+#include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
 namespace ls {
@@ -19,7 +20,7 @@ class MoeCombine : public LayerBlock {
 
   void forward(StepContext& ctx, StepLosses& losses) override {
     const ModelConfig& c = ctx.cfg;
-    const int D = c.d_model, F = c.d_ff, E = c.experts, K = c.top_k;
+    const int D = c.d_model, F = ctx.d_ff_held(), E = c.experts, K = c.top_k;
     const int64_t N = ctx.tokens;
     LayerActs& acts = ctx.layer(layer_);
     float* out = ctx.stream(layer_ + 1);
@@ -32,7 +33,11 @@ class MoeCombine : public LayerBlock {
       ops::linear(acts.moe_in.data(), N, D, ctx.layer_weight(layer_, "shared.w1"), F, acts.shared_u.data());
       ops::linear(acts.moe_in.data(), N, D, ctx.layer_weight(layer_, "shared.w3"), F, acts.shared_v.data());
       ops::swiglu(acts.shared_u.data(), acts.shared_v.data(), acts.shared_gate.data(), acts.shared_act.data(), N * F);
-      ops::linear(acts.shared_act.data(), N, F, ctx.layer_weight(layer_, "shared.w2"), D, acts.shared_out.data());
+      // Reduces over the hidden feature (tensor parallel: chained across the group's ranges of it).
+      const float* w2 = ctx.layer_weight(layer_, "shared.w2");
+      chained_fold(ctx, 1, ChainOutput{acts.shared_out.data(), N * D}, [&](int, int, bool accumulate) {
+        ops::linear_strided(acts.shared_act.data(), F, N, F, w2, D, D, acts.shared_out.data(), D, accumulate);
+      });
     }
     // out = fold over slots of fma(gate, y_slot, out) from +0, then + shared, + residual.
     ops::moe_combine(acts.gates.data(), E, acts.sel.data(), K, acts.row_of.data(), acts.ye_rows,
@@ -70,7 +75,7 @@ class MoeCombine : public LayerBlock {
   // stays in dh for the routing block's norm to add to.
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
-    const int D = c.d_model, F = c.d_ff, E = c.experts, K = c.top_k;
+    const int D = c.d_model, F = ctx.d_ff_held(), E = c.experts, K = c.top_k;
     const int64_t N = ctx.tokens, NK = N * K;
     StepWorkspace& ws = ctx.ws;
     const LayerActs& acts = ctx.layer(layer_);
@@ -91,8 +96,12 @@ class MoeCombine : public LayerBlock {
     ops::linear_input_grad(ws.dh.data(), N, D, w2, F, ws.shared_dact.data(), false);
     ops::swiglu_backward(acts.shared_u.data(), acts.shared_v.data(), acts.shared_gate.data(), ws.shared_dact.data(),
                          ws.shared_du.data(), ws.shared_dv.data(), N * F);
-    ops::linear_input_grad(ws.shared_du.data(), N, F, w1, D, ws.shared_dx.data(), false);
-    ops::linear_input_grad(ws.shared_dv.data(), N, F, w3, D, ws.shared_dx.data(), true);
+    // Reduces over the hidden feature of u, then continues over that of v (tensor parallel: chained).
+    chained_fold(ctx, 2, ChainOutput{ws.shared_dx.data(), N * D}, [&](int first, int count, bool accumulate) {
+      for (int pass = first; pass < first + count; ++pass)
+        ops::linear_input_grad(pass == 0 ? ws.shared_du.data() : ws.shared_dv.data(), N, F, pass == 0 ? w1 : w3, D,
+                               ws.shared_dx.data(), accumulate || pass > first);
+    });
     ops::weight_grad(acts.moe_in.data(), D, ws.shared_du.data(), F, D, F, leaf_off, ctx.leaves,
                      ctx.layer_grad(layer_, "shared.w1"));
     ops::weight_grad(acts.moe_in.data(), D, ws.shared_dv.data(), F, D, F, leaf_off, ctx.leaves,

@@ -59,7 +59,7 @@ void source_part(const StepContext& ctx, const LayerActs& acts, int src, int own
 // The buffers a layer's rounds need, grown to its plans and counted.
 void hold_moe_buffers(StepContext& ctx, LayerActs& acts) {
   StepWorkspace& ws = ctx.ws;
-  const int D = ctx.cfg.d_model, F = ctx.cfg.d_ff;
+  const int D = ctx.cfg.d_model, F = ctx.d_ff_held();
   const size_t slots = (size_t)ctx.own_plan(acts).slots;
   // Without expert parallelism y, dy and dx live in the dispatch rows: no slots for them.
   grow(ws.slots.x, slots * D);

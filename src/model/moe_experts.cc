@@ -8,6 +8,7 @@
 
 #include "model/blocks.h"
 #include "model/moe_exchange.h"
+#include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
 namespace ls {
@@ -20,7 +21,7 @@ class MoeExperts : public LayerBlock {
 
   // moe_in rows -> ye (dispatch order).
   void forward(StepContext& ctx, StepLosses&) override {
-    const int D = ctx.cfg.d_model, F = ctx.cfg.d_ff, ep = ctx.ep;
+    const int D = ctx.cfg.d_model, F = ctx.d_ff_held(), ep = ctx.ep;
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
     ExpertRows& rows = acts.rows;
@@ -32,7 +33,13 @@ class MoeExperts : public LayerBlock {
                     ep > 1 ? rows.x.data() : nullptr, nullptr);
       // Without expert parallelism the outputs go straight to the dispatch rows the combine reads.
       const RowPlace y = ep > 1 ? RowPlace{ws.slots.y.data(), true} : RowPlace{acts.ye.data(), false};
-      if (r < own.rounds()) ctx.stats.expert_gemm_calls += experts_round_forward(own, r, ws.slots, rows, y, w.w1, w.w3, w.w2, D, F);
+      if (r < own.rounds()) {
+        ctx.stats.expert_gemm_calls += experts_round_hidden(own, r, ws.slots, rows, w.w1, w.w3, D, F);
+        // y reduces over the hidden feature (tensor parallel: chained across the group's ranges of it).
+        chained_fold(ctx, 1, round_chain(own, r, rows, y, D), [&](int, int, bool accumulate) {
+          ctx.stats.expert_gemm_calls += experts_round_output(own, r, ws.slots, rows, y, w.w2, D, F, accumulate);
+        });
+      }
       if (ep > 1) exchange_rows(ctx, acts, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.y.data(), nullptr, acts.ye.data());
     }
     ctx.stats.rounds = std::max(ctx.stats.rounds, own.rounds());
@@ -48,7 +55,7 @@ class MoeExperts : public LayerBlock {
   // the forward's rounds and slots; the weight-gradient leaf trees continue
   // from round to round.
   void backward(StepContext& ctx) override {
-    const int D = ctx.cfg.d_model, F = ctx.cfg.d_ff, ep = ctx.ep;
+    const int D = ctx.cfg.d_model, F = ctx.d_ff_held(), ep = ctx.ep;
     const int64_t NK = ctx.tokens * ctx.cfg.top_k;
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
@@ -88,7 +95,12 @@ class MoeExperts : public LayerBlock {
           ops::copy_rows(rows.x.data(), ws.from_row.data(), ws.slots.x.data(), ws.to_row.data(),
                          (int64_t)ws.to_row.size(), D);
         }
-        ctx.stats.expert_gemm_calls += experts_round_backward(own, r, ws.slots, rows, dy, dx, w.w1, w.w3, w.w2, D, F);
+        ctx.stats.expert_gemm_calls += experts_round_backward_hidden(own, r, ws.slots, rows, dy, w.w2, D, F);
+        // dx reduces over the hidden feature of u, then of v (tensor parallel: chained).
+        chained_fold(ctx, 2, round_chain(own, r, rows, dx, D), [&](int first, int count, bool accumulate) {
+          ctx.stats.expert_gemm_calls +=
+              experts_round_input_grad(own, r, ws.slots, rows, dx, w.w1, w.w3, D, F, first, count, accumulate);
+        });
         grads.add_round(own, r, ws.slots, rows, dy, grad_w1, grad_w3, grad_w2);
       }
       if (ep > 1) exchange_rows(ctx, acts, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.dx.data(), nullptr, ws.dxe.data());
@@ -102,6 +114,14 @@ class MoeExperts : public LayerBlock {
 
 
  private:
+  // A round's rows at `place` as a chained fold's output: packed in segment order.
+  static ChainOutput round_chain(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int D) {
+    ChainOutput out;
+    out.floats = round_rows(plan, r) * D;
+    out.pack = [&plan, r, &rows, place, D](float* buffer) { pack_round_rows(plan, r, rows, place, D, buffer); };
+    out.unpack = [&plan, r, &rows, place, D](const float* buffer) { unpack_round_rows(plan, r, rows, place, D, buffer); };
+    return out;
+  }
   struct ExpertWeights {
     const float *w1, *w3, *w2;  // [experts held, D, F], [.., D, F], [.., F, D]
   };

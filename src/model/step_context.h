@@ -79,6 +79,9 @@ struct StepWorkspace {
   ops::DeviceVector<float> row_vector;          // a vector added to every row (router skew, aux-loss gradient)
   std::vector<ops::DeviceVector<float>> grad_state;  // LeafFold state per (expert, gradient)
   ExpertWeightGrads expert_grads;               // the backward's expert weight gradients, reused by every layer
+  ops::DeviceVector<float> tp_partial;          // tensor parallel: a chained fold's partial outputs, packed
+  // Measured: the bytes every float buffer above holds allocated (capacities), the layers' included.
+  int64_t allocated_bytes() const;
 };
 
 // One step as the blocks see it.
@@ -97,6 +100,7 @@ struct StepContext {
   int dp = 1;                    // data-parallel ranks
   int ep = 1, ep_rank = 0;       // the expert-parallel group and this rank in it
   int local_experts = 0;         // experts held here: experts / ep
+  int tp = 1, tp_rank = 0;       // the tensor-parallel group and this rank in it (model/tensor_parallel.h)
   float global_tokens = 0;       // N over every data-parallel rank
   float global_assignments = 0;  // N * K over every data-parallel rank
   MeshHooks* mesh = nullptr;     // nullptr: one rank
@@ -108,6 +112,11 @@ struct StepContext {
   const float* layer_weight(int layer, const char* name) const { return weight(layer_param(layer, name)); }
   float* layer_grad(int layer, const char* name) const { return grad(layer_param(layer, name)); }
   LayerActs& layer(int l) const { return ws.layers[(size_t)l]; }
+  // Tensor parallel: what this rank holds of the heads, their features and the hidden features.
+  int heads_held() const { return cfg.n_heads / tp; }
+  int width_held() const { return cfg.d_model / tp; }  // the model features of the heads held
+  int d_ff_held() const { return cfg.d_ff / tp; }
+
   // The residual stream entering layer l; l == n_layers: the head's input.
   float* stream(int l) const { return l < cfg.n_layers ? ws.layers[(size_t)l].x.data() : ws.h.data(); }
   // The plan of the experts held here, for layer l.

@@ -33,6 +33,18 @@ void linear_input_grad(const float* dY, int64_t N, int out, const float* W, int 
   gemm(N, in, out, ConstMat{dY, out, 1}, ConstMat{W, 1, out}, dX, in, accumulate);
 }
 
+void linear_strided(const float* X, int64_t ldx, int64_t N, int in, const float* W, int64_t ldw, int out, float* Y,
+                    int64_t ldy, bool accumulate) {
+  const OpTimer op_timer(OpKind::kGemm);
+  gemm(N, out, in, ConstMat{X, ldx, 1}, ConstMat{W, ldw, 1}, Y, ldy, accumulate);
+}
+
+void linear_input_grad_strided(const float* dY, int64_t lddy, int64_t N, int out, const float* W, int64_t ldw, int in,
+                               float* dX, int64_t lddx, bool accumulate) {
+  const OpTimer op_timer(OpKind::kGemm);
+  gemm(N, in, out, ConstMat{dY, lddy, 1}, ConstMat{W, 1, ldw}, dX, lddx, accumulate);
+}
+
 namespace internal {
 // weight_grad_avx512.cc: the leaf_grad.h kernel with 8 x 32 tiles.
 int64_t leaf_grad_scratch_floats_avx512(int64_t leaves, int64_t rows);

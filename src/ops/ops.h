@@ -16,6 +16,16 @@ void linear(const float* X, int64_t N, int in, const float* W, int out, float* Y
 void linear_input_grad(const float* dY, int64_t N, int out, const float* W, int in, float* dX,
                        bool accumulate);
 
+// Both on strided operands (a block of a wider X, dY or W, e.g. the columns
+// or rows a tensor-parallel rank holds), writing Y or dX (ldy / ldx wide)
+// or, with accumulate, continuing each output's fold from its current value.
+// Y[n][j] (+)= sum_i X[n][i] W[i][j]: reduces over the input feature i.
+void linear_strided(const float* X, int64_t ldx, int64_t N, int in, const float* W, int64_t ldw, int out, float* Y,
+                    int64_t ldy, bool accumulate);
+// dX[n][i] (+)= sum_j dY[n][j] W[i][j]: reduces over the output feature j.
+void linear_input_grad_strided(const float* dY, int64_t lddy, int64_t N, int out, const float* W, int64_t ldw, int in,
+                               float* dX, int64_t lddx, bool accumulate);
+
 // dW[i][j] = sum_n X[n][i] dY[n][j]. Reduces over the global token index n:
 // fma fold inside each leaf, the canonical tree over leaves.
 void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,

@@ -26,20 +26,27 @@ namespace {
 // A rank's view of the mesh for its model.
 class RankHooks : public MeshHooks {
  public:
-  RankHooks(Communicator& world, Communicator& ep_group) : world_(world), ep_(ep_group) {}
-  int dp_size() const override { return world_.size(); }
-  void sum_partials(float* v, size_t n) override { world_.all_reduce_sum(v, n); }
-  void sum_counts(int64_t* v, size_t n) override { world_.all_reduce_sum(v, n); }
+  RankHooks(Communicator& data, Communicator& ep_group, Communicator& tp_group)
+      : data_(data), ep_(ep_group), tp_(tp_group) {}
+  int dp_size() const override { return data_.size(); }
+  void sum_partials(float* v, size_t n) override { data_.all_reduce_sum(v, n); }
+  void sum_counts(int64_t* v, size_t n) override { data_.all_reduce_sum(v, n); }
   int ep_size() const override { return ep_.size(); }
   int ep_rank() const override { return ep_.rank(); }
   void ep_all_to_all(const void* send, const std::vector<size_t>& sb, void* recv,
                      const std::vector<size_t>& rb) override {
     ep_.all_to_all(send, sb, recv, rb);
   }
+  int tp_size() const override { return tp_.size(); }
+  int tp_rank() const override { return tp_.rank(); }
+  void tp_send(const float* buf, size_t n, int to) override { tp_.send(buf, n * sizeof(float), to); }
+  void tp_recv(float* buf, size_t n, int from) override { tp_.recv(buf, n * sizeof(float), from); }
+  void tp_broadcast(float* buf, size_t n, int root) override { tp_.broadcast(buf, n * sizeof(float), root); }
 
  private:
-  Communicator& world_;
+  Communicator& data_;
   Communicator& ep_;
+  Communicator& tp_;
 };
 
 // FSDP shard of one tensor: the block range [b0, b1) of kParamBlock blocks.
@@ -50,7 +57,8 @@ struct Shard {
 }  // namespace
 
 struct ClusterTrainer::Rank {
-  int index = 0;
+  int index = 0;                    // in the world: data_index * mesh.tp + tp_index
+  int data_index = 0, tp_index = 0;
   std::unique_ptr<MoeTransformer> model;
   ops::DeviceVector<float> m, v;    // AdamW moments for what this rank updates (shards with fsdp)
   ops::DeviceVector<float> shard_w;  // fsdp: the authoritative parameter shards, concatenated
@@ -66,11 +74,24 @@ int64_t blocks_of(int64_t n) { return (n + kParamBlock - 1) / kParamBlock; }
 // Which tensors FSDP shards: all but the expert slices of an expert-parallel mesh.
 bool fsdp_sharded(const ParamInfo& p, const MeshConfig& mesh) { return mesh.fsdp && !(p.expert && mesh.ep > 1); }
 
+// The tensor a tensor-parallel split tensor's parts make (its expert-parallel
+// slice when experts are split too): part q (held by TP rank q) put in place.
+void assemble_tp_parts(const ParamInfo& p, const float* parts, int tp, float* whole) {
+  ParamInfo q = p;
+  q.global_offset = 0;
+  for (int rank = 0; rank < tp; ++rank) {
+    q.tp_first = p.tp_held() * rank;
+    const float* part = parts + (int64_t)rank * p.size;
+    for (int64_t i = 0; i < p.size; ++i) whole[q.global_index(i)] = part[i];
+  }
+}
+
 }  // namespace
 
 ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), mpi_(mpi) {
   const MeshConfig& m = s.mesh;
-  if (mpi && mpi->size() != m.dp) throw std::logic_error("ClusterTrainer: the MPI world is not mesh.dp (run_scenario checks)");
+  if (mpi && mpi->size() != m.world())
+    throw std::logic_error("ClusterTrainer: the MPI world is not mesh.dp x mesh.tp (run_scenario checks)");
   if (m.fsdp && m.replicate > 1) {
     const int shard = m.dp / m.replicate;
     if (shard & (shard - 1))
@@ -80,16 +101,19 @@ ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), mp
   decay_steps_ = s.optim.decay_steps > 0 ? s.optim.decay_steps : s.steps;
   const int ep = m.ep;
   const int group = m.fsdp ? m.dp / m.replicate : 1;
-  for (int r = 0; r < m.dp; ++r) {
+  for (int r = 0; r < m.world(); ++r) {
     if (mpi && r != mpi->rank()) {  // held by another process
       ranks_.push_back(nullptr);
       continue;
     }
     auto rank = std::make_unique<Rank>();
     rank->index = r;
-    rank->model = std::make_unique<MoeTransformer>(s.model, s.leaf_samples, s.seed, ep, r % ep);
+    rank->data_index = r / m.tp;
+    rank->tp_index = r % m.tp;
+    rank->model = std::make_unique<MoeTransformer>(s.model, s.leaf_samples, s.seed, ep, rank->data_index % ep, m.tp,
+                                                   rank->tp_index);
     const auto& infos = rank->model->params();
-    const int pos = r % group;
+    const int pos = rank->data_index % group;
     int64_t off = 0;
     for (const ParamInfo& p : infos) {
       const int64_t nb = blocks_of(p.size);
@@ -134,12 +158,16 @@ void ClusterTrainer::set_debug_reorder_moe_norm(bool on) {
 }
 
 std::vector<std::unique_ptr<Communicator>> ClusterTrainer::split_groups(Communicator& world) const {
-  const int ep = s_.mesh.ep, shard_size = s_.mesh.fsdp ? s_.mesh.dp / s_.mesh.replicate : 1;
+  const int ep = s_.mesh.ep, tp = s_.mesh.tp, shard_size = s_.mesh.fsdp ? s_.mesh.dp / s_.mesh.replicate : 1;
+  const int me = world.rank(), data_rank = me / tp, tp_rank = me % tp;
+  // Every data-parallel group below holds ranks of one tensor-parallel index, in data-parallel order.
   std::vector<std::unique_ptr<Communicator>> groups;
-  groups.push_back(world.split(world.rank() / ep, world.rank()));                  // ep
-  groups.push_back(world.split(world.rank() % ep, world.rank()));                  // edp
-  groups.push_back(world.split(world.rank() / shard_size, world.rank()));          // shard
-  groups.push_back(world.split(world.rank() % shard_size, world.rank()));          // replica
+  groups.push_back(world.split(tp_rank, me));                                      // data
+  groups.push_back(world.split(data_rank, me));                                    // tp
+  groups.push_back(world.split(tp_rank * s_.mesh.dp + data_rank / ep, me));        // ep
+  groups.push_back(world.split(tp_rank * s_.mesh.dp + data_rank % ep, me));        // edp
+  groups.push_back(world.split(tp_rank * s_.mesh.dp + data_rank / shard_size, me));  // shard
+  groups.push_back(world.split(tp_rank * s_.mesh.dp + data_rank % shard_size, me));  // replica
   return groups;
 }
 
@@ -159,9 +187,9 @@ void ClusterTrainer::run_rank(Communicator& world, const std::vector<std::unique
   };
   std::map<std::string, uint64_t> before_bytes, before_calls, after_bytes, after_calls;
   const double before_seconds = totals(before_bytes, before_calls);
-  RankHooks hooks(world, *groups[0]);
+  RankHooks hooks(*groups[0], *groups[2], *groups[1]);
   rank.model->set_mesh(&hooks);
-  RankCtx ctx{rank, world, *groups[0], *groups[1], *groups[2], *groups[3]};
+  RankCtx ctx{rank, *groups[0], *groups[1], *groups[2], *groups[3], *groups[4], *groups[5]};
   body(ctx);
   rank.model->set_mesh(nullptr);
   rank.comm.seconds += totals(after_bytes, after_calls) - before_seconds;
@@ -171,8 +199,9 @@ void ClusterTrainer::run_rank(Communicator& world, const std::vector<std::unique
   }
 }
 
-// Runs `body` once per rank with its communicators: world (all
-// data-parallel ranks), its EP group, its expert-data-parallel group (same
+// Runs `body` once per rank with its communicators: its data-parallel
+// group (one rank per data-parallel index, same tensor-parallel slice), its
+// tensor-parallel group, its EP group, its expert-data-parallel group (same
 // experts, other EP groups), its FSDP shard group and replica group. In
 // process every rank is a thread; under MPI this process's one rank runs,
 // its groups split once and kept (a split is a collective).
@@ -183,7 +212,7 @@ void ClusterTrainer::each_rank(const std::function<void(RankCtx&)>& body) {
     run_rank(*mpi_, mpi_groups_, body);
     return;
   }
-  const int world = s_.mesh.dp;
+  const int world = s_.mesh.world();
   const int threads_per_rank = std::max(1, (threads_ > 0 ? threads_ : omp_get_max_threads()) / world);
   run_in_process(
       world,
@@ -208,8 +237,7 @@ std::vector<size_t> shard_elems(int64_t n, int g) {
 }  // namespace
 
 float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) {
-  const int world = s_.mesh.dp;
-  const int local = batch / world;
+  const int local = batch / s_.mesh.dp;
   const int64_t sample_bytes = s_.model.seq_len + 1;
   float loss = 0, norm0 = 0;
   const bool ep_split = s_.mesh.ep > 1;
@@ -225,7 +253,7 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
       c.shard.all_gather(rank.shard_w.data() + rank.shard_off[t], model.weights() + infos[t].offset, bytes);
     }
     if (phase_hook_) model.set_phase_hook([&](const char* phase) { phase_hook_(phase, rank.index); });
-    const StepLosses l = model.forward_backward(tokens + (int64_t)rank.index * local * sample_bytes, local);
+    const StepLosses l = model.forward_backward(tokens + (int64_t)rank.data_index * local * sample_bytes, local);
     model.set_phase_hook(nullptr);
     if (phase_hook_) phase_hook_("optimizer", rank.index);
     // Gradients: each rank's partials are subtrees; combine by the canonical
@@ -243,7 +271,7 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
         if (c.replica.size() > 1) c.replica.all_reduce_sum(mine.data(), mine.size());  // HSDP
         std::copy(mine.begin(), mine.end(), gp + range(rank, t).first);
       } else {
-        c.world.all_reduce_sum(gp, p.size);
+        c.data.all_reduce_sum(gp, p.size);
       }
     }
     // Global norm, as AdamW::global_norm: per tensor the fma fold in blocks of
@@ -254,10 +282,22 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
       const ParamInfo& p = infos[t];
       const float* gp = g + p.offset;
       float sumsq;
-      if (p.expert && ep_split) {
-        // The whole tensor is the EP group's slices in rank order.
-        ops::DeviceVector<float> whole((size_t)p.size * c.ep.size());
-        c.ep.all_gather(gp, whole.data(), std::vector<size_t>(c.ep.size(), (size_t)p.size * 4));
+      if (p.tp_mid > 0 || (p.expert && ep_split)) {
+        // The whole tensor: the TP group's parts put in place, then the EP group's slices in rank order.
+        ops::DeviceVector<float> slice;
+        if (p.tp_mid > 0) {
+          ops::DeviceVector<float> parts((size_t)p.size * c.tp.size());
+          c.tp.all_gather(gp, parts.data(), std::vector<size_t>(c.tp.size(), (size_t)p.size * 4));
+          slice.resize(parts.size());
+          assemble_tp_parts(p, parts.data(), c.tp.size(), slice.data());
+        } else {
+          slice.assign(gp, gp + p.size);
+        }
+        ops::DeviceVector<float> whole(slice.size() * (p.expert && ep_split ? c.ep.size() : 1));
+        if (p.expert && ep_split)
+          c.ep.all_gather(slice.data(), whole.data(), std::vector<size_t>(c.ep.size(), slice.size() * 4));
+        else
+          whole = std::move(slice);
         sumsq = ops::param_sumsq(whole.data(), (int64_t)whole.size());
       } else if (fsdp_sharded(p, s_.mesh)) {
         const int gs = c.shard.size();
@@ -317,7 +357,7 @@ float ClusterTrainer::eval_loss(const uint8_t* tokens, int batch) {
       for (size_t& b : bytes) b *= 4;
       c.shard.all_gather(c.rank.shard_w.data() + c.rank.shard_off[t], model.weights() + infos[t].offset, bytes);
     }
-    const StepLosses l = model.forward(tokens + (int64_t)c.rank.index * local * sample_bytes, local);
+    const StepLosses l = model.forward(tokens + (int64_t)c.rank.data_index * local * sample_bytes, local);
     if (c.rank.index == 0) loss = l.ce;
   });
   if (mpi_) mpi_->broadcast(&loss, sizeof loss, 0);
@@ -341,34 +381,49 @@ std::string ClusterTrainer::state_hash() const {
     mom2[t].assign(global, 0.0f);
   }
   // Which ranks hold which part: EP slices from group 0's ranks; FSDP
-  // shards from shard group 0's ranks; else rank 0 holds it all.
+  // shards from shard group 0's ranks; else data-parallel rank 0. Of a
+  // tensor-parallel split tensor each TP rank holds a part; of the others
+  // TP rank 0 holds the copy.
   auto holds = [&](int r, const ParamInfo& p) {
+    const int d = r / m.tp;
+    if (r % m.tp != 0 && p.tp_mid == 0) return false;
     const bool expert_slice = p.expert && m.ep > 1;
-    return !(expert_slice ? r >= m.ep : fsdp_sharded(p, m) ? r >= m.dp / m.replicate : r > 0);
+    return !(expert_slice ? d >= m.ep : fsdp_sharded(p, m) ? d >= m.dp / m.replicate : d > 0);
   };
-  // A holder's part of tensor t: (first global element, elements) and its weights, m, v.
+  // A holder's part of tensor t: (first global element, elements, the first
+  // middle index of a TP part or -1) and its weights, m, v.
   struct Part {
-    int64_t t = 0, start = 0, n = 0;
+    int64_t t = 0, start = 0, n = 0, tp_first = -1;
     const float *w = nullptr, *m1 = nullptr, *m2 = nullptr;
   };
   auto part_of = [&](const Rank& rk, size_t t) {
     const ParamInfo& q = rk.model->params()[t];
     const auto [lo, hi] = range(rk, t);
     const float* w = fsdp_sharded(q, m) ? rk.shard_w.data() + rk.shard_off[t] : rk.model->weights() + q.offset + lo;
-    return Part{(int64_t)t, q.global_offset + lo, hi - lo, w, rk.m.data() + rk.shard_off[t], rk.v.data() + rk.shard_off[t]};
+    return Part{(int64_t)t,        q.global_offset + lo, hi - lo, q.tp_mid > 0 ? q.tp_first : -1, w,
+                rk.m.data() + rk.shard_off[t], rk.v.data() + rk.shard_off[t]};
   };
-  auto place = [&](int64_t t, int64_t start, int64_t n, const float* w, const float* m1, const float* m2) {
-    std::copy(w, w + n, param[t].begin() + start);
-    std::copy(m1, m1 + n, mom1[t].begin() + start);
-    std::copy(m2, m2 + n, mom2[t].begin() + start);
+  auto place = [&](const Part& p) {
+    if (p.tp_first < 0) {
+      std::copy(p.w, p.w + p.n, param[p.t].begin() + p.start);
+      std::copy(p.m1, p.m1 + p.n, mom1[p.t].begin() + p.start);
+      std::copy(p.m2, p.m2 + p.n, mom2[p.t].begin() + p.start);
+      return;
+    }
+    ParamInfo q = infos[p.t];  // the part's view of the tensor
+    q.global_offset = p.start;
+    q.tp_first = p.tp_first;
+    for (int64_t i = 0; i < p.n; ++i) {
+      const int64_t g = q.global_index(i);
+      param[p.t][g] = p.w[i];
+      mom1[p.t][g] = p.m1[i];
+      mom2[p.t][g] = p.m2[i];
+    }
   };
   if (!mpi_) {
     for (size_t t = 0; t < infos.size(); ++t)
-      for (int r = 0; r < m.dp; ++r)
-        if (holds(r, infos[t])) {
-          const Part p = part_of(*ranks_[r], t);
-          place(p.t, p.start, p.n, p.w, p.m1, p.m2);
-        }
+      for (int r = 0; r < m.world(); ++r)
+        if (holds(r, infos[t])) place(part_of(*ranks_[r], t));
   } else {
     // Every process sends its parts to every other (an all-gather of
     // headers, then of the data): each then hashes the same global state.
@@ -378,7 +433,7 @@ std::string ClusterTrainer::state_hash() const {
     for (size_t t = 0; t < infos.size(); ++t)
       if (holds(me, infos[t])) {
         const Part p = part_of(*ranks_[me], t);
-        head.insert(head.end(), {p.t, p.start, p.n});
+        head.insert(head.end(), {p.t, p.start, p.n, p.tp_first});
         for (const float* src : {p.w, p.m1, p.m2}) data.insert(data.end(), src, src + p.n);
       }
     std::vector<int64_t> sizes(2 * R), mine = {(int64_t)head.size(), (int64_t)data.size()};
@@ -396,9 +451,9 @@ std::string ClusterTrainer::state_hash() const {
     mpi_->all_gather(head.data(), heads.data(), hb);
     mpi_->all_gather(data.data(), all.data(), db);
     size_t at = 0;
-    for (size_t h = 0; h + 2 < heads.size(); h += 3) {
+    for (size_t h = 0; h + 3 < heads.size(); h += 4) {
       const int64_t n = heads[h + 2];
-      place(heads[h], heads[h + 1], n, &all[at], &all[at + n], &all[at + 2 * n]);
+      place(Part{heads[h], heads[h + 1], n, heads[h + 3], &all[at], &all[at + n], &all[at + 2 * n]});
       at += 3 * n;
     }
   }
@@ -423,50 +478,73 @@ float* ClusterTrainer::storage(Rank& r, size_t t, const std::string& kind) const
 bool ClusterTrainer::stages(int rank, size_t t) const {
   const ParamInfo& p = ranks_[rank]->model->params()[t];
   const MeshConfig& m = s_.mesh;
-  if (p.expert && m.ep > 1) return rank < m.ep;                    // EP group 0 holds one copy of each slice
-  if (fsdp_sharded(p, m)) return rank < m.dp / m.replicate;         // replica 0's shards
-  return rank == (int)(t % m.dp);                                   // replicated: spread writers by tensor
+  const int d = rank / m.tp;
+  if (p.tp_mid == 0 && rank % m.tp != 0) return false;  // TP rank 0 writes what its group holds alike
+  if (p.expert && m.ep > 1) return d < m.ep;             // EP group 0 holds one copy of each slice
+  if (fsdp_sharded(p, m)) return d < m.dp / m.replicate;  // replica 0's shards
+  if (p.tp_mid > 0) return d == 0;                        // each TP rank of data-parallel rank 0 writes a range
+  return d == (int)(t % m.dp);                            // replicated: spread writers by tensor
 }
 
+// What rank `rank` holds, as global ranges: its range of each tensor; of a
+// tensor-parallel split tensor, whose held part is strided, the whole
+// tensor (its expert-parallel slice), from which load_piece keeps the part.
 std::vector<StatePiece> ClusterTrainer::state_needs(int rank) const {
   std::vector<StatePiece> out;
   const Rank& r = *ranks_[rank];
   const auto& infos = r.model->params();
   for (const char* kind : {"param/", "adam_m/", "adam_v/"})
     for (size_t t = 0; t < infos.size(); ++t) {
+      const ParamInfo& p = infos[t];
       const auto [lo, hi] = range(r, t);
       if (hi <= lo) continue;
-      out.push_back({kind + infos[t].name, infos[t].global_shape, infos[t].global_offset + lo,
-                     infos[t].global_offset + hi, {}});
+      const int64_t end = p.tp_mid > 0 ? p.global_offset + p.size * s_.mesh.tp : p.global_offset + hi;
+      out.push_back({kind + p.name, p.global_shape, p.global_offset + lo, end, {}});
     }
   return out;
 }
 
+// Every global element is staged once. A tensor-parallel split tensor is
+// staged in contiguous ranges: TP rank q of a writing group assembles the
+// tensor (its expert-parallel slice) from the group's parts (an all-gather)
+// and stages the q-th of tp equal ranges, as much as it holds.
 void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
   out.resize(ranks_.size());
-  for (size_t r = 0; r < ranks_.size(); ++r) {
-    if (!ranks_[r]) {  // another process's rank: it stages its own
-      out[r].clear();
-      continue;
-    }
-    const auto& infos = ranks_[r]->model->params();
-    size_t k = 0;  // pieces staged by rank r; buffers of an earlier save are reused in order
-    for (StatePiece& p : state_needs((int)r)) {
-      const size_t slash = p.name.find('/');
-      const std::string kind = p.name.substr(0, slash), name = p.name.substr(slash + 1);
-      size_t t = 0;
-      while (infos[t].name != name) ++t;
-      if (!stages((int)r, t)) continue;
-      if (k == out[r].size()) out[r].emplace_back();
-      ops::StagingVector<float> buffer = std::move(out[r][k].data);
-      buffer.resize(p.global_end - p.global_begin);
-      ops::copy_to_host(buffer.data(), storage(*ranks_[r], t, kind), buffer.size() * sizeof(float));
-      out[r][k] = std::move(p);
-      out[r][k].data = std::move(buffer);
-      ++k;
-    }
-    out[r].resize(k);
-  }
+  for (size_t r = 0; r < ranks_.size(); ++r)
+    if (!ranks_[r]) out[r].clear();  // another process's rank: it stages its own
+  each_rank([&](RankCtx& c) {
+    Rank& rank = c.rank;
+    std::vector<StatePiece>& staged = out[(size_t)rank.index];
+    const auto& infos = rank.model->params();
+    size_t k = 0;  // pieces staged by this rank; buffers of an earlier save are reused in order
+    ops::DeviceVector<float> parts, whole;
+    for (const char* kind : {"param", "adam_m", "adam_v"})
+      for (size_t t = 0; t < infos.size(); ++t) {
+        const ParamInfo& p = infos[t];
+        if (!stages(rank.index, t)) continue;
+        const auto [lo, hi] = range(rank, t);
+        if (hi <= lo) continue;
+        const float* from = storage(rank, t, kind);
+        StatePiece piece{std::string(kind) + "/" + p.name, p.global_shape, p.global_offset + lo, p.global_offset + hi, {}};
+        if (p.tp_mid > 0) {
+          parts.resize((size_t)p.size * c.tp.size());
+          c.tp.all_gather(from, parts.data(), std::vector<size_t>(c.tp.size(), (size_t)p.size * 4));
+          whole.resize(parts.size());
+          assemble_tp_parts(p, parts.data(), c.tp.size(), whole.data());
+          from = whole.data() + (int64_t)rank.tp_index * p.size;
+          piece.global_begin = p.global_offset + (int64_t)rank.tp_index * p.size;
+          piece.global_end = piece.global_begin + p.size;
+        }
+        if (k == staged.size()) staged.emplace_back();
+        ops::StagingVector<float> buffer = std::move(staged[k].data);
+        buffer.resize(piece.global_end - piece.global_begin);
+        ops::copy_to_host(buffer.data(), from, buffer.size() * sizeof(float));
+        staged[k] = std::move(piece);
+        staged[k].data = std::move(buffer);
+        ++k;
+      }
+    staged.resize(k);
+  });
 }
 
 void ClusterTrainer::load_piece(int rank, const StatePiece& need, const float* data) {
@@ -476,7 +554,13 @@ void ClusterTrainer::load_piece(int rank, const StatePiece& need, const float* d
   const std::string kind = need.name.substr(0, slash), name = need.name.substr(slash + 1);
   size_t t = 0;
   while (infos[t].name != name) ++t;
-  std::copy(data, data + (need.global_end - need.global_begin), storage(r, t, kind));
+  const ParamInfo& p = infos[t];
+  float* to = storage(r, t, kind);
+  if (p.tp_mid == 0) {
+    std::copy(data, data + (need.global_end - need.global_begin), to);
+    return;
+  }
+  for (int64_t i = 0; i < p.size; ++i) to[i] = data[p.global_index(i) - need.global_begin];  // the held part
 }
 
 std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
@@ -485,6 +569,7 @@ std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
     if (!r) continue;
     const auto& t = r->model->moe_stats().tokens_per_expert;
     if (out.empty()) out.assign(t.size(), 0);
+    if (r->tp_index != 0) continue;  // a tensor-parallel group routes its tokens once
     for (size_t i = 0; i < t.size(); ++i) out[i] += t[i];
   }
   if (mpi_) mpi_->all_reduce_sum(out.data(), out.size());  // every process's rank
@@ -499,7 +584,7 @@ MeshReport ClusterTrainer::mesh_report() const {
     static const char* kKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send"};
     std::vector<int64_t> rec = {st.rounds, st.borrowed, st.dropped, st.expert_gemm_calls, st.all_to_all_calls,
                                 st.all_to_all_bytes, st.peak_expert_bytes, st.peak_dispatch_bytes,
-                                st.peak_routed_bytes, st.peak_grad_state_bytes};
+                                st.peak_routed_bytes, st.peak_grad_state_bytes, st.workspace_bytes, st.weight_bytes};
     for (const char* k : kKinds) rec.push_back(me.comm.bytes_sent.count(k) ? (int64_t)me.comm.bytes_sent.at(k) : -1);
     rec.push_back((int64_t)(me.comm.seconds * 1e9));  // nanoseconds in collectives
     const int R = mpi_->size();
@@ -518,15 +603,17 @@ MeshReport ClusterTrainer::mesh_report() const {
       s.peak_dispatch_bytes = x[7];
       s.peak_routed_bytes = x[8];
       s.peak_grad_state_bytes = x[9];
-      rep.add(s);
+      s.workspace_bytes = x[10];
+      s.weight_bytes = x[11];
+      rep.add(s, /*count_rows=*/r % s_.mesh.tp == 0);
       for (size_t k = 0; k < sizeof kKinds / sizeof *kKinds; ++k)
-        if (x[10 + k] >= 0) rep.bytes_sent_max[kKinds[k]] = std::max<uint64_t>(rep.bytes_sent_max[kKinds[k]], x[10 + k]);
+        if (x[12 + k] >= 0) rep.bytes_sent_max[kKinds[k]] = std::max<uint64_t>(rep.bytes_sent_max[kKinds[k]], x[12 + k]);
       rep.comm_seconds_max = std::max(rep.comm_seconds_max, (double)x[rec.size() - 1] * 1e-9);
     }
     return rep;
   }
   for (const auto& r : ranks_) {
-    rep.add(r->model->moe_stats());
+    rep.add(r->model->moe_stats(), /*count_rows=*/r->tp_index == 0);
     for (auto& [k, b] : r->comm.bytes_sent) rep.bytes_sent_max[k] = std::max(rep.bytes_sent_max[k], b);
     rep.comm_seconds_max = std::max(rep.comm_seconds_max, r->comm.seconds);
   }

@@ -1,6 +1,7 @@
 // A Trainer over a simulated cluster (scenario keys mesh.*): data-parallel
-// ranks with optional expert parallelism and FSDP/HSDP sharding, run as
-// in-process threads that share nothing but a Communicator.
+// ranks with optional expert parallelism, FSDP/HSDP sharding and tensor
+// parallelism, run as in-process threads (or MPI processes) that share
+// nothing but a Communicator.
 #pragma once
 
 #include <functional>
@@ -16,8 +17,10 @@ namespace ls {
 
 class ClusterTrainer : public Trainer {
  public:
-  // mpi: this process is rank mpi->rank() of an MPI world of mesh.dp
-  // processes and holds that rank alone; nullptr: every rank is a thread here.
+  // mpi: this process is rank mpi->rank() of an MPI world of mesh.dp x
+  // mesh.tp processes and holds that rank alone; nullptr: every rank is a
+  // thread here. World rank r is data-parallel rank r / mesh.tp and
+  // tensor-parallel rank r % mesh.tp.
   explicit ClusterTrainer(const Scenario& s, Communicator* mpi = nullptr);
   ~ClusterTrainer() override;
 
@@ -34,7 +37,7 @@ class ClusterTrainer : public Trainer {
   // Nonzero: every collective sleeps a random few microseconds per rank.
   void set_jitter(uint64_t seed) { jitter_seed_ = seed; }
   MeshReport mesh_report() const override;
-  int world() const override { return s_.mesh.dp; }
+  int world() const override { return s_.mesh.world(); }
   void stage_state(std::vector<std::vector<StatePiece>>& out) override;
   std::vector<StatePiece> state_needs(int rank) const override;
   void load_piece(int rank, const StatePiece& need, const float* data) override;
@@ -44,14 +47,15 @@ class ClusterTrainer : public Trainer {
   struct Rank;
   struct RankCtx {
     Rank& rank;
-    Communicator& world;
-    Communicator& ep;       // ranks sharing the experts (consecutive, size mesh.ep)
+    Communicator& data;     // the data-parallel ranks holding the same tensor-parallel slice (size mesh.dp)
+    Communicator& tp;       // the tensor-parallel group: the ranks of one data-parallel rank (size mesh.tp)
+    Communicator& ep;       // ranks sharing the experts (consecutive data-parallel ranks, size mesh.ep)
     Communicator& edp;      // ranks holding the same experts, one per EP group
     Communicator& shard;    // FSDP shard group
     Communicator& replica;  // HSDP replicas of my shard
   };
   void each_rank(const std::function<void(RankCtx&)>& body);
-  // world's sub-groups, in RankCtx's order: ep, edp, shard, replica.
+  // world's sub-groups, in RankCtx's order: data, tp, ep, edp, shard, replica.
   std::vector<std::unique_ptr<Communicator>> split_groups(Communicator& world) const;
   // body on world.rank()'s rank; its communicators' traffic during the call
   // is added to the rank's.

@@ -288,7 +288,7 @@ RunOptions::Bump parse_bump(const std::string& text) {
   return b;
 }
 
-bool is_multi_rank(const Scenario& s) { return s.mesh.dp > 1 || s.mesh.ep > 1 || s.mesh.fsdp; }
+bool is_multi_rank(const Scenario& s) { return s.mesh.world() > 1 || s.mesh.ep > 1 || s.mesh.fsdp; }
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
   // cuda-emulated and cuda train the engine's model; run_scenario installs the kernels for the run.
@@ -370,10 +370,11 @@ void TrainingRun::make_trainer() {
   const Scenario& s = s_;
   const RunOptions& opt = opt_;
   if (opt.mpi) {  // one rank per process
-    if (opt.mpi->size() != s.mesh.dp)
-      throw UserError("mpirun started " + std::to_string(opt.mpi->size()) + " processes but mesh.dp = " +
-                      std::to_string(s.mesh.dp) + ": one process per rank (use --set mesh.dp=" +
-                      std::to_string(opt.mpi->size()) + " or mpirun -np " + std::to_string(s.mesh.dp) + ")");
+    if (opt.mpi->size() != s.mesh.world())
+      throw UserError("mpirun started " + std::to_string(opt.mpi->size()) + " processes but mesh.dp x mesh.tp = " +
+                      std::to_string(s.mesh.dp) + " x " + std::to_string(s.mesh.tp) + " = " +
+                      std::to_string(s.mesh.world()) + ": one process per rank (mpirun -np " +
+                      std::to_string(s.mesh.world()) + ")");
     if (opt.backend != Backend::kEngine) throw UserError("--backend: under mpirun only the engine runs");
     if (opt.mpi->size() > 1) {
       if (!opt.trace_path.empty()) throw UserError("--trace: tracing needs mesh.dp=1 (one process)");
@@ -574,7 +575,8 @@ void TrainingRun::open_writer() {
   if (injector_) to = injector_->wrap(to);
   writer_ = std::make_unique<CheckpointWriter>(
       s_.ckpt, to, s_.resolved, r_.fingerprint,
-      nlohmann::json{{"dp", s_.mesh.dp}, {"ep", s_.mesh.ep}, {"fsdp", s_.mesh.fsdp}, {"replicate", s_.mesh.replicate}},
+      nlohmann::json{{"dp", s_.mesh.dp}, {"ep", s_.mesh.ep}, {"fsdp", s_.mesh.fsdp}, {"replicate", s_.mesh.replicate},
+                     {"tp", s_.mesh.tp}},
       procs_);
   if (injector_) writer_->set_commit_hook([this](int64_t step) { injector_->after_commit(step); });
   // Nothing is committed or deleted by a job that no longer holds the
@@ -671,6 +673,8 @@ void TrainingRun::record_step(int step, float loss, double step_seconds) {
   r_.peak_dispatch_bytes = std::max(r_.peak_dispatch_bytes, mr.peak_dispatch_bytes);
   r_.peak_routed_bytes = std::max(r_.peak_routed_bytes, mr.peak_routed_bytes);
   r_.peak_grad_state_bytes = std::max(r_.peak_grad_state_bytes, mr.peak_grad_state_bytes);
+  r_.workspace_bytes = std::max(r_.workspace_bytes, mr.workspace_bytes);
+  r_.weight_bytes = std::max(r_.weight_bytes, mr.weight_bytes);
   if (done == r_.steps) {
     train_bytes_ = mr.bytes_sent_max;
     train_comm_seconds_ = mr.comm_seconds_max;
@@ -784,7 +788,8 @@ nlohmann::json result_json(const RunResult& r) {
   nlohmann::json hashes = nlohmann::json::object();
   for (auto& [step, h] : r.state_hashes) hashes[std::to_string(step)] = h;
   j["state_hashes"] = hashes;
-  j["mesh"] = {{"dp", r.mesh.dp}, {"ep", r.mesh.ep}, {"fsdp", r.mesh.fsdp}, {"replicate", r.mesh.replicate}};
+  j["mesh"] = {{"dp", r.mesh.dp}, {"ep", r.mesh.ep}, {"fsdp", r.mesh.fsdp}, {"replicate", r.mesh.replicate},
+               {"tp", r.mesh.tp}};
   j["moe"] = {{"rounds", r.moe_rounds},
               {"borrowed", r.moe_borrowed},
               {"dropped", r.moe_dropped},
@@ -804,7 +809,10 @@ nlohmann::json result_json(const RunResult& r) {
   if (!r.restore.is_null()) j["restore"] = r.restore;
   if (!r.lease.is_null()) j["lease"] = r.lease;
   if (!r.op_seconds.empty()) j["op_seconds"] = r.op_seconds;
-  j["memory"] = {{"estimated_total_bytes", r.memory_estimate_bytes}, {"peak_rss_bytes", r.peak_rss_bytes}};
+  j["memory"] = {{"estimated_total_bytes", r.memory_estimate_bytes},
+                 {"peak_rss_bytes", r.peak_rss_bytes},
+                 {"workspace_bytes_per_rank", r.workspace_bytes},
+                 {"weight_bytes_per_rank", r.weight_bytes}};
   return j;
 }
 

@@ -109,6 +109,7 @@ struct RunResult {
   std::vector<int64_t> moe_gemm_calls, moe_all_to_all_calls, moe_all_to_all_bytes;  // per step, all ranks
   int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;  // measured high-water marks, the largest rank
   int64_t peak_routed_bytes = 0, peak_grad_state_bytes = 0;
+  int64_t workspace_bytes = 0, weight_bytes = 0;  // measured per rank (the largest): activations + scratch; weights + gradients
   std::map<std::string, double> bytes_sent_per_step;  // by collective kind, busiest rank
   double comm_seconds_per_step = 0;  // measured wall time in collectives per step (waits included), slowest rank
   int resumed_from = 0;                       // steps already done by the checkpoint resumed from

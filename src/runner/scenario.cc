@@ -275,13 +275,15 @@ std::string check_faults(const Scenario& s) {
         return at + "step: must be > ckpt.every = " + show(s.ckpt.every) +
                " so that a checkpoint exists to corrupt, got " + show(f.step);
     }
-    // Each rank uploads one shard object per checkpoint, the manifest aside.
-    if (f.after_objects >= dp)
-      return at + "after_objects: a checkpoint uploads " + show(dp) + " shard object" + (dp == 1 ? "" : "s") +
-             " (one per rank of " + dp_from + "), so after_objects must be < " + show(dp) + ", got " +
+    // Each rank (mesh.dp x mesh.tp of them) uploads one shard object per checkpoint, the manifest aside.
+    const int ranks = dp * s.mesh.tp;
+    const std::string ranks_from = s.mesh.tp > 1 ? dp_from + " x mesh.tp = " + show(s.mesh.tp) : dp_from;
+    if (f.after_objects >= ranks)
+      return at + "after_objects: a checkpoint uploads " + show(ranks) + " shard object" + (ranks == 1 ? "" : "s") +
+             " (one per rank of " + ranks_from + "), so after_objects must be < " + show(ranks) + ", got " +
              show(f.after_objects);
-    if ((f.kind == FaultKind::kRankCrash || f.kind == FaultKind::kStraggler) && f.rank >= dp)
-      return at + "rank: must be < " + dp_from + ", got " + show(f.rank);
+    if ((f.kind == FaultKind::kRankCrash || f.kind == FaultKind::kStraggler) && f.rank >= ranks)
+      return at + "rank: must be < " + ranks_from + ", got " + show(f.rank);
     if (f.kind == FaultKind::kShrink || f.kind == FaultKind::kGrow) {
       // (No direction check: after the restart, the child's mesh.dp already
       // is the new size while the fired fault is still listed.)
@@ -307,7 +309,7 @@ Row faults_row() {
   r.info.type = "array";
   r.info.doc = "Faults to inject, each an object {\"kind\", \"step\", options} as in docs/FAULTS.md; "
                "not part of the fingerprint.";
-  r.info.constraint = "step <= train.steps; rank < mesh.dp; shrink/grow dp a valid mesh.dp; "
+  r.info.constraint = "step <= train.steps; rank < mesh.dp x mesh.tp; shrink/grow dp a valid mesh.dp; "
                       "checkpoint faults need ckpt.url and ckpt.every";
   r.decode = [](Scenario& s, const json& v) -> std::string {
     if (!v.is_array()) return "expected an array of fault objects, got " + describe(v);
@@ -497,6 +499,24 @@ std::vector<Row> make_rows() {
                   return "must divide mesh.dp = " + show(s.mesh.dp) + ", got " + show(v);
                 if (s.model.experts % v != 0)
                   return "must divide moe.experts = " + show(s.model.experts) + ", got " + show(v);
+                return std::string();
+              }}}),
+      field("mesh.tp", [](S& s) -> int& { return s.mesh.tp; },
+            "Tensor-parallel ranks per data-parallel rank (world = mesh.dp x mesh.tp): attention heads and "
+            "the experts' hidden features are split across them; a fold over a split feature is chained "
+            "from rank to rank in the contract's order (docs/NUMERICS.md), so the bits do not depend on it.",
+            {in_range(1, 64),
+             {"divides model.n_heads and model.d_ff", [](const S& s, int v) {
+                if (s.model.n_heads % v != 0)
+                  return "must divide model.n_heads = " + show(s.model.n_heads) + ", got " + show(v);
+                if (s.model.d_ff % v != 0) return "must divide model.d_ff = " + show(s.model.d_ff) + ", got " + show(v);
+                return std::string();
+              }},
+             {"not yet with mesh.fsdp or numerics.level=local", [](const S& s, int v) {
+                if (v == 1) return std::string();
+                if (s.mesh.fsdp) return "is " + show(v) + " with mesh.fsdp: FSDP over a tensor-parallel mesh is not built yet";
+                if (s.level == "local")
+                  return "is " + show(v) + " with numerics.level=local: the chained fold needs the portable GEMM";
                 return std::string();
               }}}),
       // One of the two alone saves nothing, silently: refused, naming both.

@@ -1,0 +1,202 @@
+// Tensor parallelism (mesh.tp): heads and hidden features split across
+// ranks, every fold over a split feature chained rank to rank in the
+// contract's order. The bits equal one process's at every degree, while the
+// runs differ in what each rank holds and sends.
+#include <doctest/doctest.h>
+#include <omp.h>
+
+#include <string>
+#include <vector>
+
+#include "cli_run.h"
+#include "common/error.h"
+#include "contract.h"
+#include "model/model.h"
+#include "runner/runner.h"
+#include "runner/scenario.h"
+
+namespace {
+
+// 2 layers, 4 heads, a shared expert, 4 experts top-2 at capacity factor 0.5
+// (several rounds), skewed routing: every split the model has, and rounds.
+const char* kScenario = R"({"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 8, "d_ff": 16,
+  "shared_expert": true},
+  "moe": {"experts": 4, "top_k": 2, "aux_loss_weight": 0.05, "z_loss_weight": 0.01, "capacity_factor": 0.5,
+          "router_skew": 1.0},
+  "train": {"steps": 3, "batch": 8, "warmup_steps": 1, "eval_every": 0, "eval_batches": 1},
+  "data": {"synthetic_bytes": 8192}})";
+
+ls::Scenario scenario(const std::vector<std::string>& sets) {
+  return ls::scenario_from_json(nlohmann::json::parse(kScenario), "tp.json", sets);
+}
+
+ls::RunResult run(const std::vector<std::string>& sets, int threads = 2, ls::Backend backend = ls::Backend::kEngine) {
+  ls::RunOptions opt;
+  opt.threads = threads;
+  opt.backend = backend;
+  opt.eval = false;
+  ls::RunResult r = ls::run_scenario(scenario(sets), opt);
+  omp_set_num_threads(omp_get_num_procs());
+  return r;
+}
+
+std::vector<std::string> loss_bits(const ls::RunResult& r) {
+  std::vector<std::string> out;
+  for (float l : r.losses) out.push_back(ls::hex_bits(l));
+  return out;
+}
+
+double sent(const ls::RunResult& r, const char* kind) {
+  const auto it = r.bytes_sent_per_step.find(kind);
+  return it == r.bytes_sent_per_step.end() ? 0.0 : it->second;
+}
+
+}  // namespace
+
+TEST_SUITE("tensor_parallel") {
+  TEST_CASE("tp 1, 2 and 4, with dp and ep, end on the one-process hash; each rank sends the chained partials") {
+    const ls::RunResult one = run({}, 1);
+    const ls::Scenario s = scenario({});
+    const ls::ModelConfig& c = s.model;
+    int meshes = 0;
+    for (int tp : {1, 2, 4})
+      for (int dp : {1, 2})
+        for (int ep : {1, 2}) {
+          if (ep > dp) continue;
+          CAPTURE(tp);
+          CAPTURE(dp);
+          CAPTURE(ep);
+          const ls::RunResult r = run({"mesh.tp=" + std::to_string(tp), "mesh.dp=" + std::to_string(dp),
+                                       "mesh.ep=" + std::to_string(ep)});
+          CHECK(r.final_state_hash == one.final_state_hash);
+          CHECK(loss_bits(r) == loss_bits(one));
+          ++meshes;
+          if (tp == 1) {
+            CHECK(sent(r, "send") == 0);
+            continue;
+          }
+          if (ep > 1) continue;  // an owner's rows then depend on the routing; the formula below is for ep = 1
+          // What the chains must send, from the model's shapes (not from the code): per layer the output
+          // projection (1 pass) and QKV's input gradient (3 passes) over N x D, the experts' outputs (1) and
+          // input gradients (2) over every routed row (N x K, dropless), the shared expert's (1 and 2) over N x D.
+          // TP rank 0 sends one partial per pass; the last rank broadcasts each finished output to tp - 1 ranks.
+          const double N = (double)s.batch / dp * c.seq_len, D = c.d_model, K = c.top_k, L = c.n_layers;
+          CHECK(sent(r, "send") == L * (4 * N * D + 3 * N * K * D + 3 * N * D) * 4);
+          CHECK(sent(r, "broadcast") == L * (2 * N * D + 2 * N * K * D + 2 * N * D) * (tp - 1) * 4);
+        }
+    CHECK(meshes == 9);
+  }
+
+  TEST_CASE("a tensor-parallel rank holds fewer weight and activation bytes, measured from its buffers") {
+    const ls::RunResult one = run({}, 1);
+    const ls::RunResult two = run({"mesh.tp=2"}, 1), four = run({"mesh.tp=4"}, 1);
+    CAPTURE(one.weight_bytes);
+    CAPTURE(two.weight_bytes);
+    CAPTURE(one.workspace_bytes);
+    CAPTURE(two.workspace_bytes);
+    CHECK(one.weight_bytes > 0);
+    CHECK(two.weight_bytes < one.weight_bytes);
+    CHECK(four.weight_bytes < two.weight_bytes);
+    CHECK(two.workspace_bytes < one.workspace_bytes);
+    CHECK(four.workspace_bytes < two.workspace_bytes);
+    // Weights and gradients: exactly what the rank's slices hold.
+    const ls::Scenario s = scenario({});
+    CHECK(two.weight_bytes == 2 * 4 * ls::count_weights(s.model, 1, 2));
+  }
+
+  TEST_CASE("the CUDA kernels, emulated, give the same bits on a tensor-parallel mesh") {
+    // Kernels launch asynchronously: a chained fold must wait for them before the host hands partials on.
+    const ls::RunResult one = run({}, 1);
+    const ls::RunResult r = run({"mesh.tp=2", "mesh.dp=2", "mesh.ep=2"}, 2, ls::Backend::kCudaEmulated);
+    CHECK(r.final_state_hash == one.final_state_hash);
+    CHECK(sent(r, "send") > 0);
+  }
+
+  TEST_CASE("a tensor-parallel rank holds its slice of the split tensors, drawn as the whole tensor's elements") {
+    const ls::Scenario s = scenario({});
+    const ls::MoeTransformer whole(s.model, s.leaf_samples, s.seed);
+    for (int tp : {2, 4}) {
+      CAPTURE(tp);
+      int64_t held = 0;
+      for (int rank = 0; rank < tp; ++rank) {
+        const ls::MoeTransformer part(s.model, s.leaf_samples, s.seed, 1, 0, tp, rank);
+        CHECK(part.num_weights() == ls::count_weights(s.model, 1, tp));
+        CHECK(part.num_weights() < whole.num_weights());
+        const ls::ParamInfo& wqkv = part.param("layers.0.wqkv");
+        CHECK(wqkv.shape == std::vector<int64_t>{32, 3 * 32 / tp});
+        CHECK(part.param("layers.1.experts.w2").shape == std::vector<int64_t>{4, 16 / tp, 32});
+        // Every held element is the whole model's element it stands for.
+        for (const ls::ParamInfo& p : part.params()) {
+          const float* w = part.weights() + p.offset;
+          const float* g = whole.weights() + whole.param(p.name).offset;
+          for (int64_t i = 0; i < p.size; i += 7) REQUIRE(ls::hex_bits(w[i]) == ls::hex_bits(g[p.global_index(i)]));
+          if (p.tp_mid > 0) held += p.size;
+        }
+      }
+      // The split tensors' parts cover them once: the whole model's split tensors have as many elements.
+      int64_t split = 0;
+      const ls::MoeTransformer probe(s.model, s.leaf_samples, s.seed, 1, 0, tp, 0);
+      for (const ls::ParamInfo& p : probe.params())
+        if (p.tp_mid > 0) split += whole.param(p.name).size;
+      CHECK(held == split);
+    }
+  }
+
+  TEST_CASE("a checkpoint saved at tp 2 resumes at tp 1 and at tp 4, with dp and ep changed, on the uninterrupted hash") {
+    const std::string sc = lstest::write_temp("tp-ckpt.json", kScenario).string();
+    const auto whole = lstest::run_cli("run " + sc + " --json --quiet --steps 6");
+    REQUIRE(whole.rc == 0);
+    const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
+    const auto ck = lstest::fresh_dir("tp-ckpt");
+    const auto saved = lstest::run_cli("run " + sc + " --json --quiet --steps 3 --set mesh.tp=2 --set mesh.dp=2 "
+                                       "--set ckpt.every=3 --set ckpt.url=" + ck.string());
+    CAPTURE(saved.err);
+    REQUIRE(saved.rc == 0);
+    for (const std::string mesh : {"--set mesh.tp=1", "--set mesh.tp=4 --set mesh.dp=2 --set mesh.ep=2",
+                                   "--set mesh.tp=2 --set mesh.dp=1"}) {
+      CAPTURE(mesh);
+      const auto r = lstest::run_cli("run " + sc + " --json --quiet --steps 6 " + mesh + " --resume " + ck.string());
+      CAPTURE(r.err);
+      REQUIRE(r.rc == 0);
+      CHECK(lstest::last_json(r.out).at("final_state_hash") == hash);
+    }
+    const auto verify = lstest::run_cli("ckpt verify " + ck.string());
+    CHECK(verify.rc == 0);
+  }
+
+  TEST_CASE("on a tp mesh a supervised job survives a rank crash and a shrink, and faults sweep holds the hash") {
+    const std::string sc = lstest::write_temp("tp-faults.json", kScenario).string();
+    const auto whole = lstest::run_cli("run " + sc + " --json --quiet --set train.steps=6");
+    REQUIRE(whole.rc == 0);
+    const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
+    const auto ck = lstest::fresh_dir("tp-faults");
+    const std::string sets = " --set train.steps=6 --set mesh.tp=2 --set mesh.dp=2 --set ckpt.every=2 --set ckpt.url=" + ck.string();
+    // World rank 1 is TP rank 1 of data-parallel rank 0; after the shrink the world is 1 x 2.
+    const auto r = lstest::run_cli("run " + sc + sets + " --json --quiet --fault rank_crash@2:rank=1 --fault shrink@4:dp=1");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    const nlohmann::json j = lstest::last_json(r.out);
+    CHECK(j.at("final_state_hash") == hash);
+    REQUIRE(j.at("restarts").size() == 2);
+    CHECK(j.at("restarts")[0].at("failure") == "exit 86 (a rank crashed)");
+    CHECK(j.at("restarts")[1].at("mesh_dp_after") == 1);
+    const auto sweep = lstest::run_cli("faults sweep " + sc + " --trials 3 --seed 7" + sets);
+    CAPTURE(sweep.out);
+    CHECK(sweep.rc == 0);
+    CHECK(sweep.out.find("ended on the golden hash       3") != std::string::npos);
+  }
+
+  TEST_CASE("bad tensor-parallel input is refused with exit 2, naming the key") {
+    const std::string sc = lstest::write_temp("tp-bad.json", kScenario).string();
+    for (const auto& [sets, says] : std::vector<std::pair<std::string, std::string>>{
+             {"--set mesh.tp=3", "mesh.tp: must divide model.n_heads = 4, got 3"},
+             {"--set mesh.tp=4 --set model.d_ff=18", "mesh.tp: must divide model.d_ff = 18, got 4"},
+             {"--set mesh.tp=2 --set mesh.fsdp=true --set mesh.dp=2", "mesh.tp: is 2 with mesh.fsdp"},
+             {"--set mesh.tp=2 --set numerics.level=local", "mesh.tp: is 2 with numerics.level=local"}}) {
+      CAPTURE(sets);
+      const auto r = lstest::run_cli("run " + sc + " --quiet " + sets);
+      CHECK(r.rc == 2);
+      CHECK(r.err.find(says) != std::string::npos);
+    }
+  }
+}
