@@ -57,7 +57,7 @@ TEST_SUITE("golden") {
     for (auto& e : fs::directory_iterator(kRoot / "scenarios" / "variants")) {
       ls::Scenario s = ls::load_scenario(e.path().string(), {});
       CAPTURE(e.path().string());
-      REQUIRE(s.mesh.dp * s.mesh.ep > 1);  // a real multi-rank mesh
+      REQUIRE(s.mesh.world() * s.mesh.ep > 1);  // a real multi-rank mesh
       nlohmann::json g = read_golden(kRoot / "golden" / (s.name + ".json"));
       ls::RunOptions opt;
       opt.threads = 2;
