@@ -97,6 +97,7 @@ TEST_SUITE("mpi") {
         {8, "--set mesh.dp=8 --set mesh.ep=4 --set moe.capacity_factor=0.25"},
         {2, "--set mesh.tp=2"},
         {4, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.ep=2"},
+        {4, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.sp=true"},
     };
     for (const auto& [np, mesh] : meshes) {
       CAPTURE(mesh);

@@ -79,7 +79,7 @@ const char* kFull = R"({
   "moe": {"experts": 64, "top_k": 4, "aux_loss_weight": 0.02, "z_loss_weight": 0.0,
           "policy": "peak", "capacity_factor": 0.5, "capacity": 12, "group_size": 8, "borrow": false,
           "router_skew": 1.5},
-  "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2, "tp": 1},
+  "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2, "tp": 1, "sp": false},
   "ckpt": {"url": "s3://bucket/run", "every": 50, "async": false, "keep_last": 3, "max_inflight": 2,
            "restore": "naive", "s3_endpoint": "http://127.0.0.1:9000", "lease_seconds": 12.5, "retry_seconds": 5.5,
            "on_failure": "stop"},

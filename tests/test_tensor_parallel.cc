@@ -112,6 +112,35 @@ TEST_SUITE("tensor_parallel") {
     CHECK(sent(r, "send") > 0);
   }
 
+  TEST_CASE("sequence parallel: tp 2 and 4 with dp and ep on the one-process hash; the stream is split and gathered") {
+    const ls::RunResult one = run({}, 1);
+    int meshes = 0;
+    for (int tp : {2, 4})
+      for (int dp : {1, 2})
+        for (int ep : {1, 2}) {
+          if (ep > dp) continue;
+          CAPTURE(tp);
+          CAPTURE(dp);
+          CAPTURE(ep);
+          const std::vector<std::string> mesh = {"mesh.tp=" + std::to_string(tp), "mesh.dp=" + std::to_string(dp),
+                                                 "mesh.ep=" + std::to_string(ep)};
+          std::vector<std::string> with_sp = mesh;
+          with_sp.push_back("mesh.sp=true");
+          const ls::RunResult sp = run(with_sp), plain = run(mesh);
+          CHECK(sp.final_state_hash == one.final_state_hash);
+          CHECK(loss_bits(sp) == loss_bits(one));
+          ++meshes;
+          // Really another execution: the norms' outputs, the stream's gradient and the routing are gathered
+          // (more all-gather bytes); the stream's tensors are a TP rank's share (less workspace); the sums over
+          // stream tokens span the TP ranks (an all-reduce even on one data-parallel rank).
+          CHECK(sent(sp, "all_gather") > sent(plain, "all_gather"));
+          CHECK(sp.workspace_bytes < plain.workspace_bytes);
+          CHECK(sent(sp, "all_reduce") > 0);
+          if (dp == 1) CHECK(sent(plain, "all_reduce") == 0);
+        }
+    CHECK(meshes == 6);
+  }
+
   TEST_CASE("a tensor-parallel rank holds its slice of the split tensors, drawn as the whole tensor's elements") {
     const ls::Scenario s = scenario({});
     const ls::MoeTransformer whole(s.model, s.leaf_samples, s.seed);
@@ -142,14 +171,14 @@ TEST_SUITE("tensor_parallel") {
     }
   }
 
-  TEST_CASE("a checkpoint saved at tp 2 resumes at tp 1 and at tp 4, with dp and ep changed, on the uninterrupted hash") {
+  TEST_CASE("a checkpoint saved at tp 2 with sp resumes at tp 1 and at tp 4, dp and ep changed, on the uninterrupted hash") {
     const std::string sc = lstest::write_temp("tp-ckpt.json", kScenario).string();
     const auto whole = lstest::run_cli("run " + sc + " --json --quiet --steps 6");
     REQUIRE(whole.rc == 0);
     const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
     const auto ck = lstest::fresh_dir("tp-ckpt");
     const auto saved = lstest::run_cli("run " + sc + " --json --quiet --steps 3 --set mesh.tp=2 --set mesh.dp=2 "
-                                       "--set ckpt.every=3 --set ckpt.url=" + ck.string());
+                                       "--set mesh.sp=true --set ckpt.every=3 --set ckpt.url=" + ck.string());
     CAPTURE(saved.err);
     REQUIRE(saved.rc == 0);
     for (const std::string mesh : {"--set mesh.tp=1", "--set mesh.tp=4 --set mesh.dp=2 --set mesh.ep=2",
@@ -192,7 +221,10 @@ TEST_SUITE("tensor_parallel") {
              {"--set mesh.tp=3", "mesh.tp: must divide model.n_heads = 4, got 3"},
              {"--set mesh.tp=4 --set model.d_ff=18", "mesh.tp: must divide model.d_ff = 18, got 4"},
              {"--set mesh.tp=2 --set mesh.fsdp=true --set mesh.dp=2", "mesh.tp: is 2 with mesh.fsdp"},
-             {"--set mesh.tp=2 --set numerics.level=local", "mesh.tp: is 2 with numerics.level=local"}}) {
+             {"--set mesh.tp=2 --set numerics.level=local", "mesh.tp: is 2 with numerics.level=local"},
+             {"--set mesh.sp=true", "mesh.sp: is true but mesh.tp = 1"},
+             {"--set mesh.sp=true --set mesh.tp=4 --set mesh.dp=4",
+              "mesh.sp: gives 2 leaves per data-parallel rank over mesh.tp = 4 ranks"}}) {
       CAPTURE(sets);
       const auto r = lstest::run_cli("run " + sc + " --quiet " + sets);
       CHECK(r.rc == 2);

@@ -191,7 +191,7 @@ bool is_mesh_key(const std::string& k) { return k.rfind("mesh.", 0) == 0; }
 // not change the bits, so the twin ends on the same bits as the side.
 Side single_rank(const Side& s) {
   Side t = s;
-  t.resolved["mesh"] = {{"dp", 1}, {"ep", 1}, {"fsdp", false}, {"replicate", 1}, {"tp", 1}};
+  t.resolved["mesh"] = {{"dp", 1}, {"ep", 1}, {"fsdp", false}, {"replicate", 1}, {"tp", 1}, {"sp", false}};
   return t;
 }
 
@@ -203,7 +203,7 @@ bool multi_rank(const nlohmann::json& resolved) {
 std::string mesh_text(const nlohmann::json& resolved) {
   const nlohmann::json m = resolved.value("mesh", nlohmann::json::object());
   std::string t = "mesh dp " + std::to_string(m.value("dp", 1)) + ", ep " + std::to_string(m.value("ep", 1));
-  if (m.value("tp", 1) > 1) t += ", tp " + std::to_string(m.value("tp", 1));
+  if (m.value("tp", 1) > 1) t += ", tp " + std::to_string(m.value("tp", 1)) + (m.value("sp", false) ? ", sp" : "");
   if (m.value("fsdp", false)) t += ", fsdp, replicate " + std::to_string(m.value("replicate", 1));
   return t;
 }

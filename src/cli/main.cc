@@ -96,7 +96,8 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
               s.batch);
   if (s.mesh.world() > 1 || s.mesh.ep > 1 || s.mesh.fsdp)
     std::printf("mesh            dp %d, ep %d%s%s%s\n", s.mesh.dp, s.mesh.ep,
-                s.mesh.tp > 1 ? (", tp " + std::to_string(s.mesh.tp)).c_str() : "", s.mesh.fsdp ? ", fsdp" : "",
+                s.mesh.tp > 1 ? (", tp " + std::to_string(s.mesh.tp) + (s.mesh.sp ? ", sp" : "")).c_str() : "",
+                s.mesh.fsdp ? ", fsdp" : "",
                 s.mesh.fsdp && s.mesh.replicate > 1 ? (", replicate " + std::to_string(s.mesh.replicate)).c_str() : "");
   std::printf("launcher        %s\n", launcher_line(launcher, processes, s.mesh.world()).c_str());
   if (s.data.path.empty())

@@ -9,6 +9,7 @@ struct MeshConfig {
   bool fsdp = false;   // shard parameters, gradients and optimizer state (ZeRO-3 style)
   int replicate = 1;   // with fsdp: replica groups (HSDP); shards span dp/replicate ranks
   int tp = 1;          // tensor-parallel ranks per data-parallel rank (heads and hidden features split)
+  bool sp = false;     // sequence parallel: with tp, norms, residuals, router and head on tokens split across tp
   int world() const { return dp * tp; }
 };
 

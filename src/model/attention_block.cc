@@ -21,33 +21,35 @@ class AttentionBlock : public LayerBlock {
 
   // x -> mid = x + wo(attention(wqkv(RMSNorm(x)))). Tensor parallel: this
   // rank's heads only (QKV column-parallel), the output projection's fold
-  // over their features chained across the group (row-parallel).
+  // over their features chained across the group (row-parallel). Sequence
+  // parallel: the norm and the residual on this rank's stream tokens, the
+  // norm's output gathered before QKV, the projection landing scattered.
   void forward(StepContext& ctx, StepLosses&) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, S = c.seq_len, Dh = ctx.width_held(), Hh = ctx.heads_held();
-    const int64_t N = ctx.tokens;
+    const int64_t N = ctx.tokens, Ns = ctx.stream_tokens;
     LayerActs& acts = ctx.layer(layer_);
-    acts.attn_in.resize(N * D);
-    acts.attn_inv_rms.resize(N);
-    ops::rmsnorm(acts.x.data(), ctx.layer_weight(layer_, "attn_norm"), acts.attn_in.data(), acts.attn_inv_rms.data(), N,
+    StepWorkspace& ws = ctx.ws;
+    acts.attn_in.resize(Ns * D);
+    acts.attn_inv_rms.resize(Ns);
+    ops::rmsnorm(acts.x.data(), ctx.layer_weight(layer_, "attn_norm"), acts.attn_in.data(), acts.attn_inv_rms.data(), Ns,
                  D, c.rms_eps);
     ctx.trace_tensor("fwd", layer_, "attn_norm", "out", acts.attn_in.data(), {N, D});
     acts.qkv.resize(N * 3 * Dh);
-    ops::linear(acts.attn_in.data(), N, D, ctx.layer_weight(layer_, "wqkv"), 3 * Dh, acts.qkv.data());
+    ops::linear(every_token(ctx, acts.attn_in.data(), ws.sp_gathered), N, D, ctx.layer_weight(layer_, "wqkv"), 3 * Dh, acts.qkv.data());
     ctx.trace_tensor("fwd", layer_, "qkv", "out", acts.qkv.data(), {N, 3 * D});
     acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
     acts.attn_out.resize(N * Dh);
     ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, D / c.n_heads, scale(c), acts.attn_probs.data(),
                                  acts.attn_out.data());
     ctx.trace_tensor("fwd", layer_, "attention", "out", acts.attn_out.data(), {N, D});
-    StepWorkspace& ws = ctx.ws;
     ws.dtmp.resize(N * D);
     // Reduces over the attention features, this rank's heads' range of them.
     const float* wo = ctx.layer_weight(layer_, "wo");
-    chained_fold(ctx, 1, ChainOutput{ws.dtmp.data(), N * D}, [&](int, int, bool accumulate) {
+    chained_fold(ctx, 1, stream_output(ctx, ws.dtmp.data()), [&](int, int, bool accumulate) {
       ops::linear_strided(acts.attn_out.data(), Dh, N, Dh, wo, D, D, ws.dtmp.data(), D, accumulate);
     });
-    ops::add(acts.x.data(), ws.dtmp.data(), acts.mid.data(), N * D);
+    ops::add(acts.x.data(), ws.dtmp.data() + ctx.stream_first * D, acts.mid.data(), Ns * D);
     ctx.trace_tensor("fwd", layer_, "attn_residual", "h", acts.mid.data(), {N, D});
   }
 
@@ -57,30 +59,33 @@ class AttentionBlock : public LayerBlock {
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, S = c.seq_len, Dh = ctx.width_held(), Hh = ctx.heads_held();
-    const int64_t N = ctx.tokens;
+    const int64_t N = ctx.tokens, Ns = ctx.stream_tokens;
     StepWorkspace& ws = ctx.ws;
     const LayerActs& acts = ctx.layer(layer_);
     const int64_t* leaf_off = ws.uniform_off.data();
-    ops::weight_grad(acts.attn_out.data(), Dh, ws.dh.data(), D, Dh, D, leaf_off, ctx.leaves, ctx.layer_grad(layer_, "wo"));
+    // Sequence parallel: the projection's gradients need every token's d(mid).
+    const float* dmid = every_token(ctx, ws.dh.data(), ws.sp_dh);
+    ops::weight_grad(acts.attn_out.data(), Dh, dmid, D, Dh, D, leaf_off, ctx.leaves, ctx.layer_grad(layer_, "wo"));
     ws.dattn_out.resize(N * Dh);
-    ops::linear_input_grad(ws.dh.data(), N, D, ctx.layer_weight(layer_, "wo"), Dh, ws.dattn_out.data(), false);
+    ops::linear_input_grad(dmid, N, D, ctx.layer_weight(layer_, "wo"), Dh, ws.dattn_out.data(), false);
     ws.dqkv.resize(N * 3 * Dh);
     ops::attention_backward_heads(acts.qkv.data(), ctx.batch, Hh, S, D / c.n_heads, scale(c), acts.attn_probs.data(),
                                   ws.dattn_out.data(), ws.dqkv.data());
     ctx.trace_tensor("bwd", layer_, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D});
-    ops::weight_grad(acts.attn_in.data(), D, ws.dqkv.data(), 3 * Dh, D, 3 * Dh, leaf_off, ctx.leaves,
+    ops::weight_grad(every_token(ctx, acts.attn_in.data(), ws.sp_gathered), D, ws.dqkv.data(), 3 * Dh, D, 3 * Dh, leaf_off, ctx.leaves,
                      ctx.layer_grad(layer_, "wqkv"));
     ws.dtmp.resize(N * D);
     // Reduces over the qkv features: q's, then k's, then v's, each split by heads.
     const float* wqkv = ctx.layer_weight(layer_, "wqkv");
-    chained_fold(ctx, 3, ChainOutput{ws.dtmp.data(), N * D}, [&](int first, int count, bool accumulate) {
+    chained_fold(ctx, 3, stream_output(ctx, ws.dtmp.data()), [&](int first, int count, bool accumulate) {
       ops::linear_input_grad_strided(ws.dqkv.data() + first * Dh, 3 * Dh, N, count * Dh, wqkv + first * Dh, 3 * Dh, D,
                                      ws.dtmp.data(), D, accumulate);
     });
-    ops::rmsnorm_weight_grad(acts.x.data(), acts.attn_inv_rms.data(), ws.dtmp.data(), N, D, ctx.leaf_tokens,
+    const float* dattn_in = ws.dtmp.data() + ctx.stream_first * D;  // this rank's stream tokens
+    ops::rmsnorm_weight_grad(acts.x.data(), acts.attn_inv_rms.data(), dattn_in, Ns, D, ctx.leaf_tokens,
                              ctx.layer_grad(layer_, "attn_norm"));
-    ops::rmsnorm_backward(acts.x.data(), ctx.layer_weight(layer_, "attn_norm"), acts.attn_inv_rms.data(), ws.dtmp.data(),
-                          ws.dh.data(), N, D, true);
+    ops::rmsnorm_backward(acts.x.data(), ctx.layer_weight(layer_, "attn_norm"), acts.attn_inv_rms.data(), dattn_in,
+                          ws.dh.data(), Ns, D, true);
     ctx.trace_tensor("bwd", layer_, "attn_norm", "dh", ws.dh.data(), {N, D});
   }
 

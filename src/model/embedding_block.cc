@@ -17,17 +17,21 @@ class EmbeddingBlock : public Block {
 
   void forward(StepContext& ctx, StepLosses&) override {
     const int S = ctx.cfg.seq_len, D = ctx.cfg.d_model;
-    const int64_t N = ctx.tokens;
+    // The stream's tokens held here (sequence parallel: whole samples of a TP rank's share).
+    const int64_t N = ctx.stream_tokens, first = ctx.stream_first;
     StepWorkspace& ws = ctx.ws;
     ws.tok_id.resize(N);
-    for (int64_t n = 0; n < N; ++n) ws.tok_id[n] = (int)ctx.token_bytes[(n / S) * (S + 1) + n % S];
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t n = first + i;
+      ws.tok_id[i] = (int)ctx.token_bytes[(n / S) * (S + 1) + n % S];
+    }
     ops::embed(ws.tok_id.data(), ctx.weight("tok_emb"), ctx.weight("pos_emb"), ctx.stream(0), N, S, D);
   }
 
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
-    ops::embedding_grad(ctx.ws.tok_id.data(), ctx.ws.dh.data(), ctx.tokens, c.seq_len, c.d_model, c.vocab,
-                        ctx.leaf_tokens, ctx.leaves, ctx.grad("tok_emb"), ctx.grad("pos_emb"));
+    ops::embedding_grad(ctx.ws.tok_id.data(), ctx.ws.dh.data(), ctx.stream_tokens, c.seq_len, c.d_model, c.vocab,
+                        ctx.leaf_tokens, ctx.stream_leaves, ctx.grad("tok_emb"), ctx.grad("pos_emb"));
   }
 };
 

@@ -20,7 +20,7 @@ class HeadBlock : public Block {
   void forward(StepContext& ctx, StepLosses& losses) override {
     const ModelConfig& c = ctx.cfg;
     const int S = c.seq_len, D = c.d_model, V = c.vocab;
-    const int64_t N = ctx.tokens;
+    const int64_t N = ctx.stream_tokens, first = ctx.stream_first;  // the stream's tokens held here
     StepWorkspace& ws = ctx.ws;
     ws.final_out.resize(N * D);
     ws.final_inv_rms.resize(N);
@@ -33,12 +33,15 @@ class HeadBlock : public Block {
     ops::linear(ws.final_out.data(), N, D, ctx.weight("lm_head"), V, ws.logits.data());
     ctx.trace_tensor("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V});
     ws.target_id.resize(N);
-    for (int64_t n = 0; n < N; ++n) ws.target_id[n] = (int)ctx.token_bytes[(n / S) * (S + 1) + n % S + 1];
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t n = first + i;
+      ws.target_id[i] = (int)ctx.token_bytes[(n / S) * (S + 1) + n % S + 1];
+    }
     ops::softmax_rows(ws.logits.data(), V, ws.prob.data(), V, (int)N, V, 0, ws.lse.data());
     ops::token_losses(ws.lse.data(), ws.logits.data(), ws.target_id.data(), N, V, ws.loss.data());
     ctx.trace_tensor("fwd", -1, "loss", "per_token", ws.loss.data(), {N});
     float ce_sum = ops::token_sum(ws.loss.data(), N, ctx.leaf_tokens);  // this rank's subtree
-    if (ctx.mesh) ctx.mesh->sum_partials(&ce_sum, 1);
+    if (ctx.mesh) ctx.mesh->sum_stream_partials(&ce_sum, 1);
     losses.ce = ce_sum / ctx.global_tokens;
     losses.total = losses.ce + c.aux_loss_weight * losses.aux + c.z_loss_weight * losses.z;
   }
@@ -47,12 +50,12 @@ class HeadBlock : public Block {
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, V = c.vocab;
-    const int64_t N = ctx.tokens;
+    const int64_t N = ctx.stream_tokens;
     StepWorkspace& ws = ctx.ws;
     ws.dlogits.resize(N * V);
     ops::cross_entropy_grad(ws.prob.data(), ws.target_id.data(), N, V, ctx.global_tokens, ws.dlogits.data());
     ctx.trace_tensor("bwd", -1, "lm_head", "dlogits", ws.dlogits.data(), {N, V});
-    ops::weight_grad(ws.final_out.data(), D, ws.dlogits.data(), V, D, V, ws.uniform_off.data(), ctx.leaves,
+    ops::weight_grad(ws.final_out.data(), D, ws.dlogits.data(), V, D, V, ws.uniform_off.data(), ctx.stream_leaves,
                      ctx.grad("lm_head"));
     ws.dtmp.resize(N * D);
     ws.dh.resize(N * D);

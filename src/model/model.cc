@@ -276,6 +276,12 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   ctx.local_experts = c.experts / ep;
   ctx.tp = tp_size_;
   ctx.tp_rank = tp_rank_;
+  ctx.sp = tp_size_ > 1 && mesh_ && mesh_->sequence_parallel();
+  ctx.stream_tokens = ctx.sp ? ctx.tokens / tp_size_ : ctx.tokens;
+  ctx.stream_first = ctx.sp ? ctx.stream_tokens * tp_rank_ : 0;
+  ctx.stream_leaves = ctx.sp ? ctx.leaves / tp_size_ : ctx.leaves;
+  if (ctx.sp && (ctx.leaves % tp_size_ != 0))
+    throw std::invalid_argument("engine: sequence parallel needs whole leaves per tensor-parallel rank");
   ctx.global_tokens = (float)(ctx.tokens * dp);
   ctx.global_assignments = (float)(ctx.tokens * c.top_k * dp);
   ctx.mesh = mesh_;
@@ -301,7 +307,7 @@ StepLosses MoeTransformer::forward_range(const uint8_t* tokens, int batch, bool 
   ops::synchronize();  // a kernel backend: the last step's kernels are done before the host rewrites inputs
   StepContext ctx = step_context(tokens, batch, training);
   StepWorkspace& ws = *ws_;
-  const int64_t N = ctx.tokens, D = cfg_.d_model;
+  const int64_t N = ctx.stream_tokens, D = cfg_.d_model;  // the stream's tokens held here
   // This step's execution counts (the memory high-water marks persist).
   stats_.rounds = 0;
   stats_.borrowed = stats_.dropped = stats_.expert_gemm_calls = stats_.all_to_all_calls = stats_.all_to_all_bytes = 0;
@@ -337,7 +343,7 @@ StepLosses MoeTransformer::forward_range(const uint8_t* tokens, int batch, bool 
 void MoeTransformer::backward_range(int first, int last, const float* grad_out, float* grad_in) {
   check_range(first, last);
   StepContext ctx = step_context(nullptr, ws_->batch, true);
-  const int64_t N = ctx.tokens, D = cfg_.d_model;
+  const int64_t N = ctx.stream_tokens, D = cfg_.d_model;  // the stream's tokens held here
   if (last < num_blocks()) {
     if (!grad_out) throw UserError("engine: backward_range to block " + std::to_string(last) + " needs grad_out");
     ops::synchronize();
@@ -370,8 +376,10 @@ int64_t StepWorkspace::allocated_bytes() const {
   for (const auto* v : {&h, &final_out, &final_inv_rms, &logits, &prob, &lse, &loss, &dh, &dtmp, &dlogits, &dye, &dxe,
                         &dg, &dz, &dmoe_in, &dattn_out, &dqkv, &shared_dact, &shared_du, &shared_dv, &shared_dx,
                         &router_sums, &slots.x, &slots.act, &slots.y, &slots.dy, &slots.dact, &slots.du, &slots.dv,
-                        &slots.dx, &send, &recv, &row_vector, &tp_partial})
+                        &slots.dx, &send, &recv, &row_vector, &tp_partial, &sp_gathered, &sp_dh, &sp_rows,
+                        &sp_rows_all})
     n += allocated(*v);
+  n += allocated(sel_held);
   for (const auto& v : grad_state) n += allocated(v);
   return n;
 }

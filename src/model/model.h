@@ -62,6 +62,16 @@ class MeshHooks {
   virtual void tp_send(const float*, size_t, int) {}
   virtual void tp_recv(float*, size_t, int) {}
   virtual void tp_broadcast(float*, size_t, int) {}
+  // Sequence parallel: the stream's tokens are split across the TP group
+  // (rank t holds tokens [t * N/tp, (t+1) * N/tp) of the data-parallel
+  // rank's N); the sums over them (the loss, the stream's weight
+  // gradients) then span data-parallel and TP ranks.
+  virtual bool sequence_parallel() const { return false; }
+  // all = every TP rank's `bytes_each` bytes, concatenated by TP rank.
+  virtual void tp_all_gather(const void*, void*, size_t) {}
+  // Partial sums over this rank's stream tokens -> the sums over every
+  // rank's (the canonical tree over ranks); = sum_partials without SP.
+  virtual void sum_stream_partials(float* v, size_t n) { sum_partials(v, n); }
 };
 
 struct StepLosses {

@@ -21,7 +21,8 @@ class MoeCombine : public LayerBlock {
   void forward(StepContext& ctx, StepLosses& losses) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, F = ctx.d_ff_held(), E = c.experts, K = c.top_k;
-    const int64_t N = ctx.tokens;
+    // The shared expert runs on every token; the combine on the stream's tokens held here.
+    const int64_t N = ctx.tokens, Ns = ctx.stream_tokens, first = ctx.stream_first;
     LayerActs& acts = ctx.layer(layer_);
     float* out = ctx.stream(layer_ + 1);
     if (c.shared_expert) {
@@ -35,25 +36,25 @@ class MoeCombine : public LayerBlock {
       ops::swiglu(acts.shared_u.data(), acts.shared_v.data(), acts.shared_gate.data(), acts.shared_act.data(), N * F);
       // Reduces over the hidden feature (tensor parallel: chained across the group's ranges of it).
       const float* w2 = ctx.layer_weight(layer_, "shared.w2");
-      chained_fold(ctx, 1, ChainOutput{acts.shared_out.data(), N * D}, [&](int, int, bool accumulate) {
+      chained_fold(ctx, 1, stream_output(ctx, acts.shared_out.data()), [&](int, int, bool accumulate) {
         ops::linear_strided(acts.shared_act.data(), F, N, F, w2, D, D, acts.shared_out.data(), D, accumulate);
       });
     }
     // out = fold over slots of fma(gate, y_slot, out) from +0, then + shared, + residual.
-    ops::moe_combine(acts.gates.data(), E, acts.sel.data(), K, acts.row_of.data(), acts.ye_rows,
-                     c.shared_expert ? acts.shared_out.data() : nullptr, acts.mid.data(), out, N, D);
+    ops::moe_combine(acts.gates.data(), E, acts.sel.data() + first * K, K, acts.row_of.data() + first * K, acts.ye_rows,
+                     c.shared_expert ? acts.shared_out.data() + first * D : nullptr, acts.mid.data(), out, Ns, D);
     ctx.trace_tensor("fwd", layer_, "moe.combine", "h", out, {N, D});
     // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
     // This rank's subtrees (ops::router_stats), then the canonical tree over ranks.
     StepWorkspace& ws = ctx.ws;
     ops::DeviceVector<float>& sums = ws.router_sums;
     sums.resize(E + 1);
-    ops::router_stats(acts.gates.data(), acts.router_lse.data(), N, E, ctx.leaf_tokens, ctx.leaves, sums.data());
+    ops::router_stats(acts.gates.data(), acts.router_lse.data(), Ns, E, ctx.leaf_tokens, ctx.stream_leaves, sums.data());
     ops::synchronize();  // read by the host (and the mesh's sum)
     acts.global_counts.resize(E);
     for (int e = 0; e < E; ++e) acts.global_counts[e] = acts.expert_off[e + 1] - acts.expert_off[e];
     if (ctx.mesh) {
-      ctx.mesh->sum_partials(sums.data(), sums.size());
+      ctx.mesh->sum_stream_partials(sums.data(), sums.size());
       ctx.mesh->sum_counts(acts.global_counts.data(), E);
     }
     float dot = 0.0f;  // reduces over the expert index e
@@ -76,14 +77,15 @@ class MoeCombine : public LayerBlock {
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, F = ctx.d_ff_held(), E = c.experts, K = c.top_k;
-    const int64_t N = ctx.tokens, NK = N * K;
+    const int64_t N = ctx.tokens, NK = N * K, Ns = ctx.stream_tokens, first = ctx.stream_first;
     StepWorkspace& ws = ctx.ws;
     const LayerActs& acts = ctx.layer(layer_);
     ws.dye.resize(NK * D);
-    ws.dg.resize(N * E);
-    ops::fill(ws.dg.data(), N * E, 0.0f);
-    ops::moe_combine_backward(ws.dh.data(), acts.gates.data(), E, acts.sel.data(), K, acts.row_of.data(), acts.ye_rows,
-                              ws.dg.data(), ws.dye.data(), N, D);
+    ws.dg.resize(Ns * E);
+    ops::fill(ws.dg.data(), Ns * E, 0.0f);
+    ops::moe_combine_backward(ws.dh.data(), acts.gates.data(), E, acts.sel.data() + first * K, K,
+                              acts.row_of.data() + first * K, acts.ye_rows, ws.dg.data(), ws.dye.data(), Ns, D);
+    if (ctx.sp) gather_expert_output_grads(ctx, acts);
     if (!c.shared_expert) return;
     const float* w1 = ctx.layer_weight(layer_, "shared.w1");
     const float* w3 = ctx.layer_weight(layer_, "shared.w3");
@@ -93,21 +95,38 @@ class MoeCombine : public LayerBlock {
     ws.shared_dv.resize(N * F);
     ws.shared_dx.resize(N * D);
     ws.shared_dact.resize(N * F);
-    ops::linear_input_grad(ws.dh.data(), N, D, w2, F, ws.shared_dact.data(), false);
+    const float* dout = every_token(ctx, ws.dh.data(), ws.sp_dh);  // sequence parallel: every token's
+    ops::linear_input_grad(dout, N, D, w2, F, ws.shared_dact.data(), false);
     ops::swiglu_backward(acts.shared_u.data(), acts.shared_v.data(), acts.shared_gate.data(), ws.shared_dact.data(),
                          ws.shared_du.data(), ws.shared_dv.data(), N * F);
     // Reduces over the hidden feature of u, then continues over that of v (tensor parallel: chained).
-    chained_fold(ctx, 2, ChainOutput{ws.shared_dx.data(), N * D}, [&](int first, int count, bool accumulate) {
-      for (int pass = first; pass < first + count; ++pass)
+    chained_fold(ctx, 2, stream_output(ctx, ws.shared_dx.data()), [&](int first_pass, int count, bool accumulate) {
+      for (int pass = first_pass; pass < first_pass + count; ++pass)
         ops::linear_input_grad(pass == 0 ? ws.shared_du.data() : ws.shared_dv.data(), N, F, pass == 0 ? w1 : w3, D,
-                               ws.shared_dx.data(), accumulate || pass > first);
+                               ws.shared_dx.data(), accumulate || pass > first_pass);
     });
     ops::weight_grad(acts.moe_in.data(), D, ws.shared_du.data(), F, D, F, leaf_off, ctx.leaves,
                      ctx.layer_grad(layer_, "shared.w1"));
     ops::weight_grad(acts.moe_in.data(), D, ws.shared_dv.data(), F, D, F, leaf_off, ctx.leaves,
                      ctx.layer_grad(layer_, "shared.w3"));
-    ops::weight_grad(acts.shared_act.data(), F, ws.dh.data(), D, F, D, leaf_off, ctx.leaves,
-                     ctx.layer_grad(layer_, "shared.w2"));
+    ops::weight_grad(acts.shared_act.data(), F, dout, D, F, D, leaf_off, ctx.leaves, ctx.layer_grad(layer_, "shared.w2"));
+  }
+
+ private:
+  // Sequence parallel: each TP rank wrote the expert-output gradients of its
+  // stream tokens' rows; the experts need every row's. The rows of every
+  // token, in (token, slot) order, gathered over the group and put back at
+  // their dispatch rows.
+  static void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts) {
+    StepWorkspace& ws = ctx.ws;
+    const int D = ctx.cfg.d_model, K = ctx.cfg.top_k;
+    const int64_t held = ctx.stream_tokens * K, all = ctx.tokens * K;
+    ws.sp_rows.resize(held * D);
+    ws.sp_rows_all.resize(all * D);
+    ops::copy_rows(ws.dye.data(), acts.row_of.data() + ctx.stream_first * K, ws.sp_rows.data(), nullptr, held, D);
+    ops::synchronize();
+    ctx.mesh->tp_all_gather(ws.sp_rows.data(), ws.sp_rows_all.data(), sizeof(float) * held * D);
+    ops::copy_rows(ws.sp_rows_all.data(), nullptr, ws.dye.data(), acts.row_of.data(), all, D);
   }
 
 };

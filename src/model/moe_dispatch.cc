@@ -159,12 +159,12 @@ class MoeDispatch : public LayerBlock {
   // expert's input gradient; the routing block adds the router's.
   void backward(StepContext& ctx) override {
     StepWorkspace& ws = ctx.ws;
-    const int64_t N = ctx.tokens;
-    const int D = ctx.cfg.d_model;
+    const int64_t N = ctx.stream_tokens, first = ctx.stream_first;  // the stream's tokens held here
+    const int D = ctx.cfg.d_model, K = ctx.cfg.top_k;
     const LayerActs& acts = ctx.layer(layer_);
     ws.dmoe_in.resize(N * D);
-    ops::slot_sum(ws.dxe.data(), acts.row_of.data(), ctx.cfg.top_k, N, D, ws.dmoe_in.data());
-    if (ctx.cfg.shared_expert) ops::add(ws.dmoe_in.data(), ws.shared_dx.data(), ws.dmoe_in.data(), N * D);
+    ops::slot_sum(ws.dxe.data(), acts.row_of.data() + first * K, K, N, D, ws.dmoe_in.data());
+    if (ctx.cfg.shared_expert) ops::add(ws.dmoe_in.data(), ws.shared_dx.data() + first * D, ws.dmoe_in.data(), N * D);
   }
 
 };

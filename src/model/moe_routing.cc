@@ -7,6 +7,7 @@
 #include <string>
 
 #include "model/blocks.h"
+#include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
 namespace ls {
@@ -22,28 +23,38 @@ class MoeRouting : public LayerBlock {
   void forward(StepContext& ctx, StepLosses&) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, E = c.experts, K = c.top_k;
-    const int64_t N = ctx.tokens;
+    // The stream's tokens held here (sequence parallel: a TP rank's share);
+    // the experts and the dispatch then read every token's moe_in and choices.
+    const int64_t N = ctx.stream_tokens;
     LayerActs& acts = ctx.layer(layer_);
+    StepWorkspace& ws = ctx.ws;
     const float* norm = ctx.layer_weight(layer_, "moe_norm");
-    acts.moe_in.resize(N * D);
+    acts.moe_in.resize(ctx.tokens * D);
+    ws.sp_rows.resize(ctx.sp ? N * D : 0);
+    float* moe_in = ctx.sp ? ws.sp_rows.data() : acts.moe_in.data();
     acts.moe_inv_rms.resize(N);
     if (ctx.debug_reorder_moe_norm)
-      ops::rmsnorm_debug_reversed(acts.mid.data(), norm, acts.moe_in.data(), acts.moe_inv_rms.data(), N, D, c.rms_eps);
+      ops::rmsnorm_debug_reversed(acts.mid.data(), norm, moe_in, acts.moe_inv_rms.data(), N, D, c.rms_eps);
     else
-      ops::rmsnorm(acts.mid.data(), norm, acts.moe_in.data(), acts.moe_inv_rms.data(), N, D, c.rms_eps);
-    ctx.trace_tensor("fwd", layer_, "moe_norm", "out", acts.moe_in.data(), {N, D});
+      ops::rmsnorm(acts.mid.data(), norm, moe_in, acts.moe_inv_rms.data(), N, D, c.rms_eps);
+    ctx.trace_tensor("fwd", layer_, "moe_norm", "out", moe_in, {N, D});
     acts.router_logits.resize(N * E);
     acts.gates.resize(N * E);
     acts.router_lse.resize(N);
-    acts.sel.resize(N * K);
-    ops::linear(acts.moe_in.data(), N, D, ctx.layer_weight(layer_, "router"), E, acts.router_logits.data());
+    acts.sel.resize(ctx.tokens * K);
+    ws.sel_held.resize(ctx.sp ? N * K : 0);
+    ops::linear(moe_in, N, D, ctx.layer_weight(layer_, "router"), E, acts.router_logits.data());
     if (c.router_skew != 0) {  // a fixed preference for the first max(1, E/4) experts
       ops::synchronize();
       ctx.ws.row_vector.assign(std::max(1, E / 4), c.router_skew);
       ops::add_row_vector(acts.router_logits.data(), N, E, std::max(1, E / 4), ctx.ws.row_vector.data());
     }
     ops::softmax_rows(acts.router_logits.data(), E, acts.gates.data(), E, (int)N, E, 0, acts.router_lse.data());
-    ops::route_topk(acts.gates.data(), N, E, K, acts.sel.data());
+    ops::route_topk(acts.gates.data(), N, E, K, ctx.sp ? ws.sel_held.data() : acts.sel.data());
+    if (ctx.sp) {  // every token's input row and choices, for the dispatch and the experts
+      gather_stream(ctx, moe_in, acts.moe_in.data(), D);
+      ctx.mesh->tp_all_gather(ws.sel_held.data(), acts.sel.data(), sizeof(int) * N * K);
+    }
     ops::synchronize();  // the host plans the rounds from the routing choices
     ctx.trace_tensor("fwd", layer_, "router", "logits", acts.router_logits.data(), {N, E});
     ctx.trace_tensor("fwd", layer_, "router", "gates", acts.gates.data(), {N, E});
@@ -54,9 +65,10 @@ class MoeRouting : public LayerBlock {
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, E = c.experts;
-    const int64_t N = ctx.tokens;
+    const int64_t N = ctx.stream_tokens;  // the stream's tokens held here
     StepWorkspace& ws = ctx.ws;
     const LayerActs& acts = ctx.layer(layer_);
+    const float* moe_in = acts.moe_in.data() + ctx.stream_first * D;
     // The gate gradient + the aux term (the counts are constants), softmax
     // backward, + the z-loss term.
     ops::synchronize();
@@ -71,7 +83,7 @@ class MoeRouting : public LayerBlock {
     ops::z_loss_grad(acts.gates.data(), acts.router_lse.data(), N, E, c.z_loss_weight * 2.0f, ctx.global_tokens,
                      ws.dz.data());
     ctx.trace_tensor("bwd", layer_, "router", "dz", ws.dz.data(), {N, E});
-    ops::weight_grad(acts.moe_in.data(), D, ws.dz.data(), E, D, E, ws.uniform_off.data(), ctx.leaves,
+    ops::weight_grad(moe_in, D, ws.dz.data(), E, D, E, ws.uniform_off.data(), ctx.stream_leaves,
                      ctx.layer_grad(layer_, "router"));
     ws.dtmp.resize(N * D);
     ops::linear_input_grad(ws.dz.data(), N, E, ctx.layer_weight(layer_, "router"), D, ws.dtmp.data(), false);

@@ -80,6 +80,10 @@ struct StepWorkspace {
   std::vector<ops::DeviceVector<float>> grad_state;  // LeafFold state per (expert, gradient)
   ExpertWeightGrads expert_grads;               // the backward's expert weight gradients, reused by every layer
   ops::DeviceVector<float> tp_partial;          // tensor parallel: a chained fold's partial outputs, packed
+  // Sequence parallel: a stream tensor gathered over the TP group (norm output, dh) and the gradient of
+  // the local tokens' expert outputs, packed for that gather.
+  ops::DeviceVector<float> sp_gathered, sp_dh, sp_rows, sp_rows_all;
+  ops::DeviceVector<int> sel_held;  // sequence parallel: the routing choices of this rank's stream tokens
   // Measured: the bytes every float buffer above holds allocated (capacities), the layers' included.
   int64_t allocated_bytes() const;
 };
@@ -101,6 +105,10 @@ struct StepContext {
   int ep = 1, ep_rank = 0;       // the expert-parallel group and this rank in it
   int local_experts = 0;         // experts held here: experts / ep
   int tp = 1, tp_rank = 0;       // the tensor-parallel group and this rank in it (model/tensor_parallel.h)
+  // The residual stream's tokens held here: [stream_first, stream_first +
+  // stream_tokens) of the N; all N but with sequence parallel (a TP rank's share).
+  bool sp = false;
+  int64_t stream_first = 0, stream_tokens = 0, stream_leaves = 0;
   float global_tokens = 0;       // N over every data-parallel rank
   float global_assignments = 0;  // N * K over every data-parallel rank
   MeshHooks* mesh = nullptr;     // nullptr: one rank

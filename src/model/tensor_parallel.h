@@ -25,6 +25,10 @@ struct ChainOutput {
   int64_t floats = 0;
   std::function<void(float*)> pack;          // outputs -> buffer
   std::function<void(const float*)> unpack;  // buffer -> outputs
+  // Sequence parallel: the finished outputs (contiguous, token rows) land
+  // scattered instead of broadcast -- TP rank t gets only its stream tokens'
+  // rows, in place -- the chained equivalent of a reduce-scatter.
+  bool scatter = false;
 };
 
 // The fold's k-range, in the contract's order, is `passes` x tp segments,
@@ -38,5 +42,20 @@ struct ChainOutput {
 // ascending order, whatever the group size.
 void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
                   const std::function<void(int first_pass, int count, bool accumulate)>& fold);
+
+// Sequence parallel: full[N, width] = every TP rank's stream rows
+// local[stream_tokens, width], in token order (an all-gather). Without
+// sequence parallel local is already the whole and is copied.
+void gather_stream(StepContext& ctx, const float* local, float* full, int64_t width);
+
+// A stream tensor [stream_tokens, D] as every token's [N, D] (what a
+// column-parallel GEMM reads, or the stream's gradient a row-parallel one
+// needs): `held` itself, or with sequence parallel the TP group's rows
+// gathered into `gathered`.
+const float* every_token(StepContext& ctx, const float* held, ops::DeviceVector<float>& gathered);
+
+// A chained fold's [N, D] output over every token: broadcast, or with
+// sequence parallel scattered to each rank's stream rows.
+ChainOutput stream_output(StepContext& ctx, float* data);
 
 }  // namespace ls

@@ -26,8 +26,10 @@ namespace {
 // A rank's view of the mesh for its model.
 class RankHooks : public MeshHooks {
  public:
-  RankHooks(Communicator& data, Communicator& ep_group, Communicator& tp_group)
-      : data_(data), ep_(ep_group), tp_(tp_group) {}
+  // world: every rank, in data-parallel-major order; with sequence parallel
+  // the stream's token sums span it.
+  RankHooks(Communicator& world, Communicator& data, Communicator& ep_group, Communicator& tp_group, bool sp)
+      : world_(world), data_(data), ep_(ep_group), tp_(tp_group), sp_(sp) {}
   int dp_size() const override { return data_.size(); }
   void sum_partials(float* v, size_t n) override { data_.all_reduce_sum(v, n); }
   void sum_counts(int64_t* v, size_t n) override { data_.all_reduce_sum(v, n); }
@@ -42,11 +44,18 @@ class RankHooks : public MeshHooks {
   void tp_send(const float* buf, size_t n, int to) override { tp_.send(buf, n * sizeof(float), to); }
   void tp_recv(float* buf, size_t n, int from) override { tp_.recv(buf, n * sizeof(float), from); }
   void tp_broadcast(float* buf, size_t n, int root) override { tp_.broadcast(buf, n * sizeof(float), root); }
+  bool sequence_parallel() const override { return sp_; }
+  void tp_all_gather(const void* mine, void* all, size_t bytes_each) override {
+    tp_.all_gather(mine, all, std::vector<size_t>(tp_.size(), bytes_each));
+  }
+  void sum_stream_partials(float* v, size_t n) override { (sp_ ? world_ : data_).all_reduce_sum(v, n); }
 
  private:
+  Communicator& world_;
   Communicator& data_;
   Communicator& ep_;
   Communicator& tp_;
+  bool sp_;
 };
 
 // FSDP shard of one tensor: the block range [b0, b1) of kParamBlock blocks.
@@ -187,9 +196,9 @@ void ClusterTrainer::run_rank(Communicator& world, const std::vector<std::unique
   };
   std::map<std::string, uint64_t> before_bytes, before_calls, after_bytes, after_calls;
   const double before_seconds = totals(before_bytes, before_calls);
-  RankHooks hooks(*groups[0], *groups[2], *groups[1]);
+  RankHooks hooks(world, *groups[0], *groups[2], *groups[1], s_.mesh.sp);
   rank.model->set_mesh(&hooks);
-  RankCtx ctx{rank, *groups[0], *groups[1], *groups[2], *groups[3], *groups[4], *groups[5]};
+  RankCtx ctx{rank, world, *groups[0], *groups[1], *groups[2], *groups[3], *groups[4], *groups[5]};
   body(ctx);
   rank.model->set_mesh(nullptr);
   rank.comm.seconds += totals(after_bytes, after_calls) - before_seconds;
@@ -270,6 +279,10 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
         c.shard.reduce_scatter_sum(gp, mine.data(), counts);
         if (c.replica.size() > 1) c.replica.all_reduce_sum(mine.data(), mine.size());  // HSDP
         std::copy(mine.begin(), mine.end(), gp + range(rank, t).first);
+      } else if (s_.mesh.sp && p.tp_mid == 0) {
+        // Sequence parallel: a tensor the stream's tokens reduce into (embeddings, norms, router, head) has a
+        // partial per TP rank too; every rank's leaves are an aligned block, in world order.
+        c.world.all_reduce_sum(gp, p.size);
       } else {
         c.data.all_reduce_sum(gp, p.size);
       }

@@ -576,7 +576,7 @@ void TrainingRun::open_writer() {
   writer_ = std::make_unique<CheckpointWriter>(
       s_.ckpt, to, s_.resolved, r_.fingerprint,
       nlohmann::json{{"dp", s_.mesh.dp}, {"ep", s_.mesh.ep}, {"fsdp", s_.mesh.fsdp}, {"replicate", s_.mesh.replicate},
-                     {"tp", s_.mesh.tp}},
+                     {"tp", s_.mesh.tp}, {"sp", s_.mesh.sp}},
       procs_);
   if (injector_) writer_->set_commit_hook([this](int64_t step) { injector_->after_commit(step); });
   // Nothing is committed or deleted by a job that no longer holds the
@@ -789,7 +789,7 @@ nlohmann::json result_json(const RunResult& r) {
   for (auto& [step, h] : r.state_hashes) hashes[std::to_string(step)] = h;
   j["state_hashes"] = hashes;
   j["mesh"] = {{"dp", r.mesh.dp}, {"ep", r.mesh.ep}, {"fsdp", r.mesh.fsdp}, {"replicate", r.mesh.replicate},
-               {"tp", r.mesh.tp}};
+               {"tp", r.mesh.tp}, {"sp", r.mesh.sp}};
   j["moe"] = {{"rounds", r.moe_rounds},
               {"borrowed", r.moe_borrowed},
               {"dropped", r.moe_dropped},

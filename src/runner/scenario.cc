@@ -519,6 +519,24 @@ std::vector<Row> make_rows() {
                   return "is " + show(v) + " with numerics.level=local: the chained fold needs the portable GEMM";
                 return std::string();
               }}}),
+      field("mesh.sp", [](S& s) -> bool& { return s.mesh.sp; },
+            "Sequence parallel (with mesh.tp > 1): the norms, residual adds, router and head run on tokens split "
+            "across the tensor-parallel ranks, gathered before the column-parallel GEMMs; the chained folds after "
+            "the row-parallel ones land scattered.",
+            {{"needs mesh.tp > 1 and a power-of-two number of leaves per tensor-parallel rank",
+              [](const S& s, bool v) {
+                if (!v) return std::string();
+                if (s.mesh.tp < 2)
+                  return std::string("is true but mesh.tp = 1: sequence parallel splits tokens across tensor-parallel "
+                                     "ranks; set mesh.tp >= 2");
+                const int per = s.batch / std::max(1, s.mesh.dp);
+                const int leaves = s.leaf_samples > 0 ? per / s.leaf_samples : 0;
+                if (leaves % s.mesh.tp != 0 || ((leaves / s.mesh.tp) & (leaves / s.mesh.tp - 1)))
+                  return "gives " + show(leaves) + " leaves per data-parallel rank over mesh.tp = " + show(s.mesh.tp) +
+                         " ranks; each tensor-parallel rank must hold a power-of-two number of whole leaves "
+                         "(train.batch / mesh.dp / numerics.leaf_samples / mesh.tp)";
+                return std::string();
+              }}}),
       // One of the two alone saves nothing, silently: refused, naming both.
       field("ckpt.url", [](S& s) -> std::string& { return s.ckpt.url; },
             "Where checkpoints go: file://DIR (or a plain path) or s3://bucket/prefix; empty = none.",
