@@ -98,6 +98,7 @@ TEST_SUITE("mpi") {
         {2, "--set mesh.tp=2"},
         {4, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.ep=2"},
         {4, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.sp=true"},
+        {8, "--set mesh.dp=4 --set mesh.tp=2 --set mesh.sp=true --set mesh.fsdp=true --set mesh.replicate=2"},
     };
     for (const auto& [np, mesh] : meshes) {
       CAPTURE(mesh);

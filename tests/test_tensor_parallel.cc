@@ -54,37 +54,39 @@ double sent(const ls::RunResult& r, const char* kind) {
 }  // namespace
 
 TEST_SUITE("tensor_parallel") {
-  TEST_CASE("tp 1, 2 and 4, with dp and ep, end on the one-process hash; each rank sends the chained partials") {
+  TEST_CASE("tp 1, 2 and 4, with dp, ep and fsdp, end on the one-process hash; each rank sends the chained partials") {
     const ls::RunResult one = run({}, 1);
     const ls::Scenario s = scenario({});
     const ls::ModelConfig& c = s.model;
     int meshes = 0;
     for (int tp : {1, 2, 4})
       for (int dp : {1, 2})
-        for (int ep : {1, 2}) {
-          if (ep > dp) continue;
-          CAPTURE(tp);
-          CAPTURE(dp);
-          CAPTURE(ep);
-          const ls::RunResult r = run({"mesh.tp=" + std::to_string(tp), "mesh.dp=" + std::to_string(dp),
-                                       "mesh.ep=" + std::to_string(ep)});
-          CHECK(r.final_state_hash == one.final_state_hash);
-          CHECK(loss_bits(r) == loss_bits(one));
-          ++meshes;
-          if (tp == 1) {
-            CHECK(sent(r, "send") == 0);
-            continue;
+        for (int ep : {1, 2})
+          for (bool fsdp : {false, true}) {
+            if (ep > dp) continue;
+            CAPTURE(tp);
+            CAPTURE(dp);
+            CAPTURE(ep);
+            CAPTURE(fsdp);
+            const ls::RunResult r = run({"mesh.tp=" + std::to_string(tp), "mesh.dp=" + std::to_string(dp),
+                                         "mesh.ep=" + std::to_string(ep), fsdp ? "mesh.fsdp=true" : "mesh.fsdp=false"});
+            CHECK(r.final_state_hash == one.final_state_hash);
+            CHECK(loss_bits(r) == loss_bits(one));
+            ++meshes;
+            if (tp == 1) {
+              CHECK(sent(r, "send") == 0);
+              continue;
+            }
+            if (ep > 1) continue;  // an owner's rows then depend on the routing; the formula below is for ep = 1
+            // What the chains must send, from the model's shapes (not from the code): per layer the output
+            // projection (1 pass) and QKV's input gradient (3 passes) over N x D, the experts' outputs (1) and
+            // input gradients (2) over every routed row (N x K, dropless), the shared expert's (1 and 2) over N x D.
+            // TP rank 0 sends one partial per pass; the last rank broadcasts each finished output to tp - 1 ranks.
+            const double N = (double)s.batch / dp * c.seq_len, D = c.d_model, K = c.top_k, L = c.n_layers;
+            CHECK(sent(r, "send") == L * (4 * N * D + 3 * N * K * D + 3 * N * D) * 4);
+            CHECK(sent(r, "broadcast") == L * (2 * N * D + 2 * N * K * D + 2 * N * D) * (tp - 1) * 4);
           }
-          if (ep > 1) continue;  // an owner's rows then depend on the routing; the formula below is for ep = 1
-          // What the chains must send, from the model's shapes (not from the code): per layer the output
-          // projection (1 pass) and QKV's input gradient (3 passes) over N x D, the experts' outputs (1) and
-          // input gradients (2) over every routed row (N x K, dropless), the shared expert's (1 and 2) over N x D.
-          // TP rank 0 sends one partial per pass; the last rank broadcasts each finished output to tp - 1 ranks.
-          const double N = (double)s.batch / dp * c.seq_len, D = c.d_model, K = c.top_k, L = c.n_layers;
-          CHECK(sent(r, "send") == L * (4 * N * D + 3 * N * K * D + 3 * N * D) * 4);
-          CHECK(sent(r, "broadcast") == L * (2 * N * D + 2 * N * K * D + 2 * N * D) * (tp - 1) * 4);
-        }
-    CHECK(meshes == 9);
+    CHECK(meshes == 18);
   }
 
   TEST_CASE("a tensor-parallel rank holds fewer weight and activation bytes, measured from its buffers") {
@@ -112,33 +114,36 @@ TEST_SUITE("tensor_parallel") {
     CHECK(sent(r, "send") > 0);
   }
 
-  TEST_CASE("sequence parallel: tp 2 and 4 with dp and ep on the one-process hash; the stream is split and gathered") {
+  TEST_CASE("sequence parallel: tp 2 and 4 with dp, ep and fsdp on the one-process hash; the stream is split and gathered") {
     const ls::RunResult one = run({}, 1);
     int meshes = 0;
     for (int tp : {2, 4})
       for (int dp : {1, 2})
-        for (int ep : {1, 2}) {
-          if (ep > dp) continue;
-          CAPTURE(tp);
-          CAPTURE(dp);
-          CAPTURE(ep);
-          const std::vector<std::string> mesh = {"mesh.tp=" + std::to_string(tp), "mesh.dp=" + std::to_string(dp),
-                                                 "mesh.ep=" + std::to_string(ep)};
-          std::vector<std::string> with_sp = mesh;
-          with_sp.push_back("mesh.sp=true");
-          const ls::RunResult sp = run(with_sp), plain = run(mesh);
-          CHECK(sp.final_state_hash == one.final_state_hash);
-          CHECK(loss_bits(sp) == loss_bits(one));
-          ++meshes;
-          // Really another execution: the norms' outputs, the stream's gradient and the routing are gathered
-          // (more all-gather bytes); the stream's tensors are a TP rank's share (less workspace); the sums over
-          // stream tokens span the TP ranks (an all-reduce even on one data-parallel rank).
-          CHECK(sent(sp, "all_gather") > sent(plain, "all_gather"));
-          CHECK(sp.workspace_bytes < plain.workspace_bytes);
-          CHECK(sent(sp, "all_reduce") > 0);
-          if (dp == 1) CHECK(sent(plain, "all_reduce") == 0);
-        }
-    CHECK(meshes == 6);
+        for (int ep : {1, 2})
+          for (bool fsdp : {false, true}) {
+            if (ep > dp) continue;
+            CAPTURE(tp);
+            CAPTURE(dp);
+            CAPTURE(ep);
+            CAPTURE(fsdp);
+            const std::vector<std::string> mesh = {"mesh.tp=" + std::to_string(tp), "mesh.dp=" + std::to_string(dp),
+                                                   "mesh.ep=" + std::to_string(ep),
+                                                   fsdp ? "mesh.fsdp=true" : "mesh.fsdp=false"};
+            std::vector<std::string> with_sp = mesh;
+            with_sp.push_back("mesh.sp=true");
+            const ls::RunResult sp = run(with_sp), plain = run(mesh);
+            CHECK(sp.final_state_hash == one.final_state_hash);
+            CHECK(loss_bits(sp) == loss_bits(one));
+            ++meshes;
+            // Really another execution: the norms' outputs, the stream's gradient and the routing are gathered
+            // (more all-gather bytes); the stream's tensors are a TP rank's share (less workspace); the sums over
+            // stream tokens span the TP ranks (an all-reduce even on one data-parallel rank).
+            CHECK(sent(sp, "all_gather") > sent(plain, "all_gather"));
+            CHECK(sp.workspace_bytes < plain.workspace_bytes);
+            CHECK(sent(sp, "all_reduce") > 0);
+            if (dp == 1) CHECK(sent(plain, "all_reduce") == 0);
+          }
+    CHECK(meshes == 12);
   }
 
   TEST_CASE("a tensor-parallel rank holds its slice of the split tensors, drawn as the whole tensor's elements") {
@@ -171,18 +176,20 @@ TEST_SUITE("tensor_parallel") {
     }
   }
 
-  TEST_CASE("a checkpoint saved at tp 2 with sp resumes at tp 1 and at tp 4, dp and ep changed, on the uninterrupted hash") {
+  TEST_CASE("a checkpoint saved at tp 2 with sp and fsdp resumes at tp 1, 2 and 4, dp, ep and fsdp changed, on the uninterrupted hash") {
     const std::string sc = lstest::write_temp("tp-ckpt.json", kScenario).string();
     const auto whole = lstest::run_cli("run " + sc + " --json --quiet --steps 6");
     REQUIRE(whole.rc == 0);
     const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
     const auto ck = lstest::fresh_dir("tp-ckpt");
     const auto saved = lstest::run_cli("run " + sc + " --json --quiet --steps 3 --set mesh.tp=2 --set mesh.dp=2 "
-                                       "--set mesh.sp=true --set ckpt.every=3 --set ckpt.url=" + ck.string());
+                                       "--set mesh.sp=true --set mesh.fsdp=true --set ckpt.every=3 --set ckpt.url=" +
+                                       ck.string());
     CAPTURE(saved.err);
     REQUIRE(saved.rc == 0);
     for (const std::string mesh : {"--set mesh.tp=1", "--set mesh.tp=4 --set mesh.dp=2 --set mesh.ep=2",
-                                   "--set mesh.tp=2 --set mesh.dp=1"}) {
+                                   "--set mesh.tp=2 --set mesh.dp=1",
+                                   "--set mesh.tp=2 --set mesh.dp=4 --set mesh.fsdp=true --set mesh.replicate=2"}) {
       CAPTURE(mesh);
       const auto r = lstest::run_cli("run " + sc + " --json --quiet --steps 6 " + mesh + " --resume " + ck.string());
       CAPTURE(r.err);
@@ -220,7 +227,6 @@ TEST_SUITE("tensor_parallel") {
     for (const auto& [sets, says] : std::vector<std::pair<std::string, std::string>>{
              {"--set mesh.tp=3", "mesh.tp: must divide model.n_heads = 4, got 3"},
              {"--set mesh.tp=4 --set model.d_ff=18", "mesh.tp: must divide model.d_ff = 18, got 4"},
-             {"--set mesh.tp=2 --set mesh.fsdp=true --set mesh.dp=2", "mesh.tp: is 2 with mesh.fsdp"},
              {"--set mesh.tp=2 --set numerics.level=local", "mesh.tp: is 2 with numerics.level=local"},
              {"--set mesh.sp=true", "mesh.sp: is true but mesh.tp = 1"},
              {"--set mesh.sp=true --set mesh.tp=4 --set mesh.dp=4",

@@ -198,7 +198,7 @@ void ClusterTrainer::run_rank(Communicator& world, const std::vector<std::unique
   const double before_seconds = totals(before_bytes, before_calls);
   RankHooks hooks(world, *groups[0], *groups[2], *groups[1], s_.mesh.sp);
   rank.model->set_mesh(&hooks);
-  RankCtx ctx{rank, world, *groups[0], *groups[1], *groups[2], *groups[3], *groups[4], *groups[5]};
+  RankCtx ctx{rank, *groups[0], *groups[1], *groups[2], *groups[3], *groups[4], *groups[5]};
   body(ctx);
   rank.model->set_mesh(nullptr);
   rank.comm.seconds += totals(after_bytes, after_calls) - before_seconds;
@@ -243,6 +243,13 @@ std::vector<size_t> shard_elems(int64_t n, int g) {
   return out;
 }
 
+// whole = a tensor of n elements from its FSDP shards, each rank's block range (an all-gather).
+void gather_shards(Communicator& shard, int64_t n, const float* mine, float* whole) {
+  std::vector<size_t> bytes = shard_elems(n, shard.size());
+  for (size_t& b : bytes) b *= sizeof(float);
+  shard.all_gather(mine, whole, bytes);
+}
+
 }  // namespace
 
 float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) {
@@ -271,6 +278,10 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
     for (size_t t = 0; t < infos.size(); ++t) {
       const ParamInfo& p = infos[t];
       float* gp = g + p.offset;
+      // Sequence parallel: a tensor the stream's tokens reduce into (embeddings, norms, router, head) has a
+      // partial per TP rank; the TP group's leaves are consecutive aligned blocks (tp a power of two wherever
+      // dp > 1), so its tree over TP ranks is this data-parallel rank's subtree, combined below as without SP.
+      if (s_.mesh.sp && p.tp_mid == 0) c.tp.all_reduce_sum(gp, p.size);
       if (p.expert && ep_split) {
         c.edp.all_reduce_sum(gp, p.size);  // the replicas of these experts, one per EP group
       } else if (fsdp_sharded(p, s_.mesh)) {
@@ -279,10 +290,6 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
         c.shard.reduce_scatter_sum(gp, mine.data(), counts);
         if (c.replica.size() > 1) c.replica.all_reduce_sum(mine.data(), mine.size());  // HSDP
         std::copy(mine.begin(), mine.end(), gp + range(rank, t).first);
-      } else if (s_.mesh.sp && p.tp_mid == 0) {
-        // Sequence parallel: a tensor the stream's tokens reduce into (embeddings, norms, router, head) has a
-        // partial per TP rank too; every rank's leaves are an aligned block, in world order.
-        c.world.all_reduce_sum(gp, p.size);
       } else {
         c.data.all_reduce_sum(gp, p.size);
       }
@@ -297,10 +304,16 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
       float sumsq;
       if (p.tp_mid > 0 || (p.expert && ep_split)) {
         // The whole tensor: the TP group's parts put in place, then the EP group's slices in rank order.
-        ops::DeviceVector<float> slice;
+        ops::DeviceVector<float> slice, held;
         if (p.tp_mid > 0) {
+          const float* part = gp;
+          if (fsdp_sharded(p, s_.mesh)) {  // the reduced shards of the held part first
+            held.resize(p.size);
+            gather_shards(c.shard, p.size, gp + range(rank, t).first, held.data());
+            part = held.data();
+          }
           ops::DeviceVector<float> parts((size_t)p.size * c.tp.size());
-          c.tp.all_gather(gp, parts.data(), std::vector<size_t>(c.tp.size(), (size_t)p.size * 4));
+          c.tp.all_gather(part, parts.data(), std::vector<size_t>(c.tp.size(), (size_t)p.size * 4));
           slice.resize(parts.size());
           assemble_tp_parts(p, parts.data(), c.tp.size(), slice.data());
         } else {
@@ -405,15 +418,18 @@ std::string ClusterTrainer::state_hash() const {
   };
   // A holder's part of tensor t: (first global element, elements, the first
   // middle index of a TP part or -1) and its weights, m, v.
+  // A TP part's elements held_first .. held_first + n - 1 of the held tensor
+  // (an FSDP shard of it), at start = the tensor's first global element.
   struct Part {
-    int64_t t = 0, start = 0, n = 0, tp_first = -1;
+    int64_t t = 0, start = 0, n = 0, tp_first = -1, held_first = 0;
     const float *w = nullptr, *m1 = nullptr, *m2 = nullptr;
   };
   auto part_of = [&](const Rank& rk, size_t t) {
     const ParamInfo& q = rk.model->params()[t];
     const auto [lo, hi] = range(rk, t);
     const float* w = fsdp_sharded(q, m) ? rk.shard_w.data() + rk.shard_off[t] : rk.model->weights() + q.offset + lo;
-    return Part{(int64_t)t,        q.global_offset + lo, hi - lo, q.tp_mid > 0 ? q.tp_first : -1, w,
+    const bool split = q.tp_mid > 0;
+    return Part{(int64_t)t, q.global_offset + (split ? 0 : lo), hi - lo, split ? q.tp_first : -1, split ? lo : 0, w,
                 rk.m.data() + rk.shard_off[t], rk.v.data() + rk.shard_off[t]};
   };
   auto place = [&](const Part& p) {
@@ -427,7 +443,7 @@ std::string ClusterTrainer::state_hash() const {
     q.global_offset = p.start;
     q.tp_first = p.tp_first;
     for (int64_t i = 0; i < p.n; ++i) {
-      const int64_t g = q.global_index(i);
+      const int64_t g = q.global_index(p.held_first + i);
       param[p.t][g] = p.w[i];
       mom1[p.t][g] = p.m1[i];
       mom2[p.t][g] = p.m2[i];
@@ -446,7 +462,7 @@ std::string ClusterTrainer::state_hash() const {
     for (size_t t = 0; t < infos.size(); ++t)
       if (holds(me, infos[t])) {
         const Part p = part_of(*ranks_[me], t);
-        head.insert(head.end(), {p.t, p.start, p.n, p.tp_first});
+        head.insert(head.end(), {p.t, p.start, p.n, p.tp_first, p.held_first});
         for (const float* src : {p.w, p.m1, p.m2}) data.insert(data.end(), src, src + p.n);
       }
     std::vector<int64_t> sizes(2 * R), mine = {(int64_t)head.size(), (int64_t)data.size()};
@@ -464,9 +480,9 @@ std::string ClusterTrainer::state_hash() const {
     mpi_->all_gather(head.data(), heads.data(), hb);
     mpi_->all_gather(data.data(), all.data(), db);
     size_t at = 0;
-    for (size_t h = 0; h + 3 < heads.size(); h += 4) {
+    for (size_t h = 0; h + 4 < heads.size(); h += 5) {
       const int64_t n = heads[h + 2];
-      place(Part{heads[h], heads[h + 1], n, heads[h + 3], &all[at], &all[at + n], &all[at + 2 * n]});
+      place(Part{heads[h], heads[h + 1], n, heads[h + 3], heads[h + 4], &all[at], &all[at + n], &all[at + 2 * n]});
       at += 3 * n;
     }
   }
@@ -518,9 +534,10 @@ std::vector<StatePiece> ClusterTrainer::state_needs(int rank) const {
 }
 
 // Every global element is staged once. A tensor-parallel split tensor is
-// staged in contiguous ranges: TP rank q of a writing group assembles the
-// tensor (its expert-parallel slice) from the group's parts (an all-gather)
-// and stages the q-th of tp equal ranges, as much as it holds.
+// staged in contiguous ranges: each writing rank assembles the tensor (its
+// expert-parallel slice) from its FSDP shard group's shards and its TP
+// group's parts (all-gathers) and stages one of tp x (shard group size)
+// near-equal ranges: TP rank q, shard position g stages range q x G + g.
 void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
   out.resize(ranks_.size());
   for (size_t r = 0; r < ranks_.size(); ++r)
@@ -530,24 +547,33 @@ void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
     std::vector<StatePiece>& staged = out[(size_t)rank.index];
     const auto& infos = rank.model->params();
     size_t k = 0;  // pieces staged by this rank; buffers of an earlier save are reused in order
-    ops::DeviceVector<float> parts, whole;
+    ops::DeviceVector<float> held, parts, whole;
     for (const char* kind : {"param", "adam_m", "adam_v"})
       for (size_t t = 0; t < infos.size(); ++t) {
         const ParamInfo& p = infos[t];
         if (!stages(rank.index, t)) continue;
         const auto [lo, hi] = range(rank, t);
-        if (hi <= lo) continue;
         const float* from = storage(rank, t, kind);
         StatePiece piece{std::string(kind) + "/" + p.name, p.global_shape, p.global_offset + lo, p.global_offset + hi, {}};
-        if (p.tp_mid > 0) {
+        if (p.tp_mid > 0) {  // collectives: every writing rank of the groups takes part, whatever it holds
+          const bool sharded = fsdp_sharded(p, s_.mesh);
+          if (sharded) {
+            held.resize(p.size);
+            gather_shards(c.shard, p.size, from, held.data());
+            from = held.data();
+          }
           parts.resize((size_t)p.size * c.tp.size());
           c.tp.all_gather(from, parts.data(), std::vector<size_t>(c.tp.size(), (size_t)p.size * 4));
           whole.resize(parts.size());
           assemble_tp_parts(p, parts.data(), c.tp.size(), whole.data());
-          from = whole.data() + (int64_t)rank.tp_index * p.size;
-          piece.global_begin = p.global_offset + (int64_t)rank.tp_index * p.size;
-          piece.global_end = piece.global_begin + p.size;
+          const int64_t ranges = (int64_t)c.tp.size() * (sharded ? c.shard.size() : 1);
+          const int64_t mine = (int64_t)rank.tp_index * (ranges / c.tp.size()) + (sharded ? c.shard.rank() : 0);
+          const int64_t total = (int64_t)whole.size(), begin = total * mine / ranges, end = total * (mine + 1) / ranges;
+          from = whole.data() + begin;
+          piece.global_begin = p.global_offset + begin;
+          piece.global_end = p.global_offset + end;
         }
+        if (piece.global_end <= piece.global_begin) continue;
         if (k == staged.size()) staged.emplace_back();
         ops::StagingVector<float> buffer = std::move(staged[k].data);
         buffer.resize(piece.global_end - piece.global_begin);
@@ -573,7 +599,8 @@ void ClusterTrainer::load_piece(int rank, const StatePiece& need, const float* d
     std::copy(data, data + (need.global_end - need.global_begin), to);
     return;
   }
-  for (int64_t i = 0; i < p.size; ++i) to[i] = data[p.global_index(i) - need.global_begin];  // the held part
+  const auto [lo, hi] = range(r, t);  // the held part (an FSDP shard of it)
+  for (int64_t i = lo; i < hi; ++i) to[i - lo] = data[p.global_index(i) - need.global_begin];
 }
 
 std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {

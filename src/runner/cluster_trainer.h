@@ -47,7 +47,6 @@ class ClusterTrainer : public Trainer {
   struct Rank;
   struct RankCtx {
     Rank& rank;
-    Communicator& world;    // every rank (world rank = data-parallel rank x mesh.tp + TP rank)
     Communicator& data;     // the data-parallel ranks holding the same tensor-parallel slice (size mesh.dp)
     Communicator& tp;       // the tensor-parallel group: the ranks of one data-parallel rank (size mesh.tp)
     Communicator& ep;       // ranks sharing the experts (consecutive data-parallel ranks, size mesh.ep)

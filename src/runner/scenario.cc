@@ -512,9 +512,8 @@ std::vector<Row> make_rows() {
                 if (s.model.d_ff % v != 0) return "must divide model.d_ff = " + show(s.model.d_ff) + ", got " + show(v);
                 return std::string();
               }},
-             {"not yet with mesh.fsdp or numerics.level=local", [](const S& s, int v) {
+             {"not with numerics.level=local", [](const S& s, int v) {
                 if (v == 1) return std::string();
-                if (s.mesh.fsdp) return "is " + show(v) + " with mesh.fsdp: FSDP over a tensor-parallel mesh is not built yet";
                 if (s.level == "local")
                   return "is " + show(v) + " with numerics.level=local: the chained fold needs the portable GEMM";
                 return std::string();
