@@ -194,7 +194,12 @@ TEST_SUITE("tensor_parallel") {
       const auto r = lstest::run_cli("run " + sc + " --json --quiet --steps 6 " + mesh + " --resume " + ck.string());
       CAPTURE(r.err);
       REQUIRE(r.rc == 0);
-      CHECK(lstest::last_json(r.out).at("final_state_hash") == hash);
+      const nlohmann::json j = lstest::last_json(r.out);
+      CHECK(j.at("final_state_hash") == hash);
+      // The read-once restore: every object read once, whatever the mesh reads it into.
+      CHECK(j.at("restore").at("mode") == "broadcast");
+      CHECK(j.at("restore").at("store_bytes_read") == j.at("restore").at("checkpoint_bytes"));
+      CHECK(j.at("restore").at("saved_mesh").at("tp") == 2);
     }
     const auto verify = lstest::run_cli("ckpt verify " + ck.string());
     CHECK(verify.rc == 0);
