@@ -46,6 +46,28 @@ std::vector<std::string> loss_bits(const ls::RunResult& r) {
   return out;
 }
 
+// A mesh of the invariance tests: tp ranks per data-parallel rank, dp, ep
+// and fsdp, as --set values.
+struct Mesh {
+  int tp = 1, dp = 1, ep = 1;
+  bool fsdp = false;
+  std::vector<std::string> sets;
+};
+
+// Every mesh of these tp degrees with dp 1 and 2, ep <= dp, fsdp off and on.
+std::vector<Mesh> meshes_of(const std::vector<int>& tps) {
+  std::vector<Mesh> out;
+  for (int tp : tps)
+    for (int dp : {1, 2})
+      for (int ep : {1, 2})
+        for (bool fsdp : {false, true})
+          if (ep <= dp)
+            out.push_back({tp, dp, ep, fsdp,
+                           {"mesh.tp=" + std::to_string(tp), "mesh.dp=" + std::to_string(dp),
+                            "mesh.ep=" + std::to_string(ep), fsdp ? "mesh.fsdp=true" : "mesh.fsdp=false"}});
+  return out;
+}
+
 double sent(const ls::RunResult& r, const char* kind) {
   const auto it = r.bytes_sent_per_step.find(kind);
   return it == r.bytes_sent_per_step.end() ? 0.0 : it->second;
@@ -58,35 +80,30 @@ TEST_SUITE("tensor_parallel") {
     const ls::RunResult one = run({}, 1);
     const ls::Scenario s = scenario({});
     const ls::ModelConfig& c = s.model;
-    int meshes = 0;
-    for (int tp : {1, 2, 4})
-      for (int dp : {1, 2})
-        for (int ep : {1, 2})
-          for (bool fsdp : {false, true}) {
-            if (ep > dp) continue;
-            CAPTURE(tp);
-            CAPTURE(dp);
-            CAPTURE(ep);
-            CAPTURE(fsdp);
-            const ls::RunResult r = run({"mesh.tp=" + std::to_string(tp), "mesh.dp=" + std::to_string(dp),
-                                         "mesh.ep=" + std::to_string(ep), fsdp ? "mesh.fsdp=true" : "mesh.fsdp=false"});
-            CHECK(r.final_state_hash == one.final_state_hash);
-            CHECK(loss_bits(r) == loss_bits(one));
-            ++meshes;
-            if (tp == 1) {
-              CHECK(sent(r, "send") == 0);
-              continue;
-            }
-            if (ep > 1) continue;  // an owner's rows then depend on the routing; the formula below is for ep = 1
-            // What the chains must send, from the model's shapes (not from the code): per layer the output
-            // projection (1 pass) and QKV's input gradient (3 passes) over N x D, the experts' outputs (1) and
-            // input gradients (2) over every routed row (N x K, dropless), the shared expert's (1 and 2) over N x D.
-            // TP rank 0 sends one partial per pass; the last rank broadcasts each finished output to tp - 1 ranks.
-            const double N = (double)s.batch / dp * c.seq_len, D = c.d_model, K = c.top_k, L = c.n_layers;
-            CHECK(sent(r, "send") == L * (4 * N * D + 3 * N * K * D + 3 * N * D) * 4);
-            CHECK(sent(r, "broadcast") == L * (2 * N * D + 2 * N * K * D + 2 * N * D) * (tp - 1) * 4);
-          }
-    CHECK(meshes == 18);
+    const std::vector<Mesh> meshes = meshes_of({1, 2, 4});
+    CHECK(meshes.size() == 18);
+    for (const Mesh& m : meshes) {
+      const int tp = m.tp, dp = m.dp, ep = m.ep;
+      CAPTURE(tp);
+      CAPTURE(dp);
+      CAPTURE(ep);
+      CAPTURE(m.fsdp);
+      const ls::RunResult r = run(m.sets);
+      CHECK(r.final_state_hash == one.final_state_hash);
+      CHECK(loss_bits(r) == loss_bits(one));
+      if (tp == 1) {
+        CHECK(sent(r, "send") == 0);
+        continue;
+      }
+      if (ep > 1) continue;  // an owner's rows then depend on the routing; the formula below is for ep = 1
+      // What the chains must send, from the model's shapes (not from the code): per layer the output
+      // projection (1 pass) and QKV's input gradient (3 passes) over N x D, the experts' outputs (1) and
+      // input gradients (2) over every routed row (N x K, dropless), the shared expert's (1 and 2) over N x D.
+      // TP rank 0 sends one partial per pass; the last rank broadcasts each finished output to tp - 1 ranks.
+      const double N = (double)s.batch / dp * c.seq_len, D = c.d_model, K = c.top_k, L = c.n_layers;
+      CHECK(sent(r, "send") == L * (4 * N * D + 3 * N * K * D + 3 * N * D) * 4);
+      CHECK(sent(r, "broadcast") == L * (2 * N * D + 2 * N * K * D + 2 * N * D) * (tp - 1) * 4);
+    }
   }
 
   TEST_CASE("a tensor-parallel rank holds fewer weight and activation bytes, measured from its buffers") {
@@ -116,34 +133,26 @@ TEST_SUITE("tensor_parallel") {
 
   TEST_CASE("sequence parallel: tp 2 and 4 with dp, ep and fsdp on the one-process hash; the stream is split and gathered") {
     const ls::RunResult one = run({}, 1);
-    int meshes = 0;
-    for (int tp : {2, 4})
-      for (int dp : {1, 2})
-        for (int ep : {1, 2})
-          for (bool fsdp : {false, true}) {
-            if (ep > dp) continue;
-            CAPTURE(tp);
-            CAPTURE(dp);
-            CAPTURE(ep);
-            CAPTURE(fsdp);
-            const std::vector<std::string> mesh = {"mesh.tp=" + std::to_string(tp), "mesh.dp=" + std::to_string(dp),
-                                                   "mesh.ep=" + std::to_string(ep),
-                                                   fsdp ? "mesh.fsdp=true" : "mesh.fsdp=false"};
-            std::vector<std::string> with_sp = mesh;
-            with_sp.push_back("mesh.sp=true");
-            const ls::RunResult sp = run(with_sp), plain = run(mesh);
-            CHECK(sp.final_state_hash == one.final_state_hash);
-            CHECK(loss_bits(sp) == loss_bits(one));
-            ++meshes;
-            // Really another execution: the norms' outputs, the stream's gradient and the routing are gathered
-            // (more all-gather bytes); the stream's tensors are a TP rank's share (less workspace); the sums over
-            // stream tokens span the TP ranks (an all-reduce even on one data-parallel rank).
-            CHECK(sent(sp, "all_gather") > sent(plain, "all_gather"));
-            CHECK(sp.workspace_bytes < plain.workspace_bytes);
-            CHECK(sent(sp, "all_reduce") > 0);
-            if (dp == 1) CHECK(sent(plain, "all_reduce") == 0);
-          }
-    CHECK(meshes == 12);
+    const std::vector<Mesh> meshes = meshes_of({2, 4});
+    CHECK(meshes.size() == 12);
+    for (const Mesh& m : meshes) {
+      CAPTURE(m.tp);
+      CAPTURE(m.dp);
+      CAPTURE(m.ep);
+      CAPTURE(m.fsdp);
+      std::vector<std::string> with_sp = m.sets;
+      with_sp.push_back("mesh.sp=true");
+      const ls::RunResult sp = run(with_sp), plain = run(m.sets);
+      CHECK(sp.final_state_hash == one.final_state_hash);
+      CHECK(loss_bits(sp) == loss_bits(one));
+      // Really another execution: the norms' outputs, the stream's gradient and the routing are gathered
+      // (more all-gather bytes); the stream's tensors are a TP rank's share (less workspace); the sums over
+      // stream tokens span the TP ranks (an all-reduce even on one data-parallel rank).
+      CHECK(sent(sp, "all_gather") > sent(plain, "all_gather"));
+      CHECK(sp.workspace_bytes < plain.workspace_bytes);
+      CHECK(sent(sp, "all_reduce") > 0);
+      if (m.dp == 1) CHECK(sent(plain, "all_reduce") == 0);
+    }
   }
 
   TEST_CASE("a tensor-parallel rank holds its slice of the split tensors, drawn as the whole tensor's elements") {
