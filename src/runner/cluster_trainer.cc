@@ -262,12 +262,9 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
     MoeTransformer& model = *rank.model;
     const auto& infos = model.params();
     // FSDP: all-gather every sharded tensor from the shard group before use.
-    for (size_t t = 0; t < infos.size(); ++t) {
-      if (!fsdp_sharded(infos[t], s_.mesh)) continue;
-      std::vector<size_t> bytes = shard_elems(infos[t].size, c.shard.size());
-      for (size_t& b : bytes) b *= 4;
-      c.shard.all_gather(rank.shard_w.data() + rank.shard_off[t], model.weights() + infos[t].offset, bytes);
-    }
+    for (size_t t = 0; t < infos.size(); ++t)
+      if (fsdp_sharded(infos[t], s_.mesh))
+        gather_shards(c.shard, infos[t].size, rank.shard_w.data() + rank.shard_off[t], model.weights() + infos[t].offset);
     if (phase_hook_) model.set_phase_hook([&](const char* phase) { phase_hook_(phase, rank.index); });
     const StepLosses l = model.forward_backward(tokens + (int64_t)rank.data_index * local * sample_bytes, local);
     model.set_phase_hook(nullptr);
@@ -377,12 +374,10 @@ float ClusterTrainer::eval_loss(const uint8_t* tokens, int batch) {
   each_rank([&](RankCtx& c) {
     MoeTransformer& model = *c.rank.model;
     const auto& infos = model.params();
-    for (size_t t = 0; t < infos.size(); ++t) {
-      if (!fsdp_sharded(infos[t], s_.mesh)) continue;
-      std::vector<size_t> bytes = shard_elems(infos[t].size, c.shard.size());
-      for (size_t& b : bytes) b *= 4;
-      c.shard.all_gather(c.rank.shard_w.data() + c.rank.shard_off[t], model.weights() + infos[t].offset, bytes);
-    }
+    for (size_t t = 0; t < infos.size(); ++t)
+      if (fsdp_sharded(infos[t], s_.mesh))
+        gather_shards(c.shard, infos[t].size, c.rank.shard_w.data() + c.rank.shard_off[t],
+                      model.weights() + infos[t].offset);
     const StepLosses l = model.forward(tokens + (int64_t)c.rank.data_index * local * sample_bytes, local);
     if (c.rank.index == 0) loss = l.ce;
   });
