@@ -213,7 +213,7 @@ TEST_SUITE("cli") {
     CHECK(r.rc == 2);
     CHECK(count(r.err, "--trace") == 1);
     CHECK(count(r.err, "\n") == 1);  // one error line: no rank, no mpirun said anything
-    CHECK(r.err.find("--launcher mpi on mesh.dp x mesh.tp = 2") != std::string::npos);
+    CHECK(r.err.find("--launcher mpi on mesh.dp x mesh.tp x mesh.pp = 2 x 1 x 1 = 2") != std::string::npos);
     CHECK(r.out.empty());
     CHECK_FALSE(fs::exists(trace));
   }

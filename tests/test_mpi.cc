@@ -99,6 +99,13 @@ TEST_SUITE("mpi") {
         {4, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.ep=2"},
         {4, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.sp=true"},
         {8, "--set mesh.dp=4 --set mesh.tp=2 --set mesh.sp=true --set mesh.fsdp=true --set mesh.replicate=2"},
+        // Pipeline stages as processes: activations and gradients between them, every schedule.
+        {8, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.pp=2 --set train.microbatches=4 --set mesh.pp_schedule=1f1b"},
+        {8, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.pp=2 --set train.microbatches=4 --set mesh.pp_schedule=gpipe"},
+        {8, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.pp=2 --set train.microbatches=4 "
+            "--set mesh.pp_schedule=interleaved --set mesh.pp_virtual=2"},
+        {4, "--set mesh.dp=2 --set mesh.ep=2 --set mesh.pp=2"},
+        {4, "--set mesh.dp=2 --set mesh.fsdp=true --set mesh.pp=2 --set train.microbatches=2"},
     };
     for (const auto& [np, mesh] : meshes) {
       CAPTURE(mesh);
@@ -119,7 +126,13 @@ TEST_SUITE("mpi") {
       };
       for (const char* kind : {"all_reduce", "send", "broadcast"})  // send, broadcast: tensor parallel's chained partials
         CHECK(sent(mpi, kind) == sent(threads, kind));
-      if (mesh.find("mesh.tp=2") != std::string::npos) CHECK(sent(mpi, "send") > 0);
+      if (mesh.find("mesh.tp=2") != std::string::npos || mesh.find("mesh.pp=2") != std::string::npos)
+        CHECK(sent(mpi, "send") > 0);
+      if (mesh.find("mesh.pp=2") != std::string::npos) {  // the stages measured the same bytes between them
+        REQUIRE(mpi.summary.at("pipeline").at("stages").size() == 2);
+        for (int st = 0; st < 2; ++st)
+          CHECK(mpi.summary["pipeline"]["stages"][st]["bytes_sent"] == threads.summary["pipeline"]["stages"][st]["bytes_sent"]);
+      }
     }
   }
 
@@ -133,7 +146,7 @@ TEST_SUITE("mpi") {
     CHECK(launched.summary["moe"]["all_to_all_calls"][0].get<int64_t>() > 0);
     const Run wrong = run_lockstep(3, "--set mesh.dp=4");
     CHECK(wrong.rc != 0);
-    CHECK(wrong.err.find("mpirun started 3 processes but mesh.dp x mesh.tp = 4 x 1 = 4") != std::string::npos);
+    CHECK(wrong.err.find("mpirun started 3 processes but mesh.dp x mesh.tp x mesh.pp = 4 x 1 x 1 = 4") != std::string::npos);
     CHECK(run_lockstep(0, "--launcher nope").rc == 2);
   }
 }

@@ -175,6 +175,20 @@ TEST_SUITE("mpi") {
     CHECK(r.out.find("rank processes outliving trial 0") != std::string::npos);
   }
 
+  TEST_CASE("faults sweep --launcher mpi on a pipeline: killed stage processes restart, every trial on the golden hash") {
+    if (!ls::mpi_available()) return;
+    const std::string root = LOCKSTEP_SOURCE_DIR;
+    const lstest::CliResult r = lstest::run_cli("faults sweep " + root +
+                                                "/scenarios/sweep_tiny.json --trials 4 --launcher mpi --threads 1 "
+                                                "--set mesh.dp=2 --set mesh.pp=2 --set train.microbatches=2 --seed 11");
+    CAPTURE(r.out);
+    CAPTURE(r.err);
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("ended on the golden hash       4") != std::string::npos);
+    CHECK(r.out.find("mismatches                     0") != std::string::npos);
+    CHECK(r.out.find("rank processes outliving trial 0") != std::string::npos);
+  }
+
   TEST_CASE("a supervisor is not started under mpirun: it would be one per rank") {
     if (!ls::mpi_available()) return;
     const Run r = run_lockstep(2, "--set mesh.dp=2 --set ckpt.url=/tmp/never --set ckpt.every=1 --fault rank_crash@2");

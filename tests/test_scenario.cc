@@ -79,7 +79,8 @@ const char* kFull = R"({
   "moe": {"experts": 64, "top_k": 4, "aux_loss_weight": 0.02, "z_loss_weight": 0.0,
           "policy": "peak", "capacity_factor": 0.5, "capacity": 12, "group_size": 8, "borrow": false,
           "router_skew": 1.5},
-  "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2, "tp": 1, "sp": false},
+  "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2, "tp": 1, "sp": false, "pp": 2,
+           "pp_schedule": "gpipe", "pp_virtual": 1},
   "ckpt": {"url": "s3://bucket/run", "every": 50, "async": false, "keep_last": 3, "max_inflight": 2,
            "restore": "naive", "s3_endpoint": "http://127.0.0.1:9000", "lease_seconds": 12.5, "retry_seconds": 5.5,
            "on_failure": "stop"},
@@ -87,7 +88,7 @@ const char* kFull = R"({
   "train": {"steps": 300, "batch": 32, "lr": 0.0005, "min_lr_ratio": 0.05,
             "warmup_steps": 10, "decay_steps": 250, "beta1": 0.8, "beta2": 0.99,
             "eps": 1e-07, "weight_decay": 0.0, "grad_clip": 0.5,
-            "eval_every": 0, "eval_batches": 2},
+            "eval_every": 0, "eval_batches": 2, "microbatches": 1},
   "data": {"path": "corpus.bin", "synthetic_bytes": 65536, "val_fraction": 0.25},
   "numerics": {"leaf_samples": 4, "level": "local"}
 })";

@@ -46,6 +46,26 @@ struct MeshReport {
     workspace_bytes = std::max(workspace_bytes, st.workspace_bytes);
     weight_bytes = std::max(weight_bytes, st.weight_bytes);
   }
+  // Pipeline parallel, per stage, measured over the last step: the slowest
+  // rank's seconds in passes and from first pass to last, the most
+  // microbatches whose activations it held at once and its workspaces'
+  // bytes, the bytes it sent to neighbouring stages, whether a backward
+  // waited for the step's expert counts.
+  struct Stage {
+    double busy_seconds = 0, step_seconds = 0;
+    int peak_in_flight = 0;
+    int64_t workspace_bytes = 0, bytes_sent = 0;
+    bool held = false;
+    void add(double busy, double step, int in_flight, int64_t workspace, int64_t sent, bool waited) {
+      busy_seconds = std::max(busy_seconds, busy);
+      step_seconds = std::max(step_seconds, step);
+      peak_in_flight = std::max(peak_in_flight, in_flight);
+      workspace_bytes = std::max(workspace_bytes, workspace);
+      bytes_sent = std::max(bytes_sent, sent);
+      held = held || waited;
+    }
+  };
+  std::vector<Stage> pipeline;
   std::map<std::string, uint64_t> bytes_sent_max;          // by collective kind, the busiest rank, all steps
   double comm_seconds_max = 0;  // measured wall time inside collectives, the slowest rank, all steps
 };

@@ -185,25 +185,32 @@ std::string where(const TraceDiff& d) {
   return s + ", op " + r.value("op", "") + " (tensor " + r.value("tensor", "") + ")";
 }
 
-bool is_mesh_key(const std::string& k) { return k.rfind("mesh.", 0) == 0; }
+bool is_mesh_key(const std::string& k) { return k.rfind("mesh.", 0) == 0 || k == "train.microbatches"; }
 
 // The side on one rank: tracing needs a single-rank mesh, and the mesh must
 // not change the bits, so the twin ends on the same bits as the side.
 Side single_rank(const Side& s) {
   Side t = s;
-  t.resolved["mesh"] = {{"dp", 1}, {"ep", 1}, {"fsdp", false}, {"replicate", 1}, {"tp", 1}, {"sp", false}};
+  t.resolved["mesh"] = {{"dp", 1}, {"ep", 1}, {"fsdp", false}, {"replicate", 1}, {"tp", 1}, {"sp", false}, {"pp", 1},
+                        {"pp_schedule", "1f1b"}, {"pp_virtual", 1}};
+  if (t.resolved.contains("train")) t.resolved["train"]["microbatches"] = 1;
   return t;
 }
 
 bool multi_rank(const nlohmann::json& resolved) {
   const nlohmann::json m = resolved.value("mesh", nlohmann::json::object());
-  return m.value("dp", 1) > 1 || m.value("ep", 1) > 1 || m.value("fsdp", false) || m.value("tp", 1) > 1;
+  const int microbatches = resolved.value("train", nlohmann::json::object()).value("microbatches", 1);
+  return m.value("dp", 1) > 1 || m.value("ep", 1) > 1 || m.value("fsdp", false) || m.value("tp", 1) > 1 ||
+         m.value("pp", 1) > 1 || microbatches > 1;
 }
 
 std::string mesh_text(const nlohmann::json& resolved) {
   const nlohmann::json m = resolved.value("mesh", nlohmann::json::object());
   std::string t = "mesh dp " + std::to_string(m.value("dp", 1)) + ", ep " + std::to_string(m.value("ep", 1));
   if (m.value("tp", 1) > 1) t += ", tp " + std::to_string(m.value("tp", 1)) + (m.value("sp", false) ? ", sp" : "");
+  if (m.value("pp", 1) > 1) t += ", pp " + std::to_string(m.value("pp", 1)) + " " + m.value("pp_schedule", "1f1b");
+  const int microbatches = resolved.value("train", nlohmann::json::object()).value("microbatches", 1);
+  if (microbatches > 1) t += ", " + std::to_string(microbatches) + " microbatches";
   if (m.value("fsdp", false)) t += ", fsdp, replicate " + std::to_string(m.value("replicate", 1));
   return t;
 }

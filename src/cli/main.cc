@@ -94,9 +94,15 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
   std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
               s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
               s.batch);
-  if (s.mesh.world() > 1 || s.mesh.ep > 1 || s.mesh.fsdp)
-    std::printf("mesh            dp %d, ep %d%s%s%s\n", s.mesh.dp, s.mesh.ep,
+  if (s.mesh.world() > 1 || s.mesh.ep > 1 || s.mesh.fsdp || s.microbatches > 1)
+    std::printf("mesh            dp %d, ep %d%s%s%s%s\n", s.mesh.dp, s.mesh.ep,
                 s.mesh.tp > 1 ? (", tp " + std::to_string(s.mesh.tp) + (s.mesh.sp ? ", sp" : "")).c_str() : "",
+                s.mesh.pp > 1 || s.microbatches > 1
+                    ? (", pp " + std::to_string(s.mesh.pp) + " " + s.mesh.pp_schedule +
+                       (s.mesh.pp_virtual > 1 ? " x" + std::to_string(s.mesh.pp_virtual) : std::string()) + ", " +
+                       std::to_string(s.microbatches) + " microbatches")
+                          .c_str()
+                    : "",
                 s.mesh.fsdp ? ", fsdp" : "",
                 s.mesh.fsdp && s.mesh.replicate > 1 ? (", replicate " + std::to_string(s.mesh.replicate)).c_str() : "");
   std::printf("launcher        %s\n", launcher_line(launcher, processes, s.mesh.world()).c_str());
@@ -131,6 +137,14 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
   if (!r.already_complete)
     std::printf("speed           %.0f tokens/s (%.2f GFLOP/s model)\n", r.tokens_per_second,
                 r.tokens_per_second * r.train_flops_per_token * 1e-9);
+  for (size_t st = 0; st < r.pipeline.size(); ++st) {  // measured over the last step
+    const MeshReport::Stage& p = r.pipeline[st];
+    std::printf("%s stage %zu: busy %.1f of %.1f ms, bubble %.2f (formula %.2f), %d microbatches held, %.1f MiB "
+                "activations%s\n",
+                st == 0 ? "pipeline       " : "               ", st, p.busy_seconds * 1e3, p.step_seconds * 1e3,
+                p.step_seconds > 0 ? 1.0 - p.busy_seconds / p.step_seconds : 0.0, r.pipeline_bubble_formula,
+                p.peak_in_flight, p.workspace_bytes / 1048576.0, p.held ? ", held for the expert counts" : "");
+  }
   std::printf("final_state_hash %s\n", r.final_state_hash.c_str());
 }
 
@@ -218,7 +232,7 @@ int cmd_run(const RunArgs& a, const char* self) {
   // A trace holds one rank: under mpirun every rank process would refuse it
   // on its own, so a multi-rank mpi run is refused here, once, before mpirun.
   if (a.launcher == "mpi" && !launched_by_mpirun() && !a.trace.empty() && s.mesh.world() > 1)
-    throw UserError("--trace: not available with --launcher mpi on mesh.dp x mesh.tp = " + std::to_string(s.mesh.world()) +
+    throw UserError("--trace: not available with --launcher mpi on " + s.mesh.world_formula() +
                     " (a trace holds one rank); trace the same scenario with --launcher threads and --set mesh.dp=1, "
                     "which must give the same bits");
   const std::vector<FaultSpec> faults = planned_faults(s, a.faults, a.steps);
@@ -778,7 +792,7 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->group("");
   run->add_option("--launcher", ra.launcher,
-                  "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp x mesh.tp, one "
+                  "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp x mesh.tp x mesh.pp, one "
                   "process per rank; docs/CLUSTER.md)");
   run->add_option("--steps", ra.steps,
                   "stop after this many steps; the learning-rate schedule stays train.steps' (so a run stopped "

@@ -67,6 +67,8 @@ class Communicator {
   // recv_bytes[r] from rank r, concatenated by rank.
   virtual void all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
                           const std::vector<size_t>& recv_bytes) = 0;
+  // Buffered: returns once buf may be reused, without waiting for the
+  // matching recv (messages between two ranks arrive in the order sent).
   virtual void send(const void* buf, size_t bytes, int dst) = 0;
   virtual void recv(void* buf, size_t bytes, int src) = 0;
   // Collective: ranks with the same color form a new communicator, ordered

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <memory>
 #include <stdexcept>
@@ -41,6 +42,7 @@ class MpiComm : public Communicator {
     check(MPI_Comm_size(comm_, &size_), "comm_size");
   }
   ~MpiComm() override {
+    finish_sends();
     if (comm_ != MPI_COMM_WORLD) MPI_Comm_free(&comm_);
   }
   int rank() const override { return rank_; }
@@ -105,9 +107,17 @@ class MpiComm : public Communicator {
     exchange(send, send_bytes, recv, recv_bytes, "all_to_all");
   }
 
+  // Buffered, as in process: the bytes are copied and sent in the
+  // background, so two ranks may send to each other before either receives
+  // (a pipeline's activations one way, gradients the other).
   void send(const void* buf, size_t bytes, int dst) override {
     const CommStats::Timer timed = stats.add("send", bytes);
-    check(MPI_Send(buf, as_count(bytes, "send"), MPI_BYTE, dst, kTag, comm_), "send");
+    reap_sends();
+    Pending p;
+    p.bytes.assign((const char*)buf, (const char*)buf + bytes);
+    pending_.push_back(std::move(p));
+    Pending& mine = pending_.back();
+    check(MPI_Isend(mine.bytes.data(), as_count(bytes, "send"), MPI_BYTE, dst, kTag, comm_, &mine.request), "send");
   }
 
   void recv(void* buf, size_t bytes, int src) override {
@@ -123,6 +133,7 @@ class MpiComm : public Communicator {
   }
 
   std::unique_ptr<Communicator> split(int color, int key) override {
+    finish_sends();
     MPI_Comm child;
     // MPI orders by key, then by parent rank: the in-process rule.
     check(MPI_Comm_split(comm_, color, key, &child), "split");
@@ -130,6 +141,25 @@ class MpiComm : public Communicator {
   }
 
  private:
+  struct Pending {
+    std::vector<char> bytes;
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
+  // Frees the copies of sends that completed.
+  void reap_sends() {
+    while (!pending_.empty()) {
+      int done = 0;
+      check(MPI_Test(&pending_.front().request, &done, MPI_STATUS_IGNORE), "send");
+      if (!done) return;
+      pending_.pop_front();
+    }
+  }
+  void finish_sends() {
+    for (Pending& p : pending_) MPI_Wait(&p.request, MPI_STATUS_IGNORE);
+    pending_.clear();
+  }
+  std::deque<Pending> pending_;
+
   static constexpr int kTag = 17;
 
   void exchange(const void* send, const std::vector<size_t>& send_bytes, void* recv,

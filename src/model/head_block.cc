@@ -41,9 +41,13 @@ class HeadBlock : public Block {
     ops::token_losses(ws.lse.data(), ws.logits.data(), ws.target_id.data(), N, V, ws.loss.data());
     ctx.trace_tensor("fwd", -1, "loss", "per_token", ws.loss.data(), {N});
     float ce_sum = ops::token_sum(ws.loss.data(), N, ctx.leaf_tokens);  // this rank's subtree
+    if (ctx.microbatches > 0) {  // a pipeline combines the microbatches' sums
+      ws.ce_partial = ce_sum;
+      return;
+    }
     if (ctx.mesh) ctx.mesh->sum_stream_partials(&ce_sum, 1);
     losses.ce = ce_sum / ctx.global_tokens;
-    losses.total = losses.ce + c.aux_loss_weight * losses.aux + c.z_loss_weight * losses.z;
+    losses.total = total_loss(c, losses);
   }
 
   // The loss -> dh, the gradient of the head's input stream.

@@ -74,19 +74,19 @@ int64_t ParamInfo::global_index(int64_t i) const {
   return global_offset + (outer * tp_mid + tp_first + rest / tp_inner) * tp_inner + rest % tp_inner;
 }
 
-MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size, int ep_rank,
-                               int tp_size, int tp_rank)
-    : cfg_(cfg), leaf_samples_(leaf_samples), ws_(new StepWorkspace), blocks_(make_blocks(cfg)), ep_size_(ep_size),
-      ep_rank_(ep_rank), tp_size_(tp_size), tp_rank_(tp_rank) {
+std::vector<ParamInfo> MoeTransformer::layout(const ModelConfig& cfg, int ep_size, int ep_rank, int tp_size,
+                                              int tp_rank) {
   if (ep_size < 1 || cfg.experts % ep_size != 0)
     throw std::invalid_argument("engine: expert parallel size must divide the expert count");
   if (tp_size < 1 || cfg.n_heads % tp_size != 0 || cfg.d_ff % tp_size != 0)
     throw std::invalid_argument("engine: tensor parallel size must divide the heads and the hidden width");
   const int64_t local_experts = cfg.experts / ep_size;
+  std::vector<ParamInfo> infos;
   int64_t off = 0;
   for (auto& [name, shape] : shapes_for(cfg)) {
     ParamInfo p;
     p.name = name;
+    p.index = (int)infos.size();
     p.global_shape = shape;
     p.shape = shape;
     p.expert = name.find(".experts.") != std::string::npos;
@@ -109,6 +109,36 @@ MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_
     p.offset = off;
     p.decay = shape.size() > 1;
     off += p.size;
+    infos.push_back(p);
+  }
+  return infos;
+}
+
+int MoeTransformer::block_of(const ModelConfig& cfg, const std::string& param) {
+  if (param == "tok_emb" || param == "pos_emb") return 0;
+  if (param == "final_norm" || param == "lm_head") return 1 + 5 * cfg.n_layers;
+  const size_t dot = param.find('.', 7);  // "layers.L.<name>"
+  const int layer = std::stoi(param.substr(7, dot - 7));
+  const std::string name = param.substr(dot + 1);
+  const int attention = 1 + 5 * layer;  // then routing, dispatch, experts, combine
+  if (name == "attn_norm" || name == "wqkv" || name == "wo") return attention;
+  if (name == "moe_norm" || name == "router") return attention + 1;
+  if (name.rfind("experts.", 0) == 0) return attention + 3;
+  return attention + 4;  // shared.*: the combine block runs the shared expert
+}
+
+MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size, int ep_rank,
+                               int tp_size, int tp_rank, const std::vector<int>& held_blocks)
+    : cfg_(cfg), leaf_samples_(leaf_samples), blocks_(make_blocks(cfg)), ep_size_(ep_size), ep_rank_(ep_rank),
+      tp_size_(tp_size), tp_rank_(tp_rank) {
+  use_workspace(0);
+  int64_t off = 0;
+  for (ParamInfo& p : layout(cfg, ep_size, ep_rank, tp_size, tp_rank)) {
+    if (!held_blocks.empty() &&
+        std::find(held_blocks.begin(), held_blocks.end(), block_of(cfg, p.name)) == held_blocks.end())
+      continue;  // a pipeline stage holds only its blocks' tensors
+    p.offset = off;
+    off += p.size;
     infos_.push_back(p);
   }
   w_.resize(off);
@@ -125,9 +155,9 @@ MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_
 }
 
 MoeTransformer::MoeTransformer(const MoeTransformer& main, LaneTag)
-    : cfg_(main.cfg_), leaf_samples_(main.leaf_samples_), infos_(main.infos_), ws_(new StepWorkspace),
-      blocks_(make_blocks(main.cfg_)), ep_size_(main.ep_size_), ep_rank_(main.ep_rank_), tp_size_(main.tp_size_),
-      tp_rank_(main.tp_rank_) {
+    : cfg_(main.cfg_), leaf_samples_(main.leaf_samples_), infos_(main.infos_), blocks_(make_blocks(main.cfg_)),
+      ep_size_(main.ep_size_), ep_rank_(main.ep_rank_), tp_size_(main.tp_size_), tp_rank_(main.tp_rank_) {
+  use_workspace(0);
   g_.assign(main.w_.size(), 0.0f);
   wsrc_ = main.weights();
 }
@@ -136,7 +166,53 @@ std::unique_ptr<MoeTransformer> MoeTransformer::lane_of(const MoeTransformer& ma
   return std::unique_ptr<MoeTransformer>(new MoeTransformer(main, LaneTag{}));
 }
 
-MoeTransformer::~MoeTransformer() { delete ws_; }
+MoeTransformer::~MoeTransformer() = default;
+
+void MoeTransformer::use_workspace(int slot) {
+  while ((int)workspaces_.size() <= slot) workspaces_.push_back(std::make_unique<StepWorkspace>());
+  ws_ = workspaces_[(size_t)slot].get();
+}
+
+int64_t MoeTransformer::workspace_bytes() const {
+  int64_t n = 0;
+  for (const auto& ws : workspaces_) n += ws->allocated_bytes();
+  return n;
+}
+
+float MoeTransformer::ce_partial() const { return ws_->ce_partial; }
+
+const std::vector<float>& MoeTransformer::router_partial(int layer) const {
+  return ws_->layers.at((size_t)layer).router_partial;
+}
+
+const std::vector<int64_t>& MoeTransformer::expert_counts(int layer) const {
+  return ws_->layers.at((size_t)layer).global_counts;
+}
+
+void MoeTransformer::set_expert_counts(int layer, const std::vector<int64_t>& counts) {
+  ws_->layers.at((size_t)layer).global_counts = counts;
+}
+
+void MoeTransformer::begin_step() {
+  stats_.rounds = 0;
+  stats_.borrowed = stats_.dropped = stats_.expert_gemm_calls = stats_.all_to_all_calls = stats_.all_to_all_bytes = 0;
+  stats_.tokens_per_expert.assign((size_t)cfg_.n_layers * cfg_.experts, 0);
+}
+
+LayerBalance layer_balance(int experts, const float* router_sums, const int64_t* counts, float global_tokens,
+                           float global_assignments) {
+  float dot = 0.0f;  // reduces over the expert index e
+  for (int e = 0; e < experts; ++e) {
+    const float f = (float)counts[e] / global_assignments;
+    const float share = router_sums[e] / global_tokens;
+    dot = ls::fma(f, share, dot);
+  }
+  return {(float)experts * dot, router_sums[experts] / global_tokens};
+}
+
+float total_loss(const ModelConfig& c, const StepLosses& l) {
+  return l.ce + c.aux_loss_weight * l.aux + c.z_loss_weight * l.z;
+}
 
 const ParamInfo& MoeTransformer::param(const std::string& name) const {
   for (const ParamInfo& p : infos_)
@@ -282,8 +358,10 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   ctx.stream_leaves = ctx.sp ? ctx.leaves / tp_size_ : ctx.leaves;
   if (ctx.sp && (ctx.leaves % tp_size_ != 0))
     throw std::invalid_argument("engine: sequence parallel needs whole leaves per tensor-parallel rank");
-  ctx.global_tokens = (float)(ctx.tokens * dp);
-  ctx.global_assignments = (float)(ctx.tokens * c.top_k * dp);
+  ctx.microbatches = ws_->microbatches;
+  const int64_t mb = std::max(1, ctx.microbatches);  // a pipeline's microbatches: the step's tokens are mb times these
+  ctx.global_tokens = (float)(ctx.tokens * dp * mb);
+  ctx.global_assignments = (float)(ctx.tokens * c.top_k * dp * mb);
   ctx.mesh = mesh_;
   ctx.trace = training ? trace_ : nullptr;  // evaluation passes are not traced
   ctx.debug_reorder_moe_norm = debug_reorder_moe_norm_;
@@ -305,13 +383,12 @@ StepLosses MoeTransformer::forward_range(const uint8_t* tokens, int batch, bool 
                                          const StageIo& io) {
   check_range(first, last);
   ops::synchronize();  // a kernel backend: the last step's kernels are done before the host rewrites inputs
+  ws_->microbatches = io.microbatches;
   StepContext ctx = step_context(tokens, batch, training);
   StepWorkspace& ws = *ws_;
   const int64_t N = ctx.stream_tokens, D = cfg_.d_model;  // the stream's tokens held here
-  // This step's execution counts (the memory high-water marks persist).
-  stats_.rounds = 0;
-  stats_.borrowed = stats_.dropped = stats_.expert_gemm_calls = stats_.all_to_all_calls = stats_.all_to_all_bytes = 0;
-  stats_.tokens_per_expert.assign((size_t)cfg_.n_layers * cfg_.experts, 0);
+  // This step's execution counts (the memory high-water marks persist); a pipeline counts over its microbatches.
+  if (io.microbatches == 0) begin_step();
   ws.uniform_off.resize(ctx.leaves + 1);
   for (int64_t l = 0; l <= ctx.leaves; ++l) ws.uniform_off[l] = l * ctx.leaf_tokens;
   if (ws.batch != batch) {
@@ -322,11 +399,14 @@ StepLosses MoeTransformer::forward_range(const uint8_t* tokens, int batch, bool 
   ws.z_loss.assign(cfg_.n_layers, 0.0f);
   // The residual stream lives in the saved layer inputs: layer l reads x,
   // writes mid (after attention) and the next layer's x (h after the last).
-  ws.h.resize(N * D);
-  for (LayerActs& acts : ws.layers) {
-    acts.x.resize(N * D);
-    acts.mid.resize(N * D);
+  // Only the layers the range touches (a pipeline stage's), and the stream it hands on.
+  const int first_layer = std::max(0, (first - 1) / 5), end_layer = std::min(cfg_.n_layers, (last + 3) / 5);
+  for (int l = first_layer; l < end_layer; ++l) {
+    ws.layers[(size_t)l].x.resize(N * D);
+    ws.layers[(size_t)l].mid.resize(N * D);
   }
+  if (end_layer < cfg_.n_layers) ws.layers[(size_t)end_layer].x.resize(N * D);
+  if (last > 5 * cfg_.n_layers) ws.h.resize(N * D);
   if (first == 0 && ctx.trace)
     for (const ParamInfo& p : infos_) ctx.trace_tensor("params", -1, "param", p.name.c_str(), ctx.weights + p.offset, p.shape);
   if (first > 0) {
@@ -354,7 +434,7 @@ void MoeTransformer::backward_range(int first, int last, const float* grad_out, 
   if (first == 0 && ctx.trace)
     for (const ParamInfo& p : infos_) ctx.trace_tensor("grad", -1, "param", p.name.c_str(), g_.data() + p.offset, p.shape);
   ops::synchronize();  // the gradients are done: the trainer's collectives and optimizer may read them
-  stats_.workspace_bytes = ws_->allocated_bytes();
+  stats_.workspace_bytes = workspace_bytes();
   stats_.weight_bytes = (int64_t)(w_.capacity() + g_.capacity()) * (int64_t)sizeof(float);
   if (first > 0 && grad_in) ops::copy_to_host(grad_in, ws_->dh.data(), sizeof(float) * N * D);
 }

@@ -21,6 +21,7 @@ namespace ls {
 // One named parameter tensor inside the flat parameter array.
 struct ParamInfo {
   std::string name;
+  int index = 0;                      // in the canonical order of all the model's tensors (a pipeline stage holds some)
   std::vector<int64_t> shape;         // as held here (an expert-parallel rank holds a slice)
   std::vector<int64_t> global_shape;  // the whole tensor
   int64_t global_offset = 0;          // first element of the held slice inside the whole tensor
@@ -81,6 +82,19 @@ struct StepLosses {
   float total = 0;  // ce + aux_w * aux + z_w * z
 };
 
+// ce + aux_loss_weight * aux + z_loss_weight * z.
+float total_loss(const ModelConfig& cfg, const StepLosses& l);
+
+// A layer's load-balancing loss E * sum_e f_e P_e and z-loss mean(lse^2),
+// from the step's router sums (ops::router_stats: per expert the gate sum,
+// then the sum of lse^2) and its assignments per expert (f_e = counts[e] /
+// global_assignments, P_e = sums[e] / global_tokens). Reduces over the expert index e.
+struct LayerBalance {
+  float aux = 0, z = 0;
+};
+LayerBalance layer_balance(int experts, const float* router_sums, const int64_t* counts, float global_tokens,
+                           float global_assignments);
+
 // Routing statistics of the last forward pass.
 struct MoeStats {
   std::vector<int64_t> tokens_per_expert;  // layer-major: [layer * experts + e], this rank's tokens
@@ -126,6 +140,12 @@ struct StageIo {
   const float* stream_in = nullptr;  // [batch * seq_len, d_model]: the residual stream entering block `first` (first > 0)
   float* stream_out = nullptr;       // written: the stream entering block `last` (last < num_blocks)
   StepLosses carried;                // the loss sums of the blocks before `first`
+  // > 0: one of a pipeline's `microbatches` microbatches (the step's tokens
+  // are that many times these). The sums over tokens that span microbatches
+  // are then left as this microbatch's partials (MoeTransformer::
+  // ce_partial, router_partial, expert_counts) for the pipeline to combine,
+  // and no losses are computed. 0: the whole step, sums done inside it.
+  int microbatches = 0;
 };
 
 class Block;
@@ -139,8 +159,15 @@ class MoeTransformer {
   // ep_size/ep_rank: hold only experts [ep_rank * E/ep_size, ...) (expert parallel).
   // tp_size/tp_rank: hold only that slice of the heads and hidden features
   // (tensor parallel: ParamInfo::tp_*).
+  // held_blocks: a pipeline stage's blocks; only their parameters are held
+  // (empty: every block's).
   MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size = 1, int ep_rank = 0,
-                 int tp_size = 1, int tp_rank = 0);
+                 int tp_size = 1, int tp_rank = 0, const std::vector<int>& held_blocks = {});
+  // Every tensor of such a model, in canonical order, as that rank would hold it, offsets as if it held all.
+  static std::vector<ParamInfo> layout(const ModelConfig& cfg, int ep_size = 1, int ep_rank = 0, int tp_size = 1,
+                                       int tp_rank = 0);
+  // The block that reads parameter `param` (an index into block_names()).
+  static int block_of(const ModelConfig& cfg, const std::string& param);
   // A model that reads `main`'s weights (no copy, no init) and has gradients
   // and a workspace of its own: a data-parallel lane (runner/data_lanes.h).
   static std::unique_ptr<MoeTransformer> lane_of(const MoeTransformer& main);
@@ -173,6 +200,24 @@ class MoeTransformer {
   // are written. The losses: ce and total once the head has run.
   StepLosses forward_range(const uint8_t* tokens, int batch, bool training, int first, int last, const StageIo& io);
   void backward_range(int first, int last, const float* grad_out, float* grad_in);
+
+  // A pipeline keeps one workspace (activations and scratch) per microbatch
+  // in flight: the next forward_range / backward_range use workspace
+  // `slot` (made on first use; 0 at construction).
+  void use_workspace(int slot);
+  int64_t workspace_bytes() const;  // measured: the allocated bytes of every workspace
+  // The execution statistics start over (forward_range does this itself when not pipelined).
+  void begin_step();
+  // Pipelined (StageIo::microbatches > 0), after the current workspace's
+  // forward: its partial sums, subtrees of the contract's leaf tree over
+  // this microbatch's tokens. The cross-entropy sum (after the head); a
+  // layer's router sums ([E] gate sums, then the lse^2 sum) and its
+  // assignments per expert. Before that layer's backward, when the aux loss
+  // weighs in, the step's counts over every microbatch and rank go back.
+  float ce_partial() const;
+  const std::vector<float>& router_partial(int layer) const;
+  const std::vector<int64_t>& expert_counts(int layer) const;
+  void set_expert_counts(int layer, const std::vector<int64_t>& counts);
 
   const ModelConfig& config() const { return cfg_; }
   const std::vector<ParamInfo>& params() const { return infos_; }  // canonical order
@@ -213,7 +258,8 @@ class MoeTransformer {
   ops::DeviceVector<float> w_, g_;  // weights and gradients: where the backend's kernels read them
   const float* wsrc_ = nullptr;  // a lane reads its main model's weights; nullptr: its own
   MoeStats stats_;
-  StepWorkspace* ws_ = nullptr;
+  std::vector<std::unique_ptr<StepWorkspace>> workspaces_;
+  StepWorkspace* ws_ = nullptr;  // the one in use
   std::vector<std::unique_ptr<Block>> blocks_;
   TraceSink* trace_ = nullptr;
   MeshHooks* mesh_ = nullptr;

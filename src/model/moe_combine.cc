@@ -53,18 +53,18 @@ class MoeCombine : public LayerBlock {
     ops::synchronize();  // read by the host (and the mesh's sum)
     acts.global_counts.resize(E);
     for (int e = 0; e < E; ++e) acts.global_counts[e] = acts.expert_off[e + 1] - acts.expert_off[e];
+    if (ctx.microbatches > 0) {  // a pipeline combines the microbatches' sums and counts
+      acts.router_partial.assign(sums.data(), sums.data() + E + 1);
+      return;
+    }
     if (ctx.mesh) {
       ctx.mesh->sum_stream_partials(sums.data(), sums.size());
       ctx.mesh->sum_counts(acts.global_counts.data(), E);
     }
-    float dot = 0.0f;  // reduces over the expert index e
-    for (int e = 0; e < E; ++e) {
-      const float f = (float)acts.global_counts[e] / ctx.global_assignments;
-      const float share = sums[e] / ctx.global_tokens;
-      dot = ls::fma(f, share, dot);
-    }
-    ws.aux_loss[layer_] = (float)E * dot;
-    ws.z_loss[layer_] = sums[E] / ctx.global_tokens;
+    const LayerBalance balance =
+        layer_balance(E, sums.data(), acts.global_counts.data(), ctx.global_tokens, ctx.global_assignments);
+    ws.aux_loss[layer_] = balance.aux;
+    ws.z_loss[layer_] = balance.z;
     // The step's sums fold layer by layer, in layer order.
     losses.aux = losses.aux + ws.aux_loss[layer_];
     losses.z = losses.z + ws.z_loss[layer_];

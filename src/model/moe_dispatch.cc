@@ -92,7 +92,7 @@ class MoeDispatch : public LayerBlock {
     acts.expert_off.assign(E + 1, 0);
     for (int64_t i = 0; i < NK; ++i) ++acts.expert_off[acts.sel[i] + 1];
     for (int e = 0; e < E; ++e) {
-      ctx.stats.tokens_per_expert[(size_t)layer_ * E + e] = acts.expert_off[e + 1];
+      ctx.stats.tokens_per_expert[(size_t)layer_ * E + e] += acts.expert_off[e + 1];  // a pipeline's microbatches add up
       acts.expert_off[e + 1] += acts.expert_off[e];
     }
     acts.row_of.resize(NK);

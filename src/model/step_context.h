@@ -40,6 +40,8 @@ struct LayerActs {
   std::vector<int64_t> expert_off;          // [E+1] first row of each expert
   std::vector<int64_t> row_token;           // [N*K] token of each expert row
   std::vector<int64_t> global_counts;       // [E] assignments per expert over every data-parallel rank
+                                            // (pipelined: this microbatch's until the pipeline sets the step's)
+  std::vector<float> router_partial;        // pipelined: this microbatch's router sums ([E] gates, lse^2)
   // The round schedule: plans[d] is EP rank d's (every rank knows every
   // owner's, to place its rows); counts[src * E + e]: rows of EP rank src
   // for expert e. Without expert parallelism: one plan, counts = the loads.
@@ -56,6 +58,8 @@ struct LayerActs {
 // Everything a model keeps allocated between steps.
 struct StepWorkspace {
   int batch = -1;
+  int microbatches = 0;                 // StageIo::microbatches of the forward that filled it
+  float ce_partial = 0;                 // pipelined: the cross-entropy sum over these tokens
   std::vector<LayerActs> layers;
   std::vector<float> aux_loss, z_loss;  // per layer, this step's
   ops::DeviceVector<float> h;           // [N, D] the stream after the last layer: the head's input
@@ -109,7 +113,8 @@ struct StepContext {
   // stream_tokens) of the N; all N but with sequence parallel (a TP rank's share).
   bool sp = false;
   int64_t stream_first = 0, stream_tokens = 0, stream_leaves = 0;
-  float global_tokens = 0;       // N over every data-parallel rank
+  int microbatches = 0;          // > 0: one microbatch of a pipeline (StageIo::microbatches)
+  float global_tokens = 0;       // N over every data-parallel rank (and microbatch)
   float global_assignments = 0;  // N * K over every data-parallel rank
   MeshHooks* mesh = nullptr;     // nullptr: one rank
   TraceSink* trace = nullptr;    // nullptr: not traced (evaluation passes never are)

@@ -18,6 +18,7 @@
 #include "ops/device_memory.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
+#include "runner/pipeline.h"
 #include "trace/sink.h"
 
 namespace ls {
@@ -26,8 +27,8 @@ namespace {
 // A rank's view of the mesh for its model.
 class RankHooks : public MeshHooks {
  public:
-  // world: every rank, in data-parallel-major order; with sequence parallel
-  // the stream's token sums span it.
+  // stage: every rank of this pipeline stage, in data-parallel-major order;
+  // with sequence parallel the stream's token sums span it.
   RankHooks(Communicator& world, Communicator& data, Communicator& ep_group, Communicator& tp_group, bool sp)
       : world_(world), data_(data), ep_(ep_group), tp_(tp_group), sp_(sp) {}
   int dp_size() const override { return data_.size(); }
@@ -66,8 +67,9 @@ struct Shard {
 }  // namespace
 
 struct ClusterTrainer::Rank {
-  int index = 0;                    // in the world: data_index * mesh.tp + tp_index
-  int data_index = 0, tp_index = 0;
+  int index = 0;                    // in the world: (pp_index * mesh.dp + data_index) * mesh.tp + tp_index
+  int data_index = 0, tp_index = 0, pp_index = 0;
+  std::unique_ptr<PipelineStage> stage;  // pipelined (mesh.pp > 1 or train.microbatches > 1): its blocks and schedule
   std::unique_ptr<MoeTransformer> model;
   ops::DeviceVector<float> m, v;    // AdamW moments for what this rank updates (shards with fsdp)
   ops::DeviceVector<float> shard_w;  // fsdp: the authoritative parameter shards, concatenated
@@ -100,7 +102,7 @@ void assemble_tp_parts(const ParamInfo& p, const float* parts, int tp, float* wh
 ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), mpi_(mpi) {
   const MeshConfig& m = s.mesh;
   if (mpi && mpi->size() != m.world())
-    throw std::logic_error("ClusterTrainer: the MPI world is not mesh.dp x mesh.tp (run_scenario checks)");
+    throw std::logic_error("ClusterTrainer: the MPI world is not mesh.dp x mesh.tp x mesh.pp (run_scenario checks)");
   if (m.fsdp && m.replicate > 1) {
     const int shard = m.dp / m.replicate;
     if (shard & (shard - 1))
@@ -108,6 +110,7 @@ ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), mp
                       " ranks must be a power of two to keep the reduction tree");
   }
   decay_steps_ = s.optim.decay_steps > 0 ? s.optim.decay_steps : s.steps;
+  all_tensors_ = MoeTransformer::layout(s.model, m.ep, 0, m.tp, 0);
   const int ep = m.ep;
   const int group = m.fsdp ? m.dp / m.replicate : 1;
   for (int r = 0; r < m.world(); ++r) {
@@ -117,10 +120,17 @@ ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), mp
     }
     auto rank = std::make_unique<Rank>();
     rank->index = r;
-    rank->data_index = r / m.tp;
+    rank->pp_index = r / (m.dp * m.tp);
+    rank->data_index = r % (m.dp * m.tp) / m.tp;
     rank->tp_index = r % m.tp;
+    std::vector<int> blocks;  // empty: every block
+    if (pipelined()) {
+      rank->stage = std::make_unique<PipelineStage>(s.model, parse_pipeline_schedule(m.pp_schedule), m.pp, m.pp_virtual,
+                                                    s.microbatches, rank->pp_index);
+      blocks = rank->stage->held_blocks();
+    }
     rank->model = std::make_unique<MoeTransformer>(s.model, s.leaf_samples, s.seed, ep, rank->data_index % ep, m.tp,
-                                                   rank->tp_index);
+                                                   rank->tp_index, blocks);
     const auto& infos = rank->model->params();
     const int pos = rank->data_index % group;
     int64_t off = 0;
@@ -167,16 +177,21 @@ void ClusterTrainer::set_debug_reorder_moe_norm(bool on) {
 }
 
 std::vector<std::unique_ptr<Communicator>> ClusterTrainer::split_groups(Communicator& world) const {
-  const int ep = s_.mesh.ep, tp = s_.mesh.tp, shard_size = s_.mesh.fsdp ? s_.mesh.dp / s_.mesh.replicate : 1;
-  const int me = world.rank(), data_rank = me / tp, tp_rank = me % tp;
-  // Every data-parallel group below holds ranks of one tensor-parallel index, in data-parallel order.
+  const int ep = s_.mesh.ep, tp = s_.mesh.tp, dp = s_.mesh.dp;
+  const int shard_size = s_.mesh.fsdp ? dp / s_.mesh.replicate : 1;
+  const int me = world.rank(), stage = me / (dp * tp), data_rank = me % (dp * tp) / tp, tp_rank = me % tp;
+  // Every group but the pipeline lies inside one stage; every data-parallel
+  // group below holds ranks of one tensor-parallel index, in data-parallel order.
+  const int slice = stage * tp + tp_rank;  // (stage, tensor-parallel index)
   std::vector<std::unique_ptr<Communicator>> groups;
-  groups.push_back(world.split(tp_rank, me));                                      // data
-  groups.push_back(world.split(data_rank, me));                                    // tp
-  groups.push_back(world.split(tp_rank * s_.mesh.dp + data_rank / ep, me));        // ep
-  groups.push_back(world.split(tp_rank * s_.mesh.dp + data_rank % ep, me));        // edp
-  groups.push_back(world.split(tp_rank * s_.mesh.dp + data_rank / shard_size, me));  // shard
-  groups.push_back(world.split(tp_rank * s_.mesh.dp + data_rank % shard_size, me));  // replica
+  groups.push_back(world.split(slice, me));                                        // data
+  groups.push_back(world.split(stage * dp + data_rank, me));                       // tp
+  groups.push_back(world.split(slice * dp + data_rank / ep, me));                  // ep
+  groups.push_back(world.split(slice * dp + data_rank % ep, me));                  // edp
+  groups.push_back(world.split(slice * dp + data_rank / shard_size, me));          // shard
+  groups.push_back(world.split(slice * dp + data_rank % shard_size, me));          // replica
+  groups.push_back(world.split(data_rank * tp + tp_rank, me));                     // pipe
+  groups.push_back(world.split(stage, me));                                        // stage
   return groups;
 }
 
@@ -196,9 +211,9 @@ void ClusterTrainer::run_rank(Communicator& world, const std::vector<std::unique
   };
   std::map<std::string, uint64_t> before_bytes, before_calls, after_bytes, after_calls;
   const double before_seconds = totals(before_bytes, before_calls);
-  RankHooks hooks(world, *groups[0], *groups[2], *groups[1], s_.mesh.sp);
+  RankHooks hooks(*groups[7], *groups[0], *groups[2], *groups[1], s_.mesh.sp);
   rank.model->set_mesh(&hooks);
-  RankCtx ctx{rank, *groups[0], *groups[1], *groups[2], *groups[3], *groups[4], *groups[5]};
+  RankCtx ctx{rank, *groups[0], *groups[1], *groups[2], *groups[3], *groups[4], *groups[5], *groups[6], *groups[7], hooks};
   body(ctx);
   rank.model->set_mesh(nullptr);
   rank.comm.seconds += totals(after_bytes, after_calls) - before_seconds;
@@ -266,7 +281,12 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
       if (fsdp_sharded(infos[t], s_.mesh))
         gather_shards(c.shard, infos[t].size, rank.shard_w.data() + rank.shard_off[t], model.weights() + infos[t].offset);
     if (phase_hook_) model.set_phase_hook([&](const char* phase) { phase_hook_(phase, rank.index); });
-    const StepLosses l = model.forward_backward(tokens + (int64_t)rank.data_index * local * sample_bytes, local);
+    const uint8_t* mine = tokens + (int64_t)rank.data_index * local * sample_bytes;
+    const StepLosses l = rank.stage ? rank.stage->train(model, c.hooks, c.pipe, mine, local,
+                                                        [&](const char* phase) {
+                                                          if (phase_hook_) phase_hook_(phase, rank.index);
+                                                        })
+                                    : model.forward_backward(mine, local);
     model.set_phase_hook(nullptr);
     if (phase_hook_) phase_hook_("optimizer", rank.index);
     // Gradients: each rank's partials are subtrees; combine by the canonical
@@ -294,7 +314,7 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
     // Global norm, as AdamW::global_norm: per tensor the fma fold in blocks of
     // kParamBlock of the whole tensor, blocks by the canonical tree; tensors
     // added in canonical name order.
-    float total = 0.0f;
+    std::vector<float> sumsqs(all_tensors_.size(), 0.0f);  // by canonical index
     for (size_t t = 0; t < infos.size(); ++t) {
       const ParamInfo& p = infos[t];
       const float* gp = g + p.offset;
@@ -336,8 +356,12 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
       } else {
         sumsq = ops::param_sumsq(gp, p.size);
       }
-      total = total + sumsq;
+      sumsqs[(size_t)p.index] = sumsq;
     }
+    // Pipelined, each stage has its tensors' sums (the others +0): exact over the pipe.
+    if (c.pipe.size() > 1) c.pipe.all_reduce_sum(sumsqs.data(), sumsqs.size());
+    float total = 0.0f;
+    for (float sumsq : sumsqs) total = total + sumsq;
     const float norm = ls::sqrt(total);
     // Clip and update what this rank owns (its shards; all of it without FSDP).
     const float scale = s_.optim.grad_clip > 0 && norm > s_.optim.grad_clip ? s_.optim.grad_clip / norm : 1.0f;
@@ -378,8 +402,9 @@ float ClusterTrainer::eval_loss(const uint8_t* tokens, int batch) {
       if (fsdp_sharded(infos[t], s_.mesh))
         gather_shards(c.shard, infos[t].size, c.rank.shard_w.data() + c.rank.shard_off[t],
                       model.weights() + infos[t].offset);
-    const StepLosses l = model.forward(tokens + (int64_t)c.rank.data_index * local * sample_bytes, local);
-    if (c.rank.index == 0) loss = l.ce;
+    const uint8_t* mine = tokens + (int64_t)c.rank.data_index * local * sample_bytes;
+    const float ce = c.rank.stage ? c.rank.stage->evaluate(model, c.hooks, c.pipe, mine, local) : model.forward(mine, local).ce;
+    if (c.rank.index == 0) loss = ce;
   });
   if (mpi_) mpi_->broadcast(&loss, sizeof loss, 0);
   return loss;
@@ -389,30 +414,27 @@ float ClusterTrainer::eval_loss(const uint8_t* tokens, int batch) {
 // would, and hashes them canonically (contract rule 6).
 std::string ClusterTrainer::state_hash() const {
   const MeshConfig& m = s_.mesh;
-  const Rank* any = nullptr;
-  for (const auto& r : ranks_)
-    if (r && !any) any = r.get();
-  const auto& infos = any->model->params();
-  std::vector<std::vector<float>> param(infos.size()), mom1(infos.size()), mom2(infos.size());
-  for (size_t t = 0; t < infos.size(); ++t) {
+  const std::vector<ParamInfo>& all = all_tensors_;
+  std::vector<std::vector<float>> param(all.size()), mom1(all.size()), mom2(all.size());
+  for (size_t t = 0; t < all.size(); ++t) {
     int64_t global = 1;
-    for (int64_t d : infos[t].global_shape) global *= d;
+    for (int64_t d : all[t].global_shape) global *= d;
     param[t].assign(global, 0.0f);
     mom1[t].assign(global, 0.0f);
     mom2[t].assign(global, 0.0f);
   }
-  // Which ranks hold which part: EP slices from group 0's ranks; FSDP
-  // shards from shard group 0's ranks; else data-parallel rank 0. Of a
-  // tensor-parallel split tensor each TP rank holds a part; of the others
-  // TP rank 0 holds the copy.
+  // Which ranks hold which part (of the tensors their pipeline stage
+  // holds): EP slices from group 0's ranks; FSDP shards from shard group
+  // 0's ranks; else data-parallel rank 0. Of a tensor-parallel split tensor
+  // each TP rank holds a part; of the others TP rank 0 holds the copy.
   auto holds = [&](int r, const ParamInfo& p) {
-    const int d = r / m.tp;
+    const int d = r % (m.dp * m.tp) / m.tp;
     if (r % m.tp != 0 && p.tp_mid == 0) return false;
     const bool expert_slice = p.expert && m.ep > 1;
     return !(expert_slice ? d >= m.ep : fsdp_sharded(p, m) ? d >= m.dp / m.replicate : d > 0);
   };
-  // A holder's part of tensor t: (first global element, elements, the first
-  // middle index of a TP part or -1) and its weights, m, v.
+  // A holder's part of tensor t (canonical index): (first global element,
+  // elements, the first middle index of a TP part or -1) and its weights, m, v.
   // A TP part's elements held_first .. held_first + n - 1 of the held tensor
   // (an FSDP shard of it), at start = the tensor's first global element.
   struct Part {
@@ -424,7 +446,7 @@ std::string ClusterTrainer::state_hash() const {
     const auto [lo, hi] = range(rk, t);
     const float* w = fsdp_sharded(q, m) ? rk.shard_w.data() + rk.shard_off[t] : rk.model->weights() + q.offset + lo;
     const bool split = q.tp_mid > 0;
-    return Part{(int64_t)t, q.global_offset + (split ? 0 : lo), hi - lo, split ? q.tp_first : -1, split ? lo : 0, w,
+    return Part{(int64_t)q.index, q.global_offset + (split ? 0 : lo), hi - lo, split ? q.tp_first : -1, split ? lo : 0, w,
                 rk.m.data() + rk.shard_off[t], rk.v.data() + rk.shard_off[t]};
   };
   auto place = [&](const Part& p) {
@@ -434,7 +456,7 @@ std::string ClusterTrainer::state_hash() const {
       std::copy(p.m2, p.m2 + p.n, mom2[p.t].begin() + p.start);
       return;
     }
-    ParamInfo q = infos[p.t];  // the part's view of the tensor
+    ParamInfo q = all[p.t];  // the part's view of the tensor
     q.global_offset = p.start;
     q.tp_first = p.tp_first;
     for (int64_t i = 0; i < p.n; ++i) {
@@ -445,15 +467,18 @@ std::string ClusterTrainer::state_hash() const {
     }
   };
   if (!mpi_) {
-    for (size_t t = 0; t < infos.size(); ++t)
-      for (int r = 0; r < m.world(); ++r)
+    for (int r = 0; r < m.world(); ++r) {
+      const auto& infos = ranks_[r]->model->params();
+      for (size_t t = 0; t < infos.size(); ++t)
         if (holds(r, infos[t])) place(part_of(*ranks_[r], t));
+    }
   } else {
     // Every process sends its parts to every other (an all-gather of
     // headers, then of the data): each then hashes the same global state.
     const int me = mpi_->rank(), R = mpi_->size();
     std::vector<int64_t> head;
     std::vector<float> data;
+    const auto& infos = ranks_[me]->model->params();
     for (size_t t = 0; t < infos.size(); ++t)
       if (holds(me, infos[t])) {
         const Part p = part_of(*ranks_[me], t);
@@ -471,22 +496,23 @@ std::string ClusterTrainer::state_hash() const {
       dtotal += sizes[2 * r + 1];
     }
     std::vector<int64_t> heads(htotal);
-    std::vector<float> all(dtotal);
+    std::vector<float> gathered(dtotal);
     mpi_->all_gather(head.data(), heads.data(), hb);
-    mpi_->all_gather(data.data(), all.data(), db);
+    mpi_->all_gather(data.data(), gathered.data(), db);
     size_t at = 0;
     for (size_t h = 0; h + 4 < heads.size(); h += 5) {
       const int64_t n = heads[h + 2];
-      place(Part{heads[h], heads[h + 1], n, heads[h + 3], heads[h + 4], &all[at], &all[at + n], &all[at + 2 * n]});
+      place(Part{heads[h], heads[h + 1], n, heads[h + 3], heads[h + 4], &gathered[at], &gathered[at + n],
+                 &gathered[at + 2 * n]});
       at += 3 * n;
     }
   }
   StateHasher hs;
   for (int kind = 0; kind < 3; ++kind)
-    for (size_t t = 0; t < infos.size(); ++t) {
+    for (size_t t = 0; t < all.size(); ++t) {
       const char* prefix = kind == 0 ? "adam_m/" : kind == 1 ? "adam_v/" : "param/";
       const auto& data = kind == 0 ? mom1[t] : kind == 1 ? mom2[t] : param[t];
-      hs.add(prefix + infos[t].name, infos[t].global_shape, data.data());
+      hs.add(prefix + all[t].name, all[t].global_shape, data.data());
     }
   return hs.hex();
 }
@@ -502,7 +528,7 @@ float* ClusterTrainer::storage(Rank& r, size_t t, const std::string& kind) const
 bool ClusterTrainer::stages(int rank, size_t t) const {
   const ParamInfo& p = ranks_[rank]->model->params()[t];
   const MeshConfig& m = s_.mesh;
-  const int d = rank / m.tp;
+  const int d = rank % (m.dp * m.tp) / m.tp;  // in its stage (each stage writes the tensors it holds)
   if (p.tp_mid == 0 && rank % m.tp != 0) return false;  // TP rank 0 writes what its group holds alike
   if (p.expert && m.ep > 1) return d < m.ep;             // EP group 0 holds one copy of each slice
   if (fsdp_sharded(p, m)) return d < m.dp / m.replicate;  // replica 0's shards
@@ -613,15 +639,21 @@ std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
 
 MeshReport ClusterTrainer::mesh_report() const {
   MeshReport rep;
+  if (pipelined()) rep.pipeline.resize((size_t)s_.mesh.pp);
+  const int per_stage = s_.mesh.dp * s_.mesh.tp;
   if (mpi_) {  // every process's figures: a fixed record each, all-gathered
     const Rank& me = *ranks_[mpi_->rank()];
     const MoeStats& st = me.model->moe_stats();
     static const char* kKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send"};
+    constexpr size_t kFirstKind = 12, kKindCount = sizeof kKinds / sizeof *kKinds, kComm = kFirstKind + kKindCount;
     std::vector<int64_t> rec = {st.rounds, st.borrowed, st.dropped, st.expert_gemm_calls, st.all_to_all_calls,
                                 st.all_to_all_bytes, st.peak_expert_bytes, st.peak_dispatch_bytes,
                                 st.peak_routed_bytes, st.peak_grad_state_bytes, st.workspace_bytes, st.weight_bytes};
     for (const char* k : kKinds) rec.push_back(me.comm.bytes_sent.count(k) ? (int64_t)me.comm.bytes_sent.at(k) : -1);
     rec.push_back((int64_t)(me.comm.seconds * 1e9));  // nanoseconds in collectives
+    const PipelineStats ps = me.stage ? me.stage->stats() : PipelineStats{};
+    rec.insert(rec.end(), {(int64_t)(ps.busy_seconds * 1e9), (int64_t)(ps.step_seconds * 1e9), ps.peak_in_flight,
+                           ps.bytes_sent, ps.held ? 1 : 0});
     const int R = mpi_->size();
     std::vector<int64_t> all(rec.size() * R);
     mpi_->all_gather(rec.data(), all.data(), std::vector<size_t>(R, rec.size() * sizeof(int64_t)));
@@ -641,9 +673,13 @@ MeshReport ClusterTrainer::mesh_report() const {
       s.workspace_bytes = x[10];
       s.weight_bytes = x[11];
       rep.add(s, /*count_rows=*/r % s_.mesh.tp == 0);
-      for (size_t k = 0; k < sizeof kKinds / sizeof *kKinds; ++k)
-        if (x[12 + k] >= 0) rep.bytes_sent_max[kKinds[k]] = std::max<uint64_t>(rep.bytes_sent_max[kKinds[k]], x[12 + k]);
-      rep.comm_seconds_max = std::max(rep.comm_seconds_max, (double)x[rec.size() - 1] * 1e-9);
+      for (size_t k = 0; k < kKindCount; ++k)
+        if (x[kFirstKind + k] >= 0)
+          rep.bytes_sent_max[kKinds[k]] = std::max<uint64_t>(rep.bytes_sent_max[kKinds[k]], x[kFirstKind + k]);
+      rep.comm_seconds_max = std::max(rep.comm_seconds_max, (double)x[kComm] * 1e-9);
+      if (!rep.pipeline.empty())
+        rep.pipeline[(size_t)(r / per_stage)].add(x[kComm + 1] * 1e-9, x[kComm + 2] * 1e-9, (int)x[kComm + 3], x[10],
+                                                  x[kComm + 4], x[kComm + 5] != 0);
     }
     return rep;
   }
@@ -651,6 +687,11 @@ MeshReport ClusterTrainer::mesh_report() const {
     rep.add(r->model->moe_stats(), /*count_rows=*/r->tp_index == 0);
     for (auto& [k, b] : r->comm.bytes_sent) rep.bytes_sent_max[k] = std::max(rep.bytes_sent_max[k], b);
     rep.comm_seconds_max = std::max(rep.comm_seconds_max, r->comm.seconds);
+    if (r->stage) {
+      const PipelineStats& ps = r->stage->stats();
+      rep.pipeline[(size_t)r->pp_index].add(ps.busy_seconds, ps.step_seconds, ps.peak_in_flight,
+                                            r->model->moe_stats().workspace_bytes, ps.bytes_sent, ps.held);
+    }
   }
   return rep;
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cluster/communicator.h"
+#include "model/model.h"
 #include "runner/runner.h"
 
 namespace ls {
@@ -18,9 +19,9 @@ namespace ls {
 class ClusterTrainer : public Trainer {
  public:
   // mpi: this process is rank mpi->rank() of an MPI world of mesh.dp x
-  // mesh.tp processes and holds that rank alone; nullptr: every rank is a
-  // thread here. World rank r is data-parallel rank r / mesh.tp and
-  // tensor-parallel rank r % mesh.tp.
+  // mesh.tp x mesh.pp processes and holds that rank alone; nullptr: every
+  // rank is a thread here. World rank r = s * (dp * tp) + d * tp + t:
+  // pipeline stage s, data-parallel rank d, tensor-parallel rank t.
   explicit ClusterTrainer(const Scenario& s, Communicator* mpi = nullptr);
   ~ClusterTrainer() override;
 
@@ -53,9 +54,12 @@ class ClusterTrainer : public Trainer {
     Communicator& edp;      // ranks holding the same experts, one per EP group
     Communicator& shard;    // FSDP shard group
     Communicator& replica;  // HSDP replicas of my shard
+    Communicator& pipe;     // the pipeline: the ranks of my data and tensor-parallel index, by stage (size mesh.pp)
+    Communicator& stage;    // every rank of my pipeline stage (size mesh.dp x mesh.tp)
+    MeshHooks& hooks;       // the model's view of these groups
   };
   void each_rank(const std::function<void(RankCtx&)>& body);
-  // world's sub-groups, in RankCtx's order: data, tp, ep, edp, shard, replica.
+  // world's sub-groups, in RankCtx's order: data, tp, ep, edp, shard, replica, pipe, stage.
   std::vector<std::unique_ptr<Communicator>> split_groups(Communicator& world) const;
   // body on world.rank()'s rank; its communicators' traffic during the call
   // is added to the rank's.
@@ -65,9 +69,11 @@ class ClusterTrainer : public Trainer {
   // Where rank r keeps kind ("param", "adam_m", "adam_v") of tensor t's owned range.
   float* storage(Rank& r, size_t tensor, const std::string& kind) const;
   bool stages(int rank, size_t tensor) const;  // the one rank that writes this range to a checkpoint
+  bool pipelined() const { return s_.mesh.pp > 1 || s_.microbatches > 1; }
 
   Scenario s_;
   int decay_steps_ = 0;
+  std::vector<ParamInfo> all_tensors_;  // every tensor of the model, canonical order, as TP and EP rank 0 hold it
   int threads_ = 0;
   uint64_t jitter_seed_ = 0;
   std::vector<std::unique_ptr<Rank>> ranks_;  // under MPI only this process's rank is non-null

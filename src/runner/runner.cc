@@ -1,4 +1,5 @@
 #include "runner/memory_plan.h"
+#include "runner/pipeline.h"
 #include "runner/runner.h"
 
 #include <omp.h>
@@ -288,7 +289,14 @@ RunOptions::Bump parse_bump(const std::string& text) {
   return b;
 }
 
-bool is_multi_rank(const Scenario& s) { return s.mesh.world() > 1 || s.mesh.ep > 1 || s.mesh.fsdp; }
+nlohmann::json mesh_json(const MeshConfig& m, int microbatches) {
+  return {{"dp", m.dp}, {"ep", m.ep}, {"fsdp", m.fsdp}, {"replicate", m.replicate}, {"tp", m.tp}, {"sp", m.sp},
+          {"pp", m.pp}, {"pp_schedule", m.pp_schedule}, {"pp_virtual", m.pp_virtual}, {"microbatches", microbatches}};
+}
+
+bool is_multi_rank(const Scenario& s) {
+  return s.mesh.world() > 1 || s.mesh.ep > 1 || s.mesh.fsdp || s.microbatches > 1;
+}
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
   // cuda-emulated and cuda train the engine's model; run_scenario installs the kernels for the run.
@@ -371,9 +379,8 @@ void TrainingRun::make_trainer() {
   const RunOptions& opt = opt_;
   if (opt.mpi) {  // one rank per process
     if (opt.mpi->size() != s.mesh.world())
-      throw UserError("mpirun started " + std::to_string(opt.mpi->size()) + " processes but mesh.dp x mesh.tp = " +
-                      std::to_string(s.mesh.dp) + " x " + std::to_string(s.mesh.tp) + " = " +
-                      std::to_string(s.mesh.world()) + ": one process per rank (mpirun -np " +
+      throw UserError("mpirun started " + std::to_string(opt.mpi->size()) + " processes but " +
+                      s.mesh.world_formula() + ": one process per rank (mpirun -np " +
                       std::to_string(s.mesh.world()) + ")");
     if (opt.backend != Backend::kEngine) throw UserError("--backend: under mpirun only the engine runs");
     if (opt.mpi->size() > 1) {
@@ -558,6 +565,9 @@ void TrainingRun::finish_already_complete(const Manifest& m, const std::string& 
   r_.resumed_from = r_.steps;
   r_.final_state_hash = m.state_hash;
   r_.mesh = s_.mesh;
+  r_.microbatches = s_.microbatches;
+  r_.pipeline_bubble_formula = pipeline_bubble_formula(parse_pipeline_schedule(s_.mesh.pp_schedule), s_.mesh.pp,
+                                                       s_.mesh.pp_virtual, s_.microbatches);
   r_.restore = {{"step", m.step}, {"url", url}, {"mode", "none"}, {"store_bytes_read", 0},
                 {"checkpoint_bytes", 0}, {"seconds", 0.0}, {"saved_mesh", m.mesh}, {"fallbacks", fallbacks}};
   if (opt_.progress)
@@ -575,9 +585,7 @@ void TrainingRun::open_writer() {
   if (injector_) to = injector_->wrap(to);
   writer_ = std::make_unique<CheckpointWriter>(
       s_.ckpt, to, s_.resolved, r_.fingerprint,
-      nlohmann::json{{"dp", s_.mesh.dp}, {"ep", s_.mesh.ep}, {"fsdp", s_.mesh.fsdp}, {"replicate", s_.mesh.replicate},
-                     {"tp", s_.mesh.tp}, {"sp", s_.mesh.sp}},
-      procs_);
+      mesh_json(s_.mesh, s_.microbatches), procs_);
   if (injector_) writer_->set_commit_hook([this](int64_t step) { injector_->after_commit(step); });
   // Nothing is committed or deleted by a job that no longer holds the
   // prefix, or whose supervisor is gone (its lifeline ends it an instant later).
@@ -674,6 +682,7 @@ void TrainingRun::record_step(int step, float loss, double step_seconds) {
   r_.peak_routed_bytes = std::max(r_.peak_routed_bytes, mr.peak_routed_bytes);
   r_.peak_grad_state_bytes = std::max(r_.peak_grad_state_bytes, mr.peak_grad_state_bytes);
   r_.workspace_bytes = std::max(r_.workspace_bytes, mr.workspace_bytes);
+  r_.pipeline = mr.pipeline;
   r_.weight_bytes = std::max(r_.weight_bytes, mr.weight_bytes);
   if (done == r_.steps) {
     train_bytes_ = mr.bytes_sent_max;
@@ -728,6 +737,9 @@ void TrainingRun::finish() {
       steady_seconds_ > 0 ? (double)(ran - 2) * B_ * T_ / steady_seconds_ : r_.tokens_per_second;
   r_.last_tokens_per_expert = trainer_->tokens_per_expert();
   r_.mesh = s_.mesh;
+  r_.microbatches = s_.microbatches;
+  r_.pipeline_bubble_formula = pipeline_bubble_formula(parse_pipeline_schedule(s_.mesh.pp_schedule), s_.mesh.pp,
+                                                       s_.mesh.pp_virtual, s_.microbatches);
   // Collective bytes of the training steps (taken before evaluation adds its own).
   for (auto& [k, b] : train_bytes_) r_.bytes_sent_per_step[k] = ran > 0 ? (double)b / ran : 0;
   r_.comm_seconds_per_step = ran > 0 ? train_comm_seconds_ / ran : 0;
@@ -788,8 +800,21 @@ nlohmann::json result_json(const RunResult& r) {
   nlohmann::json hashes = nlohmann::json::object();
   for (auto& [step, h] : r.state_hashes) hashes[std::to_string(step)] = h;
   j["state_hashes"] = hashes;
-  j["mesh"] = {{"dp", r.mesh.dp}, {"ep", r.mesh.ep}, {"fsdp", r.mesh.fsdp}, {"replicate", r.mesh.replicate},
-               {"tp", r.mesh.tp}, {"sp", r.mesh.sp}};
+  j["mesh"] = mesh_json(r.mesh, r.microbatches);
+  if (!r.pipeline.empty()) {
+    // Measured per stage over the last step; the bubble is the share of the
+    // step its slowest rank spent outside forward and backward passes.
+    nlohmann::json stages = nlohmann::json::array();
+    for (const MeshReport::Stage& st : r.pipeline)
+      stages.push_back({{"busy_seconds", st.busy_seconds},
+                        {"step_seconds", st.step_seconds},
+                        {"bubble", st.step_seconds > 0 ? 1.0 - st.busy_seconds / st.step_seconds : 0.0},
+                        {"peak_microbatches_in_flight", st.peak_in_flight},
+                        {"workspace_bytes", st.workspace_bytes},
+                        {"bytes_sent", st.bytes_sent},
+                        {"held_for_expert_counts", st.held}});
+    j["pipeline"] = {{"stages", stages}, {"bubble_formula", r.pipeline_bubble_formula}};
+  }
   j["moe"] = {{"rounds", r.moe_rounds},
               {"borrowed", r.moe_borrowed},
               {"dropped", r.moe_dropped},

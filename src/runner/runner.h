@@ -104,6 +104,11 @@ struct RunResult {
   double train_flops_per_token = 0;
   std::vector<int64_t> last_tokens_per_expert;
   MeshConfig mesh;
+  int microbatches = 1;                       // train.microbatches
+  // Pipelined: per stage, what the last step measured (MeshReport::Stage), and
+  // the bubble the schedule's formula predicts.
+  std::vector<MeshReport::Stage> pipeline;
+  double pipeline_bubble_formula = 0;
   std::vector<int> moe_rounds;               // per step
   std::vector<int64_t> moe_borrowed, moe_dropped;  // per step
   std::vector<int64_t> moe_gemm_calls, moe_all_to_all_calls, moe_all_to_all_bytes;  // per step, all ranks
@@ -133,6 +138,9 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt);
 
 // Parses --debug-bump "PARAM[INDEX]@STEP"; throws UserError.
 RunOptions::Bump parse_bump(const std::string& text);
+
+// The mesh as the summary and a checkpoint's manifest record it (train.microbatches beside mesh.*).
+nlohmann::json mesh_json(const MeshConfig& mesh, int microbatches);
 
 // The --json summary object.
 nlohmann::json result_json(const RunResult& r);

@@ -275,9 +275,10 @@ std::string check_faults(const Scenario& s) {
         return at + "step: must be > ckpt.every = " + show(s.ckpt.every) +
                " so that a checkpoint exists to corrupt, got " + show(f.step);
     }
-    // Each rank (mesh.dp x mesh.tp of them) uploads one shard object per checkpoint, the manifest aside.
-    const int ranks = dp * s.mesh.tp;
-    const std::string ranks_from = s.mesh.tp > 1 ? dp_from + " x mesh.tp = " + show(s.mesh.tp) : dp_from;
+    // Each rank (mesh.dp x mesh.tp x mesh.pp of them) uploads one shard object per checkpoint, the manifest aside.
+    const int ranks = dp * s.mesh.tp * s.mesh.pp;
+    const std::string ranks_from = dp_from + (s.mesh.tp > 1 ? " x mesh.tp = " + show(s.mesh.tp) : std::string()) +
+                                   (s.mesh.pp > 1 ? " x mesh.pp = " + show(s.mesh.pp) : std::string());
     if (f.after_objects >= ranks)
       return at + "after_objects: a checkpoint uploads " + show(ranks) + " shard object" + (ranks == 1 ? "" : "s") +
              " (one per rank of " + ranks_from + "), so after_objects must be < " + show(ranks) + ", got " +
@@ -309,7 +310,7 @@ Row faults_row() {
   r.info.type = "array";
   r.info.doc = "Faults to inject, each an object {\"kind\", \"step\", options} as in docs/FAULTS.md; "
                "not part of the fingerprint.";
-  r.info.constraint = "step <= train.steps; rank < mesh.dp x mesh.tp; shrink/grow dp a valid mesh.dp; "
+  r.info.constraint = "step <= train.steps; rank < mesh.dp x mesh.tp x mesh.pp; shrink/grow dp a valid mesh.dp; "
                       "checkpoint faults need ckpt.url and ckpt.every";
   r.decode = [](Scenario& s, const json& v) -> std::string {
     if (!v.is_array()) return "expected an array of fault objects, got " + describe(v);
@@ -395,6 +396,37 @@ std::vector<Row> make_rows() {
                            ? std::string()
                            : "must be a multiple of numerics.leaf_samples = " +
                                  show(s.leaf_samples) + ", got " + show(v);
+              }}}),
+      field("train.microbatches", [](S& s) -> int& { return s.microbatches; },
+            "Microbatches a rank's samples (train.batch / mesh.dp) run as, one after another through the pipeline "
+            "stages (mesh.pp); each must be a power-of-two number of whole leaves, so that its sums are nodes of the "
+            "contract's tree and the bits do not depend on the count.",
+            {in_range(1, 4096),
+             {"cuts each rank's samples into power-of-two numbers of whole leaves", [](const S& s, int v) {
+                if (v == 1) return std::string();
+                const int per = s.batch / std::max(1, s.mesh.dp);
+                if (per % v != 0)
+                  return "must divide the samples per rank, train.batch / mesh.dp = " + show(per) + ", got " + show(v);
+                const int each = per / v;
+                if (s.leaf_samples < 1 || each % s.leaf_samples != 0)
+                  return "gives microbatches of " + show(each) + " samples, not a whole number of leaves of "
+                         "numerics.leaf_samples = " + show(s.leaf_samples);
+                const int leaves = each / s.leaf_samples;
+                if (leaves & (leaves - 1))
+                  return "gives " + show(leaves) + " leaves per microbatch; each must hold a power-of-two number of "
+                         "leaves (train.batch / mesh.dp / train.microbatches / numerics.leaf_samples)";
+                if (s.mesh.sp)
+                  return "is " + show(v) + " with mesh.sp: microbatches with sequence parallelism are not supported "
+                         "yet (the tree over a microbatch's tokens would have to cross the tensor-parallel ranks "
+                         "before the tree over microbatches); use train.microbatches=1";
+                if (s.mesh.ep > 1)
+                  return "is " + show(v) + " with mesh.ep = " + show(s.mesh.ep) + ": microbatches with expert "
+                         "parallelism are not supported yet (an expert's gradient would need a partial per source "
+                         "rank and microbatch); use train.microbatches=1";
+                if (s.model.moe_policy == MoePolicy::kDrop)
+                  return "is " + show(v) + " with moe.policy=drop, whose capacity counts the tokens one pass sees: "
+                         "the microbatch count would change which rows are dropped";
+                return std::string();
               }}}),
       field("train.lr", [](S& s) -> float& { return s.optim.lr; },
             "Peak learning rate.", {above(0.0f)}),
@@ -534,6 +566,45 @@ std::vector<Row> make_rows() {
                   return "gives " + show(leaves) + " leaves per data-parallel rank over mesh.tp = " + show(s.mesh.tp) +
                          " ranks; each tensor-parallel rank must hold a power-of-two number of whole leaves "
                          "(train.batch / mesh.dp / numerics.leaf_samples / mesh.tp)";
+                return std::string();
+              }}}),
+      field("mesh.pp", [](S& s) -> int& { return s.mesh.pp; },
+            "Pipeline stages (world = mesh.dp x mesh.tp x mesh.pp): each holds a contiguous range of the model's "
+            "blocks, cut where only the residual stream crosses; activations go forward and gradients back, "
+            "train.microbatches at a time.",
+            {in_range(1, 64),
+             {"at most the model's pipeline units", [](const S& s, int v) {
+                const int units = 2 * s.model.n_layers + 2;  // embedding, per layer attention and MoE, head
+                const int chunks = v * std::max(1, s.mesh.pp_virtual);
+                if (chunks <= units) return std::string();
+                return "is " + show(v) + (s.mesh.pp_virtual > 1 ? " (x mesh.pp_virtual = " + show(s.mesh.pp_virtual) +
+                                                                      " chunks each)"
+                                                                : std::string()) +
+                       ": more stages than the model has blocks to give them; a model of " +
+                       show(s.model.n_layers) + " layers cuts into at most " + show(units) +
+                       " (the embedding, each layer's attention and MoE, the head)";
+              }}}),
+      field("mesh.pp_schedule", [](S& s) -> std::string& { return s.mesh.pp_schedule; },
+            "The order a stage runs its microbatches' forward and backward passes in: gpipe (every forward, then "
+            "every backward), 1f1b (one forward, one backward once the pipeline is full) or interleaved (1F1B over "
+            "mesh.pp_virtual model chunks per stage). It changes only when work runs, never the bits.",
+            {{"gpipe, 1f1b or interleaved", [](const S&, std::string v) {
+                return v == "gpipe" || v == "1f1b" || v == "interleaved"
+                           ? std::string()
+                           : "must be gpipe, 1f1b or interleaved, got \"" + v + "\"";
+              }}}),
+      field("mesh.pp_virtual", [](S& s) -> int& { return s.mesh.pp_virtual; },
+            "With mesh.pp_schedule=interleaved: model chunks per stage (stage s holds chunks s, s + mesh.pp, ...).",
+            {in_range(1, 64),
+             {"1 unless interleaved; interleaved needs train.microbatches a multiple of mesh.pp",
+              [](const S& s, int v) {
+                if (s.mesh.pp_schedule != "interleaved")
+                  return v == 1 ? std::string()
+                                : "is " + show(v) + " but mesh.pp_schedule = " + s.mesh.pp_schedule +
+                                      ": model chunks per stage need mesh.pp_schedule=interleaved";
+                if (s.microbatches % std::max(1, s.mesh.pp) != 0)
+                  return "interleaved runs microbatches in groups of mesh.pp = " + show(s.mesh.pp) +
+                         "; train.microbatches = " + show(s.microbatches) + " is not a multiple";
                 return std::string();
               }}}),
       // One of the two alone saves nothing, silently: refused, naming both.
@@ -853,6 +924,7 @@ Scenario load_scenario(const std::string& path, const std::vector<std::string>& 
 
 bool is_numerics_key(const std::string& k) {
   return !(k == "name" || k == "description" || k.rfind("mesh.", 0) == 0 || k.rfind("ckpt.", 0) == 0 ||
+           k == "train.microbatches" ||
            k == "faults" || k == "moe.capacity_factor" || k == "moe.capacity" || k == "moe.group_size" ||
            k == "moe.borrow");
 }

@@ -31,6 +31,7 @@ struct Scenario {
   OptimConfig optim;         // train.lr ... train.grad_clip
   int steps = 200;           // train.steps
   int batch = 16;            // train.batch: global batch in samples
+  int microbatches = 1;      // train.microbatches: a rank's samples run as this many pipeline microbatches
   int eval_every = 50;       // train.eval_every: 0 = evaluate only after the last step
   int eval_batches = 4;      // train.eval_batches
   int leaf_samples = 1;      // numerics.leaf_samples: samples per leaf of the token-reduction tree
