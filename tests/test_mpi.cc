@@ -104,8 +104,9 @@ TEST_SUITE("mpi") {
         {8, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.pp=2 --set train.microbatches=4 --set mesh.pp_schedule=gpipe"},
         {8, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.pp=2 --set train.microbatches=4 "
             "--set mesh.pp_schedule=interleaved --set mesh.pp_virtual=2"},
-        {4, "--set mesh.dp=2 --set mesh.ep=2 --set mesh.pp=2"},
+        {4, "--set mesh.dp=2 --set mesh.ep=2 --set mesh.pp=2 --set train.microbatches=4"},
         {4, "--set mesh.dp=2 --set mesh.fsdp=true --set mesh.pp=2 --set train.microbatches=2"},
+        {8, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.sp=true --set mesh.pp=2 --set train.microbatches=2"},
     };
     for (const auto& [np, mesh] : meshes) {
       CAPTURE(mesh);

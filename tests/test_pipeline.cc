@@ -127,6 +127,23 @@ TEST_SUITE("pipeline") {
     CHECK_THROWS_AS(ls::pipeline_chunks(s.model, 7), ls::UserError);
   }
 
+  TEST_CASE("expert parallel over microbatches: one process's bits at every microbatch count, with rounds and skew") {
+    // The owner's rows of one microbatch come from every source rank: its gradient is kept as a tree per
+    // source over the step's microbatches, then the tree over sources (model/experts.h).
+    const ls::RunResult one = run({}, 1);
+    for (auto [dp, ep, m] : std::vector<std::tuple<int, int, int>>{{2, 2, 2}, {2, 2, 4}, {4, 2, 2}, {4, 4, 2}}) {
+      CAPTURE(dp);
+      CAPTURE(ep);
+      CAPTURE(m);
+      const ls::RunResult r = run({"mesh.dp=" + std::to_string(dp), "mesh.ep=" + std::to_string(ep),
+                                   "train.microbatches=" + std::to_string(m)});
+      CHECK(r.final_state_hash == one.final_state_hash);
+      CHECK(loss_bits(r) == loss_bits(one));
+      CHECK(r.moe_all_to_all_calls.back() > 0);
+      CHECK(r.peak_grad_state_bytes > 0);  // the per-source trees, measured
+    }
+  }
+
   TEST_CASE("pp 1 to 4 at every microbatch count under every schedule end on the one-process hash; stages send what they must") {
     const ls::RunResult one = run({}, 1);
     const ls::Scenario s = scenario({});
@@ -204,7 +221,12 @@ TEST_SUITE("pipeline") {
              {"mesh.dp=2", "mesh.tp=2", "mesh.pp=2", "train.microbatches=2"},
              {"mesh.dp=2", "mesh.fsdp=true", "mesh.pp=2", "train.microbatches=4", "mesh.pp_schedule=gpipe"},
              {"mesh.dp=2", "mesh.ep=2", "mesh.pp=3"},
+             // Expert parallel over microbatches: an owner keeps a tree per source rank across them.
+             {"mesh.dp=2", "mesh.ep=2", "mesh.pp=2", "train.microbatches=4"},
+             {"mesh.dp=4", "mesh.ep=4", "mesh.tp=2", "mesh.pp=2", "train.microbatches=2", "mesh.pp_schedule=gpipe"},
              {"mesh.tp=2", "mesh.sp=true", "mesh.pp=2"},
+             // Sequence parallel over microbatches: each microbatch's stream sums over the TP group first.
+             {"mesh.tp=2", "mesh.sp=true", "mesh.dp=2", "mesh.ep=2", "mesh.pp=2", "train.microbatches=2"},
              {"mesh.dp=2", "mesh.tp=2", "mesh.pp=2", "train.microbatches=2", "mesh.pp_schedule=interleaved",
               "mesh.pp_virtual=2"}}) {
       CAPTURE(sets.size());
@@ -287,8 +309,8 @@ TEST_SUITE("pipeline") {
              {"--set mesh.pp=2 --set mesh.pp_schedule=interleaved --set mesh.pp_virtual=2 --set train.microbatches=1",
               "mesh.pp_virtual: interleaved runs microbatches in groups of mesh.pp = 2"},
              {"--set mesh.pp_schedule=zigzag", "mesh.pp_schedule: must be gpipe, 1f1b or interleaved"},
-             {"--set mesh.dp=2 --set mesh.ep=2 --set train.microbatches=2", "train.microbatches: is 2 with mesh.ep = 2"},
-             {"--set mesh.tp=2 --set mesh.sp=true --set train.microbatches=2", "train.microbatches: is 2 with mesh.sp"},
+             {"--set mesh.tp=4 --set mesh.sp=true --set train.microbatches=4",
+              "train.microbatches: gives 2 leaves per microbatch over mesh.tp = 4 sequence-parallel ranks"},
              {"--set moe.policy=drop --set train.microbatches=2", "train.microbatches: is 2 with moe.policy=drop"}}) {
       CAPTURE(sets);
       const auto r = lstest::run_cli("run " + sc + " --quiet " + sets);

@@ -270,4 +270,72 @@ void ExpertWeightGrads::finish(float* gW1, float* gW3, float* gW2) {
   });
 }
 
+void ExpertGradsBySource::begin(int experts, int sources, int64_t leaves, int D, int F) {
+  D_ = D;
+  F_ = F;
+  sources_ = sources;
+  leaves_ = leaves;
+  calls_ = 0;
+  const size_t n = (size_t)experts * 3 * sources;
+  folds_.assign(n, ops::LeafFold());
+  if (state_.size() < n) state_.resize(n);
+  for (size_t f = 0; f < n; ++f) {
+    const int which = (int)(f / sources % 3);
+    folds_[f].begin(which == 2 ? F : D, which == 2 ? D : F, leaves, &state_[f]);
+  }
+}
+
+void ExpertGradsBySource::add_round(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows,
+                                    RowPlace dy) {
+  const std::vector<Segment>& segs = plan.round[r];
+  const int D = D_, F = F_;
+  std::vector<int64_t> calls(segs.size() * 3, 0);
+  parallel_tasks((int64_t)segs.size() * 3, [&](int64_t task) {
+    const Segment& s = segs[task / 3];
+    const int which = (int)(task % 3), e = s.expert;
+    const int in = which == 2 ? F : D, out = which == 2 ? D : F;
+    const float* X = (which == 2 ? slots.act.data() : slots.x.data()) + s.slot * in;
+    const int64_t* leaf = &rows.leaf[rows.off[e] + s.first];
+    std::vector<int64_t> within((size_t)s.rows);
+    // The segment's rows, source by source (rows are in source, then token order).
+    for (int64_t k0 = 0; k0 < s.rows;) {
+      const int64_t src = leaf[k0] / leaves_;
+      int64_t k1 = k0;
+      for (; k1 < s.rows && leaf[k1] / leaves_ == src; ++k1) within[(size_t)k1] = leaf[k1] - src * leaves_;
+      const float* dY = which == 2 ? dy.at(rows, s, k0, D)
+                                   : (which == 0 ? slots.du.data() : slots.dv.data()) + (s.slot + k0) * out;
+      folds_[((size_t)e * 3 + which) * sources_ + (size_t)src].add(X + k0 * in, in, dY, out, &within[(size_t)k0], k1 - k0);
+      ++calls[(size_t)task];
+      k0 = k1;
+    }
+  });
+  for (int64_t c : calls) calls_ += c;
+}
+
+void ExpertGradsBySource::finish(float* gW1, float* gW3, float* gW2) {
+  const int64_t DF = (int64_t)D_ * F_;
+  const int experts = (int)(folds_.size() / 3 / sources_);
+  if (source_tree_.size() < (size_t)experts * 3) source_tree_.resize((size_t)experts * 3);
+  parallel_tasks((int64_t)experts * 3, [&](int64_t task) {
+    const int e = (int)(task / 3), which = (int)(task % 3);
+    ops::DeviceVector<float>& scratch = source_tree_[(size_t)task];
+    scratch.resize((size_t)LeafTree::levels_for(sources_) * DF);
+    LeafTree tree(scratch.data(), DF);
+    auto merge = [&](int d) { ops::add(tree.slots + d * DF, tree.slots + (d + 1) * DF, tree.slots + d * DF, DF); };
+    for (int src = 0; src < sources_; ++src) {
+      folds_[((size_t)e * 3 + which) * sources_ + src].finish(tree.next_leaf());
+      tree.push_with(merge);
+    }
+    tree.finish_with(merge);
+    ops::copy_rows(tree.slots, nullptr, (which == 0 ? gW1 : which == 1 ? gW3 : gW2) + e * DF, nullptr, 1, DF);
+  });
+}
+
+int64_t ExpertGradsBySource::state_bytes() const {
+  int64_t n = 0;
+  for (const auto& v : state_) n += (int64_t)(v.capacity() * sizeof(float));
+  for (const auto& v : source_tree_) n += (int64_t)(v.capacity() * sizeof(float));
+  return n;
+}
+
 }  // namespace ls

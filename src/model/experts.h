@@ -136,4 +136,31 @@ class ExpertWeightGrads {
   std::vector<ops::DeviceVector<int64_t>> leaf_offsets_;  // per task of a round: its leaf offsets, read by the kernel
 };
 
+// Expert parallel in a pipeline of several microbatches: a source rank's
+// rows of one microbatch are not next to its rows of the next in the
+// group's leaf order, so the owner keeps one leaf tree per (expert,
+// gradient, source rank) over that source's whole step, continued
+// microbatch after microbatch (leaves of a source's later microbatches
+// come later), and at the end takes the tree over sources: the canonical
+// tree over the group's leaves, as one pass computes it. Row leaf ids are
+// source * leaves + the leaf within the source's step.
+class ExpertGradsBySource {
+ public:
+  // At the step's first microbatch. leaves: per source rank, over the whole step.
+  void begin(int experts, int sources, int64_t leaves, int D, int F);
+  // After experts_round_backward(plan, r, ...) of any microbatch.
+  void add_round(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows, RowPlace dy);
+  // After the step's last microbatch: the gradients.
+  void finish(float* gW1, float* gW3, float* gW2);
+  int64_t calls() const { return calls_; }
+  int64_t state_bytes() const;  // measured: the trees' allocated state
+
+ private:
+  int D_ = 0, F_ = 0, sources_ = 1;
+  int64_t leaves_ = 0, calls_ = 0;
+  std::vector<ops::LeafFold> folds_;  // [(expert * 3 + which) * sources + source]
+  std::vector<ops::DeviceVector<float>> state_;
+  std::vector<ops::DeviceVector<float>> source_tree_;  // per (expert, which): the tree over sources at finish
+};
+
 }  // namespace ls

@@ -359,6 +359,9 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   if (ctx.sp && (ctx.leaves % tp_size_ != 0))
     throw std::invalid_argument("engine: sequence parallel needs whole leaves per tensor-parallel rank");
   ctx.microbatches = ws_->microbatches;
+  ctx.microbatch = ws_->microbatch;
+  if (source_grads_.size() < (size_t)c.n_layers) source_grads_.resize((size_t)c.n_layers);
+  ctx.source_grads = &source_grads_;
   const int64_t mb = std::max(1, ctx.microbatches);  // a pipeline's microbatches: the step's tokens are mb times these
   ctx.global_tokens = (float)(ctx.tokens * dp * mb);
   ctx.global_assignments = (float)(ctx.tokens * c.top_k * dp * mb);
@@ -384,6 +387,7 @@ StepLosses MoeTransformer::forward_range(const uint8_t* tokens, int batch, bool 
   check_range(first, last);
   ops::synchronize();  // a kernel backend: the last step's kernels are done before the host rewrites inputs
   ws_->microbatches = io.microbatches;
+  ws_->microbatch = io.microbatch;
   StepContext ctx = step_context(tokens, batch, training);
   StepWorkspace& ws = *ws_;
   const int64_t N = ctx.stream_tokens, D = cfg_.d_model;  // the stream's tokens held here

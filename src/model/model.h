@@ -73,6 +73,10 @@ class MeshHooks {
   // Partial sums over this rank's stream tokens -> the sums over every
   // rank's (the canonical tree over ranks); = sum_partials without SP.
   virtual void sum_stream_partials(float* v, size_t n) { sum_partials(v, n); }
+  // Partial sums over this rank's stream tokens -> the sums over its TP
+  // group's (the canonical tree over TP ranks): sequence parallel, one
+  // microbatch at a time.
+  virtual void sum_tp_partials(float*, size_t) {}
 };
 
 struct StepLosses {
@@ -146,6 +150,7 @@ struct StageIo {
   // ce_partial, router_partial, expert_counts) for the pipeline to combine,
   // and no losses are computed. 0: the whole step, sums done inside it.
   int microbatches = 0;
+  int microbatch = 0;  // which one (a pipeline runs a chunk's microbatches in order)
 };
 
 class Block;
@@ -259,6 +264,7 @@ class MoeTransformer {
   const float* wsrc_ = nullptr;  // a lane reads its main model's weights; nullptr: its own
   MoeStats stats_;
   std::vector<std::unique_ptr<StepWorkspace>> workspaces_;
+  std::vector<ExpertGradsBySource> source_grads_;  // per layer: expert parallel in a pipeline (experts.h)
   StepWorkspace* ws_ = nullptr;  // the one in use
   std::vector<std::unique_ptr<Block>> blocks_;
   TraceSink* trace_ = nullptr;

@@ -137,7 +137,10 @@ class MoeDispatch : public LayerBlock {
       for (int64_t row = 0; row < NK; ++row) rows.leaf[row] = acts.row_token[row] / ctx.leaf_tokens;
     } else {  // leaf ids in the EP group travel with the counts' layout: per destination, its experts' rows
       std::vector<int64_t> leaf_of(NK), leaf_in(held_rows);
-      for (int64_t row = 0; row < NK; ++row) leaf_of[row] = (int64_t)me * ctx.leaves + acts.row_token[row] / ctx.leaf_tokens;
+      // Over several microbatches the owner keeps a tree per source over its whole step (ExpertGradsBySource).
+      const int64_t source_leaves = ctx.grads_by_source() ? ctx.leaves * ctx.microbatches : ctx.leaves;
+      const int64_t first_leaf = (int64_t)me * source_leaves + (ctx.grads_by_source() ? ctx.microbatch * ctx.leaves : 0);
+      for (int64_t row = 0; row < NK; ++row) leaf_of[row] = first_leaf + acts.row_token[row] / ctx.leaf_tokens;
       std::vector<size_t> send_bytes(ep), recv_bytes(ep);
       for (int d = 0; d < ep; ++d) {
         send_bytes[d] = (size_t)(acts.expert_off[(d + 1) * El] - acts.expert_off[d * El]) * 8;

@@ -68,7 +68,9 @@ class MoeExperts : public LayerBlock {
     ws.dxe.resize(NK * D);
     if (ctx.cfg.moe_policy == MoePolicy::kDrop) ops::fill(ws.dxe.data(), NK * D, 0.0f);  // skipped rows: no gradient
     ExpertWeightGrads& grads = ws.expert_grads;  // kept: its buffers are reused layer to layer
-    grads.begin(own, rows, ctx.leaves * ep, D, F, &ws.grad_state);
+    ExpertGradsBySource& by_source = (*ctx.source_grads)[(size_t)layer_];
+    if (!ctx.grads_by_source()) grads.begin(own, rows, ctx.leaves * ep, D, F, &ws.grad_state);
+    else if (ctx.microbatch == 0) by_source.begin(ctx.local_experts, ep, ctx.leaves * ctx.microbatches, D, F);
     count_moe_memory(ctx);
     // Without expert parallelism dy and dx stay in the dispatch rows (the experts' row order).
     const RowPlace dy = ep > 1 ? RowPlace{ws.slots.dy.data(), true} : RowPlace{ws.dye.data(), false};
@@ -101,12 +103,19 @@ class MoeExperts : public LayerBlock {
           ctx.stats.expert_gemm_calls +=
               experts_round_input_grad(own, r, ws.slots, rows, dx, w.w1, w.w3, D, F, first, count, accumulate);
         });
-        grads.add_round(own, r, ws.slots, rows, dy, grad_w1, grad_w3, grad_w2);
+        if (ctx.grads_by_source()) by_source.add_round(own, r, ws.slots, rows, dy);
+        else grads.add_round(own, r, ws.slots, rows, dy, grad_w1, grad_w3, grad_w2);
       }
       if (ep > 1) exchange_rows(ctx, acts, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.dx.data(), nullptr, ws.dxe.data());
     }
-    grads.finish(grad_w1, grad_w3, grad_w2);
-    ctx.stats.expert_gemm_calls += grads.calls();
+    if (!ctx.grads_by_source()) {
+      grads.finish(grad_w1, grad_w3, grad_w2);
+      ctx.stats.expert_gemm_calls += grads.calls();
+    } else if (ctx.microbatch == ctx.microbatches - 1) {  // the step's gradients, once every microbatch is in
+      by_source.finish(grad_w1, grad_w3, grad_w2);
+      ctx.stats.expert_gemm_calls += by_source.calls();
+      ctx.stats.peak_grad_state_bytes = std::max(ctx.stats.peak_grad_state_bytes, by_source.state_bytes());
+    }
     if (ctx.trace)
       ctx.trace_tensor("bwd", layer_, "moe.experts", "dx", ctx.token_slot_order(acts, ws.dxe.data(), D),
                        {ctx.tokens, ctx.cfg.top_k, D});

@@ -59,6 +59,7 @@ struct LayerActs {
 struct StepWorkspace {
   int batch = -1;
   int microbatches = 0;                 // StageIo::microbatches of the forward that filled it
+  int microbatch = 0;                   // and StageIo::microbatch
   float ce_partial = 0;                 // pipelined: the cross-entropy sum over these tokens
   std::vector<LayerActs> layers;
   std::vector<float> aux_loss, z_loss;  // per layer, this step's
@@ -114,6 +115,11 @@ struct StepContext {
   bool sp = false;
   int64_t stream_first = 0, stream_tokens = 0, stream_leaves = 0;
   int microbatches = 0;          // > 0: one microbatch of a pipeline (StageIo::microbatches)
+  int microbatch = 0;            // which one
+  // Expert parallel over several microbatches: per layer, the experts'
+  // weight gradients kept per source rank across the step's microbatches.
+  std::vector<ExpertGradsBySource>* source_grads = nullptr;
+  bool grads_by_source() const { return microbatches > 1 && ep > 1; }
   float global_tokens = 0;       // N over every data-parallel rank (and microbatch)
   float global_assignments = 0;  // N * K over every data-parallel rank
   MeshHooks* mesh = nullptr;     // nullptr: one rank

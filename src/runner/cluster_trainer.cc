@@ -50,6 +50,7 @@ class RankHooks : public MeshHooks {
     tp_.all_gather(mine, all, std::vector<size_t>(tp_.size(), bytes_each));
   }
   void sum_stream_partials(float* v, size_t n) override { (sp_ ? world_ : data_).all_reduce_sum(v, n); }
+  void sum_tp_partials(float* v, size_t n) override { tp_.all_reduce_sum(v, n); }
 
  private:
   Communicator& world_;
@@ -298,7 +299,8 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
       // Sequence parallel: a tensor the stream's tokens reduce into (embeddings, norms, router, head) has a
       // partial per TP rank; the TP group's leaves are consecutive aligned blocks (tp a power of two wherever
       // dp > 1), so its tree over TP ranks is this data-parallel rank's subtree, combined below as without SP.
-      if (s_.mesh.sp && p.tp_mid == 0) c.tp.all_reduce_sum(gp, p.size);
+      // (A pipeline did this per microbatch, before its tree over microbatches.)
+      if (s_.mesh.sp && p.tp_mid == 0 && !rank.stage) c.tp.all_reduce_sum(gp, p.size);
       if (p.expert && ep_split) {
         c.edp.all_reduce_sum(gp, p.size);  // the replicas of these experts, one per EP group
       } else if (fsdp_sharded(p, s_.mesh)) {

@@ -163,6 +163,8 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
     ch.layers = layers_combined_in(cfg_, ch.first, ch.last);
     for (size_t t = 0; t < infos.size(); ++t) {
       const int b = MoeTransformer::block_of(cfg_, infos[t].name);
+      // Expert-parallel slices: the model keeps their trees per source rank over the microbatches itself.
+      if (infos[t].expert && hooks.ep_size() > 1) continue;
       if (b >= ch.first && b < ch.last) ch.params.push_back(t), ch.width += infos[t].size;
     }
     if (m > 1) ch.tree_scratch.resize((size_t)LeafTree::levels_for(m) * ch.width);
@@ -183,14 +185,15 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
       counts[(size_t)l].assign((size_t)m * E, 0);
     }
 
-  // The canonical tree over microbatches, then over ranks.
+  // The canonical tree over microbatches, then over data-parallel ranks
+  // (sequence parallel: each microbatch's sums were taken over its TP group first).
   auto combine = [&](Step::Chunk& ch) {
     for (int l : ch.layers) {
       std::vector<const float*> parts;
       for (int mb = 0; mb < m; ++mb) parts.push_back(router[(size_t)l].data() + (size_t)mb * (E + 1));
       std::vector<float> sums((size_t)E + 1);
       tree_over_ranks(parts.data(), m, 0, sums.size(), sums.data());
-      hooks.sum_stream_partials(sums.data(), sums.size());
+      hooks.sum_partials(sums.data(), sums.size());
       std::vector<int64_t>& total = step_counts[(size_t)l];
       total.assign((size_t)E, 0);
       for (int mb = 0; mb < m; ++mb)
@@ -202,7 +205,7 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
       std::vector<const float*> parts;
       for (int mb = 0; mb < m; ++mb) parts.push_back(&ce_parts[(size_t)mb]);
       tree_over_ranks(parts.data(), m, 0, 1, &ce_sum);
-      hooks.sum_stream_partials(&ce_sum, 1);
+      hooks.sum_partials(&ce_sum, 1);
     }
     ch.combined = true;
   };
@@ -233,14 +236,20 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
     io.stream_in = from_stage ? stream_in.data() : nullptr;
     io.stream_out = to_stage ? stream_out.data() : nullptr;
     io.microbatches = m;
+    io.microbatch = mb;
     model.forward_range(tokens + (int64_t)mb * mb_samples * sample_bytes, mb_samples, true, ch.first, ch.last, io);
     for (int l : ch.layers) {
       const std::vector<float>& r = model.router_partial(l);
-      std::copy(r.begin(), r.end(), router[(size_t)l].begin() + (size_t)mb * (E + 1));
+      float* mine = router[(size_t)l].data() + (size_t)mb * (E + 1);
+      std::copy(r.begin(), r.end(), mine);
+      if (sp) hooks.sum_tp_partials(mine, (size_t)E + 1);
       const std::vector<int64_t>& n = model.expert_counts(l);
       std::copy(n.begin(), n.end(), counts[(size_t)l].begin() + (size_t)mb * E);
     }
-    if (ch.last == model.num_blocks()) ce_parts[(size_t)mb] = model.ce_partial();
+    if (ch.last == model.num_blocks()) {
+      ce_parts[(size_t)mb] = model.ce_partial();
+      if (sp) hooks.sum_tp_partials(&ce_parts[(size_t)mb], 1);
+    }
     stats_.busy_seconds += seconds_since(busy0);
     if (to_stage) {
       pipe.send(stream_out.data(), stream_bytes, stage_of(ch.model_chunk + 1));
@@ -264,6 +273,11 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
     if (hold)
       for (int l : ch.layers) model.set_expert_counts(l, step_counts[(size_t)l]);
     model.backward_range(ch.first, ch.last, from_stage ? grad_out.data() : nullptr, to_stage ? grad_in.data() : nullptr);
+    // Sequence parallel: the tensors the stream's tokens reduce into hold this TP rank's tokens' partial;
+    // the tree over TP ranks comes before the tree over microbatches.
+    if (sp)
+      for (size_t t : ch.params)
+        if (infos[t].tp_mid == 0) hooks.sum_tp_partials(model.grads() + infos[t].offset, (size_t)infos[t].size);
     if (m > 1) {  // this microbatch's gradients: the next leaf of the tree over microbatches
       float* leaf = trees[k].next_leaf();
       for (size_t t : ch.params) {

@@ -415,14 +415,9 @@ std::vector<Row> make_rows() {
                 if (leaves & (leaves - 1))
                   return "gives " + show(leaves) + " leaves per microbatch; each must hold a power-of-two number of "
                          "leaves (train.batch / mesh.dp / train.microbatches / numerics.leaf_samples)";
-                if (s.mesh.sp)
-                  return "is " + show(v) + " with mesh.sp: microbatches with sequence parallelism are not supported "
-                         "yet (the tree over a microbatch's tokens would have to cross the tensor-parallel ranks "
-                         "before the tree over microbatches); use train.microbatches=1";
-                if (s.mesh.ep > 1)
-                  return "is " + show(v) + " with mesh.ep = " + show(s.mesh.ep) + ": microbatches with expert "
-                         "parallelism are not supported yet (an expert's gradient would need a partial per source "
-                         "rank and microbatch); use train.microbatches=1";
+                if (s.mesh.sp && (leaves % s.mesh.tp != 0 || ((leaves / s.mesh.tp) & (leaves / s.mesh.tp - 1))))
+                  return "gives " + show(leaves) + " leaves per microbatch over mesh.tp = " + show(s.mesh.tp) +
+                         " sequence-parallel ranks; each must hold a power-of-two number of whole leaves";
                 if (s.model.moe_policy == MoePolicy::kDrop)
                   return "is " + show(v) + " with moe.policy=drop, whose capacity counts the tokens one pass sees: "
                          "the microbatch count would change which rows are dropped";
