@@ -46,7 +46,8 @@ struct MeshReport {
     workspace_bytes = std::max(workspace_bytes, st.workspace_bytes);
     weight_bytes = std::max(weight_bytes, st.weight_bytes);
   }
-  // Pipeline parallel, per stage, measured over the last step: the slowest
+  // Pipeline parallel, per stage, measured (runner/pipeline.h's PipelineStats:
+  // seconds per step after a warm-up step): the slowest
   // rank's seconds in passes and from first pass to last, the most
   // microbatches whose activations it held at once and its workspaces'
   // bytes, the bytes it sent to neighbouring stages, whether a backward

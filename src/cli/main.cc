@@ -137,7 +137,7 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
   if (!r.already_complete)
     std::printf("speed           %.0f tokens/s (%.2f GFLOP/s model)\n", r.tokens_per_second,
                 r.tokens_per_second * r.train_flops_per_token * 1e-9);
-  for (size_t st = 0; st < r.pipeline.size(); ++st) {  // measured over the last step
+  for (size_t st = 0; st < r.pipeline.size(); ++st) {  // measured, per step after a warm-up step
     const MeshReport::Stage& p = r.pipeline[st];
     std::printf("%s stage %zu: busy %.1f of %.1f ms, bubble %.2f (formula %.2f), %d microbatches held, %.1f MiB "
                 "activations%s\n",

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
@@ -70,17 +69,21 @@ std::vector<std::pair<int, int>> pipeline_chunks(const ModelConfig& c, int count
                     std::to_string(U) + " (the embedding, each layer's attention and MoE, the head)");
   std::vector<double> prefix(U + 1, 0.0);
   for (int u = 0; u < U; ++u) prefix[u + 1] = prefix[u] + cost[u];
-  // Cut k ends after the unit whose prefix is nearest k/count of the total,
-  // leaving at least one unit for every chunk on either side.
-  std::vector<int> cut = {0};
-  for (int k = 1; k < count; ++k) {
-    const double target = prefix[U] * k / count;
-    int best = cut.back() + 1;
-    for (int u = best; u <= U - (count - k); ++u)
-      if (std::fabs(prefix[u] - target) < std::fabs(prefix[best] - target)) best = u;
-    cut.push_back(best);
-  }
-  cut.push_back(U);
+  // The cuts that make the costliest chunk cheapest (the pipeline runs at its
+  // slowest stage's pace): best[k][u] = that maximum for the first u units in
+  // k chunks, from[k][u] the start of the k-th chunk.
+  const double inf = 1e300;
+  std::vector<std::vector<double>> best(count + 1, std::vector<double>(U + 1, inf));
+  std::vector<std::vector<int>> from(count + 1, std::vector<int>(U + 1, 0));
+  best[0][0] = 0;
+  for (int k = 1; k <= count; ++k)
+    for (int u = k; u <= U; ++u)
+      for (int v = k - 1; v < u; ++v) {
+        const double worst = std::max(best[k - 1][v], prefix[u] - prefix[v]);
+        if (worst < best[k][u]) best[k][u] = worst, from[k][u] = v;
+      }
+  std::vector<int> cut(count + 1, U);
+  for (int k = count; k > 0; --k) cut[k - 1] = from[k][cut[k]];
   std::vector<std::pair<int, int>> out;
   for (int k = 0; k < count; ++k) out.push_back({units[cut[k]].first, units[cut[k + 1] - 1].second});
   return out;
@@ -151,6 +154,7 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
   // The backward reads the step's expert counts only through the aux loss's gradient, which is +0 at weight 0.
   const bool hold = cfg_.aux_loss_weight != 0.0f;
   stats_ = PipelineStats{};
+  double busy = 0;  // this step's
   const clock::time_point t0 = clock::now();
   model.begin_step();
 
@@ -250,7 +254,7 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
       ce_parts[(size_t)mb] = model.ce_partial();
       if (sp) hooks.sum_tp_partials(&ce_parts[(size_t)mb], 1);
     }
-    stats_.busy_seconds += seconds_since(busy0);
+    busy += seconds_since(busy0);
     if (to_stage) {
       pipe.send(stream_out.data(), stream_bytes, stage_of(ch.model_chunk + 1));
       stats_.bytes_sent += (int64_t)stream_bytes;
@@ -287,7 +291,7 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
       }
       trees[k].push();
     }
-    stats_.busy_seconds += seconds_since(busy0);
+    busy += seconds_since(busy0);
     if (to_stage) {
       pipe.send(grad_in.data(), stream_bytes, stage_of(ch.model_chunk - 1));
       stats_.bytes_sent += (int64_t)stream_bytes;
@@ -329,7 +333,7 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
         whole += p.size;
       }
     }
-    stats_.busy_seconds += seconds_since(busy0);
+    busy += seconds_since(busy0);
   }
 
   // The step's losses, on every stage: each layer's from the stage that ran
@@ -352,7 +356,17 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
   }
   losses.ce = all[(size_t)owner[(size_t)L] * mine.size() + 2 * L] / global_tokens;
   losses.total = total_loss(cfg_, losses);
-  stats_.step_seconds = seconds_since(t0);
+  // The means after a warm-up step.
+  const double step_time = seconds_since(t0);
+  if (++steps_run_ == 1) {
+    stats_.busy_seconds = busy;
+    stats_.step_seconds = step_time;
+  } else {
+    busy_sum_ += busy;
+    step_sum_ += step_time;
+    stats_.busy_seconds = busy_sum_ / (steps_run_ - 1);
+    stats_.step_seconds = step_sum_ / (steps_run_ - 1);
+  }
   return losses;
 }
 

@@ -44,15 +44,18 @@ std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, int stages
 
 // The model's blocks cut into `count` contiguous ranges [first, last),
 // cut only where the residual stream alone crosses (the embedding, each
-// layer's attention and MoE part, the head are the units), balanced by the
-// units' forward FLOPs per token (a formula). count <= 2 * n_layers + 2.
+// layer's attention and MoE part, the head are the units), so that the
+// costliest chunk is as cheap as it can be by the units' forward FLOPs per
+// token (a formula). count <= 2 * n_layers + 2.
 std::vector<std::pair<int, int>> pipeline_chunks(const ModelConfig& cfg, int count);
 
 // The idle fraction of a stage the schedule's formula predicts (equal
 // passes, free messages): (p - 1) / (m + p - 1), interleaved (p - 1) / (v m + p - 1).
 double pipeline_bubble_formula(PipelineSchedule schedule, int stages, int chunks, int microbatches);
 
-// What one stage measured over its last step.
+// What one stage measured: the seconds are means per step over the steps
+// after the first (a warm-up: buffers grow), or the first alone; the rest is
+// the last step's.
 struct PipelineStats {
   double busy_seconds = 0;       // inside forward and backward passes (and the gradient tree over microbatches)
   double step_seconds = 0;       // from the stage's first pass to its last, messages and waits included
@@ -92,6 +95,8 @@ class PipelineStage {
   int stages_, chunks_per_stage_, microbatches_, stage_;
   std::vector<std::pair<int, int>> chunks_;
   PipelineStats stats_;
+  int steps_run_ = 0;
+  double busy_sum_ = 0, step_sum_ = 0;  // over the steps after the first
 };
 
 }  // namespace ls

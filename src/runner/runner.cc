@@ -802,8 +802,8 @@ nlohmann::json result_json(const RunResult& r) {
   j["state_hashes"] = hashes;
   j["mesh"] = mesh_json(r.mesh, r.microbatches);
   if (!r.pipeline.empty()) {
-    // Measured per stage over the last step; the bubble is the share of the
-    // step its slowest rank spent outside forward and backward passes.
+    // Measured per stage, seconds per step after a warm-up step; the bubble is
+    // the share of the step its slowest rank spent outside forward and backward passes.
     nlohmann::json stages = nlohmann::json::array();
     for (const MeshReport::Stage& st : r.pipeline)
       stages.push_back({{"busy_seconds", st.busy_seconds},
