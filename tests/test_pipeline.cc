@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cli_run.h"
+#include "split_mesh.h"
 #include "common/error.h"
 #include "contract.h"
 #include "model/model.h"
@@ -21,34 +22,10 @@
 
 namespace {
 
-// 2 layers, a shared expert, 4 experts top-2 at capacity factor 0.5
-// (several rounds), skewed routing, the aux and z losses: 6 pipeline units.
-const char* kScenario = R"({"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 8, "d_ff": 16,
-  "shared_expert": true},
-  "moe": {"experts": 4, "top_k": 2, "aux_loss_weight": 0.05, "z_loss_weight": 0.01, "capacity_factor": 0.5,
-          "router_skew": 1.0},
-  "train": {"steps": 3, "batch": 8, "warmup_steps": 1, "eval_every": 0, "eval_batches": 1},
-  "data": {"synthetic_bytes": 8192}})";
-
-ls::Scenario scenario(const std::vector<std::string>& sets) {
-  return ls::scenario_from_json(nlohmann::json::parse(kScenario), "pp.json", sets);
-}
-
-ls::RunResult run(const std::vector<std::string>& sets, int threads = 2, ls::Backend backend = ls::Backend::kEngine) {
-  ls::RunOptions opt;
-  opt.threads = threads;
-  opt.backend = backend;
-  opt.eval = false;
-  ls::RunResult r = ls::run_scenario(scenario(sets), opt);
-  omp_set_num_threads(omp_get_num_procs());
-  return r;
-}
-
-std::vector<std::string> loss_bits(const ls::RunResult& r) {
-  std::vector<std::string> out;
-  for (float l : r.losses) out.push_back(ls::hex_bits(l));
-  return out;
-}
+using lstest::kSplitScenario;
+using lstest::loss_bits;
+using lstest::run_split;
+using lstest::split_scenario;
 
 std::vector<std::string> pp_sets(int pp, int microbatches, const std::string& schedule, int chunks = 1) {
   return {"mesh.pp=" + std::to_string(pp), "train.microbatches=" + std::to_string(microbatches),
@@ -97,7 +74,7 @@ TEST_SUITE("pipeline") {
   }
 
   TEST_CASE("the model cuts into balanced chunks at stream boundaries only; a stage holds only its blocks' tensors") {
-    const ls::Scenario s = scenario({});
+    const ls::Scenario s = split_scenario({});
     const ls::MoeTransformer whole(s.model, s.leaf_samples, s.seed);
     for (int count = 1; count <= 6; ++count) {
       CAPTURE(count);
@@ -130,12 +107,12 @@ TEST_SUITE("pipeline") {
   TEST_CASE("expert parallel over microbatches: one process's bits at every microbatch count, with rounds and skew") {
     // The owner's rows of one microbatch come from every source rank: its gradient is kept as a tree per
     // source over the step's microbatches, then the tree over sources (model/experts.h).
-    const ls::RunResult one = run({}, 1);
+    const ls::RunResult one = run_split({}, 1);
     for (auto [dp, ep, m] : std::vector<std::tuple<int, int, int>>{{2, 2, 2}, {2, 2, 4}, {4, 2, 2}, {4, 4, 2}}) {
       CAPTURE(dp);
       CAPTURE(ep);
       CAPTURE(m);
-      const ls::RunResult r = run({"mesh.dp=" + std::to_string(dp), "mesh.ep=" + std::to_string(ep),
+      const ls::RunResult r = run_split({"mesh.dp=" + std::to_string(dp), "mesh.ep=" + std::to_string(ep),
                                    "train.microbatches=" + std::to_string(m)});
       CHECK(r.final_state_hash == one.final_state_hash);
       CHECK(loss_bits(r) == loss_bits(one));
@@ -145,8 +122,8 @@ TEST_SUITE("pipeline") {
   }
 
   TEST_CASE("pp 1 to 4 at every microbatch count under every schedule end on the one-process hash; stages send what they must") {
-    const ls::RunResult one = run({}, 1);
-    const ls::Scenario s = scenario({});
+    const ls::RunResult one = run_split({}, 1);
+    const ls::Scenario s = split_scenario({});
     const double N = (double)s.batch * s.model.seq_len, D = s.model.d_model;
     struct Case {
       int pp, m, chunks;
@@ -165,10 +142,10 @@ TEST_SUITE("pipeline") {
       CAPTURE(c.schedule);
       CAPTURE(c.chunks);
       if (c.m == 3) {
-        CHECK_THROWS_AS(run(pp_sets(c.pp, c.m, c.schedule, c.chunks)), ls::UserError);
+        CHECK_THROWS_AS(run_split(pp_sets(c.pp, c.m, c.schedule, c.chunks)), ls::UserError);
         continue;
       }
-      const ls::RunResult r = run(pp_sets(c.pp, c.m, c.schedule, c.chunks));
+      const ls::RunResult r = run_split(pp_sets(c.pp, c.m, c.schedule, c.chunks));
       CHECK(r.final_state_hash == one.final_state_hash);
       CHECK(loss_bits(r) == loss_bits(one));
       if (c.pp == 1 && c.m == 1) continue;
@@ -197,11 +174,11 @@ TEST_SUITE("pipeline") {
   }
 
   TEST_CASE("without the aux loss 1F1B keeps at most p - s microbatches and less activation memory than GPipe") {
-    const ls::RunResult one = run({"moe.aux_loss_weight=0"}, 1);
+    const ls::RunResult one = run_split({"moe.aux_loss_weight=0"}, 1);
     std::vector<std::string> gsets = pp_sets(4, 8, "gpipe"), fsets = pp_sets(4, 8, "1f1b");
     gsets.push_back("moe.aux_loss_weight=0");
     fsets.push_back("moe.aux_loss_weight=0");
-    const ls::RunResult gpipe = run(gsets), f1b = run(fsets);
+    const ls::RunResult gpipe = run_split(gsets), f1b = run_split(fsets);
     CHECK(gpipe.final_state_hash == one.final_state_hash);
     CHECK(f1b.final_state_hash == one.final_state_hash);
     CHECK(loss_bits(f1b) == loss_bits(one));
@@ -216,7 +193,7 @@ TEST_SUITE("pipeline") {
   }
 
   TEST_CASE("pp composes with dp, tp, sp, ep and fsdp on the one-process hash; a stage holds fewer weights") {
-    const ls::RunResult one = run({}, 1);
+    const ls::RunResult one = run_split({}, 1);
     for (const std::vector<std::string>& sets : std::vector<std::vector<std::string>>{
              {"mesh.dp=2", "mesh.tp=2", "mesh.pp=2", "train.microbatches=2"},
              {"mesh.dp=2", "mesh.fsdp=true", "mesh.pp=2", "train.microbatches=4", "mesh.pp_schedule=gpipe"},
@@ -231,7 +208,7 @@ TEST_SUITE("pipeline") {
               "mesh.pp_virtual=2"}}) {
       CAPTURE(sets.size());
       CAPTURE(sets.back());
-      const ls::RunResult r = run(sets);
+      const ls::RunResult r = run_split(sets);
       CHECK(r.final_state_hash == one.final_state_hash);
       CHECK(loss_bits(r) == loss_bits(one));
       CHECK(r.weight_bytes < one.weight_bytes);
@@ -240,13 +217,13 @@ TEST_SUITE("pipeline") {
   }
 
   TEST_CASE("the CUDA kernels, emulated, give the same bits through a pipeline") {
-    const ls::RunResult one = run({}, 1);
-    const ls::RunResult r = run(pp_sets(2, 4, "1f1b"), 2, ls::Backend::kCudaEmulated);
+    const ls::RunResult one = run_split({}, 1);
+    const ls::RunResult r = run_split(pp_sets(2, 4, "1f1b"), 2, ls::Backend::kCudaEmulated);
     CHECK(r.final_state_hash == one.final_state_hash);
   }
 
   TEST_CASE("a checkpoint saved at pp 2 resumes at pp 1, pp 4 and with tp and dp changed, on the uninterrupted hash") {
-    const std::string sc = lstest::write_temp("pp-ckpt.json", kScenario).string();
+    const std::string sc = lstest::write_temp("pp-ckpt.json", kSplitScenario).string();
     const auto whole = lstest::run_cli("run " + sc + " --json --quiet --steps 6");
     REQUIRE(whole.rc == 0);
     const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
@@ -276,7 +253,7 @@ TEST_SUITE("pipeline") {
   }
 
   TEST_CASE("on a pp mesh a supervised job survives a stage crash, and faults sweep holds the hash") {
-    const std::string sc = lstest::write_temp("pp-faults.json", kScenario).string();
+    const std::string sc = lstest::write_temp("pp-faults.json", kSplitScenario).string();
     const auto whole = lstest::run_cli("run " + sc + " --json --quiet --set train.steps=6");
     REQUIRE(whole.rc == 0);
     const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
@@ -291,15 +268,12 @@ TEST_SUITE("pipeline") {
     CHECK(j.at("final_state_hash") == hash);
     REQUIRE(j.at("restarts").size() == 1);
     CHECK(j.at("restarts")[0].at("failure") == "exit 86 (a rank crashed)");
-    const auto sweep = lstest::run_cli("faults sweep " + sc + " --trials 3 --seed 5" + sets);
-    CAPTURE(sweep.out);
-    CHECK(sweep.rc == 0);
-    CHECK(sweep.out.find("ended on the golden hash       3") != std::string::npos);
+    lstest::check_sweep_on_golden(sc, sets, 5);
   }
 
   TEST_CASE("bad pipeline input is refused with exit 2, naming the key") {
-    const std::string sc = lstest::write_temp("pp-bad.json", kScenario).string();
-    for (const auto& [sets, says] : std::vector<std::pair<std::string, std::string>>{
+    const std::string sc = lstest::write_temp("pp-bad.json", kSplitScenario).string();
+    lstest::check_refused(sc, {
              {"--set mesh.pp=7", "mesh.pp: is 7: more stages than the model has blocks to give them"},
              {"--set mesh.pp=4 --set mesh.pp_schedule=interleaved --set mesh.pp_virtual=2 --set train.microbatches=4",
               "mesh.pp: is 4 (x mesh.pp_virtual = 2 chunks each): more stages than the model has blocks"},
@@ -311,12 +285,6 @@ TEST_SUITE("pipeline") {
              {"--set mesh.pp_schedule=zigzag", "mesh.pp_schedule: must be gpipe, 1f1b or interleaved"},
              {"--set mesh.tp=4 --set mesh.sp=true --set train.microbatches=4",
               "train.microbatches: gives 2 leaves per microbatch over mesh.tp = 4 sequence-parallel ranks"},
-             {"--set moe.policy=drop --set train.microbatches=2", "train.microbatches: is 2 with moe.policy=drop"}}) {
-      CAPTURE(sets);
-      const auto r = lstest::run_cli("run " + sc + " --quiet " + sets);
-      CAPTURE(r.err);
-      CHECK(r.rc == 2);
-      CHECK(r.err.find(says) != std::string::npos);
-    }
+             {"--set moe.policy=drop --set train.microbatches=2", "train.microbatches: is 2 with moe.policy=drop"}});
   }
 }

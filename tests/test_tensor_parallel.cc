@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli_run.h"
+#include "split_mesh.h"
 #include "common/error.h"
 #include "contract.h"
 #include "model/model.h"
@@ -17,34 +18,10 @@
 
 namespace {
 
-// 2 layers, 4 heads, a shared expert, 4 experts top-2 at capacity factor 0.5
-// (several rounds), skewed routing: every split the model has, and rounds.
-const char* kScenario = R"({"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 8, "d_ff": 16,
-  "shared_expert": true},
-  "moe": {"experts": 4, "top_k": 2, "aux_loss_weight": 0.05, "z_loss_weight": 0.01, "capacity_factor": 0.5,
-          "router_skew": 1.0},
-  "train": {"steps": 3, "batch": 8, "warmup_steps": 1, "eval_every": 0, "eval_batches": 1},
-  "data": {"synthetic_bytes": 8192}})";
-
-ls::Scenario scenario(const std::vector<std::string>& sets) {
-  return ls::scenario_from_json(nlohmann::json::parse(kScenario), "tp.json", sets);
-}
-
-ls::RunResult run(const std::vector<std::string>& sets, int threads = 2, ls::Backend backend = ls::Backend::kEngine) {
-  ls::RunOptions opt;
-  opt.threads = threads;
-  opt.backend = backend;
-  opt.eval = false;
-  ls::RunResult r = ls::run_scenario(scenario(sets), opt);
-  omp_set_num_threads(omp_get_num_procs());
-  return r;
-}
-
-std::vector<std::string> loss_bits(const ls::RunResult& r) {
-  std::vector<std::string> out;
-  for (float l : r.losses) out.push_back(ls::hex_bits(l));
-  return out;
-}
+using lstest::kSplitScenario;
+using lstest::loss_bits;
+using lstest::run_split;
+using lstest::split_scenario;
 
 // A mesh of the invariance tests: tp ranks per data-parallel rank, dp, ep
 // and fsdp, as --set values.
@@ -77,8 +54,8 @@ double sent(const ls::RunResult& r, const char* kind) {
 
 TEST_SUITE("tensor_parallel") {
   TEST_CASE("tp 1, 2 and 4, with dp, ep and fsdp, end on the one-process hash; each rank sends the chained partials") {
-    const ls::RunResult one = run({}, 1);
-    const ls::Scenario s = scenario({});
+    const ls::RunResult one = run_split({}, 1);
+    const ls::Scenario s = split_scenario({});
     const ls::ModelConfig& c = s.model;
     const std::vector<Mesh> meshes = meshes_of({1, 2, 4});
     CHECK(meshes.size() == 18);
@@ -88,7 +65,7 @@ TEST_SUITE("tensor_parallel") {
       CAPTURE(dp);
       CAPTURE(ep);
       CAPTURE(m.fsdp);
-      const ls::RunResult r = run(m.sets);
+      const ls::RunResult r = run_split(m.sets);
       CHECK(r.final_state_hash == one.final_state_hash);
       CHECK(loss_bits(r) == loss_bits(one));
       if (tp == 1) {
@@ -107,8 +84,8 @@ TEST_SUITE("tensor_parallel") {
   }
 
   TEST_CASE("a tensor-parallel rank holds fewer weight and activation bytes, measured from its buffers") {
-    const ls::RunResult one = run({}, 1);
-    const ls::RunResult two = run({"mesh.tp=2"}, 1), four = run({"mesh.tp=4"}, 1);
+    const ls::RunResult one = run_split({}, 1);
+    const ls::RunResult two = run_split({"mesh.tp=2"}, 1), four = run_split({"mesh.tp=4"}, 1);
     CAPTURE(one.weight_bytes);
     CAPTURE(two.weight_bytes);
     CAPTURE(one.workspace_bytes);
@@ -119,20 +96,20 @@ TEST_SUITE("tensor_parallel") {
     CHECK(two.workspace_bytes < one.workspace_bytes);
     CHECK(four.workspace_bytes < two.workspace_bytes);
     // Weights and gradients: exactly what the rank's slices hold.
-    const ls::Scenario s = scenario({});
+    const ls::Scenario s = split_scenario({});
     CHECK(two.weight_bytes == 2 * 4 * ls::count_weights(s.model, 1, 2));
   }
 
   TEST_CASE("the CUDA kernels, emulated, give the same bits on a tensor-parallel mesh") {
     // Kernels launch asynchronously: a chained fold must wait for them before the host hands partials on.
-    const ls::RunResult one = run({}, 1);
-    const ls::RunResult r = run({"mesh.tp=2", "mesh.dp=2", "mesh.ep=2"}, 2, ls::Backend::kCudaEmulated);
+    const ls::RunResult one = run_split({}, 1);
+    const ls::RunResult r = run_split({"mesh.tp=2", "mesh.dp=2", "mesh.ep=2"}, 2, ls::Backend::kCudaEmulated);
     CHECK(r.final_state_hash == one.final_state_hash);
     CHECK(sent(r, "send") > 0);
   }
 
   TEST_CASE("sequence parallel: tp 2 and 4 with dp, ep and fsdp on the one-process hash; the stream is split and gathered") {
-    const ls::RunResult one = run({}, 1);
+    const ls::RunResult one = run_split({}, 1);
     const std::vector<Mesh> meshes = meshes_of({2, 4});
     CHECK(meshes.size() == 12);
     for (const Mesh& m : meshes) {
@@ -142,7 +119,7 @@ TEST_SUITE("tensor_parallel") {
       CAPTURE(m.fsdp);
       std::vector<std::string> with_sp = m.sets;
       with_sp.push_back("mesh.sp=true");
-      const ls::RunResult sp = run(with_sp), plain = run(m.sets);
+      const ls::RunResult sp = run_split(with_sp), plain = run_split(m.sets);
       CHECK(sp.final_state_hash == one.final_state_hash);
       CHECK(loss_bits(sp) == loss_bits(one));
       // Really another execution: the norms' outputs, the stream's gradient and the routing are gathered
@@ -156,7 +133,7 @@ TEST_SUITE("tensor_parallel") {
   }
 
   TEST_CASE("a tensor-parallel rank holds its slice of the split tensors, drawn as the whole tensor's elements") {
-    const ls::Scenario s = scenario({});
+    const ls::Scenario s = split_scenario({});
     const ls::MoeTransformer whole(s.model, s.leaf_samples, s.seed);
     for (int tp : {2, 4}) {
       CAPTURE(tp);
@@ -186,7 +163,7 @@ TEST_SUITE("tensor_parallel") {
   }
 
   TEST_CASE("a checkpoint saved at tp 2 with sp and fsdp resumes at tp 1, 2 and 4, dp, ep and fsdp changed, on the uninterrupted hash") {
-    const std::string sc = lstest::write_temp("tp-ckpt.json", kScenario).string();
+    const std::string sc = lstest::write_temp("tp-ckpt.json", kSplitScenario).string();
     const auto whole = lstest::run_cli("run " + sc + " --json --quiet --steps 6");
     REQUIRE(whole.rc == 0);
     const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
@@ -215,7 +192,7 @@ TEST_SUITE("tensor_parallel") {
   }
 
   TEST_CASE("on a tp mesh a supervised job survives a rank crash and a shrink, and faults sweep holds the hash") {
-    const std::string sc = lstest::write_temp("tp-faults.json", kScenario).string();
+    const std::string sc = lstest::write_temp("tp-faults.json", kSplitScenario).string();
     const auto whole = lstest::run_cli("run " + sc + " --json --quiet --set train.steps=6");
     REQUIRE(whole.rc == 0);
     const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
@@ -230,25 +207,17 @@ TEST_SUITE("tensor_parallel") {
     REQUIRE(j.at("restarts").size() == 2);
     CHECK(j.at("restarts")[0].at("failure") == "exit 86 (a rank crashed)");
     CHECK(j.at("restarts")[1].at("mesh_dp_after") == 1);
-    const auto sweep = lstest::run_cli("faults sweep " + sc + " --trials 3 --seed 7" + sets);
-    CAPTURE(sweep.out);
-    CHECK(sweep.rc == 0);
-    CHECK(sweep.out.find("ended on the golden hash       3") != std::string::npos);
+    lstest::check_sweep_on_golden(sc, sets, 7);
   }
 
   TEST_CASE("bad tensor-parallel input is refused with exit 2, naming the key") {
-    const std::string sc = lstest::write_temp("tp-bad.json", kScenario).string();
-    for (const auto& [sets, says] : std::vector<std::pair<std::string, std::string>>{
+    const std::string sc = lstest::write_temp("tp-bad.json", kSplitScenario).string();
+    lstest::check_refused(sc, {
              {"--set mesh.tp=3", "mesh.tp: must divide model.n_heads = 4, got 3"},
              {"--set mesh.tp=4 --set model.d_ff=18", "mesh.tp: must divide model.d_ff = 18, got 4"},
              {"--set mesh.tp=2 --set numerics.level=local", "mesh.tp: is 2 with numerics.level=local"},
              {"--set mesh.sp=true", "mesh.sp: is true but mesh.tp = 1"},
              {"--set mesh.sp=true --set mesh.tp=4 --set mesh.dp=4",
-              "mesh.sp: gives 2 leaves per data-parallel rank over mesh.tp = 4 ranks"}}) {
-      CAPTURE(sets);
-      const auto r = lstest::run_cli("run " + sc + " --quiet " + sets);
-      CHECK(r.rc == 2);
-      CHECK(r.err.find(says) != std::string::npos);
-    }
+              "mesh.sp: gives 2 leaves per data-parallel rank over mesh.tp = 4 ranks"}});
   }
 }
