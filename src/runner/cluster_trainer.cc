@@ -165,11 +165,13 @@ std::pair<int64_t, int64_t> ClusterTrainer::range(const Rank& r, size_t t) const
 double ClusterTrainer::train_flops_per_token() const { return ls::train_flops_per_token(s_.model); }
 
 void ClusterTrainer::set_trace(TraceSink* sink) {
-  if (sink) throw UserError("--trace: tracing a multi-rank mesh is not supported yet; trace with mesh.dp=1");
+  if (sink)
+    throw UserError("--trace: tracing a multi-rank or pipelined mesh is not supported yet; trace the same scenario on "
+                    "one rank (mesh.* at 1 and train.microbatches=1), which must give the same bits");
 }
 
 void ClusterTrainer::debug_bump_weight(const std::string&, int64_t) {
-  throw UserError("--debug-bump: only on a single-rank mesh (mesh.dp=1)");
+  throw UserError("--debug-bump: only on one rank (mesh.* at 1 and train.microbatches=1)");
 }
 
 void ClusterTrainer::set_debug_reorder_moe_norm(bool on) {

@@ -303,8 +303,8 @@ std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
   if (b != Backend::kReference && is_multi_rank(s)) return std::make_unique<ClusterTrainer>(s);
   if (b != Backend::kReference) return std::make_unique<EngineTrainer>(s);
   if (is_multi_rank(s) || s.model.moe_policy == MoePolicy::kDrop)
-    throw UserError("--backend reference: runs one rank and the dropless schedule only (mesh.* and moe.policy=drop "
-                    "are engine features)");
+    throw UserError("--backend reference: runs one rank and the dropless schedule only (mesh.*, "
+                    "train.microbatches > 1 and moe.policy=drop are engine features)");
   return std::make_unique<ReferenceTrainer>(s);
 }
 
