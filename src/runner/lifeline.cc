@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cerrno>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -19,6 +20,8 @@ namespace {
 
 std::atomic<int> g_watched{0};     // the supervisor's pid, 0 when none is watched
 std::atomic<int> g_pidfd{-1};      // its pidfd, -1 without one
+std::atomic<bool> g_ending{false};  // one thread is already ending the process
+std::string g_cleanup_dir;          // set before the watch starts, read-only after
 
 bool process_exists(int pid) { return ::kill(pid, 0) == 0 || errno == EPERM; }
 
@@ -29,7 +32,13 @@ bool pidfd_ended(int fd, int timeout_ms) {
   return ::poll(&p, 1, timeout_ms) > 0 && (p.revents & (POLLIN | POLLHUP | POLLERR));
 }
 
+// Whichever thread finds the supervisor gone first (the watch thread, or one
+// checking before a commit) prints, cleans up and _exits; a second one waits
+// for that _exit. Neither returns, so no error path can exit the process
+// halfway through the cleanup.
 [[noreturn]] void supervisor_gone(int pid, const std::string& cleanup_dir) {
+  if (g_ending.exchange(true))
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
   std::fprintf(stderr,
                "lockstep: the supervisor (pid %d) is gone: this job stops now, committing nothing more "
                "(exit %d)\n",
@@ -55,7 +64,8 @@ bool pidfd_ended(int fd, int timeout_ms) {
 }  // namespace
 
 void watch_supervisor(int pid, const char* cleanup_dir) {
-  const std::string dir = cleanup_dir ? cleanup_dir : "";
+  g_cleanup_dir = cleanup_dir ? cleanup_dir : "";
+  const std::string dir = g_cleanup_dir;
   // A pidfd turns readable when the process ends: no polling delay. It refers
   // to the process, so a recycled pid cannot fool it once it is open.
   int fd = -1;
@@ -75,6 +85,12 @@ void watch_supervisor(int pid, const char* cleanup_dir) {
   }
   g_pidfd = fd;
   g_watched = pid;
+  // A main thread that returns or exits while the watch thread cleans up
+  // would end the process halfway through: exit() waits for its _exit.
+  std::atexit([] {
+    if (g_ending.load())
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  });
   std::thread([pid, fd, dir] {
     for (;;) {
       if (fd >= 0) {
@@ -87,10 +103,10 @@ void watch_supervisor(int pid, const char* cleanup_dir) {
   }).detach();
 }
 
-bool supervisor_alive() {
+void require_supervisor() {
   const int pid = g_watched.load(), fd = g_pidfd.load();
-  if (pid == 0) return true;
-  return fd >= 0 ? !pidfd_ended(fd, 0) : process_exists(pid);
+  if (pid == 0) return;
+  if (fd >= 0 ? pidfd_ended(fd, 0) : !process_exists(pid)) supervisor_gone(pid, g_cleanup_dir);
 }
 
 }  // namespace ls

@@ -21,9 +21,12 @@ constexpr int kExitSupervisorLost = 89;
 // once; if the supervisor is already gone, does not return.
 void watch_supervisor(int supervisor_pid, const char* cleanup_dir);
 
-// False once a watched supervisor is gone (checked again, not only from the
-// watch thread's flag): the last check before a manifest is written. True
-// when no supervisor is watched.
-bool supervisor_alive();
+// The last check before a manifest is written: returns while the watched
+// supervisor lives (or none is watched). Once it is gone -- checked again,
+// not only from the watch thread -- ends this process as the watch thread
+// would (one line, cleanup_dir removed, exit kExitSupervisorLost), so the
+// job never exits through an error path with the scratch directory half
+// removed.
+void require_supervisor();
 
 }  // namespace ls

@@ -588,9 +588,9 @@ void TrainingRun::open_writer() {
       mesh_json(s_.mesh, s_.microbatches), procs_);
   if (injector_) writer_->set_commit_hook([this](int64_t step) { injector_->after_commit(step); });
   // Nothing is committed or deleted by a job that no longer holds the
-  // prefix, or whose supervisor is gone (its lifeline ends it an instant later).
+  // prefix, or whose supervisor is gone (its lifeline ends it, here or an instant later).
   writer_->set_commit_guard([l = lease_.get()] {
-    if (!supervisor_alive()) throw LeaseLost("the supervisor is gone: not committing");
+    require_supervisor();  // does not return once the supervisor is gone
     if (l) l->check();
   });
   if (lease_) writer_->set_lease_token(lease_->job(), lease_->generation());
