@@ -262,6 +262,70 @@ TEST_SUITE("engine") {
     ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
   }
 
+  TEST_CASE("attention over query ranges, chained in ascending order, gives the whole sequence's bits") {
+    // What a context-parallel rank computes: its query range against every
+    // earlier key, dK and dV continuing the folds of the ranges before it.
+    // Ranges of every size (a lone row, ranges that start and end inside a
+    // 16-block, the zigzag halves) on every instruction-set path.
+    for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {
+      if (!ls::ops::gemm_path_supported(path)) continue;
+      ls::ops::set_gemm_path(path);
+      const std::string path_name = ls::ops::gemm_path_name();
+      CAPTURE(path_name);
+      for (int hd : {3, 8, 16, 32, 64}) {
+        for (const std::vector<int>& cuts : std::vector<std::vector<int>>{
+                 {0, 13}, {0, 1, 13}, {0, 5, 9, 13}, {0, 16, 32, 48, 64}, {0, 8, 16, 24, 32, 40, 48, 56, 64},
+                 {0, 3, 20, 21, 37, 64}, {0, 40, 64}}) {
+          const int S = cuts.back();
+          CAPTURE(hd);
+          CAPTURE(S);
+          CAPTURE(cuts.size());
+          const int64_t ld = 3 * hd + 5, ldo = hd + 3, ldd = 3 * hd + 1;
+          const float scale = 1.0f / ls::sqrt((float)hd);
+          auto qkv = random_vec((size_t)S * ld, 3000 + hd * 7 + S, 2.0f), dO = random_vec((size_t)S * ldo, 4000 + S);
+          const float *q = qkv.data(), *k = q + hd, *v = q + 2 * hd;
+          std::vector<float> P((size_t)ls::ops::attention_probs_floats(S)), o((size_t)S * ldo);
+          ls::ops::AttentionScratch sc;
+          ls::ops::attention_forward(q, k, v, ld, S, hd, scale, P.data(), o.data(), ldo, sc);
+          std::vector<float> d((size_t)S * ldd, 0.0f);
+          ls::ops::attention_backward(q, k, v, ld, S, hd, scale, P.data(), dO.data(), ldo, d.data(), d.data() + hd,
+                                      d.data() + 2 * hd, ldd, sc);
+          // The ranges: q, dO, o, dq in buffers of their own rows; dk, dv one
+          // buffer the ranges hand on in ascending order.
+          std::vector<float> dkv((size_t)S * 2 * hd, 0.0f);
+          for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+            const int t_off = cuts[c], Q = cuts[c + 1] - cuts[c];
+            std::vector<float> ql((size_t)Q * hd), dOl((size_t)Q * hd), ol((size_t)Q * hd), dql((size_t)Q * hd),
+                Pl((size_t)ls::ops::attention_range_probs_floats(Q, t_off));
+            for (int i = 0; i < Q; ++i)
+              for (int j = 0; j < hd; ++j) {
+                ql[(size_t)i * hd + j] = q[(size_t)(t_off + i) * ld + j];
+                dOl[(size_t)i * hd + j] = dO[(size_t)(t_off + i) * ldo + j];
+              }
+            ls::ops::attention_forward_range(ql.data(), hd, k, v, ld, Q, t_off, hd, scale, Pl.data(), ol.data(), hd,
+                                             sc);
+            for (int i = 0; i < Q; ++i) {
+              for (int u = 0; u <= t_off + i; ++u)
+                REQUIRE(ls::bits(ls::ops::attention_range_prob(Pl.data(), Q, t_off, i, u)) ==
+                        ls::bits(ls::ops::attention_prob(P.data(), S, t_off + i, u)));
+              for (int j = 0; j < hd; ++j)
+                REQUIRE(ls::bits(ol[(size_t)i * hd + j]) == ls::bits(o[(size_t)(t_off + i) * ldo + j]));
+            }
+            ls::ops::attention_backward_range(ql.data(), hd, k, v, ld, Q, t_off, hd, scale, Pl.data(), dOl.data(),
+                                              hd, dql.data(), hd, dkv.data(), dkv.data() + hd, 2 * hd, c > 0, sc);
+            for (int i = 0; i < Q; ++i)
+              for (int j = 0; j < hd; ++j)
+                REQUIRE(ls::bits(dql[(size_t)i * hd + j]) == ls::bits(d[(size_t)(t_off + i) * ldd + j]));
+          }
+          for (int u = 0; u < S; ++u)
+            for (int j = 0; j < 2 * hd; ++j)
+              REQUIRE(ls::bits(dkv[(size_t)u * 2 * hd + j]) == ls::bits(d[(size_t)u * ldd + hd + j]));
+        }
+      }
+    }
+    ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
+  }
+
   TEST_CASE("causal attention head: NaN, infinite and tied scores give the reference's bits") {
     // Special scores (NaN, +-inf, inf - inf, all-equal rows) through the
     // blocked softmax and the folds must come out as the reference's bits,

@@ -18,71 +18,86 @@
 namespace ls::ops {
 namespace internal {
 // attention_avx512.cc: the same kernels with 16-lane vectors.
-void causal_rows_avx512(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd);
-void causal_cols_avx512(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd);
-void causal_scores_avx512(const float* X, int64_t ldx, const float* Y, int64_t ldy, int S, int hd, float* out,
-                          float* xt);
-void softmax_blocks_avx512(float* s, int S, float scale);
-void softmax_backward_blocks_avx512(const float* P, float* dp, int S, float scale);
+void causal_rows_avx512(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo,
+                        int hd);
+void causal_cols_avx512(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo,
+                        int hd, bool accumulate);
+void causal_scores_avx512(const float* X, int64_t ldx, const float* Y, int64_t ldy, int Q, int t_off, int hd,
+                          float* out, float* xt);
+void softmax_blocks_avx512(float* s, int Q, int t_off, float scale);
+void softmax_backward_blocks_avx512(const float* P, float* dp, int Q, int t_off, float scale);
 }  // namespace internal
 namespace {
 
 using attention_kernels::blocked_index;
 using attention_kernels::kBlock;
 
-// out[t][:] = fold over u = 0..t, ascending, from +0, of A(t, u) * M[u][:].
+// The scalar kernels, on a query range as attention_kernels.h: local rows
+// i = 0..Q-1 are positions t = t_off + i, keys u = 0..U-1 with U = t_off + Q.
+
+// out[i][:] = fold over u = 0..t_off+i, ascending, from +0, of A(i, u) * M[u][:].
 // Reduces over the key position u <= t (the causal prefix of row t).
-void causal_rows_scalar(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd) {
-  for (int t = 0; t < S; ++t)
+void causal_rows_scalar(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo,
+                        int hd) {
+  const int U = t_off + Q;
+  for (int i = 0; i < Q; ++i)
     for (int j = 0; j < hd; ++j) {
       float acc = 0.0f;
-      for (int u = 0; u <= t; ++u) acc = ls::fma(A[blocked_index(S, t, u)], M[(int64_t)u * ldm + j], acc);
-      out[(int64_t)t * ldo + j] = acc;
+      for (int u = 0; u <= t_off + i; ++u) acc = ls::fma(A[blocked_index(U, i, u)], M[(int64_t)u * ldm + j], acc);
+      out[(int64_t)i * ldo + j] = acc;
     }
 }
 
-// out[u][:] = fold over t = u..S-1, ascending, from +0, of A(t, u) * M[t][:].
+// out[u][:] = fold over t = max(u, t_off)..U-1, ascending, of A(t - t_off, u) *
+// M[t - t_off][:], from +0 or (accumulate) from out[u]'s partial fold.
 // Reduces over the query position t >= u (the causal suffix of column u).
-void causal_cols_scalar(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd) {
-  for (int u = 0; u < S; ++u)
+void causal_cols_scalar(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo,
+                        int hd, bool accumulate) {
+  const int U = t_off + Q;
+  for (int u = 0; u < U; ++u)
     for (int j = 0; j < hd; ++j) {
-      float acc = 0.0f;
-      for (int t = u; t < S; ++t) acc = ls::fma(A[blocked_index(S, t, u)], M[(int64_t)t * ldm + j], acc);
+      float acc = accumulate ? out[(int64_t)u * ldo + j] : 0.0f;
+      for (int t = std::max(u, t_off); t < U; ++t)
+        acc = ls::fma(A[blocked_index(U, t - t_off, u)], M[(int64_t)(t - t_off) * ldm + j], acc);
       out[(int64_t)u * ldo + j] = acc;
     }
 }
 
-// out(t, u) = fold over j, ascending, from +0, of X[t][j] * Y[u][j], for u <= t.
+// out(i, u) = fold over j, ascending, from +0, of X[i][j] * Y[u][j], for u <= t_off + i.
 // Reduces over the head feature j.
-void causal_scores_scalar(const float* X, int64_t ldx, const float* Y, int64_t ldy, int S, int hd, float* out) {
-  for (int t = 0; t < S; ++t)
-    for (int u = 0; u <= t; ++u) {
+void causal_scores_scalar(const float* X, int64_t ldx, const float* Y, int64_t ldy, int Q, int t_off, int hd,
+                          float* out) {
+  const int U = t_off + Q;
+  for (int i = 0; i < Q; ++i)
+    for (int u = 0; u <= t_off + i; ++u) {
       float acc = 0.0f;
-      for (int j = 0; j < hd; ++j) acc = ls::fma(X[(int64_t)t * ldx + j], Y[(int64_t)u * ldy + j], acc);
-      out[blocked_index(S, t, u)] = acc;
+      for (int j = 0; j < hd; ++j) acc = ls::fma(X[(int64_t)i * ldx + j], Y[(int64_t)u * ldy + j], acc);
+      out[blocked_index(U, i, u)] = acc;
     }
 }
 
 template <bool kRows>
-void causal(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd) {
+void causal(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo, int hd,
+            bool accumulate = false) {
   const GemmPath path = gemm_path();
   if (path == GemmPath::kAvx512 && hd % 16 == 0) {
-    if (kRows) return internal::causal_rows_avx512(A, S, M, ldm, out, ldo, hd);
-    return internal::causal_cols_avx512(A, S, M, ldm, out, ldo, hd);
+    if (kRows) return internal::causal_rows_avx512(A, Q, t_off, M, ldm, out, ldo, hd);
+    return internal::causal_cols_avx512(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
   }
   if (path != GemmPath::kScalar && hd % 8 == 0)
-    return attention_kernels::fold<internal::Avx2, kRows>(A, S, M, ldm, out, ldo, hd);
-  if (kRows) return causal_rows_scalar(A, S, M, ldm, out, ldo, hd);
-  causal_cols_scalar(A, S, M, ldm, out, ldo, hd);
+    return attention_kernels::fold<internal::Avx2, kRows>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
+  if (kRows) return causal_rows_scalar(A, Q, t_off, M, ldm, out, ldo, hd);
+  causal_cols_scalar(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
 }
 
-void scores(const float* X, int64_t ldx, const float* Y, int64_t ldy, int S, int hd, float* out,
+void scores(const float* X, int64_t ldx, const float* Y, int64_t ldy, int Q, int t_off, int hd, float* out,
             std::vector<float>& xt) {
   const GemmPath path = gemm_path();
-  if (path == GemmPath::kScalar) return causal_scores_scalar(X, ldx, Y, ldy, S, hd, out);
+  if (path == GemmPath::kScalar) return causal_scores_scalar(X, ldx, Y, ldy, Q, t_off, hd, out);
   xt.resize((size_t)hd * kBlock);
-  if (path == GemmPath::kAvx512) return internal::causal_scores_avx512(X, ldx, Y, ldy, S, hd, out, xt.data());
-  attention_kernels::scores<internal::Avx2>(X, ldx, Y, ldy, S, hd, out, xt.data());
+  if (path == GemmPath::kAvx512)
+    return internal::causal_scores_avx512(X, ldx, Y, ldy, Q, t_off, hd, out, xt.data());
+  attention_kernels::scores<internal::Avx2>(X, ldx, Y, ldy, Q, t_off, hd, out, xt.data());
 }
 
 // Row t of a block is lane t - t0; it reads u <= t.
@@ -92,10 +107,12 @@ inline bool in_row(int u, int t0, int l) { return u <= t0 + l; }
 // lanes of a block (attention_kernels.h has the vector twin): row t is
 // scaled, then softmax over u <= t as ops::softmax does it. Reduces over the
 // key position u <= t.
-void softmax_blocks_scalar(float* s, int S, float scale) {
-  for (int t0 = 0; t0 < S; t0 += kBlock) {
+void softmax_blocks_scalar(float* s, int Q, int t_off, float scale) {
+  const int S = t_off + Q;  // keys: the layout's rows per block
+  for (int i0 = 0; i0 < Q; i0 += kBlock) {
+    const int t0 = t_off + i0;
     const int U = std::min(S, t0 + kBlock);
-    float* b = s + (int64_t)t0 * S;
+    float* b = s + (int64_t)i0 * S;
     float m[kBlock], sum[kBlock];
     for (int u = 0; u < U; ++u)
       for (int l = 0; l < kBlock; ++l) b[u * kBlock + l] = b[u * kBlock + l] * scale;
@@ -120,11 +137,13 @@ void softmax_blocks_scalar(float* s, int S, float scale) {
 // dp -> dS in place: dS(t, u) = (P * (dp - dot_t)) * scale with dot_t the
 // fma fold of dp * P over u <= t, ascending, from +0 (ops::softmax_backward).
 // Reduces over the key position u <= t.
-void softmax_backward_blocks_scalar(const float* P, float* dp, int S, float scale) {
-  for (int t0 = 0; t0 < S; t0 += kBlock) {
+void softmax_backward_blocks_scalar(const float* P, float* dp, int Q, int t_off, float scale) {
+  const int S = t_off + Q;
+  for (int i0 = 0; i0 < Q; i0 += kBlock) {
+    const int t0 = t_off + i0;
     const int U = std::min(S, t0 + kBlock);
-    const float* p = P + (int64_t)t0 * S;
-    float* d = dp + (int64_t)t0 * S;
+    const float* p = P + (int64_t)i0 * S;
+    float* d = dp + (int64_t)i0 * S;
     float dot[kBlock];
     for (int l = 0; l < kBlock; ++l) dot[l] = 0.0f;
     for (int u = 0; u < U; ++u)
@@ -138,18 +157,39 @@ void softmax_backward_blocks_scalar(const float* P, float* dp, int S, float scal
   }
 }
 
-void softmax_blocks(float* s, int S, float scale) {
+void softmax_blocks(float* s, int Q, int t_off, float scale) {
   const GemmPath path = gemm_path();
-  if (path == GemmPath::kAvx512) return internal::softmax_blocks_avx512(s, S, scale);
-  if (path == GemmPath::kAvx2) return attention_kernels::softmax_blocks<internal::Avx2>(s, S, scale);
-  softmax_blocks_scalar(s, S, scale);
+  if (path == GemmPath::kAvx512) return internal::softmax_blocks_avx512(s, Q, t_off, scale);
+  if (path == GemmPath::kAvx2) return attention_kernels::softmax_blocks<internal::Avx2>(s, Q, t_off, scale);
+  softmax_blocks_scalar(s, Q, t_off, scale);
 }
 
-void softmax_backward_blocks(const float* P, float* dp, int S, float scale) {
+void softmax_backward_blocks(const float* P, float* dp, int Q, int t_off, float scale) {
   const GemmPath path = gemm_path();
-  if (path == GemmPath::kAvx512) return internal::softmax_backward_blocks_avx512(P, dp, S, scale);
-  if (path == GemmPath::kAvx2) return attention_kernels::softmax_backward_blocks<internal::Avx2>(P, dp, S, scale);
-  softmax_backward_blocks_scalar(P, dp, S, scale);
+  if (path == GemmPath::kAvx512) return internal::softmax_backward_blocks_avx512(P, dp, Q, t_off, scale);
+  if (path == GemmPath::kAvx2)
+    return attention_kernels::softmax_backward_blocks<internal::Avx2>(P, dp, Q, t_off, scale);
+  softmax_backward_blocks_scalar(P, dp, Q, t_off, scale);
+}
+
+// The contract's attention of a query range (attention.h).
+void forward_range(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q, int t_off,
+                   int hd, float scale, float* P, float* o, int64_t ldo, AttentionScratch& sc) {
+  scores(q, ldq, k, ldkv, Q, t_off, hd, P, sc.t1);  // s(t, u) over the feature j
+  softmax_blocks(P, Q, t_off, scale);               // row t over u <= t
+  causal<true>(P, Q, t_off, v, ldkv, o, ldo, hd);   // o over u <= t
+}
+
+void backward_range(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q, int t_off,
+                    int hd, float scale, const float* P, const float* dO, int64_t ldo, float* dq, int64_t lddq,
+                    float* dk, float* dv, int64_t lddkv, bool continue_kv, AttentionScratch& sc) {
+  sc.t0.resize((size_t)attention_range_probs_floats(Q, t_off));
+  float* dS = sc.t0.data();
+  scores(dO, ldo, v, ldkv, Q, t_off, hd, dS, sc.t1);                 // dp(t, u) over the feature j
+  softmax_backward_blocks(P, dS, Q, t_off, scale);                    // row t over u <= t
+  causal<true>(dS, Q, t_off, k, ldkv, dq, lddq, hd);                  // dq over u <= t
+  causal<false>(dS, Q, t_off, q, ldq, dk, lddkv, hd, continue_kv);    // dk over t >= u
+  causal<false>(P, Q, t_off, dO, ldo, dv, lddkv, hd, continue_kv);    // dv over t >= u
 }
 
 // numerics.level=local: dense S x S scores and probabilities, every product
@@ -197,7 +237,15 @@ void attention_backward_local(const float* q, const float* k, const float* v, in
 
 }  // namespace
 
-int64_t attention_probs_floats(int S) { return (int64_t)((S + kBlock - 1) / kBlock) * kBlock * S; }
+int64_t attention_range_probs_floats(int Q, int t_off) {
+  return (int64_t)((Q + kBlock - 1) / kBlock) * kBlock * (t_off + Q);
+}
+
+float attention_range_prob(const float* P, int Q, int t_off, int i, int u) {
+  return P[blocked_index(t_off + Q, i, u)];
+}
+
+int64_t attention_probs_floats(int S) { return attention_range_probs_floats(S, 0); }
 
 float attention_prob(const float* P, int S, int t, int u) { return P[blocked_index(S, t, u)]; }
 
@@ -205,9 +253,7 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t l
                        float* P, float* o, int64_t ldo, AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
   if (local_numerics()) return attention_forward_local(q, k, v, ld, S, hd, scale, P, o, ldo, sc);
-  scores(q, ld, k, ld, S, hd, P, sc.t1);  // s(t, u) over the feature j
-  softmax_blocks(P, S, scale);            // row t over u <= t
-  causal<true>(P, S, v, ld, o, ldo, hd);  // o over u <= t
+  forward_range(q, ld, k, v, ld, S, 0, hd, scale, P, o, ldo, sc);
 }
 
 void attention_backward(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
@@ -215,15 +261,23 @@ void attention_backward(const float* q, const float* k, const float* v, int64_t 
                         AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
   if (local_numerics()) return attention_backward_local(q, k, v, ld, S, hd, scale, P, dO, ldo, dq, dk, dv, ldd, sc);
-  sc.t0.resize((size_t)attention_probs_floats(S));
-  float* dS = sc.t0.data();
-  scores(dO, ldo, v, ld, S, hd, dS, sc.t1);   // dp(t, u) over the feature j
-  softmax_backward_blocks(P, dS, S, scale);    // row t over u <= t
-  causal<true>(dS, S, k, ld, dq, ldd, hd);     // dq over u <= t
-  causal<false>(dS, S, q, ld, dk, ldd, hd);    // dk over t >= u
-  causal<false>(P, S, dO, ldo, dv, ldd, hd);   // dv over t >= u
+  backward_range(q, ld, k, v, ld, S, 0, hd, scale, P, dO, ldo, dq, ldd, dk, dv, ldd, false, sc);
 }
 
+void attention_forward_range(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q,
+                             int t_off, int hd, float scale, float* P, float* o, int64_t ldo,
+                             AttentionScratch& sc) {
+  const OpTimer op_timer(OpKind::kAttention);
+  forward_range(q, ldq, k, v, ldkv, Q, t_off, hd, scale, P, o, ldo, sc);
+}
+
+void attention_backward_range(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q,
+                              int t_off, int hd, float scale, const float* P, const float* dO, int64_t ldo,
+                              float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv, bool continue_kv,
+                              AttentionScratch& sc) {
+  const OpTimer op_timer(OpKind::kAttention);
+  backward_range(q, ldq, k, v, ldkv, Q, t_off, hd, scale, P, dO, ldo, dq, lddq, dk, dv, lddkv, continue_kv, sc);
+}
 void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, float scale, float* P, float* o) {
   if (auto k = kernel(&OpHooks::attention_forward_heads)) {
     const OpTimer op_timer(OpKind::kAttention);

@@ -33,6 +33,33 @@ void attention_backward(const float* q, const float* k, const float* v, int64_t 
                         const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv, int64_t ldd,
                         AttentionScratch& scratch);
 
+// A query range: the positions t = t_off .. t_off+Q-1 of one sequence
+// (local rows i = t - t_off) against its keys u = 0 .. t_off+Q-1 -- what a
+// context-parallel rank computes for the queries it holds (mesh.cp,
+// docs/NUMERICS.md §3). Every fold is the whole sequence's, so a row's
+// outputs are the bits attention_forward / attention_backward give it.
+// q, dO, o and dq hold the Q local rows (strides ldq, ldo, ldo, lddq); k, v
+// hold the t_off + Q keys (stride ldkv); P the range's blocked probabilities.
+int64_t attention_range_probs_floats(int Q, int t_off);
+float attention_range_prob(const float* P, int Q, int t_off, int i, int u);
+
+// Scores reduce over the head feature j; outputs over the key position u <= t.
+void attention_forward_range(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q,
+                             int t_off, int hd, float scale, float* P, float* o, int64_t ldo,
+                             AttentionScratch& scratch);
+
+// dq reduces over u <= t. dk and dv (t_off + Q rows, stride lddkv) reduce
+// over the query position t >= u in ascending t: the range folds its
+// queries into each key's row, from +0 or, with continue_kv, continuing the
+// partial fold the row holds (the queries before t_off, folded by whoever
+// held them). A key u >= t_off takes its first term here: its row must hold
+// +0 when continuing. Chaining ranges in ascending t_off gives the whole
+// sequence's dk, dv bit for bit.
+void attention_backward_range(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q,
+                              int t_off, int hd, float scale, const float* P, const float* dO, int64_t ldo,
+                              float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv, bool continue_kv,
+                              AttentionScratch& scratch);
+
 // Every (sample, head) of a batch in the model's layout: q, k, v of head h
 // of sample b are rows b*S.. of qkv [B*S, 3D] at columns h*hd, D + h*hd and
 // 2D + h*hd (D = H*hd); head b*H + h keeps its P at P + (b*H + h) *

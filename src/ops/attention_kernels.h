@@ -19,22 +19,29 @@ namespace attention_kernels {
 
 constexpr int kBlock = 16;  // query positions per block of the probability layout
 
-// Offset of (t, u) in the blocked layout of an S x S matrix: block t / 16
-// holds S rows u of 16 lanes t % 16.
-inline int64_t blocked_index(int S, int t, int u) {
-  return (int64_t)(t / kBlock) * kBlock * S + (int64_t)u * kBlock + t % kBlock;
+// Offset of (t, u) in the blocked layout of a matrix of U keys per query
+// row: block t / 16 holds U rows u of 16 lanes t % 16. t counts the rows
+// held (a query range's first row is t = 0); U = S for a whole sequence.
+inline int64_t blocked_index(int U, int t, int u) {
+  return (int64_t)(t / kBlock) * kBlock * U + (int64_t)u * kBlock + t % kBlock;
 }
 
-// out[t][:] = fold over u = 0..t, ascending, from +0, of A(t, u) * M[u][:],
-// for the rows t0 .. t0+rows-1 (inside one 16-block) and the features
-// j0 .. j0 + V::kLanes*JV - 1.
+// The kernels below work on a query range: local rows i = 0..Q-1 are the
+// positions t = t_off + i of a sequence, against keys u = 0..t_off+Q-1 (U
+// of them). A whole sequence is t_off = 0, Q = U = S; a context-parallel
+// rank passes the range it holds (docs/NUMERICS.md §3).
+
+// out[i][:] = fold over u = 0..t_off+i, ascending, from +0, of A(i, u) * M[u][:],
+// for the local rows i0 .. i0+rows-1 (inside one 16-block) and the features
+// j0 .. j0 + V::kLanes*JV - 1. M holds the U keys' rows.
 template <class V, int R, int JV>
-void rows_block(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int t0, int rows,
-                int j0) {
+void rows_block(const float* A, int U, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo, int i0,
+                int rows, int j0) {
   typename V::T acc[R][JV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < JV; ++v) acc[r][v] = V::zero();
-  const float* a = A + blocked_index(S, t0, 0);  // a[u * 16 + r] = A(t0 + r, u)
+  const int t0 = t_off + i0;                     // the position of local row i0
+  const float* a = A + blocked_index(U, i0, 0);  // a[u * 16 + r] = A(i0 + r, u)
   for (int u = 0; u <= t0; ++u) {  // every row of the block takes the term
     typename V::T m[JV];
     for (int v = 0; v < JV; ++v) m[v] = V::load(M + (int64_t)u * ldm + j0 + V::kLanes * v);
@@ -53,30 +60,35 @@ void rows_block(const float* A, int S, const float* M, int64_t ldm, float* out, 
     }
   }
   for (int r = 0; r < rows; ++r)
-    for (int v = 0; v < JV; ++v) V::store(out + (int64_t)(t0 + r) * ldo + j0 + V::kLanes * v, acc[r][v]);
+    for (int v = 0; v < JV; ++v) V::store(out + (int64_t)(i0 + r) * ldo + j0 + V::kLanes * v, acc[r][v]);
 }
 
-// out[u][:] = fold over t = u..S-1, ascending, from +0, of A(t, u) * M[t][:],
-// for the rows u0 .. u0+rows-1.
+// out[u][:] = fold over t = max(u, t_off)..t_off+Q-1, ascending, of
+// A(t - t_off, u) * M[t - t_off][:], for the keys u0 .. u0+rows-1: from +0,
+// or, with `accumulate`, continuing the fold out[u] holds (the queries
+// before t_off, folded by the ranks that hold them). M holds the Q rows.
 template <class V, int R, int JV>
-void cols_block(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int u0, int rows,
-                int j0) {
+void cols_block(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo, int u0,
+                int rows, int j0, bool accumulate) {
+  const int U = t_off + Q, t_end = t_off + Q;
   typename V::T acc[R][JV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < JV; ++v) acc[r][v] = V::zero();
-  for (int t = u0; t < u0 + rows; ++t) {  // only outputs u <= t
+    for (int v = 0; v < JV; ++v)
+      acc[r][v] = accumulate && r < rows ? V::load(out + (int64_t)(u0 + r) * ldo + j0 + V::kLanes * v) : V::zero();
+  const int diag_end = u0 + rows < t_end ? u0 + rows : t_end;
+  for (int t = u0 > t_off ? u0 : t_off; t < diag_end; ++t) {  // only outputs u <= t
     typename V::T m[JV];
-    for (int v = 0; v < JV; ++v) m[v] = V::load(M + (int64_t)t * ldm + j0 + V::kLanes * v);
-    const float* a = A + blocked_index(S, t, u0);  // a[r * 16] = A(t, u0 + r)
+    for (int v = 0; v < JV; ++v) m[v] = V::load(M + (int64_t)(t - t_off) * ldm + j0 + V::kLanes * v);
+    const float* a = A + blocked_index(U, t - t_off, u0);  // a[r * 16] = A(t, u0 + r)
     for (int r = 0; r <= t - u0; ++r) {
       const typename V::T x = V::set1(a[(int64_t)r * kBlock]);
       for (int v = 0; v < JV; ++v) acc[r][v] = V::fma(x, m[v], acc[r][v]);
     }
   }
-  for (int t = u0 + rows; t < S; ++t) {  // every output of the block takes the term
+  for (int t = u0 + rows > t_off ? u0 + rows : t_off; t < t_end; ++t) {  // every output of the block takes the term
     typename V::T m[JV];
-    for (int v = 0; v < JV; ++v) m[v] = V::load(M + (int64_t)t * ldm + j0 + V::kLanes * v);
-    const float* a = A + blocked_index(S, t, u0);
+    for (int v = 0; v < JV; ++v) m[v] = V::load(M + (int64_t)(t - t_off) * ldm + j0 + V::kLanes * v);
+    const float* a = A + blocked_index(U, t - t_off, u0);
     for (int r = 0; r < R; ++r) {
       if (r >= rows) break;
       const typename V::T x = V::set1(a[(int64_t)r * kBlock]);
@@ -87,26 +99,30 @@ void cols_block(const float* A, int S, const float* M, int64_t ldm, float* out, 
     for (int v = 0; v < JV; ++v) V::store(out + (int64_t)(u0 + r) * ldo + j0 + V::kLanes * v, acc[r][v]);
 }
 
-// The whole S x hd output in blocks; hd must be a multiple of V::kLanes * JV.
+// The whole output in blocks (Q local rows, or U = t_off + Q keys);
+// hd must be a multiple of V::kLanes * JV.
 template <class V, bool kRows, int JV>
-void blocked(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd) {
+void blocked(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo, int hd,
+             bool accumulate) {
   constexpr int R = 8 / JV;  // divides 16: a row block never straddles a 16-block of A
+  const int U = t_off + Q, n = kRows ? Q : U;
   for (int j0 = 0; j0 < hd; j0 += V::kLanes * JV)
-    for (int i0 = 0; i0 < S; i0 += R) {
-      const int rows = S - i0 < R ? S - i0 : R;
+    for (int i0 = 0; i0 < n; i0 += R) {
+      const int rows = n - i0 < R ? n - i0 : R;
       if (kRows)
-        rows_block<V, R, JV>(A, S, M, ldm, out, ldo, i0, rows, j0);
+        rows_block<V, R, JV>(A, U, t_off, M, ldm, out, ldo, i0, rows, j0);
       else
-        cols_block<V, R, JV>(A, S, M, ldm, out, ldo, i0, rows, j0);
+        cols_block<V, R, JV>(A, Q, t_off, M, ldm, out, ldo, i0, rows, j0, accumulate);
     }
 }
 
 // Picks the widest block the head width allows; hd % V::kLanes == 0.
 template <class V, bool kRows>
-void fold(const float* A, int S, const float* M, int64_t ldm, float* out, int64_t ldo, int hd) {
-  if (hd % (4 * V::kLanes) == 0) return blocked<V, kRows, 4>(A, S, M, ldm, out, ldo, hd);
-  if (hd % (2 * V::kLanes) == 0) return blocked<V, kRows, 2>(A, S, M, ldm, out, ldo, hd);
-  blocked<V, kRows, 1>(A, S, M, ldm, out, ldo, hd);
+void fold(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo, int hd,
+          bool accumulate) {
+  if (hd % (4 * V::kLanes) == 0) return blocked<V, kRows, 4>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
+  if (hd % (2 * V::kLanes) == 0) return blocked<V, kRows, 2>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
+  blocked<V, kRows, 1>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
 }
 
 // xt[j * 16 + l] = X[t0 + l][j] for the block's `lanes` queries, zeros past
@@ -145,21 +161,24 @@ inline void scores_tile(const float* xt, const float* Y, int64_t ldy, int hd, in
     for (int v = 0; v < JV; ++v) V::store(ob + (int64_t)(u0 + r) * kBlock + v * V::kLanes, acc[r][v]);
 }
 
-// The causal scores in the blocked layout: out(t, u) = fold over the head
-// feature j = 0..hd-1, ascending, from +0, of X[t][j] * Y[u][j], for every
-// u <= t (and the other u of t's 16-block below the diagonal block's end,
-// whose values are never read). Reduces over j. xt: scratch of hd * 16 floats.
+// The causal scores in the blocked layout: out(i, u) = fold over the head
+// feature j = 0..hd-1, ascending, from +0, of X[i][j] * Y[u][j], for every
+// u <= t_off + i (and the other u of i's 16-block below the diagonal block's
+// end, whose values are never read). X holds the Q query rows, Y the keys.
+// Reduces over j. xt: scratch of hd * 16 floats.
 template <class V>
-void scores(const float* X, int64_t ldx, const float* Y, int64_t ldy, int S, int hd, float* out, float* xt) {
+void scores(const float* X, int64_t ldx, const float* Y, int64_t ldy, int Q, int t_off, int hd, float* out,
+            float* xt) {
   constexpr int R = 8;
-  for (int t0 = 0; t0 < S; t0 += kBlock) {
-    const int lanes = S - t0 < kBlock ? S - t0 : kBlock;
-    queries_as_lanes(X, ldx, t0, lanes, hd, xt);
-    const int U = t0 + lanes;  // rows u < U: all that any t of the block reads
-    float* ob = out + (int64_t)t0 * S;
+  const int U = t_off + Q;
+  for (int i0 = 0; i0 < Q; i0 += kBlock) {
+    const int lanes = Q - i0 < kBlock ? Q - i0 : kBlock;
+    queries_as_lanes(X, ldx, i0, lanes, hd, xt);
+    const int Ub = t_off + i0 + lanes;  // rows u < Ub: all that any t of the block reads
+    float* ob = out + (int64_t)i0 * U;
     int u0 = 0;
-    for (; u0 + R <= U; u0 += R) scores_tile<V, R, true>(xt, Y, ldy, hd, u0, R, ob);
-    if (u0 < U) scores_tile<V, R, false>(xt, Y, ldy, hd, u0, U - u0, ob);
+    for (; u0 + R <= Ub; u0 += R) scores_tile<V, R, true>(xt, Y, ldy, hd, u0, R, ob);
+    if (u0 < Ub) scores_tile<V, R, false>(xt, Y, ldy, hd, u0, Ub - u0, ob);
   }
 }
 
@@ -169,15 +188,17 @@ void scores(const float* X, int64_t ldx, const float* Y, int64_t ldy, int S, int
 // from +0, one division); entries u > t become +0. Reduces over the key
 // position u <= t.
 template <class V>
-void softmax_blocks(float* s, int S, float scale) {
+void softmax_blocks(float* s, int Q, int t_off, float scale) {
   using T = typename V::T;
   constexpr int L = V::kLanes, JV = kBlock / L;
   T lane[JV];  // t - t0 of each lane
   for (int v = 0; v < JV; ++v) lane[v] = V::add(V::iota(), V::set1((float)(v * L)));
   const T sc = V::set1(scale);
-  for (int t0 = 0; t0 < S; t0 += kBlock) {
+  const int S = t_off + Q;  // keys
+  for (int i0 = 0; i0 < Q; i0 += kBlock) {
+    const int t0 = t_off + i0;
     const int U = S < t0 + kBlock ? S : t0 + kBlock;
-    float* b = s + (int64_t)t0 * S;
+    float* b = s + (int64_t)i0 * S;
     T m[JV], sum[JV];
     // m = z[0]; if (z[u] > m) m = z[u]: the scan, NaNs and signed zeros included.
     for (int v = 0; v < JV; ++v) {
@@ -215,16 +236,18 @@ void softmax_blocks(float* s, int S, float scale) {
 // otherwise, with dot_t the fma fold of dp * P over u <= t, ascending, from
 // +0 (as ops::softmax_backward). Reduces over the key position u <= t.
 template <class V>
-void softmax_backward_blocks(const float* P, float* dp, int S, float scale) {
+void softmax_backward_blocks(const float* P, float* dp, int Q, int t_off, float scale) {
   using T = typename V::T;
   constexpr int L = V::kLanes, JV = kBlock / L;
   T lane[JV];
   for (int v = 0; v < JV; ++v) lane[v] = V::add(V::iota(), V::set1((float)(v * L)));
   const T sc = V::set1(scale);
-  for (int t0 = 0; t0 < S; t0 += kBlock) {
+  const int S = t_off + Q;  // keys
+  for (int i0 = 0; i0 < Q; i0 += kBlock) {
+    const int t0 = t_off + i0;
     const int U = S < t0 + kBlock ? S : t0 + kBlock;
-    const float* p = P + (int64_t)t0 * S;
-    float* d = dp + (int64_t)t0 * S;
+    const float* p = P + (int64_t)i0 * S;
+    float* d = dp + (int64_t)i0 * S;
     T dot[JV];
     for (int v = 0; v < JV; ++v) dot[v] = V::zero();
     for (int u = 0; u < U; ++u) {
