@@ -7,6 +7,8 @@
 
 #include <omp.h>
 
+#include <filesystem>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -62,6 +64,59 @@ inline void check_sweep_on_golden(const std::string& file, const std::string& se
   CAPTURE(sweep.out);
   CHECK(sweep.rc == 0);
   CHECK(sweep.out.find("ended on the golden hash       3") != std::string::npos);
+}
+
+// A checkpoint of `sc` saved at step 3 on `saved_mesh` (--set words)
+// resumes to step 6 on each of `meshes` on the uninterrupted run's hash,
+// every object of it read once; `also` checks more of each resumed
+// summary. Returns the checkpoint's directory.
+inline std::filesystem::path check_resumes_on_hash(const std::string& sc, const std::string& saved_mesh,
+                                                   const std::vector<std::string>& meshes, const std::string& tag,
+                                                   const std::function<void(const nlohmann::json&)>& also = {}) {
+  const auto whole = run_cli("run " + sc + " --json --quiet --steps 6");
+  REQUIRE(whole.rc == 0);
+  const std::string hash = last_json(whole.out).at("final_state_hash");
+  CAPTURE(saved_mesh);
+  const auto ck = fresh_dir(tag);
+  const auto saved =
+      run_cli("run " + sc + " --json --quiet --steps 3 " + saved_mesh + " --set ckpt.every=3 --set ckpt.url=" + ck.string());
+  CAPTURE(saved.err);
+  REQUIRE(saved.rc == 0);
+  for (const std::string& mesh : meshes) {
+    CAPTURE(mesh);
+    const auto r = run_cli("run " + sc + " --json --quiet --steps 6 " + mesh + " --resume " + ck.string());
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    const nlohmann::json j = last_json(r.out);
+    CHECK(j.at("final_state_hash") == hash);
+    // The read-once restore: every object read once, whatever the mesh reads it into.
+    CHECK(j.at("restore").at("store_bytes_read") == j.at("restore").at("checkpoint_bytes"));
+    if (also) also(j);
+  }
+  return ck;
+}
+
+// A supervised job of `sc` for 6 steps on `mesh` (--set words), a
+// checkpoint every 2 steps, with `faults` (--fault words) injected: it ends
+// on the uninterrupted run's hash, the first restart after a rank crash,
+// and `faults sweep` of 3 trials on that mesh holds the hash too. Returns
+// the job's summary.
+inline nlohmann::json check_survives_rank_crash(const std::string& sc, const std::string& mesh,
+                                                const std::string& faults, const std::string& tag, int sweep_seed) {
+  const auto whole = run_cli("run " + sc + " --json --quiet --set train.steps=6");
+  REQUIRE(whole.rc == 0);
+  const std::string hash = last_json(whole.out).at("final_state_hash");
+  const auto ck = fresh_dir(tag);
+  const std::string sets = " --set train.steps=6 " + mesh + " --set ckpt.every=2 --set ckpt.url=" + ck.string();
+  const auto r = run_cli("run " + sc + sets + " --json --quiet " + faults);
+  CAPTURE(r.err);
+  REQUIRE(r.rc == 0);
+  const nlohmann::json j = last_json(r.out);
+  CHECK(j.at("final_state_hash") == hash);
+  REQUIRE(j.at("restarts").size() >= 1);
+  CHECK(j.at("restarts")[0].at("failure") == "exit 86 (a rank crashed)");
+  check_sweep_on_golden(sc, sets, sweep_seed);
+  return j;
 }
 
 inline std::vector<std::string> loss_bits(const ls::RunResult& r) {

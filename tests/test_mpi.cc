@@ -107,6 +107,10 @@ TEST_SUITE("mpi") {
         {4, "--set mesh.dp=2 --set mesh.ep=2 --set mesh.pp=2 --set train.microbatches=4"},
         {4, "--set mesh.dp=2 --set mesh.fsdp=true --set mesh.pp=2 --set train.microbatches=2"},
         {8, "--set mesh.dp=2 --set mesh.tp=2 --set mesh.sp=true --set mesh.pp=2 --set train.microbatches=2"},
+        // Context-parallel ranks as processes: dK and dV partials between them, rows gathered.
+        {8, "--set mesh.dp=2 --set mesh.cp=2 --set mesh.tp=2"},
+        {4, "--set mesh.cp=4 --set mesh.cp_layout=contiguous"},
+        {8, "--set mesh.cp=2 --set mesh.pp=2 --set mesh.dp=2 --set train.microbatches=2"},
     };
     for (const auto& [np, mesh] : meshes) {
       CAPTURE(mesh);
@@ -129,6 +133,15 @@ TEST_SUITE("mpi") {
         CHECK(sent(mpi, kind) == sent(threads, kind));
       if (mesh.find("mesh.tp=2") != std::string::npos || mesh.find("mesh.pp=2") != std::string::npos)
         CHECK(sent(mpi, "send") > 0);
+      if (mesh.find("mesh.cp=") != std::string::npos) {  // each context-parallel rank handed its group the same bytes
+        const nlohmann::json& a = mpi.summary.at("context_parallel").at("ranks");
+        const nlohmann::json& b = threads.summary.at("context_parallel").at("ranks");
+        REQUIRE(a.size() == b.size());
+        for (size_t c = 0; c < a.size(); ++c) {
+          CHECK(a[c]["bytes_sent"].get<int64_t>() > 0);
+          CHECK(a[c]["bytes_sent"] == b[c]["bytes_sent"]);
+        }
+      }
       if (mesh.find("mesh.pp=2") != std::string::npos) {  // the stages measured the same bytes between them
         REQUIRE(mpi.summary.at("pipeline").at("stages").size() == 2);
         for (int st = 0; st < 2; ++st)

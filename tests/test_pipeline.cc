@@ -224,51 +224,25 @@ TEST_SUITE("pipeline") {
 
   TEST_CASE("a checkpoint saved at pp 2 resumes at pp 1, pp 4 and with tp and dp changed, on the uninterrupted hash") {
     const std::string sc = lstest::write_temp("pp-ckpt.json", kSplitScenario).string();
-    const auto whole = lstest::run_cli("run " + sc + " --json --quiet --steps 6");
-    REQUIRE(whole.rc == 0);
-    const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
     for (const std::string saved_mesh : {"--set mesh.pp=2 --set train.microbatches=2", "--set mesh.pp=1"}) {
-      CAPTURE(saved_mesh);
-      const auto ck = lstest::fresh_dir("pp-ckpt");
-      const auto saved = lstest::run_cli("run " + sc + " --json --quiet --steps 3 " + saved_mesh +
-                                         " --set ckpt.every=3 --set ckpt.url=" + ck.string());
-      CAPTURE(saved.err);
-      REQUIRE(saved.rc == 0);
+      const auto ck = lstest::check_resumes_on_hash(
+          sc, saved_mesh,
+          {"--set mesh.pp=1", "--set mesh.pp=4 --set train.microbatches=4",
+           "--set mesh.pp=3 --set mesh.tp=2 --set mesh.dp=2 --set mesh.pp_schedule=gpipe --set train.microbatches=2"},
+          "pp-ckpt");
       // Every stage wrote its own shard object.
       const auto list = lstest::run_cli("ckpt ls " + ck.string());
       CHECK(list.out.find(saved_mesh.find("pp=2") != std::string::npos ? "  2 objects" : "  1 objects") !=
             std::string::npos);
-      for (const std::string mesh : {"--set mesh.pp=1", "--set mesh.pp=4 --set train.microbatches=4",
-                                     "--set mesh.pp=3 --set mesh.tp=2 --set mesh.dp=2 --set mesh.pp_schedule=gpipe "
-                                     "--set train.microbatches=2"}) {
-        CAPTURE(mesh);
-        const auto r = lstest::run_cli("run " + sc + " --json --quiet --steps 6 " + mesh + " --resume " + ck.string());
-        CAPTURE(r.err);
-        REQUIRE(r.rc == 0);
-        const nlohmann::json j = lstest::last_json(r.out);
-        CHECK(j.at("final_state_hash") == hash);
-        CHECK(j.at("restore").at("store_bytes_read") == j.at("restore").at("checkpoint_bytes"));
-      }
     }
   }
 
   TEST_CASE("on a pp mesh a supervised job survives a stage crash, and faults sweep holds the hash") {
     const std::string sc = lstest::write_temp("pp-faults.json", kSplitScenario).string();
-    const auto whole = lstest::run_cli("run " + sc + " --json --quiet --set train.steps=6");
-    REQUIRE(whole.rc == 0);
-    const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
-    const auto ck = lstest::fresh_dir("pp-faults");
-    const std::string sets = " --set train.steps=6 --set mesh.pp=2 --set mesh.dp=2 --set train.microbatches=2 "
-                             "--set ckpt.every=2 --set ckpt.url=" + ck.string();
     // World rank 3 is stage 1 of data-parallel rank 1.
-    const auto r = lstest::run_cli("run " + sc + sets + " --json --quiet --fault rank_crash@3:rank=3");
-    CAPTURE(r.err);
-    REQUIRE(r.rc == 0);
-    const nlohmann::json j = lstest::last_json(r.out);
-    CHECK(j.at("final_state_hash") == hash);
-    REQUIRE(j.at("restarts").size() == 1);
-    CHECK(j.at("restarts")[0].at("failure") == "exit 86 (a rank crashed)");
-    lstest::check_sweep_on_golden(sc, sets, 5);
+    const nlohmann::json j = lstest::check_survives_rank_crash(
+        sc, "--set mesh.pp=2 --set mesh.dp=2 --set train.microbatches=2", "--fault rank_crash@3:rank=3", "pp-faults", 5);
+    CHECK(j.at("restarts").size() == 1);
   }
 
   TEST_CASE("bad pipeline input is refused with exit 2, naming the key") {

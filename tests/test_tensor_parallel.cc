@@ -164,50 +164,25 @@ TEST_SUITE("tensor_parallel") {
 
   TEST_CASE("a checkpoint saved at tp 2 with sp and fsdp resumes at tp 1, 2 and 4, dp, ep and fsdp changed, on the uninterrupted hash") {
     const std::string sc = lstest::write_temp("tp-ckpt.json", kSplitScenario).string();
-    const auto whole = lstest::run_cli("run " + sc + " --json --quiet --steps 6");
-    REQUIRE(whole.rc == 0);
-    const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
-    const auto ck = lstest::fresh_dir("tp-ckpt");
-    const auto saved = lstest::run_cli("run " + sc + " --json --quiet --steps 3 --set mesh.tp=2 --set mesh.dp=2 "
-                                       "--set mesh.sp=true --set mesh.fsdp=true --set ckpt.every=3 --set ckpt.url=" +
-                                       ck.string());
-    CAPTURE(saved.err);
-    REQUIRE(saved.rc == 0);
-    for (const std::string mesh : {"--set mesh.tp=1", "--set mesh.tp=4 --set mesh.dp=2 --set mesh.ep=2",
-                                   "--set mesh.tp=2 --set mesh.dp=1",
-                                   "--set mesh.tp=2 --set mesh.dp=4 --set mesh.fsdp=true --set mesh.replicate=2"}) {
-      CAPTURE(mesh);
-      const auto r = lstest::run_cli("run " + sc + " --json --quiet --steps 6 " + mesh + " --resume " + ck.string());
-      CAPTURE(r.err);
-      REQUIRE(r.rc == 0);
-      const nlohmann::json j = lstest::last_json(r.out);
-      CHECK(j.at("final_state_hash") == hash);
-      // The read-once restore: every object read once, whatever the mesh reads it into.
-      CHECK(j.at("restore").at("mode") == "broadcast");
-      CHECK(j.at("restore").at("store_bytes_read") == j.at("restore").at("checkpoint_bytes"));
-      CHECK(j.at("restore").at("saved_mesh").at("tp") == 2);
-    }
+    const auto ck = lstest::check_resumes_on_hash(
+        sc, "--set mesh.tp=2 --set mesh.dp=2 --set mesh.sp=true --set mesh.fsdp=true",
+        {"--set mesh.tp=1", "--set mesh.tp=4 --set mesh.dp=2 --set mesh.ep=2", "--set mesh.tp=2 --set mesh.dp=1",
+         "--set mesh.tp=2 --set mesh.dp=4 --set mesh.fsdp=true --set mesh.replicate=2"},
+        "tp-ckpt", [](const nlohmann::json& j) {
+          CHECK(j.at("restore").at("mode") == "broadcast");
+          CHECK(j.at("restore").at("saved_mesh").at("tp") == 2);
+        });
     const auto verify = lstest::run_cli("ckpt verify " + ck.string());
     CHECK(verify.rc == 0);
   }
 
   TEST_CASE("on a tp mesh a supervised job survives a rank crash and a shrink, and faults sweep holds the hash") {
     const std::string sc = lstest::write_temp("tp-faults.json", kSplitScenario).string();
-    const auto whole = lstest::run_cli("run " + sc + " --json --quiet --set train.steps=6");
-    REQUIRE(whole.rc == 0);
-    const std::string hash = lstest::last_json(whole.out).at("final_state_hash");
-    const auto ck = lstest::fresh_dir("tp-faults");
-    const std::string sets = " --set train.steps=6 --set mesh.tp=2 --set mesh.dp=2 --set ckpt.every=2 --set ckpt.url=" + ck.string();
     // World rank 1 is TP rank 1 of data-parallel rank 0; after the shrink the world is 1 x 2.
-    const auto r = lstest::run_cli("run " + sc + sets + " --json --quiet --fault rank_crash@2:rank=1 --fault shrink@4:dp=1");
-    CAPTURE(r.err);
-    REQUIRE(r.rc == 0);
-    const nlohmann::json j = lstest::last_json(r.out);
-    CHECK(j.at("final_state_hash") == hash);
+    const nlohmann::json j = lstest::check_survives_rank_crash(
+        sc, "--set mesh.tp=2 --set mesh.dp=2", "--fault rank_crash@2:rank=1 --fault shrink@4:dp=1", "tp-faults", 7);
     REQUIRE(j.at("restarts").size() == 2);
-    CHECK(j.at("restarts")[0].at("failure") == "exit 86 (a rank crashed)");
     CHECK(j.at("restarts")[1].at("mesh_dp_after") == 1);
-    lstest::check_sweep_on_golden(sc, sets, 7);
   }
 
   TEST_CASE("bad tensor-parallel input is refused with exit 2, naming the key") {

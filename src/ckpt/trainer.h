@@ -67,6 +67,20 @@ struct MeshReport {
     }
   };
   std::vector<Stage> pipeline;
+  // Context parallel, per CP rank index, measured this step (model.h's
+  // MoeStats cp_*): the slowest rank of that index -- its seconds computing
+  // attention on its query ranges, the bytes it handed its CP group, its
+  // workspace bytes (activations and scratch).
+  struct ContextRank {
+    double attention_seconds = 0;
+    int64_t bytes_sent = 0, workspace_bytes = 0;
+    void add(double seconds, int64_t sent, int64_t workspace) {
+      attention_seconds = std::max(attention_seconds, seconds);
+      bytes_sent = std::max(bytes_sent, sent);
+      workspace_bytes = std::max(workspace_bytes, workspace);
+    }
+  };
+  std::vector<ContextRank> context;
   std::map<std::string, uint64_t> bytes_sent_max;          // by collective kind, the busiest rank, all steps
   double comm_seconds_max = 0;  // measured wall time inside collectives, the slowest rank, all steps
 };

@@ -5,6 +5,7 @@
 
 #include "contract.h"
 #include "model/blocks.h"
+#include "model/context_parallel.h"
 #include "model/tensor_parallel.h"
 #include "ops/attention.h"
 #include "ops/ops.h"
@@ -38,10 +39,17 @@ class AttentionBlock : public LayerBlock {
     acts.qkv.resize(N * 3 * Dh);
     ops::linear(every_token(ctx, acts.attn_in.data(), ws.sp_gathered), N, D, ctx.layer_weight(layer_, "wqkv"), 3 * Dh, acts.qkv.data());
     ctx.trace_tensor("fwd", layer_, "qkv", "out", acts.qkv.data(), {N, 3 * D});
-    acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
     acts.attn_out.resize(N * Dh);
-    ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, D / c.n_heads, scale(c), acts.attn_probs.data(),
-                                 acts.attn_out.data());
+    if (ctx.cp > 1) {  // this rank's query positions; the others' rows gathered
+      acts.attn_probs.resize((size_t)ctx.batch * Hh *
+                             cp_probs_floats(S, ctx.cp, ctx.cp_rank, ctx.mesh->cp_zigzag()));
+      cp_attention_forward(ctx, acts.qkv.data(), Hh, D / c.n_heads, scale(c), acts.attn_probs.data(),
+                           acts.attn_out.data());
+    } else {
+      acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
+      ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, D / c.n_heads, scale(c), acts.attn_probs.data(),
+                                   acts.attn_out.data());
+    }
     ctx.trace_tensor("fwd", layer_, "attention", "out", acts.attn_out.data(), {N, D});
     ws.dtmp.resize(N * D);
     // Reduces over the attention features, this rank's heads' range of them.
@@ -69,8 +77,12 @@ class AttentionBlock : public LayerBlock {
     ws.dattn_out.resize(N * Dh);
     ops::linear_input_grad(dmid, N, D, ctx.layer_weight(layer_, "wo"), Dh, ws.dattn_out.data(), false);
     ws.dqkv.resize(N * 3 * Dh);
-    ops::attention_backward_heads(acts.qkv.data(), ctx.batch, Hh, S, D / c.n_heads, scale(c), acts.attn_probs.data(),
-                                  ws.dattn_out.data(), ws.dqkv.data());
+    if (ctx.cp > 1)
+      cp_attention_backward(ctx, acts.qkv.data(), Hh, D / c.n_heads, scale(c), acts.attn_probs.data(),
+                            ws.dattn_out.data(), ws.dqkv.data());
+    else
+      ops::attention_backward_heads(acts.qkv.data(), ctx.batch, Hh, S, D / c.n_heads, scale(c),
+                                    acts.attn_probs.data(), ws.dattn_out.data(), ws.dqkv.data());
     ctx.trace_tensor("bwd", layer_, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D});
     ops::weight_grad(every_token(ctx, acts.attn_in.data(), ws.sp_gathered), D, ws.dqkv.data(), 3 * Dh, D, 3 * Dh, leaf_off, ctx.leaves,
                      ctx.layer_grad(layer_, "wqkv"));

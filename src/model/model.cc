@@ -196,6 +196,8 @@ void MoeTransformer::set_expert_counts(int layer, const std::vector<int64_t>& co
 void MoeTransformer::begin_step() {
   stats_.rounds = 0;
   stats_.borrowed = stats_.dropped = stats_.expert_gemm_calls = stats_.all_to_all_calls = stats_.all_to_all_bytes = 0;
+  stats_.cp_attention_seconds = 0;
+  stats_.cp_bytes_sent = 0;
   stats_.tokens_per_expert.assign((size_t)cfg_.n_layers * cfg_.experts, 0);
 }
 
@@ -358,6 +360,8 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   ctx.stream_leaves = ctx.sp ? ctx.leaves / tp_size_ : ctx.leaves;
   if (ctx.sp && (ctx.leaves % tp_size_ != 0))
     throw std::invalid_argument("engine: sequence parallel needs whole leaves per tensor-parallel rank");
+  ctx.cp = mesh_ ? mesh_->cp_size() : 1;
+  ctx.cp_rank = mesh_ ? mesh_->cp_rank() : 0;
   ctx.microbatches = ws_->microbatches;
   ctx.microbatch = ws_->microbatch;
   if (source_grads_.size() < (size_t)c.n_layers) source_grads_.resize((size_t)c.n_layers);
@@ -460,7 +464,7 @@ int64_t StepWorkspace::allocated_bytes() const {
   for (const auto* v : {&h, &final_out, &final_inv_rms, &logits, &prob, &lse, &loss, &dh, &dtmp, &dlogits, &dye, &dxe,
                         &dg, &dz, &dmoe_in, &dattn_out, &dqkv, &shared_dact, &shared_du, &shared_dv, &shared_dx,
                         &router_sums, &slots.x, &slots.act, &slots.y, &slots.dy, &slots.dact, &slots.du, &slots.dv,
-                        &slots.dx, &send, &recv, &row_vector, &tp_partial, &sp_gathered, &sp_dh, &sp_rows,
+                        &slots.dx, &send, &recv, &row_vector, &tp_partial, &sp_gathered, &sp_dh, &cp_send, &cp_recv, &cp_link, &sp_rows,
                         &sp_rows_all})
     n += allocated(*v);
   n += allocated(sel_held);

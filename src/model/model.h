@@ -77,6 +77,17 @@ class MeshHooks {
   // group's (the canonical tree over TP ranks): sequence parallel, one
   // microbatch at a time.
   virtual void sum_tp_partials(float*, size_t) {}
+  // Context-parallel group: cp_size() ranks with the same samples and
+  // heads, rank cp_rank() computing attention for its query positions
+  // (model/context_parallel.h); the rest of the layer runs on each alike.
+  virtual int cp_size() const { return 1; }
+  virtual int cp_rank() const { return 0; }
+  virtual bool cp_zigzag() const { return true; }
+  virtual void cp_send(const float*, size_t, int) {}
+  virtual void cp_recv(float*, size_t, int) {}
+  virtual void cp_broadcast(float*, size_t, int) {}
+  // all = every CP rank's n_each floats, concatenated by CP rank.
+  virtual void cp_all_gather(const float*, float*, size_t) {}
 };
 
 struct StepLosses {
@@ -116,6 +127,11 @@ struct MoeStats {
   // Measured: what the model holds, in bytes, after its last step.
   int64_t workspace_bytes = 0;             // activations and scratch: the allocated size of every step buffer
   int64_t weight_bytes = 0;                // parameters and their gradients (the rank's slices)
+  // Context parallel, this step (measured): seconds computing attention on
+  // this rank's query ranges (waits for the group excluded), and the bytes
+  // it handed the group (payload times receivers).
+  double cp_attention_seconds = 0;
+  int64_t cp_bytes_sent = 0;
 };
 
 // What a training step keeps allocated for `batch` samples on one rank, in bytes: a

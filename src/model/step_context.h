@@ -89,6 +89,8 @@ struct StepWorkspace {
   // the local tokens' expert outputs, packed for that gather.
   ops::DeviceVector<float> sp_gathered, sp_dh, sp_rows, sp_rows_all;
   ops::DeviceVector<int> sel_held;  // sequence parallel: the routing choices of this rank's stream tokens
+  // Context parallel: rows packed for the group's all-gathers and broadcast, and one dK/dV link.
+  ops::DeviceVector<float> cp_send, cp_recv, cp_link;
   // Measured: the bytes every float buffer above holds allocated (capacities), the layers' included.
   int64_t allocated_bytes() const;
 };
@@ -114,6 +116,7 @@ struct StepContext {
   // stream_tokens) of the N; all N but with sequence parallel (a TP rank's share).
   bool sp = false;
   int64_t stream_first = 0, stream_tokens = 0, stream_leaves = 0;
+  int cp = 1, cp_rank = 0;       // the context-parallel group and this rank in it (model/context_parallel.h)
   int microbatches = 0;          // > 0: one microbatch of a pipeline (StageIo::microbatches)
   int microbatch = 0;            // which one
   // Expert parallel over several microbatches: per layer, the experts'

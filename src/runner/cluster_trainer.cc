@@ -29,8 +29,9 @@ class RankHooks : public MeshHooks {
  public:
   // stage: every rank of this pipeline stage, in data-parallel-major order;
   // with sequence parallel the stream's token sums span it.
-  RankHooks(Communicator& world, Communicator& data, Communicator& ep_group, Communicator& tp_group, bool sp)
-      : world_(world), data_(data), ep_(ep_group), tp_(tp_group), sp_(sp) {}
+  RankHooks(Communicator& world, Communicator& data, Communicator& ep_group, Communicator& tp_group,
+            Communicator& cp_group, bool sp, bool cp_zigzag)
+      : world_(world), data_(data), ep_(ep_group), tp_(tp_group), cp_(cp_group), sp_(sp), cp_zigzag_(cp_zigzag) {}
   int dp_size() const override { return data_.size(); }
   void sum_partials(float* v, size_t n) override { data_.all_reduce_sum(v, n); }
   void sum_counts(int64_t* v, size_t n) override { data_.all_reduce_sum(v, n); }
@@ -51,13 +52,23 @@ class RankHooks : public MeshHooks {
   }
   void sum_stream_partials(float* v, size_t n) override { (sp_ ? world_ : data_).all_reduce_sum(v, n); }
   void sum_tp_partials(float* v, size_t n) override { tp_.all_reduce_sum(v, n); }
+  int cp_size() const override { return cp_.size(); }
+  int cp_rank() const override { return cp_.rank(); }
+  bool cp_zigzag() const override { return cp_zigzag_; }
+  void cp_send(const float* buf, size_t n, int to) override { cp_.send(buf, n * sizeof(float), to); }
+  void cp_recv(float* buf, size_t n, int from) override { cp_.recv(buf, n * sizeof(float), from); }
+  void cp_broadcast(float* buf, size_t n, int root) override { cp_.broadcast(buf, n * sizeof(float), root); }
+  void cp_all_gather(const float* mine, float* all, size_t n_each) override {
+    cp_.all_gather(mine, all, std::vector<size_t>(cp_.size(), n_each * sizeof(float)));
+  }
 
  private:
   Communicator& world_;
   Communicator& data_;
   Communicator& ep_;
   Communicator& tp_;
-  bool sp_;
+  Communicator& cp_;
+  bool sp_, cp_zigzag_;
 };
 
 // FSDP shard of one tensor: the block range [b0, b1) of kParamBlock blocks.
@@ -68,8 +79,8 @@ struct Shard {
 }  // namespace
 
 struct ClusterTrainer::Rank {
-  int index = 0;                    // in the world: (pp_index * mesh.dp + data_index) * mesh.tp + tp_index
-  int data_index = 0, tp_index = 0, pp_index = 0;
+  int index = 0;                    // in the world: MeshConfig::rank_coords
+  int data_index = 0, tp_index = 0, pp_index = 0, cp_index = 0;
   std::unique_ptr<PipelineStage> stage;  // pipelined (mesh.pp > 1 or train.microbatches > 1): its blocks and schedule
   std::unique_ptr<MoeTransformer> model;
   ops::DeviceVector<float> m, v;    // AdamW moments for what this rank updates (shards with fsdp)
@@ -103,7 +114,7 @@ void assemble_tp_parts(const ParamInfo& p, const float* parts, int tp, float* wh
 ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), mpi_(mpi) {
   const MeshConfig& m = s.mesh;
   if (mpi && mpi->size() != m.world())
-    throw std::logic_error("ClusterTrainer: the MPI world is not mesh.dp x mesh.tp x mesh.pp (run_scenario checks)");
+    throw std::logic_error("ClusterTrainer: the MPI world is not " + m.world_formula() + " (run_scenario checks)");
   if (m.fsdp && m.replicate > 1) {
     const int shard = m.dp / m.replicate;
     if (shard & (shard - 1))
@@ -121,9 +132,11 @@ ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), mp
     }
     auto rank = std::make_unique<Rank>();
     rank->index = r;
-    rank->pp_index = r / (m.dp * m.tp);
-    rank->data_index = r % (m.dp * m.tp) / m.tp;
-    rank->tp_index = r % m.tp;
+    const MeshConfig::RankCoords at = m.rank_coords(r);
+    rank->pp_index = at.stage;
+    rank->data_index = at.data;
+    rank->cp_index = at.context;
+    rank->tp_index = at.tensor;
     std::vector<int> blocks;  // empty: every block
     if (pipelined()) {
       rank->stage = std::make_unique<PipelineStage>(s.model, parse_pipeline_schedule(m.pp_schedule), m.pp, m.pp_virtual,
@@ -180,21 +193,27 @@ void ClusterTrainer::set_debug_reorder_moe_norm(bool on) {
 }
 
 std::vector<std::unique_ptr<Communicator>> ClusterTrainer::split_groups(Communicator& world) const {
-  const int ep = s_.mesh.ep, tp = s_.mesh.tp, dp = s_.mesh.dp;
-  const int shard_size = s_.mesh.fsdp ? dp / s_.mesh.replicate : 1;
-  const int me = world.rank(), stage = me / (dp * tp), data_rank = me % (dp * tp) / tp, tp_rank = me % tp;
+  const MeshConfig& m = s_.mesh;
+  const int ep = m.ep, tp = m.tp, dp = m.dp, cp = m.cp;
+  const int shard_size = m.fsdp ? dp / m.replicate : 1;
+  const int me = world.rank();
+  const MeshConfig::RankCoords at = m.rank_coords(me);
+  const int data_rank = at.data;
   // Every group but the pipeline lies inside one stage; every data-parallel
-  // group below holds ranks of one tensor-parallel index, in data-parallel order.
-  const int slice = stage * tp + tp_rank;  // (stage, tensor-parallel index)
+  // group below holds ranks of one tensor and context-parallel index, in
+  // data-parallel order. The context-parallel ranks of a data rank are
+  // replicas outside attention: each such slice reduces on its own.
+  const int slice = (at.stage * cp + at.context) * tp + at.tensor;  // (stage, context index, tensor index)
   std::vector<std::unique_ptr<Communicator>> groups;
-  groups.push_back(world.split(slice, me));                                        // data
-  groups.push_back(world.split(stage * dp + data_rank, me));                       // tp
-  groups.push_back(world.split(slice * dp + data_rank / ep, me));                  // ep
-  groups.push_back(world.split(slice * dp + data_rank % ep, me));                  // edp
-  groups.push_back(world.split(slice * dp + data_rank / shard_size, me));          // shard
-  groups.push_back(world.split(slice * dp + data_rank % shard_size, me));          // replica
-  groups.push_back(world.split(data_rank * tp + tp_rank, me));                     // pipe
-  groups.push_back(world.split(stage, me));                                        // stage
+  groups.push_back(world.split(slice, me));                                              // data
+  groups.push_back(world.split((at.stage * dp + data_rank) * cp + at.context, me));     // tp
+  groups.push_back(world.split(slice * dp + data_rank / ep, me));                        // ep
+  groups.push_back(world.split(slice * dp + data_rank % ep, me));                        // edp
+  groups.push_back(world.split(slice * dp + data_rank / shard_size, me));                // shard
+  groups.push_back(world.split(slice * dp + data_rank % shard_size, me));                // replica
+  groups.push_back(world.split((data_rank * cp + at.context) * tp + at.tensor, me));     // pipe
+  groups.push_back(world.split(at.stage * cp + at.context, me));                         // stage
+  groups.push_back(world.split((at.stage * dp + data_rank) * tp + at.tensor, me));       // cp
   return groups;
 }
 
@@ -214,9 +233,11 @@ void ClusterTrainer::run_rank(Communicator& world, const std::vector<std::unique
   };
   std::map<std::string, uint64_t> before_bytes, before_calls, after_bytes, after_calls;
   const double before_seconds = totals(before_bytes, before_calls);
-  RankHooks hooks(*groups[7], *groups[0], *groups[2], *groups[1], s_.mesh.sp);
+  RankHooks hooks(*groups[7], *groups[0], *groups[2], *groups[1], *groups[8], s_.mesh.sp,
+                  s_.mesh.cp_layout == "zigzag");
   rank.model->set_mesh(&hooks);
-  RankCtx ctx{rank, *groups[0], *groups[1], *groups[2], *groups[3], *groups[4], *groups[5], *groups[6], *groups[7], hooks};
+  RankCtx ctx{rank,       *groups[0], *groups[1], *groups[2], *groups[3], *groups[4],
+              *groups[5], *groups[6], *groups[7], *groups[8], hooks};
   body(ctx);
   rank.model->set_mesh(nullptr);
   rank.comm.seconds += totals(after_bytes, after_calls) - before_seconds;
@@ -431,9 +452,12 @@ std::string ClusterTrainer::state_hash() const {
   // holds): EP slices from group 0's ranks; FSDP shards from shard group
   // 0's ranks; else data-parallel rank 0. Of a tensor-parallel split tensor
   // each TP rank holds a part; of the others TP rank 0 holds the copy.
+  // Context-parallel ranks hold copies: index 0's count.
   auto holds = [&](int r, const ParamInfo& p) {
-    const int d = r % (m.dp * m.tp) / m.tp;
-    if (r % m.tp != 0 && p.tp_mid == 0) return false;
+    const MeshConfig::RankCoords at = m.rank_coords(r);
+    const int d = at.data;
+    if (at.context != 0) return false;
+    if (at.tensor != 0 && p.tp_mid == 0) return false;
     const bool expert_slice = p.expert && m.ep > 1;
     return !(expert_slice ? d >= m.ep : fsdp_sharded(p, m) ? d >= m.dp / m.replicate : d > 0);
   };
@@ -532,8 +556,10 @@ float* ClusterTrainer::storage(Rank& r, size_t t, const std::string& kind) const
 bool ClusterTrainer::stages(int rank, size_t t) const {
   const ParamInfo& p = ranks_[rank]->model->params()[t];
   const MeshConfig& m = s_.mesh;
-  const int d = rank % (m.dp * m.tp) / m.tp;  // in its stage (each stage writes the tensors it holds)
-  if (p.tp_mid == 0 && rank % m.tp != 0) return false;  // TP rank 0 writes what its group holds alike
+  const MeshConfig::RankCoords at = m.rank_coords(rank);
+  const int d = at.data;  // in its stage (each stage writes the tensors it holds)
+  if (at.context != 0) return false;                      // context-parallel rank 0 writes what its group holds alike
+  if (p.tp_mid == 0 && at.tensor != 0) return false;     // TP rank 0 writes what its group holds alike
   if (p.expert && m.ep > 1) return d < m.ep;             // EP group 0 holds one copy of each slice
   if (fsdp_sharded(p, m)) return d < m.dp / m.replicate;  // replica 0's shards
   if (p.tp_mid > 0) return d == 0;                        // each TP rank of data-parallel rank 0 writes a range
@@ -634,7 +660,7 @@ std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
     if (!r) continue;
     const auto& t = r->model->moe_stats().tokens_per_expert;
     if (out.empty()) out.assign(t.size(), 0);
-    if (r->tp_index != 0) continue;  // a tensor-parallel group routes its tokens once
+    if (r->tp_index != 0 || r->cp_index != 0) continue;  // a tensor or context-parallel group routes its tokens once
     for (size_t i = 0; i < t.size(); ++i) out[i] += t[i];
   }
   if (mpi_) mpi_->all_reduce_sum(out.data(), out.size());  // every process's rank
@@ -644,7 +670,8 @@ std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
 MeshReport ClusterTrainer::mesh_report() const {
   MeshReport rep;
   if (pipelined()) rep.pipeline.resize((size_t)s_.mesh.pp);
-  const int per_stage = s_.mesh.dp * s_.mesh.tp;
+  if (s_.mesh.cp > 1) rep.context.resize((size_t)s_.mesh.cp);
+  const int per_stage = s_.mesh.ranks_per_stage();
   if (mpi_) {  // every process's figures: a fixed record each, all-gathered
     const Rank& me = *ranks_[mpi_->rank()];
     const MoeStats& st = me.model->moe_stats();
@@ -657,7 +684,8 @@ MeshReport ClusterTrainer::mesh_report() const {
     rec.push_back((int64_t)(me.comm.seconds * 1e9));  // nanoseconds in collectives
     const PipelineStats ps = me.stage ? me.stage->stats() : PipelineStats{};
     rec.insert(rec.end(), {(int64_t)(ps.busy_seconds * 1e9), (int64_t)(ps.step_seconds * 1e9), ps.peak_in_flight,
-                           ps.bytes_sent, ps.held ? 1 : 0});
+                           ps.bytes_sent, ps.held ? 1 : 0, (int64_t)(st.cp_attention_seconds * 1e9),
+                           st.cp_bytes_sent});
     const int R = mpi_->size();
     std::vector<int64_t> all(rec.size() * R);
     mpi_->all_gather(rec.data(), all.data(), std::vector<size_t>(R, rec.size() * sizeof(int64_t)));
@@ -676,7 +704,8 @@ MeshReport ClusterTrainer::mesh_report() const {
       s.peak_grad_state_bytes = x[9];
       s.workspace_bytes = x[10];
       s.weight_bytes = x[11];
-      rep.add(s, /*count_rows=*/r % s_.mesh.tp == 0);
+      const MeshConfig::RankCoords at = s_.mesh.rank_coords(r);
+      rep.add(s, /*count_rows=*/at.tensor == 0 && at.context == 0);
       for (size_t k = 0; k < kKindCount; ++k)
         if (x[kFirstKind + k] >= 0)
           rep.bytes_sent_max[kKinds[k]] = std::max<uint64_t>(rep.bytes_sent_max[kKinds[k]], x[kFirstKind + k]);
@@ -684,13 +713,18 @@ MeshReport ClusterTrainer::mesh_report() const {
       if (!rep.pipeline.empty())
         rep.pipeline[(size_t)(r / per_stage)].add(x[kComm + 1] * 1e-9, x[kComm + 2] * 1e-9, (int)x[kComm + 3], x[10],
                                                   x[kComm + 4], x[kComm + 5] != 0);
+      if (!rep.context.empty()) rep.context[(size_t)at.context].add(x[kComm + 6] * 1e-9, x[kComm + 7], x[10]);
     }
     return rep;
   }
   for (const auto& r : ranks_) {
-    rep.add(r->model->moe_stats(), /*count_rows=*/r->tp_index == 0);
+    rep.add(r->model->moe_stats(), /*count_rows=*/r->tp_index == 0 && r->cp_index == 0);
     for (auto& [k, b] : r->comm.bytes_sent) rep.bytes_sent_max[k] = std::max(rep.bytes_sent_max[k], b);
     rep.comm_seconds_max = std::max(rep.comm_seconds_max, r->comm.seconds);
+    if (!rep.context.empty()) {
+      const MoeStats& st = r->model->moe_stats();
+      rep.context[(size_t)r->cp_index].add(st.cp_attention_seconds, st.cp_bytes_sent, st.workspace_bytes);
+    }
     if (r->stage) {
       const PipelineStats& ps = r->stage->stats();
       rep.pipeline[(size_t)r->pp_index].add(ps.busy_seconds, ps.step_seconds, ps.peak_in_flight,

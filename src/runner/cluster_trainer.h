@@ -48,18 +48,19 @@ class ClusterTrainer : public Trainer {
   struct Rank;
   struct RankCtx {
     Rank& rank;
-    Communicator& data;     // the data-parallel ranks holding the same tensor-parallel slice (size mesh.dp)
+    Communicator& data;     // the data-parallel ranks holding the same tensor and context-parallel slice (mesh.dp)
     Communicator& tp;       // the tensor-parallel group: the ranks of one data-parallel rank (size mesh.tp)
     Communicator& ep;       // ranks sharing the experts (consecutive data-parallel ranks, size mesh.ep)
     Communicator& edp;      // ranks holding the same experts, one per EP group
     Communicator& shard;    // FSDP shard group
     Communicator& replica;  // HSDP replicas of my shard
-    Communicator& pipe;     // the pipeline: the ranks of my data and tensor-parallel index, by stage (size mesh.pp)
-    Communicator& stage;    // every rank of my pipeline stage (size mesh.dp x mesh.tp)
+    Communicator& pipe;     // the pipeline: the ranks of my data, context and tensor-parallel index, by stage (mesh.pp)
+    Communicator& stage;    // the ranks of my pipeline stage and context-parallel index (size mesh.dp x mesh.tp)
+    Communicator& cp;       // the context-parallel group: the ranks of one data and tensor-parallel index (mesh.cp)
     MeshHooks& hooks;       // the model's view of these groups
   };
   void each_rank(const std::function<void(RankCtx&)>& body);
-  // world's sub-groups, in RankCtx's order: data, tp, ep, edp, shard, replica, pipe, stage.
+  // world's sub-groups, in RankCtx's order: data, tp, ep, edp, shard, replica, pipe, stage, cp.
   std::vector<std::unique_ptr<Communicator>> split_groups(Communicator& world) const;
   // body on world.rank()'s rank; its communicators' traffic during the call
   // is added to the rank's.

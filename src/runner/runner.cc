@@ -291,7 +291,8 @@ RunOptions::Bump parse_bump(const std::string& text) {
 
 nlohmann::json mesh_json(const MeshConfig& m, int microbatches) {
   return {{"dp", m.dp}, {"ep", m.ep}, {"fsdp", m.fsdp}, {"replicate", m.replicate}, {"tp", m.tp}, {"sp", m.sp},
-          {"pp", m.pp}, {"pp_schedule", m.pp_schedule}, {"pp_virtual", m.pp_virtual}, {"microbatches", microbatches}};
+          {"pp", m.pp}, {"pp_schedule", m.pp_schedule}, {"pp_virtual", m.pp_virtual}, {"microbatches", microbatches},
+          {"cp", m.cp}, {"cp_layout", m.cp_layout}};
 }
 
 bool is_multi_rank(const Scenario& s) {
@@ -356,6 +357,8 @@ class TrainingRun {
   double train_comm_seconds_ = 0;
   std::chrono::steady_clock::time_point t_start_;
   double last_progress_ = -1;  // seconds into the loop of the last progress line
+  std::vector<MeshReport::ContextRank> context_sum_;  // context parallel: sums over the steps measured
+  int context_steps_ = 0;
 };
 
 TrainingRun::TrainingRun(const Scenario& s, const RunOptions& opt, RunResult& r)
@@ -388,6 +391,9 @@ void TrainingRun::make_trainer() {
       trainer_ = std::make_unique<ClusterTrainer>(s, opt.mpi);
     }
   }
+  if (s.mesh.cp > 1 && (opt.backend == Backend::kCuda || opt.backend == Backend::kCudaEmulated))
+    throw UserError("mesh.cp: is " + std::to_string(s.mesh.cp) + " but --backend " + backend_name(opt.backend) +
+                    " has no kernel for a query range yet; context parallel runs on the engine");
   if (!trainer_) trainer_ = ls::make_trainer(s, opt.backend);
   procs_ = opt.mpi && opt.mpi->size() > 1 ? opt.mpi : nullptr;
   lead_ = !procs_ || procs_->rank() == 0;
@@ -683,6 +689,18 @@ void TrainingRun::record_step(int step, float loss, double step_seconds) {
   r_.peak_grad_state_bytes = std::max(r_.peak_grad_state_bytes, mr.peak_grad_state_bytes);
   r_.workspace_bytes = std::max(r_.workspace_bytes, mr.workspace_bytes);
   r_.pipeline = mr.pipeline;
+  if (!mr.context.empty() && (step > start_ || done == r_.steps)) {  // means after the first step
+    if (context_steps_ == 0) context_sum_.assign(mr.context.size(), {});
+    ++context_steps_;
+    r_.context.assign(mr.context.size(), {});
+    for (size_t c = 0; c < mr.context.size(); ++c) {
+      context_sum_[c].attention_seconds += mr.context[c].attention_seconds;
+      context_sum_[c].bytes_sent += mr.context[c].bytes_sent;
+      context_sum_[c].workspace_bytes = std::max(context_sum_[c].workspace_bytes, mr.context[c].workspace_bytes);
+      r_.context[c] = {context_sum_[c].attention_seconds / context_steps_, context_sum_[c].bytes_sent / context_steps_,
+                       context_sum_[c].workspace_bytes};
+    }
+  }
   r_.weight_bytes = std::max(r_.weight_bytes, mr.weight_bytes);
   if (done == r_.steps) {
     train_bytes_ = mr.bytes_sent_max;
@@ -814,6 +832,15 @@ nlohmann::json result_json(const RunResult& r) {
                         {"bytes_sent", st.bytes_sent},
                         {"held_for_expert_counts", st.held}});
     j["pipeline"] = {{"stages", stages}, {"bubble_formula", r.pipeline_bubble_formula}};
+  }
+  if (!r.context.empty()) {
+    // Measured per context-parallel rank index, means per step after a warm-up step.
+    nlohmann::json ranks = nlohmann::json::array();
+    for (const MeshReport::ContextRank& c : r.context)
+      ranks.push_back({{"attention_seconds", c.attention_seconds},
+                       {"bytes_sent", c.bytes_sent},
+                       {"workspace_bytes", c.workspace_bytes}});
+    j["context_parallel"] = {{"layout", r.mesh.cp_layout}, {"ranks", ranks}};
   }
   j["moe"] = {{"rounds", r.moe_rounds},
               {"borrowed", r.moe_borrowed},

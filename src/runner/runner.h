@@ -109,6 +109,10 @@ struct RunResult {
   // the bubble the schedule's formula predicts.
   std::vector<MeshReport::Stage> pipeline;
   double pipeline_bubble_formula = 0;
+  // Context parallel: per CP rank index, measured (MeshReport::ContextRank):
+  // attention seconds and bytes sent as means per step after a warm-up
+  // step, workspace bytes the largest.
+  std::vector<MeshReport::ContextRank> context;
   std::vector<int> moe_rounds;               // per step
   std::vector<int64_t> moe_borrowed, moe_dropped;  // per step
   std::vector<int64_t> moe_gemm_calls, moe_all_to_all_calls, moe_all_to_all_bytes;  // per step, all ranks

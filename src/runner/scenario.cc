@@ -275,10 +275,11 @@ std::string check_faults(const Scenario& s) {
         return at + "step: must be > ckpt.every = " + show(s.ckpt.every) +
                " so that a checkpoint exists to corrupt, got " + show(f.step);
     }
-    // Each rank (mesh.dp x mesh.tp x mesh.pp of them) uploads one shard object per checkpoint, the manifest aside.
-    const int ranks = dp * s.mesh.tp * s.mesh.pp;
+    // Each rank (the world's) uploads one shard object per checkpoint, the manifest aside.
+    const int ranks = dp * s.mesh.tp * s.mesh.pp * s.mesh.cp;
     const std::string ranks_from = dp_from + (s.mesh.tp > 1 ? " x mesh.tp = " + show(s.mesh.tp) : std::string()) +
-                                   (s.mesh.pp > 1 ? " x mesh.pp = " + show(s.mesh.pp) : std::string());
+                                   (s.mesh.pp > 1 ? " x mesh.pp = " + show(s.mesh.pp) : std::string()) +
+                                   (s.mesh.cp > 1 ? " x mesh.cp = " + show(s.mesh.cp) : std::string());
     if (f.after_objects >= ranks)
       return at + "after_objects: a checkpoint uploads " + show(ranks) + " shard object" + (ranks == 1 ? "" : "s") +
              " (one per rank of " + ranks_from + "), so after_objects must be < " + show(ranks) + ", got " +
@@ -310,7 +311,7 @@ Row faults_row() {
   r.info.type = "array";
   r.info.doc = "Faults to inject, each an object {\"kind\", \"step\", options} as in docs/FAULTS.md; "
                "not part of the fingerprint.";
-  r.info.constraint = "step <= train.steps; rank < mesh.dp x mesh.tp x mesh.pp; shrink/grow dp a valid mesh.dp; "
+  r.info.constraint = "step <= train.steps; rank < mesh.dp x mesh.tp x mesh.pp x mesh.cp; shrink/grow dp a valid mesh.dp; "
                       "checkpoint faults need ckpt.url and ckpt.every";
   r.decode = [](Scenario& s, const json& v) -> std::string {
     if (!v.is_array()) return "expected an array of fault objects, got " + describe(v);
@@ -601,6 +602,34 @@ std::vector<Row> make_rows() {
                   return "interleaved runs microbatches in groups of mesh.pp = " + show(s.mesh.pp) +
                          "; train.microbatches = " + show(s.microbatches) + " is not a multiple";
                 return std::string();
+              }}}),
+      field("mesh.cp", [](S& s) -> int& { return s.mesh.cp; },
+            "Context-parallel ranks per data-parallel rank (world = mesh.dp x mesh.tp x mesh.pp x mesh.cp): "
+            "each computes attention for its share of every sample's query positions (mesh.cp_layout), the "
+            "dK and dV folds passed from rank to rank in ascending query order; the rest of the layer runs on "
+            "every rank of the group.",
+            {in_range(1, 64),
+             {"divides model.seq_len into equal shares (2 x mesh.cp chunks under zigzag)", [](const S& s, int v) {
+                if (v == 1) return std::string();
+                const int chunks = s.mesh.cp_layout == "zigzag" ? 2 * v : v;
+                if (s.model.seq_len % chunks != 0)
+                  return "is " + show(v) + ": model.seq_len = " + show(s.model.seq_len) + " does not cut into " +
+                         show(chunks) + " equal chunks" +
+                         (s.mesh.cp_layout == "zigzag" ? " (mesh.cp_layout=zigzag gives each rank two)" : "");
+                return std::string();
+              }},
+             {"not with numerics.level=local", [](const S& s, int v) {
+                if (v == 1 || s.level != "local") return std::string();
+                return "is " + show(v) + " with numerics.level=local: the chained dK/dV fold needs the portable "
+                       "attention kernels";
+              }}}),
+      field("mesh.cp_layout", [](S& s) -> std::string& { return s.mesh.cp_layout; },
+            "Which query positions a context-parallel rank holds: zigzag (the sequence cut into 2 x mesh.cp "
+            "chunks, rank c holding chunks c and 2 x mesh.cp - 1 - c, so every rank gets the same causal work) "
+            "or contiguous (rank c holds chunk c of mesh.cp: the last rank does the most). Never changes the bits.",
+            {{"zigzag or contiguous", [](const S&, std::string v) {
+                return v == "zigzag" || v == "contiguous" ? std::string()
+                                                          : "must be zigzag or contiguous, got \"" + v + "\"";
               }}}),
       // One of the two alone saves nothing, silently: refused, naming both.
       field("ckpt.url", [](S& s) -> std::string& { return s.ckpt.url; },

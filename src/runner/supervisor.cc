@@ -376,7 +376,9 @@ std::vector<std::string> Supervision::child_command() {
   }
   if (opt_.threads > 0) args.insert(args.end(), {"--threads", std::to_string(opt_.threads)});
   args.insert(args.end(), opt_.extra_args.begin(), opt_.extra_args.end());
-  processes_ = (new_dp_ > 0 ? new_dp_ : s_.mesh.dp) * s_.mesh.tp * s_.mesh.pp;  // mesh.dp x mesh.tp x mesh.pp ranks
+  MeshConfig mesh = s_.mesh;
+  if (new_dp_ > 0) mesh.dp = new_dp_;
+  processes_ = mesh.world();  // one process per rank
   if (mpi_) {  // one rank per process: mpirun starts them
     const std::vector<std::string> launch = mpirun_command(processes_);
     args.insert(args.begin(), launch.begin(), launch.end());

@@ -1,0 +1,157 @@
+// Context parallelism (mesh.cp, mesh.cp_layout): each rank of a CP group
+// computes attention for its query positions of every sample, dK and dV
+// chained through the ranks in ascending query order. The bits equal one
+// process's at every degree and layout, while the runs differ in what each
+// rank computes, holds and sends.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "cli_run.h"
+#include "model/context_parallel.h"
+#include "split_mesh.h"
+
+namespace {
+
+using lstest::kSplitScenario;
+using lstest::loss_bits;
+using lstest::run_split;
+
+// Causal (query, key) pairs a rank's ranges hold: its attention work.
+int64_t causal_pairs(const std::vector<ls::QueryRange>& ranges) {
+  int64_t n = 0;
+  for (const ls::QueryRange& r : ranges)
+    for (int t = r.first; t < r.first + r.count; ++t) n += t + 1;
+  return n;
+}
+
+}  // namespace
+
+TEST_SUITE("context_parallel") {
+  TEST_CASE("zigzag pairs chunk c with 2cp-1-c and balances the causal work; the chain visits every position once, ascending") {
+    const std::vector<ls::QueryRange> r0 = ls::cp_query_ranges(16, 2, 0, true), r1 = ls::cp_query_ranges(16, 2, 1, true);
+    REQUIRE(r0.size() == 2);
+    CHECK((r0[0].first == 0 && r0[0].count == 4 && r0[1].first == 12 && r0[1].count == 4));
+    CHECK((r1[0].first == 4 && r1[1].first == 8));
+    for (int cp : {1, 2, 4, 8}) {
+      for (bool zigzag : {true, false}) {
+        CAPTURE(cp);
+        CAPTURE(zigzag);
+        const int S = 64;
+        const std::vector<ls::ChainLink> chain = ls::cp_chain(S, cp, zigzag);
+        int next = 0;
+        for (const ls::ChainLink& l : chain) {
+          CHECK(l.range.first == next);
+          next += l.range.count;
+        }
+        CHECK(next == S);
+        std::vector<int64_t> work;
+        for (int c = 0; c < cp; ++c) work.push_back(causal_pairs(ls::cp_query_ranges(S, cp, c, zigzag)));
+        if (zigzag) {
+          CHECK(std::all_of(work.begin(), work.end(), [&](int64_t w) { return w == work[0]; }));  // equal shares
+          CHECK(chain.back().rank == 0);  // the last chunk is rank 0's second
+        } else {
+          for (int c = 1; c < cp; ++c) CHECK(work[c] > work[c - 1]);  // each rank more than the one before
+          if (cp > 1) CHECK(work.back() > 2 * work.front());           // about 2cp - 1 times, for long chunks
+        }
+      }
+    }
+    CHECK_THROWS(ls::cp_query_ranges(12, 4, 0, true));  // 12 positions do not cut into 8 chunks
+  }
+
+  TEST_CASE("cp 1, 2 and 4, zigzag and contiguous, with dp, tp, sp, ep, fsdp and pp, end on the one-process hash; every rank sends") {
+    const ls::RunResult one = run_split({});
+    REQUIRE(!one.final_state_hash.empty());
+    CHECK(one.context.empty());
+    for (const std::vector<std::string>& sets : std::vector<std::vector<std::string>>{
+             {"mesh.cp=2"},
+             {"mesh.cp=4"},
+             {"mesh.cp=2", "mesh.cp_layout=contiguous"},
+             {"mesh.cp=4", "mesh.cp_layout=contiguous"},
+             {"mesh.cp=2", "mesh.dp=2", "mesh.tp=2"},
+             {"mesh.cp=2", "mesh.tp=2", "mesh.sp=true"},
+             {"mesh.cp=2", "mesh.dp=2", "mesh.ep=2"},
+             {"mesh.cp=2", "mesh.dp=2", "mesh.fsdp=true"},
+             {"mesh.cp=2", "mesh.pp=2", "train.microbatches=2"},
+             {"mesh.cp=4", "mesh.pp=2", "mesh.dp=2", "train.microbatches=2", "mesh.pp_schedule=gpipe"}}) {
+      std::string shown;
+      for (const std::string& x : sets) shown += x + " ";
+      CAPTURE(shown);
+      const ls::RunResult r = run_split(sets);
+      CHECK(r.final_state_hash == one.final_state_hash);
+      CHECK(loss_bits(r) == loss_bits(one));
+      // Really split: every CP rank computed attention and handed its group rows and partials.
+      REQUIRE(r.context.size() == (size_t)r.mesh.cp);
+      for (const ls::MeshReport::ContextRank& c : r.context) {
+        CHECK(c.attention_seconds > 0);
+        CHECK(c.bytes_sent > 0);
+      }
+    }
+  }
+
+  TEST_CASE("a context-parallel rank keeps a share of attention's probabilities: less activation memory at cp 2 and 4") {
+    // Long enough that P (batch x heads x S^2 per layer) is most of the workspace.
+    std::vector<int64_t> bytes;
+    for (int cp : {1, 2, 4}) {
+      const ls::RunResult r = run_split({"model.seq_len=256", "train.steps=1", "mesh.cp=" + std::to_string(cp)});
+      CAPTURE(cp);
+      CHECK(r.workspace_bytes > 0);
+      bytes.push_back(r.workspace_bytes);
+      if (cp > 1)
+        for (const ls::MeshReport::ContextRank& c : r.context) {
+          CHECK(c.workspace_bytes > 0);
+          CHECK(c.workspace_bytes <= r.workspace_bytes);  // the summary's figure is the largest rank's
+        }
+    }
+    // P shrinks to about 31% at cp 2 (each rank's two chunks of 64 queries against
+    // 64 + 256 keys); the rest of the layer's activations are every rank's.
+    CHECK(bytes[1] < bytes[0] * 3 / 4);
+    CHECK(bytes[2] < bytes[1]);
+  }
+
+  TEST_CASE("a checkpoint saved at cp 2 resumes at cp 1, cp 4 and with dp and tp changed, on the uninterrupted hash") {
+    const std::string sc = lstest::write_temp("cp-ckpt.json", kSplitScenario).string();
+    // Context-parallel ranks hold the same state: CP rank 0 writes it; every rank writes an object.
+    const auto ck = lstest::check_resumes_on_hash(
+        sc, "--set mesh.cp=2 --set mesh.dp=2",
+        {"--set mesh.cp=1", "--set mesh.cp=4 --set mesh.cp_layout=contiguous", "--set mesh.cp=2 --set mesh.tp=2"},
+        "cp-ckpt", [](const nlohmann::json& j) { CHECK(j.at("restore").at("saved_mesh").at("cp") == 2); });
+    const auto list = lstest::run_cli("ckpt ls " + ck.string());
+    CHECK(list.out.find("  4 objects") != std::string::npos);
+    lstest::check_resumes_on_hash(sc, "--set mesh.cp=1", {"--set mesh.cp=2 --set mesh.dp=2"}, "cp-ckpt1");
+  }
+
+  TEST_CASE("on a cp mesh a supervised job survives a rank crash, and faults sweep holds the hash") {
+    const std::string sc = lstest::write_temp("cp-faults.json", kSplitScenario).string();
+    // World rank 1 is CP rank 1 of data-parallel rank 0.
+    const nlohmann::json j = lstest::check_survives_rank_crash(sc, "--set mesh.cp=2 --set mesh.dp=2",
+                                                               "--fault rank_crash@3:rank=1", "cp-faults", 3);
+    CHECK(j.at("restarts").size() == 1);
+  }
+
+  TEST_CASE("lockstep check skips a cp variant on cuda-emulated, says so and counts it; JUnit marks it skipped") {
+    const std::string root = LOCKSTEP_SOURCE_DIR;
+    const auto junit = lstest::cli_temp_dir() / "cp-skip.xml";
+    const auto r = lstest::run_cli("check " + root + "/scenarios/variants/long_seq_cp2.json --golden-dir " + root +
+                                   "/golden --backend cuda-emulated --junit " + junit.string());
+    CAPTURE(r.out);
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("skip  long_seq") != std::string::npos);
+    CHECK(r.out.find("check: 1 scenario, 0 failed, 1 skipped") != std::string::npos);
+    CHECK(lstest::slurp(junit).find("<skipped message=") != std::string::npos);
+  }
+
+  TEST_CASE("bad context-parallel input is refused with exit 2, naming the key") {
+    const std::string sc = lstest::write_temp("cp-bad.json", kSplitScenario).string();
+    lstest::check_refused(sc, {
+             {"--set mesh.cp=3", "mesh.cp: is 3: model.seq_len = 8 does not cut into 6 equal chunks"},
+             {"--set mesh.cp=8", "mesh.cp: is 8: model.seq_len = 8 does not cut into 16 equal chunks"},
+             {"--set mesh.cp=3 --set mesh.cp_layout=contiguous",
+              "mesh.cp: is 3: model.seq_len = 8 does not cut into 3 equal chunks"},
+             {"--set mesh.cp_layout=ring", "mesh.cp_layout: must be zigzag or contiguous"},
+             {"--set mesh.cp=2 --set numerics.level=local", "mesh.cp: is 2 with numerics.level=local"},
+             {"--set mesh.cp=2 --backend cuda-emulated", "mesh.cp: is 2 but --backend cuda-emulated"}});
+  }
+}
