@@ -179,10 +179,12 @@ TEST_SUITE("local") {
       CHECK(timed.op_seconds.at(op) > 0);  // every kind ran and was timed
       sum += timed.op_seconds.at(op);
     }
-    // At one thread the timed ops are most of the step and never more than it
-    // (only the outermost op on a thread counts).
+    // At one thread the timed ops are never more than the step (only the
+    // outermost op on a thread counts). How much of it they cover is a
+    // measurement, not a rule a unit test can hold on a shared machine (a
+    // fresh process's first steps fault in their buffers outside any op):
+    // tools/price-list prints it ("timed ops", per level).
     CHECK(sum <= timed.seconds * 1.05);
-    CHECK(sum >= timed.seconds * 0.5);
   }
 
   TEST_CASE("golden files refuse local runs, and say why") {
