@@ -24,62 +24,75 @@ __host__ __device__ inline int64_t attn_index(int S, int t, int u) {
   return (int64_t)(t / kAttnBlock) * kAttnBlock * S + (int64_t)u * kAttnBlock + t % kAttnBlock;
 }
 __host__ __device__ inline int64_t attention_probs_floats(int S) { return (int64_t)((S + kAttnBlock - 1) / kAttnBlock) * kAttnBlock * S; }
+// A query range of Q rows against U keys (ops::attention_range_probs_floats).
+__host__ __device__ inline int64_t attention_probs_floats_range(int Q, int U) {
+  return (int64_t)((Q + kAttnBlock - 1) / kAttnBlock) * kAttnBlock * U;
+}
 
-// Query row t of one head: its scores, probabilities and output.
-__device__ inline void attention_forward_row(int t, const float* q, const float* k, const float* v, int64_t ld, int S,
-                                             int hd, float scale, float* P, float* o, int64_t ldo) {
-  const float* qt = q + (int64_t)t * ld;
+// The row and column work below runs on a query range (ops/attention.h):
+// local row i is position t = t_off + i, the keys are u < U = t_off + Q,
+// and the blocked layout holds U rows per block. A whole sequence is
+// t_off = 0, Q = U = S.
+
+// Local query row i of one head: its scores, probabilities and output. q,
+// o: the range's rows; k, v: every key's.
+__device__ inline void attention_forward_row(int i, int t_off, const float* q, int64_t ldq, const float* k,
+                                             const float* v, int64_t ldkv, int U, int hd, float scale, float* P,
+                                             float* o, int64_t ldo) {
+  const int t = t_off + i;
+  const float* qt = q + (int64_t)i * ldq;
   float m = 0.0f;
   for (int u = 0; u <= t; ++u) {
-    const float* ku = k + (int64_t)u * ld;
+    const float* ku = k + (int64_t)u * ldkv;
     float s = 0.0f;
     for (int j = 0; j < hd; ++j) s = ls::fma(qt[j], ku[j], s);
     const float z = s * scale;
-    P[attn_index(S, t, u)] = z;
+    P[attn_index(U, i, u)] = z;
     m = u == 0 || z > m ? z : m;
   }
   float sum = 0.0f;
   for (int u = 0; u <= t; ++u) {
-    const float e = ls::cexp(P[attn_index(S, t, u)] - m);
-    P[attn_index(S, t, u)] = e;
+    const float e = ls::cexp(P[attn_index(U, i, u)] - m);
+    P[attn_index(U, i, u)] = e;
     sum = sum + e;
   }
-  for (int u = 0; u <= t; ++u) P[attn_index(S, t, u)] = P[attn_index(S, t, u)] / sum;
-  for (int u = t + 1; u < S && u < (t / kAttnBlock + 1) * kAttnBlock; ++u) P[attn_index(S, t, u)] = 0.0f;
+  for (int u = 0; u <= t; ++u) P[attn_index(U, i, u)] = P[attn_index(U, i, u)] / sum;
+  for (int u = t + 1; u < U && u < t_off + (i / kAttnBlock + 1) * kAttnBlock; ++u) P[attn_index(U, i, u)] = 0.0f;
   for (int j = 0; j < hd; ++j) {
     float acc = 0.0f;
-    for (int u = 0; u <= t; ++u) acc = ls::fma(P[attn_index(S, t, u)], v[(int64_t)u * ld + j], acc);
-    o[(int64_t)t * ldo + j] = acc;
+    for (int u = 0; u <= t; ++u) acc = ls::fma(P[attn_index(U, i, u)], v[(int64_t)u * ldkv + j], acc);
+    o[(int64_t)i * ldo + j] = acc;
   }
 }
 
 __global__ void attention_forward_rows(const float* q, const float* k, const float* v, int64_t ld, int S, int hd,
                                        float scale, float* P, float* o, int64_t ldo) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t < S) attention_forward_row(t, q, k, v, ld, S, hd, scale, P, o, ldo);
+  if (t < S) attention_forward_row(t, 0, q, ld, k, v, ld, S, hd, scale, P, o, ldo);
 }
 
-// dS (blocked, the caller's buffer of attention_probs_floats(S)) and dq of query row t.
-__device__ inline void attention_backward_row(int t, const float* k, const float* v, int64_t ld, int S, int hd,
-                                              float scale, const float* P, const float* dO, int64_t ldo, float* dS,
-                                              float* dq, int64_t ldd) {
-  const float* dot_row = dO + (int64_t)t * ldo;
+// dS (blocked, the caller's buffer of the range's P size) and dq of local query row i.
+__device__ inline void attention_backward_row(int i, int t_off, const float* k, const float* v, int64_t ldkv, int U,
+                                              int hd, float scale, const float* P, const float* dO, int64_t ldo,
+                                              float* dS, float* dq, int64_t ldd) {
+  const int t = t_off + i;
+  const float* dot_row = dO + (int64_t)i * ldo;
   float dot = 0.0f;
   for (int u = 0; u <= t; ++u) {
-    const float* vu = v + (int64_t)u * ld;
+    const float* vu = v + (int64_t)u * ldkv;
     float dp = 0.0f;
     for (int j = 0; j < hd; ++j) dp = ls::fma(dot_row[j], vu[j], dp);
-    dS[attn_index(S, t, u)] = dp;
-    dot = ls::fma(dp, P[attn_index(S, t, u)], dot);
+    dS[attn_index(U, i, u)] = dp;
+    dot = ls::fma(dp, P[attn_index(U, i, u)], dot);
   }
   for (int u = 0; u <= t; ++u) {
-    const int64_t i = attn_index(S, t, u);
-    dS[i] = (P[i] * (dS[i] - dot)) * scale;
+    const int64_t x = attn_index(U, i, u);
+    dS[x] = (P[x] * (dS[x] - dot)) * scale;
   }
   for (int j = 0; j < hd; ++j) {
     float acc = 0.0f;
-    for (int u = 0; u <= t; ++u) acc = ls::fma(dS[attn_index(S, t, u)], k[(int64_t)u * ld + j], acc);
-    dq[(int64_t)t * ldd + j] = acc;
+    for (int u = 0; u <= t; ++u) acc = ls::fma(dS[attn_index(U, i, u)], k[(int64_t)u * ldkv + j], acc);
+    dq[(int64_t)i * ldd + j] = acc;
   }
 }
 
@@ -88,18 +101,20 @@ __global__ void attention_backward_rows(const float* k, const float* v, int64_t 
                                         const float* P, const float* dO, int64_t ldo, float* dS, float* dq,
                                         int64_t ldd) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t < S) attention_backward_row(t, k, v, ld, S, hd, scale, P, dO, ldo, dS, dq, ldd);
+  if (t < S) attention_backward_row(t, 0, k, v, ld, S, hd, scale, P, dO, ldo, dS, dq, ldd);
 }
 
-// dk and dv of key row u, after the rows wrote dS.
-__device__ inline void attention_backward_col(int u, const float* q, int64_t ld, int S, int hd, const float* P,
-                                              const float* dS, const float* dO, int64_t ldo, float* dk, float* dv,
-                                              int64_t ldd) {
+// dk and dv of key row u over the range's queries t >= u, after the rows
+// wrote dS: from +0, or (accumulate) continuing the fold the rows hold.
+__device__ inline void attention_backward_col(int u, int t_off, int Q, const float* q, int64_t ldq, int hd,
+                                              const float* P, const float* dS, const float* dO, int64_t ldo, float* dk,
+                                              float* dv, int64_t ldd, bool accumulate) {
+  const int U = t_off + Q;
   for (int j = 0; j < hd; ++j) {
-    float ak = 0.0f, av = 0.0f;
-    for (int t = u; t < S; ++t) {
-      ak = ls::fma(dS[attn_index(S, t, u)], q[(int64_t)t * ld + j], ak);
-      av = ls::fma(P[attn_index(S, t, u)], dO[(int64_t)t * ldo + j], av);
+    float ak = accumulate ? dk[(int64_t)u * ldd + j] : 0.0f, av = accumulate ? dv[(int64_t)u * ldd + j] : 0.0f;
+    for (int t = u > t_off ? u : t_off; t < U; ++t) {
+      ak = ls::fma(dS[attn_index(U, t - t_off, u)], q[(int64_t)(t - t_off) * ldq + j], ak);
+      av = ls::fma(P[attn_index(U, t - t_off, u)], dO[(int64_t)(t - t_off) * ldo + j], av);
     }
     dk[(int64_t)u * ldd + j] = ak;
     dv[(int64_t)u * ldd + j] = av;
@@ -110,7 +125,7 @@ __device__ inline void attention_backward_col(int u, const float* q, int64_t ld,
 __global__ void attention_backward_cols(const float* q, int64_t ld, int S, int hd, const float* P, const float* dS,
                                         const float* dO, int64_t ldo, float* dk, float* dv, int64_t ldd) {
   const int u = blockIdx.x * blockDim.x + threadIdx.x;
-  if (u < S) attention_backward_col(u, q, ld, S, hd, P, dS, dO, ldo, dk, dv, ldd);
+  if (u < S) attention_backward_col(u, 0, S, q, ld, hd, P, dS, dO, ldo, dk, dv, ldd, false);
 }
 
 // Every head of a batch in one launch: blockIdx.y = b * H + h, the model's
@@ -131,7 +146,7 @@ __global__ void attention_forward_heads(const float* qkv, int H, int S, int hd, 
   const int D = H * hd;
   const AttnHead a = attn_head(blockIdx.y, H, S, hd);
   const float* base = qkv + a.in;
-  attention_forward_row(t, base, base + D, base + 2 * D, 3 * D, S, hd, scale, P + a.probs, o + a.out, D);
+  attention_forward_row(t, 0, base, 3 * D, base + D, base + 2 * D, 3 * D, S, hd, scale, P + a.probs, o + a.out, D);
 }
 
 __global__ void attention_backward_heads_rows(const float* qkv, int H, int S, int hd, float scale, const float* P,
@@ -140,7 +155,7 @@ __global__ void attention_backward_heads_rows(const float* qkv, int H, int S, in
   if (t >= S) return;
   const int D = H * hd;
   const AttnHead a = attn_head(blockIdx.y, H, S, hd);
-  attention_backward_row(t, qkv + a.in + D, qkv + a.in + 2 * D, 3 * D, S, hd, scale, P + a.probs, dO + a.out, D,
+  attention_backward_row(t, 0, qkv + a.in + D, qkv + a.in + 2 * D, 3 * D, S, hd, scale, P + a.probs, dO + a.out, D,
                          dS + a.probs, dqkv + a.in, 3 * D);
 }
 
@@ -150,8 +165,51 @@ __global__ void attention_backward_heads_cols(const float* qkv, int H, int S, in
   if (u >= S) return;
   const int D = H * hd;
   const AttnHead a = attn_head(blockIdx.y, H, S, hd);
-  attention_backward_col(u, qkv + a.in, 3 * D, S, hd, P + a.probs, dS + a.probs, dO + a.out, D, dqkv + a.in + D,
-                         dqkv + a.in + 2 * D, 3 * D);
+  attention_backward_col(u, 0, S, qkv + a.in, 3 * D, hd, P + a.probs, dS + a.probs, dO + a.out, D, dqkv + a.in + D,
+                         dqkv + a.in + 2 * D, 3 * D, false);
+}
+
+// Context parallel (ops::attention_forward_range_heads): the query range
+// [first, first + count) of every (sample, head), blockIdx.y = b * H + h;
+// head bh keeps the range's P at P + bh * probs_stride + p_off.
+__global__ void attention_forward_range_heads(const float* qkv, int H, int S, int hd, float scale, int first,
+                                              int count, float* P, int64_t probs_stride, int64_t p_off, float* o) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  const int D = H * hd;
+  const AttnHead a = attn_head(blockIdx.y, H, S, hd);
+  const float* base = qkv + a.in;
+  attention_forward_row(i, first, base + (int64_t)first * 3 * D, 3 * D, base + D, base + 2 * D, 3 * D, first + count,
+                        hd, scale, P + blockIdx.y * probs_stride + p_off, o + a.out + (int64_t)first * D, D);
+}
+
+// One range of sample b, blockIdx.y = h: the rows (dS, dq), then the columns
+// (dk, dv of keys u < first + count). dS: the range's P size per head.
+__global__ void attention_backward_range_rows(const float* qkv, int b, int H, int S, int hd, float scale, int first,
+                                              int count, const float* P, int64_t probs_stride, int64_t p_off,
+                                              const float* dO, float* dS, float* dqkv) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  const int D = H * hd, U = first + count;
+  const AttnHead a = attn_head(b * H + blockIdx.y, H, S, hd);
+  const int64_t ds = (int64_t)blockIdx.y * attention_probs_floats_range(count, U);
+  attention_backward_row(i, first, qkv + a.in + D, qkv + a.in + 2 * D, 3 * D, U, hd, scale,
+                         P + (b * H + blockIdx.y) * probs_stride + p_off, dO + a.out + (int64_t)first * D, D, dS + ds,
+                         dqkv + a.in + (int64_t)first * 3 * D, 3 * D);
+}
+
+__global__ void attention_backward_range_cols(const float* qkv, int b, int H, int S, int hd, int first, int count,
+                                              const float* P, int64_t probs_stride, int64_t p_off, const float* dS,
+                                              const float* dO, float* dqkv, bool accumulate) {
+  const int u = blockIdx.x * blockDim.x + threadIdx.x;
+  const int U = first + count;
+  if (u >= U) return;
+  const int D = H * hd;
+  const AttnHead a = attn_head(b * H + blockIdx.y, H, S, hd);
+  const int64_t ds = (int64_t)blockIdx.y * attention_probs_floats_range(count, U);
+  attention_backward_col(u, first, count, qkv + a.in + (int64_t)first * 3 * D, 3 * D, hd,
+                         P + (b * H + blockIdx.y) * probs_stride + p_off, dS + ds, dO + a.out + (int64_t)first * D, D,
+                         dqkv + a.in + D, dqkv + a.in + 2 * D, 3 * D, accumulate);
 }
 
 }  // namespace ls::kernels

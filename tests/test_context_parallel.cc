@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cli_run.h"
+#include "emu/backend.h"
 #include "model/context_parallel.h"
 #include "split_mesh.h"
 
@@ -131,16 +132,17 @@ TEST_SUITE("context_parallel") {
     CHECK(j.at("restarts").size() == 1);
   }
 
-  TEST_CASE("lockstep check skips a cp variant on cuda-emulated, says so and counts it; JUnit marks it skipped") {
-    const std::string root = LOCKSTEP_SOURCE_DIR;
-    const auto junit = lstest::cli_temp_dir() / "cp-skip.xml";
-    const auto r = lstest::run_cli("check " + root + "/scenarios/variants/long_seq_cp2.json --golden-dir " + root +
-                                   "/golden --backend cuda-emulated --junit " + junit.string());
-    CAPTURE(r.out);
-    CHECK(r.rc == 0);
-    CHECK(r.out.find("skip  long_seq") != std::string::npos);
-    CHECK(r.out.find("check: 1 scenario, 0 failed, 1 skipped") != std::string::npos);
-    CHECK(lstest::slurp(junit).find("<skipped message=") != std::string::npos);
+  TEST_CASE("the CUDA kernels, emulated, give the same bits on a cp mesh, their query-range launches counted") {
+    const ls::RunResult engine = run_split({"mesh.cp=2", "mesh.dp=2"});
+    for (const std::vector<std::string>& sets :
+         std::vector<std::vector<std::string>>{{"mesh.cp=2", "mesh.dp=2"}, {"mesh.cp=4", "mesh.cp_layout=contiguous"}}) {
+      const int64_t before = ls::emu::kernel_launches();
+      const ls::RunResult kernels = run_split(sets, 2, ls::Backend::kCudaEmulated);
+      CHECK(kernels.backend == "cuda-emulated");
+      CHECK(kernels.final_state_hash == engine.final_state_hash);
+      CHECK(loss_bits(kernels) == loss_bits(engine));
+      CHECK(ls::emu::kernel_launches() - before > 1000);
+    }
   }
 
   TEST_CASE("bad context-parallel input is refused with exit 2, naming the key") {
@@ -151,7 +153,6 @@ TEST_SUITE("context_parallel") {
              {"--set mesh.cp=3 --set mesh.cp_layout=contiguous",
               "mesh.cp: is 3: model.seq_len = 8 does not cut into 3 equal chunks"},
              {"--set mesh.cp_layout=ring", "mesh.cp_layout: must be zigzag or contiguous"},
-             {"--set mesh.cp=2 --set numerics.level=local", "mesh.cp: is 2 with numerics.level=local"},
-             {"--set mesh.cp=2 --backend cuda-emulated", "mesh.cp: is 2 but --backend cuda-emulated"}});
+             {"--set mesh.cp=2 --set numerics.level=local", "mesh.cp: is 2 with numerics.level=local"}});
   }
 }

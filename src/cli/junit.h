@@ -12,7 +12,6 @@ struct JUnitCase {
   std::string classname, name;
   double seconds = 0;
   bool failed = false;
-  std::string skipped;          // non-empty: not run, and why (a <skipped message>)
   std::string failure_type;     // e.g. the field that differs: "loss_bits"
   std::string failure_message;  // one line
   std::string failure_text;     // the details, several lines

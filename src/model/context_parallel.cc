@@ -5,8 +5,8 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "common/parallel.h"
 #include "ops/attention.h"
+#include "ops/ops.h"
 
 namespace ls {
 namespace {
@@ -39,7 +39,9 @@ void unpack_rows(float* m, int64_t ld, int64_t row0, int count, int col, int wid
 
 // Every CP rank's rows of its ranges (columns [col, col + width) of an
 // [N, ld] matrix, every sample) made whole on every rank: an all-gather.
+// The host packs and unpacks: the kernels writing m must be done.
 void gather_held_rows(StepContext& ctx, float* m, int64_t ld, int col, int width) {
+  ops::synchronize();
   const int S = ctx.cfg.seq_len, cp = ctx.cp;
   const bool zz = ctx.mesh->cp_zigzag();
   const int64_t each = (int64_t)ctx.batch * (S / cp) * width;  // every rank holds S / cp positions of a sample
@@ -94,16 +96,13 @@ void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd,
   const int64_t per_head = cp_probs_floats(S, ctx.cp, ctx.cp_rank, zz);
   {
     BusyTimer busy{ctx.stats.cp_attention_seconds};
-    parallel_tasks_with<ops::AttentionScratch>((int64_t)ctx.batch * heads, [&](ops::AttentionScratch& sc, int64_t bh) {
-      const int b = (int)(bh / heads), h = (int)(bh % heads);
-      const float* base = qkv + (int64_t)b * S * ld + (int64_t)h * hd;  // q, k, v of row 0 of sample b, head h
-      float* p = P + bh * per_head;
-      for (const QueryRange& r : ranges) {
-        ops::attention_forward_range(base + r.first * ld, ld, base + Dh, base + 2 * Dh, ld, r.count, r.first, hd, scale,
-                                     p, attn_out + ((int64_t)b * S + r.first) * Dh + (int64_t)h * hd, Dh, sc);
-        p += ops::attention_range_probs_floats(r.count, r.first);
-      }
-    });
+    int64_t p_off = 0;
+    for (const QueryRange& r : ranges) {
+      ops::attention_forward_range_heads(qkv, ctx.batch, heads, S, hd, scale, r.first, r.count, P, per_head, p_off,
+                                         attn_out);
+      p_off += ops::attention_range_probs_floats(r.count, r.first);
+    }
+    ops::synchronize();  // a kernel backend: the busy time is the kernels'
   }
   gather_held_rows(ctx, attn_out, Dh, 0, Dh);
 }
@@ -117,7 +116,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
   const std::vector<ChainLink> chain = cp_chain(S, ctx.cp, zz);
   const int64_t per_head = cp_probs_floats(S, ctx.cp, ctx.cp_rank, zz);
   // A key's row takes its first term in the range that holds it: +0 until then.
-  std::memset(dqkv, 0, sizeof(float) * (size_t)(ctx.tokens * ld));
+  ops::fill(dqkv, ctx.tokens * ld, 0.0f);
   ops::DeviceVector<float>& link = ctx.ws.cp_link;
   // My links in ascending position; for each, every sample in turn, so the
   // next rank starts on sample 0 while this one works on sample 1.
@@ -131,6 +130,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
     for (int b = 0; b < ctx.batch; ++b) {
       const int64_t row0 = (int64_t)b * S;
       if (k > 0 && chain[k - 1].rank != ctx.cp_rank) {  // the partial dK, dV of keys [0, r.first)
+        ops::synchronize();  // the host rewrites rows kernels may still touch
         link.resize((size_t)r.first * 2 * Dh);
         ctx.mesh->cp_recv(link.data(), link.size(), chain[k - 1].rank);
         const float* in = link.data();
@@ -138,14 +138,9 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
       }
       {
         BusyTimer busy{ctx.stats.cp_attention_seconds};
-        parallel_tasks_with<ops::AttentionScratch>(heads, [&](ops::AttentionScratch& sc, int64_t h) {
-          const float* base = qkv + row0 * ld + h * hd;
-          float* dbase = dqkv + row0 * ld + h * hd;
-          ops::attention_backward_range(base + r.first * ld, ld, base + Dh, base + 2 * Dh, ld, r.count, r.first, hd,
-                                        scale, P + ((int64_t)b * heads + h) * per_head + p_off,
-                                        dattn_out + (row0 + r.first) * Dh + h * hd, Dh, dbase + r.first * ld, ld,
-                                        dbase + Dh, dbase + 2 * Dh, ld, /*continue_kv=*/k > 0, sc);
-        });
+        ops::attention_backward_range_heads(qkv, b, heads, S, hd, scale, r.first, r.count, P, per_head, p_off,
+                                            dattn_out, dqkv, /*continue_kv=*/k > 0);
+        ops::synchronize();
       }
       if (k + 1 < chain.size() && chain[k + 1].rank != ctx.cp_rank) {  // keys [0, end) go on
         const int end = r.first + r.count;
@@ -158,6 +153,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
     }
   }
   // The finished dK, dV from the last link's rank; every rank's dq rows.
+  ops::synchronize();
   const int last = chain.back().rank;
   ctx.ws.cp_send.resize((size_t)(ctx.tokens * 2 * Dh));
   float* out = ctx.ws.cp_send.data();

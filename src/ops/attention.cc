@@ -310,4 +310,39 @@ void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, flo
   });
 }
 
+void attention_forward_range_heads(const float* qkv, int B, int H, int S, int hd, float scale, int first, int count,
+                                   float* P, int64_t probs_stride, int64_t p_off, float* o) {
+  if (auto k = kernel(&OpHooks::attention_forward_range_heads)) {
+    const OpTimer op_timer(OpKind::kAttention);
+    return k(qkv, B, H, S, hd, scale, first, count, P, probs_stride, p_off, o);
+  }
+  const int D = H * hd;
+  const int64_t ld = 3 * (int64_t)D;
+  parallel_tasks_with<AttentionScratch>((int64_t)B * H, [&](AttentionScratch& scratch, int64_t bh) {
+    const int b = (int)(bh / H), hh = (int)(bh % H);
+    const float* base = qkv + (int64_t)b * S * ld + (int64_t)hh * hd;  // row 0 of sample b, head hh
+    attention_forward_range(base + first * ld, ld, base + D, base + 2 * D, ld, count, first, hd, scale,
+                            P + bh * probs_stride + p_off, o + ((int64_t)b * S + first) * D + (int64_t)hh * hd, D,
+                            scratch);
+  });
+}
+
+void attention_backward_range_heads(const float* qkv, int b, int H, int S, int hd, float scale, int first, int count,
+                                    const float* P, int64_t probs_stride, int64_t p_off, const float* dO, float* dqkv,
+                                    bool continue_kv) {
+  if (auto k = kernel(&OpHooks::attention_backward_range_heads)) {
+    const OpTimer op_timer(OpKind::kAttention);
+    return k(qkv, b, H, S, hd, scale, first, count, P, probs_stride, p_off, dO, dqkv, continue_kv);
+  }
+  const int D = H * hd;
+  const int64_t ld = 3 * (int64_t)D, row0 = (int64_t)b * S;
+  parallel_tasks_with<AttentionScratch>(H, [&](AttentionScratch& scratch, int64_t hh) {
+    const float* base = qkv + row0 * ld + hh * hd;
+    float* dbase = dqkv + row0 * ld + hh * hd;
+    attention_backward_range(base + first * ld, ld, base + D, base + 2 * D, ld, count, first, hd, scale,
+                             P + ((int64_t)b * H + hh) * probs_stride + p_off, dO + (row0 + first) * D + hh * hd, D,
+                             dbase + first * ld, ld, dbase + D, dbase + 2 * D, ld, continue_kv, scratch);
+  });
+}
+
 }  // namespace ls::ops

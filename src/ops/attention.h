@@ -70,4 +70,17 @@ void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, floa
 void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, const float* P,
                               const float* dO, float* dqkv);
 
+// Context parallel, in the model's layout (as the _heads functions above):
+// the query range [first, first + count) of every (sample, head) of a batch;
+// head bh keeps the range's P at P + bh * probs_stride + p_off. Heads in
+// parallel (one launch on a kernel backend).
+void attention_forward_range_heads(const float* qkv, int B, int H, int S, int hd, float scale, int first, int count,
+                                   float* P, int64_t probs_stride, int64_t p_off, float* o);
+// The same range of sample b, every head: its dq rows, and dk, dv of keys
+// 0 .. first+count-1 in dqkv, continuing their folds when continue_kv
+// (attention_backward_range).
+void attention_backward_range_heads(const float* qkv, int b, int H, int S, int hd, float scale, int first, int count,
+                                    const float* P, int64_t probs_stride, int64_t p_off, const float* dO, float* dqkv,
+                                    bool continue_kv);
+
 }  // namespace ls::ops

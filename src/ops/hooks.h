@@ -42,6 +42,14 @@ struct OpHooks {
                                   float* o) = nullptr;
   void (*attention_backward_heads)(const float* qkv, int B, int H, int S, int hd, float scale, const float* P,
                                    const float* dO, float* dqkv) = nullptr;
+  // Context parallel: a query range of every head (ops::attention_forward_range_heads,
+  // ops::attention_backward_range_heads).
+  void (*attention_forward_range_heads)(const float* qkv, int B, int H, int S, int hd, float scale, int first,
+                                        int count, float* P, int64_t probs_stride, int64_t p_off,
+                                        float* o) = nullptr;
+  void (*attention_backward_range_heads)(const float* qkv, int b, int H, int S, int hd, float scale, int first,
+                                         int count, const float* P, int64_t probs_stride, int64_t p_off,
+                                         const float* dO, float* dqkv, bool continue_kv) = nullptr;
   void (*route_topk)(const float* g, int64_t N, int E, int K, int* sel) = nullptr;
   void (*moe_combine)(const float* g, int E, const int* sel, int K, const int64_t* row_of, const float* ye_rows,
                       const float* shared, const float* residual, float* hout, int64_t N, int D) = nullptr;

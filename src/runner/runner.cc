@@ -391,9 +391,6 @@ void TrainingRun::make_trainer() {
       trainer_ = std::make_unique<ClusterTrainer>(s, opt.mpi);
     }
   }
-  if (s.mesh.cp > 1 && (opt.backend == Backend::kCuda || opt.backend == Backend::kCudaEmulated))
-    throw UserError("mesh.cp: is " + std::to_string(s.mesh.cp) + " but --backend " + backend_name(opt.backend) +
-                    " has no kernel for a query range yet; context parallel runs on the engine");
   if (!trainer_) trainer_ = ls::make_trainer(s, opt.backend);
   procs_ = opt.mpi && opt.mpi->size() > 1 ? opt.mpi : nullptr;
   lead_ = !procs_ || procs_->rank() == 0;
