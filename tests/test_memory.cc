@@ -32,7 +32,8 @@ TEST_SUITE("memory") {
     const std::string save = "--set ckpt.url=" + ck.string() + " --set ckpt.every=1";
     for (const std::string& args : std::vector<std::string>{"--threads 1", "--threads 2", "--threads 1 --set mesh.dp=2",
                                    "--threads 2 --set mesh.dp=4 --set mesh.ep=2",
-                                   "--threads 1 --set mesh.dp=4 --set mesh.fsdp=true", "--threads 1 " + save,
+                                   "--threads 1 --set mesh.dp=4 --set mesh.fsdp=true", "--threads 1 --set mesh.cp=2",
+                                   "--threads 2 --set mesh.dp=2 --set mesh.cp=2", "--threads 1 " + save,
                                    "--threads 1 --steps 3 --resume " + ck.string()}) {
       CAPTURE(args);
       const lstest::CliResult r = lstest::run_cli("run " + sc.string() + " " + args + " --json --quiet");

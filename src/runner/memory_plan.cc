@@ -11,7 +11,9 @@
 #include <string>
 
 #include "common/error.h"
+#include "model/context_parallel.h"
 #include "model/model.h"
+#include "ops/attention.h"
 #include "runner/data_lanes.h"
 
 namespace ls {
@@ -40,8 +42,13 @@ uint64_t read_cgroup_value(const char* path) {
 
 MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   const ModelConfig& c = s.model;
-  const int dp = s.mesh.dp, ep = s.mesh.ep;
-  const bool multi = dp > 1 || ep > 1 || s.mesh.fsdp;
+  const int dp = s.mesh.dp, ep = s.mesh.ep, cp = std::max(1, s.mesh.cp);
+  const bool multi = dp > 1 || ep > 1 || s.mesh.fsdp || cp > 1;
+  // Context parallel: each of a data rank's cp ranks holds its whole copy of
+  // the weights, gradients, moments and activations; only attention's P is
+  // split (docs/CLUSTER.md). (Tensor and pipeline parallel are not modelled:
+  // they count as one data rank's whole model.)
+  const int copies_of_state = dp * cp;
   const uint64_t f = sizeof(float);
   const uint64_t global_weights = (uint64_t)count_weights(c, 1);
   const uint64_t rank_weights = (uint64_t)count_weights(c, ep);
@@ -61,7 +68,7 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   auto add = [&](std::string name, uint64_t bytes, std::string detail) {
     e.parts.push_back({std::move(name), bytes, std::move(detail)});
   };
-  const std::string ranks = multi ? " on each of " + std::to_string(dp) + " ranks" : "";
+  const std::string ranks = multi ? " on each of " + std::to_string(copies_of_state) + " ranks" : "";
   add("runtime", 24 * kMiB + (uint64_t)threads * 2 * kMiB,
       "an allowance for code, libraries, thread stacks and per-thread scratch");
   uint64_t corpus = s.data.synthetic_bytes;
@@ -71,15 +78,27 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
     if (ec) corpus = 0;  // the loader names the missing file
   }
   add("corpus", corpus, s.data.path.empty() ? "the synthetic corpus" : "data.path, read whole");
-  add("weights", dp * rank_weights * f + (s.mesh.fsdp ? dp * sharded / group * f : 0),
+  add("weights", copies_of_state * rank_weights * f + (s.mesh.fsdp ? copies_of_state * sharded / group * f : 0),
       std::to_string(rank_weights) + " fp32 weights" + ranks + (s.mesh.fsdp ? ", plus the FSDP shards" : ""));
-  add("gradients", (dp + lanes - 1) * rank_weights * f,
+  add("gradients", (copies_of_state + lanes - 1) * rank_weights * f,
       lanes > 1 ? "one per data lane (" + std::to_string(lanes) + " lanes)" : "one per weight" + ranks);
-  add("adamw_moments", dp * 2 * owned * f, s.mesh.fsdp ? "m and v of each rank's FSDP shards" : "m and v" + ranks);
+  add("adamw_moments", copies_of_state * 2 * owned * f, s.mesh.fsdp ? "m and v of each rank's FSDP shards" : "m and v" + ranks);
   WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes, ep);
-  const uint64_t copies = (uint64_t)dp * lanes;
+  if (cp > 1) {
+    // Per CP rank: P of its query ranges instead of the whole sequence's (a
+    // mean over the group's ranks), and the group's exchange buffers.
+    const int64_t BH = (int64_t)(s.batch / dp) * c.n_heads, L = c.n_layers;
+    const bool zz = s.mesh.cp_layout == "zigzag";
+    int64_t held = 0;
+    for (int r = 0; r < cp; ++r) held += cp_probs_floats(c.seq_len, cp, r, zz);
+    const int64_t whole = ops::attention_probs_floats(c.seq_len);
+    w.activations = w.activations - (uint64_t)(L * BH * whole) * f + (uint64_t)(L * BH * held / cp) * f +
+                    (uint64_t)(s.batch / dp) * c.seq_len * 4 * c.d_model * f;
+  }
+  const uint64_t copies = (uint64_t)dp * lanes * cp;
   const std::string per = std::to_string(s.batch / dp / lanes) + " samples x " + std::to_string(c.seq_len) +
-                          " tokens" + (copies > 1 ? " on each of " + std::to_string(copies) + (multi ? " ranks" : " lanes") : "");
+                          " tokens" + (copies > 1 ? " on each of " + std::to_string(copies) + (multi ? " ranks" : " lanes") : "") +
+                          (cp > 1 ? " (attention's P: each context-parallel rank's query ranges)" : "");
   add("activations", copies * w.activations, "saved activations and backward scratch, " + per);
   add("moe_expert_buffers", copies * w.expert_buffers,
       "routed rows (top_k per token) x (d_model + 3 d_ff) floats per layer, and capacity x local experts "

@@ -3,7 +3,9 @@
 // shape, batch, mesh, threads, checkpoint policy), not a measurement; the run
 // refuses a scenario whose estimate exceeds what is available, and
 // `lockstep plan` / `run --dry-run` print it per part. tests/test_memory.cc
-// holds the estimate to the measured peak resident set.
+// holds the estimate to the measured peak resident set. Context-parallel
+// ranks each count a whole copy (only attention's P is split); tensor and
+// pipeline parallel are not modelled yet (a data rank's whole model).
 #pragma once
 
 #include <cstdint>
