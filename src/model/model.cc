@@ -254,6 +254,8 @@ WorkspaceEstimate estimate_workspace(const ModelConfig& c, int batch, int ep_siz
   int64_t scratch = (9 * N * D + 3 * N * V + 3 * N + 2 * N * E + 2 * NK * D) * f;
   if (c.shared_expert) scratch += (3 * N * F + N * D) * f;
   w.activations = L * layer + scratch;
+  w.per_layer = layer;
+  w.scratch = scratch;
   // Per layer, what is kept per routed row: outputs (D), u, v and sg (F),
   // the leaf id; with expert parallelism the received input row (D) too.
   const int64_t El = E / ep_size;

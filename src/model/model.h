@@ -141,7 +141,8 @@ struct MoeStats {
 // batch * seq_len * top_k per rank: exact without expert parallelism, the
 // average with it.
 struct WorkspaceEstimate {
-  int64_t activations = 0;       // saved per-layer activations and backward scratch
+  int64_t activations = 0;       // saved per-layer activations and backward scratch: n_layers * per_layer + scratch
+  int64_t per_layer = 0, scratch = 0;
   int64_t expert_buffers = 0;    // rows kept per routed row, and the capacity-sized expert slots
   int64_t dispatch_buffers = 0;  // expert parallel: one round's send and receive buffers
 };

@@ -42,17 +42,19 @@ uint64_t read_cgroup_value(const char* path) {
 
 MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   const ModelConfig& c = s.model;
-  const int dp = s.mesh.dp, ep = s.mesh.ep, cp = std::max(1, s.mesh.cp);
-  const bool multi = dp > 1 || ep > 1 || s.mesh.fsdp || cp > 1;
-  // Context parallel: each of a data rank's cp ranks holds its whole copy of
-  // the weights, gradients, moments and activations; only attention's P is
-  // split (docs/CLUSTER.md). (Tensor and pipeline parallel are not modelled:
-  // they count as one data rank's whole model.)
-  const int copies_of_state = dp * cp;
+  const int dp = s.mesh.dp, ep = s.mesh.ep, cp = std::max(1, s.mesh.cp), tp = std::max(1, s.mesh.tp);
+  const int pp = std::max(1, s.mesh.pp), m = std::max(1, s.microbatches);
+  const bool multi = s.mesh.world() > 1 || ep > 1 || s.mesh.fsdp || m > 1;
+  // Copies of a data rank's state: each context-parallel rank holds a whole
+  // one (only attention's P is split, docs/CLUSTER.md); each tensor-parallel
+  // rank its part of the split tensors and the rest whole. Pipeline stages
+  // split the tensors between them: together they hold one copy.
+  const int copies_of_state = dp * cp * tp;
+  const bool pipelined = pp > 1 || m > 1;
   const uint64_t f = sizeof(float);
   const uint64_t global_weights = (uint64_t)count_weights(c, 1);
-  const uint64_t rank_weights = (uint64_t)count_weights(c, ep);
-  const uint64_t expert_weights = (uint64_t)c.n_layers * c.experts * 3 * c.d_model * c.d_ff;
+  const uint64_t rank_weights = (uint64_t)count_weights(c, ep, tp);
+  const uint64_t expert_weights = (uint64_t)c.n_layers * c.experts * 3 * c.d_model * c.d_ff / tp;
   // FSDP shards every tensor but the expert slices of an expert-parallel mesh.
   const uint64_t sharded = !s.mesh.fsdp ? 0 : ep > 1 ? rank_weights - expert_weights / ep : rank_weights;
   const int group = s.mesh.fsdp ? dp / std::max(1, s.mesh.replicate) : 1;
@@ -83,11 +85,32 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   add("gradients", (copies_of_state + lanes - 1) * rank_weights * f,
       lanes > 1 ? "one per data lane (" + std::to_string(lanes) + " lanes)" : "one per weight" + ranks);
   add("adamw_moments", copies_of_state * 2 * owned * f, s.mesh.fsdp ? "m and v of each rank's FSDP shards" : "m and v" + ranks);
-  WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes, ep);
+  if (pipelined && m > 1) {
+    // A stage folds each chunk's microbatch gradients by the leaf tree over microbatch index: a binary
+    // counter of floor(log2 m) + 1 buffers of the chunk's tensors (runner/pipeline.h).
+    int levels = 1;
+    while ((1 << levels) <= m) ++levels;
+    add("pipeline_gradient_trees", copies_of_state * levels * rank_weights * f,
+        std::to_string(levels) + " buffers of each stage's tensors: the tree over " + std::to_string(m) + " microbatches");
+  }
+  // A pipeline's workspaces: one per microbatch in flight on each stage,
+  // each holding the stage's layers (about n_layers / pp) and the backward
+  // scratch; 1F1B keeps pp - s in flight on stage s unless the aux loss
+  // makes every stage hold all m (runner/pipeline.h); GPipe and interleaved: m.
+  WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes / m, ep);
+  if (pipelined) {
+    int64_t slots = 0;
+    for (int st = 0; st < pp; ++st)
+      slots += s.mesh.pp_schedule == "1f1b" && c.aux_loss_weight == 0 ? std::min(pp - st, m) : m;
+    const double share = (double)slots / pp;  // workspaces per stage, on average
+    w.activations = (int64_t)(share * (c.n_layers * w.per_layer / pp + w.scratch)) * pp;
+    w.expert_buffers = (int64_t)(share * w.expert_buffers);
+    w.dispatch_buffers = w.dispatch_buffers * pp;
+  }
   if (cp > 1) {
     // Per CP rank: P of its query ranges instead of the whole sequence's (a
     // mean over the group's ranks), and the group's exchange buffers.
-    const int64_t BH = (int64_t)(s.batch / dp) * c.n_heads, L = c.n_layers;
+    const int64_t BH = (int64_t)(s.batch / dp / m) * c.n_heads, L = c.n_layers;
     const bool zz = s.mesh.cp_layout == "zigzag";
     int64_t held = 0;
     for (int r = 0; r < cp; ++r) held += cp_probs_floats(c.seq_len, cp, r, zz);
@@ -95,7 +118,7 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
     w.activations = w.activations - (uint64_t)(L * BH * whole) * f + (uint64_t)(L * BH * held / cp) * f +
                     (uint64_t)(s.batch / dp) * c.seq_len * 4 * c.d_model * f;
   }
-  const uint64_t copies = (uint64_t)dp * lanes * cp;
+  const uint64_t copies = (uint64_t)dp * lanes * cp * tp;
   const std::string per = std::to_string(s.batch / dp / lanes) + " samples x " + std::to_string(c.seq_len) +
                           " tokens" + (copies > 1 ? " on each of " + std::to_string(copies) + (multi ? " ranks" : " lanes") : "") +
                           (cp > 1 ? " (attention's P: each context-parallel rank's query ranges)" : "");

@@ -3,9 +3,11 @@
 // shape, batch, mesh, threads, checkpoint policy), not a measurement; the run
 // refuses a scenario whose estimate exceeds what is available, and
 // `lockstep plan` / `run --dry-run` print it per part. tests/test_memory.cc
-// holds the estimate to the measured peak resident set. Context-parallel
-// ranks each count a whole copy (only attention's P is split); tensor and
-// pipeline parallel are not modelled yet (a data rank's whole model).
+// holds the estimate to the measured peak resident set on every kind of
+// mesh: context-parallel ranks each count a whole copy (only attention's P
+// is split), tensor-parallel ranks their parts, pipeline stages their share
+// of the layers times the microbatches in flight plus the gradient trees
+// over microbatches.
 #pragma once
 
 #include <cstdint>
