@@ -203,6 +203,45 @@ void check_attention() {
   }
 }
 
+// Context parallel: the query ranges of a sequence, chained in ascending
+// order as mesh.cp does (zigzag cp=2 of 64: four ranges of 16), every head of
+// a 2-sample batch; the kernels against the engine's range functions.
+void check_attention_ranges() {
+  const int B = 2, H = 2, hd = 16, S = 64, D = H * hd;
+  const int firsts[] = {0, 16, 32, 48}, count = 16;
+  const auto qkv = random_floats((size_t)B * S * 3 * D, 27), dO = random_floats((size_t)B * S * D, 28);
+  const float scale = 1.0f / std::sqrt((float)hd);
+  int64_t per_head = 0;
+  for (int f : firsts) per_head += ls::ops::attention_range_probs_floats(count, f);
+  std::vector<float> P((size_t)(B * H * per_head), 0.0f), o((size_t)B * S * D), dqkv((size_t)B * S * 3 * D, 0.0f);
+  Dev<float> dq(qkv), ddO(dO), dP(P.size()), dov(o.size()), dd(dqkv.size());
+  const size_t ds_floats = (size_t)H * ls::kernels::attention_probs_floats_range(count, S);
+  Dev<float> dS(ds_floats);
+  int64_t p_off = 0;
+  for (int f : firsts) {
+    ls::ops::attention_forward_range_heads(qkv.data(), B, H, S, hd, scale, f, count, P.data(), per_head, p_off,
+                                           o.data());
+    ls::kernels::attention_forward_range_heads<<<dim3(blocks_for(count, 32), B * H), 32>>>(
+        dq.p, H, S, hd, scale, f, count, dP.p, per_head, p_off, dov.p);
+    p_off += ls::ops::attention_range_probs_floats(count, f);
+  }
+  p_off = 0;
+  for (int k = 0; k < 4; ++k) {
+    const int f = firsts[k];
+    for (int b = 0; b < B; ++b) {
+      ls::ops::attention_backward_range_heads(qkv.data(), b, H, S, hd, scale, f, count, P.data(), per_head, p_off,
+                                              dO.data(), dqkv.data(), k > 0);
+      ls::kernels::attention_backward_range_rows<<<dim3(blocks_for(count, 32), H), 32>>>(
+          dq.p, b, H, S, hd, scale, f, count, dP.p, per_head, p_off, ddO.p, dS.p, dd.p);
+      ls::kernels::attention_backward_range_cols<<<dim3(blocks_for(f + count, 32), H), 32>>>(
+          dq.p, b, H, S, hd, f, count, dP.p, per_head, p_off, dS.p, ddO.p, dd.p, k > 0);
+    }
+    p_off += ls::ops::attention_range_probs_floats(count, f);
+  }
+  expect_bits("attention ranges o", dov.host(), o);
+  expect_bits("attention ranges dqkv (dK, dV chained over 4 ranges)", dd.host(), dqkv);
+}
+
 void check_adamw() {
   ls::OptimConfig cfg;
   const int64_t n = 4096;
@@ -357,6 +396,7 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "weight_grad") check_weight_grad();
   if (only.empty() || only == "norms") check_norms_and_elementwise();
   if (only.empty() || only == "attention") check_attention();
+  if (only.empty() || only == "attention") check_attention_ranges();
   if (only.empty() || only == "adamw") check_adamw();
   if (only.empty() || only == "moe") check_moe();
   if (only.empty() || only == "dispatch") check_dispatch();
