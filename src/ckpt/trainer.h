@@ -79,6 +79,12 @@ struct MeshReport {
       bytes_sent = std::max(bytes_sent, sent);
       workspace_bytes = std::max(workspace_bytes, workspace);
     }
+    // Sums over steps (seconds, bytes) and the largest workspace, for means.
+    void add_step(const ContextRank& step) {
+      attention_seconds += step.attention_seconds;
+      bytes_sent += step.bytes_sent;
+      workspace_bytes = std::max(workspace_bytes, step.workspace_bytes);
+    }
   };
   std::vector<ContextRank> context;
   std::map<std::string, uint64_t> bytes_sent_max;          // by collective kind, the busiest rank, all steps

@@ -48,17 +48,25 @@ void gather_held_rows(StepContext& ctx, float* m, int64_t ld, int col, int width
   ctx.ws.cp_send.resize((size_t)each);
   ctx.ws.cp_recv.resize((size_t)(each * cp));
   float* out = ctx.ws.cp_send.data();
+  const std::vector<QueryRange> mine = cp_query_ranges(S, cp, ctx.cp_rank, zz);
   for (int b = 0; b < ctx.batch; ++b)
-    for (const QueryRange& r : cp_query_ranges(S, cp, ctx.cp_rank, zz))
-      pack_rows(m, ld, (int64_t)b * S + r.first, r.count, col, width, out);
+    for (const QueryRange& r : mine) pack_rows(m, ld, (int64_t)b * S + r.first, r.count, col, width, out);
   ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), (size_t)each);
   ctx.stats.cp_bytes_sent += each * (int64_t)sizeof(float) * (cp - 1);
   for (int q = 0; q < cp; ++q) {
     const float* in = ctx.ws.cp_recv.data() + q * each;
+    const std::vector<QueryRange> held = cp_query_ranges(S, cp, q, zz);
     for (int b = 0; b < ctx.batch; ++b)
-      for (const QueryRange& r : cp_query_ranges(S, cp, q, zz))
-        unpack_rows(m, ld, (int64_t)b * S + r.first, r.count, col, width, in);
+      for (const QueryRange& r : held) unpack_rows(m, ld, (int64_t)b * S + r.first, r.count, col, width, in);
   }
+}
+
+// Where range i of `ranges` keeps its P in a (sample, head)'s share: after
+// the earlier ranges'. probs_offset(ranges, ranges.size()) is the share's size.
+int64_t probs_offset(const std::vector<QueryRange>& ranges, size_t i) {
+  int64_t n = 0;
+  for (size_t k = 0; k < i; ++k) n += ops::attention_range_probs_floats(ranges[k].count, ranges[k].first);
+  return n;
 }
 
 }  // namespace
@@ -82,9 +90,8 @@ std::vector<ChainLink> cp_chain(int S, int cp, bool zigzag) {
 }
 
 int64_t cp_probs_floats(int S, int cp, int rank, bool zigzag) {
-  int64_t n = 0;
-  for (const QueryRange& r : cp_query_ranges(S, cp, rank, zigzag)) n += ops::attention_range_probs_floats(r.count, r.first);
-  return n;
+  const std::vector<QueryRange> ranges = cp_query_ranges(S, cp, rank, zigzag);
+  return probs_offset(ranges, ranges.size());
 }
 
 void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, float* P,
@@ -93,15 +100,12 @@ void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd,
   const int64_t ld = 3 * (int64_t)Dh;
   const bool zz = ctx.mesh->cp_zigzag();
   const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp, ctx.cp_rank, zz);
-  const int64_t per_head = cp_probs_floats(S, ctx.cp, ctx.cp_rank, zz);
+  const int64_t per_head = probs_offset(ranges, ranges.size());
   {
     BusyTimer busy{ctx.stats.cp_attention_seconds};
-    int64_t p_off = 0;
-    for (const QueryRange& r : ranges) {
-      ops::attention_forward_range_heads(qkv, ctx.batch, heads, S, hd, scale, r.first, r.count, P, per_head, p_off,
-                                         attn_out);
-      p_off += ops::attention_range_probs_floats(r.count, r.first);
-    }
+    for (size_t i = 0; i < ranges.size(); ++i)
+      ops::attention_forward_range_heads(qkv, ctx.batch, heads, S, hd, scale, ranges[i].first, ranges[i].count, P,
+                                         per_head, probs_offset(ranges, i), attn_out);
     ops::synchronize();  // a kernel backend: the busy time is the kernels'
   }
   gather_held_rows(ctx, attn_out, Dh, 0, Dh);
@@ -114,7 +118,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
   const bool zz = ctx.mesh->cp_zigzag();
   const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp, ctx.cp_rank, zz);
   const std::vector<ChainLink> chain = cp_chain(S, ctx.cp, zz);
-  const int64_t per_head = cp_probs_floats(S, ctx.cp, ctx.cp_rank, zz);
+  const int64_t per_head = probs_offset(ranges, ranges.size());
   // A key's row takes its first term in the range that holds it: +0 until then.
   ops::fill(dqkv, ctx.tokens * ld, 0.0f);
   ops::DeviceVector<float>& link = ctx.ws.cp_link;
@@ -123,10 +127,9 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
   for (size_t k = 0; k < chain.size(); ++k) {
     if (chain[k].rank != ctx.cp_rank) continue;
     const QueryRange r = chain[k].range;
-    size_t mine = 0;  // which of my ranges: its P follows the earlier ones'
+    size_t mine = 0;  // which of my ranges
     while (ranges[mine].first != r.first) ++mine;
-    int64_t p_off = 0;
-    for (size_t i = 0; i < mine; ++i) p_off += ops::attention_range_probs_floats(ranges[i].count, ranges[i].first);
+    const int64_t p_off = probs_offset(ranges, mine);
     for (int b = 0; b < ctx.batch; ++b) {
       const int64_t row0 = (int64_t)b * S;
       if (k > 0 && chain[k - 1].rank != ctx.cp_rank) {  // the partial dK, dV of keys [0, r.first)

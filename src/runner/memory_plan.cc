@@ -85,7 +85,7 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   add("gradients", (copies_of_state + lanes - 1) * rank_weights * f,
       lanes > 1 ? "one per data lane (" + std::to_string(lanes) + " lanes)" : "one per weight" + ranks);
   add("adamw_moments", copies_of_state * 2 * owned * f, s.mesh.fsdp ? "m and v of each rank's FSDP shards" : "m and v" + ranks);
-  if (pipelined && m > 1) {
+  if (m > 1) {
     // A stage folds each chunk's microbatch gradients by the leaf tree over microbatch index: a binary
     // counter of floor(log2 m) + 1 buffers of the chunk's tensors (runner/pipeline.h).
     int levels = 1;

@@ -686,17 +686,10 @@ void TrainingRun::record_step(int step, float loss, double step_seconds) {
   r_.peak_grad_state_bytes = std::max(r_.peak_grad_state_bytes, mr.peak_grad_state_bytes);
   r_.workspace_bytes = std::max(r_.workspace_bytes, mr.workspace_bytes);
   r_.pipeline = mr.pipeline;
-  if (!mr.context.empty() && (step > start_ || done == r_.steps)) {  // means after the first step
+  if (!mr.context.empty() && (step > start_ || done == r_.steps)) {  // means after the first step (finish)
     if (context_steps_ == 0) context_sum_.assign(mr.context.size(), {});
     ++context_steps_;
-    r_.context.assign(mr.context.size(), {});
-    for (size_t c = 0; c < mr.context.size(); ++c) {
-      context_sum_[c].attention_seconds += mr.context[c].attention_seconds;
-      context_sum_[c].bytes_sent += mr.context[c].bytes_sent;
-      context_sum_[c].workspace_bytes = std::max(context_sum_[c].workspace_bytes, mr.context[c].workspace_bytes);
-      r_.context[c] = {context_sum_[c].attention_seconds / context_steps_, context_sum_[c].bytes_sent / context_steps_,
-                       context_sum_[c].workspace_bytes};
-    }
+    for (size_t c = 0; c < mr.context.size(); ++c) context_sum_[c].add_step(mr.context[c]);
   }
   r_.weight_bytes = std::max(r_.weight_bytes, mr.weight_bytes);
   if (done == r_.steps) {
@@ -751,6 +744,11 @@ void TrainingRun::finish() {
   r_.steady_tokens_per_second =
       steady_seconds_ > 0 ? (double)(ran - 2) * B_ * T_ / steady_seconds_ : r_.tokens_per_second;
   r_.last_tokens_per_expert = trainer_->tokens_per_expert();
+  for (MeshReport::ContextRank c : context_sum_) {
+    c.attention_seconds /= context_steps_;
+    c.bytes_sent /= context_steps_;
+    r_.context.push_back(c);
+  }
   r_.mesh = s_.mesh;
   r_.microbatches = s_.microbatches;
   r_.pipeline_bubble_formula = pipeline_bubble_formula(parse_pipeline_schedule(s_.mesh.pp_schedule), s_.mesh.pp,
