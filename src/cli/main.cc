@@ -469,7 +469,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// A mesh variant run as `mpirun -np mesh.dp*mesh.tp lockstep run` (check --launcher
+// A mesh variant run as `mpirun -np <world> lockstep run` (check --launcher
 // mpi): its summary, as the RunResult compare_golden reads. Throws UserError
 // with the child's stderr when it fails.
 RunResult run_under_mpirun(const std::string& spath, const Scenario& s, int threads) {
@@ -798,8 +798,8 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->group("");
   run->add_option("--launcher", ra.launcher,
-                  "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp x mesh.tp x mesh.pp, one "
-                  "process per rank; docs/CLUSTER.md)");
+                  "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp x mesh.tp x mesh.pp "
+                  "x mesh.cp, one process per rank; docs/CLUSTER.md)");
   run->add_option("--steps", ra.steps,
                   "stop after this many steps; the learning-rate schedule stays train.steps' (so a run stopped "
                   "early matches the full run's first N steps bit for bit, and its checkpoints resume it)");
@@ -861,7 +861,8 @@ int main(int argc, char** argv) {
   check->add_option("--threads", ca.threads, "worker threads")->check(CLI::Range(1, 1024));
   check->add_option("--backend", ca.backend, "engine, reference, cuda-emulated or cuda");
   check->add_option("--launcher", ca.launcher,
-                    "threads (default) or mpi: run each multi-rank variant as mpirun -np mesh.dp, one process per rank");
+                    "threads (default) or mpi: run each multi-rank variant as mpirun -np mesh.dp x mesh.tp x mesh.pp x "
+                    "mesh.cp, one process per rank");
   check->add_flag("--json", ca.json,
                   "print one JSON object instead of the lines: per scenario ok, and for a failure the first differing "
                   "step and field with both values");
