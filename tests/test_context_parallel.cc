@@ -1,6 +1,6 @@
 // Context parallelism (mesh.cp, mesh.cp_layout): each rank of a CP group
-// computes attention for its query positions of every sample, dK and dV
-// chained through the ranks in ascending query order. The bits equal one
+// runs the attention block for its positions of every sample, K and V
+// all-gathered, dK and dV chained through the ranks in ascending query order. The bits equal one
 // process's at every degree and layout, while the runs differ in what each
 // rank computes, holds and sends.
 #include <doctest/doctest.h>
@@ -88,6 +88,31 @@ TEST_SUITE("context_parallel") {
       for (const ls::MeshReport::ContextRank& c : r.context) {
         CHECK(c.attention_seconds > 0);
         CHECK(c.bytes_sent > 0);
+      }
+    }
+  }
+
+  TEST_CASE("K and V travel: each rank's K/V bytes are its rows' all-gather, its dK/dV links and the last link's broadcast") {
+    // Split scenario: d_model 32, 2 layers, batch 8; seq 16 so cp 4 zigzag cuts it into 8 chunks of 2.
+    const int D = 32, layers = 2, B = 8, S = 16;
+    for (int cp : {2, 4}) {
+      for (bool zigzag : {true, false}) {
+        CAPTURE(cp);
+        CAPTURE(zigzag);
+        const ls::RunResult r = run_split({"model.seq_len=16", "mesh.cp=" + std::to_string(cp),
+                                           std::string("mesh.cp_layout=") + (zigzag ? "zigzag" : "contiguous")});
+        REQUIRE(r.context.size() == (size_t)cp);
+        const std::vector<ls::ChainLink> chain = ls::cp_chain(S, cp, zigzag);
+        for (int c = 0; c < cp; ++c) {
+          CAPTURE(c);
+          int64_t floats = (int64_t)B * (S / cp) * 2 * D * (cp - 1);  // forward: its K, V rows to every other rank
+          for (size_t k = 0; k + 1 < chain.size(); ++k)  // backward: keys [0, end) to the next range's rank
+            if (chain[k].rank == c && chain[k + 1].rank != c)
+              floats += (int64_t)B * (chain[k].range.first + chain[k].range.count) * 2 * D;
+          if (chain.back().rank == c) floats += (int64_t)B * S * 2 * D * (cp - 1);  // the finished dK, dV
+          CHECK(r.context[(size_t)c].kv_bytes_sent == floats * layers * (int64_t)sizeof(float));
+          CHECK(r.context[(size_t)c].bytes_sent > r.context[(size_t)c].kv_bytes_sent);  // rows, dq, weight columns too
+        }
       }
     }
   }

@@ -69,20 +69,23 @@ struct MeshReport {
   std::vector<Stage> pipeline;
   // Context parallel, per CP rank index, measured this step (model.h's
   // MoeStats cp_*): the slowest rank of that index -- its seconds computing
-  // attention on its query ranges, the bytes it handed its CP group, its
+  // attention block on its positions, the bytes it handed its CP group
+  // (all of them, and those of K, V and their gradients' partials), its
   // workspace bytes (activations and scratch).
   struct ContextRank {
     double attention_seconds = 0;
-    int64_t bytes_sent = 0, workspace_bytes = 0;
-    void add(double seconds, int64_t sent, int64_t workspace) {
+    int64_t bytes_sent = 0, kv_bytes_sent = 0, workspace_bytes = 0;
+    void add(double seconds, int64_t sent, int64_t kv_sent, int64_t workspace) {
       attention_seconds = std::max(attention_seconds, seconds);
       bytes_sent = std::max(bytes_sent, sent);
+      kv_bytes_sent = std::max(kv_bytes_sent, kv_sent);
       workspace_bytes = std::max(workspace_bytes, workspace);
     }
     // Sums over steps (seconds, bytes) and the largest workspace, for means.
     void add_step(const ContextRank& step) {
       attention_seconds += step.attention_seconds;
       bytes_sent += step.bytes_sent;
+      kv_bytes_sent += step.kv_bytes_sent;
       workspace_bytes = std::max(workspace_bytes, step.workspace_bytes);
     }
   };

@@ -147,9 +147,9 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
   }
   for (size_t c = 0; c < r.context.size(); ++c) {  // measured, per step after a warm-up step
     const MeshReport::ContextRank& x = r.context[c];
-    std::printf("%s rank %zu (%s): attention %.1f ms, %.2f MiB sent, %.1f MiB activations\n",
+    std::printf("%s rank %zu (%s): attention block %.1f ms, %.2f MiB sent (K/V %.2f MiB), %.1f MiB activations\n",
                 c == 0 ? "context        " : "               ", c, r.mesh.cp_layout.c_str(), x.attention_seconds * 1e3,
-                x.bytes_sent / 1048576.0, x.workspace_bytes / 1048576.0);
+                x.bytes_sent / 1048576.0, x.kv_bytes_sent / 1048576.0, x.workspace_bytes / 1048576.0);
   }
   std::printf("final_state_hash %s\n", r.final_state_hash.c_str());
 }

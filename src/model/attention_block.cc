@@ -1,6 +1,7 @@
 // The attention block of a layer: RMSNorm, the QKV projection, causal
 // multi-head attention, the output projection and the residual add.
 // Matches ref::Attention.
+#include <functional>
 #include <string>
 
 #include "contract.h"
@@ -25,6 +26,8 @@ class AttentionBlock : public LayerBlock {
   // over their features chained across the group (row-parallel). Sequence
   // parallel: the norm and the residual on this rank's stream tokens, the
   // norm's output gathered before QKV, the projection landing scattered.
+  // Context parallel: QKV, attention and the output projection on this
+  // rank's positions; K and V all-gathered, and the projection's rows.
   void forward(StepContext& ctx, StepLosses&) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, S = c.seq_len, Dh = ctx.width_held(), Hh = ctx.heads_held();
@@ -37,62 +40,82 @@ class AttentionBlock : public LayerBlock {
                  D, c.rms_eps);
     ctx.trace_tensor("fwd", layer_, "attn_norm", "out", acts.attn_in.data(), {N, D});
     acts.qkv.resize(N * 3 * Dh);
-    ops::linear(every_token(ctx, acts.attn_in.data(), ws.sp_gathered), N, D, ctx.layer_weight(layer_, "wqkv"), 3 * Dh, acts.qkv.data());
-    ctx.trace_tensor("fwd", layer_, "qkv", "out", acts.qkv.data(), {N, 3 * D});
+    const float* attn_in = every_token(ctx, acts.attn_in.data(), ws.sp_gathered);
+    const float* wqkv = ctx.layer_weight(layer_, "wqkv");
     acts.attn_out.resize(N * Dh);
-    if (ctx.cp > 1) {  // this rank's query positions; the others' rows gathered
+    if (ctx.cp > 1) {  // this rank's positions; every token's K and V
+      held_rows(ctx, [&](int64_t row, int count) {
+        ops::linear(attn_in + row * D, count, D, wqkv, 3 * Dh, acts.qkv.data() + row * 3 * Dh);
+      });
+      cp_gather_rows(ctx, acts.qkv.data(), 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true);
       acts.attn_probs.resize((size_t)ctx.batch * Hh *
                              cp_probs_floats(S, ctx.cp, ctx.cp_rank, ctx.mesh->cp_zigzag()));
       cp_attention_forward(ctx, acts.qkv.data(), Hh, D / c.n_heads, scale(c), acts.attn_probs.data(),
                            acts.attn_out.data());
     } else {
+      ops::linear(attn_in, N, D, wqkv, 3 * Dh, acts.qkv.data());
+      ctx.trace_tensor("fwd", layer_, "qkv", "out", acts.qkv.data(), {N, 3 * D});
       acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
       ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, D / c.n_heads, scale(c), acts.attn_probs.data(),
                                    acts.attn_out.data());
+      ctx.trace_tensor("fwd", layer_, "attention", "out", acts.attn_out.data(), {N, D});
     }
-    ctx.trace_tensor("fwd", layer_, "attention", "out", acts.attn_out.data(), {N, D});
     ws.dtmp.resize(N * D);
     // Reduces over the attention features, this rank's heads' range of them.
     const float* wo = ctx.layer_weight(layer_, "wo");
     chained_fold(ctx, 1, stream_output(ctx, ws.dtmp.data()), [&](int, int, bool accumulate) {
-      ops::linear_strided(acts.attn_out.data(), Dh, N, Dh, wo, D, D, ws.dtmp.data(), D, accumulate);
+      held_rows(ctx, [&](int64_t row, int count) {
+        ops::linear_strided(acts.attn_out.data() + row * Dh, Dh, count, Dh, wo, D, D, ws.dtmp.data() + row * D, D,
+                            accumulate);
+      });
     });
+    if (ctx.cp > 1) cp_gather_rows(ctx, ws.dtmp.data(), D, 0, D, (int)(ctx.stream_first / S), (int)(Ns / S));
     ops::add(acts.x.data(), ws.dtmp.data() + ctx.stream_first * D, acts.mid.data(), Ns * D);
     ctx.trace_tensor("fwd", layer_, "attn_residual", "h", acts.mid.data(), {N, D});
   }
 
   // dh: d(mid) in, d(x) out (the residual's part + the norm's). Tensor
   // parallel: the norm's input gradient folds over every head's q, k and v
-  // features, chained across the group.
+  // features, chained across the group. Context parallel: the input
+  // gradients of this rank's positions, their rows all-gathered; the weight
+  // gradients a share of the columns each.
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, S = c.seq_len, Dh = ctx.width_held(), Hh = ctx.heads_held();
     const int64_t N = ctx.tokens, Ns = ctx.stream_tokens;
     StepWorkspace& ws = ctx.ws;
-    const LayerActs& acts = ctx.layer(layer_);
-    const int64_t* leaf_off = ws.uniform_off.data();
+    LayerActs& acts = ctx.layer(layer_);
     // Sequence parallel: the projection's gradients need every token's d(mid).
     const float* dmid = every_token(ctx, ws.dh.data(), ws.sp_dh);
-    ops::weight_grad(acts.attn_out.data(), Dh, dmid, D, Dh, D, leaf_off, ctx.leaves, ctx.layer_grad(layer_, "wo"));
+    const float* wo = ctx.layer_weight(layer_, "wo");
     ws.dattn_out.resize(N * Dh);
-    ops::linear_input_grad(dmid, N, D, ctx.layer_weight(layer_, "wo"), Dh, ws.dattn_out.data(), false);
+    held_rows(ctx, [&](int64_t row, int count) {
+      ops::linear_input_grad(dmid + row * D, count, D, wo, Dh, ws.dattn_out.data() + row * Dh, false);
+    });
+    // Context parallel: every token's attention output, for wo's gradient.
+    if (ctx.cp > 1) cp_gather_rows(ctx, acts.attn_out.data(), Dh, 0, Dh, 0, ctx.batch);
+    weight_grad(ctx, acts.attn_out.data(), Dh, dmid, D, Dh, D, ctx.layer_grad(layer_, "wo"));
     ws.dqkv.resize(N * 3 * Dh);
-    if (ctx.cp > 1)
+    if (ctx.cp > 1) {
       cp_attention_backward(ctx, acts.qkv.data(), Hh, D / c.n_heads, scale(c), acts.attn_probs.data(),
                             ws.dattn_out.data(), ws.dqkv.data());
-    else
+    } else {
       ops::attention_backward_heads(acts.qkv.data(), ctx.batch, Hh, S, D / c.n_heads, scale(c),
                                     acts.attn_probs.data(), ws.dattn_out.data(), ws.dqkv.data());
+    }
     ctx.trace_tensor("bwd", layer_, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D});
-    ops::weight_grad(every_token(ctx, acts.attn_in.data(), ws.sp_gathered), D, ws.dqkv.data(), 3 * Dh, D, 3 * Dh, leaf_off, ctx.leaves,
-                     ctx.layer_grad(layer_, "wqkv"));
+    weight_grad(ctx, every_token(ctx, acts.attn_in.data(), ws.sp_gathered), D, ws.dqkv.data(), 3 * Dh, D, 3 * Dh,
+                ctx.layer_grad(layer_, "wqkv"));
     ws.dtmp.resize(N * D);
     // Reduces over the qkv features: q's, then k's, then v's, each split by heads.
     const float* wqkv = ctx.layer_weight(layer_, "wqkv");
     chained_fold(ctx, 3, stream_output(ctx, ws.dtmp.data()), [&](int first, int count, bool accumulate) {
-      ops::linear_input_grad_strided(ws.dqkv.data() + first * Dh, 3 * Dh, N, count * Dh, wqkv + first * Dh, 3 * Dh, D,
-                                     ws.dtmp.data(), D, accumulate);
+      held_rows(ctx, [&](int64_t row, int rows) {
+        ops::linear_input_grad_strided(ws.dqkv.data() + row * 3 * Dh + first * Dh, 3 * Dh, rows, count * Dh,
+                                       wqkv + first * Dh, 3 * Dh, D, ws.dtmp.data() + row * D, D, accumulate);
+      });
     });
+    if (ctx.cp > 1) cp_gather_rows(ctx, ws.dtmp.data(), D, 0, D, (int)(ctx.stream_first / S), (int)(Ns / S));
     const float* dattn_in = ws.dtmp.data() + ctx.stream_first * D;  // this rank's stream tokens
     ops::rmsnorm_weight_grad(acts.x.data(), acts.attn_inv_rms.data(), dattn_in, Ns, D, ctx.leaf_tokens,
                              ctx.layer_grad(layer_, "attn_norm"));
@@ -103,6 +126,20 @@ class AttentionBlock : public LayerBlock {
 
  private:
   static float scale(const ModelConfig& c) { return 1.0f / ls::sqrt((float)(c.d_model / c.n_heads)); }
+  // Every token's rows in one call, or with context parallel this rank's
+  // positions' ranges (their compute counted as its busy time).
+  static void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
+    if (ctx.cp == 1) return fn(0, (int)ctx.tokens);
+    CpBusy busy(ctx);
+    cp_for_each_held(ctx, 0, ctx.batch, fn);
+  }
+  // dW of every token's rows: the leaf tree over the step's tokens (context
+  // parallel: a share of the columns on each rank, cp_weight_grad).
+  static void weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                          float* dW) {
+    if (ctx.cp > 1) return cp_weight_grad(ctx, X, ldx, dY, ldy, in, out, dW);
+    ops::weight_grad(X, ldx, dY, ldy, in, out, ctx.ws.uniform_off.data(), ctx.leaves, dW);
+  }
 };
 
 }  // namespace

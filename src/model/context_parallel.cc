@@ -15,13 +15,6 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Adds its lifetime to `sum`: the compute a rank does, not its waits.
-struct BusyTimer {
-  double& sum;
-  double t0 = now_seconds();
-  ~BusyTimer() { sum += now_seconds() - t0; }
-};
-
 // rows [first, first + count) of sample b, columns [col, col + width) of a
 // [N, ld] matrix, to or from a packed buffer.
 void pack_rows(const float* m, int64_t ld, int64_t row0, int count, int col, int width, float*& out) {
@@ -37,30 +30,6 @@ void unpack_rows(float* m, int64_t ld, int64_t row0, int count, int col, int wid
   }
 }
 
-// Every CP rank's rows of its ranges (columns [col, col + width) of an
-// [N, ld] matrix, every sample) made whole on every rank: an all-gather.
-// The host packs and unpacks: the kernels writing m must be done.
-void gather_held_rows(StepContext& ctx, float* m, int64_t ld, int col, int width) {
-  ops::synchronize();
-  const int S = ctx.cfg.seq_len, cp = ctx.cp;
-  const bool zz = ctx.mesh->cp_zigzag();
-  const int64_t each = (int64_t)ctx.batch * (S / cp) * width;  // every rank holds S / cp positions of a sample
-  ctx.ws.cp_send.resize((size_t)each);
-  ctx.ws.cp_recv.resize((size_t)(each * cp));
-  float* out = ctx.ws.cp_send.data();
-  const std::vector<QueryRange> mine = cp_query_ranges(S, cp, ctx.cp_rank, zz);
-  for (int b = 0; b < ctx.batch; ++b)
-    for (const QueryRange& r : mine) pack_rows(m, ld, (int64_t)b * S + r.first, r.count, col, width, out);
-  ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), (size_t)each);
-  ctx.stats.cp_bytes_sent += each * (int64_t)sizeof(float) * (cp - 1);
-  for (int q = 0; q < cp; ++q) {
-    const float* in = ctx.ws.cp_recv.data() + q * each;
-    const std::vector<QueryRange> held = cp_query_ranges(S, cp, q, zz);
-    for (int b = 0; b < ctx.batch; ++b)
-      for (const QueryRange& r : held) unpack_rows(m, ld, (int64_t)b * S + r.first, r.count, col, width, in);
-  }
-}
-
 // Where range i of `ranges` keeps its P in a (sample, head)'s share: after
 // the earlier ranges'. probs_offset(ranges, ranges.size()) is the share's size.
 int64_t probs_offset(const std::vector<QueryRange>& ranges, size_t i) {
@@ -70,6 +39,66 @@ int64_t probs_offset(const std::vector<QueryRange>& ranges, size_t i) {
 }
 
 }  // namespace
+
+CpBusy::CpBusy(StepContext& ctx) : ctx_(ctx), t0_(now_seconds()) {}
+CpBusy::~CpBusy() {
+  ops::synchronize();  // a kernel backend: the busy time is the kernels'
+  ctx_.stats.cp_attention_seconds += now_seconds() - t0_;
+}
+
+void cp_for_each_held(const StepContext& ctx, int first_sample, int samples,
+                      const std::function<void(int64_t row, int count)>& fn) {
+  const int S = ctx.cfg.seq_len;
+  const std::vector<QueryRange> mine = cp_query_ranges(S, ctx.cp, ctx.cp_rank, ctx.mesh->cp_zigzag());
+  for (int b = first_sample; b < first_sample + samples; ++b)
+    for (const QueryRange& r : mine) fn((int64_t)b * S + r.first, r.count);
+}
+
+void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, int first_sample, int samples,
+                    bool kv) {
+  ops::synchronize();  // the host packs and unpacks what kernels wrote
+  const int S = ctx.cfg.seq_len, cp = ctx.cp;
+  const bool zz = ctx.mesh->cp_zigzag();
+  const int64_t each = (int64_t)samples * (S / cp) * width;  // every rank holds S / cp positions of a sample
+  ctx.ws.cp_send.resize((size_t)each);
+  ctx.ws.cp_recv.resize((size_t)(each * cp));
+  float* out = ctx.ws.cp_send.data();
+  cp_for_each_held(ctx, first_sample, samples, [&](int64_t row, int count) { pack_rows(m, ld, row, count, col, width, out); });
+  ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), (size_t)each);
+  const int64_t sent = each * (int64_t)sizeof(float) * (cp - 1);
+  ctx.stats.cp_bytes_sent += sent;
+  if (kv) ctx.stats.cp_kv_bytes_sent += sent;
+  for (int q = 0; q < cp; ++q) {
+    if (q == ctx.cp_rank) continue;
+    const float* in = ctx.ws.cp_recv.data() + q * each;
+    const std::vector<QueryRange> held = cp_query_ranges(S, cp, q, zz);
+    for (int b = first_sample; b < first_sample + samples; ++b)
+      for (const QueryRange& r : held) unpack_rows(m, ld, (int64_t)b * S + r.first, r.count, col, width, in);
+  }
+}
+
+void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                    float* dW) {
+  const int cp = ctx.cp;
+  const int share = (out + cp - 1) / cp;  // columns per rank; the last ranks may hold fewer, or none
+  const int c0 = std::min(out, ctx.cp_rank * share), cols = std::min(out, c0 + share) - c0;
+  const int64_t each = (int64_t)in * share;
+  ctx.ws.cp_send.resize((size_t)each);
+  ctx.ws.cp_recv.resize((size_t)(each * cp));
+  if (cols > 0) {
+    CpBusy busy(ctx);
+    ops::weight_grad(X, ldx, dY + c0, ldy, in, cols, ctx.ws.uniform_off.data(), ctx.leaves, ctx.ws.cp_send.data());
+  }
+  ops::synchronize();
+  ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), (size_t)each);
+  ctx.stats.cp_bytes_sent += each * (int64_t)sizeof(float) * (cp - 1);
+  for (int q = 0; q < cp; ++q) {  // rank q's [in, its columns], packed, into dW's columns
+    const int q0 = std::min(out, q * share), qcols = std::min(out, q0 + share) - q0;
+    const float* slice = ctx.ws.cp_recv.data() + q * each;
+    for (int i = 0; i < in && qcols > 0; ++i)
+      std::memcpy(dW + (int64_t)i * out + q0, slice + (int64_t)i * qcols, sizeof(float) * (size_t)qcols);
+  }
+}
 
 std::vector<QueryRange> cp_query_ranges(int S, int cp, int rank, bool zigzag) {
   const int chunks = zigzag ? 2 * cp : cp;
@@ -101,14 +130,10 @@ void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd,
   const bool zz = ctx.mesh->cp_zigzag();
   const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp, ctx.cp_rank, zz);
   const int64_t per_head = probs_offset(ranges, ranges.size());
-  {
-    BusyTimer busy{ctx.stats.cp_attention_seconds};
-    for (size_t i = 0; i < ranges.size(); ++i)
-      ops::attention_forward_range_heads(qkv, ctx.batch, heads, S, hd, scale, ranges[i].first, ranges[i].count, P,
-                                         per_head, probs_offset(ranges, i), attn_out);
-    ops::synchronize();  // a kernel backend: the busy time is the kernels'
-  }
-  gather_held_rows(ctx, attn_out, Dh, 0, Dh);
+  CpBusy busy(ctx);
+  for (size_t i = 0; i < ranges.size(); ++i)
+    ops::attention_forward_range_heads(qkv, ctx.batch, heads, S, hd, scale, ranges[i].first, ranges[i].count, P,
+                                       per_head, probs_offset(ranges, i), attn_out);
 }
 
 void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
@@ -140,10 +165,9 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
         unpack_rows(dqkv, ld, row0, r.first, Dh, 2 * Dh, in);
       }
       {
-        BusyTimer busy{ctx.stats.cp_attention_seconds};
+        CpBusy busy(ctx);
         ops::attention_backward_range_heads(qkv, b, heads, S, hd, scale, r.first, r.count, P, per_head, p_off,
                                             dattn_out, dqkv, /*continue_kv=*/k > 0);
-        ops::synchronize();
       }
       if (k + 1 < chain.size() && chain[k + 1].rank != ctx.cp_rank) {  // keys [0, end) go on
         const int end = r.first + r.count;
@@ -152,6 +176,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
         pack_rows(dqkv, ld, row0, end, Dh, 2 * Dh, out);
         ctx.mesh->cp_send(link.data(), link.size(), chain[k + 1].rank);
         ctx.stats.cp_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
+        ctx.stats.cp_kv_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
       }
     }
   }
@@ -163,12 +188,14 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
   if (ctx.cp_rank == last) pack_rows(dqkv, ld, 0, (int)ctx.tokens, Dh, 2 * Dh, out);
   ctx.mesh->cp_broadcast(ctx.ws.cp_send.data(), ctx.ws.cp_send.size(), last);
   if (ctx.cp_rank == last) {
-    ctx.stats.cp_bytes_sent += (int64_t)ctx.ws.cp_send.size() * (int64_t)sizeof(float) * (ctx.cp - 1);
+    const int64_t sent = (int64_t)ctx.ws.cp_send.size() * (int64_t)sizeof(float) * (ctx.cp - 1);
+    ctx.stats.cp_bytes_sent += sent;
+    ctx.stats.cp_kv_bytes_sent += sent;
   } else {
     const float* in = ctx.ws.cp_send.data();
     unpack_rows(dqkv, ld, 0, (int)ctx.tokens, Dh, 2 * Dh, in);
   }
-  gather_held_rows(ctx, dqkv, ld, 0, Dh);
+  cp_gather_rows(ctx, dqkv, ld, 0, Dh, 0, ctx.batch);
 }
 
 }  // namespace ls

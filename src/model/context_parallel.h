@@ -1,20 +1,26 @@
-// Context parallelism (mesh.cp): the attention of every sample split across
-// the ranks of a context-parallel group by query position. Rank c holds
-// some ranges of each sequence's positions (cp_query_ranges) and computes
-// their rows of P and of the attention output against every earlier key;
-// the layer around attention (norms, projections, experts, head) runs on
-// every rank of the group alike, so each holds every token's K and V.
+// Context parallelism (mesh.cp): the attention block of every sample split
+// across the ranks of a context-parallel group by position. Rank c holds
+// some ranges of each sequence's positions (cp_query_ranges) and computes,
+// for those positions only, the QKV projection, P and the attention output
+// against every earlier key, the output projection and the input gradients
+// of all three. K and V travel: each rank's rows are all-gathered after the
+// projection. The rest of the layer (norms, router, experts, head) runs on
+// every rank of the group alike, on every token.
 //
-// The one fold the split cuts is dK and dV's, over query positions t >= u
-// in ascending order (docs/NUMERICS.md §3). It is chained, as tensor
-// parallel chains a split feature fold: the range of the lowest positions
-// folds from +0 and hands each key's partial rows to the rank holding the
-// next range, which continues them (ops::attention_backward_range), up to
-// the last range, whose rank broadcasts the finished rows. The softmax and
-// P·V of a query fold over its keys on one rank, as on one rank. So the
-// bits are the same at every mesh.cp and either layout.
+// Two folds cross the split. dK and dV fold over query positions t >= u in
+// ascending order (docs/NUMERICS.md §3): chained, as tensor parallel chains
+// a split feature fold -- the range of the lowest positions folds from +0
+// and hands each key's partial rows to the rank holding the next range,
+// which continues them (ops::attention_backward_range), up to the last
+// range, whose rank broadcasts the finished rows. The projections' weight
+// gradients fold over every token by the leaf tree: the rows are gathered
+// and the gradient is split by output column instead (cp_weight_grad), so
+// each column's fold is whole on one rank. The softmax and P·V of a query
+// fold over its keys on one rank, as on one rank. So the bits are the same
+// at every mesh.cp and either layout.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "model/step_context.h"
@@ -43,13 +49,42 @@ std::vector<ChainLink> cp_chain(int S, int cp, bool zigzag);
 // Floats of P one (sample, head) keeps on CP rank `rank`.
 int64_t cp_probs_floats(int S, int cp, int rank, bool zigzag);
 
-// qkv [N, 3*Dh] holds every token's (each rank of the group computed it).
-// Forward: P gets this rank's ranges of every (sample, head), attn_out
-// [N, Dh] every token's rows (its own computed, the others' all-gathered).
+// This rank's rows of samples [first_sample, first_sample + samples): fn(row,
+// count) for each of its ranges of each sample, row = b * seq_len + first.
+void cp_for_each_held(const StepContext& ctx, int first_sample, int samples,
+                      const std::function<void(int64_t row, int count)>& fn);
+
+// Columns [col, col + width) of an [N, ld] token-row matrix, samples
+// [first_sample, first_sample + samples): every rank's held rows made whole
+// on every rank (an all-gather). `kv`: the bytes count as K/V traffic.
+void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, int first_sample, int samples,
+                    bool kv = false);
+
+// dW [in, out] = the weight gradient of every token's rows X [N, ldx] and
+// dY [N, ldy] (ops::weight_grad, the step's leaf tree), computed a share of
+// the output columns per rank and all-gathered: each column's fold is the
+// whole one. Reduces over the global token index, on one rank per column.
+void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                    float* dW);
+
+// Adds its lifetime to ctx.stats.cp_attention_seconds: a rank's share of
+// the attention block's compute, not its waits (kernels synchronized).
+class CpBusy {
+ public:
+  explicit CpBusy(StepContext& ctx);
+  ~CpBusy();
+
+ private:
+  StepContext& ctx_;
+  double t0_;
+};
+
+// qkv [N, 3*Dh]: this rank's rows' q, every token's k and v. Forward: P gets
+// this rank's ranges of every (sample, head), attn_out [N, Dh] their rows.
 void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, float* P,
                           float* attn_out);
 
-// Backward: dattn_out [N, Dh] of every token -> dqkv [N, 3*Dh] of every
+// Backward: dattn_out [N, Dh] of this rank's rows -> dqkv [N, 3*Dh] of every
 // token: dq computed by the rank holding each query and all-gathered; dk, dv
 // folded along cp_chain and broadcast by the last link's rank.
 void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,

@@ -198,6 +198,7 @@ void MoeTransformer::begin_step() {
   stats_.borrowed = stats_.dropped = stats_.expert_gemm_calls = stats_.all_to_all_calls = stats_.all_to_all_bytes = 0;
   stats_.cp_attention_seconds = 0;
   stats_.cp_bytes_sent = 0;
+  stats_.cp_kv_bytes_sent = 0;
   stats_.tokens_per_expert.assign((size_t)cfg_.n_layers * cfg_.experts, 0);
 }
 

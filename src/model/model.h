@@ -78,7 +78,7 @@ class MeshHooks {
   // microbatch at a time.
   virtual void sum_tp_partials(float*, size_t) {}
   // Context-parallel group: cp_size() ranks with the same samples and
-  // heads, rank cp_rank() computing attention for its query positions
+  // heads, rank cp_rank() computing the attention block for its positions
   // (model/context_parallel.h); the rest of the layer runs on each alike.
   virtual int cp_size() const { return 1; }
   virtual int cp_rank() const { return 0; }
@@ -127,11 +127,13 @@ struct MoeStats {
   // Measured: what the model holds, in bytes, after its last step.
   int64_t workspace_bytes = 0;             // activations and scratch: the allocated size of every step buffer
   int64_t weight_bytes = 0;                // parameters and their gradients (the rank's slices)
-  // Context parallel, this step (measured): seconds computing attention on
-  // this rank's query ranges (waits for the group excluded), and the bytes
-  // it handed the group (payload times receivers).
+  // Context parallel, this step (measured): seconds computing this rank's
+  // share of the attention blocks (its positions' projections, attention and
+  // their gradients, its weight-gradient columns; waits for the group
+  // excluded), and the bytes it handed the group (payload times receivers):
+  // all of them, and those of K, V, dK and dV.
   double cp_attention_seconds = 0;
-  int64_t cp_bytes_sent = 0;
+  int64_t cp_bytes_sent = 0, cp_kv_bytes_sent = 0;
 };
 
 // What a training step keeps allocated for `batch` samples on one rank, in bytes: a

@@ -685,7 +685,7 @@ MeshReport ClusterTrainer::mesh_report() const {
     const PipelineStats ps = me.stage ? me.stage->stats() : PipelineStats{};
     rec.insert(rec.end(), {(int64_t)(ps.busy_seconds * 1e9), (int64_t)(ps.step_seconds * 1e9), ps.peak_in_flight,
                            ps.bytes_sent, ps.held ? 1 : 0, (int64_t)(st.cp_attention_seconds * 1e9),
-                           st.cp_bytes_sent});
+                           st.cp_bytes_sent, st.cp_kv_bytes_sent});
     const int R = mpi_->size();
     std::vector<int64_t> all(rec.size() * R);
     mpi_->all_gather(rec.data(), all.data(), std::vector<size_t>(R, rec.size() * sizeof(int64_t)));
@@ -713,7 +713,7 @@ MeshReport ClusterTrainer::mesh_report() const {
       if (!rep.pipeline.empty())
         rep.pipeline[(size_t)(r / per_stage)].add(x[kComm + 1] * 1e-9, x[kComm + 2] * 1e-9, (int)x[kComm + 3], x[10],
                                                   x[kComm + 4], x[kComm + 5] != 0);
-      if (!rep.context.empty()) rep.context[(size_t)at.context].add(x[kComm + 6] * 1e-9, x[kComm + 7], x[10]);
+      if (!rep.context.empty()) rep.context[(size_t)at.context].add(x[kComm + 6] * 1e-9, x[kComm + 7], x[kComm + 8], x[10]);
     }
     return rep;
   }
@@ -723,7 +723,7 @@ MeshReport ClusterTrainer::mesh_report() const {
     rep.comm_seconds_max = std::max(rep.comm_seconds_max, r->comm.seconds);
     if (!rep.context.empty()) {
       const MoeStats& st = r->model->moe_stats();
-      rep.context[(size_t)r->cp_index].add(st.cp_attention_seconds, st.cp_bytes_sent, st.workspace_bytes);
+      rep.context[(size_t)r->cp_index].add(st.cp_attention_seconds, st.cp_bytes_sent, st.cp_kv_bytes_sent, st.workspace_bytes);
     }
     if (r->stage) {
       const PipelineStats& ps = r->stage->stats();

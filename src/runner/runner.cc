@@ -747,6 +747,7 @@ void TrainingRun::finish() {
   for (MeshReport::ContextRank c : context_sum_) {
     c.attention_seconds /= context_steps_;
     c.bytes_sent /= context_steps_;
+    c.kv_bytes_sent /= context_steps_;
     r_.context.push_back(c);
   }
   r_.mesh = s_.mesh;
@@ -834,6 +835,7 @@ nlohmann::json result_json(const RunResult& r) {
     for (const MeshReport::ContextRank& c : r.context)
       ranks.push_back({{"attention_seconds", c.attention_seconds},
                        {"bytes_sent", c.bytes_sent},
+                       {"kv_bytes_sent", c.kv_bytes_sent},
                        {"workspace_bytes", c.workspace_bytes}});
     j["context_parallel"] = {{"layout", r.mesh.cp_layout}, {"ranks", ranks}};
   }
