@@ -605,9 +605,9 @@ std::vector<Row> make_rows() {
               }}}),
       field("mesh.cp", [](S& s) -> int& { return s.mesh.cp; },
             "Context-parallel ranks per data-parallel rank (world = mesh.dp x mesh.tp x mesh.pp x mesh.cp): "
-            "each computes attention for its share of every sample's query positions (mesh.cp_layout), the "
-            "dK and dV folds passed from rank to rank in ascending query order; the rest of the layer runs on "
-            "every rank of the group.",
+            "each runs the attention block (QKV, attention, output projection) for its share of every "
+            "sample's positions (mesh.cp_layout), K and V all-gathered, the dK and dV folds passed from rank "
+            "to rank in ascending query order; the norms, experts and head run on every rank of the group.",
             {in_range(1, 64),
              {"divides model.seq_len into equal shares (2 x mesh.cp chunks under zigzag)", [](const S& s, int v) {
                 if (v == 1) return std::string();
