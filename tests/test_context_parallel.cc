@@ -74,6 +74,7 @@ TEST_SUITE("context_parallel") {
              {"mesh.cp=2", "mesh.dp=2", "mesh.tp=2"},
              {"mesh.cp=2", "mesh.tp=2", "mesh.sp=true"},
              {"mesh.cp=2", "mesh.dp=2", "mesh.ep=2"},
+             {"mesh.cp=4", "mesh.dp=2", "mesh.ep=2"},  // 2 experts held, 4 CP ranks: two compute none
              {"mesh.cp=2", "mesh.dp=2", "mesh.fsdp=true"},
              {"mesh.cp=2", "mesh.pp=2", "train.microbatches=2"},
              {"mesh.cp=4", "mesh.pp=2", "mesh.dp=2", "train.microbatches=2", "mesh.pp_schedule=gpipe"}}) {
@@ -113,6 +114,28 @@ TEST_SUITE("context_parallel") {
           CHECK(r.context[(size_t)c].kv_bytes_sent == floats * layers * (int64_t)sizeof(float));
           CHECK(r.context[(size_t)c].bytes_sent > r.context[(size_t)c].kv_bytes_sent);  // rows, dq, weight columns too
         }
+      }
+    }
+  }
+
+  TEST_CASE("the group splits the routed experts: as many expert GEMM calls over all ranks as one rank makes, not cp times") {
+    for (const std::vector<std::string>& base : std::vector<std::vector<std::string>>{
+             {}, {"mesh.dp=2", "mesh.ep=2"}, {"mesh.pp=2", "train.microbatches=2"}, {"mesh.tp=2"}}) {
+      std::string shown;
+      for (const std::string& x : base) shown += x + " ";
+      CAPTURE(shown);
+      // One thread: one rank of one process splits its batch into data lanes over its threads,
+      // which makes more (smaller) expert calls; a mesh's ranks here run one thread each.
+      const ls::RunResult one = run_split(base, 1);
+      REQUIRE(!one.moe_gemm_calls.empty());
+      CHECK(one.moe_gemm_calls.front() > 0);
+      for (int cp : {2, 4}) {
+        CAPTURE(cp);
+        std::vector<std::string> sets = base;
+        sets.push_back("mesh.cp=" + std::to_string(cp));
+        const ls::RunResult r = run_split(sets);
+        CHECK(r.final_state_hash == one.final_state_hash);
+        CHECK(r.moe_gemm_calls == one.moe_gemm_calls);  // per step, summed over every rank
       }
     }
   }

@@ -110,6 +110,7 @@ TEST_SUITE("mpi") {
         // Context-parallel ranks as processes: dK and dV partials between them, rows gathered.
         {8, "--set mesh.dp=2 --set mesh.cp=2 --set mesh.tp=2"},
         {4, "--set mesh.cp=4 --set mesh.cp_layout=contiguous"},
+        {4, "--set mesh.dp=2 --set mesh.ep=2 --set mesh.cp=2"},  // the experts split over EP, then CP ranks
         {8, "--set mesh.cp=2 --set mesh.pp=2 --set mesh.dp=2 --set train.microbatches=2"},
     };
     for (const auto& [np, mesh] : meshes) {

@@ -64,7 +64,7 @@ void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, 
   ctx.ws.cp_recv.resize((size_t)(each * cp));
   float* out = ctx.ws.cp_send.data();
   cp_for_each_held(ctx, first_sample, samples, [&](int64_t row, int count) { pack_rows(m, ld, row, count, col, width, out); });
-  ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), (size_t)each);
+  ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), std::vector<size_t>((size_t)cp, (size_t)each));
   const int64_t sent = each * (int64_t)sizeof(float) * (cp - 1);
   ctx.stats.cp_bytes_sent += sent;
   if (kv) ctx.stats.cp_kv_bytes_sent += sent;
@@ -90,7 +90,7 @@ void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* 
     ops::weight_grad(X, ldx, dY + c0, ldy, in, cols, ctx.ws.uniform_off.data(), ctx.leaves, ctx.ws.cp_send.data());
   }
   ops::synchronize();
-  ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), (size_t)each);
+  ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), std::vector<size_t>((size_t)cp, (size_t)each));
   ctx.stats.cp_bytes_sent += each * (int64_t)sizeof(float) * (cp - 1);
   for (int q = 0; q < cp; ++q) {  // rank q's [in, its columns], packed, into dW's columns
     const int q0 = std::min(out, q * share), qcols = std::min(out, q0 + share) - q0;
@@ -98,6 +98,74 @@ void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* 
     for (int i = 0; i < in && qcols > 0; ++i)
       std::memcpy(dW + (int64_t)i * out + q0, slice + (int64_t)i * qcols, sizeof(float) * (size_t)qcols);
   }
+}
+
+ExpertBlock cp_expert_block(const StepContext& ctx, int rank) {
+  const int El = ctx.local_experts, share = (El + ctx.cp - 1) / ctx.cp;
+  const int first = std::min(El, rank * share);
+  return {first, std::min(El, first + share) - first};
+}
+
+RoundPlan cp_own_experts(const StepContext& ctx, const RoundPlan& plan) {
+  const ExpertBlock b = cp_expert_block(ctx, ctx.cp_rank);
+  RoundPlan mine = plan;
+  for (std::vector<Segment>& round : mine.round)
+    round.erase(std::remove_if(round.begin(), round.end(),
+                               [&](const Segment& s) { return s.expert < b.first || s.expert >= b.first + b.count; }),
+                round.end());
+  return mine;
+}
+
+void cp_gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows, int width) {
+  ops::synchronize();  // the host packs and unpacks what kernels wrote
+  const int cp = ctx.cp, El = ctx.local_experts;
+  // Rank q's rows: for each EP owner, its block of that owner's experts, consecutive in dispatch order.
+  auto each_range = [&](int q, const std::function<void(int64_t first, int64_t count)>& fn) {
+    const ExpertBlock b = cp_expert_block(ctx, q);
+    if (b.count == 0) return;
+    for (int owner = 0; owner < ctx.ep; ++owner) {
+      const int g = owner * El + b.first;
+      fn(acts.expert_off[g], acts.expert_off[g + b.count] - acts.expert_off[g]);
+    }
+  };
+  std::vector<size_t> n_each((size_t)cp, 0);
+  for (int q = 0; q < cp; ++q) each_range(q, [&](int64_t, int64_t count) { n_each[q] += (size_t)(count * width); });
+  size_t total = 0;
+  for (size_t n : n_each) total += n;
+  ctx.ws.cp_send.resize(std::max<size_t>(1, n_each[(size_t)ctx.cp_rank]));
+  ctx.ws.cp_recv.resize(std::max<size_t>(1, total));
+  float* out = ctx.ws.cp_send.data();
+  each_range(ctx.cp_rank, [&](int64_t first, int64_t count) {
+    std::memcpy(out, rows + first * width, sizeof(float) * (size_t)(count * width));
+    out += count * width;
+  });
+  ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), n_each);
+  ctx.stats.cp_bytes_sent += (int64_t)(n_each[(size_t)ctx.cp_rank] * sizeof(float)) * (cp - 1);
+  const float* in = ctx.ws.cp_recv.data();
+  for (int q = 0; q < cp; ++q) {
+    if (q == ctx.cp_rank) {
+      in += n_each[(size_t)q];
+      continue;
+    }
+    each_range(q, [&](int64_t first, int64_t count) {
+      std::memcpy(rows + first * width, in, sizeof(float) * (size_t)(count * width));
+      in += count * width;
+    });
+  }
+}
+
+void cp_gather_expert_grads(StepContext& ctx, float* grad, int64_t per_expert) {
+  ops::synchronize();
+  const int cp = ctx.cp;
+  std::vector<size_t> n_each((size_t)cp);
+  for (int q = 0; q < cp; ++q) n_each[(size_t)q] = (size_t)(cp_expert_block(ctx, q).count * per_expert);
+  const ExpertBlock mine = cp_expert_block(ctx, ctx.cp_rank);
+  const size_t total = (size_t)(ctx.local_experts * per_expert);
+  ctx.ws.cp_recv.resize(total);
+  // The blocks are consecutive and ascending by rank: the concatenation is the whole gradient.
+  ctx.mesh->cp_all_gather(grad + mine.first * per_expert, ctx.ws.cp_recv.data(), n_each);
+  ctx.stats.cp_bytes_sent += (int64_t)(n_each[(size_t)ctx.cp_rank] * sizeof(float)) * (cp - 1);
+  std::memcpy(grad, ctx.ws.cp_recv.data(), sizeof(float) * total);
 }
 
 std::vector<QueryRange> cp_query_ranges(int S, int cp, int rank, bool zigzag) {

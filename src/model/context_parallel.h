@@ -4,8 +4,12 @@
 // for those positions only, the QKV projection, P and the attention output
 // against every earlier key, the output projection and the input gradients
 // of all three. K and V travel: each rank's rows are all-gathered after the
-// projection. The rest of the layer (norms, router, experts, head) runs on
-// every rank of the group alike, on every token.
+// projection. The routed experts are split too, by expert: every rank
+// routes every token alike, then computes a block of the experts held
+// (cp_expert_block) over all of their rows, and the group all-gathers the
+// rows' outputs, input gradients and the experts' weight gradients. The
+// rest of the layer (norms, router, shared expert, head) runs on every rank
+// of the group alike, on every token.
 //
 // Two folds cross the split. dK and dV fold over query positions t >= u in
 // ascending order (docs/NUMERICS.md §3): chained, as tensor parallel chains
@@ -78,6 +82,26 @@ class CpBusy {
   StepContext& ctx_;
   double t0_;
 };
+
+// The local experts [first, first + count) CP rank `rank` computes: a
+// ceil(local_experts / cp) share each (the last ranks may get fewer, or none).
+struct ExpertBlock {
+  int first = 0, count = 0;
+};
+ExpertBlock cp_expert_block(const StepContext& ctx, int rank);
+
+// `plan` with only this rank's block's segments: the rounds, slots and
+// capacity as they were, so each row is computed where and when it would
+// be (rows are independent; an expert's gradient folds whole here).
+RoundPlan cp_own_experts(const StepContext& ctx, const RoundPlan& plan);
+
+// Dispatch rows [NK, width] (acts.expert_off's order): each rank's experts'
+// rows made whole on every rank (an all-gather). Reduces over nothing.
+void cp_gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows, int width);
+
+// A weight gradient [local_experts, per_expert]: each rank's block's slabs
+// made whole on every rank (an all-gather). Reduces over nothing.
+void cp_gather_expert_grads(StepContext& ctx, float* grad, int64_t per_expert);
 
 // qkv [N, 3*Dh]: this rank's rows' q, every token's k and v. Forward: P gets
 // this rank's ranges of every (sample, head), attn_out [N, Dh] their rows.

@@ -86,8 +86,8 @@ class MeshHooks {
   virtual void cp_send(const float*, size_t, int) {}
   virtual void cp_recv(float*, size_t, int) {}
   virtual void cp_broadcast(float*, size_t, int) {}
-  // all = every CP rank's n_each floats, concatenated by CP rank.
-  virtual void cp_all_gather(const float*, float*, size_t) {}
+  // all = every CP rank's floats (n_each[q] of rank q), concatenated by CP rank.
+  virtual void cp_all_gather(const float*, float*, const std::vector<size_t>& /*n_each*/) {}
 };
 
 struct StepLosses {

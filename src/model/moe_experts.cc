@@ -1,12 +1,15 @@
 // The moe_experts block: the routed experts' SwiGLU over their rows, in the
 // rounds and slots of the layer's plan, each round's rows exchanged to
 // their owners and back. Matches ref::MoeExperts (per row: independent;
-// weight gradients: each expert's leaf tree over its rows).
+// weight gradients: each expert's leaf tree over its rows). Context
+// parallel: each rank of the group computes a block of the experts over
+// all their rows, and the group gathers the results (context_parallel.h).
 #include <algorithm>
 #include <string>
 #include <vector>
 
 #include "model/blocks.h"
+#include "model/context_parallel.h"
 #include "model/moe_exchange.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
@@ -25,7 +28,8 @@ class MoeExperts : public LayerBlock {
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
     ExpertRows& rows = acts.rows;
-    const RoundPlan& own = ctx.own_plan(acts);
+    RoundPlan cp_plan;
+    const RoundPlan& own = computed_plan(ctx, acts, cp_plan);
     const ExpertWeights w = weights(ctx);
     for (int r = 0; r < exchange_rounds(acts); ++r) {
       exchange_rows(ctx, acts, r, D, /*to_owner=*/true, acts.moe_in.data(),
@@ -42,9 +46,11 @@ class MoeExperts : public LayerBlock {
       }
       if (ep > 1) exchange_rows(ctx, acts, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.y.data(), nullptr, acts.ye.data());
     }
-    ctx.stats.rounds = std::max(ctx.stats.rounds, own.rounds());
-    ctx.stats.borrowed += own.borrowed;
-    ctx.stats.dropped += own.dropped;
+    if (ctx.cp > 1) cp_gather_expert_rows(ctx, acts, acts.ye.data(), D);  // every block's rows, here
+    const RoundPlan& planned = ctx.own_plan(acts);
+    ctx.stats.rounds = std::max(ctx.stats.rounds, planned.rounds());
+    ctx.stats.borrowed += planned.borrowed;
+    ctx.stats.dropped += planned.dropped;
     acts.ye_rows = acts.ye.data();
     if (ctx.trace)
       ctx.trace_tensor("fwd", layer_, "moe.experts", "out", ctx.token_slot_order(acts, acts.ye_rows, D),
@@ -60,7 +66,8 @@ class MoeExperts : public LayerBlock {
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
     ExpertRows& rows = acts.rows;
-    const RoundPlan& own = ctx.own_plan(acts);
+    RoundPlan cp_plan;
+    const RoundPlan& own = computed_plan(ctx, acts, cp_plan);
     const ExpertWeights w = weights(ctx);
     float* grad_w1 = ctx.layer_grad(layer_, "experts.w1");
     float* grad_w3 = ctx.layer_grad(layer_, "experts.w3");
@@ -108,14 +115,20 @@ class MoeExperts : public LayerBlock {
       }
       if (ep > 1) exchange_rows(ctx, acts, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.dx.data(), nullptr, ws.dxe.data());
     }
+    if (ctx.cp > 1) cp_gather_expert_rows(ctx, acts, ws.dxe.data(), D);
+    bool finished = false;
     if (!ctx.grads_by_source()) {
       grads.finish(grad_w1, grad_w3, grad_w2);
       ctx.stats.expert_gemm_calls += grads.calls();
+      finished = true;
     } else if (ctx.microbatch == ctx.microbatches - 1) {  // the step's gradients, once every microbatch is in
       by_source.finish(grad_w1, grad_w3, grad_w2);
       ctx.stats.expert_gemm_calls += by_source.calls();
       ctx.stats.peak_grad_state_bytes = std::max(ctx.stats.peak_grad_state_bytes, by_source.state_bytes());
+      finished = true;
     }
+    if (ctx.cp > 1 && finished)  // each block's gradients folded whole on its rank
+      for (float* g : {grad_w1, grad_w3, grad_w2}) cp_gather_expert_grads(ctx, g, (int64_t)D * F);
     if (ctx.trace)
       ctx.trace_tensor("bwd", layer_, "moe.experts", "dx", ctx.token_slot_order(acts, ws.dxe.data(), D),
                        {ctx.tokens, ctx.cfg.top_k, D});
@@ -123,6 +136,13 @@ class MoeExperts : public LayerBlock {
 
 
  private:
+  // The plan this rank computes: its EP rank's, or with context parallel
+  // its block of those experts (kept in `cp_plan`).
+  static const RoundPlan& computed_plan(const StepContext& ctx, const LayerActs& acts, RoundPlan& cp_plan) {
+    if (ctx.cp == 1) return ctx.own_plan(acts);
+    cp_plan = cp_own_experts(ctx, ctx.own_plan(acts));
+    return cp_plan;
+  }
   // A round's rows at `place` as a chained fold's output: packed in segment order.
   static ChainOutput round_chain(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int D) {
     ChainOutput out;

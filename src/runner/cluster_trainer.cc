@@ -58,8 +58,10 @@ class RankHooks : public MeshHooks {
   void cp_send(const float* buf, size_t n, int to) override { cp_.send(buf, n * sizeof(float), to); }
   void cp_recv(float* buf, size_t n, int from) override { cp_.recv(buf, n * sizeof(float), from); }
   void cp_broadcast(float* buf, size_t n, int root) override { cp_.broadcast(buf, n * sizeof(float), root); }
-  void cp_all_gather(const float* mine, float* all, size_t n_each) override {
-    cp_.all_gather(mine, all, std::vector<size_t>(cp_.size(), n_each * sizeof(float)));
+  void cp_all_gather(const float* mine, float* all, const std::vector<size_t>& n_each) override {
+    std::vector<size_t> bytes(n_each);
+    for (size_t& b : bytes) b *= sizeof(float);
+    cp_.all_gather(mine, all, bytes);
   }
 
  private:
@@ -201,8 +203,9 @@ std::vector<std::unique_ptr<Communicator>> ClusterTrainer::split_groups(Communic
   const int data_rank = at.data;
   // Every group but the pipeline lies inside one stage; every data-parallel
   // group below holds ranks of one tensor and context-parallel index, in
-  // data-parallel order. The context-parallel ranks of a data rank are
-  // replicas outside attention: each such slice reduces on its own.
+  // data-parallel order. The context-parallel ranks of a data rank hold
+  // the same state and end a step on the same gradients (what they split
+  // they gather): each such slice reduces on its own.
   const int slice = (at.stage * cp + at.context) * tp + at.tensor;  // (stage, context index, tensor index)
   std::vector<std::unique_ptr<Communicator>> groups;
   groups.push_back(world.split(slice, me));                                              // data
