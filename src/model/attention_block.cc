@@ -94,7 +94,7 @@ class AttentionBlock : public LayerBlock {
     });
     // Context parallel: every token's attention output, for wo's gradient.
     if (ctx.cp > 1) cp_gather_rows(ctx, acts.attn_out.data(), Dh, 0, Dh, 0, ctx.batch);
-    weight_grad(ctx, acts.attn_out.data(), Dh, dmid, D, Dh, D, ctx.layer_grad(layer_, "wo"));
+    token_weight_grad(ctx, acts.attn_out.data(), Dh, dmid, D, Dh, D, ctx.layer_grad(layer_, "wo"));
     ws.dqkv.resize(N * 3 * Dh);
     if (ctx.cp > 1) {
       cp_attention_backward(ctx, acts.qkv.data(), Hh, D / c.n_heads, scale(c), acts.attn_probs.data(),
@@ -104,7 +104,7 @@ class AttentionBlock : public LayerBlock {
                                     acts.attn_probs.data(), ws.dattn_out.data(), ws.dqkv.data());
     }
     ctx.trace_tensor("bwd", layer_, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D});
-    weight_grad(ctx, every_token(ctx, acts.attn_in.data(), ws.sp_gathered), D, ws.dqkv.data(), 3 * Dh, D, 3 * Dh,
+    token_weight_grad(ctx, every_token(ctx, acts.attn_in.data(), ws.sp_gathered), D, ws.dqkv.data(), 3 * Dh, D, 3 * Dh,
                 ctx.layer_grad(layer_, "wqkv"));
     ws.dtmp.resize(N * D);
     // Reduces over the qkv features: q's, then k's, then v's, each split by heads.
@@ -131,14 +131,7 @@ class AttentionBlock : public LayerBlock {
   static void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
     if (ctx.cp == 1) return fn(0, (int)ctx.tokens);
     CpBusy busy(ctx);
-    cp_for_each_held(ctx, 0, ctx.batch, fn);
-  }
-  // dW of every token's rows: the leaf tree over the step's tokens (context
-  // parallel: a share of the columns on each rank, cp_weight_grad).
-  static void weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
-                          float* dW) {
-    if (ctx.cp > 1) return cp_weight_grad(ctx, X, ldx, dY, ldy, in, out, dW);
-    ops::weight_grad(X, ldx, dY, ldy, in, out, ctx.ws.uniform_off.data(), ctx.leaves, dW);
+    cp_rows_held(ctx, fn);
   }
 };
 

@@ -54,6 +54,17 @@ void cp_for_each_held(const StepContext& ctx, int first_sample, int samples,
     for (const QueryRange& r : mine) fn((int64_t)b * S + r.first, r.count);
 }
 
+void cp_rows_held(const StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
+  if (ctx.cp == 1) return fn(0, (int)ctx.tokens);
+  cp_for_each_held(ctx, 0, ctx.batch, fn);
+}
+
+void token_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                       float* dW) {
+  if (ctx.cp > 1) return cp_weight_grad(ctx, X, ldx, dY, ldy, in, out, dW);
+  ops::weight_grad(X, ldx, dY, ldy, in, out, ctx.ws.uniform_off.data(), ctx.leaves, dW);
+}
+
 void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, int first_sample, int samples,
                     bool kv) {
   ops::synchronize();  // the host packs and unpacks what kernels wrote

@@ -8,8 +8,10 @@
 // routes every token alike, then computes a block of the experts held
 // (cp_expert_block) over all of their rows, and the group all-gathers the
 // rows' outputs, input gradients and the experts' weight gradients. The
-// rest of the layer (norms, router, shared expert, head) runs on every rank
-// of the group alike, on every token.
+// shared expert goes as the projections do: its positions' rows here,
+// gathered; its weight gradients by column. The rest (norms, router,
+// dispatch, combine, head) runs on every rank of the group alike, on
+// every token.
 //
 // Two folds cross the split. dK and dV fold over query positions t >= u in
 // ascending order (docs/NUMERICS.md §3): chained, as tensor parallel chains
@@ -58,6 +60,9 @@ int64_t cp_probs_floats(int S, int cp, int rank, bool zigzag);
 void cp_for_each_held(const StepContext& ctx, int first_sample, int samples,
                       const std::function<void(int64_t row, int count)>& fn);
 
+// fn(0, N) for every token at cp 1; else cp_for_each_held over every sample.
+void cp_rows_held(const StepContext& ctx, const std::function<void(int64_t row, int count)>& fn);
+
 // Columns [col, col + width) of an [N, ld] token-row matrix, samples
 // [first_sample, first_sample + samples): every rank's held rows made whole
 // on every rank (an all-gather). `kv`: the bytes count as K/V traffic.
@@ -70,6 +75,9 @@ void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, 
 // whole one. Reduces over the global token index, on one rank per column.
 void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                     float* dW);
+// ops::weight_grad over every token (the leaf tree), or cp_weight_grad at cp > 1.
+void token_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                       float* dW);
 
 // Adds its lifetime to ctx.stats.cp_attention_seconds: a rank's share of
 // the attention block's compute, not its waits (kernels synchronized).

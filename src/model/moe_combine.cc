@@ -7,6 +7,7 @@
 
 #include "contract.h"
 #include "model/blocks.h"
+#include "model/context_parallel.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
@@ -21,7 +22,8 @@ class MoeCombine : public LayerBlock {
   void forward(StepContext& ctx, StepLosses& losses) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, F = ctx.d_ff_held(), E = c.experts, K = c.top_k;
-    // The shared expert runs on every token; the combine on the stream's tokens held here.
+    // The shared expert runs on every token (context parallel: this rank's positions, then gathered);
+    // the combine on the stream's tokens held here.
     const int64_t N = ctx.tokens, Ns = ctx.stream_tokens, first = ctx.stream_first;
     LayerActs& acts = ctx.layer(layer_);
     float* out = ctx.stream(layer_ + 1);
@@ -31,14 +33,25 @@ class MoeCombine : public LayerBlock {
       acts.shared_gate.resize(N * F);
       acts.shared_act.resize(N * F);
       acts.shared_out.resize(N * D);
-      ops::linear(acts.moe_in.data(), N, D, ctx.layer_weight(layer_, "shared.w1"), F, acts.shared_u.data());
-      ops::linear(acts.moe_in.data(), N, D, ctx.layer_weight(layer_, "shared.w3"), F, acts.shared_v.data());
-      ops::swiglu(acts.shared_u.data(), acts.shared_v.data(), acts.shared_gate.data(), acts.shared_act.data(), N * F);
+      const float* w1 = ctx.layer_weight(layer_, "shared.w1");
+      const float* w3 = ctx.layer_weight(layer_, "shared.w3");
+      // Context parallel: this rank's positions' rows (rows are independent), gathered after.
+      cp_rows_held(ctx, [&](int64_t row, int count) {
+        ops::linear(acts.moe_in.data() + row * D, count, D, w1, F, acts.shared_u.data() + row * F);
+        ops::linear(acts.moe_in.data() + row * D, count, D, w3, F, acts.shared_v.data() + row * F);
+        ops::swiglu(acts.shared_u.data() + row * F, acts.shared_v.data() + row * F, acts.shared_gate.data() + row * F,
+                    acts.shared_act.data() + row * F, count * F);
+      });
       // Reduces over the hidden feature (tensor parallel: chained across the group's ranges of it).
       const float* w2 = ctx.layer_weight(layer_, "shared.w2");
       chained_fold(ctx, 1, stream_output(ctx, acts.shared_out.data()), [&](int, int, bool accumulate) {
-        ops::linear_strided(acts.shared_act.data(), F, N, F, w2, D, D, acts.shared_out.data(), D, accumulate);
+        cp_rows_held(ctx, [&](int64_t row, int count) {
+          ops::linear_strided(acts.shared_act.data() + row * F, F, count, F, w2, D, D, acts.shared_out.data() + row * D,
+                              D, accumulate);
+        });
       });
+      if (ctx.cp > 1)
+        cp_gather_rows(ctx, acts.shared_out.data(), D, 0, D, (int)(first / c.seq_len), (int)(Ns / c.seq_len));
     }
     // out = fold over slots of fma(gate, y_slot, out) from +0, then + shared, + residual.
     ops::moe_combine(acts.gates.data(), E, acts.sel.data() + first * K, K, acts.row_of.data() + first * K, acts.ye_rows,
@@ -79,7 +92,7 @@ class MoeCombine : public LayerBlock {
     const int D = c.d_model, F = ctx.d_ff_held(), E = c.experts, K = c.top_k;
     const int64_t N = ctx.tokens, NK = N * K, Ns = ctx.stream_tokens, first = ctx.stream_first;
     StepWorkspace& ws = ctx.ws;
-    const LayerActs& acts = ctx.layer(layer_);
+    LayerActs& acts = ctx.layer(layer_);
     ws.dye.resize(NK * D);
     ws.dg.resize(Ns * E);
     ops::fill(ws.dg.data(), Ns * E, 0.0f);
@@ -90,26 +103,33 @@ class MoeCombine : public LayerBlock {
     const float* w1 = ctx.layer_weight(layer_, "shared.w1");
     const float* w3 = ctx.layer_weight(layer_, "shared.w3");
     const float* w2 = ctx.layer_weight(layer_, "shared.w2");
-    const int64_t* leaf_off = ws.uniform_off.data();
     ws.shared_du.resize(N * F);
     ws.shared_dv.resize(N * F);
     ws.shared_dx.resize(N * D);
     ws.shared_dact.resize(N * F);
     const float* dout = every_token(ctx, ws.dh.data(), ws.sp_dh);  // sequence parallel: every token's
-    ops::linear_input_grad(dout, N, D, w2, F, ws.shared_dact.data(), false);
-    ops::swiglu_backward(acts.shared_u.data(), acts.shared_v.data(), acts.shared_gate.data(), ws.shared_dact.data(),
-                         ws.shared_du.data(), ws.shared_dv.data(), N * F);
+    cp_rows_held(ctx, [&](int64_t row, int count) {  // context parallel: this rank's positions' rows
+      ops::linear_input_grad(dout + row * D, count, D, w2, F, ws.shared_dact.data() + row * F, false);
+      ops::swiglu_backward(acts.shared_u.data() + row * F, acts.shared_v.data() + row * F,
+                           acts.shared_gate.data() + row * F, ws.shared_dact.data() + row * F,
+                           ws.shared_du.data() + row * F, ws.shared_dv.data() + row * F, count * F);
+    });
     // Reduces over the hidden feature of u, then continues over that of v (tensor parallel: chained).
     chained_fold(ctx, 2, stream_output(ctx, ws.shared_dx.data()), [&](int first_pass, int count, bool accumulate) {
-      for (int pass = first_pass; pass < first_pass + count; ++pass)
-        ops::linear_input_grad(pass == 0 ? ws.shared_du.data() : ws.shared_dv.data(), N, F, pass == 0 ? w1 : w3, D,
-                               ws.shared_dx.data(), accumulate || pass > first_pass);
+      cp_rows_held(ctx, [&](int64_t row, int rows) {
+        for (int pass = first_pass; pass < first_pass + count; ++pass)
+          ops::linear_input_grad((pass == 0 ? ws.shared_du.data() : ws.shared_dv.data()) + row * F, rows, F,
+                                 pass == 0 ? w1 : w3, D, ws.shared_dx.data() + row * D, accumulate || pass > first_pass);
+      });
     });
-    ops::weight_grad(acts.moe_in.data(), D, ws.shared_du.data(), F, D, F, leaf_off, ctx.leaves,
-                     ctx.layer_grad(layer_, "shared.w1"));
-    ops::weight_grad(acts.moe_in.data(), D, ws.shared_dv.data(), F, D, F, leaf_off, ctx.leaves,
-                     ctx.layer_grad(layer_, "shared.w3"));
-    ops::weight_grad(acts.shared_act.data(), F, dout, D, F, D, leaf_off, ctx.leaves, ctx.layer_grad(layer_, "shared.w2"));
+    if (ctx.cp > 1) {  // the input gradient's stream rows; every token's rows for the weight gradients
+      cp_gather_rows(ctx, ws.shared_dx.data(), D, 0, D, (int)(first / c.seq_len), (int)(Ns / c.seq_len));
+      for (float* m : {ws.shared_du.data(), ws.shared_dv.data(), acts.shared_act.data()})
+        cp_gather_rows(ctx, m, F, 0, F, 0, ctx.batch);
+    }
+    token_weight_grad(ctx, acts.moe_in.data(), D, ws.shared_du.data(), F, D, F, ctx.layer_grad(layer_, "shared.w1"));
+    token_weight_grad(ctx, acts.moe_in.data(), D, ws.shared_dv.data(), F, D, F, ctx.layer_grad(layer_, "shared.w3"));
+    token_weight_grad(ctx, acts.shared_act.data(), F, dout, D, F, D, ctx.layer_grad(layer_, "shared.w2"));
   }
 
  private:

@@ -607,8 +607,8 @@ std::vector<Row> make_rows() {
             "Context-parallel ranks per data-parallel rank (world = mesh.dp x mesh.tp x mesh.pp x mesh.cp): "
             "each runs the attention block (QKV, attention, output projection) for its share of every "
             "sample's positions (mesh.cp_layout), K and V all-gathered, the dK and dV folds passed from rank "
-            "to rank in ascending query order; the routed experts split by expert; the norms, router, shared "
-            "expert and head run on every rank of the group.",
+            "to rank in ascending query order; the routed experts split by expert, the shared expert by "
+            "position; the norms, router and head run on every rank of the group.",
             {in_range(1, 64),
              {"divides model.seq_len into equal shares (2 x mesh.cp chunks under zigzag)", [](const S& s, int v) {
                 if (v == 1) return std::string();
