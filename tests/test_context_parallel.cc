@@ -93,7 +93,7 @@ TEST_SUITE("context_parallel") {
     }
   }
 
-  TEST_CASE("K and V travel: each rank's K/V bytes are its rows' all-gather, its dK/dV links and the last link's broadcast") {
+  TEST_CASE("K and V travel: each rank's K/V bytes are its rows' all-gather, its dK/dV links and the last link's hand-out") {
     // Split scenario: d_model 32, 2 layers, batch 8; seq 16 so cp 4 zigzag cuts it into 8 chunks of 2.
     const int D = 32, layers = 2, B = 8, S = 16;
     for (int cp : {2, 4}) {
@@ -110,7 +110,13 @@ TEST_SUITE("context_parallel") {
           for (size_t k = 0; k + 1 < chain.size(); ++k)  // backward: keys [0, end) to the next range's rank
             if (chain[k].rank == c && chain[k + 1].rank != c)
               floats += (int64_t)B * (chain[k].range.first + chain[k].range.count) * 2 * D;
-          if (chain.back().rank == c) floats += (int64_t)B * S * 2 * D * (cp - 1);  // the finished dK, dV
+          if (chain.back().rank == c)  // the finished dK, dV: to each rank its rows, and every row of its wqkv columns
+            for (int q = 0; q < cp; ++q) {
+              if (q == c) continue;
+              const ls::ColumnShare share = ls::cp_column_share(3 * D, cp, q);
+              const int in_kv = std::max(D, share.first + share.count) - std::max(D, share.first);
+              floats += (int64_t)B * ((S / cp) * 2 * D + (S - S / cp) * in_kv);
+            }
           CHECK(r.context[(size_t)c].kv_bytes_sent == floats * layers * (int64_t)sizeof(float));
           CHECK(r.context[(size_t)c].bytes_sent > r.context[(size_t)c].kv_bytes_sent);  // rows, dq, weight columns too
         }

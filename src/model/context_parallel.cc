@@ -88,11 +88,18 @@ void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, 
   }
 }
 
+ColumnShare cp_column_share(int out, int cp, int rank) {
+  const int share = (out + cp - 1) / cp;
+  const int first = std::min(out, rank * share);
+  return {first, std::min(out, first + share) - first};
+}
+
 void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                     float* dW) {
   const int cp = ctx.cp;
-  const int share = (out + cp - 1) / cp;  // columns per rank; the last ranks may hold fewer, or none
-  const int c0 = std::min(out, ctx.cp_rank * share), cols = std::min(out, c0 + share) - c0;
+  const int share = (out + cp - 1) / cp;  // columns per rank (cp_column_share)
+  const ColumnShare mine = cp_column_share(out, cp, ctx.cp_rank);
+  const int c0 = mine.first, cols = mine.count;
   const int64_t each = (int64_t)in * share;
   ctx.ws.cp_send.resize((size_t)each);
   ctx.ws.cp_recv.resize((size_t)(each * cp));
@@ -104,7 +111,8 @@ void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* 
   ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), std::vector<size_t>((size_t)cp, (size_t)each));
   ctx.stats.cp_bytes_sent += each * (int64_t)sizeof(float) * (cp - 1);
   for (int q = 0; q < cp; ++q) {  // rank q's [in, its columns], packed, into dW's columns
-    const int q0 = std::min(out, q * share), qcols = std::min(out, q0 + share) - q0;
+    const ColumnShare theirs = cp_column_share(out, cp, q);
+    const int q0 = theirs.first, qcols = theirs.count;
     const float* slice = ctx.ws.cp_recv.data() + q * each;
     for (int i = 0; i < in && qcols > 0; ++i)
       std::memcpy(dW + (int64_t)i * out + q0, slice + (int64_t)i * qcols, sizeof(float) * (size_t)qcols);
@@ -259,20 +267,42 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
       }
     }
   }
-  // The finished dK, dV from the last link's rank; every rank's dq rows.
+  // The finished dK, dV are on the last link's rank. Rank q gets what it
+  // reads: its own rows whole (its input gradient) and every row's columns
+  // of its wqkv weight-gradient share. Then every rank's dq rows.
   ops::synchronize();
   const int last = chain.back().rank;
-  ctx.ws.cp_send.resize((size_t)(ctx.tokens * 2 * Dh));
-  float* out = ctx.ws.cp_send.data();
-  if (ctx.cp_rank == last) pack_rows(dqkv, ld, 0, (int)ctx.tokens, Dh, 2 * Dh, out);
-  ctx.mesh->cp_broadcast(ctx.ws.cp_send.data(), ctx.ws.cp_send.size(), last);
+  auto hand_out = [&](int q, bool pack) {  // walks rank q's part, packing it into or unpacking it from cp_send
+    std::vector<char> held((size_t)S, 0);
+    for (const QueryRange& r : cp_query_ranges(S, ctx.cp, q, zz)) std::fill_n(held.begin() + r.first, r.count, 1);
+    const ColumnShare share = cp_column_share(3 * Dh, ctx.cp, q);
+    const int k0 = std::max(Dh, share.first), k1 = std::max(Dh, share.first + share.count);  // within dK, dV
+    size_t n = 0;
+    for (int t = 0; t < S; ++t) n += held[t] ? 2 * Dh : k1 - k0;
+    ctx.ws.cp_send.resize(n * (size_t)ctx.batch);
+    float* buf = ctx.ws.cp_send.data();
+    for (int b = 0; b < ctx.batch; ++b)
+      for (int t = 0; t < S; ++t) {
+        float* row = dqkv + ((int64_t)b * S + t) * ld + (held[t] ? Dh : k0);
+        const int width = held[t] ? 2 * Dh : k1 - k0;
+        if (pack) std::memcpy(buf, row, sizeof(float) * (size_t)width);
+        else std::memcpy(row, buf, sizeof(float) * (size_t)width);
+        buf += width;
+      }
+  };
   if (ctx.cp_rank == last) {
-    const int64_t sent = (int64_t)ctx.ws.cp_send.size() * (int64_t)sizeof(float) * (ctx.cp - 1);
-    ctx.stats.cp_bytes_sent += sent;
-    ctx.stats.cp_kv_bytes_sent += sent;
+    for (int q = 0; q < ctx.cp; ++q) {
+      if (q == last) continue;
+      hand_out(q, true);
+      ctx.mesh->cp_send(ctx.ws.cp_send.data(), ctx.ws.cp_send.size(), q);
+      const int64_t sent = (int64_t)ctx.ws.cp_send.size() * (int64_t)sizeof(float);
+      ctx.stats.cp_bytes_sent += sent;
+      ctx.stats.cp_kv_bytes_sent += sent;
+    }
   } else {
-    const float* in = ctx.ws.cp_send.data();
-    unpack_rows(dqkv, ld, 0, (int)ctx.tokens, Dh, 2 * Dh, in);
+    hand_out(ctx.cp_rank, true);  // sizes the buffer
+    ctx.mesh->cp_recv(ctx.ws.cp_send.data(), ctx.ws.cp_send.size(), last);
+    hand_out(ctx.cp_rank, false);
   }
   cp_gather_rows(ctx, dqkv, ld, 0, Dh, 0, ctx.batch);
 }

@@ -18,7 +18,7 @@
 // a split feature fold -- the range of the lowest positions folds from +0
 // and hands each key's partial rows to the rank holding the next range,
 // which continues them (ops::attention_backward_range), up to the last
-// range, whose rank broadcasts the finished rows. The projections' weight
+// range, whose rank hands each rank the finished rows it reads. The projections' weight
 // gradients fold over every token by the leaf tree: the rows are gathered
 // and the gradient is split by output column instead (cp_weight_grad), so
 // each column's fold is whole on one rank. The softmax and P·V of a query
@@ -69,6 +69,14 @@ void cp_rows_held(const StepContext& ctx, const std::function<void(int64_t row, 
 void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, int first_sample, int samples,
                     bool kv = false);
 
+// The output columns [first, first + count) of an `out`-column weight
+// gradient that CP rank `rank` folds: ceil(out / cp) each, the last ranks
+// fewer, or none.
+struct ColumnShare {
+  int first = 0, count = 0;
+};
+ColumnShare cp_column_share(int out, int cp, int rank);
+
 // dW [in, out] = the weight gradient of every token's rows X [N, ldx] and
 // dY [N, ldy] (ops::weight_grad, the step's leaf tree), computed a share of
 // the output columns per rank and all-gathered: each column's fold is the
@@ -116,9 +124,11 @@ void cp_gather_expert_grads(StepContext& ctx, float* grad, int64_t per_expert);
 void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, float* P,
                           float* attn_out);
 
-// Backward: dattn_out [N, Dh] of this rank's rows -> dqkv [N, 3*Dh] of every
-// token: dq computed by the rank holding each query and all-gathered; dk, dv
-// folded along cp_chain and broadcast by the last link's rank.
+// Backward: dattn_out [N, Dh] of this rank's rows -> dqkv [N, 3*Dh]: dq
+// computed by the rank holding each query and all-gathered; dk, dv folded
+// along cp_chain, the last link's rank handing each rank its own rows and
+// every row's columns of its wqkv gradient share (cp_column_share of 3*Dh).
+// Those, and dq, are what a rank reads; its other dk, dv entries are stale.
 void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
                            const float* dattn_out, float* dqkv);
 
