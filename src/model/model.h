@@ -85,7 +85,6 @@ class MeshHooks {
   virtual bool cp_zigzag() const { return true; }
   virtual void cp_send(const float*, size_t, int) {}
   virtual void cp_recv(float*, size_t, int) {}
-  virtual void cp_broadcast(float*, size_t, int) {}
   // all = every CP rank's floats (n_each[q] of rank q), concatenated by CP rank.
   virtual void cp_all_gather(const float*, float*, const std::vector<size_t>& /*n_each*/) {}
 };

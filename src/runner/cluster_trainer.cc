@@ -57,7 +57,6 @@ class RankHooks : public MeshHooks {
   bool cp_zigzag() const override { return cp_zigzag_; }
   void cp_send(const float* buf, size_t n, int to) override { cp_.send(buf, n * sizeof(float), to); }
   void cp_recv(float* buf, size_t n, int from) override { cp_.recv(buf, n * sizeof(float), from); }
-  void cp_broadcast(float* buf, size_t n, int root) override { cp_.broadcast(buf, n * sizeof(float), root); }
   void cp_all_gather(const float* mine, float* all, const std::vector<size_t>& n_each) override {
     std::vector<size_t> bytes(n_each);
     for (size_t& b : bytes) b *= sizeof(float);
