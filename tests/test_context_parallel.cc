@@ -113,7 +113,7 @@ TEST_SUITE("context_parallel") {
           if (chain.back().rank == c)  // the finished dK, dV: to each rank its rows, and every row of its wqkv columns
             for (int q = 0; q < cp; ++q) {
               if (q == c) continue;
-              const ls::ColumnShare share = ls::cp_column_share(3 * D, cp, q);
+              const ls::CpShare share = ls::cp_share(3 * D, cp, q);
               const int in_kv = std::max(D, share.first + share.count) - std::max(D, share.first);
               floats += (int64_t)B * ((S / cp) * 2 * D + (S - S / cp) * in_kv);
             }

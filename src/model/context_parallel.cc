@@ -88,19 +88,18 @@ void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, 
   }
 }
 
-ColumnShare cp_column_share(int out, int cp, int rank) {
-  const int share = (out + cp - 1) / cp;
-  const int first = std::min(out, rank * share);
-  return {first, std::min(out, first + share) - first};
+CpShare cp_share(int n, int cp, int rank) {
+  const int each = (n + cp - 1) / cp;
+  const int first = std::min(n, rank * each);
+  return {first, std::min(n, first + each) - first};
 }
 
 void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                     float* dW) {
   const int cp = ctx.cp;
-  const int share = (out + cp - 1) / cp;  // columns per rank (cp_column_share)
-  const ColumnShare mine = cp_column_share(out, cp, ctx.cp_rank);
+  const CpShare mine = cp_share(out, cp, ctx.cp_rank);
   const int c0 = mine.first, cols = mine.count;
-  const int64_t each = (int64_t)in * share;
+  const int64_t each = (int64_t)in * cp_share(out, cp, 0).count;  // rank 0 holds the most columns
   ctx.ws.cp_send.resize((size_t)each);
   ctx.ws.cp_recv.resize((size_t)(each * cp));
   if (cols > 0) {
@@ -111,7 +110,7 @@ void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* 
   ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), std::vector<size_t>((size_t)cp, (size_t)each));
   ctx.stats.cp_bytes_sent += each * (int64_t)sizeof(float) * (cp - 1);
   for (int q = 0; q < cp; ++q) {  // rank q's [in, its columns], packed, into dW's columns
-    const ColumnShare theirs = cp_column_share(out, cp, q);
+    const CpShare theirs = cp_share(out, cp, q);
     const int q0 = theirs.first, qcols = theirs.count;
     const float* slice = ctx.ws.cp_recv.data() + q * each;
     for (int i = 0; i < in && qcols > 0; ++i)
@@ -119,14 +118,8 @@ void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* 
   }
 }
 
-ExpertBlock cp_expert_block(const StepContext& ctx, int rank) {
-  const int El = ctx.local_experts, share = (El + ctx.cp - 1) / ctx.cp;
-  const int first = std::min(El, rank * share);
-  return {first, std::min(El, first + share) - first};
-}
-
 RoundPlan cp_own_experts(const StepContext& ctx, const RoundPlan& plan) {
-  const ExpertBlock b = cp_expert_block(ctx, ctx.cp_rank);
+  const CpShare b = cp_share(ctx.local_experts, ctx.cp, ctx.cp_rank);
   RoundPlan mine = plan;
   for (std::vector<Segment>& round : mine.round)
     round.erase(std::remove_if(round.begin(), round.end(),
@@ -140,7 +133,7 @@ void cp_gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows,
   const int cp = ctx.cp, El = ctx.local_experts;
   // Rank q's rows: for each EP owner, its block of that owner's experts, consecutive in dispatch order.
   auto each_range = [&](int q, const std::function<void(int64_t first, int64_t count)>& fn) {
-    const ExpertBlock b = cp_expert_block(ctx, q);
+    const CpShare b = cp_share(El, cp, q);
     if (b.count == 0) return;
     for (int owner = 0; owner < ctx.ep; ++owner) {
       const int g = owner * El + b.first;
@@ -177,8 +170,8 @@ void cp_gather_expert_grads(StepContext& ctx, float* grad, int64_t per_expert) {
   ops::synchronize();
   const int cp = ctx.cp;
   std::vector<size_t> n_each((size_t)cp);
-  for (int q = 0; q < cp; ++q) n_each[(size_t)q] = (size_t)(cp_expert_block(ctx, q).count * per_expert);
-  const ExpertBlock mine = cp_expert_block(ctx, ctx.cp_rank);
+  for (int q = 0; q < cp; ++q) n_each[(size_t)q] = (size_t)(cp_share(ctx.local_experts, cp, q).count * per_expert);
+  const CpShare mine = cp_share(ctx.local_experts, cp, ctx.cp_rank);
   const size_t total = (size_t)(ctx.local_experts * per_expert);
   ctx.ws.cp_recv.resize(total);
   // The blocks are consecutive and ascending by rank: the concatenation is the whole gradient.
@@ -272,37 +265,52 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
   // of its wqkv weight-gradient share. Then every rank's dq rows.
   ops::synchronize();
   const int last = chain.back().rank;
-  auto hand_out = [&](int q, bool pack) {  // walks rank q's part, packing it into or unpacking it from cp_send
-    std::vector<char> held((size_t)S, 0);
-    for (const QueryRange& r : cp_query_ranges(S, ctx.cp, q, zz)) std::fill_n(held.begin() + r.first, r.count, 1);
-    const ColumnShare share = cp_column_share(3 * Dh, ctx.cp, q);
-    const int k0 = std::max(Dh, share.first), k1 = std::max(Dh, share.first + share.count);  // within dK, dV
-    size_t n = 0;
-    for (int t = 0; t < S; ++t) n += held[t] ? 2 * Dh : k1 - k0;
-    ctx.ws.cp_send.resize(n * (size_t)ctx.batch);
-    float* buf = ctx.ws.cp_send.data();
+  // Rank q's part: per position, the columns it reads (all of dK, dV on its
+  // own positions; else its share's, within dK, dV), every sample alike.
+  struct Part {
+    std::vector<char> held;
+    int k0 = 0, k1 = 0;
+    size_t floats = 0;
+  };
+  auto part_of = [&](int q) {
+    Part p;
+    p.held.assign((size_t)S, 0);
+    for (const QueryRange& r : cp_query_ranges(S, ctx.cp, q, zz)) std::fill_n(p.held.begin() + r.first, r.count, 1);
+    const CpShare share = cp_share(3 * Dh, ctx.cp, q);
+    p.k0 = std::max(Dh, share.first);
+    p.k1 = std::max(Dh, share.first + share.count);
+    for (int t = 0; t < S; ++t) p.floats += (size_t)(p.held[t] ? 2 * Dh : p.k1 - p.k0) * ctx.batch;
+    return p;
+  };
+  auto walk = [&](const Part& p, const std::function<void(float* row, int width)>& fn) {  // in packing order
     for (int b = 0; b < ctx.batch; ++b)
-      for (int t = 0; t < S; ++t) {
-        float* row = dqkv + ((int64_t)b * S + t) * ld + (held[t] ? Dh : k0);
-        const int width = held[t] ? 2 * Dh : k1 - k0;
-        if (pack) std::memcpy(buf, row, sizeof(float) * (size_t)width);
-        else std::memcpy(row, buf, sizeof(float) * (size_t)width);
-        buf += width;
-      }
+      for (int t = 0; t < S; ++t)
+        fn(dqkv + ((int64_t)b * S + t) * ld + (p.held[t] ? Dh : p.k0), p.held[t] ? 2 * Dh : p.k1 - p.k0);
   };
   if (ctx.cp_rank == last) {
     for (int q = 0; q < ctx.cp; ++q) {
       if (q == last) continue;
-      hand_out(q, true);
-      ctx.mesh->cp_send(ctx.ws.cp_send.data(), ctx.ws.cp_send.size(), q);
-      const int64_t sent = (int64_t)ctx.ws.cp_send.size() * (int64_t)sizeof(float);
+      const Part p = part_of(q);
+      ctx.ws.cp_send.resize(p.floats);
+      float* out = ctx.ws.cp_send.data();
+      walk(p, [&](float* row, int width) {
+        std::memcpy(out, row, sizeof(float) * (size_t)width);
+        out += width;
+      });
+      ctx.mesh->cp_send(ctx.ws.cp_send.data(), p.floats, q);
+      const int64_t sent = (int64_t)(p.floats * sizeof(float));
       ctx.stats.cp_bytes_sent += sent;
       ctx.stats.cp_kv_bytes_sent += sent;
     }
   } else {
-    hand_out(ctx.cp_rank, true);  // sizes the buffer
-    ctx.mesh->cp_recv(ctx.ws.cp_send.data(), ctx.ws.cp_send.size(), last);
-    hand_out(ctx.cp_rank, false);
+    const Part p = part_of(ctx.cp_rank);
+    ctx.ws.cp_send.resize(p.floats);
+    ctx.mesh->cp_recv(ctx.ws.cp_send.data(), p.floats, last);
+    const float* in = ctx.ws.cp_send.data();
+    walk(p, [&](float* row, int width) {
+      std::memcpy(row, in, sizeof(float) * (size_t)width);
+      in += width;
+    });
   }
   cp_gather_rows(ctx, dqkv, ld, 0, Dh, 0, ctx.batch);
 }

@@ -6,7 +6,7 @@
 // of all three. K and V travel: each rank's rows are all-gathered after the
 // projection. The routed experts are split too, by expert: every rank
 // routes every token alike, then computes a block of the experts held
-// (cp_expert_block) over all of their rows, and the group all-gathers the
+// (cp_share) over all of their rows, and the group all-gathers the
 // rows' outputs, input gradients and the experts' weight gradients. The
 // shared expert goes as the projections do: its positions' rows here,
 // gathered; its weight gradients by column. The rest (norms, router,
@@ -69,13 +69,13 @@ void cp_rows_held(const StepContext& ctx, const std::function<void(int64_t row, 
 void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, int first_sample, int samples,
                     bool kv = false);
 
-// The output columns [first, first + count) of an `out`-column weight
-// gradient that CP rank `rank` folds: ceil(out / cp) each, the last ranks
-// fewer, or none.
-struct ColumnShare {
+// CP rank `rank`'s items [first, first + count) of n consecutive ones
+// (a weight gradient's output columns, the experts held): ceil(n / cp)
+// each, the last ranks fewer, or none.
+struct CpShare {
   int first = 0, count = 0;
 };
-ColumnShare cp_column_share(int out, int cp, int rank);
+CpShare cp_share(int n, int cp, int rank);
 
 // dW [in, out] = the weight gradient of every token's rows X [N, ldx] and
 // dY [N, ldy] (ops::weight_grad, the step's leaf tree), computed a share of
@@ -99,13 +99,7 @@ class CpBusy {
   double t0_;
 };
 
-// The local experts [first, first + count) CP rank `rank` computes: a
-// ceil(local_experts / cp) share each (the last ranks may get fewer, or none).
-struct ExpertBlock {
-  int first = 0, count = 0;
-};
-ExpertBlock cp_expert_block(const StepContext& ctx, int rank);
-
+// The experts a CP rank computes: cp_share(ctx.local_experts, ctx.cp, rank).
 // `plan` with only this rank's block's segments: the rounds, slots and
 // capacity as they were, so each row is computed where and when it would
 // be (rows are independent; an expert's gradient folds whole here).
@@ -127,7 +121,7 @@ void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd,
 // Backward: dattn_out [N, Dh] of this rank's rows -> dqkv [N, 3*Dh]: dq
 // computed by the rank holding each query and all-gathered; dk, dv folded
 // along cp_chain, the last link's rank handing each rank its own rows and
-// every row's columns of its wqkv gradient share (cp_column_share of 3*Dh).
+// every row's columns of its wqkv gradient share (cp_share of 3*Dh).
 // Those, and dq, are what a rank reads; its other dk, dv entries are stale.
 void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
                            const float* dattn_out, float* dqkv);
