@@ -78,6 +78,16 @@ class Communicator {
   CommStats stats;
 };
 
+// recv = every rank's `bytes_each` bytes, concatenated by rank.
+inline void all_gather_equal(Communicator& c, const void* send, void* recv, size_t bytes_each) {
+  c.all_gather(send, recv, std::vector<size_t>((size_t)c.size(), bytes_each));
+}
+// recv = every rank's floats (n_each[r] of rank r), concatenated by rank.
+inline void all_gather_floats(Communicator& c, const float* send, float* recv, std::vector<size_t> n_each) {
+  for (size_t& n : n_each) n *= sizeof(float);
+  c.all_gather(send, recv, n_each);
+}
+
 // A world of one rank, used from the calling thread: every collective hands
 // back this rank's own data. For code that runs one algorithm whether or not
 // it has peers.

@@ -1,13 +1,50 @@
-// The simulated cluster's layout (scenario keys mesh.*).
+// The simulated cluster's layout (scenario keys mesh.*), as a table of axes.
+//
+// Four axes multiply into the world: pipeline stages (pp), data-parallel
+// ranks (dp), context-parallel ranks (cp) and tensor-parallel ranks (tp),
+// laid out in that order, major to minor (kRankAxes). Expert parallelism
+// (ep) and FSDP/HSDP shards (fsdp, replicate) subdivide the data axis; they
+// add groups, not ranks. Every predicate and description of a mesh is
+// written here once, from the table.
 #pragma once
 
+#include <array>
 #include <string>
 
 namespace ls {
 
+// The order a pipeline stage runs its microbatches in (mesh.pp_schedule).
+enum class PipelineSchedule { kGpipe, k1f1b, kInterleaved };
+// Which positions each context-parallel rank holds (mesh.cp_layout).
+enum class CpLayout { kZigzag, kContiguous };
+
+// mesh.pp_schedule's and mesh.cp_layout's values; UserError naming the key otherwise.
+PipelineSchedule parse_pipeline_schedule(const std::string& name);
+CpLayout parse_cp_layout(const std::string& name);
+const char* schedule_name(PipelineSchedule s);
+const char* layout_name(CpLayout l);
+
+// A mesh axis, and the group of ranks along it (cluster/mesh.h). The first
+// four multiply into the world, in rank order (major first); the others
+// are groups inside it: expert parallelism and FSDP subdivide the data axis.
+enum class Axis {
+  kPipeline,    // the stages of one (data, context, tensor) index (mesh.pp)
+  kData,        // the data-parallel ranks of one (stage, context, tensor) index (mesh.dp)
+  kContext,     // the context-parallel ranks of one data-parallel rank (mesh.cp)
+  kTensor,      // the tensor-parallel ranks of one data-parallel rank (mesh.tp)
+  kExpert,      // consecutive data-parallel ranks sharing the experts (mesh.ep)
+  kExpertData,  // the data-parallel ranks holding the same experts, one per expert group
+  kShard,       // an FSDP shard group: mesh.dp / mesh.replicate consecutive data-parallel ranks
+  kReplica,     // HSDP: the ranks holding the same shard, one per shard group
+  kStage,       // every data and tensor-parallel rank of one stage and context index: what a sum over
+                // sequence-parallel stream tokens spans
+};
+constexpr int kRankAxisCount = 4;
+constexpr int kAxisCount = 9;
+
 struct MeshConfig {
-  int dp = 1;          // data-parallel ranks (the world): each holds batch/dp consecutive samples
-  int ep = 1;          // expert-parallel group size: consecutive ranks sharing the experts
+  int dp = 1;          // data-parallel ranks: each holds batch/dp consecutive samples
+  int ep = 1;          // expert-parallel group size: consecutive data-parallel ranks sharing the experts
   bool fsdp = false;   // shard parameters, gradients and optimizer state (ZeRO-3 style)
   int replicate = 1;   // with fsdp: replica groups (HSDP); shards span dp/replicate ranks
   int tp = 1;          // tensor-parallel ranks per data-parallel rank (heads and hidden features split)
@@ -17,26 +54,54 @@ struct MeshConfig {
   int pp_virtual = 1;  // interleaved: model chunks per stage
   int cp = 1;          // context-parallel ranks per data-parallel rank: attention's query positions split across them
   std::string cp_layout = "zigzag";  // zigzag | contiguous: which positions each context-parallel rank holds
-  int world() const { return dp * tp * pp * cp; }
-  // "mesh.dp x mesh.tp x mesh.pp = 4 x 1 x 2 = 8" (and "x mesh.cp" when it is
-  // above 1), for messages.
-  std::string world_formula() const {
-    const bool c = cp > 1;
-    return std::string("mesh.dp x mesh.tp x mesh.pp") + (c ? " x mesh.cp" : "") + " = " + std::to_string(dp) + " x " +
-           std::to_string(tp) + " x " + std::to_string(pp) + (c ? " x " + std::to_string(cp) : std::string()) +
-           " = " + std::to_string(world());
-  }
 
-  // Where world rank r sits: r = ((stage * dp + data) * cp + context) * tp + tensor.
-  // Tensor-parallel ranks are neighbours, then context-parallel ranks, then
-  // data-parallel ones; a pipeline stage is a contiguous block of ranks.
+  // One row per axis that multiplies into the world, in rank order.
+  struct AxisRow {
+    Axis axis;
+    const char* name;       // "dp": the key is "mesh." + name
+    int MeshConfig::*size;  // its degree
+  };
+  static constexpr std::array<AxisRow, kRankAxisCount> kRankAxes = {{
+      {Axis::kPipeline, "pp", &MeshConfig::pp},
+      {Axis::kData, "dp", &MeshConfig::dp},
+      {Axis::kContext, "cp", &MeshConfig::cp},
+      {Axis::kTensor, "tp", &MeshConfig::tp},
+  }};
+  // Ranks in a group along axis a.
+  int size(Axis a) const;
+
+  // Ranks in the world: the product of the rank axes.
+  int world() const;
+  // More than one rank, or a split the one-rank engine does not run
+  // (expert parallel, FSDP, or microbatches through a pipeline).
+  bool multi_rank(int microbatches) const;
+  // A pipeline runs the step: several stages, or several microbatches.
+  bool pipelined(int microbatches) const { return pp > 1 || microbatches > 1; }
+  // The same model on one rank: every axis at 1, every switch off (what
+  // bisect's twin runs; the bits must not change).
+  static MeshConfig single_rank() { return MeshConfig{}; }
+  // "dp 2, ep 2, tp 2 + sp, cp 4 zigzag, pp 2 1f1b, 4 microbatches, fsdp
+  // replicate 2": every axis above 1 and every switch on, in one form used
+  // by every tool; "one rank" when there is none.
+  std::string describe(int microbatches) const;
+  // "mesh.dp x mesh.tp x mesh.pp = 4 x 1 x 2 = 8" (and "x mesh.cp" when it
+  // is above 1), for messages.
+  std::string world_formula() const;
+  PipelineSchedule schedule() const { return parse_pipeline_schedule(pp_schedule); }
+  CpLayout layout() const { return parse_cp_layout(cp_layout); }
+
+  // Where world rank r sits, one coordinate per rank axis:
+  // r = ((stage * dp + data) * cp + context) * tp + tensor. Tensor-parallel
+  // ranks are neighbours, then context-parallel ranks, then data-parallel
+  // ones; a pipeline stage is a contiguous block of ranks.
   struct RankCoords {
     int stage = 0, data = 0, context = 0, tensor = 0;
+    int at(Axis a) const;
   };
-  RankCoords rank_coords(int r) const {
-    return {r / (dp * cp * tp), r / (cp * tp) % dp, r / tp % cp, r % tp};
-  }
+  RankCoords rank_coords(int r) const;
   int ranks_per_stage() const { return dp * cp * tp; }
+  // Ranks of an FSDP shard group (1 without fsdp).
+  int shard_group() const { return fsdp ? dp / replicate : 1; }
 };
 
 }  // namespace ls

@@ -21,4 +21,11 @@ struct CorruptCheckpoint : UserError {
   using UserError::UserError;
 };
 
+// A broken internal invariant: a bug in Lockstep, not bad input. The CLI
+// says so, asks for a bug report and exits with its own code (70).
+struct InternalError : std::logic_error {
+  explicit InternalError(const std::string& what)
+      : std::logic_error(what + " (an internal error: a bug in Lockstep; please report it with the command that ran)") {}
+};
+
 }  // namespace ls

@@ -30,7 +30,7 @@ class AttentionBlock : public LayerBlock {
   // rank's positions; K and V all-gathered, and the projection's rows.
   void forward(StepContext& ctx, StepLosses&) override {
     const ModelConfig& c = ctx.cfg;
-    const int D = c.d_model, S = c.seq_len, Dh = ctx.width_held(), Hh = ctx.heads_held();
+    const int D = c.d_model, Dh = ctx.width_held();
     const int64_t N = ctx.tokens, Ns = ctx.stream_tokens;
     LayerActs& acts = ctx.layer(layer_);
     StepWorkspace& ws = ctx.ws;
@@ -41,25 +41,8 @@ class AttentionBlock : public LayerBlock {
     ctx.trace_tensor("fwd", layer_, "attn_norm", "out", acts.attn_in.data(), {N, D});
     acts.qkv.resize(N * 3 * Dh);
     const float* attn_in = every_token(ctx, acts.attn_in.data(), ws.sp_gathered);
-    const float* wqkv = ctx.layer_weight(layer_, "wqkv");
     acts.attn_out.resize(N * Dh);
-    if (ctx.cp > 1) {  // this rank's positions; every token's K and V
-      held_rows(ctx, [&](int64_t row, int count) {
-        ops::linear(attn_in + row * D, count, D, wqkv, 3 * Dh, acts.qkv.data() + row * 3 * Dh);
-      });
-      cp_gather_rows(ctx, acts.qkv.data(), 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true);
-      acts.attn_probs.resize((size_t)ctx.batch * Hh *
-                             cp_probs_floats(S, ctx.cp, ctx.cp_rank, ctx.mesh->cp_zigzag()));
-      cp_attention_forward(ctx, acts.qkv.data(), Hh, D / c.n_heads, scale(c), acts.attn_probs.data(),
-                           acts.attn_out.data());
-    } else {
-      ops::linear(attn_in, N, D, wqkv, 3 * Dh, acts.qkv.data());
-      ctx.trace_tensor("fwd", layer_, "qkv", "out", acts.qkv.data(), {N, 3 * D});
-      acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
-      ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, D / c.n_heads, scale(c), acts.attn_probs.data(),
-                                   acts.attn_out.data());
-      ctx.trace_tensor("fwd", layer_, "attention", "out", acts.attn_out.data(), {N, D});
-    }
+    attention_forward_held(ctx, layer_, attn_in, ctx.layer_weight(layer_, "wqkv"), acts);
     ws.dtmp.resize(N * D);
     // Reduces over the attention features, this rank's heads' range of them.
     const float* wo = ctx.layer_weight(layer_, "wo");
@@ -69,7 +52,7 @@ class AttentionBlock : public LayerBlock {
                             accumulate);
       });
     });
-    if (ctx.cp > 1) cp_gather_rows(ctx, ws.dtmp.data(), D, 0, D, (int)(ctx.stream_first / S), (int)(Ns / S));
+    gather_held_stream_rows(ctx, ws.dtmp.data(), D);
     ops::add(acts.x.data(), ws.dtmp.data() + ctx.stream_first * D, acts.mid.data(), Ns * D);
     ctx.trace_tensor("fwd", layer_, "attn_residual", "h", acts.mid.data(), {N, D});
   }
@@ -81,7 +64,7 @@ class AttentionBlock : public LayerBlock {
   // gradients a share of the columns each.
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
-    const int D = c.d_model, S = c.seq_len, Dh = ctx.width_held(), Hh = ctx.heads_held();
+    const int D = c.d_model, Dh = ctx.width_held();
     const int64_t N = ctx.tokens, Ns = ctx.stream_tokens;
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
@@ -93,16 +76,10 @@ class AttentionBlock : public LayerBlock {
       ops::linear_input_grad(dmid + row * D, count, D, wo, Dh, ws.dattn_out.data() + row * Dh, false);
     });
     // Context parallel: every token's attention output, for wo's gradient.
-    if (ctx.cp > 1) cp_gather_rows(ctx, acts.attn_out.data(), Dh, 0, Dh, 0, ctx.batch);
+    gather_held_rows(ctx, acts.attn_out.data(), Dh);
     token_weight_grad(ctx, acts.attn_out.data(), Dh, dmid, D, Dh, D, ctx.layer_grad(layer_, "wo"));
     ws.dqkv.resize(N * 3 * Dh);
-    if (ctx.cp > 1) {
-      cp_attention_backward(ctx, acts.qkv.data(), Hh, D / c.n_heads, scale(c), acts.attn_probs.data(),
-                            ws.dattn_out.data(), ws.dqkv.data());
-    } else {
-      ops::attention_backward_heads(acts.qkv.data(), ctx.batch, Hh, S, D / c.n_heads, scale(c),
-                                    acts.attn_probs.data(), ws.dattn_out.data(), ws.dqkv.data());
-    }
+    attention_backward_held(ctx, acts, ws.dattn_out.data(), ws.dqkv.data());
     ctx.trace_tensor("bwd", layer_, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D});
     token_weight_grad(ctx, every_token(ctx, acts.attn_in.data(), ws.sp_gathered), D, ws.dqkv.data(), 3 * Dh, D, 3 * Dh,
                 ctx.layer_grad(layer_, "wqkv"));
@@ -115,23 +92,13 @@ class AttentionBlock : public LayerBlock {
                                        wqkv + first * Dh, 3 * Dh, D, ws.dtmp.data() + row * D, D, accumulate);
       });
     });
-    if (ctx.cp > 1) cp_gather_rows(ctx, ws.dtmp.data(), D, 0, D, (int)(ctx.stream_first / S), (int)(Ns / S));
+    gather_held_stream_rows(ctx, ws.dtmp.data(), D);
     const float* dattn_in = ws.dtmp.data() + ctx.stream_first * D;  // this rank's stream tokens
     ops::rmsnorm_weight_grad(acts.x.data(), acts.attn_inv_rms.data(), dattn_in, Ns, D, ctx.leaf_tokens,
                              ctx.layer_grad(layer_, "attn_norm"));
     ops::rmsnorm_backward(acts.x.data(), ctx.layer_weight(layer_, "attn_norm"), acts.attn_inv_rms.data(), dattn_in,
                           ws.dh.data(), Ns, D, true);
     ctx.trace_tensor("bwd", layer_, "attn_norm", "dh", ws.dh.data(), {N, D});
-  }
-
- private:
-  static float scale(const ModelConfig& c) { return 1.0f / ls::sqrt((float)(c.d_model / c.n_heads)); }
-  // Every token's rows in one call, or with context parallel this rank's
-  // positions' ranges (their compute counted as its busy time).
-  static void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
-    if (ctx.cp == 1) return fn(0, (int)ctx.tokens);
-    CpBusy busy(ctx);
-    cp_rows_held(ctx, fn);
   }
 };
 

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "contract.h"
 #include "ops/attention.h"
 #include "ops/ops.h"
 
@@ -38,6 +39,9 @@ int64_t probs_offset(const std::vector<QueryRange>& ranges, size_t i) {
   return n;
 }
 
+// 1 / sqrt(head dimension): the attention logits' scale.
+float attention_scale(const ModelConfig& c) { return 1.0f / ls::sqrt((float)(c.d_model / c.n_heads)); }
+
 }  // namespace
 
 CpBusy::CpBusy(StepContext& ctx) : ctx_(ctx), t0_(now_seconds()) {}
@@ -49,7 +53,7 @@ CpBusy::~CpBusy() {
 void cp_for_each_held(const StepContext& ctx, int first_sample, int samples,
                       const std::function<void(int64_t row, int count)>& fn) {
   const int S = ctx.cfg.seq_len;
-  const std::vector<QueryRange> mine = cp_query_ranges(S, ctx.cp, ctx.cp_rank, ctx.mesh->cp_zigzag());
+  const std::vector<QueryRange> mine = cp_query_ranges(S, ctx.cp, ctx.cp_rank, ctx.cp_zigzag());
   for (int b = first_sample; b < first_sample + samples; ++b)
     for (const QueryRange& r : mine) fn((int64_t)b * S + r.first, r.count);
 }
@@ -57,6 +61,59 @@ void cp_for_each_held(const StepContext& ctx, int first_sample, int samples,
 void cp_rows_held(const StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
   if (ctx.cp == 1) return fn(0, (int)ctx.tokens);
   cp_for_each_held(ctx, 0, ctx.batch, fn);
+}
+
+void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
+  if (ctx.cp == 1) return fn(0, (int)ctx.tokens);
+  CpBusy busy(ctx);
+  cp_for_each_held(ctx, 0, ctx.batch, fn);
+}
+
+void gather_held_rows(StepContext& ctx, float* m, int64_t ld) {
+  if (ctx.cp > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, 0, ctx.batch);
+}
+
+void gather_held_stream_rows(StepContext& ctx, float* m, int64_t ld) {
+  const int S = ctx.cfg.seq_len;
+  if (ctx.cp > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, (int)(ctx.stream_first / S), (int)(ctx.stream_tokens / S));
+}
+
+void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, const float* wqkv, LayerActs& acts) {
+  const ModelConfig& c = ctx.cfg;
+  const int D = c.d_model, S = c.seq_len, Dh = ctx.width_held(), Hh = ctx.heads_held(), hd = D / c.n_heads;
+  const int64_t N = ctx.tokens;
+  const float scale = attention_scale(c);
+  if (ctx.cp == 1) {
+    ops::linear(attn_in, N, D, wqkv, 3 * Dh, acts.qkv.data());
+    ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D});
+    acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
+    ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, hd, scale, acts.attn_probs.data(),
+                                 acts.attn_out.data());
+    ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D});
+    return;
+  }
+  held_rows(ctx, [&](int64_t row, int count) {  // this rank's positions; then every token's K and V
+    ops::linear(attn_in + row * D, count, D, wqkv, 3 * Dh, acts.qkv.data() + row * 3 * Dh);
+  });
+  cp_gather_rows(ctx, acts.qkv.data(), 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true);
+  acts.attn_probs.resize((size_t)ctx.batch * Hh * cp_probs_floats(S, ctx.cp, ctx.cp_rank, ctx.cp_zigzag()));
+  cp_attention_forward(ctx, acts.qkv.data(), Hh, hd, scale, acts.attn_probs.data(), acts.attn_out.data());
+}
+
+void attention_backward_held(StepContext& ctx, const LayerActs& acts, const float* dattn_out, float* dqkv) {
+  const ModelConfig& c = ctx.cfg;
+  const int hd = c.d_model / c.n_heads, Hh = ctx.heads_held();
+  if (ctx.cp > 1)
+    return cp_attention_backward(ctx, acts.qkv.data(), Hh, hd, attention_scale(c), acts.attn_probs.data(), dattn_out,
+                                 dqkv);
+  ops::attention_backward_heads(acts.qkv.data(), ctx.batch, Hh, c.seq_len, hd, attention_scale(c),
+                                acts.attn_probs.data(), dattn_out, dqkv);
+}
+
+const RoundPlan& computed_expert_plan(const StepContext& ctx, const LayerActs& acts, RoundPlan& scratch) {
+  if (ctx.cp == 1) return ctx.own_plan(acts);
+  scratch = cp_own_experts(ctx, ctx.own_plan(acts));
+  return scratch;
 }
 
 void token_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
@@ -69,13 +126,13 @@ void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, 
                     bool kv) {
   ops::synchronize();  // the host packs and unpacks what kernels wrote
   const int S = ctx.cfg.seq_len, cp = ctx.cp;
-  const bool zz = ctx.mesh->cp_zigzag();
+  const bool zz = ctx.cp_zigzag();
   const int64_t each = (int64_t)samples * (S / cp) * width;  // every rank holds S / cp positions of a sample
   ctx.ws.cp_send.resize((size_t)each);
   ctx.ws.cp_recv.resize((size_t)(each * cp));
   float* out = ctx.ws.cp_send.data();
   cp_for_each_held(ctx, first_sample, samples, [&](int64_t row, int count) { pack_rows(m, ld, row, count, col, width, out); });
-  ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), std::vector<size_t>((size_t)cp, (size_t)each));
+  all_gather_floats(ctx.group(Axis::kContext), ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), std::vector<size_t>((size_t)cp, (size_t)each));
   const int64_t sent = each * (int64_t)sizeof(float) * (cp - 1);
   ctx.stats.cp_bytes_sent += sent;
   if (kv) ctx.stats.cp_kv_bytes_sent += sent;
@@ -107,7 +164,7 @@ void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* 
     ops::weight_grad(X, ldx, dY + c0, ldy, in, cols, ctx.ws.uniform_off.data(), ctx.leaves, ctx.ws.cp_send.data());
   }
   ops::synchronize();
-  ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), std::vector<size_t>((size_t)cp, (size_t)each));
+  all_gather_floats(ctx.group(Axis::kContext), ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), std::vector<size_t>((size_t)cp, (size_t)each));
   ctx.stats.cp_bytes_sent += each * (int64_t)sizeof(float) * (cp - 1);
   for (int q = 0; q < cp; ++q) {  // rank q's [in, its columns], packed, into dW's columns
     const CpShare theirs = cp_share(out, cp, q);
@@ -128,7 +185,8 @@ RoundPlan cp_own_experts(const StepContext& ctx, const RoundPlan& plan) {
   return mine;
 }
 
-void cp_gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows, int width) {
+void gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows, int width) {
+  if (ctx.cp == 1) return;
   ops::synchronize();  // the host packs and unpacks what kernels wrote
   const int cp = ctx.cp, El = ctx.local_experts;
   // Rank q's rows: for each EP owner, its block of that owner's experts, consecutive in dispatch order.
@@ -151,7 +209,7 @@ void cp_gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows,
     std::memcpy(out, rows + first * width, sizeof(float) * (size_t)(count * width));
     out += count * width;
   });
-  ctx.mesh->cp_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), n_each);
+  all_gather_floats(ctx.group(Axis::kContext), ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), n_each);
   ctx.stats.cp_bytes_sent += (int64_t)(n_each[(size_t)ctx.cp_rank] * sizeof(float)) * (cp - 1);
   const float* in = ctx.ws.cp_recv.data();
   for (int q = 0; q < cp; ++q) {
@@ -166,7 +224,8 @@ void cp_gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows,
   }
 }
 
-void cp_gather_expert_grads(StepContext& ctx, float* grad, int64_t per_expert) {
+void gather_expert_grads(StepContext& ctx, float* grad, int64_t per_expert) {
+  if (ctx.cp == 1) return;
   ops::synchronize();
   const int cp = ctx.cp;
   std::vector<size_t> n_each((size_t)cp);
@@ -175,7 +234,7 @@ void cp_gather_expert_grads(StepContext& ctx, float* grad, int64_t per_expert) {
   const size_t total = (size_t)(ctx.local_experts * per_expert);
   ctx.ws.cp_recv.resize(total);
   // The blocks are consecutive and ascending by rank: the concatenation is the whole gradient.
-  ctx.mesh->cp_all_gather(grad + mine.first * per_expert, ctx.ws.cp_recv.data(), n_each);
+  all_gather_floats(ctx.group(Axis::kContext), grad + mine.first * per_expert, ctx.ws.cp_recv.data(), n_each);
   ctx.stats.cp_bytes_sent += (int64_t)(n_each[(size_t)ctx.cp_rank] * sizeof(float)) * (cp - 1);
   std::memcpy(grad, ctx.ws.cp_recv.data(), sizeof(float) * total);
 }
@@ -205,9 +264,8 @@ int64_t cp_probs_floats(int S, int cp, int rank, bool zigzag) {
 
 void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, float* P,
                           float* attn_out) {
-  const int S = ctx.cfg.seq_len, Dh = heads * hd;
-  const int64_t ld = 3 * (int64_t)Dh;
-  const bool zz = ctx.mesh->cp_zigzag();
+  const int S = ctx.cfg.seq_len;
+  const bool zz = ctx.cp_zigzag();
   const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp, ctx.cp_rank, zz);
   const int64_t per_head = probs_offset(ranges, ranges.size());
   CpBusy busy(ctx);
@@ -220,7 +278,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
                            const float* dattn_out, float* dqkv) {
   const int S = ctx.cfg.seq_len, Dh = heads * hd;
   const int64_t ld = 3 * (int64_t)Dh;
-  const bool zz = ctx.mesh->cp_zigzag();
+  const bool zz = ctx.cp_zigzag();
   const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp, ctx.cp_rank, zz);
   const std::vector<ChainLink> chain = cp_chain(S, ctx.cp, zz);
   const int64_t per_head = probs_offset(ranges, ranges.size());
@@ -240,7 +298,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
       if (k > 0 && chain[k - 1].rank != ctx.cp_rank) {  // the partial dK, dV of keys [0, r.first)
         ops::synchronize();  // the host rewrites rows kernels may still touch
         link.resize((size_t)r.first * 2 * Dh);
-        ctx.mesh->cp_recv(link.data(), link.size(), chain[k - 1].rank);
+        ctx.group(Axis::kContext).recv(link.data(), sizeof(float) * (link.size()), chain[k - 1].rank);
         const float* in = link.data();
         unpack_rows(dqkv, ld, row0, r.first, Dh, 2 * Dh, in);
       }
@@ -254,7 +312,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
         link.resize((size_t)end * 2 * Dh);
         float* out = link.data();
         pack_rows(dqkv, ld, row0, end, Dh, 2 * Dh, out);
-        ctx.mesh->cp_send(link.data(), link.size(), chain[k + 1].rank);
+        ctx.group(Axis::kContext).send(link.data(), sizeof(float) * (link.size()), chain[k + 1].rank);
         ctx.stats.cp_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
         ctx.stats.cp_kv_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
       }
@@ -297,7 +355,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
         std::memcpy(out, row, sizeof(float) * (size_t)width);
         out += width;
       });
-      ctx.mesh->cp_send(ctx.ws.cp_send.data(), p.floats, q);
+      ctx.group(Axis::kContext).send(ctx.ws.cp_send.data(), sizeof(float) * (p.floats), q);
       const int64_t sent = (int64_t)(p.floats * sizeof(float));
       ctx.stats.cp_bytes_sent += sent;
       ctx.stats.cp_kv_bytes_sent += sent;
@@ -305,7 +363,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
   } else {
     const Part p = part_of(ctx.cp_rank);
     ctx.ws.cp_send.resize(p.floats);
-    ctx.mesh->cp_recv(ctx.ws.cp_send.data(), p.floats, last);
+    ctx.group(Axis::kContext).recv(ctx.ws.cp_send.data(), sizeof(float) * (p.floats), last);
     const float* in = ctx.ws.cp_send.data();
     walk(p, [&](float* row, int width) {
       std::memcpy(row, in, sizeof(float) * (size_t)width);

@@ -33,6 +33,33 @@
 
 namespace ls {
 
+// ---- What the blocks call: each does the one-rank thing at cp 1. ----
+
+// fn(row, count) over the rows this rank computes: every token in one call
+// at cp 1, else its positions' ranges of every sample (their compute
+// counted as the rank's busy time).
+void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count)>& fn);
+
+// An [N, ld] matrix whose rows each rank wrote for its positions made
+// whole on every rank (an all-gather; nothing at cp 1): every sample's rows,
+// or the samples of this rank's residual stream only (sequence parallel
+// holds a share of them).
+void gather_held_rows(StepContext& ctx, float* m, int64_t ld);
+void gather_held_stream_rows(StepContext& ctx, float* m, int64_t ld);
+
+// The attention of a layer on this rank's rows: qkv [N, 3*Dh] = its rows of
+// attn_in [N, D] times wqkv (at cp > 1 every token's K and V gathered), P
+// and attn_out [N, Dh] for its queries. Reduces over keys, one query's on one rank.
+void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, const float* wqkv, LayerActs& acts);
+// dattn_out [N, Dh] of this rank's rows -> dqkv [N, 3*Dh] (cp_attention_backward at cp > 1).
+void attention_backward_held(StepContext& ctx, const LayerActs& acts, const float* dattn_out, float* dqkv);
+
+// The experts' plan this rank computes: its EP rank's, or at cp > 1 its
+// block of those experts (cp_own_experts, kept in `scratch`).
+const RoundPlan& computed_expert_plan(const StepContext& ctx, const LayerActs& acts, RoundPlan& scratch);
+
+// ---- The pieces. ----
+
 // Query positions [first, first + count) of a sequence.
 struct QueryRange {
   int first = 0, count = 0;
@@ -106,12 +133,12 @@ class CpBusy {
 RoundPlan cp_own_experts(const StepContext& ctx, const RoundPlan& plan);
 
 // Dispatch rows [NK, width] (acts.expert_off's order): each rank's experts'
-// rows made whole on every rank (an all-gather). Reduces over nothing.
-void cp_gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows, int width);
+// rows made whole on every rank (an all-gather; nothing at cp 1). Reduces over nothing.
+void gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows, int width);
 
 // A weight gradient [local_experts, per_expert]: each rank's block's slabs
-// made whole on every rank (an all-gather). Reduces over nothing.
-void cp_gather_expert_grads(StepContext& ctx, float* grad, int64_t per_expert);
+// made whole on every rank (an all-gather; nothing at cp 1). Reduces over nothing.
+void gather_expert_grads(StepContext& ctx, float* grad, int64_t per_expert);
 
 // qkv [N, 3*Dh]: this rank's rows' q, every token's k and v. Forward: P gets
 // this rank's ranges of every (sample, head), attn_out [N, Dh] their rows.

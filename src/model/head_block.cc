@@ -45,7 +45,7 @@ class HeadBlock : public Block {
       ws.ce_partial = ce_sum;
       return;
     }
-    if (ctx.mesh) ctx.mesh->sum_stream_partials(&ce_sum, 1);
+    ctx.mesh->stream_group().all_reduce_sum(&ce_sum, 1);
     losses.ce = ce_sum / ctx.global_tokens;
     losses.total = total_loss(c, losses);
   }

@@ -116,15 +116,14 @@ std::vector<ParamInfo> MoeTransformer::layout(const ModelConfig& cfg, int ep_siz
 
 int MoeTransformer::block_of(const ModelConfig& cfg, const std::string& param) {
   if (param == "tok_emb" || param == "pos_emb") return 0;
-  if (param == "final_norm" || param == "lm_head") return 1 + 5 * cfg.n_layers;
+  if (param == "final_norm" || param == "lm_head") return layer_block(cfg.n_layers, LayerPart::kAttention);  // the head
   const size_t dot = param.find('.', 7);  // "layers.L.<name>"
   const int layer = std::stoi(param.substr(7, dot - 7));
   const std::string name = param.substr(dot + 1);
-  const int attention = 1 + 5 * layer;  // then routing, dispatch, experts, combine
-  if (name == "attn_norm" || name == "wqkv" || name == "wo") return attention;
-  if (name == "moe_norm" || name == "router") return attention + 1;
-  if (name.rfind("experts.", 0) == 0) return attention + 3;
-  return attention + 4;  // shared.*: the combine block runs the shared expert
+  if (name == "attn_norm" || name == "wqkv" || name == "wo") return layer_block(layer, LayerPart::kAttention);
+  if (name == "moe_norm" || name == "router") return layer_block(layer, LayerPart::kRouting);
+  if (name.rfind("experts.", 0) == 0) return layer_block(layer, LayerPart::kExperts);
+  return layer_block(layer, LayerPart::kCombine);  // shared.*: the combine block runs the shared expert
 }
 
 MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size, int ep_rank,
@@ -340,10 +339,10 @@ const float* StepContext::token_slot_order(const LayerActs& acts, const float* r
 
 StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool training) {
   const ModelConfig& c = cfg_;
-  const int dp = mesh_ ? mesh_->dp_size() : 1, ep = mesh_ ? mesh_->ep_size() : 1;
-  if (ep != ep_size_) throw std::logic_error("engine: mesh hooks disagree with the model's expert parallel size");
-  if ((mesh_ ? mesh_->tp_size() : 1) != tp_size_)
-    throw std::logic_error("engine: mesh hooks disagree with the model's tensor parallel size");
+  const int dp = mesh_->size(Axis::kData), ep = mesh_->size(Axis::kExpert);
+  if (ep != ep_size_) throw InternalError("engine: the mesh disagrees with the model's expert parallel size");
+  if (mesh_->size(Axis::kTensor) != tp_size_)
+    throw InternalError("engine: the mesh disagrees with the model's tensor parallel size");
   if (batch % leaf_samples_ != 0)
     throw std::invalid_argument("engine: batch " + std::to_string(batch) + " is not a multiple of numerics.leaf_samples");
   StepContext ctx{c, *ws_, stats_, infos_, wsrc_ ? wsrc_ : w_.data(), g_.data(), tokens};
@@ -353,18 +352,18 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   ctx.leaves = ctx.tokens / ctx.leaf_tokens;
   ctx.dp = dp;
   ctx.ep = ep;
-  ctx.ep_rank = ep > 1 ? mesh_->ep_rank() : 0;
+  ctx.ep_rank = mesh_->rank(Axis::kExpert);
   ctx.local_experts = c.experts / ep;
   ctx.tp = tp_size_;
   ctx.tp_rank = tp_rank_;
-  ctx.sp = tp_size_ > 1 && mesh_ && mesh_->sequence_parallel();
+  ctx.sp = tp_size_ > 1 && mesh_->sequence_parallel();
   ctx.stream_tokens = ctx.sp ? ctx.tokens / tp_size_ : ctx.tokens;
   ctx.stream_first = ctx.sp ? ctx.stream_tokens * tp_rank_ : 0;
   ctx.stream_leaves = ctx.sp ? ctx.leaves / tp_size_ : ctx.leaves;
   if (ctx.sp && (ctx.leaves % tp_size_ != 0))
     throw std::invalid_argument("engine: sequence parallel needs whole leaves per tensor-parallel rank");
-  ctx.cp = mesh_ ? mesh_->cp_size() : 1;
-  ctx.cp_rank = mesh_ ? mesh_->cp_rank() : 0;
+  ctx.cp = mesh_->size(Axis::kContext);
+  ctx.cp_rank = mesh_->rank(Axis::kContext);
   ctx.microbatches = ws_->microbatches;
   ctx.microbatch = ws_->microbatch;
   if (source_grads_.size() < (size_t)c.n_layers) source_grads_.resize((size_t)c.n_layers);
@@ -381,11 +380,11 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
 void MoeTransformer::check_range(int first, int last) const {
   const int n = num_blocks();
   if (first < 0 || last > n || first >= last)
-    throw UserError("engine: block range [" + std::to_string(first) + ", " + std::to_string(last) + ") is not inside [0, " +
+    throw InternalError("engine: block range [" + std::to_string(first) + ", " + std::to_string(last) + ") is not inside [0, " +
                     std::to_string(n) + ")");
   for (int b : {first, last})
     if (b > 0 && b < n && !blocks_[b]->begins_at_stream())
-      throw UserError("engine: a block range cannot begin or end before block " + std::to_string(b) + " (" +
+      throw InternalError("engine: a block range cannot begin or end before block " + std::to_string(b) + " (" +
                       blocks_[b]->name() + "): more than the residual stream crosses there");
 }
 
@@ -411,17 +410,18 @@ StepLosses MoeTransformer::forward_range(const uint8_t* tokens, int batch, bool 
   // The residual stream lives in the saved layer inputs: layer l reads x,
   // writes mid (after attention) and the next layer's x (h after the last).
   // Only the layers the range touches (a pipeline stage's), and the stream it hands on.
-  const int first_layer = std::max(0, (first - 1) / 5), end_layer = std::min(cfg_.n_layers, (last + 3) / 5);
+  const int first_layer = std::max(0, (first - 1) / kBlocksPerLayer);
+  const int end_layer = std::min(cfg_.n_layers, (last - 1 + kBlocksPerLayer - 1) / kBlocksPerLayer);
   for (int l = first_layer; l < end_layer; ++l) {
     ws.layers[(size_t)l].x.resize(N * D);
     ws.layers[(size_t)l].mid.resize(N * D);
   }
   if (end_layer < cfg_.n_layers) ws.layers[(size_t)end_layer].x.resize(N * D);
-  if (last > 5 * cfg_.n_layers) ws.h.resize(N * D);
+  if (last > layer_block(cfg_.n_layers, LayerPart::kAttention) - 1) ws.h.resize(N * D);  // the range reaches the head
   if (first == 0 && ctx.trace)
     for (const ParamInfo& p : infos_) ctx.trace_tensor("params", -1, "param", p.name.c_str(), ctx.weights + p.offset, p.shape);
   if (first > 0) {
-    if (!io.stream_in) throw UserError("engine: forward_range from block " + std::to_string(first) + " needs stream_in");
+    if (!io.stream_in) throw InternalError("engine: forward_range from block " + std::to_string(first) + " needs stream_in");
     std::memcpy(blocks_[first]->stream_in(ws), io.stream_in, sizeof(float) * N * D);
   }
   StepLosses losses = io.carried;
@@ -436,7 +436,7 @@ void MoeTransformer::backward_range(int first, int last, const float* grad_out, 
   StepContext ctx = step_context(nullptr, ws_->batch, true);
   const int64_t N = ctx.stream_tokens, D = cfg_.d_model;  // the stream's tokens held here
   if (last < num_blocks()) {
-    if (!grad_out) throw UserError("engine: backward_range to block " + std::to_string(last) + " needs grad_out");
+    if (!grad_out) throw InternalError("engine: backward_range to block " + std::to_string(last) + " needs grad_out");
     ops::synchronize();
     ws_->dh.resize(N * D);
     std::memcpy(ws_->dh.data(), grad_out, sizeof(float) * N * D);

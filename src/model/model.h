@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cluster/mesh.h"
 #include "model/config.h"
 #include "model/experts.h"
 #include "ops/device_memory.h"
@@ -36,57 +37,6 @@ struct ParamInfo {
   int64_t tp_held() const;  // the middle indices held: tp_mid / tp
   // The element of the whole tensor that held element `i` is.
   int64_t global_index(int64_t i) const;
-};
-
-// What one data-parallel rank needs from the others inside a step. The model
-// calls these at fixed points; a single-rank model has none (nullptr).
-class MeshHooks {
- public:
-  virtual ~MeshHooks() = default;
-  virtual int dp_size() const = 0;
-  // Per-rank partial sums (each a subtree of the canonical leaf tree) ->
-  // the global sums, combined by the canonical tree over ranks.
-  virtual void sum_partials(float* v, size_t n) = 0;
-  virtual void sum_counts(int64_t* v, size_t n) = 0;
-  // Expert parallel group: ep_size() consecutive data-parallel ranks; rank
-  // ep_rank() of it holds experts [ep_rank * E/ep, (ep_rank+1) * E/ep).
-  virtual int ep_size() const = 0;
-  virtual int ep_rank() const = 0;
-  virtual void ep_all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
-                             const std::vector<size_t>& recv_bytes) = 0;
-  // Tensor parallel group: tp_size() ranks with the same samples, rank
-  // tp_rank() holding heads [tp_rank * H/tp, ...) and hidden features
-  // [tp_rank * F/tp, ...). The chained folds (model/tensor_parallel.h) pass
-  // partial outputs from rank to rank and broadcast the finished ones.
-  virtual int tp_size() const { return 1; }
-  virtual int tp_rank() const { return 0; }
-  virtual void tp_send(const float*, size_t, int) {}
-  virtual void tp_recv(float*, size_t, int) {}
-  virtual void tp_broadcast(float*, size_t, int) {}
-  // Sequence parallel: the stream's tokens are split across the TP group
-  // (rank t holds tokens [t * N/tp, (t+1) * N/tp) of the data-parallel
-  // rank's N); the sums over them (the loss, the stream's weight
-  // gradients) then span data-parallel and TP ranks.
-  virtual bool sequence_parallel() const { return false; }
-  // all = every TP rank's `bytes_each` bytes, concatenated by TP rank.
-  virtual void tp_all_gather(const void*, void*, size_t) {}
-  // Partial sums over this rank's stream tokens -> the sums over every
-  // rank's (the canonical tree over ranks); = sum_partials without SP.
-  virtual void sum_stream_partials(float* v, size_t n) { sum_partials(v, n); }
-  // Partial sums over this rank's stream tokens -> the sums over its TP
-  // group's (the canonical tree over TP ranks): sequence parallel, one
-  // microbatch at a time.
-  virtual void sum_tp_partials(float*, size_t) {}
-  // Context-parallel group: cp_size() ranks with the same samples and
-  // heads, rank cp_rank() computing the attention block for its positions
-  // (model/context_parallel.h); the rest of the layer runs on each alike.
-  virtual int cp_size() const { return 1; }
-  virtual int cp_rank() const { return 0; }
-  virtual bool cp_zigzag() const { return true; }
-  virtual void cp_send(const float*, size_t, int) {}
-  virtual void cp_recv(float*, size_t, int) {}
-  // all = every CP rank's floats (n_each[q] of rank q), concatenated by CP rank.
-  virtual void cp_all_gather(const float*, float*, const std::vector<size_t>& /*n_each*/) {}
 };
 
 struct StepLosses {
@@ -171,6 +121,13 @@ struct StageIo {
   int microbatch = 0;  // which one (a pipeline runs a chunk's microbatches in order)
 };
 
+// The model's blocks in forward order: the embedding, then these five per
+// layer, then the head. Block indices follow from them.
+enum class LayerPart { kAttention, kRouting, kDispatch, kExperts, kCombine };
+constexpr int kBlocksPerLayer = 5;
+// The index of layer `layer`'s `part`; layer_block(n_layers, kAttention) is the head's.
+constexpr int layer_block(int layer, LayerPart part) { return 1 + kBlocksPerLayer * layer + (int)part; }
+
 class Block;
 struct StepContext;
 struct StepWorkspace;
@@ -194,8 +151,9 @@ class MoeTransformer {
   // A model that reads `main`'s weights (no copy, no init) and has gradients
   // and a workspace of its own: a data-parallel lane (runner/data_lanes.h).
   static std::unique_ptr<MoeTransformer> lane_of(const MoeTransformer& main);
-  // Hooks to the other ranks (nullptr: a single rank). Must match ep_size.
-  void set_mesh(MeshHooks* hooks) { mesh_ = hooks; }
+  // This rank's groups (cluster/mesh.h); nullptr: one rank. Its expert and
+  // tensor groups must match ep_size and tp_size.
+  void set_mesh(const Mesh* mesh) { mesh_ = mesh ? mesh : &one_rank_; }
   ~MoeTransformer();
   MoeTransformer(const MoeTransformer&) = delete;
   MoeTransformer& operator=(const MoeTransformer&) = delete;
@@ -286,7 +244,8 @@ class MoeTransformer {
   StepWorkspace* ws_ = nullptr;  // the one in use
   std::vector<std::unique_ptr<Block>> blocks_;
   TraceSink* trace_ = nullptr;
-  MeshHooks* mesh_ = nullptr;
+  Mesh one_rank_;  // the mesh of a model on its own
+  const Mesh* mesh_ = &one_rank_;
   int ep_size_ = 1, ep_rank_ = 0;
   int tp_size_ = 1, tp_rank_ = 0;
   bool debug_reorder_moe_norm_ = false;

@@ -50,8 +50,7 @@ class MoeCombine : public LayerBlock {
                               D, accumulate);
         });
       });
-      if (ctx.cp > 1)
-        cp_gather_rows(ctx, acts.shared_out.data(), D, 0, D, (int)(first / c.seq_len), (int)(Ns / c.seq_len));
+      gather_held_stream_rows(ctx, acts.shared_out.data(), D);
     }
     // out = fold over slots of fma(gate, y_slot, out) from +0, then + shared, + residual.
     ops::moe_combine(acts.gates.data(), E, acts.sel.data() + first * K, K, acts.row_of.data() + first * K, acts.ye_rows,
@@ -70,10 +69,8 @@ class MoeCombine : public LayerBlock {
       acts.router_partial.assign(sums.data(), sums.data() + E + 1);
       return;
     }
-    if (ctx.mesh) {
-      ctx.mesh->sum_stream_partials(sums.data(), sums.size());
-      ctx.mesh->sum_counts(acts.global_counts.data(), E);
-    }
+    ctx.mesh->stream_group().all_reduce_sum(sums.data(), sums.size());
+    ctx.group(Axis::kData).all_reduce_sum(acts.global_counts.data(), E);
     const LayerBalance balance =
         layer_balance(E, sums.data(), acts.global_counts.data(), ctx.global_tokens, ctx.global_assignments);
     ws.aux_loss[layer_] = balance.aux;
@@ -98,7 +95,7 @@ class MoeCombine : public LayerBlock {
     ops::fill(ws.dg.data(), Ns * E, 0.0f);
     ops::moe_combine_backward(ws.dh.data(), acts.gates.data(), E, acts.sel.data() + first * K, K,
                               acts.row_of.data() + first * K, acts.ye_rows, ws.dg.data(), ws.dye.data(), Ns, D);
-    if (ctx.sp) gather_expert_output_grads(ctx, acts);
+    gather_expert_output_grads(ctx, acts);
     if (!c.shared_expert) return;
     const float* w1 = ctx.layer_weight(layer_, "shared.w1");
     const float* w3 = ctx.layer_weight(layer_, "shared.w3");
@@ -122,31 +119,12 @@ class MoeCombine : public LayerBlock {
                                  pass == 0 ? w1 : w3, D, ws.shared_dx.data() + row * D, accumulate || pass > first_pass);
       });
     });
-    if (ctx.cp > 1) {  // the input gradient's stream rows; every token's rows for the weight gradients
-      cp_gather_rows(ctx, ws.shared_dx.data(), D, 0, D, (int)(first / c.seq_len), (int)(Ns / c.seq_len));
-      for (float* m : {ws.shared_du.data(), ws.shared_dv.data(), acts.shared_act.data()})
-        cp_gather_rows(ctx, m, F, 0, F, 0, ctx.batch);
-    }
+    // Context parallel: the input gradient's stream rows; every token's rows for the weight gradients.
+    gather_held_stream_rows(ctx, ws.shared_dx.data(), D);
+    for (float* m : {ws.shared_du.data(), ws.shared_dv.data(), acts.shared_act.data()}) gather_held_rows(ctx, m, F);
     token_weight_grad(ctx, acts.moe_in.data(), D, ws.shared_du.data(), F, D, F, ctx.layer_grad(layer_, "shared.w1"));
     token_weight_grad(ctx, acts.moe_in.data(), D, ws.shared_dv.data(), F, D, F, ctx.layer_grad(layer_, "shared.w3"));
     token_weight_grad(ctx, acts.shared_act.data(), F, dout, D, F, D, ctx.layer_grad(layer_, "shared.w2"));
-  }
-
- private:
-  // Sequence parallel: each TP rank wrote the expert-output gradients of its
-  // stream tokens' rows; the experts need every row's. The rows of every
-  // token, in (token, slot) order, gathered over the group and put back at
-  // their dispatch rows.
-  static void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts) {
-    StepWorkspace& ws = ctx.ws;
-    const int D = ctx.cfg.d_model, K = ctx.cfg.top_k;
-    const int64_t held = ctx.stream_tokens * K, all = ctx.tokens * K;
-    ws.sp_rows.resize(held * D);
-    ws.sp_rows_all.resize(all * D);
-    ops::copy_rows(ws.dye.data(), acts.row_of.data() + ctx.stream_first * K, ws.sp_rows.data(), nullptr, held, D);
-    ops::synchronize();
-    ctx.mesh->tp_all_gather(ws.sp_rows.data(), ws.sp_rows_all.data(), sizeof(float) * held * D);
-    ops::copy_rows(ws.sp_rows_all.data(), nullptr, ws.dye.data(), acts.row_of.data(), all, D);
   }
 
 };

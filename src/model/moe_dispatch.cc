@@ -1,83 +1,19 @@
-// The moe_dispatch block and the exchange plan it makes. Forward: each
-// (token, slot) pair becomes a row of its expert, rows grouped by expert in
-// token order; the EP group learns every rank's counts and derives the same
-// round plans. Backward: the reference's dispatch adjoint, a sum over each
-// token's slots (ops::slot_sum). Matches ref::MoeDispatch.
+// The moe_dispatch block. Forward: each (token, slot) pair becomes a row of
+// its expert, rows grouped by expert in token order; the EP group learns
+// every rank's counts and derives the same round plans
+// (model/expert_parallel.h). Backward: the reference's dispatch adjoint, a
+// sum over each token's slots (ops::slot_sum). Matches ref::MoeDispatch.
 #include <algorithm>
 #include <string>
 #include <vector>
 
-#include "common/op_profile.h"
 #include "model/blocks.h"
-#include "model/moe_exchange.h"
+#include "model/expert_parallel.h"
 #include "ops/ops.h"
 
 namespace ls {
 
 namespace {
-
-// Bytes a vector holds allocated.
-template <class T, class A>
-int64_t held(const std::vector<T, A>& v) {
-  return (int64_t)(v.capacity() * sizeof(T));
-}
-
-// Buffers only grow, each to exactly what is asked (so what is counted is
-// what the plans asked for), and are counted as allocated.
-void grow(ops::DeviceVector<float>& v, size_t n) {
-  if (v.size() >= n) return;
-  if (v.capacity() < n) ops::DeviceVector<float>(n).swap(v);
-  else v.resize(n);
-}
-
-// The source's part of each segment of an owner's round: the owner's
-// expert e takes rows first_row[e] .. first_row[e] + rows[e] - 1 (in its row
-// order) from this source. fn(segment, first row of the piece in the
-// expert's order, rows) in segment order, which both sides of an exchange
-// walk alike.
-template <class Fn>
-void for_each_piece(const RoundPlan& plan, int r, const int64_t* first_row, const int64_t* rows, Fn&& fn) {
-  for (const Segment& s : plan.round[r]) {
-    const int64_t lo = std::max(s.first, first_row[s.expert]);
-    const int64_t hi = std::min(s.first + s.rows, first_row[s.expert] + rows[s.expert]);
-    if (lo < hi) fn(s, lo, hi - lo);
-  }
-}
-
-// Source `src`'s rows of owner `owner`'s experts: first_row[e] rows of
-// earlier sources come first, then rows[e] of this source.
-void source_part(const StepContext& ctx, const LayerActs& acts, int src, int owner, int64_t* first_row,
-                 int64_t* rows) {
-  const int E = ctx.cfg.experts, El = ctx.local_experts;
-  for (int e = 0; e < El; ++e) {
-    first_row[e] = 0;
-    for (int earlier = 0; earlier < src; ++earlier) first_row[e] += acts.counts[(size_t)earlier * E + owner * El + e];
-    rows[e] = acts.counts[(size_t)src * E + owner * El + e];
-  }
-}
-
-// The buffers a layer's rounds need, grown to its plans and counted.
-void hold_moe_buffers(StepContext& ctx, LayerActs& acts) {
-  StepWorkspace& ws = ctx.ws;
-  const int D = ctx.cfg.d_model, F = ctx.d_ff_held();
-  const size_t slots = (size_t)ctx.own_plan(acts).slots;
-  // Without expert parallelism y, dy and dx live in the dispatch rows: no slots for them.
-  grow(ws.slots.x, slots * D);
-  if (ctx.ep > 1)
-    for (ops::DeviceVector<float>* v : {&ws.slots.y, &ws.slots.dy, &ws.slots.dx}) grow(*v, slots * D);
-  for (ops::DeviceVector<float>* v : {&ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv}) grow(*v, slots * F);
-  const size_t held_rows = (size_t)acts.rows.off[ctx.local_experts];
-  for (ops::DeviceVector<float>* v : {&acts.rows.u, &acts.rows.v, &acts.rows.sg}) grow(*v, held_rows * F);
-  grow(acts.ye, (size_t)(ctx.tokens * ctx.cfg.top_k) * D);
-  if (ctx.ep > 1) {  // a pair moves at most the destination's slots per round
-    size_t all_slots = 0;
-    for (const RoundPlan& p : acts.plans) all_slots += (size_t)p.slots;
-    grow(acts.rows.x, held_rows * D);
-    grow(ws.send, all_slots * D);
-    grow(ws.recv, all_slots * D);
-  }
-  count_moe_memory(ctx);
-}
 
 class MoeDispatch : public LayerBlock {
  public:
@@ -85,7 +21,7 @@ class MoeDispatch : public LayerBlock {
 
   void forward(StepContext& ctx, StepLosses&) override {
     const ModelConfig& c = ctx.cfg;
-    const int E = c.experts, K = c.top_k, El = ctx.local_experts, ep = ctx.ep, me = ctx.ep_rank;
+    const int E = c.experts, K = c.top_k, El = ctx.local_experts, ep = ctx.ep;
     const int64_t N = ctx.tokens, NK = N * K;
     LayerActs& acts = ctx.layer(layer_);
     // Rows grouped by expert, in token order inside each expert.
@@ -112,15 +48,7 @@ class MoeDispatch : public LayerBlock {
     // consecutive samples. Every rank learns every rank's counts, so sources
     // and owners derive the same round plans.
     ExpertRows& rows = acts.rows;
-    acts.counts.resize((size_t)ep * E);
-    if (ep == 1) {
-      for (int e = 0; e < E; ++e) acts.counts[e] = acts.expert_off[e + 1] - acts.expert_off[e];
-    } else {
-      std::vector<int64_t> mine(E), out((size_t)ep * E);
-      for (int e = 0; e < E; ++e) mine[e] = acts.expert_off[e + 1] - acts.expert_off[e];
-      for (int d = 0; d < ep; ++d) std::copy(mine.begin(), mine.end(), out.begin() + (size_t)d * E);
-      ep_all_to_all(ctx, out.data(), std::vector<size_t>(ep, E * 8), acts.counts.data(), std::vector<size_t>(ep, E * 8));
-    }
+    exchange_expert_counts(ctx, acts);
     acts.plans.resize(ep);
     for (int d = 0; d < ep; ++d) {
       std::vector<int64_t> load(El, 0);
@@ -131,29 +59,7 @@ class MoeDispatch : public LayerBlock {
     const RoundPlan& own = ctx.own_plan(acts);
     rows.off.assign(El + 1, 0);
     for (int e = 0; e < El; ++e) rows.off[e + 1] = rows.off[e] + own.load[e];
-    const int64_t held_rows = rows.off[El];
-    rows.leaf.resize(held_rows);
-    if (ep == 1) {
-      for (int64_t row = 0; row < NK; ++row) rows.leaf[row] = acts.row_token[row] / ctx.leaf_tokens;
-    } else {  // leaf ids in the EP group travel with the counts' layout: per destination, its experts' rows
-      std::vector<int64_t> leaf_of(NK), leaf_in(held_rows);
-      // Over several microbatches the owner keeps a tree per source over its whole step (ExpertGradsBySource).
-      const int64_t source_leaves = ctx.grads_by_source() ? ctx.leaves * ctx.microbatches : ctx.leaves;
-      const int64_t first_leaf = (int64_t)me * source_leaves + (ctx.grads_by_source() ? ctx.microbatch * ctx.leaves : 0);
-      for (int64_t row = 0; row < NK; ++row) leaf_of[row] = first_leaf + acts.row_token[row] / ctx.leaf_tokens;
-      std::vector<size_t> send_bytes(ep), recv_bytes(ep);
-      for (int d = 0; d < ep; ++d) {
-        send_bytes[d] = (size_t)(acts.expert_off[(d + 1) * El] - acts.expert_off[d * El]) * 8;
-        for (int e = 0; e < El; ++e) recv_bytes[d] += (size_t)acts.counts[(size_t)d * E + me * El + e] * 8;
-      }
-      ep_all_to_all(ctx, leaf_of.data(), send_bytes, leaf_in.data(), recv_bytes);
-      // Received source-major; the work order is expert-major.
-      int64_t at = 0;
-      std::vector<int64_t> fill(rows.off.begin(), rows.off.end() - 1);
-      for (int src = 0; src < ep; ++src)
-        for (int e = 0; e < El; ++e)
-          for (int64_t i = 0; i < acts.counts[(size_t)src * E + me * El + e]; ++i) rows.leaf[fill[e]++] = leaf_in[at++];
-    }
+    exchange_leaf_ids(ctx, acts);
     hold_moe_buffers(ctx, acts);
     if (c.moe_policy == MoePolicy::kDrop) ops::fill(acts.ye.data(), (int64_t)acts.ye.size(), 0.0f);  // skipped rows give 0
   }
@@ -173,110 +79,6 @@ class MoeDispatch : public LayerBlock {
 };
 
 }  // namespace
-
-void ep_all_to_all(StepContext& ctx, const void* send, const std::vector<size_t>& send_bytes, void* recv,
-                   const std::vector<size_t>& recv_bytes) {
-  ctx.mesh->ep_all_to_all(send, send_bytes, recv, recv_bytes);
-  ++ctx.stats.all_to_all_calls;
-  for (size_t b : send_bytes) ctx.stats.all_to_all_bytes += (int64_t)b;
-}
-
-int exchange_rounds(const LayerActs& acts) {
-  int r = 0;
-  for (const RoundPlan& p : acts.plans) r = std::max(r, p.rounds());
-  return r;
-}
-
-void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bool to_owner, const float* src,
-                   const std::function<int64_t(int64_t)>& src_index, float* slot_buf, float* keep, float* disp_out) {
-  const OpTimer op_timer(OpKind::kMoeDispatch);
-  StepWorkspace& ws = ctx.ws;
-  const int ep = ctx.ep, El = ctx.local_experts, me = ctx.ep_rank;
-  const size_t row_bytes = sizeof(float) * width;
-  const RoundPlan& own = ctx.own_plan(acts);
-  std::vector<int64_t>& first_row = ws.piece_first_row;
-  std::vector<int64_t>& rows = ws.piece_rows;
-  first_row.resize(El);
-  rows.resize(El);
-  ops::synchronize();  // the last copies may still read the index lists rebuilt here
-  ws.from_row.clear();
-  ws.to_row.clear();
-  ws.keep_row.clear();
-  if (ep == 1) {  // one source: straight between the dispatch rows and the slots
-    if (r >= own.rounds()) return;
-    for (int e = 0; e < El; ++e) first_row[e] = 0, rows[e] = own.load[e];
-    for_each_piece(own, r, first_row.data(), rows.data(), [&](const Segment& s, int64_t lo, int64_t n) {
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t disp = acts.expert_off[s.expert] + lo + t, slot = s.slot + lo - s.first + t;
-        ws.from_row.push_back(to_owner ? src_index(disp) : slot);
-        ws.to_row.push_back(to_owner ? slot : disp);
-      }
-    });
-    if (to_owner) ops::copy_rows(src, ws.from_row.data(), slot_buf, ws.to_row.data(), (int64_t)ws.to_row.size(), width);
-    else ops::copy_rows(slot_buf, ws.from_row.data(), disp_out, ws.to_row.data(), (int64_t)ws.to_row.size(), width);
-    return;
-  }
-  std::vector<size_t> send_bytes(ep, 0), recv_bytes(ep, 0);
-  // Pack: a source walks each owner's pieces; an owner walks each source's.
-  for (int d = 0; d < ep; ++d) {
-    const RoundPlan& plan = to_owner ? acts.plans[d] : own;
-    if (r >= plan.rounds()) continue;
-    if (to_owner) source_part(ctx, acts, me, d, first_row.data(), rows.data());
-    else source_part(ctx, acts, d, me, first_row.data(), rows.data());
-    for_each_piece(plan, r, first_row.data(), rows.data(), [&](const Segment& s, int64_t lo, int64_t n) {
-      for (int64_t t = 0; t < n; ++t)
-        ws.from_row.push_back(to_owner ? src_index(acts.expert_off[d * El + s.expert] + lo - first_row[s.expert] + t)
-                                       : s.slot + lo - s.first + t);
-      send_bytes[d] += n * row_bytes;
-    });
-  }
-  ops::copy_rows(to_owner ? src : slot_buf, ws.from_row.data(), ws.send.data(), nullptr, (int64_t)ws.from_row.size(),
-                 width);
-  // Unpack what arrives, in the sender's walk order.
-  for (int d = 0; d < ep; ++d) {
-    const RoundPlan& plan = to_owner ? own : acts.plans[d];
-    if (r >= plan.rounds()) continue;
-    if (to_owner) source_part(ctx, acts, d, me, first_row.data(), rows.data());
-    else source_part(ctx, acts, me, d, first_row.data(), rows.data());
-    for_each_piece(plan, r, first_row.data(), rows.data(), [&](const Segment& s, int64_t lo, int64_t n) {
-      recv_bytes[d] += n * row_bytes;
-      for (int64_t t = 0; t < n; ++t) {
-        if (to_owner) {
-          ws.to_row.push_back(s.slot + lo - s.first + t);
-          ws.keep_row.push_back(acts.rows.off[s.expert] + lo + t);
-        } else {
-          ws.to_row.push_back(acts.expert_off[d * El + s.expert] + lo - first_row[s.expert] + t);
-        }
-      }
-    });
-  }
-  ops::synchronize();  // the packed rows, read by the host's all-to-all
-  ep_all_to_all(ctx, ws.send.data(), send_bytes, ws.recv.data(), recv_bytes);
-  const int64_t arrived = (int64_t)ws.to_row.size();
-  if (to_owner) {
-    ops::copy_rows(ws.recv.data(), nullptr, slot_buf, ws.to_row.data(), arrived, width);
-    if (keep) ops::copy_rows(ws.recv.data(), nullptr, keep, ws.keep_row.data(), arrived, width);
-  } else {
-    ops::copy_rows(ws.recv.data(), nullptr, disp_out, ws.to_row.data(), arrived, width);
-  }
-}
-
-void count_moe_memory(StepContext& ctx) {
-  const StepWorkspace& ws = ctx.ws;
-  const ExpertSlots& sl = ws.slots;
-  int64_t expert = 0, routed = 0, state = 0;
-  for (const ops::DeviceVector<float>* v : {&sl.x, &sl.act, &sl.y, &sl.dy, &sl.dact, &sl.du, &sl.dv, &sl.dx})
-    expert += held(*v);
-  for (const LayerActs& acts : ws.layers)
-    routed += held(acts.ye) + held(acts.rows.u) + held(acts.rows.v) + held(acts.rows.sg) + held(acts.rows.x) +
-              held(acts.rows.leaf);
-  for (const ops::DeviceVector<float>& v : ws.grad_state) state += held(v);
-  MoeStats& st = ctx.stats;
-  st.peak_expert_bytes = std::max(st.peak_expert_bytes, expert);
-  st.peak_dispatch_bytes = std::max(st.peak_dispatch_bytes, held(ws.send) + held(ws.recv));
-  st.peak_routed_bytes = std::max(st.peak_routed_bytes, routed);
-  st.peak_grad_state_bytes = std::max(st.peak_grad_state_bytes, state);
-}
 
 std::unique_ptr<Block> make_moe_dispatch_block(int layer) { return std::make_unique<MoeDispatch>(layer); }
 

@@ -10,7 +10,7 @@
 
 #include "model/blocks.h"
 #include "model/context_parallel.h"
-#include "model/moe_exchange.h"
+#include "model/expert_parallel.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
@@ -24,19 +24,17 @@ class MoeExperts : public LayerBlock {
 
   // moe_in rows -> ye (dispatch order).
   void forward(StepContext& ctx, StepLosses&) override {
-    const int D = ctx.cfg.d_model, F = ctx.d_ff_held(), ep = ctx.ep;
+    const int D = ctx.cfg.d_model, F = ctx.d_ff_held();
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
     ExpertRows& rows = acts.rows;
     RoundPlan cp_plan;
-    const RoundPlan& own = computed_plan(ctx, acts, cp_plan);
+    const RoundPlan& own = computed_expert_plan(ctx, acts, cp_plan);
     const ExpertWeights w = weights(ctx);
+    // The outputs land in the slots and travel back, or straight in the dispatch rows the combine reads.
+    const RowPlace y = round_output_place(ctx, ws.slots.y.data(), acts.ye.data());
     for (int r = 0; r < exchange_rounds(acts); ++r) {
-      exchange_rows(ctx, acts, r, D, /*to_owner=*/true, acts.moe_in.data(),
-                    [&](int64_t disp) { return acts.row_token[disp]; }, ws.slots.x.data(),
-                    ep > 1 ? rows.x.data() : nullptr, nullptr);
-      // Without expert parallelism the outputs go straight to the dispatch rows the combine reads.
-      const RowPlace y = ep > 1 ? RowPlace{ws.slots.y.data(), true} : RowPlace{acts.ye.data(), false};
+      send_round_inputs(ctx, acts, r);
       if (r < own.rounds()) {
         ctx.stats.expert_gemm_calls += experts_round_hidden(own, r, ws.slots, rows, w.w1, w.w3, D, F);
         // y reduces over the hidden feature (tensor parallel: chained across the group's ranges of it).
@@ -44,9 +42,9 @@ class MoeExperts : public LayerBlock {
           ctx.stats.expert_gemm_calls += experts_round_output(own, r, ws.slots, rows, y, w.w2, D, F, accumulate);
         });
       }
-      if (ep > 1) exchange_rows(ctx, acts, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.y.data(), nullptr, acts.ye.data());
+      return_round_rows(ctx, acts, r, ws.slots.y.data(), acts.ye.data());
     }
-    if (ctx.cp > 1) cp_gather_expert_rows(ctx, acts, acts.ye.data(), D);  // every block's rows, here
+    gather_expert_rows(ctx, acts, acts.ye.data(), D);  // context parallel: every block's rows, here
     const RoundPlan& planned = ctx.own_plan(acts);
     ctx.stats.rounds = std::max(ctx.stats.rounds, planned.rounds());
     ctx.stats.borrowed += planned.borrowed;
@@ -61,13 +59,13 @@ class MoeExperts : public LayerBlock {
   // the forward's rounds and slots; the weight-gradient leaf trees continue
   // from round to round.
   void backward(StepContext& ctx) override {
-    const int D = ctx.cfg.d_model, F = ctx.d_ff_held(), ep = ctx.ep;
+    const int D = ctx.cfg.d_model, F = ctx.d_ff_held(), ep = ctx.ep;  // ep: sources of an expert's rows
     const int64_t NK = ctx.tokens * ctx.cfg.top_k;
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
     ExpertRows& rows = acts.rows;
     RoundPlan cp_plan;
-    const RoundPlan& own = computed_plan(ctx, acts, cp_plan);
+    const RoundPlan& own = computed_expert_plan(ctx, acts, cp_plan);
     const ExpertWeights w = weights(ctx);
     float* grad_w1 = ctx.layer_grad(layer_, "experts.w1");
     float* grad_w3 = ctx.layer_grad(layer_, "experts.w3");
@@ -79,31 +77,13 @@ class MoeExperts : public LayerBlock {
     if (!ctx.grads_by_source()) grads.begin(own, rows, ctx.leaves * ep, D, F, &ws.grad_state);
     else if (ctx.microbatch == 0) by_source.begin(ctx.local_experts, ep, ctx.leaves * ctx.microbatches, D, F);
     count_moe_memory(ctx);
-    // Without expert parallelism dy and dx stay in the dispatch rows (the experts' row order).
-    const RowPlace dy = ep > 1 ? RowPlace{ws.slots.dy.data(), true} : RowPlace{ws.dye.data(), false};
-    const RowPlace dx = ep > 1 ? RowPlace{ws.slots.dx.data(), true} : RowPlace{ws.dxe.data(), false};
+    // dy and dx in the slots (travelling to and from the owners), or in the dispatch rows (the experts' row order).
+    const RowPlace dy = round_output_place(ctx, ws.slots.dy.data(), ws.dye.data());
+    const RowPlace dx = round_output_place(ctx, ws.slots.dx.data(), ws.dxe.data());
     for (int r = 0; r < exchange_rounds(acts); ++r) {
-      if (ep > 1)
-        exchange_rows(ctx, acts, r, D, /*to_owner=*/true, ws.dye.data(), [](int64_t disp) { return disp; },
-                      ws.slots.dy.data(), nullptr, nullptr);
+      send_round_output_grads(ctx, acts, r);
       if (r < own.rounds()) {
-        // The inputs again, into the same slots: from the layer's input rows
-        // (kept per row with expert parallelism).
-        if (ep == 1) {
-          exchange_rows(ctx, acts, r, D, true, acts.moe_in.data(), [&](int64_t disp) { return acts.row_token[disp]; },
-                        ws.slots.x.data(), nullptr, nullptr);
-        } else {
-          ops::synchronize();
-          ws.from_row.clear();
-          ws.to_row.clear();
-          for (const Segment& s : own.round[r])
-            for (int64_t t = 0; t < s.rows; ++t) {
-              ws.from_row.push_back(rows.off[s.expert] + s.first + t);
-              ws.to_row.push_back(s.slot + t);
-            }
-          ops::copy_rows(rows.x.data(), ws.from_row.data(), ws.slots.x.data(), ws.to_row.data(),
-                         (int64_t)ws.to_row.size(), D);
-        }
+        refill_round_inputs(ctx, acts, own, r);  // the inputs again, into the same slots
         ctx.stats.expert_gemm_calls += experts_round_backward_hidden(own, r, ws.slots, rows, dy, w.w2, D, F);
         // dx reduces over the hidden feature of u, then of v (tensor parallel: chained).
         chained_fold(ctx, 2, round_chain(own, r, rows, dx, D), [&](int first, int count, bool accumulate) {
@@ -113,9 +93,9 @@ class MoeExperts : public LayerBlock {
         if (ctx.grads_by_source()) by_source.add_round(own, r, ws.slots, rows, dy);
         else grads.add_round(own, r, ws.slots, rows, dy, grad_w1, grad_w3, grad_w2);
       }
-      if (ep > 1) exchange_rows(ctx, acts, r, D, /*to_owner=*/false, nullptr, nullptr, ws.slots.dx.data(), nullptr, ws.dxe.data());
+      return_round_rows(ctx, acts, r, ws.slots.dx.data(), ws.dxe.data());
     }
-    if (ctx.cp > 1) cp_gather_expert_rows(ctx, acts, ws.dxe.data(), D);
+    gather_expert_rows(ctx, acts, ws.dxe.data(), D);
     bool finished = false;
     if (!ctx.grads_by_source()) {
       grads.finish(grad_w1, grad_w3, grad_w2);
@@ -127,8 +107,8 @@ class MoeExperts : public LayerBlock {
       ctx.stats.peak_grad_state_bytes = std::max(ctx.stats.peak_grad_state_bytes, by_source.state_bytes());
       finished = true;
     }
-    if (ctx.cp > 1 && finished)  // each block's gradients folded whole on its rank
-      for (float* g : {grad_w1, grad_w3, grad_w2}) cp_gather_expert_grads(ctx, g, (int64_t)D * F);
+    if (finished)  // context parallel: each block's gradients folded whole on its rank, gathered
+      for (float* g : {grad_w1, grad_w3, grad_w2}) gather_expert_grads(ctx, g, (int64_t)D * F);
     if (ctx.trace)
       ctx.trace_tensor("bwd", layer_, "moe.experts", "dx", ctx.token_slot_order(acts, ws.dxe.data(), D),
                        {ctx.tokens, ctx.cfg.top_k, D});
@@ -136,13 +116,6 @@ class MoeExperts : public LayerBlock {
 
 
  private:
-  // The plan this rank computes: its EP rank's, or with context parallel
-  // its block of those experts (kept in `cp_plan`).
-  static const RoundPlan& computed_plan(const StepContext& ctx, const LayerActs& acts, RoundPlan& cp_plan) {
-    if (ctx.cp == 1) return ctx.own_plan(acts);
-    cp_plan = cp_own_experts(ctx, ctx.own_plan(acts));
-    return cp_plan;
-  }
   // A round's rows at `place` as a chained fold's output: packed in segment order.
   static ChainOutput round_chain(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int D) {
     ChainOutput out;

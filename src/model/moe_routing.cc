@@ -30,8 +30,7 @@ class MoeRouting : public LayerBlock {
     StepWorkspace& ws = ctx.ws;
     const float* norm = ctx.layer_weight(layer_, "moe_norm");
     acts.moe_in.resize(ctx.tokens * D);
-    ws.sp_rows.resize(ctx.sp ? N * D : 0);
-    float* moe_in = ctx.sp ? ws.sp_rows.data() : acts.moe_in.data();
+    float* moe_in = stream_rows_out(ctx, acts.moe_in, ws.sp_rows, D);  // sequence parallel: this rank's, gathered below
     acts.moe_inv_rms.resize(N);
     if (ctx.debug_reorder_moe_norm)
       ops::rmsnorm_debug_reversed(acts.mid.data(), norm, moe_in, acts.moe_inv_rms.data(), N, D, c.rms_eps);
@@ -42,7 +41,6 @@ class MoeRouting : public LayerBlock {
     acts.gates.resize(N * E);
     acts.router_lse.resize(N);
     acts.sel.resize(ctx.tokens * K);
-    ws.sel_held.resize(ctx.sp ? N * K : 0);
     ops::linear(moe_in, N, D, ctx.layer_weight(layer_, "router"), E, acts.router_logits.data());
     if (c.router_skew != 0) {  // a fixed preference for the first max(1, E/4) experts
       ops::synchronize();
@@ -50,11 +48,10 @@ class MoeRouting : public LayerBlock {
       ops::add_row_vector(acts.router_logits.data(), N, E, std::max(1, E / 4), ctx.ws.row_vector.data());
     }
     ops::softmax_rows(acts.router_logits.data(), E, acts.gates.data(), E, (int)N, E, 0, acts.router_lse.data());
-    ops::route_topk(acts.gates.data(), N, E, K, ctx.sp ? ws.sel_held.data() : acts.sel.data());
-    if (ctx.sp) {  // every token's input row and choices, for the dispatch and the experts
-      gather_stream(ctx, moe_in, acts.moe_in.data(), D);
-      ctx.mesh->tp_all_gather(ws.sel_held.data(), acts.sel.data(), sizeof(int) * N * K);
-    }
+    ops::route_topk(acts.gates.data(), N, E, K, stream_rows_out(ctx, acts.sel, ws.sel_held, K));
+    // Every token's input row and choices, for the dispatch and the experts.
+    gather_stream_rows(ctx, ws.sp_rows, acts.moe_in, D);
+    gather_stream_rows(ctx, ws.sel_held, acts.sel, K);
     ops::synchronize();  // the host plans the rounds from the routing choices
     ctx.trace_tensor("fwd", layer_, "router", "logits", acts.router_logits.data(), {N, E});
     ctx.trace_tensor("fwd", layer_, "router", "gates", acts.gates.data(), {N, E});

@@ -125,7 +125,7 @@ struct StepContext {
   bool grads_by_source() const { return microbatches > 1 && ep > 1; }
   float global_tokens = 0;       // N over every data-parallel rank (and microbatch)
   float global_assignments = 0;  // N * K over every data-parallel rank
-  MeshHooks* mesh = nullptr;     // nullptr: one rank
+  const Mesh* mesh = nullptr;    // this rank's groups (one-rank groups on one rank)
   TraceSink* trace = nullptr;    // nullptr: not traced (evaluation passes never are)
   bool debug_reorder_moe_norm = false;
 
@@ -134,6 +134,9 @@ struct StepContext {
   const float* layer_weight(int layer, const char* name) const { return weight(layer_param(layer, name)); }
   float* layer_grad(int layer, const char* name) const { return grad(layer_param(layer, name)); }
   LayerActs& layer(int l) const { return ws.layers[(size_t)l]; }
+  // The ranks along axis a (a one-rank group where the mesh has none).
+  Communicator& group(Axis a) const { return mesh->group(a); }
+  bool cp_zigzag() const { return mesh->cp_layout() == CpLayout::kZigzag; }
   // Tensor parallel: what this rank holds of the heads, their features and the hidden features.
   int heads_held() const { return cfg.n_heads / tp; }
   int width_held() const { return cfg.d_model / tp; }  // the model features of the heads held

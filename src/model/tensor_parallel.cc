@@ -25,14 +25,14 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
     const int segment = p * tp + me;
     if (segment > 0) {
       ops::synchronize();
-      ctx.mesh->tp_recv(buffer, out.floats, previous);
+      ctx.group(Axis::kTensor).recv(buffer, sizeof(float) * out.floats, previous);
       if (out.unpack) out.unpack(buffer);
     }
     fold(p, 1, segment > 0);
     if (segment + 1 < segments) {
       ops::synchronize();
       if (out.pack) out.pack(buffer);
-      ctx.mesh->tp_send(buffer, out.floats, next);
+      ctx.group(Axis::kTensor).send(buffer, sizeof(float) * out.floats, next);
     }
   }
   // The last segment's owner, TP rank tp - 1, has the finished outputs.
@@ -40,9 +40,9 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
     const int64_t each = out.floats / tp;
     if (me == tp - 1) {
       ops::synchronize();
-      for (int t = 0; t < tp - 1; ++t) ctx.mesh->tp_send(buffer + t * each, each, t);
+      for (int t = 0; t < tp - 1; ++t) ctx.group(Axis::kTensor).send(buffer + t * each, sizeof(float) * each, t);
     } else {
-      ctx.mesh->tp_recv(buffer + me * each, each, tp - 1);
+      ctx.group(Axis::kTensor).recv(buffer + me * each, sizeof(float) * each, tp - 1);
     }
     return;
   }
@@ -50,7 +50,7 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
     ops::synchronize();
     if (out.pack) out.pack(buffer);
   }
-  ctx.mesh->tp_broadcast(buffer, out.floats, tp - 1);
+  ctx.group(Axis::kTensor).broadcast(buffer, sizeof(float) * out.floats, tp - 1);
   if (me != tp - 1 && out.unpack) out.unpack(buffer);
 }
 
@@ -61,7 +61,7 @@ void gather_stream(StepContext& ctx, const float* local, float* full, int64_t wi
     ops::copy_to_host(full, local, sizeof(float) * n);
     return;
   }
-  ctx.mesh->tp_all_gather(local, full, sizeof(float) * n);
+  all_gather_equal(ctx.group(Axis::kTensor), local, full, sizeof(float) * n);
 }
 
 const float* every_token(StepContext& ctx, const float* held, ops::DeviceVector<float>& gathered) {
@@ -69,6 +69,31 @@ const float* every_token(StepContext& ctx, const float* held, ops::DeviceVector<
   gathered.resize(ctx.tokens * ctx.cfg.d_model);
   gather_stream(ctx, held, gathered.data(), ctx.cfg.d_model);
   return gathered.data();
+}
+
+void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts) {
+  if (!ctx.sp) return;
+  StepWorkspace& ws = ctx.ws;
+  const int D = ctx.cfg.d_model, K = ctx.cfg.top_k;
+  const int64_t held = ctx.stream_tokens * K, all = ctx.tokens * K;
+  ws.sp_rows.resize(held * D);
+  ws.sp_rows_all.resize(all * D);
+  ops::copy_rows(ws.dye.data(), acts.row_of.data() + ctx.stream_first * K, ws.sp_rows.data(), nullptr, held, D);
+  ops::synchronize();
+  all_gather_equal(ctx.group(Axis::kTensor), ws.sp_rows.data(), ws.sp_rows_all.data(), sizeof(float) * held * D);
+  ops::copy_rows(ws.sp_rows_all.data(), nullptr, ws.dye.data(), acts.row_of.data(), all, D);
+}
+
+void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<float>& held, ops::DeviceVector<float>& whole,
+                        int64_t width) {
+  if (ctx.sp) gather_stream(ctx, held.data(), whole.data(), width);
+}
+
+void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<int>& held, ops::DeviceVector<int>& whole,
+                        int64_t width) {
+  if (!ctx.sp) return;
+  ops::synchronize();  // the host reads what kernels wrote
+  all_gather_equal(ctx.group(Axis::kTensor), held.data(), whole.data(), sizeof(int) * ctx.stream_tokens * width);
 }
 
 ChainOutput stream_output(StepContext& ctx, float* data) {

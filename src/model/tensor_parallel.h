@@ -54,6 +54,26 @@ void gather_stream(StepContext& ctx, const float* local, float* full, int64_t wi
 // gathered into `gathered`.
 const float* every_token(StepContext& ctx, const float* held, ops::DeviceVector<float>& gathered);
 
+// Sequence parallel: each TP rank wrote the expert-output gradients (ws.dye,
+// dispatch order) of its stream tokens' rows; the experts need every row's.
+// The rows of every token, in (token, slot) order, gathered over the group
+// and put back at their dispatch rows. Nothing without sequence parallel.
+void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts);
+
+// Sequence parallel: where a per-token op on this rank's stream tokens
+// writes rows that every token's reader needs (`held`, sized here), and the
+// gather that completes `whole` from them. Without sequence parallel the op
+// writes `whole` itself and the gather does nothing.
+template <class T>
+T* stream_rows_out(const StepContext& ctx, ops::DeviceVector<T>& whole, ops::DeviceVector<T>& held, int64_t width) {
+  held.resize(ctx.sp ? ctx.stream_tokens * width : 0);
+  return ctx.sp ? held.data() : whole.data();
+}
+void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<float>& held, ops::DeviceVector<float>& whole,
+                        int64_t width);
+void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<int>& held, ops::DeviceVector<int>& whole,
+                        int64_t width);
+
 // A chained fold's [N, D] output over every token: broadcast, or with
 // sequence parallel scattered to each rank's stream rows.
 ChainOutput stream_output(StepContext& ctx, float* data);

@@ -11,7 +11,7 @@
 namespace ls {
 
 AdamW::AdamW(const OptimConfig& cfg, int total_steps, const std::vector<ParamInfo>& params)
-    : cfg_(cfg), decay_steps_(cfg.decay_steps > 0 ? cfg.decay_steps : total_steps), params_(params) {
+    : cfg_(cfg), decay_steps_(ls::decay_steps(cfg, total_steps)), params_(params) {
   int64_t n = 0;
   for (const ParamInfo& p : params) n = std::max(n, p.offset + p.size);
   m_.assign(n, 0.0f);
@@ -26,6 +26,19 @@ float learning_rate(const OptimConfig& cfg, int decay_steps, int step) {
   const float min_lr = cfg.lr * cfg.min_lr_ratio;
   const float coef = 0.5f * (1.0f + ls::ccos(3.14159265358979323846f * progress));
   return min_lr + (cfg.lr - min_lr) * coef;
+}
+
+int decay_steps(const OptimConfig& cfg, int total_steps) { return cfg.decay_steps > 0 ? cfg.decay_steps : total_steps; }
+
+float global_norm_of(const std::vector<float>& sumsqs) {
+  float total = 0.0f;  // reduces over tensors in canonical name order
+  for (float s : sumsqs) total = total + s;
+  return ls::sqrt(total);
+}
+
+void adamw_step(const OptimConfig& cfg, int decay_steps, int step, float norm, const std::vector<AdamWSlice>& slices) {
+  const bool clip = cfg.grad_clip > 0 && norm > cfg.grad_clip;
+  adamw_update(cfg, learning_rate(cfg, decay_steps, step), step, clip, clip ? cfg.grad_clip / norm : 1.0f, slices);
 }
 
 float AdamW::learning_rate(int step) const { return ls::learning_rate(cfg_, decay_steps_, step); }
@@ -83,18 +96,15 @@ float AdamW::global_norm(const float* grads) const {
   std::vector<float> per(params_.size());
   parallel_tasks((int64_t)params_.size(),
                  [&](int64_t t) { per[t] = ops::param_sumsq(grads + params_[t].offset, params_[t].size); });
-  float total = 0.0f;  // reduces over tensors in canonical name order
-  for (float s : per) total = total + s;
-  return ls::sqrt(total);
+  return global_norm_of(per);
 }
 
 float AdamW::step(int step, float* w, float* g) {
   const float norm = global_norm(g);
-  const bool clip = cfg_.grad_clip > 0 && norm > cfg_.grad_clip;
   std::vector<AdamWSlice> slices;
   for (const ParamInfo& p : params_)
     slices.push_back({w + p.offset, g + p.offset, m_.data() + p.offset, v_.data() + p.offset, p.size, p.decay});
-  adamw_update(cfg_, learning_rate(step), step, clip, clip ? cfg_.grad_clip / norm : 1.0f, slices);
+  adamw_step(cfg_, decay_steps_, step, norm, slices);
   return norm;
 }
 

@@ -13,6 +13,12 @@ namespace ls {
 
 // Learning rate at 0-based step: linear warmup, then cosine to lr * min_lr_ratio.
 float learning_rate(const OptimConfig& cfg, int decay_steps, int step);
+// The steps the cosine spans: cfg.decay_steps, or total_steps when it is 0.
+int decay_steps(const OptimConfig& cfg, int total_steps);
+// The global gradient norm from each tensor's sum of squares (by canonical
+// index): the sums added in canonical order, then the square root. Reduces
+// over the tensor index.
+float global_norm_of(const std::vector<float>& sumsqs);
 
 // n elements of a tensor (or of its shard) and their gradient and moments.
 struct AdamWSlice {
@@ -26,6 +32,10 @@ struct AdamWSlice {
 // clip, each gradient is first scaled, g = g * clip_scale, and stored back.
 void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float clip_scale,
                   const std::vector<AdamWSlice>& slices);
+// One optimizer step given the pre-clip global norm: clipping by
+// cfg.grad_clip (the one place it is decided), the learning rate of the
+// schedule, then adamw_update. Every trainer calls this.
+void adamw_step(const OptimConfig& cfg, int decay_steps, int step, float norm, const std::vector<AdamWSlice>& slices);
 
 class AdamW {
  public:

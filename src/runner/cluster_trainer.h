@@ -11,17 +11,18 @@
 #include <vector>
 
 #include "cluster/communicator.h"
+#include "cluster/mesh.h"
 #include "model/model.h"
+#include "runner/placement.h"
 #include "runner/runner.h"
 
 namespace ls {
 
 class ClusterTrainer : public Trainer {
  public:
-  // mpi: this process is rank mpi->rank() of an MPI world of mesh.dp x
-  // mesh.tp x mesh.pp processes and holds that rank alone; nullptr: every
-  // rank is a thread here. World rank r = s * (dp * tp) + d * tp + t:
-  // pipeline stage s, data-parallel rank d, tensor-parallel rank t.
+  // mpi: this process is rank mpi->rank() of an MPI world of
+  // mesh.world() processes and holds that rank alone; nullptr: every rank
+  // is a thread here. World ranks are laid out as MeshConfig::rank_coords says.
   explicit ClusterTrainer(const Scenario& s, Communicator* mpi = nullptr);
   ~ClusterTrainer() override;
 
@@ -44,42 +45,49 @@ class ClusterTrainer : public Trainer {
   void load_piece(int rank, const StatePiece& need, const float* data) override;
   void set_phase_hook(std::function<void(const char*, int)> hook) override { phase_hook_ = std::move(hook); }
 
+  // A rank's piece of a tensor as the state hash places it (cluster_state.cc).
+  struct StatePart;
+
  private:
   struct Rank;
   struct RankCtx {
     Rank& rank;
-    Communicator& data;     // the data-parallel ranks holding the same tensor and context-parallel slice (mesh.dp)
-    Communicator& tp;       // the tensor-parallel group: the ranks of one data-parallel rank (size mesh.tp)
-    Communicator& ep;       // ranks sharing the experts (consecutive data-parallel ranks, size mesh.ep)
-    Communicator& edp;      // ranks holding the same experts, one per EP group
-    Communicator& shard;    // FSDP shard group
-    Communicator& replica;  // HSDP replicas of my shard
-    Communicator& pipe;     // the pipeline: the ranks of my data, context and tensor-parallel index, by stage (mesh.pp)
-    Communicator& stage;    // the ranks of my pipeline stage and context-parallel index (size mesh.dp x mesh.tp)
-    Communicator& cp;       // the context-parallel group: the ranks of one data and tensor-parallel index (mesh.cp)
-    MeshHooks& hooks;       // the model's view of these groups
+    const Mesh& mesh;  // its groups, one per axis
+    Communicator& group(Axis a) const { return mesh.group(a); }
   };
+  // body on every rank (threads), or on this process's one rank (MPI).
   void each_rank(const std::function<void(RankCtx&)>& body);
-  // world's sub-groups, in RankCtx's order: data, tp, ep, edp, shard, replica, pipe, stage, cp.
-  std::vector<std::unique_ptr<Communicator>> split_groups(Communicator& world) const;
   // body on world.rank()'s rank; its communicators' traffic during the call
   // is added to the rank's.
-  void run_rank(Communicator& world, const std::vector<std::unique_ptr<Communicator>>& groups,
-                const std::function<void(RankCtx&)>& body);
+  void run_rank(Communicator& world, const Mesh& mesh, const std::function<void(RankCtx&)>& body);
+  // One training step on a rank, in order: FSDP's weights gathered, the
+  // forward and backward (a pipeline stage's schedule when pipelined), the
+  // gradients reduced over the mesh, their global norm, the update.
+  void gather_sharded_weights(RankCtx& c);
+  StepLosses forward_backward(RankCtx& c, const uint8_t* samples, int count);
+  void reduce_gradients(RankCtx& c);
+  float gradient_sumsq(RankCtx& c, size_t tensor);
+  float gradient_norm(RankCtx& c);
+  void update(RankCtx& c, int step, float norm);
+
+  // The state hash's pieces (cluster_state.cc).
+  std::vector<StatePart> state_parts(const Rank& r) const;
+  std::vector<StatePart> all_processes_parts(const std::vector<StatePart>& mine, std::vector<float>& data) const;
+
   std::pair<int64_t, int64_t> range(const Rank& r, size_t tensor) const;  // elements this rank owns
   // Where rank r keeps kind ("param", "adam_m", "adam_v") of tensor t's owned range.
   float* storage(Rank& r, size_t tensor, const std::string& kind) const;
-  bool stages(int rank, size_t tensor) const;  // the one rank that writes this range to a checkpoint
   bool pipelined() const { return s_.mesh.pp > 1 || s_.microbatches > 1; }
 
   Scenario s_;
+  ParamPlacement placement_;
   int decay_steps_ = 0;
   std::vector<ParamInfo> all_tensors_;  // every tensor of the model, canonical order, as TP and EP rank 0 hold it
   int threads_ = 0;
   uint64_t jitter_seed_ = 0;
   std::vector<std::unique_ptr<Rank>> ranks_;  // under MPI only this process's rank is non-null
   Communicator* mpi_ = nullptr;
-  std::vector<std::unique_ptr<Communicator>> mpi_groups_;  // ep, edp, shard, replica: split once
+  std::unique_ptr<Mesh> mpi_mesh_;  // under MPI: this process's groups, split once
   std::function<void(const char*, int)> phase_hook_;
 };
 

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "cluster/communicator.h"
+#include "common/error.h"
 #include "common/thread_pool.h"
 
 namespace ls {
@@ -32,18 +33,20 @@ std::atomic<int>& lanes_switch() {
 bool data_lanes_enabled() { return lanes_switch().load() != 0; }
 void set_data_lanes_enabled(bool on) { lanes_switch().store(on ? 1 : 0); }
 
-// A lane's view of the others, as a rank's MeshHooks are of the other ranks.
-class DataLanes::Hooks : public MeshHooks {
+// A lane's view of the others: the data group of its mesh, as a rank's is of
+// the other data-parallel ranks. Lanes only sum; every other collective is
+// a bug (no lane splits experts, features or positions).
+class DataLanes::LaneGroup : public Communicator {
  public:
-  Hooks(DataLanes& lanes, int lane) : lanes_(lanes), lane_(lane) {}
-  int dp_size() const override { return lanes_.lanes_; }
-  int ep_size() const override { return 1; }
-  int ep_rank() const override { return 0; }
+  LaneGroup(DataLanes& lanes, int lane) : lanes_(lanes), lane_(lane) {}
+  int rank() const override { return lane_; }
+  int size() const override { return lanes_.lanes_; }
+  void barrier() override { lanes_.barrier(); }
 
   // Each lane's partial sums are a subtree of the leaf tree; the canonical
   // tree over lanes (in lane order, as over ranks) gives the whole tree. Every
   // lane computes it alike from the buffers the others posted.
-  void sum_partials(float* v, size_t n) override {
+  void all_reduce_sum(float* v, size_t n) override {
     lanes_.posted_[lane_] = v;
     lanes_.barrier();
     std::vector<const float*> parts(lanes_.lanes_);
@@ -54,7 +57,7 @@ class DataLanes::Hooks : public MeshHooks {
     std::copy(out.begin(), out.end(), v);
   }
 
-  void sum_counts(int64_t* v, size_t n) override {
+  void all_reduce_sum(int64_t* v, size_t n) override {
     lanes_.posted_[lane_] = v;
     lanes_.barrier();
     std::vector<int64_t> out(n, 0);
@@ -64,18 +67,31 @@ class DataLanes::Hooks : public MeshHooks {
     std::copy(out.begin(), out.end(), v);
   }
 
-  void ep_all_to_all(const void*, const std::vector<size_t>&, void*, const std::vector<size_t>&) override {
-    throw std::logic_error("data lanes: no expert parallelism inside one rank");
+  void broadcast(void*, size_t, int) override { unsupported("broadcast"); }
+  void reduce_scatter_sum(const float*, float*, const std::vector<size_t>&) override { unsupported("reduce_scatter"); }
+  void all_gather(const void*, void*, const std::vector<size_t>&) override { unsupported("all_gather"); }
+  void all_to_all(const void*, const std::vector<size_t>&, void*, const std::vector<size_t>&) override {
+    unsupported("all_to_all");
   }
+  void send(const void*, size_t, int) override { unsupported("send"); }
+  void recv(void*, size_t, int) override { unsupported("recv"); }
+  std::unique_ptr<Communicator> split(int, int) override { unsupported("split"); }
 
  private:
+  [[noreturn]] static void unsupported(const char* what) {
+    throw InternalError(std::string("data lanes: no ") + what + " between the lanes of one rank");
+  }
   DataLanes& lanes_;
   int lane_;
 };
 
 DataLanes::DataLanes(const MoeTransformer& main, int lanes) : lanes_(lanes), posted_(lanes, nullptr) {
   for (int r = 1; r < lanes; ++r) models_.push_back(MoeTransformer::lane_of(main));
-  for (int r = 0; r < lanes; ++r) hooks_.push_back(std::make_unique<Hooks>(*this, r));
+  for (int r = 0; r < lanes; ++r) {
+    groups_.push_back(std::make_unique<LaneGroup>(*this, r));
+    meshes_.push_back(std::make_unique<Mesh>());
+    meshes_.back()->set_group(Axis::kData, groups_.back().get());
+  }
 }
 
 DataLanes::~DataLanes() = default;
@@ -122,7 +138,7 @@ StepLosses DataLanes::forward_backward(MoeTransformer& main, const uint8_t* toke
   run_on_each_thread(lanes_, [&](int lane) {
     try {
       MoeTransformer& m = *lane_models[lane];
-      m.set_mesh(hooks_[lane].get());
+      m.set_mesh(meshes_[lane].get());
       const StepLosses l = m.forward_backward(tokens + (int64_t)lane * per * sample_bytes, per);
       if (lane == 0) out = l;  // the loss sums went through the tree: every lane holds the batch's
       barrier();               // every lane's gradient is complete

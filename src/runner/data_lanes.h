@@ -47,14 +47,15 @@ class DataLanes {
   StepLosses forward_backward(MoeTransformer& main, const uint8_t* tokens, int batch);
 
  private:
-  class Hooks;
-  friend class Hooks;
+  class LaneGroup;
+  friend class LaneGroup;
   // All lanes wait here; throws once a lane has failed (so none waits forever).
   void barrier();
 
   int lanes_;
   std::vector<std::unique_ptr<MoeTransformer>> models_;  // lanes 1..lanes-1
-  std::vector<std::unique_ptr<Hooks>> hooks_;            // one per lane
+  std::vector<std::unique_ptr<LaneGroup>> groups_;       // one per lane: its mesh's data group
+  std::vector<std::unique_ptr<Mesh>> meshes_;            // one per lane
   std::vector<const void*> posted_;                      // each lane's buffer in an exchange
   std::atomic<int> arrived_{0};
   std::atomic<uint64_t> barrier_gen_{0};

@@ -11,13 +11,6 @@
 
 namespace ls {
 
-PipelineSchedule parse_pipeline_schedule(const std::string& name) {
-  if (name == "gpipe") return PipelineSchedule::kGpipe;
-  if (name == "1f1b") return PipelineSchedule::k1f1b;
-  if (name == "interleaved") return PipelineSchedule::kInterleaved;
-  throw UserError("mesh.pp_schedule: must be gpipe, 1f1b or interleaved, got \"" + name + "\"");
-}
-
 std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, int stages, int chunks, int microbatches,
                                            int stage) {
   const int p = stages, v = chunks, m = microbatches, s = stage;
@@ -56,12 +49,13 @@ std::vector<std::pair<int, int>> pipeline_chunks(const ModelConfig& c, int count
   std::vector<std::pair<int, int>> units = {{0, 1}};
   std::vector<double> cost = {D};
   for (int l = 0; l < c.n_layers; ++l) {
-    units.push_back({1 + 5 * l, 2 + 5 * l});
+    units.push_back({layer_block(l, LayerPart::kAttention), layer_block(l, LayerPart::kRouting)});
     cost.push_back(2 * D * 3 * D + 2 * D * D + 2 * (S + 1) / 2 * D * 2);
-    units.push_back({2 + 5 * l, 6 + 5 * l});
+    units.push_back({layer_block(l, LayerPart::kRouting), layer_block(l + 1, LayerPart::kAttention)});
     cost.push_back(2 * D * c.experts + c.top_k * 3 * 2 * D * F + (c.shared_expert ? 3 * 2 * D * F : 0));
   }
-  units.push_back({1 + 5 * c.n_layers, 2 + 5 * c.n_layers});
+  const int head = layer_block(c.n_layers, LayerPart::kAttention);
+  units.push_back({head, head + 1});
   cost.push_back(2 * D * c.vocab);
   const int U = (int)units.size();
   if (count < 1 || count > U)
@@ -121,7 +115,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 std::vector<int> layers_combined_in(const ModelConfig& c, int first, int last) {
   std::vector<int> layers;
   for (int l = 0; l < c.n_layers; ++l)
-    if (5 + 5 * l >= first && 5 + 5 * l < last) layers.push_back(l);
+    if (layer_block(l, LayerPart::kCombine) >= first && layer_block(l, LayerPart::kCombine) < last) layers.push_back(l);
   return layers;
 }
 
@@ -141,16 +135,16 @@ struct PipelineStage::Step {
   std::vector<Chunk> chunks;
 };
 
-StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communicator& pipe, const uint8_t* tokens,
+StepLosses PipelineStage::train(MoeTransformer& model, const Mesh& mesh, Communicator& pipe, const uint8_t* tokens,
                                 int samples, const std::function<void(const char*)>& phase) {
   using clock = std::chrono::steady_clock;
   const int m = microbatches_, v = chunks_per_stage_, C = stages_ * v, L = cfg_.n_layers, E = cfg_.experts;
   const int mb_samples = samples / m;
   const int64_t sample_bytes = cfg_.seq_len + 1, mb_tokens = (int64_t)mb_samples * cfg_.seq_len;
-  const bool sp = hooks.sequence_parallel() && hooks.tp_size() > 1;
-  const size_t stream_bytes = (size_t)(sp ? mb_tokens / hooks.tp_size() : mb_tokens) * cfg_.d_model * sizeof(float);
-  const float global_tokens = (float)(mb_tokens * hooks.dp_size() * m);
-  const float global_assignments = (float)(mb_tokens * cfg_.top_k * hooks.dp_size() * m);
+  const bool sp = mesh.sequence_parallel();
+  const size_t stream_bytes = (size_t)(sp ? mb_tokens / mesh.size(Axis::kTensor) : mb_tokens) * cfg_.d_model * sizeof(float);
+  const float global_tokens = (float)(mb_tokens * mesh.size(Axis::kData) * m);
+  const float global_assignments = (float)(mb_tokens * cfg_.top_k * mesh.size(Axis::kData) * m);
   // The backward reads the step's expert counts only through the aux loss's gradient, which is +0 at weight 0.
   const bool hold = cfg_.aux_loss_weight != 0.0f;
   stats_ = PipelineStats{};
@@ -168,7 +162,7 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
     for (size_t t = 0; t < infos.size(); ++t) {
       const int b = MoeTransformer::block_of(cfg_, infos[t].name);
       // Expert-parallel slices: the model keeps their trees per source rank over the microbatches itself.
-      if (infos[t].expert && hooks.ep_size() > 1) continue;
+      if (infos[t].expert && mesh.size(Axis::kExpert) > 1) continue;
       if (b >= ch.first && b < ch.last) ch.params.push_back(t), ch.width += infos[t].size;
     }
     if (m > 1) ch.tree_scratch.resize((size_t)LeafTree::levels_for(m) * ch.width);
@@ -197,19 +191,19 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
       for (int mb = 0; mb < m; ++mb) parts.push_back(router[(size_t)l].data() + (size_t)mb * (E + 1));
       std::vector<float> sums((size_t)E + 1);
       tree_over_ranks(parts.data(), m, 0, sums.size(), sums.data());
-      hooks.sum_partials(sums.data(), sums.size());
+      mesh.group(Axis::kData).all_reduce_sum(sums.data(), sums.size());
       std::vector<int64_t>& total = step_counts[(size_t)l];
       total.assign((size_t)E, 0);
       for (int mb = 0; mb < m; ++mb)
         for (int e = 0; e < E; ++e) total[(size_t)e] += counts[(size_t)l][(size_t)mb * E + e];
-      hooks.sum_counts(total.data(), total.size());
+      mesh.group(Axis::kData).all_reduce_sum(total.data(), total.size());
       balance[(size_t)l] = layer_balance(E, sums.data(), total.data(), global_tokens, global_assignments);
     }
     if (ch.last == model.num_blocks()) {
       std::vector<const float*> parts;
       for (int mb = 0; mb < m; ++mb) parts.push_back(&ce_parts[(size_t)mb]);
       tree_over_ranks(parts.data(), m, 0, 1, &ce_sum);
-      hooks.sum_partials(&ce_sum, 1);
+      mesh.group(Axis::kData).all_reduce_sum(&ce_sum, 1);
     }
     ch.combined = true;
   };
@@ -246,13 +240,13 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
       const std::vector<float>& r = model.router_partial(l);
       float* mine = router[(size_t)l].data() + (size_t)mb * (E + 1);
       std::copy(r.begin(), r.end(), mine);
-      if (sp) hooks.sum_tp_partials(mine, (size_t)E + 1);
+      if (sp) mesh.group(Axis::kTensor).all_reduce_sum(mine, (size_t)E + 1);
       const std::vector<int64_t>& n = model.expert_counts(l);
       std::copy(n.begin(), n.end(), counts[(size_t)l].begin() + (size_t)mb * E);
     }
     if (ch.last == model.num_blocks()) {
       ce_parts[(size_t)mb] = model.ce_partial();
-      if (sp) hooks.sum_tp_partials(&ce_parts[(size_t)mb], 1);
+      if (sp) mesh.group(Axis::kTensor).all_reduce_sum(&ce_parts[(size_t)mb], 1);
     }
     busy += seconds_since(busy0);
     if (to_stage) {
@@ -281,7 +275,7 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
     // the tree over TP ranks comes before the tree over microbatches.
     if (sp)
       for (size_t t : ch.params)
-        if (infos[t].tp_mid == 0) hooks.sum_tp_partials(model.grads() + infos[t].offset, (size_t)infos[t].size);
+        if (infos[t].tp_mid == 0) mesh.group(Axis::kTensor).all_reduce_sum(model.grads() + infos[t].offset, (size_t)infos[t].size);
     if (m > 1) {  // this microbatch's gradients: the next leaf of the tree over microbatches
       float* leaf = trees[k].next_leaf();
       for (size_t t : ch.params) {
@@ -370,12 +364,12 @@ StepLosses PipelineStage::train(MoeTransformer& model, MeshHooks& hooks, Communi
   return losses;
 }
 
-float PipelineStage::evaluate(MoeTransformer& model, MeshHooks& hooks, Communicator& pipe, const uint8_t* tokens,
+float PipelineStage::evaluate(MoeTransformer& model, const Mesh& mesh, Communicator& pipe, const uint8_t* tokens,
                               int samples) {
   const int C = stages_ * chunks_per_stage_;
   const int64_t n_tokens = (int64_t)samples * cfg_.seq_len;
-  const bool sp = hooks.sequence_parallel() && hooks.tp_size() > 1;
-  const size_t stream_bytes = (size_t)(sp ? n_tokens / hooks.tp_size() : n_tokens) * cfg_.d_model * sizeof(float);
+  const bool sp = mesh.sequence_parallel();
+  const size_t stream_bytes = (size_t)(sp ? n_tokens / mesh.size(Axis::kTensor) : n_tokens) * cfg_.d_model * sizeof(float);
   std::vector<float> stream_in(stream_bytes / sizeof(float)), stream_out(stream_in.size());
   float ce = 0.0f;
   model.use_workspace(0);
@@ -390,8 +384,8 @@ float PipelineStage::evaluate(MoeTransformer& model, MeshHooks& hooks, Communica
     if (c < C - 1) pipe.send(stream_out.data(), stream_bytes, stage_of(c + 1));
     if (c == C - 1) {
       ce = model.ce_partial();
-      hooks.sum_stream_partials(&ce, 1);
-      ce = ce / (float)(n_tokens * hooks.dp_size());
+      mesh.stream_group().all_reduce_sum(&ce, 1);
+      ce = ce / (float)(n_tokens * mesh.size(Axis::kData));
     }
   }
   pipe.broadcast(&ce, sizeof ce, stage_of(C - 1));

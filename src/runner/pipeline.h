@@ -24,8 +24,6 @@
 
 namespace ls {
 
-enum class PipelineSchedule { kGpipe, k1f1b, kInterleaved };
-PipelineSchedule parse_pipeline_schedule(const std::string& name);  // mesh.pp_schedule's values
 
 // One pass of one microbatch through one of the stage's model chunks.
 struct PipelineAction {
@@ -79,10 +77,10 @@ class PipelineStage {
   // return the model's gradients are the rank's (its subtree over every
   // microbatch) and the losses are the step's, on every stage.
   // phase (may be empty): called with "forward" and "backward" as the step's first pass of each kind begins.
-  StepLosses train(MoeTransformer& model, MeshHooks& hooks, Communicator& pipe, const uint8_t* tokens, int samples,
+  StepLosses train(MoeTransformer& model, const Mesh& mesh, Communicator& pipe, const uint8_t* tokens, int samples,
                    const std::function<void(const char*)>& phase = {});
   // The mean cross-entropy of an evaluation batch (one microbatch), on every stage.
-  float evaluate(MoeTransformer& model, MeshHooks& hooks, Communicator& pipe, const uint8_t* tokens, int samples);
+  float evaluate(MoeTransformer& model, const Mesh& mesh, Communicator& pipe, const uint8_t* tokens, int samples);
   const PipelineStats& stats() const { return stats_; }
 
  private:

@@ -1,0 +1,71 @@
+// Expert parallelism (mesh.ep): the exchange plan of one layer
+// (docs/MOE.md). The EP group shares every rank's counts per expert and
+// each row's leaf id; each round's rows move from the sources' dispatch
+// order into the owners' slots and back, packed in one order both sides
+// walk alike. Every call here does the one-rank thing at ep 1 (rows copied
+// between the dispatch order and the slots directly, or nothing), so the
+// moe_dispatch and moe_experts blocks have no expert-parallel branch.
+// Internal to src/model.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "model/step_context.h"
+
+namespace ls {
+
+// ---- What the blocks call. ----
+
+// acts.counts[src * E + e] = rows of EP rank src for expert e (at ep 1: the
+// loads), from every rank's acts.expert_off.
+void exchange_expert_counts(StepContext& ctx, LayerActs& acts);
+// acts.rows.leaf: the leaf of every row of the experts held here, from the
+// source ranks (at ep 1: this rank's rows' own leaves). After the plans.
+void exchange_leaf_ids(StepContext& ctx, LayerActs& acts);
+// The buffers a layer's rounds need, grown to its plans and counted.
+void hold_moe_buffers(StepContext& ctx, LayerActs& acts);
+
+// Forward, round r: the rows' inputs (moe_in of their tokens) into the
+// owners' slots (ws.slots.x); at ep > 1 each arriving row is also kept at
+// its expert position (acts.rows.x) for the backward.
+void send_round_inputs(StepContext& ctx, LayerActs& acts, int r);
+// Where a round writes its outputs (dispatch_rows: the [NK, D] rows in
+// dispatch order): the slots, sent back by return_round_rows at ep > 1, or
+// straight into the dispatch rows at ep 1.
+RowPlace round_output_place(const StepContext& ctx, float* slots, float* dispatch_rows);
+// Round r's outputs from the owners' slots back into the sources'
+// dispatch rows (nothing at ep 1: they were written there).
+void return_round_rows(StepContext& ctx, const LayerActs& acts, int r, const float* slots, float* dispatch_rows);
+// Backward, round r: the output gradients (ws.dye, dispatch order) into the
+// owners' slots (ws.slots.dy; nothing at ep 1, where they are read in place).
+void send_round_output_grads(StepContext& ctx, const LayerActs& acts, int r);
+// Backward, round r of `plan`: the rows' inputs into the slots again, from
+// the rows kept at ep > 1, else from the tokens' moe_in.
+void refill_round_inputs(StepContext& ctx, const LayerActs& acts, const RoundPlan& plan, int r);
+
+// ---- The pieces. ----
+
+// An all-to-all in the expert-parallel group, counted in ctx.stats.
+void ep_all_to_all(StepContext& ctx, const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                   const std::vector<size_t>& recv_bytes);
+
+// Exchanges are collective: every EP rank runs the most rounds any owner needs.
+int exchange_rounds(const LayerActs& acts);
+
+// Round r's rows of `width` floats between the sources' dispatch order and
+// the owners' slots. to_owner: source row `disp` is row src_index(disp) of
+// src; the owner writes slot_buf (and, if keep, the row at its expert
+// position in keep). Back: the owner reads slot_buf and the source writes
+// disp_out[disp]. The rows move by ops::copy_rows over index lists built
+// here (one kernel per list on the CUDA backend).
+void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bool to_owner, const float* src,
+                   const std::function<int64_t(int64_t)>& src_index, float* slot_buf, float* keep, float* disp_out);
+
+// The high-water marks of the MoE buffers, into ctx.stats (measured: the
+// bytes allocated now).
+void count_moe_memory(StepContext& ctx);
+
+}  // namespace ls

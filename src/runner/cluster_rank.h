@@ -1,0 +1,31 @@
+// One rank of a ClusterTrainer: its model (its pieces of the tensors), its
+// optimizer state and FSDP shards, its pipeline stage and its traffic.
+// Internal to runner/cluster_*.cc.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "cluster/communicator.h"
+#include "model/model.h"
+#include "ops/device_memory.h"
+#include "runner/cluster_trainer.h"
+#include "runner/pipeline.h"
+#include "runner/placement.h"
+
+namespace ls {
+
+struct ClusterTrainer::Rank {
+  int index = 0;                    // in the world: MeshConfig::rank_coords
+  int data_index = 0, tp_index = 0, pp_index = 0, cp_index = 0;
+  std::unique_ptr<PipelineStage> stage;  // pipelined (mesh.pp > 1 or train.microbatches > 1): its blocks and schedule
+  std::unique_ptr<MoeTransformer> model;
+  ops::DeviceVector<float> m, v;    // AdamW moments for what this rank updates (shards with fsdp)
+  ops::DeviceVector<float> shard_w;  // fsdp: the authoritative parameter shards, concatenated
+  std::vector<int64_t> shard_off;   // fsdp: per tensor, offset into shard_w / m / v
+  std::vector<Shard> shards;        // per tensor, its block range (every block without fsdp)
+  CommStats comm;                   // bytes sent, accumulated over steps
+};
+
+}  // namespace ls

@@ -1,0 +1,237 @@
+// A cluster's state as one: the canonical state hash over every rank's
+// pieces, and checkpoint staging and restore, each piece written once.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "cluster/communicator.h"
+#include "contract.h"
+#include "runner/cluster_rank.h"
+#include "runner/cluster_trainer.h"
+
+namespace ls {
+
+// A piece of tensor t (canonical index) as the state hash places it: n
+// elements from global element `start`, or of a tensor-parallel part (its
+// first middle index tp_first >= 0) elements held_first .. held_first + n - 1
+// of the held part (an FSDP shard of it), start = the part's tensor's first
+// global element; with its weights and moments.
+struct ClusterTrainer::StatePart {
+  int64_t t = 0, start = 0, n = 0, tp_first = -1, held_first = 0;
+  const float *w = nullptr, *m1 = nullptr, *m2 = nullptr;
+  static constexpr int kHeader = 5;  // the integers above, as sent between processes
+};
+
+namespace {
+
+// The whole state, tensor by tensor (canonical index): weights, AdamW's m and v.
+struct WholeState {
+  explicit WholeState(const std::vector<ParamInfo>& all)
+      : all(all), param(all.size()), mom1(all.size()), mom2(all.size()) {
+    for (size_t t = 0; t < all.size(); ++t) {
+      int64_t global = 1;
+      for (int64_t d : all[t].global_shape) global *= d;
+      param[t].assign(global, 0.0f);
+      mom1[t].assign(global, 0.0f);
+      mom2[t].assign(global, 0.0f);
+    }
+  }
+  void place(const ClusterTrainer::StatePart& p) {
+    if (p.tp_first < 0) {
+      std::copy(p.w, p.w + p.n, param[p.t].begin() + p.start);
+      std::copy(p.m1, p.m1 + p.n, mom1[p.t].begin() + p.start);
+      std::copy(p.m2, p.m2 + p.n, mom2[p.t].begin() + p.start);
+      return;
+    }
+    ParamInfo q = all[p.t];  // the part's view of the tensor
+    q.global_offset = p.start;
+    q.tp_first = p.tp_first;
+    for (int64_t i = 0; i < p.n; ++i) {
+      const int64_t g = q.global_index(p.held_first + i);
+      param[p.t][g] = p.w[i];
+      mom1[p.t][g] = p.m1[i];
+      mom2[p.t][g] = p.m2[i];
+    }
+  }
+  // Contract rule 6: names adam_m/<p>, adam_v/<p>, param/<p>, each tensor's little-endian bits.
+  std::string hash() const {
+    StateHasher hs;
+    for (int kind = 0; kind < 3; ++kind)
+      for (size_t t = 0; t < all.size(); ++t) {
+        const char* prefix = kind == 0 ? "adam_m/" : kind == 1 ? "adam_v/" : "param/";
+        const auto& data = kind == 0 ? mom1[t] : kind == 1 ? mom2[t] : param[t];
+        hs.add(prefix + all[t].name, all[t].global_shape, data.data());
+      }
+    return hs.hex();
+  }
+  const std::vector<ParamInfo>& all;
+  std::vector<std::vector<float>> param, mom1, mom2;
+};
+
+}  // namespace
+
+// The pieces of rank r that count in the state (ParamPlacement::counts_in_state).
+std::vector<ClusterTrainer::StatePart> ClusterTrainer::state_parts(const Rank& rk) const {
+  std::vector<StatePart> out;
+  const auto& infos = rk.model->params();
+  for (size_t t = 0; t < infos.size(); ++t) {
+    const ParamInfo& q = infos[t];
+    if (!placement_.counts_in_state(rk.index, q)) continue;
+    const auto [lo, hi] = range(rk, t);
+    const float* w = placement_.sharded(q) ? rk.shard_w.data() + rk.shard_off[t] : rk.model->weights() + q.offset + lo;
+    const bool split = q.tp_mid > 0;
+    out.push_back({(int64_t)q.index, q.global_offset + (split ? 0 : lo), hi - lo, split ? q.tp_first : -1,
+                   split ? lo : 0, w, rk.m.data() + rk.shard_off[t], rk.v.data() + rk.shard_off[t]});
+  }
+  return out;
+}
+
+// Under MPI every process sends its parts to every other (an all-gather of
+// headers, then of the data), so each places the same global state. The
+// parts point into `data`.
+std::vector<ClusterTrainer::StatePart> ClusterTrainer::all_processes_parts(const std::vector<StatePart>& mine,
+                                                           std::vector<float>& data) const {
+  const int R = mpi_->size();
+  std::vector<int64_t> head;
+  std::vector<float> payload;
+  for (const StatePart& p : mine) {
+    head.insert(head.end(), {p.t, p.start, p.n, p.tp_first, p.held_first});
+    for (const float* src : {p.w, p.m1, p.m2}) payload.insert(payload.end(), src, src + p.n);
+  }
+  std::vector<int64_t> sizes(2 * R), counts = {(int64_t)head.size(), (int64_t)payload.size()};
+  all_gather_equal(*mpi_, counts.data(), sizes.data(), 2 * sizeof(int64_t));
+  std::vector<size_t> hb(R), db(R);
+  size_t htotal = 0, dtotal = 0;
+  for (int r = 0; r < R; ++r) {
+    hb[r] = (size_t)sizes[2 * r] * sizeof(int64_t);
+    db[r] = (size_t)sizes[2 * r + 1] * sizeof(float);
+    htotal += sizes[2 * r];
+    dtotal += sizes[2 * r + 1];
+  }
+  std::vector<int64_t> heads(htotal);
+  data.resize(dtotal);
+  mpi_->all_gather(head.data(), heads.data(), hb);
+  mpi_->all_gather(payload.data(), data.data(), db);
+  std::vector<StatePart> out;
+  size_t at = 0;
+  for (size_t h = 0; h + StatePart::kHeader <= heads.size(); h += StatePart::kHeader) {
+    const int64_t n = heads[h + 2];
+    out.push_back({heads[h], heads[h + 1], n, heads[h + 3], heads[h + 4], &data[at], &data[at + n], &data[at + 2 * n]});
+    at += 3 * n;
+  }
+  return out;
+}
+
+// Assembles the global tensors from the ranks' pieces, as a checkpoint
+// would, and hashes them canonically (contract rule 6).
+std::string ClusterTrainer::state_hash() const {
+  WholeState whole(all_tensors_);
+  if (!mpi_) {
+    for (const auto& rank : ranks_)
+      for (const StatePart& p : state_parts(*rank)) whole.place(p);
+  } else {
+    std::vector<float> data;
+    for (const StatePart& p : all_processes_parts(state_parts(*ranks_[mpi_->rank()]), data)) whole.place(p);
+  }
+  return whole.hash();
+}
+
+float* ClusterTrainer::storage(Rank& r, size_t t, const std::string& kind) const {
+  const ParamInfo& p = r.model->params()[t];
+  if (kind == "adam_m") return r.m.data() + r.shard_off[t];
+  if (kind == "adam_v") return r.v.data() + r.shard_off[t];
+  if (placement_.sharded(p)) return r.shard_w.data() + r.shard_off[t];
+  return r.model->weights() + p.offset + range(r, t).first;
+}
+
+// What rank `rank` holds, as global ranges: its range of each tensor; of a
+// tensor-parallel split tensor, whose held part is strided, the whole
+// tensor (its expert-parallel slice), from which load_piece keeps the part.
+std::vector<StatePiece> ClusterTrainer::state_needs(int rank) const {
+  std::vector<StatePiece> out;
+  const Rank& r = *ranks_[rank];
+  const auto& infos = r.model->params();
+  for (const char* kind : {"param/", "adam_m/", "adam_v/"})
+    for (size_t t = 0; t < infos.size(); ++t) {
+      const ParamInfo& p = infos[t];
+      const auto [lo, hi] = range(r, t);
+      if (hi <= lo) continue;
+      const int64_t end = p.tp_mid > 0 ? p.global_offset + p.size * s_.mesh.tp : p.global_offset + hi;
+      out.push_back({kind + p.name, p.global_shape, p.global_offset + lo, end, {}});
+    }
+  return out;
+}
+
+// Every global element is staged once. A tensor-parallel split tensor is
+// staged in contiguous ranges: each writing rank assembles the tensor (its
+// expert-parallel slice) from its FSDP shard group's shards and its TP
+// group's parts (all-gathers) and stages one of tp x (shard group size)
+// near-equal ranges: TP rank q, shard position g stages range q x G + g.
+void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
+  out.resize(ranks_.size());
+  for (size_t r = 0; r < ranks_.size(); ++r)
+    if (!ranks_[r]) out[r].clear();  // another process's rank: it stages its own
+  each_rank([&](RankCtx& c) {
+    Rank& rank = c.rank;
+    std::vector<StatePiece>& staged = out[(size_t)rank.index];
+    const auto& infos = rank.model->params();
+    size_t k = 0;  // pieces staged by this rank; buffers of an earlier save are reused in order
+    ops::DeviceVector<float> held, parts, whole;
+    for (const char* kind : {"param", "adam_m", "adam_v"})
+      for (size_t t = 0; t < infos.size(); ++t) {
+        const ParamInfo& p = infos[t];
+        if (!placement_.writes_checkpoint(rank.index, t, p)) continue;
+        const auto [lo, hi] = range(rank, t);
+        const float* from = storage(rank, t, kind);
+        StatePiece piece{std::string(kind) + "/" + p.name, p.global_shape, p.global_offset + lo, p.global_offset + hi, {}};
+        if (p.tp_mid > 0) {  // collectives: every writing rank of the groups takes part, whatever it holds
+          const bool sharded = placement_.sharded(p);
+          if (sharded) {
+            held.resize(p.size);
+            gather_shards(c.group(Axis::kShard), p.size, from, held.data());
+            from = held.data();
+          }
+          Communicator& tensor = c.group(Axis::kTensor);
+          Communicator& shard = c.group(Axis::kShard);
+          parts.resize((size_t)p.size * tensor.size());
+          all_gather_equal(tensor, from, parts.data(), (size_t)p.size * sizeof(float));
+          whole.resize(parts.size());
+          assemble_tp_parts(p, parts.data(), tensor.size(), whole.data());
+          const int64_t ranges = (int64_t)tensor.size() * (sharded ? shard.size() : 1);
+          const int64_t mine = (int64_t)rank.tp_index * (ranges / tensor.size()) + (sharded ? shard.rank() : 0);
+          const int64_t total = (int64_t)whole.size(), begin = total * mine / ranges, end = total * (mine + 1) / ranges;
+          from = whole.data() + begin;
+          piece.global_begin = p.global_offset + begin;
+          piece.global_end = p.global_offset + end;
+        }
+        if (piece.global_end <= piece.global_begin) continue;
+        if (k == staged.size()) staged.emplace_back();
+        ops::StagingVector<float> buffer = std::move(staged[k].data);
+        buffer.resize(piece.global_end - piece.global_begin);
+        ops::copy_to_host(buffer.data(), from, buffer.size() * sizeof(float));
+        staged[k] = std::move(piece);
+        staged[k].data = std::move(buffer);
+        ++k;
+      }
+    staged.resize(k);
+  });
+}
+
+void ClusterTrainer::load_piece(int rank, const StatePiece& need, const float* data) {
+  Rank& r = *ranks_[rank];
+  const auto& infos = r.model->params();
+  const size_t slash = need.name.find('/');
+  const std::string kind = need.name.substr(0, slash), name = need.name.substr(slash + 1);
+  size_t t = 0;
+  while (infos[t].name != name) ++t;
+  const ParamInfo& p = infos[t];
+  float* to = storage(r, t, kind);
+  if (p.tp_mid == 0) {
+    std::copy(data, data + (need.global_end - need.global_begin), to);
+    return;
+  }
+  const auto [lo, hi] = range(r, t);  // the held part (an FSDP shard of it)
+  for (int64_t i = lo; i < hi; ++i) to[i - lo] = data[p.global_index(i) - need.global_begin];
+}
+
+}  // namespace ls

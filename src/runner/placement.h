@@ -1,0 +1,58 @@
+// Where every piece of every parameter tensor lives on a mesh: FSDP shards,
+// expert-parallel slices, tensor-parallel parts, and the copies the other
+// axes keep. One answer for the training step, the gradient norm, the
+// state hash, checkpoint staging and restore.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cluster/communicator.h"
+#include "cluster/config.h"
+#include "model/model.h"
+
+namespace ls {
+
+// An FSDP shard of one tensor: the block range [b0, b1) of kParamBlock blocks.
+struct Shard {
+  int64_t b0 = 0, b1 = 0;
+};
+
+class ParamPlacement {
+ public:
+  explicit ParamPlacement(const MeshConfig& mesh) : mesh_(mesh) {}
+
+  // FSDP shards this tensor: all but the expert slices of an expert-parallel mesh.
+  bool sharded(const ParamInfo& p) const { return mesh_.fsdp && !(p.expert && mesh_.ep > 1); }
+  // The blocks of p that the rank at data-parallel index `data` keeps: its
+  // FSDP shard group position's range, or all of them.
+  Shard shard(const ParamInfo& p, int data) const;
+  // Elements each rank of a shard group of g ranks keeps of an n-element tensor.
+  static std::vector<size_t> shard_elems(int64_t n, int g);
+
+  // World rank `rank`'s piece of p is the one the state counts: of the
+  // copies the other axes keep, the first (data-parallel rank 0, or the first
+  // expert-parallel group, or the first replica of the FSDP shards; context
+  // rank 0; tensor rank 0 unless the tensor is split by tensor parallelism).
+  bool counts_in_state(int rank, const ParamInfo& p) const;
+  // World rank `rank` writes its piece of tensor t (canonical index t in its
+  // stage) to a checkpoint: one writer per element, replicated tensors'
+  // writers spread over the data-parallel ranks.
+  bool writes_checkpoint(int rank, size_t t, const ParamInfo& p) const;
+
+ private:
+  // Context rank 0, and tensor rank 0 unless p is split by tensor parallelism.
+  static bool first_of_context_and_tensor(const MeshConfig::RankCoords& at, const ParamInfo& p);
+  MeshConfig mesh_;
+};
+
+// whole = the tensor a tensor-parallel split tensor's parts make (its
+// expert-parallel slice when experts are split too): part q (held by TP
+// rank q, p.size elements each, concatenated) put in place.
+void assemble_tp_parts(const ParamInfo& p, const float* parts, int tp, float* whole);
+
+// whole = a tensor of n elements from its FSDP shards, each rank's block
+// range (an all-gather over the shard group).
+void gather_shards(Communicator& shard, int64_t n, const float* mine, float* whole);
+
+}  // namespace ls
