@@ -47,11 +47,10 @@ class EngineTrainer : public Trainer {
   float eval_loss(const uint8_t* tokens, int batch) override { return model_.forward(tokens, batch).ce; }
   std::string state_hash() const override {
     StateHasher hs;  // names: adam_m/<p>, adam_v/<p>, param/<p> in bytewise order
-    for (const char* kind : {"adam_m/", "adam_v/", "param/"})
-      for (const ParamInfo& p : model_.params()) {
-        const float* base = kind[0] == 'p' ? model_.weights() : kind[5] == 'm' ? opt_.m().data() : opt_.v().data();
-        hs.add(kind + p.name, p.shape, base + p.offset);
-      }
+    for (const char* kind : {"adam_m", "adam_v", "param"}) {
+      const float* base = storage(kind);
+      for (const ParamInfo& p : model_.params()) hs.add(kind + ("/" + p.name), p.shape, base + p.offset);
+    }
     return hs.hex();
   }
   double train_flops_per_token() const override { return model_.train_flops_per_token(); }
@@ -101,13 +100,15 @@ class EngineTrainer : public Trainer {
   }
 
  private:
+  // The whole state of one kind, laid out as the weights: "param" (the
+  // weights themselves), "adam_m" or "adam_v" (AdamW's moments).
+  const float* storage(const std::string& kind) const {
+    return kind == "param" ? model_.weights() : kind == "adam_m" ? opt_.m().data() : opt_.v().data();
+  }
   // The storage of a whole-tensor piece named kind/param.
   const float* source(const StatePiece& p) const {
     const size_t slash = p.name.find('/');
-    const std::string kind = p.name.substr(0, slash), name = p.name.substr(slash + 1);
-    const ParamInfo& info = model_.param(name);
-    const float* base = kind == "param" ? model_.weights() : kind == "adam_m" ? opt_.m().data() : opt_.v().data();
-    return base + info.offset;
+    return storage(p.name.substr(0, slash)) + model_.param(p.name.substr(slash + 1)).offset;
   }
   MoeTransformer model_;
   AdamW opt_;
