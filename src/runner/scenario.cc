@@ -174,6 +174,18 @@ template <class T> Rule<T> in_open_closed(T lo, T hi) {  // (lo, hi]
             return v > lo && v <= hi ? std::string() : "must be in " + r + ", got " + show(v);
           }};
 }
+// A string that must be one of `names`: "a, b or c" in the docs and in
+// "must be a, b or c, got "d"".
+Rule<std::string> one_of(std::vector<std::string> names) {
+  std::string list;
+  for (size_t i = 0; i < names.size(); ++i)
+    list += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + names[i];
+  return {list, [names, list](const Scenario&, std::string v) {
+            return std::find(names.begin(), names.end(), v) != names.end()
+                       ? std::string()
+                       : "must be " + list + ", got \"" + v + "\"";
+          }};
+}
 
 // ------------------------------------------------------------------ rows ---
 
@@ -466,10 +478,7 @@ std::vector<Row> make_rows() {
             "portable: the numerics contract, the same bits on every mesh, thread count and backend; local: an "
             "ordinary fast trainer's numerics (Eigen GEMMs, the C library's exp, reductions in the fastest order), "
             "bitwise only run to run at a fixed thread count and mesh (docs/NUMERICS.md section 8).",
-            {{"portable or local", [](const S&, std::string v) {
-                return v == "portable" || v == "local" ? std::string()
-                                                       : "must be portable or local, got \"" + v + "\"";
-              }}}),
+            {one_of({"portable", "local"})}),
 
       field("moe.router_skew", [](S& s) -> float& { return s.model.router_skew; },
             "A fixed bonus added to the router logits of the first max(1, experts/4) experts: "
@@ -584,11 +593,7 @@ std::vector<Row> make_rows() {
             "The order a stage runs its microbatches' forward and backward passes in: gpipe (every forward, then "
             "every backward), 1f1b (one forward, one backward once the pipeline is full) or interleaved (1F1B over "
             "mesh.pp_virtual model chunks per stage). It changes only when work runs, never the bits.",
-            {{"gpipe, 1f1b or interleaved", [](const S&, std::string v) {
-                return v == "gpipe" || v == "1f1b" || v == "interleaved"
-                           ? std::string()
-                           : "must be gpipe, 1f1b or interleaved, got \"" + v + "\"";
-              }}}),
+            {one_of({"gpipe", "1f1b", "interleaved"})}),
       field("mesh.pp_virtual", [](S& s) -> int& { return s.mesh.pp_virtual; },
             "With mesh.pp_schedule=interleaved: model chunks per stage (stage s holds chunks s, s + mesh.pp, ...).",
             {in_range(1, 64),
@@ -628,10 +633,7 @@ std::vector<Row> make_rows() {
             "Which query positions a context-parallel rank holds: zigzag (the sequence cut into 2 x mesh.cp "
             "chunks, rank c holding chunks c and 2 x mesh.cp - 1 - c, so every rank gets the same causal work) "
             "or contiguous (rank c holds chunk c of mesh.cp: the last rank does the most). Never changes the bits.",
-            {{"zigzag or contiguous", [](const S&, std::string v) {
-                return v == "zigzag" || v == "contiguous" ? std::string()
-                                                          : "must be zigzag or contiguous, got \"" + v + "\"";
-              }}}),
+            {one_of({"zigzag", "contiguous"})}),
       // One of the two alone saves nothing, silently: refused, naming both.
       field("ckpt.url", [](S& s) -> std::string& { return s.ckpt.url; },
             "Where checkpoints go: file://DIR (or a plain path) or s3://bucket/prefix; empty = none.",
@@ -659,10 +661,7 @@ std::vector<Row> make_rows() {
             "Checkpoints uploading at once; a save waits (back-pressure) beyond this.", {at_least(1)}),
       field("ckpt.restore", [](S& s) -> std::string& { return s.ckpt.restore; },
             "broadcast: every object read once by one rank and broadcast; naive: each rank reads what it needs.",
-            {{"broadcast or naive", [](const S&, std::string v) {
-                return v == "broadcast" || v == "naive" ? std::string()
-                                                        : "must be broadcast or naive, got \"" + v + "\"";
-              }}}),
+            {one_of({"broadcast", "naive"})}),
       field("ckpt.s3_endpoint", [](S& s) -> std::string& { return s.ckpt.s3_endpoint; },
             "S3 endpoint for s3:// URLs (e.g. http://127.0.0.1:4569); empty = env LOCKSTEP_S3_ENDPOINT."),
       field("ckpt.retry_seconds", [](S& s) -> double& { return s.ckpt.retry_seconds; },
@@ -672,10 +671,7 @@ std::vector<Row> make_rows() {
       field("ckpt.on_failure", [](S& s) -> std::string& { return s.ckpt.on_failure; },
             "continue: a save that fails past ckpt.retry_seconds is reported and training goes on (the next save "
             "tries again); stop: the run stops with exit 3.",
-            {{"continue or stop", [](const S&, std::string v) {
-                return v == "continue" || v == "stop" ? std::string()
-                                                      : "must be continue or stop, got \"" + v + "\"";
-              }}}),
+            {one_of({"continue", "stop"})}),
       field("ckpt.lease_seconds", [](S& s) -> double& { return s.ckpt.lease_seconds; },
             "A job holds its ckpt.url through a lease renewed every third of this; a job that dies without "
             "releasing it blocks the prefix this long (docs/CHECKPOINTS.md).",
