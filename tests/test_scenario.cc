@@ -1,6 +1,7 @@
 // Scenario loader: defaults, round trip, --set, every user error, fingerprint,
 // and docs/SCENARIOS.md kept in step with the schema. Depends only on
-// scenario.cc and headers (also built standalone under sanitizers).
+// scenario.cc, scenario_keys.cc, scenario_faults.cc and headers (also built
+// standalone under sanitizers).
 #include <doctest/doctest.h>
 
 #include <unistd.h>

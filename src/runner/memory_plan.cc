@@ -38,19 +38,63 @@ uint64_t read_cgroup_value(const char* path) {
   return std::strtoull(v.c_str(), nullptr, 10);
 }
 
+// The corpus held in memory: the synthetic one's size, or data.path's.
+uint64_t corpus_bytes(const DataConfig& d) {
+  if (d.path.empty()) return d.synthetic_bytes;
+  std::error_code ec;
+  const uint64_t bytes = std::filesystem::file_size(d.path, ec);
+  return ec ? 0 : bytes;  // the loader names the missing file
+}
+
+// The workspace of one copy of the model (a rank, or a data lane) running its
+// s.batch / mesh.dp / lanes samples: estimate_workspace's figure for one
+// pass, grown by the microbatches a pipeline stage holds in flight, and with
+// attention's P cut to a context-parallel rank's query ranges.
+WorkspaceEstimate copy_workspace(const Scenario& s, int lanes) {
+  const ModelConfig& c = s.model;
+  const int dp = s.mesh.dp, ep = s.mesh.ep, cp = std::max(1, s.mesh.cp);
+  const int pp = std::max(1, s.mesh.pp), m = std::max(1, s.microbatches);
+  const uint64_t f = sizeof(float);
+  // A pipeline's workspaces: one per microbatch in flight on each stage,
+  // each holding the stage's layers (about n_layers / pp) and the backward
+  // scratch; 1F1B keeps pp - s in flight on stage s unless the aux loss
+  // makes every stage hold all m (runner/pipeline.h); GPipe and interleaved: m.
+  WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes / m, ep);
+  if (pp > 1 || m > 1) {
+    int64_t slots = 0;
+    for (int st = 0; st < pp; ++st)
+      slots += s.mesh.pp_schedule == "1f1b" && c.aux_loss_weight == 0 ? std::min(pp - st, m) : m;
+    const double share = (double)slots / pp;  // workspaces per stage, on average
+    w.activations = (int64_t)(share * (c.n_layers * w.per_layer / pp + w.scratch)) * pp;
+    w.expert_buffers = (int64_t)(share * w.expert_buffers);
+    w.dispatch_buffers = w.dispatch_buffers * pp;
+  }
+  if (cp > 1) {
+    // Per CP rank: P of its query ranges instead of the whole sequence's (a
+    // mean over the group's ranks), and the group's exchange buffers.
+    const int64_t BH = (int64_t)(s.batch / dp / m) * c.n_heads, L = c.n_layers;
+    const bool zz = s.mesh.cp_layout == "zigzag";
+    int64_t held = 0;
+    for (int r = 0; r < cp; ++r) held += cp_probs_floats(c.seq_len, cp, r, zz);
+    const int64_t whole = ops::attention_probs_floats(c.seq_len);
+    w.activations = w.activations - (uint64_t)(L * BH * whole) * f + (uint64_t)(L * BH * held / cp) * f +
+                    (uint64_t)(s.batch / dp) * c.seq_len * 4 * c.d_model * f;
+  }
+  return w;
+}
+
 }  // namespace
 
 MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   const ModelConfig& c = s.model;
   const int dp = s.mesh.dp, ep = s.mesh.ep, cp = std::max(1, s.mesh.cp), tp = std::max(1, s.mesh.tp);
-  const int pp = std::max(1, s.mesh.pp), m = std::max(1, s.microbatches);
+  const int m = std::max(1, s.microbatches);
   const bool multi = s.mesh.world() > 1 || ep > 1 || s.mesh.fsdp || m > 1;
   // Copies of a data rank's state: each context-parallel rank holds a whole
   // one (only attention's P is split, docs/CLUSTER.md); each tensor-parallel
   // rank its part of the split tensors and the rest whole. Pipeline stages
   // split the tensors between them: together they hold one copy.
   const int copies_of_state = dp * cp * tp;
-  const bool pipelined = pp > 1 || m > 1;
   const uint64_t f = sizeof(float);
   const uint64_t global_weights = (uint64_t)count_weights(c, 1);
   const uint64_t rank_weights = (uint64_t)count_weights(c, ep, tp);
@@ -73,13 +117,7 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   const std::string ranks = multi ? " on each of " + std::to_string(copies_of_state) + " ranks" : "";
   add("runtime", 24 * kMiB + (uint64_t)threads * 2 * kMiB,
       "an allowance for code, libraries, thread stacks and per-thread scratch");
-  uint64_t corpus = s.data.synthetic_bytes;
-  if (!s.data.path.empty()) {
-    std::error_code ec;
-    corpus = std::filesystem::file_size(s.data.path, ec);
-    if (ec) corpus = 0;  // the loader names the missing file
-  }
-  add("corpus", corpus, s.data.path.empty() ? "the synthetic corpus" : "data.path, read whole");
+  add("corpus", corpus_bytes(s.data), s.data.path.empty() ? "the synthetic corpus" : "data.path, read whole");
   add("weights", copies_of_state * rank_weights * f + (s.mesh.fsdp ? copies_of_state * sharded / group * f : 0),
       std::to_string(rank_weights) + " fp32 weights" + ranks + (s.mesh.fsdp ? ", plus the FSDP shards" : ""));
   add("gradients", (copies_of_state + lanes - 1) * rank_weights * f,
@@ -93,31 +131,7 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
     add("pipeline_gradient_trees", copies_of_state * levels * rank_weights * f,
         std::to_string(levels) + " buffers of each stage's tensors: the tree over " + std::to_string(m) + " microbatches");
   }
-  // A pipeline's workspaces: one per microbatch in flight on each stage,
-  // each holding the stage's layers (about n_layers / pp) and the backward
-  // scratch; 1F1B keeps pp - s in flight on stage s unless the aux loss
-  // makes every stage hold all m (runner/pipeline.h); GPipe and interleaved: m.
-  WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes / m, ep);
-  if (pipelined) {
-    int64_t slots = 0;
-    for (int st = 0; st < pp; ++st)
-      slots += s.mesh.pp_schedule == "1f1b" && c.aux_loss_weight == 0 ? std::min(pp - st, m) : m;
-    const double share = (double)slots / pp;  // workspaces per stage, on average
-    w.activations = (int64_t)(share * (c.n_layers * w.per_layer / pp + w.scratch)) * pp;
-    w.expert_buffers = (int64_t)(share * w.expert_buffers);
-    w.dispatch_buffers = w.dispatch_buffers * pp;
-  }
-  if (cp > 1) {
-    // Per CP rank: P of its query ranges instead of the whole sequence's (a
-    // mean over the group's ranks), and the group's exchange buffers.
-    const int64_t BH = (int64_t)(s.batch / dp / m) * c.n_heads, L = c.n_layers;
-    const bool zz = s.mesh.cp_layout == "zigzag";
-    int64_t held = 0;
-    for (int r = 0; r < cp; ++r) held += cp_probs_floats(c.seq_len, cp, r, zz);
-    const int64_t whole = ops::attention_probs_floats(c.seq_len);
-    w.activations = w.activations - (uint64_t)(L * BH * whole) * f + (uint64_t)(L * BH * held / cp) * f +
-                    (uint64_t)(s.batch / dp) * c.seq_len * 4 * c.d_model * f;
-  }
+  const WorkspaceEstimate w = copy_workspace(s, lanes);
   const uint64_t copies = (uint64_t)dp * lanes * cp * tp;
   const std::string per = std::to_string(s.batch / dp / lanes) + " samples x " + std::to_string(c.seq_len) +
                           " tokens" + (copies > 1 ? " on each of " + std::to_string(copies) + (multi ? " ranks" : " lanes") : "") +

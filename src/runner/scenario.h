@@ -53,7 +53,7 @@ struct ScenarioKey {
 };
 
 // The schema, in table order. Later sections (mesh.*, ckpt.*, faults) are
-// added as rows in scenario.cc.
+// added as rows in scenario_keys.cc.
 const std::vector<ScenarioKey>& scenario_keys();
 
 // The schema as a Markdown table (the one docs/SCENARIOS.md embeds).

@@ -1,0 +1,576 @@
+// The key table: every scenario key's row, in table order, one function per
+// section. Adding a key means adding its row to its section here (and the
+// docs: docs/SCENARIOS.md embeds scenario_keys_markdown()); a list-valued key
+// such as `faults` needs a row with its own decode/encode functions.
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runner/scenario.h"
+#include "runner/scenario_field.h"
+#include "runner/scenario_table.h"
+
+namespace ls {
+namespace scenario_table {
+
+double float_for_json(float f) {
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf - 1, f);
+  *r.ptr = '\0';
+  double d = std::strtod(buf, nullptr);
+  return static_cast<float>(d) == f ? d : static_cast<double>(f);
+}
+
+std::string describe(const json& v) {
+  std::string d = v.dump();
+  if (d.size() > 48) d = d.substr(0, 45) + "...";
+  switch (v.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "boolean " + d;
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned: return "integer " + d;
+    case json::value_t::number_float: return "number " + d;
+    case json::value_t::string: return "string " + d;
+    case json::value_t::array: return "array " + d;
+    case json::value_t::object: return "object " + d;
+    default: return d;
+  }
+}
+
+Rule<std::string> one_of(std::vector<std::string> names) {
+  std::string list;
+  for (size_t i = 0; i < names.size(); ++i)
+    list += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + names[i];
+  return {list, [names, list](const Scenario&, std::string v) {
+            return std::find(names.begin(), names.end(), v) != names.end()
+                       ? std::string()
+                       : "must be " + list + ", got \"" + v + "\"";
+          }};
+}
+
+namespace {
+
+using S = Scenario;
+
+// moe.policy: a string naming a MoePolicy.
+Row policy_row() {
+  Row r;
+  r.info.key = "moe.policy";
+  r.info.type = "string";
+  r.info.doc = "Expert scheduling: rounds (fixed capacity per round, overflow waits, never drops), "
+               "peak (one round sized to the busiest expert), drop (overflow skips the expert; "
+               "changes the math).";
+  r.info.constraint = "one of rounds, peak, drop";
+  r.decode = [](Scenario& s, const json& v) -> std::string {
+    std::string name;
+    if (std::string e = decode_value(v, &name); !e.empty()) return e;
+    if (name == "rounds") s.model.moe_policy = MoePolicy::kRounds;
+    else if (name == "peak") s.model.moe_policy = MoePolicy::kPeak;
+    else if (name == "drop") s.model.moe_policy = MoePolicy::kDrop;
+    else return "must be one of rounds, peak, drop, got \"" + name + "\"";
+    return std::string();
+  };
+  r.encode = [](const Scenario& s) {
+    return json(s.model.moe_policy == MoePolicy::kRounds ? "rounds"
+                : s.model.moe_policy == MoePolicy::kPeak ? "peak"
+                                                         : "drop");
+  };
+  r.check = [](const Scenario&) { return std::string(); };
+  return r;
+}
+
+// The run's identity and its random draws.
+std::vector<Row> top_level_rows() {
+  return {
+      field("seed", [](S& s) -> uint64_t& { return s.seed; },
+            "Key of every random draw (init, data order): the Philox seed.",
+            {{"in [0, 2^64 - 1]", [](const S&, uint64_t) { return std::string(); }}}),
+      field("name", [](S& s) -> std::string& { return s.name; },
+            "Run name shown in reports and used for output names.",
+            {{"empty: the file's stem", [](const S&, std::string) { return std::string(); }}}),
+      field("description", [](S& s) -> std::string& { return s.description; },
+            "Free text shown in reports."),
+  };
+}
+
+// The transformer's shape.
+std::vector<Row> model_rows() {
+  return {
+      field("model.d_model", [](S& s) -> int& { return s.model.d_model; },
+            "Width of the residual stream.", {in_range(1, 4096)}),
+      field("model.n_layers", [](S& s) -> int& { return s.model.n_layers; },
+            "Transformer blocks (attention + MoE each).", {in_range(1, 64)}),
+      field("model.n_heads", [](S& s) -> int& { return s.model.n_heads; },
+            "Attention heads; head_dim = d_model / n_heads.",
+            {at_least(1),
+             {"divides model.d_model", [](const S& s, int v) {
+                return s.model.d_model % v == 0
+                           ? std::string()
+                           : "must divide model.d_model = " + show(s.model.d_model) + ", got " +
+                                 show(v);
+              }}}),
+      field("model.seq_len", [](S& s) -> int& { return s.model.seq_len; },
+            "Tokens (bytes) per sample.", {in_range(1, 8192)}),
+      field("model.d_ff", [](S& s) -> int& { return s.model.d_ff; },
+            "Hidden width of each expert and of the shared expert.", {in_range(1, 16384)}),
+      field("model.shared_expert", [](S& s) -> bool& { return s.model.shared_expert; },
+            "Add a dense shared expert that every token passes through."),
+      field("model.init_std", [](S& s) -> float& { return s.model.init_std; },
+            "Standard deviation of the uniform weight init.", {above(0.0f)}),
+      field("model.rms_eps", [](S& s) -> float& { return s.model.rms_eps; },
+            "Epsilon inside RMSNorm.", {above(0.0f)}),
+  };
+}
+
+// The MoE layers' experts and their losses.
+std::vector<Row> moe_rows() {
+  return {
+      field("moe.experts", [](S& s) -> int& { return s.model.experts; },
+            "Routed experts per MoE layer.", {in_range(1, 256)}),
+      field("moe.top_k", [](S& s) -> int& { return s.model.top_k; },
+            "Experts each token is routed to.",
+            {{"in [1, moe.experts]", [](const S& s, int v) {
+                return v >= 1 && v <= s.model.experts
+                           ? std::string()
+                           : "must be in [1, moe.experts = " + show(s.model.experts) + "], got " +
+                                 show(v);
+              }}}),
+      field("moe.aux_loss_weight", [](S& s) -> float& { return s.model.aux_loss_weight; },
+            "Weight of the Switch load-balancing loss; 0 disables it.", {at_least(0.0f)}),
+      field("moe.z_loss_weight", [](S& s) -> float& { return s.model.z_loss_weight; },
+            "Weight of the router z-loss; 0 disables it.", {at_least(0.0f)}),
+  };
+}
+
+// Steps and batches.
+std::vector<Row> train_rows() {
+  return {
+      field("train.steps", [](S& s) -> int& { return s.steps; },
+            "Optimizer steps to run.", {at_least(1)}),
+      field("train.batch", [](S& s) -> int& { return s.batch; },
+            "Global batch in samples per step.",
+            {at_least(1),
+             {"multiple of numerics.leaf_samples", [](const S& s, int v) {
+                // leaf_samples < 1 is reported by its own row, later.
+                return s.leaf_samples < 1 || v % s.leaf_samples == 0
+                           ? std::string()
+                           : "must be a multiple of numerics.leaf_samples = " +
+                                 show(s.leaf_samples) + ", got " + show(v);
+              }}}),
+      field("train.microbatches", [](S& s) -> int& { return s.microbatches; },
+            "Microbatches a rank's samples (train.batch / mesh.dp) run as, one after another through the pipeline "
+            "stages (mesh.pp); each must be a power-of-two number of whole leaves, so that its sums are nodes of the "
+            "contract's tree and the bits do not depend on the count.",
+            {in_range(1, 4096),
+             {"cuts each rank's samples into power-of-two numbers of whole leaves", [](const S& s, int v) {
+                if (v == 1) return std::string();
+                const int per = s.batch / std::max(1, s.mesh.dp);
+                if (per % v != 0)
+                  return "must divide the samples per rank, train.batch / mesh.dp = " + show(per) + ", got " + show(v);
+                const int each = per / v;
+                if (s.leaf_samples < 1 || each % s.leaf_samples != 0)
+                  return "gives microbatches of " + show(each) + " samples, not a whole number of leaves of "
+                         "numerics.leaf_samples = " + show(s.leaf_samples);
+                const int leaves = each / s.leaf_samples;
+                if (leaves & (leaves - 1))
+                  return "gives " + show(leaves) + " leaves per microbatch; each must hold a power-of-two number of "
+                         "leaves (train.batch / mesh.dp / train.microbatches / numerics.leaf_samples)";
+                if (s.mesh.sp && (leaves % s.mesh.tp != 0 || ((leaves / s.mesh.tp) & (leaves / s.mesh.tp - 1))))
+                  return "gives " + show(leaves) + " leaves per microbatch over mesh.tp = " + show(s.mesh.tp) +
+                         " sequence-parallel ranks; each must hold a power-of-two number of whole leaves";
+                if (s.model.moe_policy == MoePolicy::kDrop)
+                  return "is " + show(v) + " with moe.policy=drop, whose capacity counts the tokens one pass sees: "
+                         "the microbatch count would change which rows are dropped";
+                return std::string();
+              }}}),
+  };
+}
+
+// AdamW and its learning-rate schedule (OptimConfig).
+std::vector<Row> optim_rows() {
+  return {
+      field("train.lr", [](S& s) -> float& { return s.optim.lr; },
+            "Peak learning rate.", {above(0.0f)}),
+      field("train.min_lr_ratio", [](S& s) -> float& { return s.optim.min_lr_ratio; },
+            "Cosine decay ends at lr * min_lr_ratio.", {in_range(0.0f, 1.0f)}),
+      field("train.warmup_steps", [](S& s) -> int& { return s.optim.warmup_steps; },
+            "Linear warmup from lr / warmup_steps up to lr.", {at_least(0)}),
+      field("train.decay_steps", [](S& s) -> int& { return s.optim.decay_steps; },
+            "Length of the cosine decay; 0 means train.steps.", {at_least(0)}),
+      field("train.beta1", [](S& s) -> float& { return s.optim.beta1; },
+            "AdamW first-moment decay.", {in_half_open(0.0f, 1.0f)}),
+      field("train.beta2", [](S& s) -> float& { return s.optim.beta2; },
+            "AdamW second-moment decay.", {in_half_open(0.0f, 1.0f)}),
+      field("train.eps", [](S& s) -> float& { return s.optim.eps; },
+            "AdamW epsilon.", {above(0.0f)}),
+      field("train.weight_decay", [](S& s) -> float& { return s.optim.weight_decay; },
+            "Decoupled weight decay, applied to matrices, not norms.", {at_least(0.0f)}),
+      field("train.grad_clip", [](S& s) -> float& { return s.optim.grad_clip; },
+            "Clip the global gradient L2 norm to this; 0 disables.", {at_least(0.0f)}),
+  };
+}
+
+// Held-out evaluation.
+std::vector<Row> eval_rows() {
+  return {
+      field("train.eval_every", [](S& s) -> int& { return s.eval_every; },
+            "Evaluate validation BPB every N steps; 0 = only after the last step.",
+            {at_least(0)}),
+      field("train.eval_batches", [](S& s) -> int& { return s.eval_batches; },
+            "Validation batches per evaluation (bounded: each is a full forward pass of train.batch).",
+            {in_range(1, 4096)}),
+  };
+}
+
+// The corpus.
+std::vector<Row> data_rows() {
+  return {
+      field("data.path", [](S& s) -> std::string& { return s.data.path; },
+            "File of training bytes; empty = the built-in synthetic corpus."),
+      field("data.synthetic_bytes", [](S& s) -> uint64_t& { return s.data.synthetic_bytes; },
+            "Size of the synthetic corpus in bytes (used when data.path is empty).",
+            {in_range<uint64_t>(4096, uint64_t{1} << 32)}),
+      field("data.val_fraction", [](S& s) -> double& { return s.data.val_fraction; },
+            "Tail fraction of the corpus held out for validation BPB.",
+            {in_open_closed(0.0, 0.5)}),
+  };
+}
+
+// The numerics contract's constants and level.
+std::vector<Row> numerics_rows() {
+  return {
+      field("numerics.leaf_samples", [](S& s) -> int& { return s.leaf_samples; },
+            "Samples per leaf of the token-reduction tree (a contract constant: "
+            "changing it changes bits).",
+            {at_least(1)}),
+      field("numerics.level", [](S& s) -> std::string& { return s.level; },
+            "portable: the numerics contract, the same bits on every mesh, thread count and backend; local: an "
+            "ordinary fast trainer's numerics (Eigen GEMMs, the C library's exp, reductions in the fastest order), "
+            "bitwise only run to run at a fixed thread count and mesh (docs/NUMERICS.md section 8).",
+            {one_of({"portable", "local"})}),
+  };
+}
+
+// Routing skew and how experts' rows are scheduled.
+std::vector<Row> moe_schedule_rows() {
+  return {
+      field("moe.router_skew", [](S& s) -> float& { return s.model.router_skew; },
+            "A fixed bonus added to the router logits of the first max(1, experts/4) experts: "
+            "skewed routing, for studying capacity and rounds. 0 = none.",
+            {at_least(0.0f)}),
+      policy_row(),
+      field("moe.capacity_factor", [](S& s) -> float& { return s.model.capacity_factor; },
+            "Expert slots per round = capacity_factor x mean load (tokens x top_k / experts).",
+            {in_open_closed(0.0f, 1024.0f)}),
+      field("moe.capacity", [](S& s) -> int& { return s.model.moe_capacity; },
+            "Expert slots per round in tokens; 0 = use moe.capacity_factor.", {in_range(0, 1 << 24)}),
+      field("moe.group_size", [](S& s) -> int& { return s.model.moe_group_size; },
+            "Experts that lend each other unused slots (policy rounds with moe.borrow); 0 = all "
+            "experts a rank holds.",
+            {at_least(0),
+             {"divides moe.experts / mesh.ep", [](const S& s, int v) {
+                const int held = s.mesh.ep > 0 ? s.model.experts / s.mesh.ep : s.model.experts;
+                if (v == 0 || (held > 0 && held % v == 0)) return std::string();
+                return "must divide the experts a rank holds, moe.experts / mesh.ep = " + show(held) + ", got " +
+                       show(v);
+              }}}),
+      field("moe.borrow", [](S& s) -> bool& { return s.model.moe_borrow; },
+            "Let an overflowing expert use slots another expert of its group leaves empty."),
+  };
+}
+
+// Data- and expert-parallel ranks.
+std::vector<Row> data_parallel_rows() {
+  return {
+      field("mesh.dp", [](S& s) -> int& { return s.mesh.dp; },
+            "Data-parallel ranks (the simulated world). Each holds train.batch / mesh.dp "
+            "consecutive samples, which must be a power-of-two number of leaves so its partial "
+            "sums are nodes of the contract's tree.",
+            {in_range(1, 64),
+             {"divides train.batch into a power-of-two number of leaves per rank",
+              [](const S& s, int v) {
+                if (v == 1) return std::string();  // one rank computes the whole tree
+                if (s.batch % v != 0)
+                  return "must divide train.batch = " + show(s.batch) + ", got " + show(v);
+                const int per = s.batch / v;
+                if (s.leaf_samples < 1 || per % s.leaf_samples != 0)
+                  return "leaves train.batch / mesh.dp = " + show(per) +
+                         " samples per rank, not a multiple of numerics.leaf_samples = " +
+                         show(s.leaf_samples);
+                const int leaves = per / s.leaf_samples;
+                if (leaves & (leaves - 1))
+                  return "gives " + show(leaves) +
+                         " leaves per rank; the bits stay independent of the mesh only when "
+                         "each rank holds a power-of-two number of leaves "
+                         "(train.batch / mesh.dp / numerics.leaf_samples)";
+                return std::string();
+              }}}),
+      field("mesh.ep", [](S& s) -> int& { return s.mesh.ep; },
+            "Expert-parallel group size: experts are split over this many consecutive "
+            "data-parallel ranks, tokens travel by all-to-all.",
+            {in_range(1, 64),
+             {"a power of two dividing mesh.dp and moe.experts", [](const S& s, int v) {
+                if (v & (v - 1)) return "must be a power of two, got " + show(v);
+                if (s.mesh.dp % v != 0)
+                  return "must divide mesh.dp = " + show(s.mesh.dp) + ", got " + show(v);
+                if (s.model.experts % v != 0)
+                  return "must divide moe.experts = " + show(s.model.experts) + ", got " + show(v);
+                return std::string();
+              }}}),
+  };
+}
+
+// Tensor and sequence parallel.
+std::vector<Row> tensor_parallel_rows() {
+  return {
+      field("mesh.tp", [](S& s) -> int& { return s.mesh.tp; },
+            "Tensor-parallel ranks per data-parallel rank (world = mesh.dp x mesh.tp): attention heads and "
+            "the experts' hidden features are split across them; a fold over a split feature is chained "
+            "from rank to rank in the contract's order (docs/NUMERICS.md), so the bits do not depend on it.",
+            {in_range(1, 64),
+             {"divides model.n_heads and model.d_ff", [](const S& s, int v) {
+                if (s.model.n_heads % v != 0)
+                  return "must divide model.n_heads = " + show(s.model.n_heads) + ", got " + show(v);
+                if (s.model.d_ff % v != 0) return "must divide model.d_ff = " + show(s.model.d_ff) + ", got " + show(v);
+                return std::string();
+              }},
+             {"not with numerics.level=local", [](const S& s, int v) {
+                if (v == 1) return std::string();
+                if (s.level == "local")
+                  return "is " + show(v) + " with numerics.level=local: the chained fold needs the portable GEMM";
+                return std::string();
+              }}}),
+      field("mesh.sp", [](S& s) -> bool& { return s.mesh.sp; },
+            "Sequence parallel (with mesh.tp > 1): the norms, residual adds, router and head run on tokens split "
+            "across the tensor-parallel ranks, gathered before the column-parallel GEMMs; the chained folds after "
+            "the row-parallel ones land scattered.",
+            {{"needs mesh.tp > 1 and a power-of-two number of leaves per tensor-parallel rank",
+              [](const S& s, bool v) {
+                if (!v) return std::string();
+                if (s.mesh.tp < 2)
+                  return std::string("is true but mesh.tp = 1: sequence parallel splits tokens across tensor-parallel "
+                                     "ranks; set mesh.tp >= 2");
+                const int per = s.batch / std::max(1, s.mesh.dp);
+                const int leaves = s.leaf_samples > 0 ? per / s.leaf_samples : 0;
+                if (leaves % s.mesh.tp != 0 || ((leaves / s.mesh.tp) & (leaves / s.mesh.tp - 1)))
+                  return "gives " + show(leaves) + " leaves per data-parallel rank over mesh.tp = " + show(s.mesh.tp) +
+                         " ranks; each tensor-parallel rank must hold a power-of-two number of whole leaves "
+                         "(train.batch / mesh.dp / numerics.leaf_samples / mesh.tp)";
+                return std::string();
+              }}}),
+  };
+}
+
+// Pipeline stages and their schedule.
+std::vector<Row> pipeline_rows() {
+  return {
+      field("mesh.pp", [](S& s) -> int& { return s.mesh.pp; },
+            "Pipeline stages (world = mesh.dp x mesh.tp x mesh.pp): each holds a contiguous range of the model's "
+            "blocks, cut where only the residual stream crosses; activations go forward and gradients back, "
+            "train.microbatches at a time.",
+            {in_range(1, 64),
+             {"at most the model's pipeline units", [](const S& s, int v) {
+                const int units = 2 * s.model.n_layers + 2;  // embedding, per layer attention and MoE, head
+                const int chunks = v * std::max(1, s.mesh.pp_virtual);
+                if (chunks <= units) return std::string();
+                return "is " + show(v) + (s.mesh.pp_virtual > 1 ? " (x mesh.pp_virtual = " + show(s.mesh.pp_virtual) +
+                                                                      " chunks each)"
+                                                                : std::string()) +
+                       ": more stages than the model has blocks to give them; a model of " +
+                       show(s.model.n_layers) + " layers cuts into at most " + show(units) +
+                       " (the embedding, each layer's attention and MoE, the head)";
+              }}}),
+      field("mesh.pp_schedule", [](S& s) -> std::string& { return s.mesh.pp_schedule; },
+            "The order a stage runs its microbatches' forward and backward passes in: gpipe (every forward, then "
+            "every backward), 1f1b (one forward, one backward once the pipeline is full) or interleaved (1F1B over "
+            "mesh.pp_virtual model chunks per stage). It changes only when work runs, never the bits.",
+            {one_of({"gpipe", "1f1b", "interleaved"})}),
+      field("mesh.pp_virtual", [](S& s) -> int& { return s.mesh.pp_virtual; },
+            "With mesh.pp_schedule=interleaved: model chunks per stage (stage s holds chunks s, s + mesh.pp, ...).",
+            {in_range(1, 64),
+             {"1 unless interleaved; interleaved needs train.microbatches a multiple of mesh.pp",
+              [](const S& s, int v) {
+                if (s.mesh.pp_schedule != "interleaved")
+                  return v == 1 ? std::string()
+                                : "is " + show(v) + " but mesh.pp_schedule = " + s.mesh.pp_schedule +
+                                      ": model chunks per stage need mesh.pp_schedule=interleaved";
+                if (s.microbatches % std::max(1, s.mesh.pp) != 0)
+                  return "interleaved runs microbatches in groups of mesh.pp = " + show(s.mesh.pp) +
+                         "; train.microbatches = " + show(s.microbatches) + " is not a multiple";
+                return std::string();
+              }}}),
+  };
+}
+
+// Context parallel.
+std::vector<Row> context_parallel_rows() {
+  return {
+      field("mesh.cp", [](S& s) -> int& { return s.mesh.cp; },
+            "Context-parallel ranks per data-parallel rank (world = mesh.dp x mesh.tp x mesh.pp x mesh.cp): "
+            "each runs the attention block (QKV, attention, output projection) for its share of every "
+            "sample's positions (mesh.cp_layout), K and V all-gathered, the dK and dV folds passed from rank "
+            "to rank in ascending query order; the routed experts split by expert, the shared expert by "
+            "position; the norms, router and head run on every rank of the group.",
+            {in_range(1, 64),
+             {"divides model.seq_len into equal shares (2 x mesh.cp chunks under zigzag)", [](const S& s, int v) {
+                if (v == 1) return std::string();
+                const int chunks = s.mesh.cp_layout == "zigzag" ? 2 * v : v;
+                if (s.model.seq_len % chunks != 0)
+                  return "is " + show(v) + ": model.seq_len = " + show(s.model.seq_len) + " does not cut into " +
+                         show(chunks) + " equal chunks" +
+                         (s.mesh.cp_layout == "zigzag" ? " (mesh.cp_layout=zigzag gives each rank two)" : "");
+                return std::string();
+              }},
+             {"not with numerics.level=local", [](const S& s, int v) {
+                if (v == 1 || s.level != "local") return std::string();
+                return "is " + show(v) + " with numerics.level=local: the chained dK/dV fold needs the portable "
+                       "attention kernels";
+              }}}),
+      field("mesh.cp_layout", [](S& s) -> std::string& { return s.mesh.cp_layout; },
+            "Which query positions a context-parallel rank holds: zigzag (the sequence cut into 2 x mesh.cp "
+            "chunks, rank c holding chunks c and 2 x mesh.cp - 1 - c, so every rank gets the same causal work) "
+            "or contiguous (rank c holds chunk c of mesh.cp: the last rank does the most). Never changes the bits.",
+            {one_of({"zigzag", "contiguous"})}),
+  };
+}
+
+// Checkpoints: where, how often, how they upload and restore.
+std::vector<Row> ckpt_rows() {
+  return {
+      // One of the two alone saves nothing, silently: refused, naming both.
+      field("ckpt.url", [](S& s) -> std::string& { return s.ckpt.url; },
+            "Where checkpoints go: file://DIR (or a plain path) or s3://bucket/prefix; empty = none.",
+            {{"set together with ckpt.every", [](const S& s, std::string v) {
+                return v.empty() || s.ckpt.every != 0
+                           ? std::string()
+                           : "is set but ckpt.every is 0, so no checkpoint would be saved; set ckpt.every >= 1 "
+                             "as well, or leave both ckpt.url and ckpt.every out";
+              }}}),
+      field("ckpt.every", [](S& s) -> int& { return s.ckpt.every; },
+            "Save a checkpoint after every N steps; 0 = never.",
+            {at_least(0),
+             {"set together with ckpt.url", [](const S& s, int v) {
+                return v == 0 || !s.ckpt.url.empty()
+                           ? std::string()
+                           : "is " + show(v) + " but ckpt.url is empty, so no checkpoint would be saved; set ckpt.url "
+                             "as well, or leave both ckpt.url and ckpt.every out";
+              }}}),
+      field("ckpt.async", [](S& s) -> bool& { return s.ckpt.async; },
+            "Upload in the background: only the copy to DRAM staging blocks training."),
+      field("ckpt.keep_last", [](S& s) -> int& { return s.ckpt.keep_last; },
+            "Committed checkpoints to keep; older ones are deleted after a newer one commits (0 = keep all).",
+            {at_least(0)}),
+      field("ckpt.max_inflight", [](S& s) -> int& { return s.ckpt.max_inflight; },
+            "Checkpoints uploading at once; a save waits (back-pressure) beyond this.", {at_least(1)}),
+      field("ckpt.restore", [](S& s) -> std::string& { return s.ckpt.restore; },
+            "broadcast: every object read once by one rank and broadcast; naive: each rank reads what it needs.",
+            {one_of({"broadcast", "naive"})}),
+      field("ckpt.s3_endpoint", [](S& s) -> std::string& { return s.ckpt.s3_endpoint; },
+            "S3 endpoint for s3:// URLs (e.g. http://127.0.0.1:4569); empty = env LOCKSTEP_S3_ENDPOINT."),
+      field("ckpt.retry_seconds", [](S& s) -> double& { return s.ckpt.retry_seconds; },
+            "A save's store call retries transient errors (an outage, a gateway restart) this long, with "
+            "exponential backoff and jitter, before the save fails.",
+            {in_range(0.0, 86400.0)}),
+      field("ckpt.on_failure", [](S& s) -> std::string& { return s.ckpt.on_failure; },
+            "continue: a save that fails past ckpt.retry_seconds is reported and training goes on (the next save "
+            "tries again); stop: the run stops with exit 3.",
+            {one_of({"continue", "stop"})}),
+      field("ckpt.lease_seconds", [](S& s) -> double& { return s.ckpt.lease_seconds; },
+            "A job holds its ckpt.url through a lease renewed every third of this; a job that dies without "
+            "releasing it blocks the prefix this long (docs/CHECKPOINTS.md).",
+            {in_range(1.0, 86400.0)}),
+  };
+}
+
+// Sharded data parallel (FSDP, HSDP).
+std::vector<Row> fsdp_rows() {
+  return {
+      field("mesh.fsdp", [](S& s) -> bool& { return s.mesh.fsdp; },
+            "Shard parameters, gradients and AdamW state across data-parallel ranks "
+            "(all-gather before use, reduce-scatter of gradients)."),
+      field("mesh.replicate", [](S& s) -> int& { return s.mesh.replicate; },
+            "With mesh.fsdp: replica groups (HSDP); each shards over mesh.dp / mesh.replicate "
+            "consecutive ranks and replicas all-reduce.",
+            {at_least(1),
+             {"divides mesh.dp", [](const S& s, int v) {
+                return s.mesh.dp % v == 0 ? std::string()
+                                          : "must divide mesh.dp = " + show(s.mesh.dp) + ", got " + show(v);
+              }}}),
+  };
+}
+
+// The sections' rows in table order: the docs' order, and the order the
+// loader checks them in (the first that fails is reported).
+std::vector<Row> make_rows() {
+  std::vector<Row> t;
+  for (std::vector<Row> (*section)() :
+       {top_level_rows, model_rows, moe_rows, train_rows, optim_rows, eval_rows, data_rows, numerics_rows,
+        moe_schedule_rows, data_parallel_rows, tensor_parallel_rows, pipeline_rows, context_parallel_rows, ckpt_rows,
+        fsdp_rows})
+    for (Row& r : section()) t.push_back(std::move(r));
+  t.push_back(faults_row());  // last: its checks rely on train.*, mesh.* and ckpt.* being valid
+  const Scenario defaults;
+  for (Row& r : t) r.info.default_value = r.encode(defaults);
+  return t;
+}
+
+}  // namespace
+
+const std::vector<Row>& rows() {
+  static const std::vector<Row> t = make_rows();
+  return t;
+}
+
+const Row* find_row(const std::string& key) {
+  for (const Row& r : rows())
+    if (r.info.key == key) return &r;
+  return nullptr;
+}
+
+const std::vector<std::string>& sections() {
+  static const std::vector<std::string> t = [] {
+    std::vector<std::string> out;
+    for (const Row& r : rows())
+      for (size_t p = r.info.key.find('.'); p != std::string::npos;
+           p = r.info.key.find('.', p + 1)) {
+        std::string s = r.info.key.substr(0, p);
+        if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+      }
+    return out;
+  }();
+  return t;
+}
+
+bool is_section(const std::string& key) {
+  const auto& s = sections();
+  return std::find(s.begin(), s.end(), key) != s.end();
+}
+
+}  // namespace scenario_table
+
+using scenario_table::Row;
+using scenario_table::rows;
+
+const std::vector<ScenarioKey>& scenario_keys() {
+  static const std::vector<ScenarioKey> t = [] {
+    std::vector<ScenarioKey> out;
+    for (const Row& r : rows()) out.push_back(r.info);
+    return out;
+  }();
+  return t;
+}
+
+std::string scenario_keys_markdown() {
+  std::string md = "| key | type | default | meaning | constraints |\n"
+                   "| --- | --- | --- | --- | --- |\n";
+  for (const ScenarioKey& k : scenario_keys())
+    md += "| `" + k.key + "` | " + k.type + " | `" + k.default_value.dump() + "` | " + k.doc +
+          " | " + k.constraint + " |\n";
+  return md;
+}
+
+}  // namespace ls
