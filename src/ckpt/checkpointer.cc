@@ -42,7 +42,7 @@ std::string message_of(std::exception_ptr error) {
 
 void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context) {
   // kind (0 none, 1 UserError, 2 StoreError, 3 other, 4 LeaseLost, 5 transient StoreError,
-  // 6 CorruptCheckpoint), message bytes
+  // 6 CorruptCheckpoint, 7 InternalError), message bytes
   uint64_t head[2] = {0, 0};
   std::string text;
   if (comm.rank() == root && error) {
@@ -56,6 +56,8 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
       head[0] = 1, text = e.what();
     } catch (const StoreError& e) {
       head[0] = e.transient ? 5 : 2, text = e.what();
+    } catch (const InternalError& e) {
+      head[0] = 7, text = e.invariant();
     } catch (const std::exception& e) {
       head[0] = 3, text = e.what();
     }
@@ -71,6 +73,7 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
   if (head[0] == 1) throw UserError(text);
   if (head[0] == 2 || head[0] == 5) throw StoreError(text, head[0] == 5);
   if (head[0] == 4) throw LeaseLost(text);
+  if (head[0] == 7) throw InternalError(text);
   throw std::runtime_error(text);
 }
 
@@ -325,7 +328,11 @@ void CheckpointWriter::commit(Job& job) {
     }
     m.state_hash = hs.hex();
   }
-  validate_manifest(m, "checkpoint of step " + std::to_string(job.step));
+  try {  // the manifest this writer built from the staged state: a bad one is a bug, not bad input
+    validate_manifest(m, "checkpoint of step " + std::to_string(job.step));
+  } catch (const CorruptCheckpoint& e) {
+    throw InternalError(std::string("the manifest a save built is invalid: ") + e.what());
+  }
   const std::string text = manifest_to_json(m).dump(1);
   // The commit: the manifest, written last and only once, by a job that
   // still holds the prefix.

@@ -155,9 +155,9 @@ struct RestoreReport {
 
 // Every rank of comm learns whether `root` failed: root passes its error (or
 // nullptr), the others nullptr. On a failure every rank throws: root its own
-// exception, the others one of the same kind (UserError, StoreError,
-// LeaseLost, else runtime_error) with root's message after `context` and
-// "rank N: ". Collective.
+// exception, the others one of the same kind (UserError, CorruptCheckpoint,
+// StoreError, LeaseLost, InternalError, else runtime_error) with root's
+// message after `context` and "rank N: ". Collective.
 void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context);
 
 // "URL@STEP" -> (URL, STEP); a URL without "@digits" -> (URL, -1): the latest.

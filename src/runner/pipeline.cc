@@ -22,7 +22,7 @@ std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, int stages
                                            int stage) {
   const int p = stages, v = chunks, m = microbatches, s = stage;
   if (schedule != PipelineSchedule::kInterleaved && v != 1)
-    throw std::logic_error("pipeline_order: model chunks per stage need the interleaved schedule");
+    throw InternalError("pipeline_order: model chunks per stage need the interleaved schedule (the scenario checks)");
   std::vector<PipelineAction> order;
   if (schedule == PipelineSchedule::kGpipe) {
     for (int mb = 0; mb < m; ++mb) order.push_back({true, mb, 0});
@@ -35,7 +35,8 @@ std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, int stages
   const int total = m * v;
   auto pass = [&](int k, bool forward) {
     if (v == 1) return PipelineAction{forward, k, 0};
-    if (m % p != 0) throw std::logic_error("pipeline_order: interleaved needs microbatches a multiple of stages");
+    if (m % p != 0)
+      throw InternalError("pipeline_order: interleaved needs microbatches a multiple of stages (the scenario checks)");
     const int group = k / (p * v), in_group = k % (p * v), chunk = in_group / p;
     return PipelineAction{forward, group * p + in_group % p, forward ? chunk : v - 1 - chunk};
   };
