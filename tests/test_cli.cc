@@ -12,8 +12,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/failure.h"
 #include "cli_run.h"
+#include "ckpt/lease.h"
 #include "cluster/mpi.h"
+#include "common/error.h"
+#include "store/store.h"
 
 namespace fs = std::filesystem;
 
@@ -386,5 +390,25 @@ TEST_SUITE("cli") {
     CAPTURE(summary);
     CHECK(summary.rfind("2 2 2 2\n", 0) == 0);
     CHECK(summary.find("run|the supervised run failed (exit 3)") != std::string::npos);
+  }
+}
+
+TEST_SUITE("cli") {
+  TEST_CASE("the exit code and the line of each kind of error; a bug in Lockstep is not bad input") {
+    auto failure = [](auto error) { return ls::describe_failure(std::make_exception_ptr(error)); };
+    const ls::Failure bug = failure(ls::InternalError("pipeline_order: a broken invariant"));
+    CHECK(bug.exit_code == ls::kExitInternalError);
+    CHECK(bug.exit_code == 70);
+    CHECK(bug.message.rfind("lockstep: internal error: pipeline_order: a broken invariant (", 0) == 0);
+    CHECK(bug.message.find("a bug in Lockstep") != std::string::npos);
+    CHECK(bug.message.find("please report it") != std::string::npos);
+    CHECK(failure(ls::UserError("train.steps: must be positive")).exit_code == 2);
+    CHECK(failure(ls::UserError("x")).message == "lockstep: error: x");
+    CHECK(failure(ls::CorruptCheckpoint("x")).exit_code == 2);
+    CHECK(failure(ls::StoreError("x", true)).exit_code == 3);
+    CHECK(failure(ls::StoreError("x", false)).message == "lockstep: storage error: x");
+    CHECK(failure(ls::LeaseLost("x")).exit_code == ls::kExitLeaseLost);
+    CHECK(failure(std::runtime_error("x")).exit_code == 3);
+    CHECK(failure(std::logic_error("x")).message == "lockstep: internal error: x");
   }
 }

@@ -1,16 +1,16 @@
+// Saving training state through an object store (checkpointer.h); the
+// restore side is restore.cc.
 #include "ckpt/checkpointer.h"
 
 #include <chrono>
 #include <cstdio>
-#include <cstring>
-#include <limits>
 #include <map>
 
 #include "ckpt/lease.h"
+#include "ckpt/ranks.h"
 #include "ckpt/safetensors.h"
 #include "cluster/communicator.h"
 #include "common/error.h"
-#include "common/json_input.h"
 #include "store/store.h"
 #include "contract.h"
 
@@ -38,17 +38,11 @@ std::string message_of(std::exception_ptr error) {
   }
 }
 
-// Whether this process holds trainer rank r of `ranks`: each process holds an
-// even block of them (under MPI one each; alone, all).
-bool holds_rank(const Communicator& processes, int ranks, int r) {
-  return r / std::max(1, ranks / processes.size()) == processes.rank();
-}
-
 }  // namespace
 
 void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context) {
   // kind (0 none, 1 UserError, 2 StoreError, 3 other, 4 LeaseLost, 5 transient StoreError,
-  // 6 CorruptCheckpoint), message bytes
+  // 6 CorruptCheckpoint, 7 InternalError), message bytes
   uint64_t head[2] = {0, 0};
   std::string text;
   if (comm.rank() == root && error) {
@@ -62,6 +56,8 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
       head[0] = 1, text = e.what();
     } catch (const StoreError& e) {
       head[0] = e.transient ? 5 : 2, text = e.what();
+    } catch (const InternalError& e) {
+      head[0] = 7, text = e.invariant();
     } catch (const std::exception& e) {
       head[0] = 3, text = e.what();
     }
@@ -77,6 +73,7 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
   if (head[0] == 1) throw UserError(text);
   if (head[0] == 2 || head[0] == 5) throw StoreError(text, head[0] == 5);
   if (head[0] == 4) throw LeaseLost(text);
+  if (head[0] == 7) throw InternalError(text);
   throw std::runtime_error(text);
 }
 
@@ -331,7 +328,11 @@ void CheckpointWriter::commit(Job& job) {
     }
     m.state_hash = hs.hex();
   }
-  validate_manifest(m, "checkpoint of step " + std::to_string(job.step));
+  try {  // the manifest this writer built from the staged state: a bad one is a bug, not bad input
+    validate_manifest(m, "checkpoint of step " + std::to_string(job.step));
+  } catch (const CorruptCheckpoint& e) {
+    throw InternalError(std::string("the manifest a save built is invalid: ") + e.what());
+  }
   const std::string text = manifest_to_json(m).dump(1);
   // The commit: the manifest, written last and only once, by a job that
   // still holds the prefix.
@@ -534,171 +535,6 @@ void CheckpointWriter::finish() {
 std::vector<SaveRecord> CheckpointWriter::records() {
   std::lock_guard<std::mutex> lk(mu_);
   return records_;
-}
-
-std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text) {
-  const size_t at = text.rfind('@');
-  if (at != std::string::npos && at + 1 < text.size() &&
-      text.find_first_not_of("0123456789", at + 1) == std::string::npos)
-    return {text.substr(0, at),
-            parse_int_field(text.substr(at + 1), 0, 999999999999999999, text + ": step")};
-  return {text, -1};
-}
-
-RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode,
-                            Communicator* mpi, const std::optional<RetryPolicy>& retry) {
-  if (mode != "broadcast" && mode != "naive")
-    throw UserError("ckpt.restore: must be broadcast or naive, got \"" + mode + "\"");
-  std::unique_ptr<Communicator> solo = mpi ? nullptr : solo_communicator();
-  Communicator& processes = mpi ? *mpi : *solo;  // those that agree on the outcome
-  const double t0 = now();
-  const uint64_t read_before = store.metrics_snapshot().bytes_read;
-  RestoreReport rep;
-  rep.step = m.step;
-  rep.url = store.url();
-  rep.mode = mode;
-  rep.saved_mesh = m.mesh.dump();
-  for (const ManifestObject& o : m.objects) rep.checkpoint_bytes += o.size;
-  // Where each stored piece lives: object -> (stored name -> tensor name, range).
-  std::map<std::string, std::map<std::string, std::pair<std::string, std::pair<int64_t, int64_t>>>> where;
-  for (const ManifestTensor& t : m.tensors)
-    for (const ManifestPiece& p : t.pieces) where[p.object][p.stored_name] = {t.name, {p.global_begin, p.global_end}};
-  const int world = trainer.world();
-  std::vector<std::vector<StatePiece>> needs(world);
-  std::vector<std::vector<std::vector<float>>> buffers(world);
-  std::vector<std::vector<int64_t>> filled(world);
-  for (int r = 0; r < world; ++r) {
-    if (!holds_rank(processes, world, r)) continue;  // held by another process
-    needs[r] = trainer.state_needs(r);
-    for (const StatePiece& n : needs[r]) buffers[r].emplace_back(n.global_end - n.global_begin);
-    filled[r].assign(needs[r].size(), 0);
-  }
-  // Fetches and checks one object.
-  auto fetch = [&](const ManifestObject& o) {
-    std::vector<uint8_t> bytes;
-    try {
-      bytes = read_retrying(retry, [&] { return store.get(o.key); });
-    } catch (const StoreError& e) {
-      // Missing although the manifest names it: the checkpoint is incomplete.
-      // Any other store failure is the store's, not the checkpoint's.
-      if (e.transient || store.exists(o.key)) throw;
-      throw CorruptCheckpoint(store.url() + "/" + o.key + ": missing: the manifest of step " +
-                              std::to_string(m.step) + " names it (" + e.what() + ")");
-    }
-    if (bytes.size() != o.size || xxh128_hex(bytes.data(), bytes.size()) != o.xxh128)
-      throw CorruptCheckpoint(store.url() + "/" + o.key + ": checksum mismatch: the object is corrupt (manifest of step " +
-                      std::to_string(m.step) + " says " + o.xxh128 + ", " + std::to_string(o.size) + " bytes)");
-    return bytes;
-  };
-  // Copies what rank r holds out of one object.
-  auto take = [&](int r, const ManifestObject& o, const std::vector<uint8_t>& bytes) {
-    const SafetensorsView v = parse_safetensors(bytes.data(), bytes.size(), o.key);
-    const auto wo = where.find(o.key);
-    if (wo == where.end()) return;
-    for (const StoredTensor& st : v.tensors) {
-      auto it = wo->second.find(st.name);
-      if (it == wo->second.end()) continue;
-      const std::string& name = it->second.first;
-      const int64_t b = it->second.second.first, e = it->second.second.second;
-      if ((int64_t)((st.end - st.begin) / 4) != e - b)
-        throw CorruptCheckpoint(store.url() + "/" + o.key + ": stored tensor " + st.name + " holds " +
-                        std::to_string((st.end - st.begin) / 4) + " elements, the manifest says " +
-                        std::to_string(e - b));
-      for (size_t i = 0; i < needs[r].size(); ++i) {
-        const StatePiece& n = needs[r][i];
-        if (n.name != name) continue;
-        const int64_t lo = std::max(b, n.global_begin), hi = std::min(e, n.global_end);
-        if (lo >= hi) continue;
-        std::memcpy(&buffers[r][i][lo - n.global_begin], bytes.data() + v.data_start + st.begin + (lo - b) * 4,
-                    (size_t)(hi - lo) * 4);
-        filled[r][i] += hi - lo;
-      }
-    }
-  };
-  auto holds_any = [&](int r, const ManifestObject& o) {
-    const auto wo = where.find(o.key);
-    if (wo == where.end()) return false;
-    for (auto& [stored, loc] : wo->second)
-      for (const StatePiece& n : needs[r])
-        if (n.name == loc.first && std::max(loc.second.first, n.global_begin) < std::min(loc.second.second, n.global_end))
-          return true;
-    return false;
-  };
-  auto body = [&](Communicator& comm) {
-    const int r = comm.rank();
-    for (size_t i = 0; i < m.objects.size(); ++i) {
-      const ManifestObject& o = m.objects[i];
-      if (mode == "naive") {
-        if (holds_any(r, o)) take(r, o, fetch(o));
-        continue;
-      }
-      // Read once by the reader rank, then broadcast to every rank. A failed
-      // read fails the restore on every rank (none waits for bytes that
-      // never come, none loads a partial state).
-      const int reader = (int)(i % world);
-      std::vector<uint8_t> bytes;
-      std::exception_ptr error;
-      if (r == reader) {
-        try {
-          bytes = fetch(o);
-        } catch (...) {
-          error = std::current_exception();
-        }
-      }
-      share_error(comm, reader, error, "restore from " + store.url() + ": ");
-      uint64_t n = bytes.size();
-      comm.broadcast(&n, sizeof n, reader);
-      bytes.resize(n);
-      comm.broadcast(bytes.data(), n, reader);
-      take(r, o, bytes);
-    }
-  };
-  // A process that failed alone (naive mode reads on its own) must not leave
-  // the others waiting in the next collective: agree first, on the kind
-  // too, so that every process falls back (corrupt) or stops (anything else).
-  std::exception_ptr error;
-  bool corrupt = false;
-  try {
-    // The ranks are processes under MPI, threads of this one otherwise.
-    if (mpi)
-      body(*mpi);
-    else
-      run_in_process(world, body);
-  } catch (const CorruptCheckpoint&) {
-    error = std::current_exception();
-    corrupt = true;
-  } catch (...) {
-    error = std::current_exception();
-  }
-  int64_t failed[2] = {error && corrupt ? 1 : 0, error && !corrupt ? 1 : 0};  // corrupt, other
-  processes.all_reduce_sum(failed, 2);
-  if (error) std::rethrow_exception(error);
-  const std::string elsewhere = store.url() + ": restore of step " + std::to_string(m.step) + " failed on another rank";
-  if (failed[1]) throw UserError(elsewhere);
-  if (failed[0]) throw CorruptCheckpoint(elsewhere + ": a corrupt object");
-  std::string uncovered;
-  for (int r = 0; r < world; ++r)
-    for (size_t i = 0; i < needs[r].size() && uncovered.empty(); ++i) {
-      const StatePiece& n = needs[r][i];
-      if (filled[r][i] != n.global_end - n.global_begin)
-        uncovered = store.url() + ": checkpoint of step " + std::to_string(m.step) + " does not cover " + n.name +
-                    " [" + std::to_string(n.global_begin) + ", " + std::to_string(n.global_end) + ")";
-    }
-  {  // agreed: every process loads, or none does
-    int64_t bad = uncovered.empty() ? 0 : 1;
-    processes.all_reduce_sum(&bad, 1);
-    if (bad && uncovered.empty())
-      uncovered = store.url() + ": checkpoint of step " + std::to_string(m.step) + " does not cover what " +
-                  std::to_string(bad) + " other rank(s) hold";
-  }
-  if (!uncovered.empty()) throw CorruptCheckpoint(uncovered);  // the manifest's tensors lack state this model holds
-  for (int r = 0; r < world; ++r)
-    for (size_t i = 0; i < needs[r].size(); ++i) trainer.load_piece(r, needs[r][i], buffers[r][i].data());
-  int64_t read = (int64_t)(store.metrics_snapshot().bytes_read - read_before);
-  processes.all_reduce_sum(&read, 1);  // every process's reads
-  rep.store_bytes_read = (uint64_t)read;
-  rep.seconds = now() - t0;
-  return rep;
 }
 
 }  // namespace ls

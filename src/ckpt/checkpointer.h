@@ -1,16 +1,16 @@
 // Saving and restoring training state through an object store.
 //
-// Save: the trainer stages its state into DRAM (the only part that blocks
-// training); a background job encodes each rank's pieces as one safetensors
-// object, uploads them, then commits by writing the manifest last, and only
-// then deletes checkpoints beyond keep_last. An upload error surfaces at the
-// next save() or at finish(), never lost in a thread, and never leaves a
-// manifest pointing at missing objects.
+// Save (checkpointer.cc): the trainer stages its state into DRAM (the only
+// part that blocks training); a background job encodes each rank's pieces as
+// one safetensors object, uploads them, then commits by writing the manifest
+// last, and only then deletes checkpoints beyond keep_last. An upload error
+// surfaces at the next save() or at finish(), never lost in a thread, and
+// never leaves a manifest pointing at missing objects.
 //
-// Restore: read the manifest(s), then every object exactly once, by a reader
-// rank chosen round-robin, and broadcast its bytes to the ranks; each rank
-// keeps the parts of the global tensors it holds on its own mesh, whatever
-// mesh saved them (resharding).
+// Restore (restore.cc): read the manifest(s), then every object exactly
+// once, by a reader rank chosen round-robin, and broadcast its bytes to the
+// ranks; each rank keeps the parts of the global tensors it holds on its own
+// mesh, whatever mesh saved them (resharding).
 //
 // Across processes (mpirun, one rank each): every process writes its own
 // rank's object on its uploader thread; the commit is a collective run on
@@ -155,9 +155,9 @@ struct RestoreReport {
 
 // Every rank of comm learns whether `root` failed: root passes its error (or
 // nullptr), the others nullptr. On a failure every rank throws: root its own
-// exception, the others one of the same kind (UserError, StoreError,
-// LeaseLost, else runtime_error) with root's message after `context` and
-// "rank N: ". Collective.
+// exception, the others one of the same kind (UserError, CorruptCheckpoint,
+// StoreError, LeaseLost, InternalError, else runtime_error) with root's
+// message after `context` and "rank N: ". Collective.
 void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context);
 
 // "URL@STEP" -> (URL, STEP); a URL without "@digits" -> (URL, -1): the latest.

@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "cli/bisect.h"
+#include "cli/failure.h"
 #include "cli/self_exe.h"
 #include "cli/faults_sweep.h"
 #include "cli/junit.h"
@@ -1012,18 +1013,10 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
-  } catch (const LeaseLost& e) {
-    std::fprintf(stderr, "lockstep: error: %s\n", e.what());
-    return kExitLeaseLost;
-  } catch (const UserError& e) {
-    std::fprintf(stderr, "lockstep: error: %s\n", e.what());
-    return 2;
-  } catch (const StoreError& e) {
-    std::fprintf(stderr, "lockstep: storage error: %s\n", e.what());
-    return 3;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "lockstep: internal error: %s\n", e.what());
-    return 3;
+  } catch (const std::exception&) {
+    const Failure f = describe_failure(std::current_exception());
+    std::fprintf(stderr, "%s\n", f.message.c_str());
+    return f.exit_code;
   }
   return 0;
 }

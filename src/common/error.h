@@ -1,5 +1,7 @@
 // Errors caused by user input (scenario, flags, files). The CLI prints the
 // message and exits with code 2; messages name the key, file or object.
+// And errors that are Lockstep's own: a broken internal invariant
+// (InternalError), exit code kExitInternalError.
 #pragma once
 
 #include <stdexcept>
@@ -21,11 +23,23 @@ struct CorruptCheckpoint : UserError {
   using UserError::UserError;
 };
 
-// A broken internal invariant: a bug in Lockstep, not bad input. The CLI
-// says so, asks for a bug report and exits with its own code (70).
-struct InternalError : std::logic_error {
-  explicit InternalError(const std::string& what)
-      : std::logic_error(what + " (an internal error: a bug in Lockstep; please report it with the command that ran)") {}
+// The exit code of a run stopped by an InternalError (EX_SOFTWARE of BSD's
+// sysexits.h). A supervisor does not restart it: the same bug would recur.
+constexpr int kExitInternalError = 70;
+
+// An internal invariant that does not hold: a bug in Lockstep, whatever the
+// input. what() is the invariant's message followed by a request to report
+// the bug; invariant() is the message alone.
+class InternalError : public std::logic_error {
+ public:
+  explicit InternalError(const std::string& invariant)
+      : std::logic_error(invariant + " (this is a bug in Lockstep, not a problem with the input: please report it, "
+                                     "with the command line and the scenario that led to it)"),
+        invariant_(invariant) {}
+  const std::string& invariant() const { return invariant_; }
+
+ private:
+  std::string invariant_;
 };
 
 }  // namespace ls

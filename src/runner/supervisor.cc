@@ -66,6 +66,7 @@ std::string describe(int status) {
   if (code == kExitRankCrash) return "exit " + std::to_string(code) + " (a rank crashed)";
   if (code == kExitMeshChange) return "exit " + std::to_string(code) + " (the mesh changed: shrink/grow)";
   if (code == kExitLeaseLost) return "exit " + std::to_string(code) + " (another job took the checkpoint lease)";
+  if (code == kExitInternalError) return "exit " + std::to_string(code) + " (an internal error: a bug in Lockstep)";
   return "exit " + std::to_string(code);
 }
 
@@ -521,11 +522,15 @@ std::optional<SuperviseResult> Supervision::stop_or_plan_restart(const AttemptEn
   std::ifstream(hb_) >> failed_step;
   const int code = end.exit_code();
   SuperviseResult res;
-  if (code == 2 || code == 3 || code == kExitLeaseLost) {
-    // Bad input, an unavailable store, or another job on the prefix: restarting cannot help.
+  if (code == 2 || code == 3 || code == kExitLeaseLost || code == kExitInternalError) {
+    // Bad input, an unavailable store, another job on the prefix, or a bug
+    // (it would recur): restarting cannot help.
     res.exit_code = code;
     res.error = "the job stopped (" + failure + ") at step " + std::to_string(failed_step) + "; not restarting: " +
-                (code == 2 ? "bad input" : code == 3 ? "the store failed" : "another job took the checkpoint lease") +
+                (code == 2                    ? "bad input"
+                 : code == 3                  ? "the store failed"
+                 : code == kExitInternalError ? "a bug in Lockstep"
+                                              : "another job took the checkpoint lease") +
                 "; committed checkpoints are intact";
     res.summary = {{"restarts", timeline_}, {"faults_fired", read_fault_state(state_).lines}};
     note_resumed_existing(res.summary);
