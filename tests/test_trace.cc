@@ -221,10 +221,25 @@ TEST_SUITE("trace") {
     // Both sides on the same multi-rank mesh: traced on one rank.
     CHECK(lockstep("bisect " + scenario().string() + " --set-a mesh.dp=2 --set-b mesh.dp=2 --set-b moe.aux_loss_weight=0.02",
                    &out) == 1);
-    CHECK(out.find("mesh set aside: A on mesh dp 2, ep 1, B on mesh dp 2, ep 1") != std::string::npos);
+    CHECK(out.find("mesh set aside: A on mesh dp 2, B on mesh dp 2") != std::string::npos);
     CHECK(out.find("moe.aux_loss_weight=0.02 alone changes the bits at step 1") != std::string::npos);
     // A mesh that keeps the bits: the runs agree.
     CHECK(lockstep("bisect " + scenario().string() + " --set-b mesh.dp=2", &out) == 0);
+    CHECK(out.find("the runs agree") != std::string::npos);
+  }
+
+  // bisect's one-rank twin once kept mesh.cp (its own list of mesh keys forgot it): a cp scenario's twin was
+  // still split. The twin is now MeshConfig::single_rank(), every mesh key at 1.
+  TEST_CASE("bisect on a context-parallel mesh: both sides at cp 2, and cp 2 on one side only") {
+    std::string out;
+    CHECK(lockstep("bisect " + scenario().string() +
+                       " --set-a mesh.cp=2 --set-b mesh.cp=2 --set-b moe.aux_loss_weight=0.02",
+                   &out) == 1);
+    CAPTURE(out);
+    CHECK(out.find("mesh set aside: A on mesh cp 2 zigzag, B on mesh cp 2 zigzag") != std::string::npos);
+    CHECK(out.find("moe.aux_loss_weight=0.02 alone changes the bits at step 1") != std::string::npos);
+    CHECK(out.find("determinism bug") == std::string::npos);
+    CHECK(lockstep("bisect " + scenario().string() + " --set-b mesh.cp=2", &out) == 0);
     CHECK(out.find("the runs agree") != std::string::npos);
   }
 
@@ -241,7 +256,7 @@ TEST_SUITE("trace") {
                    &out) == 1);
     CAPTURE(out);
     CHECK(out.find("mesh keys set aside: mesh.dp=2") != std::string::npos);
-    CHECK(out.find("determinism bug: B on mesh dp 2, ep 1 ends on final_state_hash ") != std::string::npos);
+    CHECK(out.find("determinism bug: B on mesh dp 2 ends on final_state_hash ") != std::string::npos);
     CHECK(out.find("only the mesh keys (mesh.dp=2) make the runs differ: on one rank both sides end on "
                    "final_state_hash ") != std::string::npos);
     CHECK(out.find("the mesh must not change the bits: this is a determinism bug") != std::string::npos);

@@ -17,6 +17,7 @@
 #include <tuple>
 
 #include "common/error.h"
+#include "runner/runner.h"
 #include "runner/scenario.h"
 #include "trace/diff.h"
 
@@ -187,32 +188,35 @@ std::string where(const TraceDiff& d) {
 
 bool is_mesh_key(const std::string& k) { return k.rfind("mesh.", 0) == 0 || k == "train.microbatches"; }
 
+// A side's mesh and microbatches, from its resolved scenario.
+MeshConfig mesh_of(const nlohmann::json& resolved, int* microbatches) {
+  *microbatches = resolved.value("train", nlohmann::json::object()).value("microbatches", 1);
+  return mesh_from_json(resolved.value("mesh", nlohmann::json::object()));
+}
+
 // The side on one rank: tracing needs a single-rank mesh, and the mesh must
-// not change the bits, so the twin ends on the same bits as the side.
+// not change the bits, so the twin ends on the same bits as the side. Every
+// mesh key is set (MeshConfig::single_rank), so none a side sets survives.
 Side single_rank(const Side& s) {
   Side t = s;
-  t.resolved["mesh"] = {{"dp", 1}, {"ep", 1}, {"fsdp", false}, {"replicate", 1}, {"tp", 1}, {"sp", false}, {"pp", 1},
-                        {"pp_schedule", "1f1b"}, {"pp_virtual", 1}};
+  nlohmann::json mesh = mesh_json(MeshConfig::single_rank(), 1);
+  mesh.erase("microbatches");  // a train.* key
+  t.resolved["mesh"] = mesh;
   if (t.resolved.contains("train")) t.resolved["train"]["microbatches"] = 1;
   return t;
 }
 
 bool multi_rank(const nlohmann::json& resolved) {
-  const nlohmann::json m = resolved.value("mesh", nlohmann::json::object());
-  const int microbatches = resolved.value("train", nlohmann::json::object()).value("microbatches", 1);
-  return m.value("dp", 1) > 1 || m.value("ep", 1) > 1 || m.value("fsdp", false) || m.value("tp", 1) > 1 ||
-         m.value("pp", 1) > 1 || microbatches > 1;
+  int microbatches = 1;
+  const MeshConfig m = mesh_of(resolved, &microbatches);
+  return m.multi_rank(microbatches);
 }
 
+// "mesh dp 2, tp 2 + sp" (MeshConfig::describe), or "one rank".
 std::string mesh_text(const nlohmann::json& resolved) {
-  const nlohmann::json m = resolved.value("mesh", nlohmann::json::object());
-  std::string t = "mesh dp " + std::to_string(m.value("dp", 1)) + ", ep " + std::to_string(m.value("ep", 1));
-  if (m.value("tp", 1) > 1) t += ", tp " + std::to_string(m.value("tp", 1)) + (m.value("sp", false) ? ", sp" : "");
-  if (m.value("pp", 1) > 1) t += ", pp " + std::to_string(m.value("pp", 1)) + " " + m.value("pp_schedule", "1f1b");
-  const int microbatches = resolved.value("train", nlohmann::json::object()).value("microbatches", 1);
-  if (microbatches > 1) t += ", " + std::to_string(microbatches) + " microbatches";
-  if (m.value("fsdp", false)) t += ", fsdp, replicate " + std::to_string(m.value("replicate", 1));
-  return t;
+  int microbatches = 1;
+  const MeshConfig m = mesh_of(resolved, &microbatches);
+  return m.multi_rank(microbatches) ? "mesh " + m.describe(microbatches) : "one rank";
 }
 
 int first_loss_step(const Child& a, const Child& b) {

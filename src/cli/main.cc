@@ -95,17 +95,8 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
   std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
               s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
               s.batch);
-  if (s.mesh.world() > 1 || s.mesh.ep > 1 || s.mesh.fsdp || s.microbatches > 1)
-    std::printf("mesh            dp %d, ep %d%s%s%s%s\n", s.mesh.dp, s.mesh.ep,
-                s.mesh.tp > 1 ? (", tp " + std::to_string(s.mesh.tp) + (s.mesh.sp ? ", sp" : "")).c_str() : "",
-                s.mesh.pp > 1 || s.microbatches > 1
-                    ? (", pp " + std::to_string(s.mesh.pp) + " " + s.mesh.pp_schedule +
-                       (s.mesh.pp_virtual > 1 ? " x" + std::to_string(s.mesh.pp_virtual) : std::string()) + ", " +
-                       std::to_string(s.microbatches) + " microbatches")
-                          .c_str()
-                    : "",
-                s.mesh.fsdp ? ", fsdp" : "",
-                s.mesh.fsdp && s.mesh.replicate > 1 ? (", replicate " + std::to_string(s.mesh.replicate)).c_str() : "");
+  if (s.mesh.multi_rank(s.microbatches))
+    std::printf("mesh            %s\n", s.mesh.describe(s.microbatches).c_str());
   std::printf("launcher        %s\n", launcher_line(launcher, processes, s.mesh.world()).c_str());
   if (s.data.path.empty())
     std::printf("data            synthetic corpus, %llu bytes\n", (unsigned long long)s.data.synthetic_bytes);
@@ -301,10 +292,10 @@ int cmd_run(const RunArgs& a, const char* self) {
       std::printf("supervised      %d attempt%s, %zu restart%s\n", r.summary.value("attempts", 1),
                   r.summary.value("attempts", 1) == 1 ? "" : "s", n, n == 1 ? "" : "s");
       if (r.summary.contains("launcher"))  // the last attempt's
-        std::printf("launcher        %s\n", launcher_line(r.summary.value("launcher", ""),
-                                                          r.summary.value("processes", 1),
-                                                          r.summary.value("mesh", nlohmann::json::object())
-                                                              .value("dp", s.mesh.dp)).c_str());
+        std::printf("launcher        %s\n",
+                    launcher_line(r.summary.value("launcher", ""), r.summary.value("processes", 1),
+                                  mesh_from_json(r.summary.value("mesh", mesh_json(s.mesh, s.microbatches))).world())
+                        .c_str());
       if (!losses.empty())
         std::printf("loss            %.4f -> %.4f nats/byte over steps %d-%d\n", losses.front().get<double>(),
                     losses.back().get<double>(), r.summary.value("losses_first_step", 1),

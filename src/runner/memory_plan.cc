@@ -60,10 +60,10 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes) {
   // scratch; 1F1B keeps pp - s in flight on stage s unless the aux loss
   // makes every stage hold all m (runner/pipeline.h); GPipe and interleaved: m.
   WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes / m, ep);
-  if (pp > 1 || m > 1) {
+  if (s.mesh.pipelined(s.microbatches)) {
     int64_t slots = 0;
     for (int st = 0; st < pp; ++st)
-      slots += s.mesh.pp_schedule == "1f1b" && c.aux_loss_weight == 0 ? std::min(pp - st, m) : m;
+      slots += s.mesh.schedule() == PipelineSchedule::k1f1b && c.aux_loss_weight == 0 ? std::min(pp - st, m) : m;
     const double share = (double)slots / pp;  // workspaces per stage, on average
     w.activations = (int64_t)(share * (c.n_layers * w.per_layer / pp + w.scratch)) * pp;
     w.expert_buffers = (int64_t)(share * w.expert_buffers);
@@ -89,7 +89,7 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   const ModelConfig& c = s.model;
   const int dp = s.mesh.dp, ep = s.mesh.ep, cp = std::max(1, s.mesh.cp), tp = std::max(1, s.mesh.tp);
   const int m = std::max(1, s.microbatches);
-  const bool multi = s.mesh.world() > 1 || ep > 1 || s.mesh.fsdp || m > 1;
+  const bool multi = s.mesh.multi_rank(s.microbatches);
   // Copies of a data rank's state: each context-parallel rank holds a whole
   // one (only attention's P is split, docs/CLUSTER.md); each tensor-parallel
   // rank its part of the split tensors and the rest whole. Pipeline stages

@@ -46,21 +46,34 @@ RunOptions::Bump parse_bump(const std::string& text) {
   return b;
 }
 
+MeshConfig mesh_from_json(const nlohmann::json& j, int* microbatches) {
+  MeshConfig m;
+  m.dp = j.value("dp", m.dp);
+  m.ep = j.value("ep", m.ep);
+  m.fsdp = j.value("fsdp", m.fsdp);
+  m.replicate = j.value("replicate", m.replicate);
+  m.tp = j.value("tp", m.tp);
+  m.sp = j.value("sp", m.sp);
+  m.pp = j.value("pp", m.pp);
+  m.pp_schedule = j.value("pp_schedule", m.pp_schedule);
+  m.pp_virtual = j.value("pp_virtual", m.pp_virtual);
+  m.cp = j.value("cp", m.cp);
+  m.cp_layout = j.value("cp_layout", m.cp_layout);
+  if (microbatches) *microbatches = j.value("microbatches", 1);
+  return m;
+}
+
 nlohmann::json mesh_json(const MeshConfig& m, int microbatches) {
   return {{"dp", m.dp}, {"ep", m.ep}, {"fsdp", m.fsdp}, {"replicate", m.replicate}, {"tp", m.tp}, {"sp", m.sp},
           {"pp", m.pp}, {"pp_schedule", m.pp_schedule}, {"pp_virtual", m.pp_virtual}, {"microbatches", microbatches},
           {"cp", m.cp}, {"cp_layout", m.cp_layout}};
 }
 
-bool is_multi_rank(const Scenario& s) {
-  return s.mesh.world() > 1 || s.mesh.ep > 1 || s.mesh.fsdp || s.microbatches > 1;
-}
-
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
   // cuda-emulated and cuda train the engine's model; run_scenario installs the kernels for the run.
-  if (b != Backend::kReference && is_multi_rank(s)) return std::make_unique<ClusterTrainer>(s);
+  if (b != Backend::kReference && s.mesh.multi_rank(s.microbatches)) return std::make_unique<ClusterTrainer>(s);
   if (b != Backend::kReference) return new_engine_trainer(s);
-  if (is_multi_rank(s) || s.model.moe_policy == MoePolicy::kDrop)
+  if (s.mesh.multi_rank(s.microbatches) || s.model.moe_policy == MoePolicy::kDrop)
     throw UserError("--backend reference: runs one rank and the dropless schedule only (mesh.*, "
                     "train.microbatches > 1 and moe.policy=drop are engine features)");
   return new_reference_trainer(s);

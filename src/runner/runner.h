@@ -145,6 +145,9 @@ RunOptions::Bump parse_bump(const std::string& text);
 
 // The mesh as the summary and a checkpoint's manifest record it (train.microbatches beside mesh.*).
 nlohmann::json mesh_json(const MeshConfig& mesh, int microbatches);
+// The mesh a mesh_json object (or a scenario's "mesh" section) describes;
+// absent keys at their defaults. *microbatches: its "microbatches", or 1.
+MeshConfig mesh_from_json(const nlohmann::json& mesh, int* microbatches = nullptr);
 
 // The --json summary object.
 nlohmann::json result_json(const RunResult& r);
