@@ -1,8 +1,9 @@
 // The training backend as the checkpointer sees it: the Trainer interface
 // (model + optimizer, one or many ranks) and the StatePiece a save stages
-// and a restore delivers. The runner implements Trainer (runner/runner.cc,
-// runner/cluster_trainer.h); ckpt saves from it and restores into it. It
-// lives here, below runner, so that ckpt needs nothing from runner.
+// and a restore delivers. The runner implements Trainer
+// (runner/engine_trainer.h, reference_trainer.h, cluster_trainer.h); ckpt
+// saves from it and restores into it. It lives here, below runner, so that
+// ckpt needs nothing from runner.
 #pragma once
 
 #include <algorithm>
@@ -128,9 +129,9 @@ class Trainer {
   // deliver to it, whatever mesh the checkpoint was saved on.
   virtual std::vector<StatePiece> state_needs(int rank) const = 0;
   virtual void load_piece(int rank, const StatePiece& need, const float* data) = 0;
-  // Called with (phase, rank) as a training step enters "forward", "backward"
-  // and "optimizer" on a rank (fault injection triggers on it).
-  virtual void set_phase_hook(std::function<void(const char*, int)> hook) { (void)hook; }
+  // Called with (phase, rank) as a training step enters its forward,
+  // backward and optimizer on a rank (fault injection triggers on it).
+  virtual void set_phase_hook(std::function<void(TrainPhase, int)> hook) { (void)hook; }
 };
 
 }  // namespace ls

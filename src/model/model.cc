@@ -477,10 +477,10 @@ int64_t StepWorkspace::allocated_bytes() const {
 
 // A step: every block forward, then (training) every block backward.
 StepLosses MoeTransformer::run(const uint8_t* tokens, int batch, bool training) {
-  if (training && phase_hook_) phase_hook_("forward");
+  if (training && phase_hook_) phase_hook_(TrainPhase::kForward);
   const StepLosses losses = forward_range(tokens, batch, training, 0, num_blocks(), StageIo{});
   if (!training) return losses;
-  if (phase_hook_) phase_hook_("backward");
+  if (phase_hook_) phase_hook_(TrainPhase::kBackward);
   backward_range(0, num_blocks(), nullptr, nullptr);
   return losses;
 }

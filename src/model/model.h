@@ -39,6 +39,10 @@ struct ParamInfo {
   int64_t global_index(int64_t i) const;
 };
 
+// The passes of a training step, as a phase hook sees them (fault
+// injection triggers on them).
+enum class TrainPhase { kForward, kBackward, kOptimizer };
+
 struct StepLosses {
   float ce = 0;     // mean cross-entropy, nats per byte
   float aux = 0;    // sum over layers of the load-balancing loss
@@ -220,9 +224,9 @@ class MoeTransformer {
   // order, a deliberate contract violation that drift tools must locate.
   void set_debug_reorder_moe_norm(bool on) { debug_reorder_moe_norm_ = on; }
   bool debug_reorder_moe_norm() const { return debug_reorder_moe_norm_; }
-  // Called with "forward" and "backward" as a training pass enters each
+  // Called with kForward and kBackward as a training pass enters each
   // (fault injection triggers on it); empty: none.
-  void set_phase_hook(std::function<void(const char*)> hook) { phase_hook_ = std::move(hook); }
+  void set_phase_hook(std::function<void(TrainPhase)> hook) { phase_hook_ = std::move(hook); }
   double train_flops_per_token() const { return ls::train_flops_per_token(cfg_); }
 
  private:
@@ -249,7 +253,7 @@ class MoeTransformer {
   int ep_size_ = 1, ep_rank_ = 0;
   int tp_size_ = 1, tp_rank_ = 0;
   bool debug_reorder_moe_norm_ = false;
-  std::function<void(const char*)> phase_hook_;
+  std::function<void(TrainPhase)> phase_hook_;
 };
 
 }  // namespace ls

@@ -18,7 +18,7 @@ namespace ls {
 
 struct ClusterTrainer::Rank {
   int index = 0;                    // in the world: MeshConfig::rank_coords
-  int data_index = 0, tp_index = 0, pp_index = 0, cp_index = 0;
+  MeshConfig::RankCoords at;       // its stage, data, context and tensor index
   std::unique_ptr<PipelineStage> stage;  // pipelined (mesh.pp > 1 or train.microbatches > 1): its blocks and schedule
   std::unique_ptr<MoeTransformer> model;
   ops::DeviceVector<float> m, v;    // AdamW moments for what this rank updates (shards with fsdp)

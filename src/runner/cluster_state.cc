@@ -198,7 +198,7 @@ void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
           whole.resize(parts.size());
           assemble_tp_parts(p, parts.data(), tensor.size(), whole.data());
           const int64_t ranges = (int64_t)tensor.size() * (sharded ? shard.size() : 1);
-          const int64_t mine = (int64_t)rank.tp_index * (ranges / tensor.size()) + (sharded ? shard.rank() : 0);
+          const int64_t mine = (int64_t)rank.at.tensor * (ranges / tensor.size()) + (sharded ? shard.rank() : 0);
           const int64_t total = (int64_t)whole.size(), begin = total * mine / ranges, end = total * (mine + 1) / ranges;
           from = whole.data() + begin;
           piece.global_begin = p.global_offset + begin;

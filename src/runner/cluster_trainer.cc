@@ -45,22 +45,19 @@ ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), pl
     auto rank = std::make_unique<Rank>();
     rank->index = r;
     const MeshConfig::RankCoords at = m.rank_coords(r);
-    rank->pp_index = at.stage;
-    rank->data_index = at.data;
-    rank->cp_index = at.context;
-    rank->tp_index = at.tensor;
+    rank->at = at;
     std::vector<int> blocks;  // empty: every block
     if (pipelined()) {
       rank->stage = std::make_unique<PipelineStage>(s.model, m.schedule(), m.pp, m.pp_virtual,
-                                                    s.microbatches, rank->pp_index);
+                                                    s.microbatches, rank->at.stage);
       blocks = rank->stage->held_blocks();
     }
-    rank->model = std::make_unique<MoeTransformer>(s.model, s.leaf_samples, s.seed, ep, rank->data_index % ep, m.tp,
-                                                   rank->tp_index, blocks);
+    rank->model = std::make_unique<MoeTransformer>(s.model, s.leaf_samples, s.seed, ep, rank->at.data % ep, m.tp,
+                                                   rank->at.tensor, blocks);
     const auto& infos = rank->model->params();
     int64_t off = 0;
     for (const ParamInfo& p : infos) {
-      const Shard sh = placement_.shard(p, rank->data_index);
+      const Shard sh = placement_.shard(p, rank->at.data);
       rank->shards.push_back(sh);
       rank->shard_off.push_back(off);
       off += std::min(p.size, sh.b1 * kParamBlock) - std::min(p.size, sh.b0 * kParamBlock);
@@ -164,7 +161,7 @@ void ClusterTrainer::gather_sharded_weights(RankCtx& c) {
 StepLosses ClusterTrainer::forward_backward(RankCtx& c, const uint8_t* samples, int count) {
   Rank& rank = c.rank;
   MoeTransformer& model = *rank.model;
-  auto phase = [&](const char* name) {
+  auto phase = [&](TrainPhase name) {
     if (phase_hook_) phase_hook_(name, rank.index);
   };
   if (phase_hook_) model.set_phase_hook(phase);
@@ -283,8 +280,8 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
   float figures[2] = {0, 0};  // rank 0's loss and gradient norm
   each_rank([&](RankCtx& c) {
     gather_sharded_weights(c);  // FSDP: every sharded tensor, whole, before use
-    const StepLosses l = forward_backward(c, tokens + (int64_t)c.rank.data_index * local * sample_bytes, local);
-    if (phase_hook_) phase_hook_("optimizer", c.rank.index);
+    const StepLosses l = forward_backward(c, tokens + (int64_t)c.rank.at.data * local * sample_bytes, local);
+    if (phase_hook_) phase_hook_(TrainPhase::kOptimizer, c.rank.index);
     reduce_gradients(c);
     const float norm = gradient_norm(c);
     update(c, step, norm);
@@ -302,7 +299,7 @@ float ClusterTrainer::eval_loss(const uint8_t* tokens, int batch) {
   each_rank([&](RankCtx& c) {
     MoeTransformer& model = *c.rank.model;
     gather_sharded_weights(c);
-    const uint8_t* mine = tokens + (int64_t)c.rank.data_index * local * sample_bytes;
+    const uint8_t* mine = tokens + (int64_t)c.rank.at.data * local * sample_bytes;
     const float ce = c.rank.stage ? c.rank.stage->evaluate(model, c.mesh, c.group(Axis::kPipeline), mine, local)
                                   : model.forward(mine, local).ce;
     if (c.rank.index == 0) loss = ce;
@@ -317,7 +314,7 @@ std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
     if (!r) continue;
     const auto& t = r->model->moe_stats().tokens_per_expert;
     if (out.empty()) out.assign(t.size(), 0);
-    if (r->tp_index != 0 || r->cp_index != 0) continue;  // a tensor or context-parallel group routes its tokens once
+    if (r->at.tensor != 0 || r->at.context != 0) continue;  // a tensor or context-parallel group routes its tokens once
     for (size_t i = 0; i < t.size(); ++i) out[i] += t[i];
   }
   if (mpi_) mpi_->all_reduce_sum(out.data(), out.size());  // every process's rank
@@ -375,16 +372,16 @@ MeshReport ClusterTrainer::mesh_report() const {
     return rep;
   }
   for (const auto& r : ranks_) {
-    rep.add(r->model->moe_stats(), /*count_rows=*/r->tp_index == 0 && r->cp_index == 0);
+    rep.add(r->model->moe_stats(), /*count_rows=*/r->at.tensor == 0 && r->at.context == 0);
     for (auto& [k, b] : r->comm.bytes_sent) rep.bytes_sent_max[k] = std::max(rep.bytes_sent_max[k], b);
     rep.comm_seconds_max = std::max(rep.comm_seconds_max, r->comm.seconds);
     if (!rep.context.empty()) {
       const MoeStats& st = r->model->moe_stats();
-      rep.context[(size_t)r->cp_index].add(st.cp_attention_seconds, st.cp_bytes_sent, st.cp_kv_bytes_sent, st.workspace_bytes);
+      rep.context[(size_t)r->at.context].add(st.cp_attention_seconds, st.cp_bytes_sent, st.cp_kv_bytes_sent, st.workspace_bytes);
     }
     if (r->stage) {
       const PipelineStats& ps = r->stage->stats();
-      rep.pipeline[(size_t)r->pp_index].add(ps.busy_seconds, ps.step_seconds, ps.peak_in_flight,
+      rep.pipeline[(size_t)r->at.stage].add(ps.busy_seconds, ps.step_seconds, ps.peak_in_flight,
                                             r->model->moe_stats().workspace_bytes, ps.bytes_sent, ps.held);
     }
   }

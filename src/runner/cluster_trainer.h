@@ -43,7 +43,7 @@ class ClusterTrainer : public Trainer {
   void stage_state(std::vector<std::vector<StatePiece>>& out) override;
   std::vector<StatePiece> state_needs(int rank) const override;
   void load_piece(int rank, const StatePiece& need, const float* data) override;
-  void set_phase_hook(std::function<void(const char*, int)> hook) override { phase_hook_ = std::move(hook); }
+  void set_phase_hook(std::function<void(TrainPhase, int)> hook) override { phase_hook_ = std::move(hook); }
 
   // A rank's piece of a tensor as the state hash places it (cluster_state.cc).
   struct StatePart;
@@ -88,7 +88,7 @@ class ClusterTrainer : public Trainer {
   std::vector<std::unique_ptr<Rank>> ranks_;  // under MPI only this process's rank is non-null
   Communicator* mpi_ = nullptr;
   std::unique_ptr<Mesh> mpi_mesh_;  // under MPI: this process's groups, split once
-  std::function<void(const char*, int)> phase_hook_;
+  std::function<void(TrainPhase, int)> phase_hook_;
 };
 
 }  // namespace ls

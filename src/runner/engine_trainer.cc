@@ -35,13 +35,13 @@ class EngineTrainer : public Trainer {
     } else {
       l = model_.forward_backward(tokens, batch);
     }
-    if (phase_hook_) phase_hook_("optimizer", 0);
+    if (phase_hook_) phase_hook_(TrainPhase::kOptimizer, 0);
     *grad_norm = opt_.step(step, model_.weights(), model_.grads());
     return l.ce;
   }
-  void set_phase_hook(std::function<void(const char*, int)> hook) override {
+  void set_phase_hook(std::function<void(TrainPhase, int)> hook) override {
     phase_hook_ = hook;
-    if (hook) model_.set_phase_hook([hook](const char* phase) { hook(phase, 0); });
+    if (hook) model_.set_phase_hook([hook](TrainPhase phase) { hook(phase, 0); });
     else model_.set_phase_hook(nullptr);
   }
   float eval_loss(const uint8_t* tokens, int batch) override { return model_.forward(tokens, batch).ce; }
@@ -115,7 +115,7 @@ class EngineTrainer : public Trainer {
   int leaf_samples_;
   std::unique_ptr<DataLanes> lanes_;
   bool traced_ = false;
-  std::function<void(const char*, int)> phase_hook_;
+  std::function<void(TrainPhase, int)> phase_hook_;
 };
 
 }  // namespace

@@ -152,7 +152,7 @@ struct PipelineStage::Step {
   Step(PipelineStage& stage, MoeTransformer& model, const Mesh& mesh, Communicator& pipe, const uint8_t* tokens,
        int samples);
   // Every pass of the schedule (phase: as train()'s).
-  void run(const std::function<void(const char*)>& phase);
+  void run(const std::function<void(TrainPhase)>& phase);
   // The rank's gradients: each chunk's tree over microbatches, back in place.
   void finish_gradients();
   // The step's losses, on every stage (a collective over the pipeline).
@@ -264,7 +264,7 @@ PipelineStage::Step::Chunk PipelineStage::Step::make_chunk(int k) const {
   return ch;
 }
 
-void PipelineStage::Step::run(const std::function<void(const char*)>& phase) {
+void PipelineStage::Step::run(const std::function<void(TrainPhase)>& phase) {
   // The schedule's order, except that with hold_ a chunk's backward waits
   // (running the next forwards instead) until its counts are the step's.
   const std::vector<PipelineAction> order = pipeline_order(stage_.schedule_, stage_.stages_, v_, m_, stage_.stage_);
@@ -280,7 +280,7 @@ void PipelineStage::Step::run(const std::function<void(const char*)>& phase) {
     }
     if (phase && !entered[order[i].forward ? 0 : 1]) {
       entered[order[i].forward ? 0 : 1] = true;
-      phase(order[i].forward ? "forward" : "backward");
+      phase(order[i].forward ? TrainPhase::kForward : TrainPhase::kBackward);
     }
     if (order[i].forward) forward(order[i]);
     else backward(order[i]);
@@ -454,7 +454,7 @@ StepLosses PipelineStage::Step::losses() const {
 }
 
 StepLosses PipelineStage::train(MoeTransformer& model, const Mesh& mesh, Communicator& pipe, const uint8_t* tokens,
-                                int samples, const std::function<void(const char*)>& phase) {
+                                int samples, const std::function<void(TrainPhase)>& phase) {
   stats_ = PipelineStats{};
   const Clock::time_point t0 = Clock::now();
   model.begin_step();

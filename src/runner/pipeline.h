@@ -76,9 +76,9 @@ class PipelineStage {
   // every microbatch's forward and backward, in the schedule's order. On
   // return the model's gradients are the rank's (its subtree over every
   // microbatch) and the losses are the step's, on every stage.
-  // phase (may be empty): called with "forward" and "backward" as the step's first pass of each kind begins.
+  // phase (may be empty): called with kForward and kBackward as the step's first pass of each kind begins.
   StepLosses train(MoeTransformer& model, const Mesh& mesh, Communicator& pipe, const uint8_t* tokens, int samples,
-                   const std::function<void(const char*)>& phase = {});
+                   const std::function<void(TrainPhase)>& phase = {});
   // The mean cross-entropy of an evaluation batch (one microbatch), on every stage.
   float evaluate(MoeTransformer& model, const Mesh& mesh, Communicator& pipe, const uint8_t* tokens, int samples);
   const PipelineStats& stats() const { return stats_; }

@@ -161,10 +161,11 @@ void TrainingRun::make_injector_and_tracer() {
     injector_ = std::make_unique<FaultInjector>(opt.faults, opt.fired, opt.fault_state);
     if (opt.mpi && opt.mpi->size() > 1) injector_->set_process_rank(opt.mpi->rank());
     if (!s.ckpt.url.empty()) injector_->rot_committed(*open_store(s.ckpt.url, StoreOptions{s.ckpt.s3_endpoint}));
-    trainer_->set_phase_hook([this](const char* phase, int rank) {
-      const std::string p = phase;
-      injector_->at(-1, p == "forward" ? FaultPhase::kForward : p == "backward" ? FaultPhase::kBackward
-                                                                              : FaultPhase::kOptimizer, rank);
+    trainer_->set_phase_hook([this](TrainPhase phase, int rank) {
+      injector_->at(-1, phase == TrainPhase::kForward    ? FaultPhase::kForward
+                        : phase == TrainPhase::kBackward ? FaultPhase::kBackward
+                                                         : FaultPhase::kOptimizer,
+                    rank);
     });
   }
   if (!opt.trace_path.empty()) {
