@@ -53,29 +53,29 @@ CpBusy::~CpBusy() {
 void cp_for_each_held(const StepContext& ctx, int first_sample, int samples,
                       const std::function<void(int64_t row, int count)>& fn) {
   const int S = ctx.cfg.seq_len;
-  const std::vector<QueryRange> mine = cp_query_ranges(S, ctx.cp, ctx.cp_rank, ctx.cp_zigzag());
+  const std::vector<QueryRange> mine = cp_query_ranges(S, ctx.cp(), ctx.cp_rank(), ctx.cp_zigzag());
   for (int b = first_sample; b < first_sample + samples; ++b)
     for (const QueryRange& r : mine) fn((int64_t)b * S + r.first, r.count);
 }
 
 void cp_rows_held(const StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
-  if (ctx.cp == 1) return fn(0, (int)ctx.tokens);
+  if (ctx.cp() == 1) return fn(0, (int)ctx.tokens);
   cp_for_each_held(ctx, 0, ctx.batch, fn);
 }
 
 void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
-  if (ctx.cp == 1) return fn(0, (int)ctx.tokens);
+  if (ctx.cp() == 1) return fn(0, (int)ctx.tokens);
   CpBusy busy(ctx);
   cp_for_each_held(ctx, 0, ctx.batch, fn);
 }
 
 void gather_held_rows(StepContext& ctx, float* m, int64_t ld) {
-  if (ctx.cp > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, 0, ctx.batch);
+  if (ctx.cp() > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, 0, ctx.batch);
 }
 
 void gather_held_stream_rows(StepContext& ctx, float* m, int64_t ld) {
   const int S = ctx.cfg.seq_len;
-  if (ctx.cp > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, (int)(ctx.stream_first / S), (int)(ctx.stream_tokens / S));
+  if (ctx.cp() > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, (int)(ctx.stream_first / S), (int)(ctx.stream_tokens / S));
 }
 
 void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, const float* wqkv, LayerActs& acts) {
@@ -83,7 +83,7 @@ void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, c
   const int D = c.d_model, S = c.seq_len, Dh = ctx.width_held(), Hh = ctx.heads_held(), hd = D / c.n_heads;
   const int64_t N = ctx.tokens;
   const float scale = attention_scale(c);
-  if (ctx.cp == 1) {
+  if (ctx.cp() == 1) {
     ops::linear(attn_in, N, D, wqkv, 3 * Dh, acts.qkv.data());
     ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D});
     acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
@@ -96,14 +96,14 @@ void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, c
     ops::linear(attn_in + row * D, count, D, wqkv, 3 * Dh, acts.qkv.data() + row * 3 * Dh);
   });
   cp_gather_rows(ctx, acts.qkv.data(), 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true);
-  acts.attn_probs.resize((size_t)ctx.batch * Hh * cp_probs_floats(S, ctx.cp, ctx.cp_rank, ctx.cp_zigzag()));
+  acts.attn_probs.resize((size_t)ctx.batch * Hh * cp_probs_floats(S, ctx.cp(), ctx.cp_rank(), ctx.cp_zigzag()));
   cp_attention_forward(ctx, acts.qkv.data(), Hh, hd, scale, acts.attn_probs.data(), acts.attn_out.data());
 }
 
 void attention_backward_held(StepContext& ctx, const LayerActs& acts, const float* dattn_out, float* dqkv) {
   const ModelConfig& c = ctx.cfg;
   const int hd = c.d_model / c.n_heads, Hh = ctx.heads_held();
-  if (ctx.cp > 1)
+  if (ctx.cp() > 1)
     return cp_attention_backward(ctx, acts.qkv.data(), Hh, hd, attention_scale(c), acts.attn_probs.data(), dattn_out,
                                  dqkv);
   ops::attention_backward_heads(acts.qkv.data(), ctx.batch, Hh, c.seq_len, hd, attention_scale(c),
@@ -111,21 +111,21 @@ void attention_backward_held(StepContext& ctx, const LayerActs& acts, const floa
 }
 
 const RoundPlan& computed_expert_plan(const StepContext& ctx, const LayerActs& acts, RoundPlan& scratch) {
-  if (ctx.cp == 1) return ctx.own_plan(acts);
+  if (ctx.cp() == 1) return ctx.own_plan(acts);
   scratch = cp_own_experts(ctx, ctx.own_plan(acts));
   return scratch;
 }
 
 void token_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                        float* dW) {
-  if (ctx.cp > 1) return cp_weight_grad(ctx, X, ldx, dY, ldy, in, out, dW);
+  if (ctx.cp() > 1) return cp_weight_grad(ctx, X, ldx, dY, ldy, in, out, dW);
   ops::weight_grad(X, ldx, dY, ldy, in, out, ctx.ws.uniform_off.data(), ctx.leaves, dW);
 }
 
 void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, int first_sample, int samples,
                     bool kv) {
   ops::synchronize();  // the host packs and unpacks what kernels wrote
-  const int S = ctx.cfg.seq_len, cp = ctx.cp;
+  const int S = ctx.cfg.seq_len, cp = ctx.cp();
   const bool zz = ctx.cp_zigzag();
   const int64_t each = (int64_t)samples * (S / cp) * width;  // every rank holds S / cp positions of a sample
   ctx.ws.cp_send.resize((size_t)each);
@@ -137,7 +137,7 @@ void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, 
   ctx.stats.cp_bytes_sent += sent;
   if (kv) ctx.stats.cp_kv_bytes_sent += sent;
   for (int q = 0; q < cp; ++q) {
-    if (q == ctx.cp_rank) continue;
+    if (q == ctx.cp_rank()) continue;
     const float* in = ctx.ws.cp_recv.data() + q * each;
     const std::vector<QueryRange> held = cp_query_ranges(S, cp, q, zz);
     for (int b = first_sample; b < first_sample + samples; ++b)
@@ -153,8 +153,8 @@ CpShare cp_share(int n, int cp, int rank) {
 
 void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                     float* dW) {
-  const int cp = ctx.cp;
-  const CpShare mine = cp_share(out, cp, ctx.cp_rank);
+  const int cp = ctx.cp();
+  const CpShare mine = cp_share(out, cp, ctx.cp_rank());
   const int c0 = mine.first, cols = mine.count;
   const int64_t each = (int64_t)in * cp_share(out, cp, 0).count;  // rank 0 holds the most columns
   ctx.ws.cp_send.resize((size_t)each);
@@ -176,7 +176,7 @@ void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* 
 }
 
 RoundPlan cp_own_experts(const StepContext& ctx, const RoundPlan& plan) {
-  const CpShare b = cp_share(ctx.local_experts, ctx.cp, ctx.cp_rank);
+  const CpShare b = cp_share(ctx.local_experts, ctx.cp(), ctx.cp_rank());
   RoundPlan mine = plan;
   for (std::vector<Segment>& round : mine.round)
     round.erase(std::remove_if(round.begin(), round.end(),
@@ -186,14 +186,14 @@ RoundPlan cp_own_experts(const StepContext& ctx, const RoundPlan& plan) {
 }
 
 void gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows, int width) {
-  if (ctx.cp == 1) return;
+  if (ctx.cp() == 1) return;
   ops::synchronize();  // the host packs and unpacks what kernels wrote
-  const int cp = ctx.cp, El = ctx.local_experts;
+  const int cp = ctx.cp(), El = ctx.local_experts;
   // Rank q's rows: for each EP owner, its block of that owner's experts, consecutive in dispatch order.
   auto each_range = [&](int q, const std::function<void(int64_t first, int64_t count)>& fn) {
     const CpShare b = cp_share(El, cp, q);
     if (b.count == 0) return;
-    for (int owner = 0; owner < ctx.ep; ++owner) {
+    for (int owner = 0; owner < ctx.ep(); ++owner) {
       const int g = owner * El + b.first;
       fn(acts.expert_off[g], acts.expert_off[g + b.count] - acts.expert_off[g]);
     }
@@ -202,18 +202,18 @@ void gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows, in
   for (int q = 0; q < cp; ++q) each_range(q, [&](int64_t, int64_t count) { n_each[q] += (size_t)(count * width); });
   size_t total = 0;
   for (size_t n : n_each) total += n;
-  ctx.ws.cp_send.resize(std::max<size_t>(1, n_each[(size_t)ctx.cp_rank]));
+  ctx.ws.cp_send.resize(std::max<size_t>(1, n_each[(size_t)ctx.cp_rank()]));
   ctx.ws.cp_recv.resize(std::max<size_t>(1, total));
   float* out = ctx.ws.cp_send.data();
-  each_range(ctx.cp_rank, [&](int64_t first, int64_t count) {
+  each_range(ctx.cp_rank(), [&](int64_t first, int64_t count) {
     std::memcpy(out, rows + first * width, sizeof(float) * (size_t)(count * width));
     out += count * width;
   });
   all_gather_floats(ctx.group(Axis::kContext), ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), n_each);
-  ctx.stats.cp_bytes_sent += (int64_t)(n_each[(size_t)ctx.cp_rank] * sizeof(float)) * (cp - 1);
+  ctx.stats.cp_bytes_sent += (int64_t)(n_each[(size_t)ctx.cp_rank()] * sizeof(float)) * (cp - 1);
   const float* in = ctx.ws.cp_recv.data();
   for (int q = 0; q < cp; ++q) {
-    if (q == ctx.cp_rank) {
+    if (q == ctx.cp_rank()) {
       in += n_each[(size_t)q];
       continue;
     }
@@ -225,17 +225,17 @@ void gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows, in
 }
 
 void gather_expert_grads(StepContext& ctx, float* grad, int64_t per_expert) {
-  if (ctx.cp == 1) return;
+  if (ctx.cp() == 1) return;
   ops::synchronize();
-  const int cp = ctx.cp;
+  const int cp = ctx.cp();
   std::vector<size_t> n_each((size_t)cp);
   for (int q = 0; q < cp; ++q) n_each[(size_t)q] = (size_t)(cp_share(ctx.local_experts, cp, q).count * per_expert);
-  const CpShare mine = cp_share(ctx.local_experts, cp, ctx.cp_rank);
+  const CpShare mine = cp_share(ctx.local_experts, cp, ctx.cp_rank());
   const size_t total = (size_t)(ctx.local_experts * per_expert);
   ctx.ws.cp_recv.resize(total);
   // The blocks are consecutive and ascending by rank: the concatenation is the whole gradient.
   all_gather_floats(ctx.group(Axis::kContext), grad + mine.first * per_expert, ctx.ws.cp_recv.data(), n_each);
-  ctx.stats.cp_bytes_sent += (int64_t)(n_each[(size_t)ctx.cp_rank] * sizeof(float)) * (cp - 1);
+  ctx.stats.cp_bytes_sent += (int64_t)(n_each[(size_t)ctx.cp_rank()] * sizeof(float)) * (cp - 1);
   std::memcpy(grad, ctx.ws.cp_recv.data(), sizeof(float) * total);
 }
 
@@ -266,7 +266,7 @@ void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd,
                           float* attn_out) {
   const int S = ctx.cfg.seq_len;
   const bool zz = ctx.cp_zigzag();
-  const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp, ctx.cp_rank, zz);
+  const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp(), ctx.cp_rank(), zz);
   const int64_t per_head = probs_offset(ranges, ranges.size());
   CpBusy busy(ctx);
   for (size_t i = 0; i < ranges.size(); ++i)
@@ -279,8 +279,8 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
   const int S = ctx.cfg.seq_len, Dh = heads * hd;
   const int64_t ld = 3 * (int64_t)Dh;
   const bool zz = ctx.cp_zigzag();
-  const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp, ctx.cp_rank, zz);
-  const std::vector<ChainLink> chain = cp_chain(S, ctx.cp, zz);
+  const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp(), ctx.cp_rank(), zz);
+  const std::vector<ChainLink> chain = cp_chain(S, ctx.cp(), zz);
   const int64_t per_head = probs_offset(ranges, ranges.size());
   // A key's row takes its first term in the range that holds it: +0 until then.
   ops::fill(dqkv, ctx.tokens * ld, 0.0f);
@@ -288,14 +288,14 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
   // My links in ascending position; for each, every sample in turn, so the
   // next rank starts on sample 0 while this one works on sample 1.
   for (size_t k = 0; k < chain.size(); ++k) {
-    if (chain[k].rank != ctx.cp_rank) continue;
+    if (chain[k].rank != ctx.cp_rank()) continue;
     const QueryRange r = chain[k].range;
     size_t mine = 0;  // which of my ranges
     while (ranges[mine].first != r.first) ++mine;
     const int64_t p_off = probs_offset(ranges, mine);
     for (int b = 0; b < ctx.batch; ++b) {
       const int64_t row0 = (int64_t)b * S;
-      if (k > 0 && chain[k - 1].rank != ctx.cp_rank) {  // the partial dK, dV of keys [0, r.first)
+      if (k > 0 && chain[k - 1].rank != ctx.cp_rank()) {  // the partial dK, dV of keys [0, r.first)
         ops::synchronize();  // the host rewrites rows kernels may still touch
         link.resize((size_t)r.first * 2 * Dh);
         ctx.group(Axis::kContext).recv(link.data(), sizeof(float) * (link.size()), chain[k - 1].rank);
@@ -307,7 +307,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
         ops::attention_backward_range_heads(qkv, b, heads, S, hd, scale, r.first, r.count, P, per_head, p_off,
                                             dattn_out, dqkv, /*continue_kv=*/k > 0);
       }
-      if (k + 1 < chain.size() && chain[k + 1].rank != ctx.cp_rank) {  // keys [0, end) go on
+      if (k + 1 < chain.size() && chain[k + 1].rank != ctx.cp_rank()) {  // keys [0, end) go on
         const int end = r.first + r.count;
         link.resize((size_t)end * 2 * Dh);
         float* out = link.data();
@@ -333,8 +333,8 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
   auto part_of = [&](int q) {
     Part p;
     p.held.assign((size_t)S, 0);
-    for (const QueryRange& r : cp_query_ranges(S, ctx.cp, q, zz)) std::fill_n(p.held.begin() + r.first, r.count, 1);
-    const CpShare share = cp_share(3 * Dh, ctx.cp, q);
+    for (const QueryRange& r : cp_query_ranges(S, ctx.cp(), q, zz)) std::fill_n(p.held.begin() + r.first, r.count, 1);
+    const CpShare share = cp_share(3 * Dh, ctx.cp(), q);
     p.k0 = std::max(Dh, share.first);
     p.k1 = std::max(Dh, share.first + share.count);
     for (int t = 0; t < S; ++t) p.floats += (size_t)(p.held[t] ? 2 * Dh : p.k1 - p.k0) * ctx.batch;
@@ -345,8 +345,8 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
       for (int t = 0; t < S; ++t)
         fn(dqkv + ((int64_t)b * S + t) * ld + (p.held[t] ? Dh : p.k0), p.held[t] ? 2 * Dh : p.k1 - p.k0);
   };
-  if (ctx.cp_rank == last) {
-    for (int q = 0; q < ctx.cp; ++q) {
+  if (ctx.cp_rank() == last) {
+    for (int q = 0; q < ctx.cp(); ++q) {
       if (q == last) continue;
       const Part p = part_of(q);
       ctx.ws.cp_send.resize(p.floats);
@@ -361,7 +361,7 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
       ctx.stats.cp_kv_bytes_sent += sent;
     }
   } else {
-    const Part p = part_of(ctx.cp_rank);
+    const Part p = part_of(ctx.cp_rank());
     ctx.ws.cp_send.resize(p.floats);
     ctx.group(Axis::kContext).recv(ctx.ws.cp_send.data(), sizeof(float) * (p.floats), last);
     const float* in = ctx.ws.cp_send.data();

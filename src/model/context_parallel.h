@@ -126,7 +126,7 @@ class CpBusy {
   double t0_;
 };
 
-// The experts a CP rank computes: cp_share(ctx.local_experts, ctx.cp, rank).
+// The experts a CP rank computes: cp_share(ctx.local_experts, ctx.cp(), rank).
 // `plan` with only this rank's block's segments: the rounds, slots and
 // capacity as they were, so each row is computed where and when it would
 // be (rows are independent; an expert's gradient folds whole here).

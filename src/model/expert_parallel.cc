@@ -65,13 +65,13 @@ void hold_moe_buffers(StepContext& ctx, LayerActs& acts) {
   const size_t slots = (size_t)ctx.own_plan(acts).slots;
   // Without expert parallelism y, dy and dx live in the dispatch rows: no slots for them.
   grow(ws.slots.x, slots * D);
-  if (ctx.ep > 1)
+  if (ctx.ep() > 1)
     for (ops::DeviceVector<float>* v : {&ws.slots.y, &ws.slots.dy, &ws.slots.dx}) grow(*v, slots * D);
   for (ops::DeviceVector<float>* v : {&ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv}) grow(*v, slots * F);
   const size_t held_rows = (size_t)acts.rows.off[ctx.local_experts];
   for (ops::DeviceVector<float>* v : {&acts.rows.u, &acts.rows.v, &acts.rows.sg}) grow(*v, held_rows * F);
   grow(acts.ye, (size_t)(ctx.tokens * ctx.cfg.top_k) * D);
-  if (ctx.ep > 1) {  // a pair moves at most the destination's slots per round
+  if (ctx.ep() > 1) {  // a pair moves at most the destination's slots per round
     size_t all_slots = 0;
     for (const RoundPlan& p : acts.plans) all_slots += (size_t)p.slots;
     grow(acts.rows.x, held_rows * D);
@@ -82,7 +82,7 @@ void hold_moe_buffers(StepContext& ctx, LayerActs& acts) {
 }
 
 void exchange_expert_counts(StepContext& ctx, LayerActs& acts) {
-  const int E = ctx.cfg.experts, ep = ctx.ep;
+  const int E = ctx.cfg.experts, ep = ctx.ep();
   acts.counts.resize((size_t)ep * E);
   std::vector<int64_t> mine(E);
   for (int e = 0; e < E; ++e) mine[e] = acts.expert_off[e + 1] - acts.expert_off[e];
@@ -96,7 +96,7 @@ void exchange_expert_counts(StepContext& ctx, LayerActs& acts) {
 }
 
 void exchange_leaf_ids(StepContext& ctx, LayerActs& acts) {
-  const int E = ctx.cfg.experts, El = ctx.local_experts, ep = ctx.ep, me = ctx.ep_rank;
+  const int E = ctx.cfg.experts, El = ctx.local_experts, ep = ctx.ep(), me = ctx.ep_rank();
   const int64_t NK = ctx.tokens * ctx.cfg.top_k;
   ExpertRows& rows = acts.rows;
   const int64_t held_rows = rows.off[El];
@@ -127,21 +127,21 @@ void exchange_leaf_ids(StepContext& ctx, LayerActs& acts) {
 void send_round_inputs(StepContext& ctx, LayerActs& acts, int r) {
   exchange_rows(ctx, acts, r, ctx.cfg.d_model, /*to_owner=*/true, acts.moe_in.data(),
                 [&](int64_t disp) { return acts.row_token[disp]; }, ctx.ws.slots.x.data(),
-                ctx.ep > 1 ? acts.rows.x.data() : nullptr, nullptr);
+                ctx.ep() > 1 ? acts.rows.x.data() : nullptr, nullptr);
 }
 
 RowPlace round_output_place(const StepContext& ctx, float* slots, float* dispatch_rows) {
-  return ctx.ep > 1 ? RowPlace{slots, true} : RowPlace{dispatch_rows, false};
+  return ctx.ep() > 1 ? RowPlace{slots, true} : RowPlace{dispatch_rows, false};
 }
 
 void return_round_rows(StepContext& ctx, const LayerActs& acts, int r, const float* slots, float* dispatch_rows) {
-  if (ctx.ep > 1)
+  if (ctx.ep() > 1)
     exchange_rows(ctx, acts, r, ctx.cfg.d_model, /*to_owner=*/false, nullptr, nullptr, const_cast<float*>(slots),
                   nullptr, dispatch_rows);
 }
 
 void send_round_output_grads(StepContext& ctx, const LayerActs& acts, int r) {
-  if (ctx.ep > 1)
+  if (ctx.ep() > 1)
     exchange_rows(ctx, acts, r, ctx.cfg.d_model, /*to_owner=*/true, ctx.ws.dye.data(), [](int64_t disp) { return disp; },
                   ctx.ws.slots.dy.data(), nullptr, nullptr);
 }
@@ -149,7 +149,7 @@ void send_round_output_grads(StepContext& ctx, const LayerActs& acts, int r) {
 void refill_round_inputs(StepContext& ctx, const LayerActs& acts, const RoundPlan& plan, int r) {
   StepWorkspace& ws = ctx.ws;
   const int D = ctx.cfg.d_model;
-  if (ctx.ep == 1) {
+  if (ctx.ep() == 1) {
     exchange_rows(ctx, acts, r, D, true, acts.moe_in.data(), [&](int64_t disp) { return acts.row_token[disp]; },
                   ws.slots.x.data(), nullptr, nullptr);
     return;
@@ -183,7 +183,7 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
                    const std::function<int64_t(int64_t)>& src_index, float* slot_buf, float* keep, float* disp_out) {
   const OpTimer op_timer(OpKind::kMoeDispatch);
   StepWorkspace& ws = ctx.ws;
-  const int ep = ctx.ep, El = ctx.local_experts, me = ctx.ep_rank;
+  const int ep = ctx.ep(), El = ctx.local_experts, me = ctx.ep_rank();
   const size_t row_bytes = sizeof(float) * width;
   const RoundPlan& own = ctx.own_plan(acts);
   std::vector<int64_t>& first_row = ws.piece_first_row;

@@ -341,8 +341,8 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   const ModelConfig& c = cfg_;
   const int dp = mesh_->size(Axis::kData), ep = mesh_->size(Axis::kExpert);
   if (ep != ep_size_) throw InternalError("engine: the mesh disagrees with the model's expert parallel size");
-  if (mesh_->size(Axis::kTensor) != tp_size_)
-    throw InternalError("engine: the mesh disagrees with the model's tensor parallel size");
+  if (mesh_->size(Axis::kTensor) != tp_size_ || mesh_->rank(Axis::kTensor) != tp_rank_)
+    throw InternalError("engine: the mesh disagrees with the model's tensor parallel slice");
   if (batch % leaf_samples_ != 0)
     throw std::invalid_argument("engine: batch " + std::to_string(batch) + " is not a multiple of numerics.leaf_samples");
   StepContext ctx{c, *ws_, stats_, infos_, wsrc_ ? wsrc_ : w_.data(), g_.data(), tokens};
@@ -350,20 +350,14 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   ctx.tokens = (int64_t)batch * c.seq_len;
   ctx.leaf_tokens = (int64_t)leaf_samples_ * c.seq_len;
   ctx.leaves = ctx.tokens / ctx.leaf_tokens;
-  ctx.dp = dp;
-  ctx.ep = ep;
-  ctx.ep_rank = mesh_->rank(Axis::kExpert);
+  ctx.mesh = mesh_;
   ctx.local_experts = c.experts / ep;
-  ctx.tp = tp_size_;
-  ctx.tp_rank = tp_rank_;
   ctx.sp = tp_size_ > 1 && mesh_->sequence_parallel();
   ctx.stream_tokens = ctx.sp ? ctx.tokens / tp_size_ : ctx.tokens;
   ctx.stream_first = ctx.sp ? ctx.stream_tokens * tp_rank_ : 0;
   ctx.stream_leaves = ctx.sp ? ctx.leaves / tp_size_ : ctx.leaves;
   if (ctx.sp && (ctx.leaves % tp_size_ != 0))
     throw std::invalid_argument("engine: sequence parallel needs whole leaves per tensor-parallel rank");
-  ctx.cp = mesh_->size(Axis::kContext);
-  ctx.cp_rank = mesh_->rank(Axis::kContext);
   ctx.microbatches = ws_->microbatches;
   ctx.microbatch = ws_->microbatch;
   if (source_grads_.size() < (size_t)c.n_layers) source_grads_.resize((size_t)c.n_layers);
@@ -371,7 +365,6 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   const int64_t mb = std::max(1, ctx.microbatches);  // a pipeline's microbatches: the step's tokens are mb times these
   ctx.global_tokens = (float)(ctx.tokens * dp * mb);
   ctx.global_assignments = (float)(ctx.tokens * c.top_k * dp * mb);
-  ctx.mesh = mesh_;
   ctx.trace = training ? trace_ : nullptr;  // evaluation passes are not traced
   ctx.debug_reorder_moe_norm = debug_reorder_moe_norm_;
   return ctx;

@@ -21,7 +21,7 @@ class MoeDispatch : public LayerBlock {
 
   void forward(StepContext& ctx, StepLosses&) override {
     const ModelConfig& c = ctx.cfg;
-    const int E = c.experts, K = c.top_k, El = ctx.local_experts, ep = ctx.ep;
+    const int E = c.experts, K = c.top_k, El = ctx.local_experts, ep = ctx.ep();
     const int64_t N = ctx.tokens, NK = N * K;
     LayerActs& acts = ctx.layer(layer_);
     // Rows grouped by expert, in token order inside each expert.

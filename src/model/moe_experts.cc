@@ -59,7 +59,7 @@ class MoeExperts : public LayerBlock {
   // the forward's rounds and slots; the weight-gradient leaf trees continue
   // from round to round.
   void backward(StepContext& ctx) override {
-    const int D = ctx.cfg.d_model, F = ctx.d_ff_held(), ep = ctx.ep;  // ep: sources of an expert's rows
+    const int D = ctx.cfg.d_model, F = ctx.d_ff_held(), ep = ctx.ep();  // ep: sources of an expert's rows
     const int64_t NK = ctx.tokens * ctx.cfg.top_k;
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);

@@ -108,21 +108,17 @@ struct StepContext {
   int64_t tokens = 0;            // N = batch * seq_len on this rank
   int64_t leaf_tokens = 0;       // tokens per leaf of the canonical reduction tree
   int64_t leaves = 0;            // leaves on this rank
-  int dp = 1;                    // data-parallel ranks
-  int ep = 1, ep_rank = 0;       // the expert-parallel group and this rank in it
-  int local_experts = 0;         // experts held here: experts / ep
-  int tp = 1, tp_rank = 0;       // the tensor-parallel group and this rank in it (model/tensor_parallel.h)
+  int local_experts = 0;         // experts held here: experts / ep()
   // The residual stream's tokens held here: [stream_first, stream_first +
   // stream_tokens) of the N; all N but with sequence parallel (a TP rank's share).
   bool sp = false;
   int64_t stream_first = 0, stream_tokens = 0, stream_leaves = 0;
-  int cp = 1, cp_rank = 0;       // the context-parallel group and this rank in it (model/context_parallel.h)
   int microbatches = 0;          // > 0: one microbatch of a pipeline (StageIo::microbatches)
   int microbatch = 0;            // which one
   // Expert parallel over several microbatches: per layer, the experts'
   // weight gradients kept per source rank across the step's microbatches.
   std::vector<ExpertGradsBySource>* source_grads = nullptr;
-  bool grads_by_source() const { return microbatches > 1 && ep > 1; }
+  bool grads_by_source() const { return microbatches > 1 && ep() > 1; }
   float global_tokens = 0;       // N over every data-parallel rank (and microbatch)
   float global_assignments = 0;  // N * K over every data-parallel rank
   const Mesh* mesh = nullptr;    // this rank's groups (one-rank groups on one rank)
@@ -136,16 +132,27 @@ struct StepContext {
   LayerActs& layer(int l) const { return ws.layers[(size_t)l]; }
   // The ranks along axis a (a one-rank group where the mesh has none).
   Communicator& group(Axis a) const { return mesh->group(a); }
+  // The groups' sizes and this rank's place in them: data-parallel ranks,
+  // the expert-parallel group (model/expert_parallel.h), the tensor-parallel
+  // group (model/tensor_parallel.h), the context-parallel group
+  // (model/context_parallel.h).
+  int dp() const { return mesh->size(Axis::kData); }
+  int ep() const { return mesh->size(Axis::kExpert); }
+  int ep_rank() const { return mesh->rank(Axis::kExpert); }
+  int tp() const { return mesh->size(Axis::kTensor); }
+  int tp_rank() const { return mesh->rank(Axis::kTensor); }
+  int cp() const { return mesh->size(Axis::kContext); }
+  int cp_rank() const { return mesh->rank(Axis::kContext); }
   bool cp_zigzag() const { return mesh->cp_layout() == CpLayout::kZigzag; }
   // Tensor parallel: what this rank holds of the heads, their features and the hidden features.
-  int heads_held() const { return cfg.n_heads / tp; }
-  int width_held() const { return cfg.d_model / tp; }  // the model features of the heads held
-  int d_ff_held() const { return cfg.d_ff / tp; }
+  int heads_held() const { return cfg.n_heads / tp(); }
+  int width_held() const { return cfg.d_model / tp(); }  // the model features of the heads held
+  int d_ff_held() const { return cfg.d_ff / tp(); }
 
   // The residual stream entering layer l; l == n_layers: the head's input.
   float* stream(int l) const { return l < cfg.n_layers ? ws.layers[(size_t)l].x.data() : ws.h.data(); }
   // The plan of the experts held here, for layer l.
-  const RoundPlan& own_plan(const LayerActs& acts) const { return acts.plans[(size_t)ep_rank]; }
+  const RoundPlan& own_plan(const LayerActs& acts) const { return acts.plans[(size_t)ep_rank()]; }
 
   // A tensor to the trace sink, if tracing.
   void trace_tensor(const char* phase, int layer, const char* op, const char* name, const float* data,

@@ -6,7 +6,7 @@ namespace ls {
 
 void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
                   const std::function<void(int, int, bool)>& fold) {
-  const int tp = ctx.tp, me = ctx.tp_rank;
+  const int tp = ctx.tp(), me = ctx.tp_rank();
   if (tp == 1) {
     fold(0, passes, false);
     return;
