@@ -186,17 +186,9 @@ void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
         StatePiece piece{std::string(kind) + "/" + p.name, p.global_shape, p.global_offset + lo, p.global_offset + hi, {}};
         if (p.tp_mid > 0) {  // collectives: every writing rank of the groups takes part, whatever it holds
           const bool sharded = placement_.sharded(p);
-          if (sharded) {
-            held.resize(p.size);
-            gather_shards(c.group(Axis::kShard), p.size, from, held.data());
-            from = held.data();
-          }
           Communicator& tensor = c.group(Axis::kTensor);
           Communicator& shard = c.group(Axis::kShard);
-          parts.resize((size_t)p.size * tensor.size());
-          all_gather_equal(tensor, from, parts.data(), (size_t)p.size * sizeof(float));
-          whole.resize(parts.size());
-          assemble_tp_parts(p, parts.data(), tensor.size(), whole.data());
+          gather_tp_tensor(p, sharded, shard, tensor, from, held, parts, whole);
           const int64_t ranges = (int64_t)tensor.size() * (sharded ? shard.size() : 1);
           const int64_t mine = (int64_t)rank.at.tensor * (ranges / tensor.size()) + (sharded ? shard.rank() : 0);
           const int64_t total = (int64_t)whole.size(), begin = total * mine / ranges, end = total * (mine + 1) / ranges;

@@ -210,19 +210,11 @@ float ClusterTrainer::gradient_sumsq(RankCtx& c, size_t t) {
   const bool ep_slice = p.expert && s_.mesh.ep > 1;
   if (p.tp_mid > 0 || ep_slice) {
     // The whole tensor: the TP group's parts put in place, then the EP group's slices in rank order.
-    ops::DeviceVector<float> slice, held;
-    if (p.tp_mid > 0) {
-      const float* part = gp;
-      if (placement_.sharded(p)) {  // the reduced shards of the held part first
-        held.resize(p.size);
-        gather_shards(c.group(Axis::kShard), p.size, gp + range(rank, t).first, held.data());
-        part = held.data();
-      }
-      Communicator& tensor = c.group(Axis::kTensor);
-      ops::DeviceVector<float> parts((size_t)p.size * tensor.size());
-      all_gather_equal(tensor, part, parts.data(), (size_t)p.size * sizeof(float));
-      slice.resize(parts.size());
-      assemble_tp_parts(p, parts.data(), tensor.size(), slice.data());
+    ops::DeviceVector<float> slice, held, parts;
+    if (p.tp_mid > 0) {  // (with FSDP, the reduced shard of the held part)
+      const bool sharded = placement_.sharded(p);
+      gather_tp_tensor(p, sharded, c.group(Axis::kShard), c.group(Axis::kTensor), gp + (sharded ? range(rank, t).first : 0),
+                       held, parts, slice);
     } else {
       slice.assign(gp, gp + p.size);
     }

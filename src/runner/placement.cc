@@ -57,6 +57,20 @@ void assemble_tp_parts(const ParamInfo& p, const float* parts, int tp, float* wh
   }
 }
 
+void gather_tp_tensor(const ParamInfo& p, bool sharded, Communicator& shard, Communicator& tensor, const float* mine,
+                      ops::DeviceVector<float>& held, ops::DeviceVector<float>& parts, ops::DeviceVector<float>& whole) {
+  const float* part = mine;
+  if (sharded) {
+    held.resize(p.size);
+    gather_shards(shard, p.size, mine, held.data());
+    part = held.data();
+  }
+  parts.resize((size_t)p.size * tensor.size());
+  all_gather_equal(tensor, part, parts.data(), (size_t)p.size * sizeof(float));
+  whole.resize(parts.size());
+  assemble_tp_parts(p, parts.data(), tensor.size(), whole.data());
+}
+
 void gather_shards(Communicator& shard, int64_t n, const float* mine, float* whole) {
   std::vector<size_t> bytes = ParamPlacement::shard_elems(n, shard.size());
   for (size_t& b : bytes) b *= sizeof(float);

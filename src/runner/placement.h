@@ -10,6 +10,7 @@
 #include "cluster/communicator.h"
 #include "cluster/config.h"
 #include "model/model.h"
+#include "ops/device_memory.h"
 
 namespace ls {
 
@@ -50,6 +51,14 @@ class ParamPlacement {
 // expert-parallel slice when experts are split too): part q (held by TP
 // rank q, p.size elements each, concatenated) put in place.
 void assemble_tp_parts(const ParamInfo& p, const float* parts, int tp, float* whole);
+
+// whole = the whole of a tensor-parallel split tensor (its expert-parallel
+// slice), from this rank's piece of its part `mine`: with FSDP the shard
+// group's shards of the part gathered first (into held), then the tensor
+// group's parts (into parts), put in place. Every rank of both groups takes
+// part. The buffers are reused between calls.
+void gather_tp_tensor(const ParamInfo& p, bool sharded, Communicator& shard, Communicator& tensor, const float* mine,
+                      ops::DeviceVector<float>& held, ops::DeviceVector<float>& parts, ops::DeviceVector<float>& whole);
 
 // whole = a tensor of n elements from its FSDP shards, each rank's block
 // range (an all-gather over the shard group).
