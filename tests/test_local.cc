@@ -143,6 +143,31 @@ TEST_SUITE("local") {
             << max_ulp << " ulp among weights of magnitude >= 1e-3 (at " << where << ")");
   }
 
+  // The usual way on a mesh, the baseline the invariant mesh's price is
+  // measured against (tools/bench-cluster): tensor parallel folds each
+  // rank's k-range from +0 and sums the partials (an all-reduce, a
+  // reduce-scatter with sequence parallel) instead of chaining them.
+  TEST_CASE("local on tensor- and data-parallel meshes: partials summed, not chained; close to portable") {
+    const ls::RunResult portable = train("portable", 16, 2, {"mesh.tp=2", "mesh.dp=2"});
+    const ls::RunResult one = train("local", 16, 2);
+    for (const std::vector<std::string>& mesh :
+         {std::vector<std::string>{"mesh.tp=2"}, {"mesh.tp=2", "mesh.dp=2"}, {"mesh.tp=2", "mesh.sp=true"},
+          {"mesh.dp=2"}}) {
+      CAPTURE(mesh[0]);
+      CAPTURE(mesh.size());
+      const ls::RunResult l = train("local", 16, 2, mesh);
+      CHECK(l.level == "local");
+      REQUIRE(l.losses.size() == 16);
+      for (int i = 0; i < 16; ++i)
+        CHECK(std::fabs((double)l.losses[i] - portable.losses[i]) <= 1e-4 * std::fabs((double)portable.losses[i]));
+      if (mesh[0] != "mesh.tp=2") continue;
+      // The chain's links are sends; the summed fold sends none, and its partials go by all-reduce or reduce-scatter.
+      CHECK(portable.bytes_sent_per_step.count("send"));
+      CHECK(!l.bytes_sent_per_step.count("send"));
+      CHECK(l.final_state_hash != one.final_state_hash);  // the mesh moves local's bits
+    }
+  }
+
   TEST_CASE("a run leaves the process portable, whatever its level") {
     train("local", 2, 1);
     CHECK(ls::numerics_level() == ls::NumericsLevel::kPortable);

@@ -190,7 +190,6 @@ TEST_SUITE("tensor_parallel") {
     lstest::check_refused(sc, {
              {"--set mesh.tp=3", "mesh.tp: must divide model.n_heads = 4, got 3"},
              {"--set mesh.tp=4 --set model.d_ff=18", "mesh.tp: must divide model.d_ff = 18, got 4"},
-             {"--set mesh.tp=2 --set numerics.level=local", "mesh.tp: is 2 with numerics.level=local"},
              {"--set mesh.sp=true", "mesh.sp: is true but mesh.tp = 1"},
              {"--set mesh.sp=true --set mesh.tp=4 --set mesh.dp=4",
               "mesh.sp: gives 2 leaves per data-parallel rank over mesh.tp = 4 ranks"}});

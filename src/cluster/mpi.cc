@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "common/numerics_level.h"
+
 namespace ls {
 
 bool mpi_available() { return true; }
@@ -64,6 +66,10 @@ class MpiComm : public Communicator {
   void all_reduce_sum(float* buf, size_t count) override {
     const CommStats::Timer timed = stats.add("all_reduce", size_ > 1 ? 2 * count * 4 * (size_ - 1) / size_ : 0);
     if (size_ == 1) return;
+    if (local_numerics()) {  // the usual way: the library's reduction, in whatever order it picks
+      check(MPI_Allreduce(MPI_IN_PLACE, buf, as_count(count, "all_reduce"), MPI_FLOAT, MPI_SUM, comm_), "all_reduce");
+      return;
+    }
     std::vector<size_t> counts(size_);
     for (int r = 0; r < size_; ++r) counts[r] = count * (r + 1) / size_ - count * r / size_;
     std::vector<float> mine(counts[rank_]);
@@ -90,6 +96,12 @@ class MpiComm : public Communicator {
     size_t total = 0;
     for (int r = 0; r < size_; ++r) total += counts[r];
     const CommStats::Timer timed = stats.add("reduce_scatter", (total - counts[rank_]) * 4);
+    if (local_numerics() && size_ > 1) {  // the library's reduction, as all_reduce_sum
+      std::vector<int> n(size_);
+      for (int r = 0; r < size_; ++r) n[r] = as_count(counts[r], "reduce_scatter");
+      check(MPI_Reduce_scatter(send, recv, n.data(), MPI_FLOAT, MPI_SUM, comm_), "reduce_scatter");
+      return;
+    }
     reduce_blocks(send, counts, recv);
   }
 

@@ -1,8 +1,44 @@
 #include "model/tensor_parallel.h"
 
+#include <algorithm>
+#include <vector>
+
+#include "common/numerics_level.h"
 #include "ops/ops.h"
 
 namespace ls {
+namespace {
+
+// numerics.level=local, the usual way (Megatron's row-parallel GEMM): every
+// rank folds its own k-range from +0 with the level's GEMM, and the partial
+// outputs are summed by the communicator's all-reduce (with sequence
+// parallel, a reduce-scatter to each rank's stream rows) in whatever order
+// it adds them. The bits then depend on mesh.tp: the baseline the chain's
+// price is measured against.
+void summed_fold(StepContext& ctx, int passes, const ChainOutput& out,
+                 const std::function<void(int, int, bool)>& fold) {
+  Communicator& group = ctx.group(Axis::kTensor);
+  const int tp = group.size(), me = group.rank();
+  fold(0, passes, false);
+  ops::synchronize();
+  float* buffer = out.data;
+  if (!buffer) {
+    ctx.ws.tp_partial.resize(out.floats);
+    buffer = ctx.ws.tp_partial.data();
+    if (out.pack) out.pack(buffer);
+  }
+  if (out.scatter) {  // each rank its own rows, in place
+    const int64_t each = out.floats / tp;
+    std::vector<float> mine((size_t)each);
+    group.reduce_scatter_sum(buffer, mine.data(), std::vector<size_t>((size_t)tp, (size_t)each));
+    std::copy(mine.begin(), mine.end(), buffer + me * each);
+    return;
+  }
+  group.all_reduce_sum(buffer, (size_t)out.floats);
+  if (out.unpack) out.unpack(buffer);
+}
+
+}  // namespace
 
 void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
                   const std::function<void(int, int, bool)>& fold) {
@@ -11,6 +47,7 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
     fold(0, passes, false);
     return;
   }
+  if (local_numerics()) return summed_fold(ctx, passes, out, fold);
   // Kernels run asynchronously on a kernel backend: none may still touch the outputs the host is about to write.
   ops::synchronize();
   // A contiguous output travels itself; scattered outputs through the packed buffer.

@@ -337,12 +337,6 @@ std::vector<Row> tensor_parallel_rows() {
                   return "must divide model.n_heads = " + show(s.model.n_heads) + ", got " + show(v);
                 if (s.model.d_ff % v != 0) return "must divide model.d_ff = " + show(s.model.d_ff) + ", got " + show(v);
                 return std::string();
-              }},
-             {"not with numerics.level=local", [](const S& s, int v) {
-                if (v == 1) return std::string();
-                if (s.level == "local")
-                  return "is " + show(v) + " with numerics.level=local: the chained fold needs the portable GEMM";
-                return std::string();
               }}}),
       field("mesh.sp", [](S& s) -> bool& { return s.mesh.sp; },
             "Sequence parallel (with mesh.tp > 1): the norms, residual adds, router and head run on tokens split "
