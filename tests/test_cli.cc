@@ -479,4 +479,19 @@ TEST_SUITE("cli") {
     r = run("check " + a + " --golden-dir " + (kRoot / "golden").string() + " --json --threads 1");
     CHECK(r.out.rfind("{", 0) == 0);
   }
+
+  TEST_CASE("bisect --help: the backends each side takes are every backend run takes") {
+    const Result r = run("bisect --help");
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("engine or reference") == std::string::npos);
+    for (const char* flag : {"--backend-a", "--backend-b"}) {
+      const size_t at = r.out.find(flag);
+      REQUIRE(at != std::string::npos);
+      const std::string line = r.out.substr(at, r.out.find('\n', at) - at);
+      CAPTURE(line);
+      CHECK(line.find("cuda-emulated") != std::string::npos);
+      CHECK(line.find("cuda") != std::string::npos);
+      CHECK(line.find("reference") != std::string::npos);
+    }
+  }
 }

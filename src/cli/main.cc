@@ -934,8 +934,10 @@ int main(int argc, char** argv) {
   bisect->add_option("scenario_b", ba.scenario_b, "scenario of run B (default: the same)");
   bisect->add_option("--set-a", ba.sets_a, "override for run A: dotted.key=value (repeatable)");
   bisect->add_option("--set-b", ba.sets_b, "override for run B (repeatable)");
-  bisect->add_option("--backend-a", ba.backend_a, "engine or reference");
-  bisect->add_option("--backend-b", ba.backend_b, "engine or reference");
+  // Each side is a child `lockstep run --backend X`: every backend run takes.
+  bisect->add_option("--backend-a", ba.backend_a,
+                     "backend of run A: engine (default), reference, cuda-emulated or cuda, as run --backend");
+  bisect->add_option("--backend-b", ba.backend_b, "backend of run B: engine (default), reference, cuda-emulated or cuda");
   bisect->add_option("--bin-a", ba.bin_a, "lockstep binary for run A (default: this one)");
   bisect->add_option("--bin-b", ba.bin_b, "lockstep binary for run B");
   bisect->add_option("--threads-a", ba.threads_a, "threads for run A")->check(CLI::Range(1, 1024));
