@@ -287,7 +287,7 @@ std::vector<Row> moe_schedule_rows() {
 std::vector<Row> data_parallel_rows() {
   return {
       field("mesh.dp", [](S& s) -> int& { return s.mesh.dp; },
-            "Data-parallel ranks (the simulated world). Each holds train.batch / mesh.dp "
+            "Data-parallel ranks (the world is mesh.dp x mesh.tp x mesh.pp x mesh.cp ranks). Each holds train.batch / mesh.dp "
             "consecutive samples, which must be a power-of-two number of leaves so its partial "
             "sums are nodes of the contract's tree.",
             {in_range(1, 64),
@@ -328,7 +328,7 @@ std::vector<Row> data_parallel_rows() {
 std::vector<Row> tensor_parallel_rows() {
   return {
       field("mesh.tp", [](S& s) -> int& { return s.mesh.tp; },
-            "Tensor-parallel ranks per data-parallel rank (world = mesh.dp x mesh.tp): attention heads and "
+            "Tensor-parallel ranks per data-parallel rank (world = mesh.dp x mesh.tp x mesh.pp x mesh.cp): attention heads and "
             "the experts' hidden features are split across them; a fold over a split feature is chained "
             "from rank to rank in the contract's order (docs/NUMERICS.md), so the bits do not depend on it.",
             {in_range(1, 64),
@@ -369,7 +369,7 @@ std::vector<Row> tensor_parallel_rows() {
 std::vector<Row> pipeline_rows() {
   return {
       field("mesh.pp", [](S& s) -> int& { return s.mesh.pp; },
-            "Pipeline stages (world = mesh.dp x mesh.tp x mesh.pp): each holds a contiguous range of the model's "
+            "Pipeline stages (world = mesh.dp x mesh.tp x mesh.pp x mesh.cp): each holds a contiguous range of the model's "
             "blocks, cut where only the residual stream crosses; activations go forward and gradients back, "
             "train.microbatches at a time.",
             {in_range(1, 64),
