@@ -71,4 +71,20 @@ TEST_SUITE("docs") {
     const Output t = shell("ninja -C " + kBuild.string() + " -t targets all");
     CHECK(t.text.find("\nsrc/cli/lockstep: ") != std::string::npos);
   }
+
+  TEST_CASE("tools/bench-cluster --help: one usage line; --steps, --threads, --repeats say what they do and their default") {
+    const Output o = shell("/usr/bin/python3 " + (kRoot / "tools/bench-cluster").string() + " --help");
+    CAPTURE(o.text);
+    CHECK(o.rc == 0);
+    CHECK(count(o.text, "usage:") == 1);
+    for (const std::string opt : {"--steps N ", "--threads T ", "--repeats R "}) {
+      const size_t at = o.text.find("\n  " + opt);
+      REQUIRE_MESSAGE(at != std::string::npos, opt);
+      // The option's help runs to the next option line.
+      const size_t end = o.text.find("\n  -", at + 1);
+      const std::string help = o.text.substr(at, end - at);
+      CAPTURE(help);
+      CHECK(help.find("(default: ") != std::string::npos);
+    }
+  }
 }
