@@ -46,6 +46,39 @@ size_t count(const std::string& text, const std::string& what) {
 }  // namespace
 
 TEST_SUITE("docs") {
+  TEST_CASE("every lockstep command of README.md and docs/*.md runs as the document says; mesh keys documented") {
+    // tools/check-docs runs them (each document in order, in a folder of its
+    // own, with --steps 2 where a run only trains; skips listed with reasons).
+    const Output o = shell("/usr/bin/python3 " + (kRoot / "tools/check-docs").string() + " --build " + kBuild.string());
+    CAPTURE(o.text);
+    CHECK(o.rc == 0);
+    CHECK(o.text.find(", 0 failed") != std::string::npos);
+    CHECK(o.text.find("mesh keys: 11 from lockstep keys, 0 missing") != std::string::npos);
+    // The README's examples ran, in order: the save before the resume, the
+    // second trace before diff and report.
+    CHECK(o.text.find("ok    README.md:") != std::string::npos);
+    CHECK(o.text.find("lockstep report a.jsonl b.jsonl -o report.html") != std::string::npos);
+  }
+
+  TEST_CASE("tools/check-docs fails a command that exits otherwise and a resume with nothing left to run") {
+    const fs::path md = lstest::write_temp("docs-check/bad.md",
+                                           "Some commands:\n\n"
+                                           "    lockstep run S.json --set ckpt.url=/tmp/x --set ckpt.every=4\n"
+                                           "    lockstep run S.json --resume /tmp/x   # the final step: nothing to run\n"
+                                           "    lockstep run scenarios/no-such.json\n"
+                                           "    lockstep run S.json --backend cuda\n");
+    const Output o = shell("/usr/bin/python3 " + (kRoot / "tools/check-docs").string() + " --build " +
+                           kBuild.string() + " --doc " + md.string());
+    CAPTURE(o.text);
+    CHECK(o.rc == 1);
+    CHECK(o.text.find("bad.md:4: `lockstep run S.json --resume /tmp/x`") != std::string::npos);
+    CHECK(o.text.find("nothing was left to run") != std::string::npos);
+    CHECK(o.text.find("bad.md:5: `lockstep run scenarios/no-such.json`") != std::string::npos);
+    CHECK(o.text.find("exited 2, expected 0") != std::string::npos);
+    CHECK(o.text.find("skip  " + md.string() + ":6") != std::string::npos);
+    CHECK(o.text.find("3 commands ran, 1 skipped, 2 failed") != std::string::npos);
+  }
+
   TEST_CASE("the quickstart builds only the binary it runs, and shows ninja's progress") {
     // A first build of every target (tests included) took 14 minutes with
     // nothing on the screen (issue 38); scripts/test.sh builds the rest.
