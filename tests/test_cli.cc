@@ -450,6 +450,10 @@ TEST_SUITE("cli") {
     r = run("check --golden-dir " + golden + " --scenario-dir " + (far / "nothing").string());
     CHECK(r.rc == 2);
     CHECK(r.err.find("--scenario-dir " + (far / "nothing").string() + ": no such folder") != std::string::npos);
+    // With scenario files given it would have nothing to say: refused, not ignored.
+    r = run("check " + (kRoot / "scenarios" / "top1.json").string() + " --scenario-dir " + some.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--scenario-dir " + some.string() + ": only without scenario files") != std::string::npos);
     // The help says where scenarios are read from.
     CHECK(run("check --help").out.find("--scenario-dir") != std::string::npos);
   }

@@ -559,6 +559,9 @@ int cmd_check(const CheckArgs& a) {
       for (auto& v : variants[name]) work.push_back({f, v, name});
     }
   } else {
+    if (!a.scenario_dir.empty())  // not silently unused
+      throw UserError("--scenario-dir " + a.scenario_dir + ": only without scenario files (it says where the golden "
+                      "files' scenarios are); the files given are the scenarios");
     for (auto& sc : a.scenarios) {
       Scenario s = load_scenario(sc, {});
       work.push_back({(fs::path(a.golden_dir) / (s.name + ".json")).string(), sc, s.name});
