@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs dependencies, builds, and runs the whole test suite: the doctest
-# suites (unit, engine == reference, golden gate, CLI), the scenario-loader
+# suites (unit, engine == reference, golden gate, CLI; the docs suite runs
+# every lockstep command of README.md and docs/*.md: tools/check-docs), the scenario-loader
 # tests again under ASan+UBSan, the libFuzzer targets (fuzz/README.md):
 # every past finding replayed, then each target fuzzed briefly, and the
 # include layering of src/, reference/ and kernels/ (tools/check-layering,

@@ -3,12 +3,14 @@
 #include <omp.h>
 #include <sys/wait.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -410,5 +412,90 @@ TEST_SUITE("cli") {
     CHECK(failure(ls::LeaseLost("x")).exit_code == ls::kExitLeaseLost);
     CHECK(failure(std::runtime_error("x")).exit_code == 3);
     CHECK(failure(std::logic_error("x")).message == "lockstep: internal error: x");
+  }
+}
+
+TEST_SUITE("cli") {
+  TEST_CASE("check --golden-dir outside the repository: --scenario-dir, and errors that name the paths given") {
+    // A copy of golden/ far from the repository (issue 38): its files record
+    // scenarios/NAME.json, which by default is read beside the golden folder.
+    const fs::path far = lstest::fresh_dir("far-away");
+    fs::create_directories(far);
+    fs::copy(kRoot / "golden", far / "golden", fs::copy_options::recursive);
+    const std::string golden = (far / "golden").string();
+    Result r = run("check --golden-dir " + golden + " --threads 1");
+    CHECK(r.rc == 2);
+    // The golden file the user's folder holds, and the way out.
+    CHECK(r.err.find("lockstep: error: " + golden + "/aux_z.json: its scenario scenarios/aux_z.json") == 0);
+    CHECK(r.err.find("--scenario-dir") != std::string::npos);
+    CHECK(r.out.empty());
+
+    // --scenario-dir: the repository's scenarios, their variants and fault scenarios.
+    r = run("check --golden-dir " + golden + " --scenario-dir " + (kRoot / "scenarios").string() + " --threads 1");
+    CAPTURE(r.err);
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("long_seq_cp4_dp2_contiguous.json") != std::string::npos);
+    CHECK(r.out.find("top1_process_kill.json") != std::string::npos);
+    CHECK(r.out.find(", 0 failed") != std::string::npos);
+
+    // A scenario folder without top2.json: named as --scenario-dir DIR/top2.json.
+    const fs::path some = far / "some";
+    fs::create_directories(some);
+    for (const char* n : {"aux_z.json", "long_seq.json", "many_experts.json", "top1.json"})
+      fs::copy_file(kRoot / "scenarios" / n, some / n);
+    r = run("check --golden-dir " + golden + " --scenario-dir " + some.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("lockstep: error: --scenario-dir " + some.string() + ": " + (some / "top2.json").string() +
+                     " not found") == 0);
+    r = run("check --golden-dir " + golden + " --scenario-dir " + (far / "nothing").string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--scenario-dir " + (far / "nothing").string() + ": no such folder") != std::string::npos);
+    // With scenario files given it would have nothing to say: refused, not ignored.
+    r = run("check " + (kRoot / "scenarios" / "top1.json").string() + " --scenario-dir " + some.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--scenario-dir " + some.string() + ": only without scenario files") != std::string::npos);
+    // The help says where scenarios are read from.
+    CHECK(run("check --help").out.find("--scenario-dir") != std::string::npos);
+  }
+
+  TEST_CASE("check's output: a header naming the backend; columns as wide as the longest name") {
+    const std::string a = (kRoot / "scenarios" / "top1.json").string(),
+                      b = (kRoot / "scenarios" / "variants" / "long_seq_cp4_dp2_contiguous.json").string();
+    Result r = run("check " + a + " " + b + " --golden-dir " + (kRoot / "golden").string() + " --threads 1");
+    CAPTURE(r.out);
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.rfind("check: backend engine, launcher threads, 2 scenarios, golden files in ", 0) == 0);
+    // Every "ok" line's third column (the step count) starts at one place,
+    // past the longest file name.
+    const auto third = [](const std::string& line) {
+      size_t b = line.find(" steps,");
+      while (b > 0 && std::isdigit((unsigned char)line[b - 1])) --b;
+      return b;
+    };
+    std::istringstream lines(r.out);
+    std::vector<size_t> at;
+    for (std::string line; std::getline(lines, line);)
+      if (line.rfind("ok ", 0) == 0) at.push_back(third(line));
+    REQUIRE(at.size() == 2);
+    CHECK(at[0] == at[1]);
+    CHECK(at[0] > std::string("ok    long_seq long_seq_cp4_dp2_contiguous.json").size());
+    // --json stays one object, no header.
+    r = run("check " + a + " --golden-dir " + (kRoot / "golden").string() + " --json --threads 1");
+    CHECK(r.out.rfind("{", 0) == 0);
+  }
+
+  TEST_CASE("bisect --help: the backends each side takes are every backend run takes") {
+    const Result r = run("bisect --help");
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("engine or reference") == std::string::npos);
+    for (const char* flag : {"--backend-a", "--backend-b"}) {
+      const size_t at = r.out.find(flag);
+      REQUIRE(at != std::string::npos);
+      const std::string line = r.out.substr(at, r.out.find('\n', at) - at);
+      CAPTURE(line);
+      CHECK(line.find("cuda-emulated") != std::string::npos);
+      CHECK(line.find("cuda") != std::string::npos);
+      CHECK(line.find("reference") != std::string::npos);
+    }
   }
 }

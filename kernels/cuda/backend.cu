@@ -227,10 +227,27 @@ extern "C" int lockstep_cuda_open(ls::cuda::Backend* out, char* error, size_t er
     std::snprintf(error, error_len, "%s", what.c_str());
     return 1;
   };
+  // A machine without a GPU (or its driver) is the common case, and CUDA's
+  // own words for it ("CUDA driver version is insufficient") point at the
+  // wrong fix: say what is missing and what to do instead.
+  const std::string instead =
+      ": run on a machine with an NVIDIA GPU and its driver, or use --backend cuda-emulated to run the same "
+      "kernels on the CPU (the same bits, slowly)";
+  auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
   int devices = 0;
   const cudaError_t e = cudaGetDeviceCount(&devices);
-  if (e != cudaSuccess) return fail(std::string("no usable CUDA device (cudaGetDeviceCount: ") + cudaGetErrorString(e) + ")");
-  if (devices == 0) return fail("no CUDA device");
+  if (e == cudaErrorInsufficientDriver) {
+    int driver = 0, runtime = 0;
+    cudaDriverGetVersion(&driver);  // 0: no driver installed (no libcuda.so.1)
+    cudaRuntimeGetVersion(&runtime);
+    if (driver == 0) return fail("no NVIDIA GPU driver found (libcuda.so.1 is not installed), so no GPU" + instead);
+    return fail("the NVIDIA GPU driver supports CUDA " + version(driver) + ", older than the CUDA runtime " +
+                version(runtime) + " this library was built with: update the driver, or use --backend "
+                "cuda-emulated to run the same kernels on the CPU");
+  }
+  if (e == cudaErrorNoDevice || (e == cudaSuccess && devices == 0)) return fail("no NVIDIA GPU found" + instead);
+  if (e != cudaSuccess)
+    return fail(std::string("no usable NVIDIA GPU (cudaGetDeviceCount: ") + cudaGetErrorString(e) + ")" + instead);
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || cudaSetDevice(0) != cudaSuccess)
     return fail("cannot open CUDA device 0");

@@ -420,6 +420,7 @@ int cmd_golden(const GoldenArgs& a) {
 struct CheckArgs {
   std::vector<std::string> scenarios;
   std::string golden_dir = "golden";
+  std::string scenario_dir;  // --scenario-dir: the golden files' scenarios (default: beside golden_dir)
   int threads = 0;
   std::string backend = "engine";
   std::string launcher = "threads";
@@ -501,8 +502,12 @@ int cmd_check(const CheckArgs& a) {
   if (a.launcher != "threads" && a.launcher != "mpi")
     throw UserError("--launcher: 'threads' or 'mpi', got '" + a.launcher + "'");
   if (a.launcher == "mpi") require_mpi("--launcher mpi");
-  // (golden file, scenario path) pairs.
-  std::vector<std::pair<std::string, std::string>> work;
+  const Backend backend = parse_backend(a.backend);  // a bad name is refused before anything runs
+  // What to run: (golden file, scenario path, the golden's name).
+  struct Work {
+    std::string gpath, spath, name;
+  };
+  std::vector<Work> work;
   if (a.scenarios.empty()) {
     if (!fs::is_directory(a.golden_dir)) throw UserError(a.golden_dir + ": no golden directory");
     std::vector<std::string> files;
@@ -510,43 +515,82 @@ int cmd_check(const CheckArgs& a) {
       if (e.path().extension() == ".json") files.push_back(e.path().string());
     std::sort(files.begin(), files.end());
     if (files.empty()) throw UserError(a.golden_dir + ": no golden files");
+    // A golden file records its scenario as `lockstep golden` was given it
+    // (scenarios/top2.json, from the repository's root), so by default it is
+    // read from the golden folder's parent: golden/ and scenarios/ side by
+    // side, as in the repository. --scenario-dir DIR names the folder of the
+    // scenarios instead (DIR/top2.json, DIR/variants, DIR/faults), for a
+    // golden folder kept elsewhere.
+    const bool given_dir = !a.scenario_dir.empty();
+    if (given_dir && !fs::is_directory(a.scenario_dir))
+      throw UserError("--scenario-dir " + a.scenario_dir + ": no such folder");
     const fs::path root = fs::absolute(a.golden_dir).parent_path();
-    // Mesh variants (scenarios/variants/*.json) are held to their twin's golden
-    // file, found by the variant's name.
+    const fs::path sdir = given_dir ? fs::path(a.scenario_dir) : root / "scenarios";
+    // Mesh variants (scenarios/variants/*.json) and fault scenarios
+    // (scenarios/faults/*.json) are held to their twin's golden file, found by
+    // the variant's name.
     std::map<std::string, std::vector<std::string>> variants;
-    const fs::path vdir = root / "scenarios" / "variants";
-    if (fs::is_directory(vdir)) {
+    for (const char* sub : {"variants", "faults"}) {
+      const fs::path vdir = sdir / sub;
+      if (!fs::is_directory(vdir)) continue;
       std::vector<std::string> vfiles;
       for (auto& e : fs::directory_iterator(vdir))
         if (e.path().extension() == ".json") vfiles.push_back(e.path().string());
       std::sort(vfiles.begin(), vfiles.end());
       for (auto& v : vfiles) variants[load_scenario(v, {}).name].push_back(v);
     }
-    const fs::path fdir = root / "scenarios" / "faults";
-    if (fs::is_directory(fdir)) {
-      std::vector<std::string> ffiles;
-      for (auto& e : fs::directory_iterator(fdir))
-        if (e.path().extension() == ".json") ffiles.push_back(e.path().string());
-      std::sort(ffiles.begin(), ffiles.end());
-      for (auto& v : ffiles) variants[load_scenario(v, {}).name].push_back(v);
-    }
     for (auto& f : files) {
       const nlohmann::json g = read_json_file(f);
-      work.push_back({f, (root / g.at("scenario").get<std::string>()).string()});
-      for (auto& v : variants[g.value("name", "")]) work.push_back({f, v});
+      const auto recorded = g.find("scenario");
+      if (recorded == g.end() || !recorded->is_string() || recorded->get<std::string>().empty())
+        throw UserError(f + ": golden field 'scenario' must be the scenario's path (a string)");
+      const fs::path rec = recorded->get<std::string>();
+      const fs::path spath = given_dir ? sdir / rec.filename() : root / rec;
+      // Name the paths the user gave: the golden file (under --golden-dir) or --scenario-dir.
+      if (!fs::exists(spath)) {
+        if (given_dir)
+          throw UserError("--scenario-dir " + a.scenario_dir + ": " + spath.string() + " not found (the scenario of " +
+                          f + ", which names " + rec.string() + ")");
+        throw UserError(f + ": its scenario " + rec.string() + " is read from the golden folder's parent, and " +
+                        spath.string() + " does not exist; give the folder of the scenarios with --scenario-dir DIR");
+      }
+      const std::string name = g.value("name", fs::path(f).stem().string());
+      work.push_back({f, spath.string(), name});
+      for (auto& v : variants[name]) work.push_back({f, v, name});
     }
   } else {
+    if (!a.scenario_dir.empty())  // not silently unused
+      throw UserError("--scenario-dir " + a.scenario_dir + ": only without scenario files (it says where the golden "
+                      "files' scenarios are); the files given are the scenarios");
     for (auto& sc : a.scenarios) {
       Scenario s = load_scenario(sc, {});
-      work.push_back({(fs::path(a.golden_dir) / (s.name + ".json")).string(), sc});
+      work.push_back({(fs::path(a.golden_dir) / (s.name + ".json")).string(), sc, s.name});
     }
   }
   if (!a.junit.empty()) check_junit_path(a.junit);
   CheckOutcome outcome;
   int failed = 0;
   const bool tty = isatty(2);  // a long check shows which scenario runs
+  // The columns (name, scenario file) as wide as their longest entry, so
+  // that a long variant's file name does not push its line out of step.
+  int name_w = 4, file_w = 8;
+  for (const Work& w : work) {
+    name_w = std::max(name_w, (int)w.name.size());
+    file_w = std::max(file_w, (int)fs::path(w.spath).filename().string().size());
+  }
+  if (!a.json) {
+    // Which backend and launcher gave these bits, and against what.
+    std::printf("check: backend %s, launcher %s, %zu scenario%s, golden files in %s", backend_name(backend),
+                a.launcher.c_str(), work.size(), work.size() == 1 ? "" : "s", a.golden_dir.c_str());
+    if (!a.scenario_dir.empty() && a.scenarios.empty()) std::printf(", scenarios in %s", a.scenario_dir.c_str());
+    std::printf("\n");
+    std::fflush(stdout);
+  }
   size_t index = 0;
-  for (auto& [gpath, spath] : work) {
+  for (const Work& w : work) {
+    const std::string& gpath = w.gpath;
+    const std::string& spath = w.spath;
+    const std::string file = fs::path(spath).filename().string();
     ++index;
     const auto t0 = std::chrono::steady_clock::now();
     if (tty) std::fprintf(stderr, "check [%zu/%zu] %s\n", index, work.size(), fs::path(spath).filename().c_str());
@@ -567,7 +611,7 @@ int cmd_check(const CheckArgs& a) {
       // --launcher mpi: each attempt one process per rank, under mpirun.
       const bool processes = a.launcher == "mpi" && s.mesh.world() > 1;
       if (processes) so.launcher = "mpi";
-      if (const Backend b = parse_backend(a.backend); b == Backend::kCudaEmulated || b == Backend::kCuda)
+      if (backend == Backend::kCudaEmulated || backend == Backend::kCuda)
         so.extra_args = {"--backend", a.backend};
       const SuperviseResult r = supervise(so);
       const std::string got = r.summary.value("final_state_hash", "");
@@ -613,21 +657,21 @@ int cmd_check(const CheckArgs& a) {
                    {"logs", m.differs() ? nlohmann::json(tmpl) : nlohmann::json(nullptr)}});
       if (!m.differs()) {
         if (!a.json)
-          std::printf("ok    %-16s %-28s %zu restart%s%s, final_state_hash %s\n", s.name.c_str(),
-                      fs::path(spath).filename().string().c_str(), restarts, restarts == 1 ? "" : "s",
+          std::printf("ok    %-*s %-*s %zu restart%s%s, final_state_hash %s\n", name_w, w.name.c_str(), file_w,
+                      file.c_str(), restarts, restarts == 1 ? "" : "s",
                       processes ? (", " + std::to_string(s.mesh.world()) + " processes").c_str() : "", got.c_str());
         fs::remove_all(tmpl);
       } else {
         ++failed;
         if (!a.json)
-          std::printf("FAIL  %-16s %s: %s (logs in %s)\n", s.name.c_str(),
-                      fs::path(spath).filename().string().c_str(), m.message.c_str(), tmpl);
+          std::printf("FAIL  %-*s %-*s %s (logs in %s)\n", name_w, w.name.c_str(), file_w, file.c_str(),
+                      m.message.c_str(), tmpl);
       }
       continue;
     }
     RunOptions opt;
     opt.threads = a.threads;
-    opt.backend = parse_backend(a.backend);
+    opt.backend = backend;
     opt.progress = tty;
     opt.hash_at = golden_hash_steps(s.steps);
     opt.eval = false;
@@ -648,14 +692,16 @@ int cmd_check(const CheckArgs& a) {
                  {"final_state_hash", r.final_state_hash}});
     if (!m.differs()) {
       if (!a.json)
-        std::printf("ok    %-16s %-28s %d steps, %s, final_state_hash %s\n", s.name.c_str(),
-                    fs::path(spath).filename().string().c_str(), r.steps,
+        std::printf("ok    %-*s %-*s %d steps, %s, final_state_hash %s\n", name_w, w.name.c_str(), file_w,
+                    file.c_str(), r.steps,
                     processes ? (std::to_string(s.mesh.world()) + " processes").c_str()
                               : (std::to_string(r.threads) + (r.threads == 1 ? " thread" : " threads")).c_str(),
                     r.final_state_hash.c_str());
     } else {
       ++failed;
-      if (!a.json) std::printf("FAIL  %-16s %s (golden %s)\n", s.name.c_str(), m.message.c_str(), gpath.c_str());
+      if (!a.json)
+        std::printf("FAIL  %-*s %-*s %s (golden %s)\n", name_w, w.name.c_str(), file_w, file.c_str(),
+                    m.message.c_str(), gpath.c_str());
     }
   }
   if (a.json)
@@ -850,6 +896,9 @@ int main(int argc, char** argv) {
   auto* check = app.add_subcommand("check", "rerun scenarios and compare with their golden files (default: all)");
   check->add_option("scenarios", ca.scenarios, "scenario JSON files (default: every golden file's scenario)");
   check->add_option("--golden-dir", ca.golden_dir, "where golden files live (default: golden)");
+  check->add_option("--scenario-dir", ca.scenario_dir,
+                    "the folder of the golden files' scenarios, with its variants/ and faults/ (default: the path "
+                    "each golden file records, read from the golden folder's parent: <golden-dir>/../scenarios/...)");
   check->add_option("--threads", ca.threads, "worker threads")->check(CLI::Range(1, 1024));
   check->add_option("--backend", ca.backend, "engine, reference, cuda-emulated or cuda");
   check->add_option("--launcher", ca.launcher,
@@ -888,8 +937,10 @@ int main(int argc, char** argv) {
   bisect->add_option("scenario_b", ba.scenario_b, "scenario of run B (default: the same)");
   bisect->add_option("--set-a", ba.sets_a, "override for run A: dotted.key=value (repeatable)");
   bisect->add_option("--set-b", ba.sets_b, "override for run B (repeatable)");
-  bisect->add_option("--backend-a", ba.backend_a, "engine or reference");
-  bisect->add_option("--backend-b", ba.backend_b, "engine or reference");
+  // Each side is a child `lockstep run --backend X`: every backend run takes.
+  bisect->add_option("--backend-a", ba.backend_a,
+                     "backend of run A: engine (default), reference, cuda-emulated or cuda, as run --backend");
+  bisect->add_option("--backend-b", ba.backend_b, "backend of run B: engine (default), reference, cuda-emulated or cuda");
   bisect->add_option("--bin-a", ba.bin_a, "lockstep binary for run A (default: this one)");
   bisect->add_option("--bin-b", ba.bin_b, "lockstep binary for run B");
   bisect->add_option("--threads-a", ba.threads_a, "threads for run A")->check(CLI::Range(1, 1024));

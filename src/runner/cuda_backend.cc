@@ -47,7 +47,7 @@ const cuda::Backend& open_cuda_backend() {
                      : *LOCKSTEP_CUDA_BACKEND_PATH ? std::string("nvcc builds it with the project; run the build again")
                                                  : std::string("this build found no nvcc; install the CUDA toolkit and "
                                                                "reconfigure, or set LOCKSTEP_CUDA_BACKEND")) +
-                    ")");
+                    "); --backend cuda-emulated runs the same kernels on the CPU");
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib) throw UserError("--backend cuda: cannot load " + path + ": " + dlerror());
   using OpenFn = int (*)(cuda::Backend*, char*, size_t);
