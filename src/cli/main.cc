@@ -204,12 +204,16 @@ int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
   if (as_json) {
     nlohmann::json j = memory_estimate_json(e, available);
     j["scenario"] = s.name;
+    j["mesh"] = mesh_json(s.mesh, s.microbatches);
+    j["mesh_text"] = s.mesh.describe(s.microbatches);
     j["fits"] = !available || e.total_bytes <= available;
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("scenario %s: d_model %d, %d layers, %d experts top-%d, batch %d x seq %d, mesh dp %d ep %d%s\n",
+    // The mesh as every tool prints it (MeshConfig::describe), and its world.
+    std::printf("scenario %s: d_model %d, %d layers, %d experts top-%d, batch %d x seq %d, mesh %s%s\n",
                 s.name.c_str(), s.model.d_model, s.model.n_layers, s.model.experts, s.model.top_k, s.batch,
-                s.model.seq_len, s.mesh.dp, s.mesh.ep, s.mesh.fsdp ? " fsdp" : "");
+                s.model.seq_len, s.mesh.describe(s.microbatches).c_str(),
+                s.mesh.world() > 1 ? (" (" + std::to_string(s.mesh.world()) + " ranks)").c_str() : "");
     std::printf("%s", format_memory_estimate(e, available).c_str());
     if (available && e.total_bytes > available)
       std::printf("does not fit: `lockstep run` would refuse it (plan exits %d)\n", kExitDoesNotFit);
