@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -202,5 +204,22 @@ TEST_SUITE("resume") {
     const nlohmann::json j = last_json(r.out);
     CHECK(j.at("seconds").get<double>() >= 0.6);
     CHECK(j.at("tokens_per_second").get<double>() <= 6.0 * 4 * 8 / 0.6);
+  }
+
+  TEST_CASE("--steps above train.steps is refused, naming both numbers, before anything runs") {
+    const std::string sc = scenario();  // train.steps 6
+    for (const std::string& how : {"", " --supervise --set ckpt.url=/tmp/lockstep-never --set ckpt.every=2",
+                                    " --launcher mpi --set mesh.dp=2", " --dry-run"}) {
+      CAPTURE(how);
+      const auto r = run_cli("run " + sc + " --steps 20" + how);
+      CHECK(r.rc == 2);
+      CHECK(r.out.empty());
+      CHECK(r.err == "lockstep: error: --steps 20: above train.steps = 6 (--steps stops a run early, on train.steps' "
+                     "learning-rate schedule); set train.steps (--set train.steps=20) to train longer\n");
+    }
+    CHECK(!fs::exists("/tmp/lockstep-never"));
+    // At train.steps and below: as before.
+    CHECK(run_cli("run " + sc + " --quiet --steps 6").rc == 0);
+    CHECK(run_cli("run " + sc + " --quiet --steps 2").rc == 0);
   }
 }

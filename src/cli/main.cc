@@ -237,6 +237,14 @@ int cmd_run(const RunArgs& a, const char* self) {
     throw UserError("--trace: not available with --launcher mpi on " + s.mesh.world_formula() +
                     " (a trace holds one rank); trace the same scenario with --launcher threads and --set mesh.dp=1, "
                     "which must give the same bits");
+  // --steps stops a run early; it never stretches one past train.steps,
+  // whose learning-rate schedule it keeps. Refused here, before mpirun or a
+  // supervisor starts anything.
+  if (a.steps == 0 || a.steps < -1) throw UserError("--steps: must be at least 1");
+  if (a.steps > s.steps)
+    throw UserError("--steps " + std::to_string(a.steps) + ": above train.steps = " + std::to_string(s.steps) +
+                    " (--steps stops a run early, on train.steps' learning-rate schedule); set train.steps (--set "
+                    "train.steps=" + std::to_string(a.steps) + ") to train longer");
   const std::vector<FaultSpec> faults = planned_faults(s, a.faults, a.steps);
   const bool child = !a.fault_state.empty();
   const bool supervised = !child && (a.supervise || !faults.empty());
@@ -336,7 +344,6 @@ int cmd_run(const RunArgs& a, const char* self) {
                  "lockstep: warning: --threads %d is more than the %d cores this process may use; the bits are the "
                  "same, but expect it to run slower than --threads %d\n",
                  a.threads, omp_get_num_procs(), omp_get_num_procs());
-  if (a.steps == 0 || a.steps < -1) throw UserError("--steps: must be at least 1");
   opt.steps = a.steps;
   opt.hash_at = a.hash_at;
   opt.progress = report && (a.progress || (!a.quiet && isatty(2)));
@@ -797,7 +804,7 @@ int main(int argc, char** argv) {
                   "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp x mesh.tp x mesh.pp "
                   "x mesh.cp, one process per rank; docs/CLUSTER.md)");
   run->add_option("--steps", ra.steps,
-                  "stop after this many steps; the learning-rate schedule stays train.steps' (so a run stopped "
+                  "stop after this many steps (at most train.steps); the learning-rate schedule stays train.steps' (so a run stopped "
                   "early matches the full run's first N steps bit for bit, and its checkpoints resume it)");
   run->add_option("--out", ra.out_dir, "write summary.json and scenario.resolved.json here");
   run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");
