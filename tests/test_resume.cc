@@ -222,4 +222,47 @@ TEST_SUITE("resume") {
     CHECK(run_cli("run " + sc + " --quiet --steps 6").rc == 0);
     CHECK(run_cli("run " + sc + " --quiet --steps 2").rc == 0);
   }
+
+  TEST_CASE("checkpoint paths and what is wrong with them: a step that is not a number, a folder not there") {
+    const std::string sc = scenario();
+    const fs::path ck = fresh_dir("paths-ckpt");
+    REQUIRE(run_cli("run " + sc + " --quiet --set ckpt.url=" + ck.string() + " --set ckpt.every=3").rc == 0);
+    auto r = run_cli("ckpt inspect " + ck.string() + "@abc");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find(ck.string() + "@abc: @abc: not a step number") != std::string::npos);
+    r = run_cli("run " + sc + " --quiet --resume " + ck.string() + "@x1");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("@x1: not a step number") != std::string::npos);
+    CHECK(run_cli("ckpt inspect " + ck.string() + "@3").rc == 0);
+    // An @ inside a folder name is the path's.
+    const fs::path at = fresh_dir("paths@v2");
+    REQUIRE(run_cli("run " + sc + " --quiet --set ckpt.url=" + at.string() + " --set ckpt.every=3").rc == 0);
+    CHECK(run_cli("ckpt inspect " + at.string()).rc == 0);
+
+    const fs::path missing = fresh_dir("paths-missing"), empty = fresh_dir("paths-empty");
+    fs::create_directories(empty);
+    r = run_cli("run " + sc + " --quiet --resume " + missing.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--resume: file://" + missing.string() + ": does not exist") != std::string::npos);
+    r = run_cli("run " + sc + " --quiet --resume " + empty.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--resume: file://" + empty.string() + " holds no committed checkpoint (no manifest)") !=
+          std::string::npos);
+    r = run_cli("ckpt verify " + missing.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("does not exist") != std::string::npos);
+  }
+
+  TEST_CASE("an upload fault says what it found: objects begun before its own, bytes of them done") {
+    const std::string sc = scenario();
+    const fs::path ck = fresh_dir("upload-words");
+    const auto r = run_cli("run " + sc + " --set mesh.dp=2 --set ckpt.url=" + ck.string() +
+                           " --set ckpt.every=2 --fault process_kill@4:phase=ckpt_upload,after_objects=1");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    const size_t at = r.err.find("(1 object of the checkpoint begun before it, ");
+    CHECK(at != std::string::npos);
+    CHECK(r.err.find(" of it uploaded so far)", at) != std::string::npos);
+    CHECK(r.err.find("1 objects") == std::string::npos);
+  }
 }

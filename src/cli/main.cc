@@ -684,7 +684,7 @@ int cmd_ckpt(const std::string& verb, const std::string& target, const std::stri
   std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{endpoint});
   if (verb == "ls") {
     const std::vector<int64_t> steps = committed_steps(*store);
-    if (steps.empty()) std::printf("no committed checkpoint in %s\n", store->url().c_str());
+    if (steps.empty()) std::printf("%s\n", no_checkpoint_in(*store).c_str());
     for (int64_t s : steps) {
       const Manifest m = read_manifest(*store, s);
       uint64_t bytes = 0;

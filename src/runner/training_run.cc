@@ -219,7 +219,7 @@ bool TrainingRun::resume() {
   if (at < 0) {
     candidates = committed_steps(*from, read_retry);
     std::reverse(candidates.begin(), candidates.end());
-    if (candidates.empty()) throw UserError("--resume: no committed checkpoint (no manifest) in " + from->url());
+    if (candidates.empty()) throw UserError("--resume: " + no_checkpoint_in(*from));
   }
   nlohmann::json fallbacks = nlohmann::json::array();
   RestoreReport rep;
