@@ -679,6 +679,13 @@ int cmd_check(const CheckArgs& a) {
   return failed ? 1 : 0;
 }
 
+// The mesh a checkpoint was saved on, as MeshConfig::describe prints it.
+std::string saved_mesh_text(const Manifest& m) {
+  int mb = 1;
+  const MeshConfig mesh = mesh_from_json(m.mesh.is_object() ? m.mesh : nlohmann::json::object(), &mb);
+  return mesh.describe(mb);
+}
+
 int cmd_ckpt(const std::string& verb, const std::string& target, const std::string& endpoint, bool as_json) {
   const auto [url, at] = split_checkpoint_url(target);
   std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{endpoint});
@@ -690,18 +697,22 @@ int cmd_ckpt(const std::string& verb, const std::string& target, const std::stri
       uint64_t bytes = 0;
       for (const ManifestObject& o : m.objects) bytes += o.size;
       std::printf("step %-8lld %3zu objects %12llu bytes  mesh %s  state_hash %s\n", (long long)s, m.objects.size(),
-                  (unsigned long long)bytes, m.mesh.dump().c_str(), m.state_hash.empty() ? "-" : m.state_hash.c_str());
+                  (unsigned long long)bytes, saved_mesh_text(m).c_str(), m.state_hash.empty() ? "-" : m.state_hash.c_str());
     }
     return 0;
   }
   const Manifest m = read_manifest(*store, at);
   if (verb == "inspect") {
     if (as_json) {
-      std::printf("%s\n", manifest_to_json(m).dump(2).c_str());
+      // The manifest as stored, and beside it (not in it: older builds read
+      // the manifest's fields strictly) the mesh as the other tools print it.
+      nlohmann::json j = manifest_to_json(m);
+      j["mesh_text"] = saved_mesh_text(m);
+      std::printf("%s\n", j.dump(2).c_str());
       return 0;
     }
     std::printf("checkpoint of step %lld in %s\n  fingerprint %s\n  mesh %s\n  %zu objects, %zu tensors\n",
-                (long long)m.step, store->url().c_str(), m.fingerprint.c_str(), m.mesh.dump().c_str(),
+                (long long)m.step, store->url().c_str(), m.fingerprint.c_str(), saved_mesh_text(m).c_str(),
                 m.objects.size(), m.tensors.size());
     for (const ManifestObject& o : m.objects)
       std::printf("  %-40s %12llu bytes  xxh128 %s  rank %d\n", o.key.c_str(), (unsigned long long)o.size,
