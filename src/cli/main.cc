@@ -85,6 +85,16 @@ std::string launcher_line(const std::string& launcher, int processes, int ranks)
          (ranks > 1 ? "; the mesh's " + std::to_string(ranks) + " ranks are threads of it" : std::string()) + ")";
 }
 
+// "saved on one rank, resharded onto dp 2" when the checkpoint resumed was
+// saved on another mesh than this run's; else nothing.
+std::string resharded(const RunResult& r, const Scenario& s) {
+  const nlohmann::json saved = r.restore.is_object() ? r.restore.value("saved_mesh", nlohmann::json()) : nlohmann::json();
+  if (!saved.is_object() || saved.empty()) return "";
+  int mb = 1;
+  const std::string was = mesh_from_json(saved, &mb).describe(mb), now = s.mesh.describe(s.microbatches);
+  return was == now ? "" : "saved on " + was + ", resharded onto " + now;
+}
+
 void print_summary(const RunResult& r, const Scenario& s, const std::string& launcher, int processes) {
   std::printf("scenario        %s (%s backend, %d thread%s)\n", r.scenario.c_str(), r.backend.c_str(), r.threads,
               r.threads == 1 ? "" : "s");
@@ -102,12 +112,17 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
     std::printf("data            synthetic corpus, %llu bytes\n", (unsigned long long)s.data.synthetic_bytes);
   else
     std::printf("data            %s\n", s.data.path.c_str());
-  if (r.already_complete)
+  if (r.already_complete) {
     std::printf("resumed         the checkpoint of step %d in %s is the final step: nothing was left to run\n",
                 r.resumed_from, r.restore.value("url", std::string("?")).c_str());
-  else if (r.resumed_from > 0)
+    std::printf("                read back whole first: %llu bytes, every object's checksum as its manifest says\n",
+                (unsigned long long)r.restore.value("store_bytes_read", (uint64_t)0));
+  }
+  else if (r.resumed_from > 0) {
     std::printf("resumed         from the checkpoint of step %d in %s; this run trained steps %d-%d\n", r.resumed_from,
                 r.restore.value("url", std::string("?")).c_str(), r.resumed_from + 1, r.steps);
+    if (const std::string moved = resharded(r, s); !moved.empty()) std::printf("                %s\n", moved.c_str());
+  }
   if (!r.restore.is_null())
     for (const auto& f : r.restore.value("fallbacks", nlohmann::json::array()))
       std::printf("                the checkpoint of step %lld was unusable: %s\n", (long long)f.value("step", 0),
