@@ -1,7 +1,11 @@
 // lockstep: the command line. Subcommands run, golden, check, keys.
 // Exit codes: 0 ok, 1 a check found different bits, 2 bad input, 5 plan /
 // --dry-run: the plan does not fit in the memory available.
+#include <fcntl.h>
 #include <omp.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -15,6 +19,7 @@
 #include <iostream>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "cli/bisect.h"
 #include "cli/failure.h"
@@ -186,9 +191,19 @@ struct RunArgs {
 // The command line as given, for --launcher mpi to hand to mpirun.
 std::vector<std::string> g_args;
 
-// --launcher mpi: this process becomes `mpirun -np mesh.dp*mesh.tp lockstep ...` with
-// the same arguments (less --launcher), one rank per process.
-[[noreturn]] void exec_under_mpirun(const Scenario& s, const char* self) {
+// SIGINT, SIGTERM and SIGHUP while --launcher mpi waits for its mpirun:
+// recorded here, handed on to the job by launch_under_mpirun.
+volatile sig_atomic_t g_launcher_signal = 0;
+extern "C" void on_launcher_signal(int sig) { g_launcher_signal = sig; }
+
+// --launcher mpi: runs `mpirun -np <world> lockstep ...` with the same
+// arguments (less --launcher), one rank per process, and ends as it ends.
+// mpirun stopped by a signal exits 1 without a word, and 1 means "found a
+// difference" here; so the job runs in a session of its own (a terminal's
+// Ctrl-C reaches this process alone), and a stop signal is handed on to
+// every process of it, then this process says so in one line and dies of
+// the signal, as the threads launcher and the supervisor do (130, 143).
+[[noreturn]] void launch_under_mpirun(const Scenario& s, const char* self) {
   require_mpi("--launcher mpi");
   std::vector<std::string> cmd = mpirun_command(s.mesh.world());
   cmd.push_back(self);
@@ -203,9 +218,63 @@ std::vector<std::string> g_args;
   std::vector<char*> argv;
   for (std::string& c : cmd) argv.push_back(c.data());
   argv.push_back(nullptr);
+  // Installed before the fork: a signal that comes while mpirun starts is
+  // not lost. One the caller ignores (nohup) stays ignored.
+  constexpr int kStopSignals[3] = {SIGINT, SIGTERM, SIGHUP};
+  for (int sig : kStopSignals) {
+    struct sigaction sa {}, old {};
+    sa.sa_handler = on_launcher_signal;  // no SA_RESTART: waitpid returns to look
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(sig, nullptr, &old);
+    if (old.sa_handler != SIG_IGN) ::sigaction(sig, &sa, nullptr);
+  }
   std::fflush(nullptr);
-  execvp(argv[0], argv.data());
-  throw UserError(std::string("--launcher mpi: cannot start mpirun: ") + std::strerror(errno));
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) throw UserError(std::string("--launcher mpi: cannot start mpirun: ") + std::strerror(errno));
+  if (pid == 0) {
+    ::setsid();
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // this process killed outright: mpirun ends its ranks
+    if (::getppid() != parent) ::_exit(128 + SIGTERM);
+    // Nothing reads stdin; mpirun would forward it to rank 0, from a terminal it no longer owns.
+    const int null = ::open("/dev/null", O_RDONLY);
+    if (null >= 0) ::dup2(null, 0);
+    for (int sig : kStopSignals) ::signal(sig, SIG_DFL);
+    ::execvp(argv[0], argv.data());
+    const std::string m = std::string("lockstep: error: --launcher mpi: cannot start mpirun: ") + std::strerror(errno) + "\n";
+    (void)!::write(2, m.data(), m.size());
+    ::_exit(2);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) != pid) {
+    if (errno != EINTR) throw UserError(std::string("--launcher mpi: waiting for mpirun: ") + std::strerror(errno));
+    if (!g_launcher_signal) continue;
+    const int sig = g_launcher_signal;
+    const std::vector<int> procs = session_processes(pid);
+    for (int p : procs) ::kill(p, sig);
+    // The job gets 5 s to end, then whatever is left of it is killed.
+    bool reaped = false;
+    for (int i = 0; i < 500 && !reaped; ++i) {
+      reaped = ::waitpid(pid, &status, WNOHANG) == pid;
+      if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    for (int p : session_processes(pid)) ::kill(p, SIGKILL);
+    if (!reaped) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+    }
+    std::fprintf(stderr, "lockstep: %s: stopped the mpirun job (%zu process%s)%s\n",
+                 sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP", procs.size(),
+                 procs.size() == 1 ? "" : "es",
+                 s.ckpt.url.empty() ? "" : ("; committed checkpoints in " + s.ckpt.url + " are intact (continue with --resume " + s.ckpt.url + ")").c_str());
+    std::fflush(nullptr);
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    std::_Exit(128 + sig);
+  }
+  std::fflush(nullptr);
+  if (WIFSIGNALED(status)) std::_Exit(128 + WTERMSIG(status));
+  std::_Exit(WIFEXITED(status) ? WEXITSTATUS(status) : 1);
 }
 
 // plan / run --dry-run: the memory estimate per part, nothing trained. Exits
@@ -267,7 +336,7 @@ int cmd_run(const RunArgs& a, const char* self) {
     throw UserError("--supervise / --fault under mpirun: the supervisor must stand outside the job to restart it; "
                     "run `lockstep run ... --launcher mpi --supervise` (it starts mpirun itself)");
   // --launcher mpi: this process becomes mpirun, or (supervised) the supervisor starts it per attempt.
-  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.dry_run && !supervised) exec_under_mpirun(s, self);
+  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.dry_run && !supervised) launch_under_mpirun(s, self);
   if (a.dry_run) {
     RunOptions po;
     po.backend = parse_backend(a.backend);
@@ -806,6 +875,17 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
 }
 
 
+// Under mpirun every rank process meets a refusal of the input (exit 2,
+// or the lease another job holds) the same way, or learns it from rank 0
+// (share_error): rank 0 alone says it, and the others exit with the same
+// code without a word, instead of once per rank. Store and internal errors
+// may be one rank's own: every rank that meets one says it.
+bool quiet_rank_refusal(const Failure& f) {
+  if (f.exit_code != 2 && f.exit_code != kExitLeaseLost) return false;
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  return launched_by_mpirun() && rank && std::string(rank) != "0";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1043,7 +1123,7 @@ int main(int argc, char** argv) {
     }
   } catch (const std::exception&) {
     const Failure f = describe_failure(std::current_exception());
-    std::fprintf(stderr, "%s\n", f.message.c_str());
+    if (!quiet_rank_refusal(f)) std::fprintf(stderr, "%s\n", f.message.c_str());
     return f.exit_code;
   }
   return 0;
