@@ -267,4 +267,17 @@ TEST_SUITE("mpi") {
     CHECK(r.err.find(refusal, first + 1) == std::string::npos);
   }
 
+  TEST_CASE("a one-rank mesh under --launcher mpi runs the threads launcher's default thread count") {
+    if (!ls::mpi_available()) return;
+    const auto sc = lstest::write_temp("mpi_threads_tiny.json", kTiny);
+    const lstest::CliResult threads = lstest::run_cli("run " + sc.string() + " --json --quiet");
+    const lstest::CliResult mpi = lstest::run_cli("run " + sc.string() + " --launcher mpi --json --quiet");
+    CAPTURE(mpi.err);
+    REQUIRE(threads.rc == 0);
+    REQUIRE(mpi.rc == 0);
+    const nlohmann::json t = lstest::last_json(threads.out), m = lstest::last_json(mpi.out);
+    CHECK(m.at("launcher") == "mpi");
+    CHECK(m.at("threads") == t.at("threads"));  // not 1: Open MPI would bind the one process to one core
+    CHECK(m.at("final_state_hash") == t.at("final_state_hash"));
+  }
 }
