@@ -73,18 +73,20 @@ inline void check_sweep_on_golden(const std::string& file, const std::string& se
 inline std::filesystem::path check_resumes_on_hash(const std::string& sc, const std::string& saved_mesh,
                                                    const std::vector<std::string>& meshes, const std::string& tag,
                                                    const std::function<void(const nlohmann::json&)>& also = {}) {
-  const auto whole = run_cli("run " + sc + " --json --quiet --steps 6");
+  // Six steps in all (--steps never goes past train.steps): saved at 3, resumed to 6.
+  const std::string six = " --set train.steps=6";
+  const auto whole = run_cli("run " + sc + " --json --quiet" + six);
   REQUIRE(whole.rc == 0);
   const std::string hash = last_json(whole.out).at("final_state_hash");
   CAPTURE(saved_mesh);
   const auto ck = fresh_dir(tag);
-  const auto saved =
-      run_cli("run " + sc + " --json --quiet --steps 3 " + saved_mesh + " --set ckpt.every=3 --set ckpt.url=" + ck.string());
+  const auto saved = run_cli("run " + sc + six + " --json --quiet --steps 3 " + saved_mesh +
+                             " --set ckpt.every=3 --set ckpt.url=" + ck.string());
   CAPTURE(saved.err);
   REQUIRE(saved.rc == 0);
   for (const std::string& mesh : meshes) {
     CAPTURE(mesh);
-    const auto r = run_cli("run " + sc + " --json --quiet --steps 6 " + mesh + " --resume " + ck.string());
+    const auto r = run_cli("run " + sc + six + " --json --quiet " + mesh + " --resume " + ck.string());
     CAPTURE(r.err);
     REQUIRE(r.rc == 0);
     const nlohmann::json j = last_json(r.out);

@@ -394,4 +394,39 @@ TEST_SUITE("harness") {
     }
     CHECK(suites > 20);
   }
+
+  TEST_CASE("the mesh reads the same in every tool: run summary, --json, plan, ckpt ls and inspect") {
+    const fs::path sc = write_temp("mesh-words.json", R"({"model": {"d_model": 32, "n_layers": 2, "n_heads": 4,
+      "seq_len": 8, "d_ff": 16}, "moe": {"experts": 4, "top_k": 2}, "train": {"steps": 2, "batch": 8,
+      "warmup_steps": 1, "eval_every": 0, "eval_batches": 1}, "data": {"synthetic_bytes": 8192}})");
+    const fs::path ck = fresh_dir("mesh-words-ckpt");
+    const std::string mesh = " --set mesh.dp=2 --set mesh.ep=2 --set mesh.tp=2 --set mesh.sp=true --set mesh.cp=2 "
+                             "--set mesh.pp=2 --set train.microbatches=2";
+    // Every axis above 1 and every switch on, in MeshConfig::describe's one form.
+    const std::string words = "dp 2, ep 2, tp 2 + sp, cp 2 zigzag, pp 2 1f1b, 2 microbatches";
+    auto r = run_cli("run " + sc.string() + mesh + " --quiet --set ckpt.url=" + ck.string() + " --set ckpt.every=2");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("mesh            " + words + "\n") != std::string::npos);
+    r = run_cli("run " + sc.string() + mesh + " --quiet --json");
+    REQUIRE(r.rc == 0);
+    CHECK(last_json(r.out).at("mesh_text") == words);
+    r = run_cli("plan " + sc.string() + mesh);
+    CHECK(r.out.find("mesh " + words + " (16 ranks)") != std::string::npos);
+    r = run_cli("plan " + sc.string() + mesh + " --json");
+    CHECK(last_json(r.out).at("mesh_text") == words);
+    r = run_cli("ckpt ls " + ck.string());
+    CHECK(r.out.find("  mesh " + words + "  ") != std::string::npos);
+    r = run_cli("ckpt inspect " + ck.string());
+    CHECK(r.out.find("  mesh " + words + "\n") != std::string::npos);
+    r = run_cli("ckpt inspect " + ck.string() + " --json");
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    CHECK(j.at("mesh_text") == words);
+    CHECK(j.at("mesh").at("cp") == 2);  // the manifest's own object, as stored
+    // One rank: no mesh line in the summary, "one rank" in --json.
+    r = run_cli("run " + sc.string() + " --quiet");
+    CHECK(r.out.find("mesh ") == std::string::npos);
+    r = run_cli("run " + sc.string() + " --quiet --json");
+    CHECK(last_json(r.out).at("mesh_text") == "one rank");
+  }
 }

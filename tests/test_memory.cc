@@ -4,7 +4,9 @@
 #include <doctest/doctest.h>
 
 #include <filesystem>
+#include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -37,8 +39,8 @@ TEST_SUITE("memory") {
                                    "--threads 2 --set mesh.dp=2 --set mesh.tp=2 --set mesh.sp=true",
                                    "--threads 1 --set mesh.pp=2 --set train.microbatches=4 --set mesh.pp_schedule=gpipe",
                                    "--threads 1 --set mesh.pp=4 --set train.microbatches=8 --set moe.aux_loss_weight=0",
-                                   "--threads 1 " + save,
-                                   "--threads 1 --steps 3 --resume " + ck.string()}) {
+                                   "--threads 1 --steps 1 " + save,  // stopped early: the resume has a step to run
+                                   "--threads 1 --resume " + ck.string()}) {
       CAPTURE(args);
       const lstest::CliResult r = lstest::run_cli("run " + sc.string() + " " + args + " --json --quiet");
       CAPTURE(r.err);
@@ -105,5 +107,52 @@ TEST_SUITE("memory") {
     r = lstest::run_cli("run " + sc.string() + " --set train.batch=1073741824");
     CHECK(r.rc == 2);
     CHECK(r.err.find("needs an estimated") != std::string::npos);
+  }
+
+  TEST_CASE("plan counts every rank of the world, pipeline stages included, each holding its stage's weights") {
+    const fs::path sc = lstest::write_temp("medium.json", kMedium);
+    const std::string pp = " --set mesh.pp=2 --set train.microbatches=4";
+    lstest::CliResult one = lstest::run_cli("plan " + sc.string() + " --json");
+    REQUIRE(one.rc == 0);
+    const nlohmann::json j1 = lstest::last_json(one.out);
+    CHECK(j1.at("ranks") == 1);
+    const uint64_t all = j1.at("weights_per_rank").get<uint64_t>();
+    for (const auto& [sets, ranks] : std::vector<std::pair<std::string, int>>{
+             {pp, 2}, {pp + " --set mesh.dp=2 --set mesh.tp=2", 8}}) {
+      CAPTURE(sets);
+      lstest::CliResult r = lstest::run_cli("plan " + sc.string() + sets + " --json");
+      REQUIRE(r.rc == 0);
+      const nlohmann::json j = lstest::last_json(r.out);
+      CHECK(j.at("ranks") == ranks);
+      // Two stages, about half the weights each (the cut balances FLOPs, not weights).
+      const nlohmann::json stages = j.at("weights_per_stage");
+      REQUIRE(stages.size() == 2);
+      const uint64_t split = stages[0].get<uint64_t>() + stages[1].get<uint64_t>();
+      const uint64_t most = j.at("weights_per_rank").get<uint64_t>();
+      CHECK(most == std::max(stages[0].get<uint64_t>(), stages[1].get<uint64_t>()));
+      CHECK(most < split * 0.7);
+      CHECK(most > split * 0.3);
+      if (ranks == 2) CHECK(split == all);  // no tensor parallelism: the stages hold the model between them
+      CHECK(j.at("mesh_text") == (ranks == 2 ? "pp 2 1f1b, 4 microbatches" : "dp 2, tp 2, pp 2 1f1b, 4 microbatches"));
+      // The text says the same: the world's ranks, the most a rank holds, and the mesh in full.
+      r = lstest::run_cli("plan " + sc.string() + sets);
+      REQUIRE(r.rc == 0);
+      CAPTURE(r.out);
+      CHECK(r.out.find("up to " + std::to_string(most) + " fp32 weights on each of " + std::to_string(ranks) +
+                       " ranks") != std::string::npos);
+      CHECK(r.out.find("mesh " + j.at("mesh_text").get<std::string>() + " (" + std::to_string(ranks) + " ranks)") !=
+            std::string::npos);
+      CHECK(r.out.find("on each of 1 ranks") == std::string::npos);
+    }
+    // Context parallel cuts attention's P: the note is on the activations, not the MoE buffers.
+    const lstest::CliResult cp = lstest::run_cli("plan " + sc.string() + " --set mesh.cp=2");
+    REQUIRE(cp.rc == 0);
+    const auto line = [&](const std::string& part) {
+      const size_t at = cp.out.find("  " + part + " ");
+      return at == std::string::npos ? std::string() : cp.out.substr(at, cp.out.find('\n', at) - at);
+    };
+    CHECK(line("activations").find("attention's P") != std::string::npos);
+    CHECK(line("moe_expert_buffers").find("attention's P") == std::string::npos);
+    CHECK(cp.out.find("mesh cp 2 zigzag (2 ranks)") != std::string::npos);
   }
 }

@@ -6,6 +6,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <sstream>
@@ -15,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "background_run.h"
 #include "cli_run.h"
 #include "mpi_run.h"
 #include "tiny_scenario.h"
@@ -226,5 +228,56 @@ TEST_SUITE("mpi") {
     CHECK(std::stoi(rc) != 124);  // mpirun ended it, not the timeout
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     CHECK(rank_pids("mpi_kill_tiny.json").empty());
+  }
+}
+
+TEST_SUITE("mpi") {
+  TEST_CASE("--launcher mpi stopped by Ctrl-C dies of SIGINT (130) with one line, and takes its ranks with it") {
+    if (!ls::mpi_available()) return;
+    // mpirun itself exits 1 on SIGINT, silently; 1 is "found a difference".
+    const auto sc = lstest::write_temp("mpi_sigint_tiny.json", kTiny);
+    lstest::BackgroundRun job = lstest::BackgroundRun::start(
+        {"run", sc.string(), "--launcher", "mpi", "--set", "mesh.dp=2", "--set", "train.steps=1000000", "--quiet",
+         "--threads", "1"},
+        "mpi-sigint");
+    // The launcher and both rank processes, then into the training loop.
+    REQUIRE(lstest::wait_until([] { return rank_pids("mpi_sigint_tiny.json").size() >= 3; }, 60));
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    REQUIRE(kill(job.pid, SIGINT) == 0);  // to lockstep alone, as a shell's `kill -INT` does
+    const int rc = job.wait(30);
+    const std::string err = job.stderr_text();
+    CAPTURE(err);
+    CHECK(rc == 130);
+    CHECK(err.find("lockstep: SIGINT: stopped the mpirun job (") == 0);  // mpirun and its ranks
+    CHECK(std::count(err.begin(), err.end(), '\n') == 1);
+    CHECK(lstest::wait_until([] { return rank_pids("mpi_sigint_tiny.json").empty(); }, 5));
+  }
+
+  TEST_CASE("a refusal every rank meets under mpirun is printed once, by rank 0, with the same exit code") {
+    if (!ls::mpi_available()) return;
+    // Only the ranks see it: the launcher hands every option on to mpirun.
+    const auto sc = lstest::write_temp("mpi_refuse_tiny.json", kTiny);
+    const lstest::CliResult r =
+        lstest::run_cli("run " + sc.string() + " --launcher mpi --set mesh.dp=2 --backend reference --quiet");
+    CAPTURE(r.err);
+    CHECK(r.rc == 2);
+    const std::string refusal = "lockstep: error: --backend: under mpirun only the engine runs";
+    const size_t first = r.err.find(refusal);
+    CHECK(first != std::string::npos);
+    CHECK(r.err.find(refusal, first + 1) == std::string::npos);
+  }
+
+  TEST_CASE("a one-rank mesh under --launcher mpi runs the threads launcher's default thread count") {
+    if (!ls::mpi_available()) return;
+    const auto sc = lstest::write_temp("mpi_threads_tiny.json", kTiny);
+    const lstest::CliResult threads = lstest::run_cli("run " + sc.string() + " --json --quiet");
+    const lstest::CliResult mpi = lstest::run_cli("run " + sc.string() + " --launcher mpi --json --quiet");
+    CAPTURE(mpi.err);
+    REQUIRE(threads.rc == 0);
+    REQUIRE(mpi.rc == 0);
+    const nlohmann::json t = lstest::last_json(threads.out), m = lstest::last_json(mpi.out);
+    CHECK(m.at("launcher") == "mpi");
+    CHECK(m.at("threads") == t.at("threads"));  // not 1: Open MPI would bind the one process to one core
+    CHECK(m.at("final_state_hash") == t.at("final_state_hash"));
   }
 }

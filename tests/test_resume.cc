@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -202,5 +204,139 @@ TEST_SUITE("resume") {
     const nlohmann::json j = last_json(r.out);
     CHECK(j.at("seconds").get<double>() >= 0.6);
     CHECK(j.at("tokens_per_second").get<double>() <= 6.0 * 4 * 8 / 0.6);
+  }
+
+  TEST_CASE("an already complete job is read back before it is called complete: a corrupt final shard is caught") {
+    const std::string sc = scenario();
+    const fs::path ck = fresh_dir("final-rot");
+    const std::string sets = " --set ckpt.url=" + ck.string() + " --set ckpt.every=2";
+    const auto whole = run_cli("run " + sc + sets + " --json --quiet");
+    REQUIRE(whole.rc == 0);
+    const std::string hash = last_json(whole.out).at("final_state_hash");
+    // Sound: complete, and it says what it read.
+    auto r = run_cli("run " + sc + " --json --quiet --resume " + ck.string());
+    REQUIRE(r.rc == 0);
+    nlohmann::json j = last_json(r.out);
+    CHECK(j.at("already_complete") == true);
+    CHECK(j.at("restore").at("verified") == true);
+    CHECK(j.at("restore").at("store_bytes_read").get<uint64_t>() > 0);
+    CHECK(j.at("restore").at("store_bytes_read") == j.at("restore").at("checkpoint_bytes"));
+
+    flip_byte(ck / "step-00000006" / "rank-00000.safetensors");
+    // The latest: not "nothing was left to run" -- it falls back to step 4 and trains 5-6 again.
+    r = run_cli("run " + sc + " --json --quiet --resume " + ck.string());
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    j = last_json(r.out);
+    CHECK(j.at("already_complete") == false);
+    CHECK(j.at("resumed_from") == 4);
+    CHECK(j.at("restore").at("fallbacks").at(0).at("step") == 6);
+    CHECK(j.at("final_state_hash") == hash);
+    CHECK(r.err.find("checksum mismatch") != std::string::npos);
+    // Named: the corrupt checkpoint is an error, exit 2.
+    r = run_cli("run " + sc + " --quiet --resume " + ck.string() + "@6");
+    CHECK(r.rc == 2);
+    CHECK(r.out.find("nothing was left to run") == std::string::npos);
+    CHECK(r.err.find("rank-00000.safetensors: checksum mismatch") != std::string::npos);
+  }
+
+  TEST_CASE("--steps above train.steps is refused, naming both numbers, before anything runs") {
+    const std::string sc = scenario();  // train.steps 6
+    for (const std::string& how : {"", " --supervise --set ckpt.url=/tmp/lockstep-never --set ckpt.every=2",
+                                    " --launcher mpi --set mesh.dp=2", " --dry-run"}) {
+      CAPTURE(how);
+      const auto r = run_cli("run " + sc + " --steps 20" + how);
+      CHECK(r.rc == 2);
+      CHECK(r.out.empty());
+      CHECK(r.err == "lockstep: error: --steps 20: above train.steps = 6 (--steps stops a run early, on train.steps' "
+                     "learning-rate schedule); set train.steps (--set train.steps=20) to train longer\n");
+    }
+    CHECK(!fs::exists("/tmp/lockstep-never"));
+    // At train.steps and below: as before.
+    CHECK(run_cli("run " + sc + " --quiet --steps 6").rc == 0);
+    CHECK(run_cli("run " + sc + " --quiet --steps 2").rc == 0);
+  }
+
+  TEST_CASE("the README's save-then-resume example reshards, run exactly as written") {
+    // The two lines, from the README itself; only the checkpoint folder and the paths move.
+    const std::string readme = lstest::slurp(fs::path(LOCKSTEP_SOURCE_DIR) / "README.md");
+    const auto line_with = [&](const std::string& tag) {
+      const size_t at = readme.find(tag);
+      REQUIRE(at != std::string::npos);
+      const size_t start = readme.rfind('\n', at) + 1;
+      std::string cmd = readme.substr(start, readme.find('#', start) - start);
+      cmd = cmd.substr(cmd.find_first_not_of(' '));
+      return cmd;
+    };
+    const fs::path ck = fresh_dir("readme-run");
+    const auto local = [&](std::string cmd) {
+      for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+               {"build/src/cli/lockstep ", ""}, {"scenarios/", std::string(LOCKSTEP_SOURCE_DIR) + "/scenarios/"},
+               {"/tmp/run", ck.string()}}) {
+        const size_t at = cmd.find(from);
+        REQUIRE(at != std::string::npos);
+        cmd.replace(at, from.size(), to);
+      }
+      return cmd;
+    };
+    const std::string save = line_with("# async checkpoints"), resume = line_with("# steps 13-16 on 2 ranks");
+    CAPTURE(save);
+    CAPTURE(resume);
+    auto r = run_cli(local(save));
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    r = run_cli(local(resume));
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("nothing was left to run") == std::string::npos);
+    CHECK(r.out.find("resumed         from the checkpoint of step 12 in file://" + ck.string() +
+                     "; this run trained steps 13-16\n                saved on one rank, resharded onto dp 2\n") !=
+          std::string::npos);
+    const std::string tail = r.out.substr(r.out.find("final_state_hash "));
+    // The uninterrupted run's hash.
+    const auto whole = run_cli("run " + std::string(LOCKSTEP_SOURCE_DIR) + "/scenarios/top2.json --quiet");
+    CHECK(whole.out.find(tail) != std::string::npos);
+  }
+
+  TEST_CASE("checkpoint paths and what is wrong with them: a step that is not a number, a folder not there") {
+    const std::string sc = scenario();
+    const fs::path ck = fresh_dir("paths-ckpt");
+    REQUIRE(run_cli("run " + sc + " --quiet --set ckpt.url=" + ck.string() + " --set ckpt.every=3").rc == 0);
+    auto r = run_cli("ckpt inspect " + ck.string() + "@abc");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find(ck.string() + "@abc: @abc: not a step number") != std::string::npos);
+    r = run_cli("run " + sc + " --quiet --resume " + ck.string() + "@x1");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("@x1: not a step number") != std::string::npos);
+    CHECK(run_cli("ckpt inspect " + ck.string() + "@3").rc == 0);
+    // An @ inside a folder name is the path's.
+    const fs::path at = fresh_dir("paths@v2");
+    REQUIRE(run_cli("run " + sc + " --quiet --set ckpt.url=" + at.string() + " --set ckpt.every=3").rc == 0);
+    CHECK(run_cli("ckpt inspect " + at.string()).rc == 0);
+
+    const fs::path missing = fresh_dir("paths-missing"), empty = fresh_dir("paths-empty");
+    fs::create_directories(empty);
+    r = run_cli("run " + sc + " --quiet --resume " + missing.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--resume: file://" + missing.string() + ": does not exist") != std::string::npos);
+    r = run_cli("run " + sc + " --quiet --resume " + empty.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--resume: file://" + empty.string() + " holds no committed checkpoint (no manifest)") !=
+          std::string::npos);
+    r = run_cli("ckpt verify " + missing.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("does not exist") != std::string::npos);
+  }
+
+  TEST_CASE("an upload fault says what it found: objects begun before its own, bytes of them done") {
+    const std::string sc = scenario();
+    const fs::path ck = fresh_dir("upload-words");
+    const auto r = run_cli("run " + sc + " --set mesh.dp=2 --set ckpt.url=" + ck.string() +
+                           " --set ckpt.every=2 --fault process_kill@4:phase=ckpt_upload,after_objects=1");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    const size_t at = r.err.find("(1 object of the checkpoint begun before it, ");
+    CHECK(at != std::string::npos);
+    CHECK(r.err.find(" of it uploaded so far)", at) != std::string::npos);
+    CHECK(r.err.find("1 objects") == std::string::npos);
   }
 }

@@ -160,7 +160,9 @@ struct RestoreReport {
 // message after `context` and "rank N: ". Collective.
 void share_error(Communicator& comm, int root, std::exception_ptr error, const std::string& context);
 
-// "URL@STEP" -> (URL, STEP); a URL without "@digits" -> (URL, -1): the latest.
+// "URL@STEP" -> (URL, STEP); a URL without "@" -> (URL, -1): the latest.
+// "URL@abc" (no '/' after the '@', not digits) is refused, UserError naming
+// the step, unless a local folder of that whole name exists.
 std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text);
 
 // Loads the manifest's state into every rank of the trainer. mpi: the

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <set>
@@ -282,9 +283,17 @@ std::vector<int64_t> committed_steps(ObjectStore& store, const std::optional<Ret
   return steps;
 }
 
+std::string no_checkpoint_in(const ObjectStore& store) {
+  const std::string url = store.url();
+  std::error_code ec;
+  if (url.rfind("file://", 0) == 0 && !std::filesystem::exists(url.substr(7), ec))
+    return url + ": does not exist (no folder there: is the path right?)";
+  return url + " holds no committed checkpoint (no manifest)";
+}
+
 Manifest read_manifest(ObjectStore& store, int64_t step, const std::optional<RetryPolicy>& retry) {
   const std::vector<int64_t> steps = committed_steps(store, retry);
-  if (steps.empty()) throw UserError("no committed checkpoint (no manifest) in " + store.url());
+  if (steps.empty()) throw UserError(no_checkpoint_in(store));
   if (step < 0) step = steps.back();
   if (std::find(steps.begin(), steps.end(), step) == steps.end())
     throw UserError("no committed checkpoint of step " + std::to_string(step) + " in " + store.url());

@@ -97,6 +97,10 @@ int64_t step_of_manifest_key(const std::string& key);
 
 // Committed checkpoints under the store, oldest first: the manifests found.
 std::vector<int64_t> committed_steps(ObjectStore& store, const std::optional<RetryPolicy>& retry = std::nullopt);
+// Why a store has no committed checkpoint, for messages: "file:///x: does
+// not exist" when a local folder is not there (a mistyped path), else
+// "file:///x holds no committed checkpoint (no manifest)".
+std::string no_checkpoint_in(const ObjectStore& store);
 // The manifest of `step` (-1: the latest committed), validated.
 Manifest read_manifest(ObjectStore& store, int64_t step, const std::optional<RetryPolicy>& retry = std::nullopt);
 

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -242,7 +243,8 @@ int cmd_bisect(const BisectArgs& a) {
   B.backend = a.backend_b;
   A.threads = a.threads_a;
   B.threads = a.threads_b;
-  const int steps = a.steps > 0 ? a.steps : sa.steps;
+  // At most the shorter side's train.steps: a run refuses --steps above its own.
+  const int steps = std::min(a.steps > 0 ? a.steps : sa.steps, std::min(sa.steps, sb.steps));
 
   char tmpl[] = "/tmp/lockstep-bisect-XXXXXX";
   const char* made = mkdtemp(tmpl);

@@ -1,7 +1,11 @@
 // lockstep: the command line. Subcommands run, golden, check, keys.
 // Exit codes: 0 ok, 1 a check found different bits, 2 bad input, 5 plan /
 // --dry-run: the plan does not fit in the memory available.
+#include <fcntl.h>
 #include <omp.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -15,6 +19,7 @@
 #include <iostream>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "cli/bisect.h"
 #include "cli/failure.h"
@@ -85,6 +90,16 @@ std::string launcher_line(const std::string& launcher, int processes, int ranks)
          (ranks > 1 ? "; the mesh's " + std::to_string(ranks) + " ranks are threads of it" : std::string()) + ")";
 }
 
+// "saved on one rank, resharded onto dp 2" when the checkpoint resumed was
+// saved on another mesh than this run's; else nothing.
+std::string resharded(const RunResult& r, const Scenario& s) {
+  const nlohmann::json saved = r.restore.is_object() ? r.restore.value("saved_mesh", nlohmann::json()) : nlohmann::json();
+  if (!saved.is_object() || saved.empty()) return "";
+  int mb = 1;
+  const std::string was = mesh_from_json(saved, &mb).describe(mb), now = s.mesh.describe(s.microbatches);
+  return was == now ? "" : "saved on " + was + ", resharded onto " + now;
+}
+
 void print_summary(const RunResult& r, const Scenario& s, const std::string& launcher, int processes) {
   std::printf("scenario        %s (%s backend, %d thread%s)\n", r.scenario.c_str(), r.backend.c_str(), r.threads,
               r.threads == 1 ? "" : "s");
@@ -102,12 +117,17 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
     std::printf("data            synthetic corpus, %llu bytes\n", (unsigned long long)s.data.synthetic_bytes);
   else
     std::printf("data            %s\n", s.data.path.c_str());
-  if (r.already_complete)
+  if (r.already_complete) {
     std::printf("resumed         the checkpoint of step %d in %s is the final step: nothing was left to run\n",
                 r.resumed_from, r.restore.value("url", std::string("?")).c_str());
-  else if (r.resumed_from > 0)
+    std::printf("                read back whole first: %llu bytes, every object's checksum as its manifest says\n",
+                (unsigned long long)r.restore.value("store_bytes_read", (uint64_t)0));
+  }
+  else if (r.resumed_from > 0) {
     std::printf("resumed         from the checkpoint of step %d in %s; this run trained steps %d-%d\n", r.resumed_from,
                 r.restore.value("url", std::string("?")).c_str(), r.resumed_from + 1, r.steps);
+    if (const std::string moved = resharded(r, s); !moved.empty()) std::printf("                %s\n", moved.c_str());
+  }
   if (!r.restore.is_null())
     for (const auto& f : r.restore.value("fallbacks", nlohmann::json::array()))
       std::printf("                the checkpoint of step %lld was unusable: %s\n", (long long)f.value("step", 0),
@@ -171,9 +191,19 @@ struct RunArgs {
 // The command line as given, for --launcher mpi to hand to mpirun.
 std::vector<std::string> g_args;
 
-// --launcher mpi: this process becomes `mpirun -np mesh.dp*mesh.tp lockstep ...` with
-// the same arguments (less --launcher), one rank per process.
-[[noreturn]] void exec_under_mpirun(const Scenario& s, const char* self) {
+// SIGINT, SIGTERM and SIGHUP while --launcher mpi waits for its mpirun:
+// recorded here, handed on to the job by launch_under_mpirun.
+volatile sig_atomic_t g_launcher_signal = 0;
+extern "C" void on_launcher_signal(int sig) { g_launcher_signal = sig; }
+
+// --launcher mpi: runs `mpirun -np <world> lockstep ...` with the same
+// arguments (less --launcher), one rank per process, and ends as it ends.
+// mpirun stopped by a signal exits 1 without a word, and 1 means "found a
+// difference" here; so the job runs in a session of its own (a terminal's
+// Ctrl-C reaches this process alone), and a stop signal is handed on to
+// every process of it, then this process says so in one line and dies of
+// the signal, as the threads launcher and the supervisor do (130, 143).
+[[noreturn]] void launch_under_mpirun(const Scenario& s, const char* self) {
   require_mpi("--launcher mpi");
   std::vector<std::string> cmd = mpirun_command(s.mesh.world());
   cmd.push_back(self);
@@ -188,9 +218,63 @@ std::vector<std::string> g_args;
   std::vector<char*> argv;
   for (std::string& c : cmd) argv.push_back(c.data());
   argv.push_back(nullptr);
+  // Installed before the fork: a signal that comes while mpirun starts is
+  // not lost. One the caller ignores (nohup) stays ignored.
+  constexpr int kStopSignals[3] = {SIGINT, SIGTERM, SIGHUP};
+  for (int sig : kStopSignals) {
+    struct sigaction sa {}, old {};
+    sa.sa_handler = on_launcher_signal;  // no SA_RESTART: waitpid returns to look
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(sig, nullptr, &old);
+    if (old.sa_handler != SIG_IGN) ::sigaction(sig, &sa, nullptr);
+  }
   std::fflush(nullptr);
-  execvp(argv[0], argv.data());
-  throw UserError(std::string("--launcher mpi: cannot start mpirun: ") + std::strerror(errno));
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) throw UserError(std::string("--launcher mpi: cannot start mpirun: ") + std::strerror(errno));
+  if (pid == 0) {
+    ::setsid();
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // this process killed outright: mpirun ends its ranks
+    if (::getppid() != parent) ::_exit(128 + SIGTERM);
+    // Nothing reads stdin; mpirun would forward it to rank 0, from a terminal it no longer owns.
+    const int null = ::open("/dev/null", O_RDONLY);
+    if (null >= 0) ::dup2(null, 0);
+    for (int sig : kStopSignals) ::signal(sig, SIG_DFL);
+    ::execvp(argv[0], argv.data());
+    const std::string m = std::string("lockstep: error: --launcher mpi: cannot start mpirun: ") + std::strerror(errno) + "\n";
+    (void)!::write(2, m.data(), m.size());
+    ::_exit(2);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) != pid) {
+    if (errno != EINTR) throw UserError(std::string("--launcher mpi: waiting for mpirun: ") + std::strerror(errno));
+    if (!g_launcher_signal) continue;
+    const int sig = g_launcher_signal;
+    const std::vector<int> procs = session_processes(pid);
+    for (int p : procs) ::kill(p, sig);
+    // The job gets 5 s to end, then whatever is left of it is killed.
+    bool reaped = false;
+    for (int i = 0; i < 500 && !reaped; ++i) {
+      reaped = ::waitpid(pid, &status, WNOHANG) == pid;
+      if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    for (int p : session_processes(pid)) ::kill(p, SIGKILL);
+    if (!reaped) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+    }
+    std::fprintf(stderr, "lockstep: %s: stopped the mpirun job (%zu process%s)%s\n",
+                 sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP", procs.size(),
+                 procs.size() == 1 ? "" : "es",
+                 s.ckpt.url.empty() ? "" : ("; committed checkpoints in " + s.ckpt.url + " are intact (continue with --resume " + s.ckpt.url + ")").c_str());
+    std::fflush(nullptr);
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    std::_Exit(128 + sig);
+  }
+  std::fflush(nullptr);
+  if (WIFSIGNALED(status)) std::_Exit(128 + WTERMSIG(status));
+  std::_Exit(WIFEXITED(status) ? WEXITSTATUS(status) : 1);
 }
 
 // plan / run --dry-run: the memory estimate per part, nothing trained. Exits
@@ -204,12 +288,16 @@ int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
   if (as_json) {
     nlohmann::json j = memory_estimate_json(e, available);
     j["scenario"] = s.name;
+    j["mesh"] = mesh_json(s.mesh, s.microbatches);
+    j["mesh_text"] = s.mesh.describe(s.microbatches);
     j["fits"] = !available || e.total_bytes <= available;
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("scenario %s: d_model %d, %d layers, %d experts top-%d, batch %d x seq %d, mesh dp %d ep %d%s\n",
+    // The mesh as every tool prints it (MeshConfig::describe), and its world.
+    std::printf("scenario %s: d_model %d, %d layers, %d experts top-%d, batch %d x seq %d, mesh %s%s\n",
                 s.name.c_str(), s.model.d_model, s.model.n_layers, s.model.experts, s.model.top_k, s.batch,
-                s.model.seq_len, s.mesh.dp, s.mesh.ep, s.mesh.fsdp ? " fsdp" : "");
+                s.model.seq_len, s.mesh.describe(s.microbatches).c_str(),
+                s.mesh.world() > 1 ? (" (" + std::to_string(s.mesh.world()) + " ranks)").c_str() : "");
     std::printf("%s", format_memory_estimate(e, available).c_str());
     if (available && e.total_bytes > available)
       std::printf("does not fit: `lockstep run` would refuse it (plan exits %d)\n", kExitDoesNotFit);
@@ -233,6 +321,14 @@ int cmd_run(const RunArgs& a, const char* self) {
     throw UserError("--trace: not available with --launcher mpi on " + s.mesh.world_formula() +
                     " (a trace holds one rank); trace the same scenario with --launcher threads and --set mesh.dp=1, "
                     "which must give the same bits");
+  // --steps stops a run early; it never stretches one past train.steps,
+  // whose learning-rate schedule it keeps. Refused here, before mpirun or a
+  // supervisor starts anything.
+  if (a.steps == 0 || a.steps < -1) throw UserError("--steps: must be at least 1");
+  if (a.steps > s.steps)
+    throw UserError("--steps " + std::to_string(a.steps) + ": above train.steps = " + std::to_string(s.steps) +
+                    " (--steps stops a run early, on train.steps' learning-rate schedule); set train.steps (--set "
+                    "train.steps=" + std::to_string(a.steps) + ") to train longer");
   const std::vector<FaultSpec> faults = planned_faults(s, a.faults, a.steps);
   const bool child = !a.fault_state.empty();
   const bool supervised = !child && (a.supervise || !faults.empty());
@@ -240,7 +336,7 @@ int cmd_run(const RunArgs& a, const char* self) {
     throw UserError("--supervise / --fault under mpirun: the supervisor must stand outside the job to restart it; "
                     "run `lockstep run ... --launcher mpi --supervise` (it starts mpirun itself)");
   // --launcher mpi: this process becomes mpirun, or (supervised) the supervisor starts it per attempt.
-  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.dry_run && !supervised) exec_under_mpirun(s, self);
+  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.dry_run && !supervised) launch_under_mpirun(s, self);
   if (a.dry_run) {
     RunOptions po;
     po.backend = parse_backend(a.backend);
@@ -332,7 +428,6 @@ int cmd_run(const RunArgs& a, const char* self) {
                  "lockstep: warning: --threads %d is more than the %d cores this process may use; the bits are the "
                  "same, but expect it to run slower than --threads %d\n",
                  a.threads, omp_get_num_procs(), omp_get_num_procs());
-  if (a.steps == 0 || a.steps < -1) throw UserError("--steps: must be at least 1");
   opt.steps = a.steps;
   opt.hash_at = a.hash_at;
   opt.progress = report && (a.progress || (!a.quiet && isatty(2)));
@@ -714,29 +809,40 @@ int cmd_check(const CheckArgs& a) {
   return failed ? 1 : 0;
 }
 
+// The mesh a checkpoint was saved on, as MeshConfig::describe prints it.
+std::string saved_mesh_text(const Manifest& m) {
+  int mb = 1;
+  const MeshConfig mesh = mesh_from_json(m.mesh.is_object() ? m.mesh : nlohmann::json::object(), &mb);
+  return mesh.describe(mb);
+}
+
 int cmd_ckpt(const std::string& verb, const std::string& target, const std::string& endpoint, bool as_json) {
   const auto [url, at] = split_checkpoint_url(target);
   std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{endpoint});
   if (verb == "ls") {
     const std::vector<int64_t> steps = committed_steps(*store);
-    if (steps.empty()) std::printf("no committed checkpoint in %s\n", store->url().c_str());
+    if (steps.empty()) std::printf("%s\n", no_checkpoint_in(*store).c_str());
     for (int64_t s : steps) {
       const Manifest m = read_manifest(*store, s);
       uint64_t bytes = 0;
       for (const ManifestObject& o : m.objects) bytes += o.size;
       std::printf("step %-8lld %3zu objects %12llu bytes  mesh %s  state_hash %s\n", (long long)s, m.objects.size(),
-                  (unsigned long long)bytes, m.mesh.dump().c_str(), m.state_hash.empty() ? "-" : m.state_hash.c_str());
+                  (unsigned long long)bytes, saved_mesh_text(m).c_str(), m.state_hash.empty() ? "-" : m.state_hash.c_str());
     }
     return 0;
   }
   const Manifest m = read_manifest(*store, at);
   if (verb == "inspect") {
     if (as_json) {
-      std::printf("%s\n", manifest_to_json(m).dump(2).c_str());
+      // The manifest as stored, and beside it (not in it: older builds read
+      // the manifest's fields strictly) the mesh as the other tools print it.
+      nlohmann::json j = manifest_to_json(m);
+      j["mesh_text"] = saved_mesh_text(m);
+      std::printf("%s\n", j.dump(2).c_str());
       return 0;
     }
     std::printf("checkpoint of step %lld in %s\n  fingerprint %s\n  mesh %s\n  %zu objects, %zu tensors\n",
-                (long long)m.step, store->url().c_str(), m.fingerprint.c_str(), m.mesh.dump().c_str(),
+                (long long)m.step, store->url().c_str(), m.fingerprint.c_str(), saved_mesh_text(m).c_str(),
                 m.objects.size(), m.tensors.size());
     for (const ManifestObject& o : m.objects)
       std::printf("  %-40s %12llu bytes  xxh128 %s  rank %d\n", o.key.c_str(), (unsigned long long)o.size,
@@ -815,6 +921,17 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
 }
 
 
+// Under mpirun every rank process meets a refusal of the input (exit 2,
+// or the lease another job holds) the same way, or learns it from rank 0
+// (share_error): rank 0 alone says it, and the others exit with the same
+// code without a word, instead of once per rank. Store and internal errors
+// may be one rank's own: every rank that meets one says it.
+bool quiet_rank_refusal(const Failure& f) {
+  if (f.exit_code != 2 && f.exit_code != kExitLeaseLost) return false;
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  return launched_by_mpirun() && rank && std::string(rank) != "0";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -839,7 +956,7 @@ int main(int argc, char** argv) {
                   "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp x mesh.tp x mesh.pp "
                   "x mesh.cp, one process per rank; docs/CLUSTER.md)");
   run->add_option("--steps", ra.steps,
-                  "stop after this many steps; the learning-rate schedule stays train.steps' (so a run stopped "
+                  "stop after this many steps (at most train.steps); the learning-rate schedule stays train.steps' (so a run stopped "
                   "early matches the full run's first N steps bit for bit, and its checkpoints resume it)");
   run->add_option("--out", ra.out_dir, "write summary.json and scenario.resolved.json here");
   run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");
@@ -1057,7 +1174,7 @@ int main(int argc, char** argv) {
     }
   } catch (const std::exception&) {
     const Failure f = describe_failure(std::current_exception());
-    std::fprintf(stderr, "%s\n", f.message.c_str());
+    if (!quiet_rank_refusal(f)) std::fprintf(stderr, "%s\n", f.message.c_str());
     return f.exit_code;
   }
   return 0;

@@ -21,7 +21,8 @@ void require_mpi(const std::string& what);
 bool launched_by_mpirun();
 // The mpirun command line that starts `np` processes here: Open MPI's flags
 // for running as root only when we are root, for more processes than cores
-// only when there are more; the program and its arguments follow.
+// only when there are more, no core binding for one process (it gets the
+// threads launcher's default, every core); the program and its arguments follow.
 std::vector<std::string> mpirun_command(int np);
 // This process's MPI world: MPI_Init on the first call, MPI_Finalize at exit.
 // Errors of every call become exceptions naming the collective. Without MPI:

@@ -14,6 +14,28 @@
 
 namespace ls {
 
+namespace {
+
+// What an upload fault found when it fired, in words: the objects of the
+// checkpoint begun before this one and the bytes of them whose upload had
+// finished (uploads run in parallel: an object begun may have 0 bytes
+// done). Under MPI (mpi_rank) this process writes rank K's object alone,
+// the job's object K + 1: the K before it are other processes'.
+std::string upload_progress(int objects_before, uint64_t bytes_before, bool mpi_rank) {
+  const std::string n = std::to_string(objects_before);
+  if (mpi_rank)
+    return "rank " + n + "'s object" +
+           (objects_before == 0 ? ", the checkpoint's first"
+                                : ": the " + (objects_before == 1 ? "object before it is rank 0's"
+                                                                  : n + " objects before it are other ranks'"));
+  if (objects_before == 0) return "the checkpoint's first object";
+  return n + (objects_before == 1 ? " object" : " objects") + " of the checkpoint begun before it, " +
+         std::to_string(bytes_before) + (bytes_before == 1 ? " byte" : " bytes") + " of " +
+         (objects_before == 1 ? "it" : "them") + " uploaded so far";
+}
+
+}  // namespace
+
 FaultInjector::FaultInjector(std::vector<FaultSpec> faults, std::set<int> fired, std::string state_path)
     : faults_(std::move(faults)), fired_(std::move(fired)), state_path_(std::move(state_path)) {}
 
@@ -108,12 +130,12 @@ std::shared_ptr<ObjectStore> FaultInjector::wrap(std::shared_ptr<ObjectStore> st
       if (f.phase == FaultPhase::kManifestWrite && manifest)
         fire((int)i, "before writing " + key);
       // Under MPI this process writes one object: rank K's is the job's K-th.
-      const int objects_before = process_rank_ >= 0 && f.after_objects >= 0 ? process_rank_ : puts_before;
+      const bool mpi_rank = process_rank_ >= 0 && f.after_objects >= 0;
+      const int objects_before = mpi_rank ? process_rank_ : puts_before;
       if (f.phase == FaultPhase::kCkptUpload && !manifest &&
           ((f.after_objects >= 0 && objects_before >= f.after_objects) ||
            (f.after_bytes >= 0 && (int64_t)bytes_before >= f.after_bytes) || (f.after_objects < 0 && f.after_bytes < 0)))
-        fire((int)i, "before uploading " + key + " (" + std::to_string(objects_before) + " objects, " +
-                         std::to_string(bytes_before) + " bytes done)");
+        fire((int)i, "before uploading " + key + " (" + upload_progress(objects_before, bytes_before, mpi_rank) + ")");
     }
   });
   return store_;

@@ -15,6 +15,7 @@
 #include "model/model.h"
 #include "ops/attention.h"
 #include "runner/data_lanes.h"
+#include "runner/pipeline.h"
 
 namespace ls {
 
@@ -83,6 +84,27 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes) {
   return w;
 }
 
+// The fp32 weights one rank of each pipeline stage holds: the tensors of
+// its blocks (its chunks of pipeline_chunks, the cut the trainer makes), in
+// the expert- and tensor-parallel parts it keeps. One entry without mesh.pp;
+// together the stages hold count_weights(c, ep, tp).
+std::vector<uint64_t> stage_weights(const Scenario& s) {
+  const int pp = std::max(1, s.mesh.pp), chunks = std::max(1, s.mesh.pp_virtual);
+  const std::vector<ParamInfo> params = MoeTransformer::layout(s.model, s.mesh.ep, 0, s.mesh.tp, 0);
+  std::vector<uint64_t> held((size_t)pp, 0);
+  if (pp == 1) {
+    for (const ParamInfo& p : params) held[0] += (uint64_t)p.size;
+    return held;
+  }
+  const std::vector<std::pair<int, int>> ranges = pipeline_chunks(s.model, pp * chunks);
+  for (const ParamInfo& p : params) {
+    const int block = MoeTransformer::block_of(s.model, p.name);
+    for (size_t c = 0; c < ranges.size(); ++c)
+      if (block >= ranges[c].first && block < ranges[c].second) held[c % (size_t)pp] += (uint64_t)p.size;
+  }
+  return held;
+}
+
 }  // namespace
 
 MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
@@ -114,12 +136,27 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   auto add = [&](std::string name, uint64_t bytes, std::string detail) {
     e.parts.push_back({std::move(name), bytes, std::move(detail)});
   };
-  const std::string ranks = multi ? " on each of " + std::to_string(copies_of_state) + " ranks" : "";
+  // Every rank of the world holds state: with pipeline stages, each its
+  // stage's tensors (about 1/pp of them), so the bytes above stay one copy
+  // per (data, context, tensor) index while the ranks are pp times as many.
+  e.ranks = s.mesh.world();
+  e.weights_per_stage = stage_weights(s);
+  const uint64_t most = *std::max_element(e.weights_per_stage.begin(), e.weights_per_stage.end());
+  const std::string ranks =
+      e.ranks > 1 ? " on each of " + std::to_string(e.ranks) + " ranks" : std::string();
+  std::string held = std::to_string(rank_weights) + " fp32 weights" + ranks;
+  if (e.weights_per_stage.size() > 1) {
+    std::string each;
+    for (uint64_t w : e.weights_per_stage) each += (each.empty() ? "" : ", ") + std::to_string(w);
+    held = "up to " + std::to_string(most) + " fp32 weights" + ranks + " (the " +
+           std::to_string(e.weights_per_stage.size()) + " pipeline stages hold " + each + " of " +
+           std::to_string(rank_weights) + ")";
+  }
   add("runtime", 24 * kMiB + (uint64_t)threads * 2 * kMiB,
       "an allowance for code, libraries, thread stacks and per-thread scratch");
   add("corpus", corpus_bytes(s.data), s.data.path.empty() ? "the synthetic corpus" : "data.path, read whole");
   add("weights", copies_of_state * rank_weights * f + (s.mesh.fsdp ? copies_of_state * sharded / group * f : 0),
-      std::to_string(rank_weights) + " fp32 weights" + ranks + (s.mesh.fsdp ? ", plus the FSDP shards" : ""));
+      held + (s.mesh.fsdp ? ", plus the FSDP shards" : ""));
   add("gradients", (copies_of_state + lanes - 1) * rank_weights * f,
       lanes > 1 ? "one per data lane (" + std::to_string(lanes) + " lanes)" : "one per weight" + ranks);
   add("adamw_moments", copies_of_state * 2 * owned * f, s.mesh.fsdp ? "m and v of each rank's FSDP shards" : "m and v" + ranks);
@@ -132,11 +169,18 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
         std::to_string(levels) + " buffers of each stage's tensors: the tree over " + std::to_string(m) + " microbatches");
   }
   const WorkspaceEstimate w = copy_workspace(s, lanes);
+  // A pipeline's stages are in w already (copy_workspace): copies count the
+  // other axes, the text the world's ranks.
   const uint64_t copies = (uint64_t)dp * lanes * cp * tp;
-  const std::string per = std::to_string(s.batch / dp / lanes) + " samples x " + std::to_string(c.seq_len) +
-                          " tokens" + (copies > 1 ? " on each of " + std::to_string(copies) + (multi ? " ranks" : " lanes") : "") +
-                          (cp > 1 ? " (attention's P: each context-parallel rank's query ranges)" : "");
-  add("activations", copies * w.activations, "saved activations and backward scratch, " + per);
+  const int samples = s.batch / dp / lanes;
+  const std::string per =
+      std::to_string(samples) + " samples x " + std::to_string(c.seq_len) + " tokens" +
+      (m > 1 ? " (" + std::to_string(m) + " microbatches of " + std::to_string(samples / m) + ")" : "") +
+      (multi ? ranks : lanes > 1 ? " on each of " + std::to_string(lanes) + " lanes" : "");
+  // Context parallel cuts attention's P, an activation: said there alone.
+  add("activations", copies * w.activations,
+      "saved activations and backward scratch, " + per +
+          (cp > 1 ? "; attention's P of each context-parallel rank's query ranges only" : ""));
   add("moe_expert_buffers", copies * w.expert_buffers,
       "routed rows (top_k per token) x (d_model + 3 d_ff) floats per layer, and capacity x local experts "
       "slots of d_model + 4 d_ff floats (4 d_model + 4 d_ff with mesh.ep > 1), " + per);
@@ -186,15 +230,15 @@ std::string format_memory_estimate(const MemoryEstimate& e, uint64_t available) 
   std::string o = "memory estimate (a formula over the scenario, not a measurement):\n";
   for (const MemoryPart& p : e.parts) {
     char buf[64];
-    std::snprintf(buf, sizeof buf, "  %-22s %12s  ", p.name.c_str(), mib(p.bytes).c_str());
+    std::snprintf(buf, sizeof buf, "  %-23s %12s  ", p.name.c_str(), mib(p.bytes).c_str());
     o += buf + p.detail + "\n";
   }
   char buf[160];
-  std::snprintf(buf, sizeof buf, "  %-22s %12s  (peak: restore buffers and activations are not held at once)\n",
+  std::snprintf(buf, sizeof buf, "  %-23s %12s  (peak: restore buffers and activations are not held at once)\n",
                 "total", mib(e.total_bytes).c_str());
   o += buf;
   if (available) {
-    std::snprintf(buf, sizeof buf, "  %-22s %12s  (MemAvailable, or the cgroup limit minus its usage)\n", "available",
+    std::snprintf(buf, sizeof buf, "  %-23s %12s  (MemAvailable, or the cgroup limit minus its usage)\n", "available",
                   mib(available).c_str());
     o += buf;
   }
@@ -204,7 +248,11 @@ std::string format_memory_estimate(const MemoryEstimate& e, uint64_t available) 
 nlohmann::json memory_estimate_json(const MemoryEstimate& e, uint64_t available) {
   nlohmann::json parts = nlohmann::json::object();
   for (const MemoryPart& p : e.parts) parts[p.name] = p.bytes;
-  return {{"estimated_total_bytes", e.total_bytes}, {"estimated_parts_bytes", parts}, {"available_bytes", available}};
+  // ranks: the world; weights_per_rank: the most any rank holds (its stage's).
+  const uint64_t most =
+      e.weights_per_stage.empty() ? 0 : *std::max_element(e.weights_per_stage.begin(), e.weights_per_stage.end());
+  return {{"estimated_total_bytes", e.total_bytes}, {"estimated_parts_bytes", parts}, {"available_bytes", available},
+          {"ranks", e.ranks}, {"weights_per_rank", most}, {"weights_per_stage", e.weights_per_stage}};
 }
 
 void check_run_memory(const Scenario& s, const RunOptions& opt) {

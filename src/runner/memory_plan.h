@@ -28,6 +28,10 @@ struct MemoryPart {
 struct MemoryEstimate {
   std::vector<MemoryPart> parts;
   uint64_t total_bytes = 0;
+  int ranks = 1;  // the mesh's world: mesh.dp x mesh.cp x mesh.tp x mesh.pp
+  // fp32 weights one rank holds, per pipeline stage (one entry without
+  // mesh.pp): a stage holds its blocks' tensors only.
+  std::vector<uint64_t> weights_per_stage;
 };
 
 // The estimate for running `s` with `opt` (backend, threads, resume).

@@ -108,6 +108,7 @@ nlohmann::json result_json(const RunResult& r) {
   for (auto& [step, h] : r.state_hashes) hashes[std::to_string(step)] = h;
   j["state_hashes"] = hashes;
   j["mesh"] = mesh_json(r.mesh, r.microbatches);
+  j["mesh_text"] = r.mesh.describe(r.microbatches);  // as the text summary and plan print it
   if (!r.pipeline.empty()) {
     // Measured per stage, seconds per step after a warm-up step; the bubble is
     // the share of the step its slowest rank spent outside forward and backward passes.

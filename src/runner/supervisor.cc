@@ -127,9 +127,10 @@ int64_t latest_commit(const std::string& url, const std::string& endpoint) {
 int64_t resume_step(const std::string& resume, const std::string& endpoint) {
   const auto [url, at] = split_checkpoint_url(resume);
   if (at >= 0) return at;
-  const int64_t latest = latest_commit(url, endpoint);
-  if (latest < 0) throw UserError("--resume: no committed checkpoint (no manifest) in " + url);
-  return latest;
+  std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{endpoint});
+  const std::vector<int64_t> steps = committed_steps(*store);
+  if (steps.empty()) throw UserError("--resume: " + no_checkpoint_in(*store));
+  return steps.back();
 }
 
 // Kills every process of session `sid` and waits (up to 5 s) until none is

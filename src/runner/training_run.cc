@@ -80,7 +80,9 @@ class TrainingRun {
   void evaluate(int step);
   // A checkpoint of another scenario's numerics, or of other data: UserError naming what differs.
   void check_fingerprint(const Manifest& m, const std::string& url) const;
-  void finish_already_complete(const Manifest& m, const std::string& url, const nlohmann::json& fallbacks);
+  // rep: the restore that read and checked the final checkpoint.
+  void finish_already_complete(const Manifest& m, const std::string& url, const nlohmann::json& fallbacks,
+                               const RestoreReport& rep);
   void run_step(int step);
   void record_step(int step, float loss, double step_seconds);
   void progress_line(int done, float loss, const MeshReport& mr);
@@ -220,7 +222,7 @@ bool TrainingRun::resume() {
   if (at < 0) {
     candidates = committed_steps(*from, read_retry);
     std::reverse(candidates.begin(), candidates.end());
-    if (candidates.empty()) throw UserError("--resume: no committed checkpoint (no manifest) in " + from->url());
+    if (candidates.empty()) throw UserError("--resume: " + no_checkpoint_in(*from));
   }
   nlohmann::json fallbacks = nlohmann::json::array();
   RestoreReport rep;
@@ -260,15 +262,14 @@ bool TrainingRun::resume() {
       throw UserError(std::string("--resume: ") + e.what());  // an input mistake: no older checkpoint mends it
     }
     check_fingerprint(m, url);
-    if (m.step == r_.steps) {
-      finish_already_complete(m, url, fallbacks);
-      return false;
-    }
     if (m.step > r_.steps)
       throw UserError("--resume: the checkpoint is at step " + std::to_string(m.step) + ", past the " +
                       std::to_string(r_.steps) + " steps of this run" +
                       (opt_.steps >= 0 ? " (--steps " + std::to_string(opt_.steps) + ")" : std::string()));
     try {
+      // The final step too is read whole, every object checked against the
+      // manifest's checksums, before the run calls itself complete: a
+      // corrupt final checkpoint falls back (or, named, stops) as any other.
       rep = restore_state(*trainer_, *from, m, s_.ckpt.restore, procs_, read_retry);
       restored = true;
       break;
@@ -276,6 +277,10 @@ bool TrainingRun::resume() {
       if (at >= 0) throw;  // the named checkpoint, or nothing
       fall_back(c, m.step, e.what());
     }
+  }
+  if (restored && m.step == r_.steps) {
+    finish_already_complete(m, url, fallbacks, rep);
+    return false;
   }
   start_ = restored ? (int)m.step : 0;
   r_.resumed_from = start_;
@@ -314,8 +319,9 @@ void TrainingRun::check_fingerprint(const Manifest& m, const std::string& url) c
 }
 
 // The job is done (a requeued job that finished): nothing to train; the
-// summary is the committed final state.
-void TrainingRun::finish_already_complete(const Manifest& m, const std::string& url, const nlohmann::json& fallbacks) {
+// summary is the committed final state, read back whole and checked.
+void TrainingRun::finish_already_complete(const Manifest& m, const std::string& url, const nlohmann::json& fallbacks,
+                                          const RestoreReport& rep) {
   r_.already_complete = true;
   r_.resumed_from = r_.steps;
   r_.final_state_hash = m.state_hash;
@@ -323,11 +329,14 @@ void TrainingRun::finish_already_complete(const Manifest& m, const std::string& 
   r_.microbatches = s_.microbatches;
   r_.pipeline_bubble_formula = pipeline_bubble_formula(parse_pipeline_schedule(s_.mesh.pp_schedule), s_.mesh.pp,
                                                        s_.mesh.pp_virtual, s_.microbatches);
-  r_.restore = {{"step", m.step}, {"url", url}, {"mode", "none"}, {"store_bytes_read", 0},
-                {"checkpoint_bytes", 0}, {"seconds", 0.0}, {"saved_mesh", m.mesh}, {"fallbacks", fallbacks}};
+  r_.restore = {{"step", m.step}, {"url", url}, {"mode", rep.mode}, {"store_bytes_read", rep.store_bytes_read},
+                {"checkpoint_bytes", rep.checkpoint_bytes}, {"seconds", rep.seconds}, {"saved_mesh", m.mesh},
+                {"fallbacks", fallbacks}, {"verified", true}};
   if (opt_.progress)
-    std::fprintf(stderr, "resume: the checkpoint of step %lld in %s is the final step: nothing left to run\n",
-                 (long long)m.step, url.c_str());
+    std::fprintf(stderr,
+                 "resume: the checkpoint of step %lld in %s is the final step (read back, %llu bytes, checksums "
+                 "match): nothing left to run\n",
+                 (long long)m.step, url.c_str(), (unsigned long long)rep.store_bytes_read);
   if (tracer_) tracer_->finish(r_.final_state_hash, r_.steps);
   r_.peak_rss_bytes = peak_rss_bytes();
 }
