@@ -5,7 +5,8 @@
 # tests again under ASan+UBSan, the libFuzzer targets (fuzz/README.md):
 # every past finding replayed, then each target fuzzed briefly, and the
 # include layering of src/, reference/ and kernels/ (tools/check-layering,
-# counted as one test). Ends with one
+# counted as one test) and the size limits of the engine's core folders
+# (tools/longest-functions --check, one test). Ends with one
 # line: "N passed, N failed" (", N skipped" when a case could not run here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,19 +60,23 @@ tools/fuzz --seconds 10 --fresh --no-build --json build-fuzz/fuzz-ci.json || sta
 # Includes go down the layers (the rule is in the script): one test.
 layering_rc=0
 python3 tools/check-layering || layering_rc=1
+# Functions and files of the engine's core stay small (the rule is in the script): one test.
+limits_rc=0
+python3 tools/longest-functions --check || limits_rc=1
 
 # Count doctest cases across every meson test's log. (doctest's own "skipped"
 # counts the cases another suite's filter left out, not skips: not reported.)
 # A case that finds at run time it cannot run here (tests/test_two_hosts.cc:
 # no network namespaces) prints "lockstep-skip: WHY" and passes: a skip.
-LAYERING_RC=$layering_rc python3 - build/meson-logs/testlog.json build-asan/meson-logs/testlog.json build-fuzz/meson-logs/testlog.json \
+LAYERING_RC=$layering_rc LIMITS_RC=$limits_rc python3 - build/meson-logs/testlog.json build-asan/meson-logs/testlog.json build-fuzz/meson-logs/testlog.json \
   build-fuzz/fuzz-ci.json <<'PY'
 import json, os, re, sys
 passed = failed = skipped = 0
-if os.environ.get("LAYERING_RC") == "0":  # tools/check-layering
-    passed += 1
-else:
-    failed += 1
+for check in ("LAYERING_RC", "LIMITS_RC"):  # tools/check-layering, tools/longest-functions --check
+    if os.environ.get(check) == "0":
+        passed += 1
+    else:
+        failed += 1
 for path in sys.argv[1:]:
     if path.endswith("fuzz-ci.json"):  # tools/fuzz: one result per target
         if not os.path.exists(path):

@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runner/processes.h"
+
 namespace ls {
 
 struct SuperviseOptions {
@@ -43,11 +45,7 @@ struct SuperviseResult {
 // Checkpoint URL of a scenario after overrides (what restarts resume from).
 SuperviseResult supervise(const SuperviseOptions& opt);
 
-// Processes in session `sid` (this process excluded), by pid: what a job
-// started with setsid left running. Linux /proc.
-std::vector<int> session_processes(int sid);
-// Live processes (this one excluded) whose command line, its arguments
-// separated by NUL bytes as /proc/PID/cmdline holds them, contains `text`.
-std::vector<int> live_processes_matching(const std::string& text);
+// session_processes and live_processes_matching: runner/processes.h.
+
 
 }  // namespace ls
