@@ -46,8 +46,8 @@ class AttentionBlock : public LayerBlock {
     ws.dtmp.resize(N * D);
     // Reduces over the attention features, this rank's heads' range of them.
     const float* wo = ctx.layer_weight(layer_, "wo");
-    chained_fold(ctx, 1, stream_output(ctx, ws.dtmp.data()), [&](int, int, bool accumulate) {
-      held_rows(ctx, [&](int64_t row, int count) {
+    chained_fold(ctx, 1, stream_output(ctx, ws.dtmp.data()), [&](int, int, bool accumulate, RowBlock block) {
+      held_rows(ctx, block, [&](int64_t row, int count) {
         ops::linear_strided(acts.attn_out.data() + row * Dh, Dh, count, Dh, wo, D, D, ws.dtmp.data() + row * D, D,
                             accumulate);
       });
@@ -86,8 +86,8 @@ class AttentionBlock : public LayerBlock {
     ws.dtmp.resize(N * D);
     // Reduces over the qkv features: q's, then k's, then v's, each split by heads.
     const float* wqkv = ctx.layer_weight(layer_, "wqkv");
-    chained_fold(ctx, 3, stream_output(ctx, ws.dtmp.data()), [&](int first, int count, bool accumulate) {
-      held_rows(ctx, [&](int64_t row, int rows) {
+    chained_fold(ctx, 3, stream_output(ctx, ws.dtmp.data()), [&](int first, int count, bool accumulate, RowBlock block) {
+      held_rows(ctx, block, [&](int64_t row, int rows) {
         ops::linear_input_grad_strided(ws.dqkv.data() + row * 3 * Dh + first * Dh, 3 * Dh, rows, count * Dh,
                                        wqkv + first * Dh, 3 * Dh, D, ws.dtmp.data() + row * D, D, accumulate);
       });

@@ -69,6 +69,20 @@ void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count
   cp_for_each_held(ctx, 0, ctx.batch, fn);
 }
 
+void cp_rows_held(const StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn) {
+  const int64_t end = block.first + block.count;
+  cp_rows_held(ctx, [&](int64_t row, int count) {
+    const int64_t lo = std::max(row, block.first), hi = std::min(row + count, end);
+    if (lo < hi) fn(lo, (int)(hi - lo));
+  });
+}
+
+void held_rows(StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn) {
+  if (ctx.cp() == 1) return fn(block.first, (int)block.count);
+  CpBusy busy(ctx);
+  cp_rows_held(ctx, block, fn);
+}
+
 void gather_held_rows(StepContext& ctx, float* m, int64_t ld) {
   if (ctx.cp() > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, 0, ctx.batch);
 }

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "model/step_context.h"
+#include "model/tensor_parallel.h"
 
 namespace ls {
 
@@ -39,6 +40,8 @@ namespace ls {
 // at cp 1, else its positions' ranges of every sample (their compute
 // counted as the rank's busy time).
 void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count)>& fn);
+// The same inside the rows of `block` (a pipelined chain's link).
+void held_rows(StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn);
 
 // An [N, ld] matrix whose rows each rank wrote for its positions made
 // whole on every rank (an all-gather; nothing at cp 1): every sample's rows,
@@ -89,6 +92,8 @@ void cp_for_each_held(const StepContext& ctx, int first_sample, int samples,
 
 // fn(0, N) for every token at cp 1; else cp_for_each_held over every sample.
 void cp_rows_held(const StepContext& ctx, const std::function<void(int64_t row, int count)>& fn);
+// The same inside the rows of `block`.
+void cp_rows_held(const StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn);
 
 // Columns [col, col + width) of an [N, ld] token-row matrix, samples
 // [first_sample, first_sample + samples): every rank's held rows made whole

@@ -44,8 +44,8 @@ class MoeCombine : public LayerBlock {
       });
       // Reduces over the hidden feature (tensor parallel: chained across the group's ranges of it).
       const float* w2 = ctx.layer_weight(layer_, "shared.w2");
-      chained_fold(ctx, 1, stream_output(ctx, acts.shared_out.data()), [&](int, int, bool accumulate) {
-        cp_rows_held(ctx, [&](int64_t row, int count) {
+      chained_fold(ctx, 1, stream_output(ctx, acts.shared_out.data()), [&](int, int, bool accumulate, RowBlock block) {
+        cp_rows_held(ctx, block, [&](int64_t row, int count) {
           ops::linear_strided(acts.shared_act.data() + row * F, F, count, F, w2, D, D, acts.shared_out.data() + row * D,
                               D, accumulate);
         });
@@ -112,8 +112,9 @@ class MoeCombine : public LayerBlock {
                            ws.shared_du.data() + row * F, ws.shared_dv.data() + row * F, count * F);
     });
     // Reduces over the hidden feature of u, then continues over that of v (tensor parallel: chained).
-    chained_fold(ctx, 2, stream_output(ctx, ws.shared_dx.data()), [&](int first_pass, int count, bool accumulate) {
-      cp_rows_held(ctx, [&](int64_t row, int rows) {
+    chained_fold(ctx, 2, stream_output(ctx, ws.shared_dx.data()),
+                 [&](int first_pass, int count, bool accumulate, RowBlock block) {
+      cp_rows_held(ctx, block, [&](int64_t row, int rows) {
         for (int pass = first_pass; pass < first_pass + count; ++pass)
           ops::linear_input_grad((pass == 0 ? ws.shared_du.data() : ws.shared_dv.data()) + row * F, rows, F,
                                  pass == 0 ? w1 : w3, D, ws.shared_dx.data() + row * D, accumulate || pass > first_pass);

@@ -38,7 +38,7 @@ class MoeExperts : public LayerBlock {
       if (r < own.rounds()) {
         ctx.stats.expert_gemm_calls += experts_round_hidden(own, r, ws.slots, rows, w.w1, w.w3, D, F);
         // y reduces over the hidden feature (tensor parallel: chained across the group's ranges of it).
-        chained_fold(ctx, 1, round_chain(own, r, rows, y, D), [&](int, int, bool accumulate) {
+        chained_fold(ctx, 1, round_chain(own, r, rows, y, D), [&](int, int, bool accumulate, RowBlock) {
           ctx.stats.expert_gemm_calls += experts_round_output(own, r, ws.slots, rows, y, w.w2, D, F, accumulate);
         });
       }
@@ -86,7 +86,7 @@ class MoeExperts : public LayerBlock {
         refill_round_inputs(ctx, acts, own, r);  // the inputs again, into the same slots
         ctx.stats.expert_gemm_calls += experts_round_backward_hidden(own, r, ws.slots, rows, dy, w.w2, D, F);
         // dx reduces over the hidden feature of u, then of v (tensor parallel: chained).
-        chained_fold(ctx, 2, round_chain(own, r, rows, dx, D), [&](int first, int count, bool accumulate) {
+        chained_fold(ctx, 2, round_chain(own, r, rows, dx, D), [&](int first, int count, bool accumulate, RowBlock) {
           ctx.stats.expert_gemm_calls +=
               experts_round_input_grad(own, r, ws.slots, rows, dx, w.w1, w.w3, D, F, first, count, accumulate);
         });

@@ -15,11 +15,10 @@ namespace {
 // parallel, a reduce-scatter to each rank's stream rows) in whatever order
 // it adds them. The bits then depend on mesh.tp: the baseline the chain's
 // price is measured against.
-void summed_fold(StepContext& ctx, int passes, const ChainOutput& out,
-                 const std::function<void(int, int, bool)>& fold) {
+void summed_fold(StepContext& ctx, int passes, const ChainOutput& out, const ChainStep& fold, RowBlock all) {
   Communicator& group = ctx.group(Axis::kTensor);
   const int tp = group.size(), me = group.rank();
-  fold(0, passes, false);
+  fold(0, passes, false, all);
   ops::synchronize();
   float* buffer = out.data;
   if (!buffer) {
@@ -40,36 +39,51 @@ void summed_fold(StepContext& ctx, int passes, const ChainOutput& out,
 
 }  // namespace
 
-void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
-                  const std::function<void(int, int, bool)>& fold) {
+int chain_blocks(int64_t rows) { return (int)std::max<int64_t>(1, std::min<int64_t>(8, rows / 64)); }
+
+void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const ChainStep& fold) {
   const int tp = ctx.tp(), me = ctx.tp_rank();
+  const RowBlock all{0, out.rows > 0 ? out.rows : 0};
   if (tp == 1) {
-    fold(0, passes, false);
+    fold(0, passes, false, all);
     return;
   }
-  if (local_numerics()) return summed_fold(ctx, passes, out, fold);
+  if (local_numerics()) return summed_fold(ctx, passes, out, fold, all);
+  Communicator& group = ctx.group(Axis::kTensor);
   // Kernels run asynchronously on a kernel backend: none may still touch the outputs the host is about to write.
   ops::synchronize();
-  // A contiguous output travels itself; scattered outputs through the packed buffer.
+  // A contiguous output travels itself, block by block; scattered outputs through the packed buffer, whole.
   float* buffer = out.data;
   if (!buffer) {
     ctx.ws.tp_partial.resize(out.floats);
     buffer = ctx.ws.tp_partial.data();
   }
+  const int blocks = out.rows > 0 ? chain_blocks(out.rows) : 1;
+  const int64_t width = out.rows > 0 ? out.floats / out.rows : out.floats;
   const int segments = passes * tp;
   const int next = (me + 1) % tp, previous = (me + tp - 1) % tp;
+  // Segment p * tp + me of each block: the blocks of one pass go down the
+  // chain one after another, so while this rank folds block b the next
+  // continues block b - 1 (sends are buffered; messages between two ranks
+  // arrive in the order sent).
   for (int p = 0; p < passes; ++p) {
     const int segment = p * tp + me;
-    if (segment > 0) {
-      ops::synchronize();
-      ctx.group(Axis::kTensor).recv(buffer, sizeof(float) * out.floats, previous);
-      if (out.unpack) out.unpack(buffer);
-    }
-    fold(p, 1, segment > 0);
-    if (segment + 1 < segments) {
-      ops::synchronize();
-      if (out.pack) out.pack(buffer);
-      ctx.group(Axis::kTensor).send(buffer, sizeof(float) * out.floats, next);
+    for (int b = 0; b < blocks; ++b) {
+      const RowBlock block = out.rows > 0 ? RowBlock{out.rows * b / blocks, out.rows * (b + 1) / blocks - out.rows * b / blocks}
+                                          : all;
+      float* part = buffer + block.first * width;
+      const size_t bytes = sizeof(float) * (size_t)(out.rows > 0 ? block.count * width : out.floats);
+      if (segment > 0) {
+        ops::synchronize();
+        group.recv(part, bytes, previous);
+        if (out.unpack) out.unpack(buffer);
+      }
+      fold(p, 1, segment > 0, block);
+      if (segment + 1 < segments) {
+        ops::synchronize();
+        if (out.pack) out.pack(buffer);
+        group.send(part, bytes, next);
+      }
     }
   }
   // The last segment's owner, TP rank tp - 1, has the finished outputs.
@@ -77,9 +91,9 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
     const int64_t each = out.floats / tp;
     if (me == tp - 1) {
       ops::synchronize();
-      for (int t = 0; t < tp - 1; ++t) ctx.group(Axis::kTensor).send(buffer + t * each, sizeof(float) * each, t);
+      for (int t = 0; t < tp - 1; ++t) group.send(buffer + t * each, sizeof(float) * each, t);
     } else {
-      ctx.group(Axis::kTensor).recv(buffer + me * each, sizeof(float) * each, tp - 1);
+      group.recv(buffer + me * each, sizeof(float) * each, tp - 1);
     }
     return;
   }
@@ -87,7 +101,7 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
     ops::synchronize();
     if (out.pack) out.pack(buffer);
   }
-  ctx.group(Axis::kTensor).broadcast(buffer, sizeof(float) * out.floats, tp - 1);
+  group.broadcast(buffer, sizeof(float) * out.floats, tp - 1);
   if (me != tp - 1 && out.unpack) out.unpack(buffer);
 }
 
@@ -137,6 +151,7 @@ ChainOutput stream_output(StepContext& ctx, float* data) {
   ChainOutput out;
   out.data = data;
   out.floats = ctx.tokens * ctx.cfg.d_model;
+  out.rows = ctx.tokens;
   out.scatter = ctx.sp;
   return out;
 }

@@ -17,6 +17,12 @@
 
 namespace ls {
 
+// Output rows [first, first + count) of a chained fold: the block of token
+// rows one link of a pipelined chain folds.
+struct RowBlock {
+  int64_t first = 0, count = 0;
+};
+
 // Where a chained fold's outputs live. A contiguous output is handed over
 // as is (pack/unpack empty); scattered rows (expert slots) are packed into
 // `floats` contiguous floats and unpacked on the receiving rank.
@@ -29,19 +35,32 @@ struct ChainOutput {
   // scattered instead of broadcast -- TP rank t gets only its stream tokens'
   // rows, in place -- the chained equivalent of a reduce-scatter.
   bool scatter = false;
+  // > 0: the outputs are `rows` contiguous rows (data, floats = rows x
+  // width), and the chain is pipelined over blocks of them: rank t
+  // continues block b while rank t - 1 folds block b + 1 (each output's
+  // fold is over k alone, so cutting the rows changes no bit). 0: one
+  // block (packed outputs travel whole).
+  int64_t rows = 0;
 };
+
+// How many row blocks a pipelined chain cuts `rows` into: blocks of at
+// least 64 rows (the GEMMs stay efficient; a 16-row microkernel sees 4 or
+// more tiles), at most 8 (the pipeline's fill, tp - 1 blocks, stays small
+// beside 8 x passes blocks of work), so 1 for fewer than 128 rows.
+int chain_blocks(int64_t rows);
 
 // The fold's k-range, in the contract's order, is `passes` x tp segments,
 // pass-major: segment p * tp + t belongs to TP rank t (passes > 1 where one
 // fold crosses several split blocks, e.g. the q, k and v columns of QKV,
 // or the hidden features of u and then of v). fold(first_pass, count,
 // accumulate) continues (accumulate) or starts (+0) every output's fold over
-// this rank's segments of passes first_pass .. first_pass + count - 1; on
-// one rank all passes come in one call. On return every rank of the group
-// holds the finished outputs. Reduces over the split feature index, in
-// ascending order, whatever the group size.
-void chained_fold(StepContext& ctx, int passes, const ChainOutput& out,
-                  const std::function<void(int first_pass, int count, bool accumulate)>& fold);
+// this rank's segments of passes first_pass .. first_pass + count - 1, for
+// the output rows of `block` (every row, unless out.rows pipelines the
+// chain); on one rank all passes and rows come in one call. On return every
+// rank of the group holds the finished outputs. Reduces over the split
+// feature index, in ascending order, whatever the group size.
+using ChainStep = std::function<void(int first_pass, int count, bool accumulate, RowBlock block)>;
+void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const ChainStep& fold);
 
 // Sequence parallel: full[N, width] = every TP rank's stream rows
 // local[stream_tokens, width], in token order (an all-gather). Without
