@@ -274,4 +274,33 @@ TEST_SUITE("tensor_parallel") {
     }
     CHECK(rank1_begin < rank0_end);
   }
+
+  // The gradient norm of a split tensor without assembling it
+  // (runner/placement.h split_tensor_sumsq): clipping on every step makes the
+  // norm's bits reach the weights, so equal hashes hold the norm to the
+  // one-process fold.
+  TEST_CASE("the gradient norm of split tensors: each element sent at most once, the norm's bits unchanged") {
+    const std::vector<std::string> clip = {"train.grad_clip=0.01"};
+    auto with = [&](std::vector<std::string> sets) {
+      sets.insert(sets.end(), clip.begin(), clip.end());
+      return run_split(sets);
+    };
+    const ls::RunResult one = with({});
+    int64_t part_floats = 0;  // a TP rank's part of every split tensor
+    const ls::Scenario s = split_scenario({});
+    for (const ls::ParamInfo& p : ls::MoeTransformer::layout(s.model, 1, 0, 2, 0))
+      if (p.tp_mid > 0) part_floats += p.size;
+    REQUIRE(part_floats > 0);
+    for (int tp : {2, 4}) {
+      CAPTURE(tp);
+      const ls::RunResult r = with({"mesh.tp=" + std::to_string(tp)});
+      CHECK(r.final_state_hash == one.final_state_hash);
+      CHECK(loss_bits(r) == loss_bits(one));
+      if (tp != 2) continue;
+      // At most the part once (about half of it goes to the other rank), where the all-gather sent all of it.
+      CHECK(sent(r, "all_to_all") > 0);
+      CHECK(sent(r, "all_to_all") <= part_floats * 4.0);
+      CHECK(sent(r, "all_gather") < part_floats * 4.0 / 100);  // only the block sums are gathered
+    }
+  }
 }

@@ -400,6 +400,12 @@ float param_sumsq(const float* v, int64_t n) {
   const int64_t blocks = (n + kParamBlock - 1) / kParamBlock;
   if (blocks <= 1) return ls::sumsq_block(v, n);
   std::vector<float> sums((size_t)blocks);
+  param_block_sumsqs(v, n, sums.data());
+  return tree_sum(sums.data(), blocks);
+}
+
+void param_block_sumsqs(const float* v, int64_t n, float* sums) {
+  const int64_t blocks = (n + kParamBlock - 1) / kParamBlock;
   const int64_t full = n / kParamBlock;
   int64_t b = 0;
   // Sixteen blocks' folds side by side, block r in lane r % 8 of chain r / 8:
@@ -420,17 +426,16 @@ float param_sumsq(const float* v, int64_t n) {
         acc1 = _mm256_fmadd_ps(c1[j], c1[j], acc1);
       }
     }
-    _mm256_storeu_ps(&sums[(size_t)b], acc0);
-    _mm256_storeu_ps(&sums[(size_t)b + 8], acc1);
+    _mm256_storeu_ps(&sums[b], acc0);
+    _mm256_storeu_ps(&sums[b + 8], acc1);
   }
   for (; b + 8 <= full; b += 8) {  // eight blocks' folds side by side, block r in lane r
     const float* rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = v + (b + r) * kParamBlock;
-    dots8(rows, rows, kParamBlock, &sums[(size_t)b]);
+    dots8(rows, rows, kParamBlock, &sums[b]);
   }
   for (; b < blocks; ++b)
-    sums[(size_t)b] = ls::sumsq_block(v + b * kParamBlock, std::min<int64_t>(kParamBlock, n - b * kParamBlock));
-  return tree_sum(sums.data(), blocks);
+    sums[b] = ls::sumsq_block(v + b * kParamBlock, std::min<int64_t>(kParamBlock, n - b * kParamBlock));
 }
 
 float token_sum(const float* v, int64_t N, int64_t leaf_tokens) {

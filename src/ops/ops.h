@@ -77,6 +77,11 @@ float token_sum(const float* v, int64_t N, int64_t leaf_tokens);
 // an fma fold inside each kParamBlock block, blocks by the canonical tree.
 // Eight blocks fold side by side (independent chains instead of one).
 float param_sumsq(const float* v, int64_t n);
+// sums[b] = the fma fold of block b of kParamBlock parameters (the last may
+// be shorter), b < ceil(n / kParamBlock): param_sumsq's leaves, for a caller
+// that holds some blocks and trees them with the others'. Reduces over the
+// parameter index inside a block.
+void param_block_sumsqs(const float* v, int64_t n, float* sums);
 
 // SwiGLU hidden of n elements: s = sigmoid(u) (kept for the backward),
 // act = (u * s) * v. Elementwise.

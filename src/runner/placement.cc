@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "contract.h"
+#include "ops/ops.h"
 
 namespace ls {
 namespace {
@@ -69,6 +70,67 @@ void gather_tp_tensor(const ParamInfo& p, bool sharded, Communicator& shard, Com
   all_gather_equal(tensor, part, parts.data(), (size_t)p.size * sizeof(float));
   whole.resize(parts.size());
   assemble_tp_parts(p, parts.data(), tensor.size(), whole.data());
+}
+
+namespace {
+
+// fn(g, n, holder, local) for each run of a split tensor's global elements
+// [lo, hi) that one TP rank holds contiguously: n elements from global index
+// g, held by TP rank `holder` from its element `local` on.
+template <class Fn>
+void for_each_run(const ParamInfo& p, int64_t lo, int64_t hi, Fn&& fn) {
+  const int64_t inner = p.tp_inner, mid = p.tp_mid, held = p.tp_held();
+  for (int64_t g = lo; g < hi;) {
+    const int64_t u = g / inner, o = u / mid, m = u % mid;
+    const int64_t end = std::min(hi, (u + 1) * inner);
+    const int holder = (int)(m / held);
+    fn(g, end - g, holder, (o * held + m - holder * held) * inner + g - u * inner);
+    g = end;
+  }
+}
+
+}  // namespace
+
+float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part) {
+  const int tp = tensor.size(), me = tensor.rank();
+  const int64_t n = p.size * tp, nb = (n + kParamBlock - 1) / kParamBlock;
+  auto range_of = [&](int q) {  // rank q's blocks, as global elements
+    return std::pair<int64_t, int64_t>{std::min(n, nb * q / tp * kParamBlock), std::min(n, nb * (q + 1) / tp * kParamBlock)};
+  };
+  // Send each rank the elements of its blocks this rank holds, in global order.
+  std::vector<float> send;
+  std::vector<size_t> send_bytes((size_t)tp, 0), recv_bytes((size_t)tp, 0);
+  for (int q = 0; q < tp; ++q) {
+    const auto [lo, hi] = range_of(q);
+    const size_t before = send.size();
+    for_each_run(p, lo, hi, [&](int64_t, int64_t len, int holder, int64_t local) {
+      if (holder == me) send.insert(send.end(), part + local, part + local + len);
+    });
+    send_bytes[(size_t)q] = (send.size() - before) * sizeof(float);
+  }
+  const auto [lo, hi] = range_of(me);
+  for_each_run(p, lo, hi, [&](int64_t, int64_t len, int holder, int64_t) {
+    recv_bytes[(size_t)holder] += (size_t)len * sizeof(float);
+  });
+  std::vector<float> recv((size_t)(hi - lo));
+  tensor.all_to_all(send.data(), send_bytes, recv.data(), recv_bytes);
+  // Received by source rank; put each run back at its global place.
+  std::vector<float> mine((size_t)(hi - lo));
+  std::vector<size_t> at((size_t)tp, 0);
+  for (int r = 1; r < tp; ++r) at[(size_t)r] = at[(size_t)r - 1] + recv_bytes[(size_t)r - 1] / sizeof(float);
+  for_each_run(p, lo, hi, [&](int64_t g, int64_t len, int holder, int64_t) {
+    std::copy(recv.begin() + (int64_t)at[(size_t)holder], recv.begin() + (int64_t)at[(size_t)holder] + len,
+              mine.begin() + (g - lo));
+    at[(size_t)holder] += (size_t)len;
+  });
+  // This rank's blocks' folds, every rank's gathered, the tree over blocks.
+  std::vector<float> sums((size_t)nb);
+  std::vector<size_t> sum_bytes((size_t)tp);
+  for (int q = 0; q < tp; ++q) sum_bytes[(size_t)q] = (size_t)(nb * (q + 1) / tp - nb * q / tp) * sizeof(float);
+  std::vector<float> own(sum_bytes[(size_t)me] / sizeof(float));
+  if (!own.empty()) ops::param_block_sumsqs(mine.data(), hi - lo, own.data());
+  tensor.all_gather(own.data(), sums.data(), sum_bytes);
+  return tree_sum(sums.data(), nb);
 }
 
 void gather_shards(Communicator& shard, int64_t n, const float* mine, float* whole) {

@@ -60,6 +60,15 @@ void assemble_tp_parts(const ParamInfo& p, const float* parts, int tp, float* wh
 void gather_tp_tensor(const ParamInfo& p, bool sharded, Communicator& shard, Communicator& tensor, const float* mine,
                       ops::DeviceVector<float>& held, ops::DeviceVector<float>& parts, ops::DeviceVector<float>& whole);
 
+// The sum of squares of a tensor-parallel split tensor (the whole tensor,
+// not an expert-parallel slice of it) as ops::param_sumsq folds the whole:
+// blocks of kParamBlock in global order, then the canonical tree over
+// blocks. Without assembling it: TP rank q folds blocks [nb q / tp, nb (q+1)
+// / tp), receiving from the others just those blocks' elements (an
+// all-to-all: every element travels at most once), and the block sums are
+// all-gathered for the tree. `part`: this rank's part, p.size elements.
+float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part);
+
 // whole = a tensor of n elements from its FSDP shards, each rank's block
 // range (an all-gather over the shard group).
 void gather_shards(Communicator& shard, int64_t n, const float* mine, float* whole);
