@@ -209,7 +209,7 @@ float ClusterTrainer::gradient_sumsq(RankCtx& c, size_t t) {
   const float* gp = rank.model->grads() + p.offset;
   const bool ep_slice = p.expert && s_.mesh.ep > 1;
   // A split tensor's blocks a share per TP rank, each element sent at most once.
-  if (p.tp_mid > 0 && !ep_slice && !placement_.sharded(p)) return split_tensor_sumsq(p, c.group(Axis::kTensor), gp);
+  if (p.tp_mid > 0 && !ep_slice && !placement_.sharded(p)) return split_tensor_sumsq(p, c.group(Axis::kTensor), gp, rank.norm_buffers);
   if (p.tp_mid > 0 || ep_slice) {
     // The whole tensor: the TP group's parts put in place, then the EP group's slices in rank order.
     ops::DeviceVector<float> slice, held, parts;

@@ -76,29 +76,32 @@ namespace {
 
 // fn(g, n, holder, local) for each run of a split tensor's global elements
 // [lo, hi) that one TP rank holds contiguously: n elements from global index
-// g, held by TP rank `holder` from its element `local` on.
+// g, held by TP rank `holder` from its element `local` on. In the
+// [outer, mid, inner] view a rank holds `held` consecutive middle indices,
+// so its runs are held x inner elements long.
 template <class Fn>
 void for_each_run(const ParamInfo& p, int64_t lo, int64_t hi, Fn&& fn) {
-  const int64_t inner = p.tp_inner, mid = p.tp_mid, held = p.tp_held();
+  const int64_t inner = p.tp_inner, held = p.tp_held(), row = p.tp_mid * inner, span = held * inner;
   for (int64_t g = lo; g < hi;) {
-    const int64_t u = g / inner, o = u / mid, m = u % mid;
-    const int64_t end = std::min(hi, (u + 1) * inner);
-    const int holder = (int)(m / held);
-    fn(g, end - g, holder, (o * held + m - holder * held) * inner + g - u * inner);
+    const int64_t o = g / row, within = g - o * row;
+    const int holder = (int)(within / span);
+    const int64_t end = std::min(hi, o * row + (holder + 1) * span);
+    fn(g, end - g, holder, o * span + within - holder * span);
     g = end;
   }
 }
 
 }  // namespace
 
-float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part) {
+float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b) {
   const int tp = tensor.size(), me = tensor.rank();
   const int64_t n = p.size * tp, nb = (n + kParamBlock - 1) / kParamBlock;
   auto range_of = [&](int q) {  // rank q's blocks, as global elements
     return std::pair<int64_t, int64_t>{std::min(n, nb * q / tp * kParamBlock), std::min(n, nb * (q + 1) / tp * kParamBlock)};
   };
   // Send each rank the elements of its blocks this rank holds, in global order.
-  std::vector<float> send;
+  std::vector<float>& send = b.send;
+  send.clear();
   std::vector<size_t> send_bytes((size_t)tp, 0), recv_bytes((size_t)tp, 0);
   for (int q = 0; q < tp; ++q) {
     const auto [lo, hi] = range_of(q);
@@ -112,10 +115,12 @@ float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* 
   for_each_run(p, lo, hi, [&](int64_t, int64_t len, int holder, int64_t) {
     recv_bytes[(size_t)holder] += (size_t)len * sizeof(float);
   });
-  std::vector<float> recv((size_t)(hi - lo));
+  std::vector<float>& recv = b.recv;
+  recv.resize((size_t)(hi - lo));
   tensor.all_to_all(send.data(), send_bytes, recv.data(), recv_bytes);
   // Received by source rank; put each run back at its global place.
-  std::vector<float> mine((size_t)(hi - lo));
+  std::vector<float>& mine = b.mine;
+  mine.resize((size_t)(hi - lo));
   std::vector<size_t> at((size_t)tp, 0);
   for (int r = 1; r < tp; ++r) at[(size_t)r] = at[(size_t)r - 1] + recv_bytes[(size_t)r - 1] / sizeof(float);
   for_each_run(p, lo, hi, [&](int64_t g, int64_t len, int holder, int64_t) {
@@ -124,10 +129,12 @@ float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* 
     at[(size_t)holder] += (size_t)len;
   });
   // This rank's blocks' folds, every rank's gathered, the tree over blocks.
-  std::vector<float> sums((size_t)nb);
+  std::vector<float>& sums = b.sums;
+  sums.resize((size_t)nb);
   std::vector<size_t> sum_bytes((size_t)tp);
   for (int q = 0; q < tp; ++q) sum_bytes[(size_t)q] = (size_t)(nb * (q + 1) / tp - nb * q / tp) * sizeof(float);
-  std::vector<float> own(sum_bytes[(size_t)me] / sizeof(float));
+  std::vector<float>& own = b.own;
+  own.resize(sum_bytes[(size_t)me] / sizeof(float));
   if (!own.empty()) ops::param_block_sumsqs(mine.data(), hi - lo, own.data());
   tensor.all_gather(own.data(), sums.data(), sum_bytes);
   return tree_sum(sums.data(), nb);

@@ -67,7 +67,11 @@ void gather_tp_tensor(const ParamInfo& p, bool sharded, Communicator& shard, Com
 // / tp), receiving from the others just those blocks' elements (an
 // all-to-all: every element travels at most once), and the block sums are
 // all-gathered for the tree. `part`: this rank's part, p.size elements.
-float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part);
+// b: buffers kept between calls (the all-to-all's, the block sums).
+struct SplitNormBuffers {
+  std::vector<float> send, recv, mine, own, sums;
+};
+float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b);
 
 // whole = a tensor of n elements from its FSDP shards, each rank's block
 // range (an all-gather over the shard group).
