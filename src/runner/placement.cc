@@ -48,15 +48,6 @@ bool ParamPlacement::first_of_context_and_tensor(const MeshConfig::RankCoords& a
   return at.context == 0 && (at.tensor == 0 || p.tp_mid > 0);
 }
 
-void assemble_tp_parts(const ParamInfo& p, const float* parts, int tp, float* whole) {
-  ParamInfo q = p;
-  q.global_offset = 0;
-  for (int rank = 0; rank < tp; ++rank) {
-    q.tp_first = p.tp_held() * rank;
-    const float* part = parts + (int64_t)rank * p.size;
-    for (int64_t i = 0; i < p.size; ++i) whole[q.global_index(i)] = part[i];
-  }
-}
 
 void gather_tp_tensor(const ParamInfo& p, bool sharded, Communicator& shard, Communicator& tensor, const float* mine,
                       ops::DeviceVector<float>& held, ops::DeviceVector<float>& parts, ops::DeviceVector<float>& whole) {
@@ -92,6 +83,12 @@ void for_each_run(const ParamInfo& p, int64_t lo, int64_t hi, Fn&& fn) {
 }
 
 }  // namespace
+
+void assemble_tp_parts(const ParamInfo& p, const float* parts, int tp, float* whole) {
+  for_each_run(p, 0, p.size * tp, [&](int64_t g, int64_t len, int holder, int64_t local) {
+    std::copy(parts + (int64_t)holder * p.size + local, parts + (int64_t)holder * p.size + local + len, whole + g);
+  });
+}
 
 float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b) {
   const int tp = tensor.size(), me = tensor.rank();
