@@ -142,6 +142,24 @@ TEST_SUITE("cluster") {
     CHECK(meshes == 23);  // 20 dp x ep x fsdp meshes + 3 HSDP
   }
 
+  // The toy axis of issue 37: mesh.dp_node, a second data-parallel axis, added
+  // as docs/ARCHITECTURE.md says (a row in config.h, a group in mesh.cc, its
+  // key, and its use in the trainer).
+  TEST_CASE("a two-level gradient all-reduce (mesh.dp_node) keeps the bits and really runs in two levels") {
+    const Outcome flat = run({"mesh.dp=8"});
+    for (int node : {2, 4}) {
+      CAPTURE(node);
+      const Outcome two = run({"mesh.dp=8", "mesh.dp_node=" + std::to_string(node)});
+      CHECK(two.hash == flat.hash);
+      CHECK(two.loss_bits == flat.loss_bits);
+      // A ring all-reduce over R ranks sends 2 (R-1)/R of the buffer: 14/8 flat, 2 (1/2 + 3/4) = 10/4 at nodes of
+      // 2 (then 4 nodes), 2 (3/4 + 1/2) at nodes of 4: more bytes, so the two levels ran.
+      CHECK(two.result.bytes_sent_per_step.at("all_reduce") > flat.result.bytes_sent_per_step.at("all_reduce"));
+    }
+    CHECK(ls::scenario_from_json(nlohmann::json::parse(kTiny), "t.json", {"mesh.dp=8", "mesh.dp_node=2"})
+              .mesh.describe(1) == "dp 8 in nodes of 2");
+  }
+
   TEST_CASE("every rounds/peak capacity and borrowing setting, and every thread count, gives the same bits") {
     const Outcome one = run({}, 1);
     for (auto sets : std::vector<std::vector<std::string>>{

@@ -36,6 +36,8 @@ int MeshConfig::size(Axis a) const {
     case Axis::kShard: return shard_group();
     case Axis::kReplica: return dp / shard_group();
     case Axis::kStage: return dp * tp;
+    case Axis::kNode: return dp_node;
+    case Axis::kAcrossNodes: return dp / dp_node;
     default: return this->*kRankAxes[(size_t)a].size;
   }
 }
@@ -53,7 +55,7 @@ bool MeshConfig::multi_rank(int microbatches) const {
 std::string MeshConfig::describe(int microbatches) const {
   std::string out;
   auto add = [&](const std::string& part) { out += (out.empty() ? "" : ", ") + part; };
-  if (dp > 1) add("dp " + std::to_string(dp));
+  if (dp > 1) add("dp " + std::to_string(dp) + (dp_node > 1 ? " in nodes of " + std::to_string(dp_node) : ""));
   if (ep > 1) add("ep " + std::to_string(ep));
   if (tp > 1) add("tp " + std::to_string(tp) + (sp ? " + sp" : ""));
   if (cp > 1) add("cp " + std::to_string(cp) + " " + cp_layout);

@@ -38,9 +38,11 @@ enum class Axis {
   kReplica,     // HSDP: the ranks holding the same shard, one per shard group
   kStage,       // every data and tensor-parallel rank of one stage and context index: what a sum over
                 // sequence-parallel stream tokens spans
+  kNode,        // mesh.dp_node consecutive data-parallel ranks: one node's
+  kAcrossNodes, // the data-parallel ranks at the same place in every node
 };
 constexpr int kRankAxisCount = 4;
-constexpr int kAxisCount = 9;
+constexpr int kAxisCount = 11;
 
 struct MeshConfig {
   int dp = 1;          // data-parallel ranks: each holds batch/dp consecutive samples
@@ -54,6 +56,7 @@ struct MeshConfig {
   int pp_virtual = 1;  // interleaved: model chunks per stage
   int cp = 1;          // context-parallel ranks per data-parallel rank: attention's query positions split across them
   std::string cp_layout = "zigzag";  // zigzag | contiguous: which positions each context-parallel rank holds
+  int dp_node = 1;     // data-parallel ranks per node: gradients all-reduced inside a node, then across nodes
 
   // One row per axis that multiplies into the world, in rank order.
   struct AxisRow {

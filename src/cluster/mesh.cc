@@ -25,6 +25,8 @@ int Mesh::group_color(const MeshConfig& cfg, Axis a, const MeshConfig::RankCoord
     case Axis::kShard: fixed.data = c.data / shard * shard; break;
     case Axis::kReplica: fixed.data = c.data % shard; break;
     case Axis::kStage: fixed.data = 0, fixed.tensor = 0; break;
+    case Axis::kNode: fixed.data = c.data / cfg.dp_node * cfg.dp_node; break;
+    case Axis::kAcrossNodes: fixed.data = c.data % cfg.dp_node; break;
   }
   return ((fixed.stage * cfg.dp + fixed.data) * cfg.cp + fixed.context) * cfg.tp + fixed.tensor;
 }

@@ -194,6 +194,9 @@ void ClusterTrainer::reduce_gradients(RankCtx& c) {
       shard.reduce_scatter_sum(gp, mine.data(), counts);
       c.group(Axis::kReplica).all_reduce_sum(mine.data(), mine.size());  // HSDP (one rank: nothing)
       std::copy(mine.begin(), mine.end(), gp + range(rank, t).first);
+    } else if (s_.mesh.dp_node > 1) {  // a node's aligned subtree, then the tree over nodes: the same tree
+      c.group(Axis::kNode).all_reduce_sum(gp, p.size);
+      c.group(Axis::kAcrossNodes).all_reduce_sum(gp, p.size);
     } else {
       c.group(Axis::kData).all_reduce_sum(gp, p.size);
     }

@@ -59,6 +59,7 @@ MeshConfig mesh_from_json(const nlohmann::json& j, int* microbatches) {
   m.pp_virtual = j.value("pp_virtual", m.pp_virtual);
   m.cp = j.value("cp", m.cp);
   m.cp_layout = j.value("cp_layout", m.cp_layout);
+  m.dp_node = j.value("dp_node", m.dp_node);
   if (microbatches) *microbatches = j.value("microbatches", 1);
   return m;
 }
@@ -66,7 +67,7 @@ MeshConfig mesh_from_json(const nlohmann::json& j, int* microbatches) {
 nlohmann::json mesh_json(const MeshConfig& m, int microbatches) {
   return {{"dp", m.dp}, {"ep", m.ep}, {"fsdp", m.fsdp}, {"replicate", m.replicate}, {"tp", m.tp}, {"sp", m.sp},
           {"pp", m.pp}, {"pp_schedule", m.pp_schedule}, {"pp_virtual", m.pp_virtual}, {"microbatches", microbatches},
-          {"cp", m.cp}, {"cp_layout", m.cp_layout}};
+          {"cp", m.cp}, {"cp_layout", m.cp_layout}, {"dp_node", m.dp_node}};
 }
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {

@@ -309,6 +309,14 @@ std::vector<Row> data_parallel_rows() {
                          "(train.batch / mesh.dp / numerics.leaf_samples)";
                 return std::string();
               }}}),
+      field("mesh.dp_node", [](S& s) -> int& { return s.mesh.dp_node; },
+            "Data-parallel ranks per node: the gradient all-reduce runs inside each node's mesh.dp_node "
+            "consecutive ranks, then across the nodes; a power of two, so the two levels are the contract's "
+            "tree over ranks and the bits do not change.",
+            {{"a power of two dividing mesh.dp", [](const S& s, int v) {
+                if (v < 1 || (v & (v - 1))) return "must be a power of two, got " + show(v);
+                return s.mesh.dp % v == 0 ? std::string() : "must divide mesh.dp = " + show(s.mesh.dp) + ", got " + show(v);
+              }}}),
       field("mesh.ep", [](S& s) -> int& { return s.mesh.ep; },
             "Expert-parallel group size: experts are split over this many consecutive "
             "data-parallel ranks, tokens travel by all-to-all.",
