@@ -3,6 +3,7 @@
 #include "ckpt/checkpointer.h"
 
 #include <chrono>
+#include <filesystem>
 #include <cstdio>
 #include <map>
 
@@ -11,6 +12,7 @@
 #include "ckpt/safetensors.h"
 #include "cluster/communicator.h"
 #include "common/error.h"
+#include "common/json_input.h"
 #include "store/store.h"
 #include "contract.h"
 
@@ -535,6 +537,26 @@ void CheckpointWriter::finish() {
 std::vector<SaveRecord> CheckpointWriter::records() {
   std::lock_guard<std::mutex> lk(mu_);
   return records_;
+}
+
+// A URL parser, with the writer so that the fuzzed parsers link without the restore.
+std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text) {
+  const size_t at = text.rfind('@');
+  if (at == std::string::npos) return {text, -1};
+  const std::string tail = text.substr(at + 1);
+  if (!tail.empty() && tail.find_first_not_of("0123456789") == std::string::npos)
+    return {text.substr(0, at), parse_int_field(tail, 0, 999999999999999999, text + ": step")};
+  // An '@' inside a folder's name ("/data/run@v2/ckpt") is the path's.
+  if (tail.find('/') != std::string::npos) return {text, -1};
+  // "DIR@abc": a step that is not a number, not part of the path -- unless
+  // a local folder of that whole name exists.
+  std::error_code ec;
+  const bool s3 = text.rfind("s3://", 0) == 0;
+  const std::string local = text.rfind("file://", 0) == 0 ? text.substr(7) : text;
+  if (!s3 && std::filesystem::exists(local, ec)) return {text, -1};
+  throw UserError(text + ": @" + tail + (tail.empty() ? ": no step number after the @" : ": not a step number") +
+                  " (URL@STEP names the checkpoint of one step, e.g. " + text.substr(0, at) +
+                  "@12; without @STEP, the latest)");
 }
 
 }  // namespace ls
