@@ -302,5 +302,14 @@ TEST_SUITE("tensor_parallel") {
       CHECK(sent(r, "all_to_all") <= part_floats * 4.0);
       CHECK(sent(r, "all_gather") < part_floats * 4.0 / 100);  // only the block sums are gathered
     }
+    // The other block-share folds (runner/placement.h shared_blocks_sumsq): FSDP shards, alone and with tp.
+    for (const std::vector<std::string>& mesh : {std::vector<std::string>{"mesh.dp=2", "mesh.fsdp=true"},
+                                                 {"mesh.tp=2", "mesh.dp=2", "mesh.fsdp=true"},
+                                                 {"mesh.tp=2", "mesh.dp=2", "mesh.ep=2"}}) {
+      CAPTURE(mesh.back());
+      const ls::RunResult r = with(mesh);
+      CHECK(r.final_state_hash == one.final_state_hash);
+      CHECK(loss_bits(r) == loss_bits(one));
+    }
   }
 }

@@ -18,17 +18,6 @@ CpLayout parse_cp_layout(const std::string& name) {
   throw UserError("mesh.cp_layout: must be zigzag or contiguous, got \"" + name + "\"");
 }
 
-const char* schedule_name(PipelineSchedule s) {
-  switch (s) {
-    case PipelineSchedule::kGpipe: return "gpipe";
-    case PipelineSchedule::k1f1b: return "1f1b";
-    case PipelineSchedule::kInterleaved: return "interleaved";
-  }
-  return "?";
-}
-
-const char* layout_name(CpLayout l) { return l == CpLayout::kZigzag ? "zigzag" : "contiguous"; }
-
 int MeshConfig::size(Axis a) const {
   switch (a) {
     case Axis::kExpert: return ep;
@@ -75,17 +64,6 @@ std::string MeshConfig::world_formula() const {
     sizes += (sizes.empty() ? "" : " x ") + std::to_string(size(a));
   }
   return keys + " = " + sizes + " = " + std::to_string(world());
-}
-
-int MeshConfig::RankCoords::at(Axis a) const {
-  switch (a) {
-    case Axis::kPipeline: return stage;
-    case Axis::kData: return data;
-    case Axis::kContext: return context;
-    case Axis::kTensor: return tensor;
-    default: break;
-  }
-  return 0;
 }
 
 MeshConfig::RankCoords MeshConfig::rank_coords(int r) const {

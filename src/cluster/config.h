@@ -21,8 +21,6 @@ enum class CpLayout { kZigzag, kContiguous };
 // mesh.pp_schedule's and mesh.cp_layout's values; UserError naming the key otherwise.
 PipelineSchedule parse_pipeline_schedule(const std::string& name);
 CpLayout parse_cp_layout(const std::string& name);
-const char* schedule_name(PipelineSchedule s);
-const char* layout_name(CpLayout l);
 
 // A mesh axis, and the group of ranks along it (cluster/mesh.h). The first
 // four multiply into the world, in rank order (major first); the others
@@ -99,7 +97,6 @@ struct MeshConfig {
   // ones; a pipeline stage is a contiguous block of ranks.
   struct RankCoords {
     int stage = 0, data = 0, context = 0, tensor = 0;
-    int at(Axis a) const;
   };
   RankCoords rank_coords(int r) const;
   int ranks_per_stage() const { return dp * cp * tp; }

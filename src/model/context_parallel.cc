@@ -64,9 +64,7 @@ void cp_rows_held(const StepContext& ctx, const std::function<void(int64_t row, 
 }
 
 void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
-  if (ctx.cp() == 1) return fn(0, (int)ctx.tokens);
-  CpBusy busy(ctx);
-  cp_for_each_held(ctx, 0, ctx.batch, fn);
+  held_rows(ctx, RowBlock{0, ctx.tokens}, fn);
 }
 
 void cp_rows_held(const StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn) {

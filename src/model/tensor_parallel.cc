@@ -26,11 +26,13 @@ void summed_fold(StepContext& ctx, int passes, const ChainOutput& out, const Cha
     buffer = ctx.ws.tp_partial.data();
     if (out.pack) out.pack(buffer);
   }
-  if (out.scatter) {  // each rank its own rows, in place
+  if (out.scatter) {  // each rank its own rows, in place (a contiguous output: tp_partial is free)
     const int64_t each = out.floats / tp;
-    std::vector<float> mine((size_t)each);
-    group.reduce_scatter_sum(buffer, mine.data(), std::vector<size_t>((size_t)tp, (size_t)each));
-    std::copy(mine.begin(), mine.end(), buffer + me * each);
+    ctx.ws.tp_partial.resize(each);
+    float* mine = ctx.ws.tp_partial.data();
+    group.reduce_scatter_sum(buffer, mine, std::vector<size_t>((size_t)tp, (size_t)each));
+    ops::synchronize();
+    std::copy(mine, mine + each, buffer + me * each);
     return;
   }
   group.all_reduce_sum(buffer, (size_t)out.floats);
@@ -43,7 +45,7 @@ int chain_blocks(int64_t rows) { return (int)std::max<int64_t>(1, std::min<int64
 
 void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const ChainStep& fold) {
   const int tp = ctx.tp(), me = ctx.tp_rank();
-  const RowBlock all{0, out.rows > 0 ? out.rows : 0};
+  const RowBlock all{0, out.rows};  // every row (none named for packed outputs)
   if (tp == 1) {
     fold(0, passes, false, all);
     return;

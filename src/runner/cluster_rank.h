@@ -26,7 +26,7 @@ struct ClusterTrainer::Rank {
   std::vector<int64_t> shard_off;   // fsdp: per tensor, offset into shard_w / m / v
   std::vector<Shard> shards;        // per tensor, its block range (every block without fsdp)
   CommStats comm;                   // bytes sent, accumulated over steps
-  SplitNormBuffers norm_buffers;    // the gradient norm's of split tensors, reused step to step
+  SplitNormBuffers norm_buffers;    // the gradient norm's buffers (split tensors, FSDP shards), reused step to step
 };
 
 }  // namespace ls

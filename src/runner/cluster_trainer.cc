@@ -77,8 +77,7 @@ ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), pl
 ClusterTrainer::~ClusterTrainer() = default;
 
 std::pair<int64_t, int64_t> ClusterTrainer::range(const Rank& r, size_t t) const {
-  const int64_t n = r.model->params()[t].size;
-  return {std::min(n, r.shards[t].b0 * kParamBlock), std::min(n, r.shards[t].b1 * kParamBlock)};
+  return elements_of(r.shards[t], r.model->params()[t].size);
 }
 
 double ClusterTrainer::train_flops_per_token() const { return ls::train_flops_per_token(s_.model); }
@@ -212,7 +211,8 @@ float ClusterTrainer::gradient_sumsq(RankCtx& c, size_t t) {
   const float* gp = rank.model->grads() + p.offset;
   const bool ep_slice = p.expert && s_.mesh.ep > 1;
   // A split tensor's blocks a share per TP rank, each element sent at most once.
-  if (p.tp_mid > 0 && !ep_slice && !placement_.sharded(p)) return split_tensor_sumsq(p, c.group(Axis::kTensor), gp, rank.norm_buffers);
+  if (p.tp_mid > 0 && !ep_slice && !placement_.sharded(p))
+    return split_tensor_sumsq(p, c.group(Axis::kTensor), gp, rank.norm_buffers);
   if (p.tp_mid > 0 || ep_slice) {
     // The whole tensor: the TP group's parts put in place, then the EP group's slices in rank order.
     ops::DeviceVector<float> slice, held, parts;
@@ -230,18 +230,9 @@ float ClusterTrainer::gradient_sumsq(RankCtx& c, size_t t) {
     return ops::param_sumsq(whole.data(), (int64_t)whole.size());
   }
   if (!placement_.sharded(p)) return ops::param_sumsq(gp, p.size);
-  // An FSDP shard: this rank's blocks' sums, all-gathered, then the tree over every block.
-  Communicator& shard = c.group(Axis::kShard);
-  const int gs = shard.size();
-  const int64_t nb = (p.size + kParamBlock - 1) / kParamBlock;
-  std::vector<float> mine;
-  for (int64_t b = rank.shards[t].b0; b < rank.shards[t].b1; ++b)
-    mine.push_back(sumsq_block(gp + b * kParamBlock, std::min<int64_t>(kParamBlock, p.size - b * kParamBlock)));
-  std::vector<size_t> bytes(gs);
-  for (int q = 0; q < gs; ++q) bytes[q] = (size_t)(nb * (q + 1) / gs - nb * q / gs) * sizeof(float);
-  std::vector<float> all(nb);
-  shard.all_gather(mine.data(), all.data(), bytes);
-  return tree_sum(all.data(), nb);
+  // An FSDP shard: this rank's blocks' folds, all-gathered, then the tree over every block.
+  return shared_blocks_sumsq(c.group(Axis::kShard), p.size, gp + range(rank, t).first, rank.norm_buffers.own,
+                             rank.norm_buffers.sums);
 }
 
 // The global norm, as AdamW::global_norm: per tensor its sum of squares,

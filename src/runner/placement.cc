@@ -12,18 +12,42 @@ int64_t blocks_of(int64_t n) { return (n + kParamBlock - 1) / kParamBlock; }
 
 }  // namespace
 
+std::pair<int64_t, int64_t> elements_of(const Shard& s, int64_t n) {
+  return {std::min(n, s.b0 * kParamBlock), std::min(n, s.b1 * kParamBlock)};
+}
+
+Shard block_share(int64_t nb, int q, int g) { return {nb * q / g, nb * (q + 1) / g}; }
+
+float shared_blocks_sumsq(Communicator& group, int64_t n, const float* mine, std::vector<float>& own,
+                          std::vector<float>& sums) {
+  const int g = group.size();
+  const int64_t nb = blocks_of(n);
+  const auto [lo, hi] = elements_of(block_share(nb, group.rank(), g), n);
+  own.resize((size_t)blocks_of(hi - lo));
+  if (!own.empty()) ops::param_block_sumsqs(mine, hi - lo, own.data());
+  std::vector<size_t> bytes((size_t)g);
+  for (int q = 0; q < g; ++q) {
+    const Shard s = block_share(nb, q, g);
+    bytes[(size_t)q] = (size_t)(s.b1 - s.b0) * sizeof(float);
+  }
+  sums.resize((size_t)nb);
+  group.all_gather(own.data(), sums.data(), bytes);
+  return tree_sum(sums.data(), nb);
+}
+
 Shard ParamPlacement::shard(const ParamInfo& p, int data) const {
   const int64_t nb = blocks_of(p.size);
   if (!sharded(p)) return {0, nb};
-  const int group = mesh_.shard_group(), pos = data % group;
-  return {nb * pos / group, nb * (pos + 1) / group};
+  const int group = mesh_.shard_group();
+  return block_share(nb, data % group, group);
 }
 
 std::vector<size_t> ParamPlacement::shard_elems(int64_t n, int g) {
-  const int64_t nb = blocks_of(n);
   std::vector<size_t> out(g);
-  for (int q = 0; q < g; ++q)
-    out[q] = (size_t)(std::min(n, nb * (q + 1) / g * kParamBlock) - std::min(n, nb * q / g * kParamBlock));
+  for (int q = 0; q < g; ++q) {
+    const auto [lo, hi] = elements_of(block_share(blocks_of(n), q, g), n);
+    out[q] = (size_t)(hi - lo);
+  }
   return out;
 }
 
@@ -47,7 +71,6 @@ bool ParamPlacement::first_of_context_and_tensor(const MeshConfig::RankCoords& a
   // Context-parallel ranks keep copies, and so do tensor-parallel ranks of what they do not split.
   return at.context == 0 && (at.tensor == 0 || p.tp_mid > 0);
 }
-
 
 void gather_tp_tensor(const ParamInfo& p, bool sharded, Communicator& shard, Communicator& tensor, const float* mine,
                       ops::DeviceVector<float>& held, ops::DeviceVector<float>& parts, ops::DeviceVector<float>& whole) {
@@ -92,10 +115,8 @@ void assemble_tp_parts(const ParamInfo& p, const float* parts, int tp, float* wh
 
 float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b) {
   const int tp = tensor.size(), me = tensor.rank();
-  const int64_t n = p.size * tp, nb = (n + kParamBlock - 1) / kParamBlock;
-  auto range_of = [&](int q) {  // rank q's blocks, as global elements
-    return std::pair<int64_t, int64_t>{std::min(n, nb * q / tp * kParamBlock), std::min(n, nb * (q + 1) / tp * kParamBlock)};
-  };
+  const int64_t n = p.size * tp, nb = blocks_of(n);
+  auto range_of = [&](int q) { return elements_of(block_share(nb, q, tp), n); };  // rank q's blocks, as elements
   // Send each rank the elements of its blocks this rank holds, in global order.
   std::vector<float>& send = b.send;
   send.clear();
@@ -125,16 +146,7 @@ float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* 
               mine.begin() + (g - lo));
     at[(size_t)holder] += (size_t)len;
   });
-  // This rank's blocks' folds, every rank's gathered, the tree over blocks.
-  std::vector<float>& sums = b.sums;
-  sums.resize((size_t)nb);
-  std::vector<size_t> sum_bytes((size_t)tp);
-  for (int q = 0; q < tp; ++q) sum_bytes[(size_t)q] = (size_t)(nb * (q + 1) / tp - nb * q / tp) * sizeof(float);
-  std::vector<float>& own = b.own;
-  own.resize(sum_bytes[(size_t)me] / sizeof(float));
-  if (!own.empty()) ops::param_block_sumsqs(mine.data(), hi - lo, own.data());
-  tensor.all_gather(own.data(), sums.data(), sum_bytes);
-  return tree_sum(sums.data(), nb);
+  return shared_blocks_sumsq(tensor, n, mine.data(), b.own, b.sums);
 }
 
 void gather_shards(Communicator& shard, int64_t n, const float* mine, float* whole) {

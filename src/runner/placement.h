@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cluster/communicator.h"
@@ -18,6 +19,21 @@ namespace ls {
 struct Shard {
   int64_t b0 = 0, b1 = 0;
 };
+
+// The elements [lo, hi) of an n-element tensor that blocks `s` cover.
+std::pair<int64_t, int64_t> elements_of(const Shard& s, int64_t n);
+
+// Blocks [b0, b1) of nb that rank q of a group of g takes: the one split of a
+// tensor's kParamBlock blocks between ranks (FSDP shards, the gradient
+// norm's shares), consecutive and in rank order.
+Shard block_share(int64_t nb, int q, int g);
+
+// The sum of squares of an n-element tensor whose kParamBlock blocks the
+// ranks of `group` share (block_share), as ops::param_sumsq folds the whole:
+// `mine` holds this rank's blocks' elements in order; their folds are
+// all-gathered and the tree over blocks taken. own, sums: buffers reused.
+float shared_blocks_sumsq(Communicator& group, int64_t n, const float* mine, std::vector<float>& own,
+                          std::vector<float>& sums);
 
 class ParamPlacement {
  public:
