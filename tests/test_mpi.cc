@@ -114,6 +114,8 @@ TEST_SUITE("mpi") {
         {4, "--set mesh.cp=4 --set mesh.cp_layout=contiguous"},
         {4, "--set mesh.dp=2 --set mesh.ep=2 --set mesh.cp=2"},  // the experts split over EP, then CP ranks
         {8, "--set mesh.cp=2 --set mesh.pp=2 --set mesh.dp=2 --set train.microbatches=2"},
+        // Nodes of data ranks: the all-reduce inside each node, then across (the toy axis).
+        {4, "--set mesh.dp=4 --set mesh.dp_node=2"},
     };
     for (const auto& [np, mesh] : meshes) {
       CAPTURE(mesh);
@@ -151,6 +153,45 @@ TEST_SUITE("mpi") {
           CHECK(mpi.summary["pipeline"]["stages"][st]["bytes_sent"] == threads.summary["pipeline"]["stages"][st]["bytes_sent"]);
       }
     }
+  }
+
+  // The split tensors' gradient norm by block shares (an all-to-all, then the
+  // block sums gathered), as processes: clipping on every step makes the
+  // norm's bits reach the weights.
+  TEST_CASE("the gradient norm of split tensors as processes: the one-rank bits under clipping") {
+    if (!ls::mpi_available()) return;
+    const std::string clip = "--set train.grad_clip=0.01";
+    const Run one = run_lockstep(0, clip);
+    REQUIRE(one.rc == 0);
+    for (const std::string mesh : {"--set mesh.dp=2 --set mesh.tp=2", "--set mesh.dp=2 --set mesh.tp=2 --set mesh.fsdp=true"}) {
+      CAPTURE(mesh);
+      const Run mpi = run_lockstep(4, mesh + " " + clip);
+      CAPTURE(mpi.err);
+      REQUIRE(mpi.rc == 0);
+      CHECK(mpi.hash == one.hash);
+      CHECK(mpi.loss_bits == one.loss_bits);
+    }
+  }
+
+  // numerics.level=local on a tensor-parallel mesh as processes: the partial
+  // folds summed by MPI_Allreduce, not chained. Two addends commute, so the
+  // processes and the threads agree here; the bits are not the one-rank
+  // run's, and the chain's sends are gone.
+  TEST_CASE("local tensor parallel as processes: partials summed by the library, no chain") {
+    if (!ls::mpi_available()) return;
+    const Run one = run_lockstep(0, "--set numerics.level=local");
+    const Run mpi = run_lockstep(2, "--set mesh.tp=2 --set numerics.level=local");
+    const Run threads = run_lockstep(0, "--set mesh.tp=2 --set numerics.level=local");
+    REQUIRE(one.rc == 0);
+    CAPTURE(mpi.err);
+    REQUIRE(mpi.rc == 0);
+    REQUIRE(threads.rc == 0);
+    CHECK(mpi.summary["processes"] == 2);
+    CHECK(mpi.hash == threads.hash);
+    CHECK(mpi.hash != one.hash);
+    const nlohmann::json& bytes = mpi.summary.at("bytes_sent_per_rank_per_step");
+    CHECK(!bytes.contains("send"));
+    CHECK(bytes.at("all_reduce").get<double>() > 0);
   }
 
   TEST_CASE("--launcher mpi starts mpirun itself; a world that is not the mesh is refused, naming both numbers") {
