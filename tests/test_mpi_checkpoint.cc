@@ -98,8 +98,10 @@ TEST_SUITE("mpi") {
       CAPTURE(np);
       std::string ratios;
       for (const char* mode : {"broadcast", "naive"}) {
-        // Restores only: no ckpt.url, so no ckpt.every either (one alone is refused).
-        const Run r = run_lockstep(np, "--set mesh.dp=" + std::to_string(np) + " --set train.steps=8 --set ckpt.restore=" +
+        // Restores only: no ckpt.url, so no ckpt.every either (one alone is refused). Replicated
+        // state, so every rank needs every object (the sharded optimizer needs each once).
+        const Run r = run_lockstep(np, "--set mesh.dp=" + std::to_string(np) +
+                                           " --set mesh.shard_optimizer=false --set train.steps=8 --set ckpt.restore=" +
                                            mode + " --resume " + dir.string());
         CAPTURE(r.err);
         REQUIRE(r.rc == 0);

@@ -80,8 +80,9 @@ const char* kFull = R"({
   "moe": {"experts": 64, "top_k": 4, "aux_loss_weight": 0.02, "z_loss_weight": 0.0,
           "policy": "peak", "capacity_factor": 0.5, "capacity": 12, "group_size": 8, "borrow": false,
           "router_skew": 1.5},
-  "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2, "tp": 1, "sp": false, "pp": 2,
-           "pp_schedule": "gpipe", "pp_virtual": 1, "cp": 1, "cp_layout": "contiguous", "dp_node": 1},
+  "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2, "shard_optimizer": false, "tp": 1, "sp": false, "pp": 2,
+           "pp_schedule": "gpipe", "pp_virtual": 1, "cp": 1, "cp_layout": "contiguous", "dp_node": 1,
+           "overlap": false},
   "ckpt": {"url": "s3://bucket/run", "every": 50, "async": false, "keep_last": 3, "max_inflight": 2,
            "restore": "naive", "s3_endpoint": "http://127.0.0.1:9000", "lease_seconds": 12.5, "retry_seconds": 5.5,
            "on_failure": "stop"},
@@ -208,6 +209,8 @@ TEST_SUITE("scenario") {
     CHECK(s.mesh.ep == 2);
     CHECK(s.mesh.fsdp);
     CHECK(s.mesh.replicate == 2);
+    CHECK(!s.mesh.shard_optimizer);
+    CHECK(!s.mesh.overlap);
     CHECK(s.ckpt.url == "s3://bucket/run");
     CHECK(s.ckpt.every == 50);
     CHECK(!s.ckpt.async);

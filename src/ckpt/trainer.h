@@ -93,6 +93,10 @@ struct MeshReport {
   std::vector<ContextRank> context;
   std::map<std::string, uint64_t> bytes_sent_max;          // by collective kind, the busiest rank, all steps
   double comm_seconds_max = 0;  // measured wall time inside collectives, the slowest rank, all steps
+  // Measured: collectives started without waiting (mesh.overlap), start to
+  // completion, the rank with the most, all steps. What of it is not in
+  // comm_seconds_max overlapped compute.
+  double comm_in_flight_seconds_max = 0;
 };
 
 // A piece of training state: elements [global_begin, global_end) of the

@@ -17,13 +17,26 @@
 
 namespace ls {
 
-// Bytes this rank sent, by collective kind, and the wall time it spent inside
-// collectives (waiting for its peers included: what a profiler would call
-// communication time).
+// Bytes this rank sent, by collective kind, and where its collectives' time
+// went. `seconds` is exposed time: inside blocking collectives (waits for
+// peers included: what a profiler would call communication time) and in
+// the waits of started ones. `in_flight_seconds` is the time during which at
+// least one collective started without waiting (Communicator::start_*) was
+// between its start and its completion: the part of it not in `seconds`
+// overlapped other work.
 struct CommStats {
   std::map<std::string, uint64_t> bytes_sent;
   std::map<std::string, uint64_t> calls;
   double seconds = 0;
+  double in_flight_seconds = 0;
+  uint64_t started = 0;  // collectives started without waiting
+  std::chrono::steady_clock::time_point in_flight_until{};  // the latest completion counted in in_flight_seconds
+  // Counts a started collective's [start, end) in in_flight_seconds, less what earlier ones covered.
+  void add_in_flight(std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end) {
+    const auto from = std::max(start, in_flight_until);
+    if (end > from) in_flight_seconds += std::chrono::duration<double>(end - from).count();
+    in_flight_until = std::max(in_flight_until, end);
+  }
   // Adds its lifetime to `seconds`: hold it for the whole collective.
   class Timer {
    public:
@@ -37,11 +50,28 @@ struct CommStats {
     std::chrono::steady_clock::time_point t0_;
   };
   [[nodiscard]] Timer add(const char* kind, uint64_t bytes) {
-    bytes_sent[kind] += bytes;
-    calls[kind] += 1;
+    count(kind, bytes);
     return Timer(this);
   }
+  void count(const char* kind, uint64_t bytes) {
+    bytes_sent[kind] += bytes;
+    calls[kind] += 1;
+  }
 };
+
+// A collective started without waiting (Communicator::start_*): its
+// buffers are its own until it completes. Reductions keep the canonical tree
+// over ranks; only when they run changes.
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  // Moves it along without blocking (an MPI library progresses only inside
+  // its calls); true once complete.
+  virtual bool test() = 0;
+  // Blocks until complete; the time spent here is exposed time.
+  virtual void wait() = 0;
+};
+using Pending = std::unique_ptr<PendingCollective>;
 
 // out[i] = the canonical-tree sum over ranks r = 0..count-1 (contract.h's
 // LeafTree, in rank order) of parts[r][offset + i], for i < n. out may be one
@@ -74,6 +104,15 @@ class Communicator {
   // Collective: ranks with the same color form a new communicator, ordered
   // by key then parent rank.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  // The same collectives, started: each returns at once and its result is
+  // in place when the Pending completes. Every rank starts the same ones in
+  // the same order; they complete in that order. The buffers must stay
+  // untouched until then (the counts are copied). The default runs the
+  // blocking form now.
+  virtual Pending start_all_reduce_sum(float* buf, size_t count);
+  virtual Pending start_reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts);
+  virtual Pending start_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes);
 
   CommStats stats;
 };

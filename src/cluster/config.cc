@@ -52,6 +52,7 @@ std::string MeshConfig::describe(int microbatches) const {
     add("pp " + std::to_string(pp) + " " + pp_schedule + (pp_virtual > 1 ? " x" + std::to_string(pp_virtual) : ""));
   if (microbatches > 1) add(std::to_string(microbatches) + " microbatches");
   if (fsdp) add(replicate > 1 ? "fsdp replicate " + std::to_string(replicate) : "fsdp");
+  else if (dp > 1 && !shard_optimizer) add("replicated optimizer");
   return out.empty() ? "one rank" : out;
 }
 

@@ -47,6 +47,10 @@ struct MeshConfig {
   int ep = 1;          // expert-parallel group size: consecutive data-parallel ranks sharing the experts
   bool fsdp = false;   // shard parameters, gradients and optimizer state (ZeRO-3 style)
   int replicate = 1;   // with fsdp: replica groups (HSDP); shards span dp/replicate ranks
+  // Without fsdp, dp > 1: each data rank updates only its block share of
+  // every tensor (ZeRO-1: gradients reduce-scattered, AdamW state sharded,
+  // weights all-gathered); the bits are the replicated update's.
+  bool shard_optimizer = true;
   int tp = 1;          // tensor-parallel ranks per data-parallel rank (heads and hidden features split)
   bool sp = false;     // sequence parallel: with tp, norms, residuals, router and head on tokens split across tp
   int pp = 1;          // pipeline stages: each holds a contiguous range of the model's blocks
@@ -55,6 +59,7 @@ struct MeshConfig {
   int cp = 1;          // context-parallel ranks per data-parallel rank: attention's query positions split across them
   std::string cp_layout = "zigzag";  // zigzag | contiguous: which positions each context-parallel rank holds
   int dp_node = 1;     // data-parallel ranks per node: gradients all-reduced inside a node, then across nodes
+  bool overlap = true;  // collectives started during the backward (and before the forward), waited for later
 
   // One row per axis that multiplies into the world, in rank order.
   struct AxisRow {
@@ -100,8 +105,12 @@ struct MeshConfig {
   };
   RankCoords rank_coords(int r) const;
   int ranks_per_stage() const { return dp * cp * tp; }
-  // Ranks of an FSDP shard group (1 without fsdp).
-  int shard_group() const { return fsdp ? dp / replicate : 1; }
+  // Ranks that split each tensor's AdamW state and update: an FSDP shard
+  // group, or the data axis under shard_optimizer (but not with the
+  // two-level dp_node reduction); 1 when the state is replicated.
+  int shard_group() const { return fsdp ? dp / replicate : shard_optimizer && dp_node <= 1 ? dp : 1; }
+  // Some tensors' state is split by block shares (FSDP, or shard_optimizer at dp > 1).
+  bool shards_state() const { return fsdp || shard_group() > 1; }
 };
 
 }  // namespace ls

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "cluster/communicator.h"
+#include "cluster/pending.h"
 #include "common/numerics_level.h"
 #include "contract.h"
 
@@ -86,6 +87,101 @@ struct Hub {
   }
 };
 
+// A rank's started collectives run here, in the order started, on a twin of
+// its communicator (split from it, so they never interleave with the
+// rank's own blocking collectives): a thread that sleeps while it waits for
+// peers, as a NIC would, and copies and sums when they arrive.
+class AsyncLane {
+ public:
+  struct Job {
+    std::function<void(Communicator&)> run;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::exception_ptr error;
+    std::chrono::steady_clock::time_point done_at;
+  };
+  explicit AsyncLane(std::unique_ptr<Communicator> twin) : twin_(std::move(twin)), thread_([this] { loop(); }) {}
+  ~AsyncLane() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  std::shared_ptr<Job> submit(std::function<void(Communicator&)> run) {
+    auto job = std::make_shared<Job>();
+    job->run = std::move(run);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      queue_.push_back(job);
+    }
+    cv_.notify_all();
+    return job;
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        job = queue_.front();
+        queue_.pop_front();
+      }
+      try {
+        job->run(*twin_);
+      } catch (...) {
+        job->error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lk(job->mu);
+      job->done = true;
+      job->done_at = std::chrono::steady_clock::now();
+      job->cv.notify_all();
+    }
+  }
+  std::unique_ptr<Communicator> twin_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the rest is built
+};
+
+class LanePending : public TimedPending {
+ public:
+  LanePending(CommStats* stats, std::shared_ptr<AsyncLane::Job> job, std::shared_ptr<Hub> hub)
+      : TimedPending(stats), job_(std::move(job)), hub_(std::move(hub)) {}
+  // The buffers are the job's until it ends. Left behind by an exception,
+  // its peers may never join it: fail the world first (as run_in_process
+  // would once the exception reached it), so it ends at once.
+  ~LanePending() override {
+    if (std::uncaught_exceptions() > 0) hub_->abort();
+    std::unique_lock<std::mutex> lk(job_->mu);
+    job_->cv.wait(lk, [&] { return job_->done; });
+  }
+
+ protected:
+  bool poll() override {
+    std::lock_guard<std::mutex> lk(job_->mu);
+    if (job_->done && job_->error) std::rethrow_exception(job_->error);
+    return job_->done;
+  }
+  void block() override {
+    std::unique_lock<std::mutex> lk(job_->mu);
+    job_->cv.wait(lk, [&] { return job_->done; });
+    if (job_->error) std::rethrow_exception(job_->error);
+  }
+  Clock::time_point completed_at() override { return job_->done_at; }
+
+ private:
+  std::shared_ptr<AsyncLane::Job> job_;
+  std::shared_ptr<Hub> hub_;
+};
+
 class InProcessComm : public Communicator {
  public:
   InProcessComm(std::shared_ptr<Hub> hub, int rank, uint64_t jitter_seed)
@@ -110,7 +206,7 @@ class InProcessComm : public Communicator {
     // A ring all-reduce would send 2 (R-1)/R of the buffer.
     const CommStats::Timer timed = stats.add("all_reduce", size() > 1 ? 2 * count * 4 * (size() - 1) / size() : 0);
     post(buf, count * 4);
-    std::vector<float> out = tree_over_ranks(0, count);
+    const std::vector<float>& out = tree_over_ranks(0, count);
     hub_->wait_all();
     copy_bytes(buf, out.data(), count * 4);
   }
@@ -135,7 +231,7 @@ class InProcessComm : public Communicator {
     }
     const CommStats::Timer timed = stats.add("reduce_scatter", (total - counts[rank_]) * 4);
     post(send, total * 4);
-    std::vector<float> out = tree_over_ranks(offset, counts[rank_]);
+    const std::vector<float>& out = tree_over_ranks(offset, counts[rank_]);
     hub_->wait_all();
     copy_bytes(recv, out.data(), counts[rank_] * 4);
   }
@@ -195,6 +291,26 @@ class InProcessComm : public Communicator {
     box.pop_front();
   }
 
+  Pending start_all_reduce_sum(float* buf, size_t count) override {
+    if (size() == 1) return Communicator::start_all_reduce_sum(buf, count);
+    stats.count("all_reduce", 2 * count * 4 * (size() - 1) / size());
+    return started([=](Communicator& c) { c.all_reduce_sum(buf, count); });
+  }
+
+  Pending start_reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) override {
+    if (size() == 1) return Communicator::start_reduce_scatter_sum(send, recv, counts);
+    size_t total = 0;
+    for (size_t n : counts) total += n;
+    stats.count("reduce_scatter", (total - counts[rank_]) * 4);
+    return started([=](Communicator& c) { c.reduce_scatter_sum(send, recv, counts); });
+  }
+
+  Pending start_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
+    if (size() == 1) return Communicator::start_all_gather(send, recv, bytes);
+    stats.count("all_gather", bytes[rank_] * (size() - 1));
+    return started([=](Communicator& c) { c.all_gather(send, recv, bytes); });
+  }
+
   std::unique_ptr<Communicator> split(int color, int key) override {
     const int n = size();
     std::vector<int> mine = {color, key}, all(2 * n);
@@ -219,6 +335,14 @@ class InProcessComm : public Communicator {
   }
 
  private:
+  Pending started(std::function<void(Communicator&)> run) {
+    if (!lane_) {  // collective: every rank's first start. Setup, not traffic: left out of the stats.
+      const CommStats saved = stats;
+      lane_ = std::make_unique<AsyncLane>(split(0, rank_));
+      stats = saved;
+    }
+    return std::make_unique<LanePending>(&stats, lane_->submit(std::move(run)), hub_);
+  }
   void jitter() {
     if (!jitter_) return;
     std::this_thread::sleep_for(std::chrono::microseconds(rng_() % 200));
@@ -240,10 +364,12 @@ class InProcessComm : public Communicator {
   // Elements [offset, offset+count) of the posted buffers, summed over ranks
   // by the canonical tree; at numerics.level=local, as an ordinary trainer
   // might: left to right in the order the ranks arrived.
-  std::vector<float> tree_over_ranks(size_t offset, size_t count) {
+  // (In out_, kept between calls: no fresh pages each collective.)
+  const std::vector<float>& tree_over_ranks(size_t offset, size_t count) {
     std::vector<const float*> parts(size());
     for (int r = 0; r < size(); ++r) parts[r] = (const float*)hub_->posted[r];
-    std::vector<float> out(count);
+    std::vector<float>& out = out_;
+    out.resize(count);
     if (local_numerics()) {
       std::memcpy(out.data(), parts[hub_->arrivals[0]] + offset, count * sizeof(float));
       for (int k = 1; k < size(); ++k) {
@@ -261,6 +387,8 @@ class InProcessComm : public Communicator {
   uint64_t jitter_;
   std::mt19937_64 rng_;
   uint64_t splits_ = 0;
+  std::vector<float> out_;  // tree_over_ranks's result
+  std::unique_ptr<AsyncLane> lane_;  // last: its thread stops before the rest goes
 };
 
 }  // namespace

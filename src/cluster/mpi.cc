@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cluster/pending.h"
 #include "common/numerics_level.h"
 
 namespace ls {
@@ -36,6 +37,111 @@ int as_count(size_t bytes, const char* what) {
   return (int)bytes;
 }
 
+// Float scratch kept between collectives: a step asks for the sizes the
+// last one did, so its buffers come back without fresh pages (the kernel
+// zeroing new pages cost more than the copies they hold).
+class ScratchPool {
+ public:
+  struct Buffer {
+    std::unique_ptr<float[]> data;
+    size_t capacity = 0;
+  };
+  Buffer take(size_t n) {
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+      if (it->capacity >= n && (best == free_.end() || it->capacity < best->capacity)) best = it;
+    if (best == free_.end()) return {std::unique_ptr<float[]>(new float[std::max<size_t>(n, 1)]), n};
+    Buffer b = std::move(*best);
+    free_.erase(best);
+    return b;
+  }
+  void give(Buffer b) {
+    if (b.data) free_.push_back(std::move(b));
+  }
+
+ private:
+  std::vector<Buffer> free_;
+};
+
+// A started collective: MPI requests in phases. When a phase's requests
+// complete, `then` runs (a tree over the received parts, say) and may post
+// the next phase's. The counts and scratch a phase's requests read live here.
+// A second phase is a new collective: every rank must start those in one
+// order, so they go on their own communicator and a pending in `order` (the
+// communicator's two-phase ones, in start order) starts its second phase
+// only after those started before it did.
+class MpiPending : public TimedPending {
+ public:
+  MpiPending(CommStats* stats, std::shared_ptr<ScratchPool> pool) : TimedPending(stats), pool_(std::move(pool)) {}
+  ~MpiPending() override {
+    if (!done()) {
+      try {
+        block();
+      } catch (...) {  // a destructor must not throw; wait() reports errors
+      }
+    }
+    pool_->give(std::move(scratch));
+    pool_->give(std::move(result));
+  }
+  float* take_scratch(size_t n) { return (scratch = pool_->take(n)).data.get(); }
+  float* take_result(size_t n) { return (result = pool_->take(n)).data.get(); }
+  std::vector<MPI_Request> requests;
+  std::function<void()> then;
+  std::deque<MpiPending*>* order = nullptr;  // set while `then` starts a second phase
+  std::vector<int> counts, displs, recv_counts, recv_displs;
+  ScratchPool::Buffer scratch, result;
+
+ protected:
+  bool poll() override {
+    for (;;) {
+      int flag = 0;
+      check(MPI_Testall((int)requests.size(), requests.data(), &flag, MPI_STATUSES_IGNORE), "test");
+      if (!flag) return false;
+      if (!earlier_advanced(false)) return false;
+      if (!next_phase()) return true;
+    }
+  }
+  void block() override {
+    do {
+      check(MPI_Waitall((int)requests.size(), requests.data(), MPI_STATUSES_IGNORE), "wait");
+      earlier_advanced(true);
+    } while (next_phase());
+  }
+
+ private:
+  // Whether every two-phase pending started before this one has started
+  // its second phase (blocking: until they have).
+  bool earlier_advanced(bool blocking) {
+    if (!then || !order) return true;
+    while (order->front() != this) {
+      MpiPending* q = order->front();
+      if (blocking) {
+        check(MPI_Waitall((int)q->requests.size(), q->requests.data(), MPI_STATUSES_IGNORE), "wait");
+      } else {
+        int flag = 0;
+        check(MPI_Testall((int)q->requests.size(), q->requests.data(), &flag, MPI_STATUSES_IGNORE), "test");
+        if (!flag) return false;
+      }
+      q->next_phase();  // q's phase is done: its second starts, and it leaves the order
+    }
+    return true;
+  }
+  std::shared_ptr<ScratchPool> pool_;
+  // Runs `then` once this phase is done; true when it posted another phase.
+  bool next_phase() {
+    requests.clear();
+    if (!then) return false;
+    if (order) {
+      order->pop_front();  // this one: earlier_advanced put it in front
+      order = nullptr;
+    }
+    std::function<void()> f = std::move(then);
+    then = nullptr;
+    f();
+    return !requests.empty();
+  }
+};
+
 class MpiComm : public Communicator {
  public:
   explicit MpiComm(MPI_Comm comm) : comm_(comm) {
@@ -45,6 +151,7 @@ class MpiComm : public Communicator {
   }
   ~MpiComm() override {
     finish_sends();
+    if (second_ != MPI_COMM_NULL) MPI_Comm_free(&second_);
     if (comm_ != MPI_COMM_WORLD) MPI_Comm_free(&comm_);
   }
   int rank() const override { return rank_; }
@@ -125,10 +232,10 @@ class MpiComm : public Communicator {
   void send(const void* buf, size_t bytes, int dst) override {
     const CommStats::Timer timed = stats.add("send", bytes);
     reap_sends();
-    Pending p;
+    BufferedSend p;
     p.bytes.assign((const char*)buf, (const char*)buf + bytes);
     pending_.push_back(std::move(p));
-    Pending& mine = pending_.back();
+    BufferedSend& mine = pending_.back();
     check(MPI_Isend(mine.bytes.data(), as_count(bytes, "send"), MPI_BYTE, dst, kTag, comm_, &mine.request), "send");
   }
 
@@ -144,6 +251,63 @@ class MpiComm : public Communicator {
     check(MPI_Recv(buf, got, MPI_BYTE, src, kTag, comm_, MPI_STATUS_IGNORE), "recv");
   }
 
+  // Started: the same algorithms on MPI's non-blocking collectives.
+  Pending start_all_reduce_sum(float* buf, size_t count) override {
+    if (size_ == 1) return Communicator::start_all_reduce_sum(buf, count);
+    stats.count("all_reduce", 2 * count * 4 * (size_ - 1) / size_);
+    auto p = std::make_unique<MpiPending>(&stats, pool_);
+    if (local_numerics()) {
+      p->requests.resize(1);
+      check(MPI_Iallreduce(MPI_IN_PLACE, buf, as_count(count, "all_reduce"), MPI_FLOAT, MPI_SUM, comm_,
+                           &p->requests[0]), "all_reduce");
+      return p;
+    }
+    // Block rank() of the sum, then the all-gather of the blocks into buf.
+    std::vector<size_t> counts(size_);
+    for (int r = 0; r < size_; ++r) counts[r] = count * (r + 1) / size_ - count * r / size_;
+    MpiPending* raw = p.get();
+    float* result = raw->take_result(counts[rank_]);
+    MPI_Comm second = second_phase_comm();
+    start_reduce_blocks(*raw, buf, counts, result, [this, raw, buf, counts, second, result] {
+      set_counts(*raw, counts, 4);
+      raw->requests.resize(1);
+      check(MPI_Iallgatherv(result, raw->counts[rank_], MPI_BYTE, buf, raw->counts.data(),
+                            raw->displs.data(), MPI_BYTE, second, &raw->requests[0]), "all_reduce");
+    });
+    raw->order = &two_phase_;
+    two_phase_.push_back(raw);
+    return p;
+  }
+
+  Pending start_reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) override {
+    if (size_ == 1) return Communicator::start_reduce_scatter_sum(send, recv, counts);
+    size_t total = 0;
+    for (int r = 0; r < size_; ++r) total += counts[r];
+    stats.count("reduce_scatter", (total - counts[rank_]) * 4);
+    auto p = std::make_unique<MpiPending>(&stats, pool_);
+    if (local_numerics()) {
+      p->counts.resize(size_);
+      for (int r = 0; r < size_; ++r) p->counts[r] = as_count(counts[r], "reduce_scatter");
+      p->requests.resize(1);
+      check(MPI_Ireduce_scatter(send, recv, p->counts.data(), MPI_FLOAT, MPI_SUM, comm_, &p->requests[0]),
+            "reduce_scatter");
+      return p;
+    }
+    start_reduce_blocks(*p, send, counts, recv, nullptr);
+    return p;
+  }
+
+  Pending start_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
+    if (size_ == 1) return Communicator::start_all_gather(send, recv, bytes);
+    stats.count("all_gather", bytes[rank_] * (size_ - 1));
+    auto p = std::make_unique<MpiPending>(&stats, pool_);
+    set_counts(*p, bytes, 1);
+    p->requests.resize(1);
+    check(MPI_Iallgatherv(send, p->counts[rank_], MPI_BYTE, recv, p->counts.data(), p->displs.data(), MPI_BYTE, comm_,
+                          &p->requests[0]), "all_gather");
+    return p;
+  }
+
   std::unique_ptr<Communicator> split(int color, int key) override {
     finish_sends();
     MPI_Comm child;
@@ -153,7 +317,7 @@ class MpiComm : public Communicator {
   }
 
  private:
-  struct Pending {
+  struct BufferedSend {
     std::vector<char> bytes;
     MPI_Request request = MPI_REQUEST_NULL;
   };
@@ -167,10 +331,10 @@ class MpiComm : public Communicator {
     }
   }
   void finish_sends() {
-    for (Pending& p : pending_) MPI_Wait(&p.request, MPI_STATUS_IGNORE);
+    for (BufferedSend& p : pending_) MPI_Wait(&p.request, MPI_STATUS_IGNORE);
     pending_.clear();
   }
-  std::deque<Pending> pending_;
+  std::deque<BufferedSend> pending_;
 
   static constexpr int kTag = 17;
 
@@ -202,18 +366,67 @@ class MpiComm : public Communicator {
 
   // out (counts[rank] floats) = block rank() of the canonical-tree sum over
   // ranks of every rank's `in` (blocks in rank order): each rank's block r
-  // travels to rank r, which trees the parts in rank order.
+  // travels to rank r, which trees the parts in rank order (its own read in
+  // place: it does not travel).
   void reduce_blocks(const float* in, const std::vector<size_t>& counts, float* out) {
-    std::vector<size_t> sb(size_), rb(size_, counts[rank_] * 4);
-    for (int r = 0; r < size_; ++r) sb[r] = counts[r] * 4;
-    std::vector<float> parts(counts[rank_] * size_);
-    exchange(in, sb, parts.data(), rb, "reduce_scatter");
-    std::vector<const float*> p(size_);
-    for (int r = 0; r < size_; ++r) p[r] = parts.data() + (size_t)r * counts[rank_];
-    tree_over_ranks(p.data(), size_, 0, counts[rank_], out);
+    CommStats inside;  // the caller's Timer counts this collective
+    MpiPending p(&inside, pool_);
+    start_reduce_blocks(p, in, counts, out, nullptr);
+    p.wait();
+  }
+  // The same, started on `p`; `after` runs once out is written.
+  void start_reduce_blocks(MpiPending& p, const float* in, const std::vector<size_t>& counts, float* out,
+                           std::function<void()> after) {
+    const size_t mine = counts[rank_];
+    size_t at = 0, my_offset = 0;
+    p.counts.assign(size_, 0);
+    p.displs.assign(size_, 0);
+    p.recv_counts.assign(size_, 0);
+    p.recv_displs.assign(size_, 0);
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) my_offset = at;
+      if (r != rank_) {
+        p.counts[r] = as_count(counts[r] * 4, "reduce_scatter");
+        p.displs[r] = as_count(at * 4, "reduce_scatter");
+        p.recv_counts[r] = as_count(mine * 4, "reduce_scatter");
+        p.recv_displs[r] = as_count((size_t)r * mine * 4, "reduce_scatter");
+      }
+      at += counts[r];
+    }
+    float* scratch = p.take_scratch(mine * size_);  // part r at r x mine; this rank's slot unused
+    p.requests.resize(1);
+    check(MPI_Ialltoallv(in, p.counts.data(), p.displs.data(), MPI_BYTE, scratch, p.recv_counts.data(),
+                         p.recv_displs.data(), MPI_BYTE, comm_, &p.requests[0]), "reduce_scatter");
+    p.then = [this, in, mine, my_offset, out, scratch, after = std::move(after)] {
+      std::vector<const float*> parts(size_);
+      for (int r = 0; r < size_; ++r) parts[r] = r == rank_ ? in + my_offset : scratch + (size_t)r * mine;
+      tree_over_ranks(parts.data(), size_, 0, mine, out);
+      if (after) after();
+    };
+  }
+  // counts/displs of `p` from per-rank sizes in units of `unit` bytes.
+  void set_counts(MpiPending& p, const std::vector<size_t>& n, size_t unit) {
+    p.counts.resize(size_);
+    p.displs.resize(size_);
+    size_t off = 0;
+    for (int r = 0; r < size_; ++r) {
+      p.counts[r] = as_count(n[r] * unit, "all_gather");
+      p.displs[r] = as_count(off, "all_gather");
+      off += n[r] * unit;
+    }
+  }
+
+  // The communicator started collectives' second phases run on (a dup, made
+  // by every rank's first two-phase start: the same point in each).
+  MPI_Comm second_phase_comm() {
+    if (second_ == MPI_COMM_NULL) check(MPI_Comm_dup(comm_, &second_), "dup");
+    return second_;
   }
 
   MPI_Comm comm_;
+  MPI_Comm second_ = MPI_COMM_NULL;
+  std::deque<MpiPending*> two_phase_;  // started all-reduces before their second phase, in start order
+  std::shared_ptr<ScratchPool> pool_ = std::make_shared<ScratchPool>();
   int rank_ = 0, size_ = 1;
 };
 

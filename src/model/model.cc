@@ -418,7 +418,10 @@ StepLosses MoeTransformer::forward_range(const uint8_t* tokens, int batch, bool 
     std::memcpy(blocks_[first]->stream_in(ws), io.stream_in, sizeof(float) * N * D);
   }
   StepLosses losses = io.carried;
-  for (int b = first; b < last; ++b) blocks_[b]->forward(ctx, losses);
+  for (int b = first; b < last; ++b) {
+    if (block_hooks_.before_forward) block_hooks_.before_forward(b);
+    blocks_[b]->forward(ctx, losses);
+  }
   ops::synchronize();
   if (last < num_blocks() && io.stream_out) ops::copy_to_host(io.stream_out, blocks_[last]->stream_in(ws), sizeof(float) * N * D);
   return losses;
@@ -434,7 +437,13 @@ void MoeTransformer::backward_range(int first, int last, const float* grad_out, 
     ws_->dh.resize(N * D);
     std::memcpy(ws_->dh.data(), grad_out, sizeof(float) * N * D);
   }
-  for (int b = last - 1; b >= first; --b) blocks_[b]->backward(ctx);
+  for (int b = last - 1; b >= first; --b) {
+    blocks_[b]->backward(ctx);
+    if (block_hooks_.after_backward) {
+      ops::synchronize();  // a kernel backend: the block's gradients are written before anyone sends them
+      block_hooks_.after_backward(b);
+    }
+  }
   if (first == 0 && ctx.trace)
     for (const ParamInfo& p : infos_) ctx.trace_tensor("grad", -1, "param", p.name.c_str(), g_.data() + p.offset, p.shape);
   ops::synchronize();  // the gradients are done: the trainer's collectives and optimizer may read them

@@ -227,6 +227,15 @@ class MoeTransformer {
   // Called with kForward and kBackward as a training pass enters each
   // (fault injection triggers on it); empty: none.
   void set_phase_hook(std::function<void(TrainPhase)> hook) { phase_hook_ = std::move(hook); }
+  // Called around the blocks of a pass, with the block index: before_forward
+  // as a forward enters the block (a trainer waits there for its weights),
+  // after_backward once its backward wrote the gradients of the block's
+  // parameters (block_of), its kernels done (a trainer starts their
+  // reduction there). Empty: none.
+  struct BlockHooks {
+    std::function<void(int)> before_forward, after_backward;
+  };
+  void set_block_hooks(BlockHooks hooks) { block_hooks_ = std::move(hooks); }
   double train_flops_per_token() const { return ls::train_flops_per_token(cfg_); }
 
  private:
@@ -254,6 +263,7 @@ class MoeTransformer {
   int tp_size_ = 1, tp_rank_ = 0;
   bool debug_reorder_moe_norm_ = false;
   std::function<void(TrainPhase)> phase_hook_;
+  BlockHooks block_hooks_;
 };
 
 }  // namespace ls

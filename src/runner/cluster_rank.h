@@ -27,6 +27,11 @@ struct ClusterTrainer::Rank {
   std::vector<Shard> shards;        // per tensor, its block range (every block without fsdp)
   CommStats comm;                   // bytes sent, accumulated over steps
   SplitNormBuffers norm_buffers;    // the gradient norm's buffers (split tensors, FSDP shards), reused step to step
+  // mesh.overlap: collectives started during the step, per tensor (empty: none in flight).
+  std::vector<Pending> reducing;    // its gradient's reduction, started as the backward finished it
+  std::vector<Pending> gathering;   // its shards' all-gather, started before the forward
+  ops::DeviceVector<float> reduced;  // sharded tensors' reduced gradient shards, at shard_off
+  std::vector<std::vector<size_t>> block_tensors;  // per block: its tensors (MoeTransformer::block_of)
 };
 
 }  // namespace ls

@@ -65,6 +65,9 @@ ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), pl
     rank->m.assign(off, 0.0f);
     rank->v.assign(off, 0.0f);
     rank->shard_w.resize(off);
+    rank->block_tensors.resize((size_t)rank->model->num_blocks());
+    for (size_t t = 0; t < infos.size(); ++t)
+      rank->block_tensors[(size_t)MoeTransformer::block_of(s.model, infos[t].name)].push_back(t);
     for (size_t t = 0; t < infos.size(); ++t) {
       const auto [lo, hi] = range(*rank, t);
       std::copy(rank->model->weights() + infos[t].offset + lo, rank->model->weights() + infos[t].offset + hi,
@@ -102,24 +105,26 @@ void ClusterTrainer::run_rank(Communicator& world, const Mesh& mesh, const std::
   std::vector<Communicator*> all = mesh.communicators();
   all.push_back(&world);
   // The communicators may outlive this call (MPI): count only what it sent.
-  auto totals = [&](std::map<std::string, uint64_t>& bytes, std::map<std::string, uint64_t>& calls) {
-    double seconds = 0;
+  auto totals = [&] {
+    CommStats sum;
     for (Communicator* c : all) {
-      seconds += c->stats.seconds;
-      for (auto& [k, b] : c->stats.bytes_sent) bytes[k] += b, calls[k] += c->stats.calls[k];
+      sum.seconds += c->stats.seconds;
+      sum.in_flight_seconds += c->stats.in_flight_seconds;
+      for (auto& [k, b] : c->stats.bytes_sent) sum.bytes_sent[k] += b, sum.calls[k] += c->stats.calls.at(k);
     }
-    return seconds;
+    return sum;
   };
-  std::map<std::string, uint64_t> before_bytes, before_calls, after_bytes, after_calls;
-  const double before_seconds = totals(before_bytes, before_calls);
+  CommStats before = totals();
   rank.model->set_mesh(&mesh);
   RankCtx ctx{rank, mesh};
   body(ctx);
   rank.model->set_mesh(nullptr);
-  rank.comm.seconds += totals(after_bytes, after_calls) - before_seconds;
-  for (auto& [k, b] : after_bytes) {
-    rank.comm.bytes_sent[k] += b - before_bytes[k];
-    rank.comm.calls[k] += after_calls[k] - before_calls[k];
+  const CommStats after = totals();
+  rank.comm.seconds += after.seconds - before.seconds;
+  rank.comm.in_flight_seconds += after.in_flight_seconds - before.in_flight_seconds;
+  for (auto& [k, b] : after.bytes_sent) {
+    rank.comm.bytes_sent[k] += b - before.bytes_sent[k];
+    rank.comm.calls[k] += after.calls.at(k) - before.calls[k];
   }
 }
 
@@ -183,6 +188,10 @@ void ClusterTrainer::reduce_gradients(RankCtx& c) {
     // partial per TP rank; the TP group's leaves are consecutive aligned blocks (tp a power of two wherever
     // dp > 1), so its tree over TP ranks is this data-parallel rank's subtree, combined below as without SP.
     // (A pipeline did this per microbatch, before its tree over microbatches.)
+    if (t < rank.reducing.size() && rank.reducing[t]) {  // started during the backward (mesh.overlap)
+      finish_reduction(c, t);
+      continue;
+    }
     if (s_.mesh.sp && p.tp_mid == 0 && !rank.stage) c.group(Axis::kTensor).all_reduce_sum(gp, p.size);
     if (p.expert && s_.mesh.ep > 1) {
       c.group(Axis::kExpertData).all_reduce_sum(gp, p.size);  // the replicas of these experts, one per EP group
@@ -267,8 +276,22 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
   const int64_t sample_bytes = s_.model.seq_len + 1;
   float figures[2] = {0, 0};  // rank 0's loss and gradient norm
   each_rank([&](RankCtx& c) {
-    gather_sharded_weights(c);  // FSDP: every sharded tensor, whole, before use
+    // Left by an exception, what is in flight is dropped (its peers released) on the way out.
+    struct InFlight {
+      Rank& rank;
+      ~InFlight() {
+        if (std::uncaught_exceptions() > 0) abandon_in_flight(rank);
+      }
+    } in_flight{c.rank};
+    const bool overlap = overlaps(c.rank);
+    if (overlap) {  // every sharded tensor, whole, before use: as the forward reaches it
+      start_weight_gathers(c);
+      install_block_hooks(c);
+    } else {
+      gather_sharded_weights(c);
+    }
     const StepLosses l = forward_backward(c, tokens + (int64_t)c.rank.at.data * local * sample_bytes, local);
+    if (overlap) c.rank.model->set_block_hooks({});
     if (phase_hook_) phase_hook_(TrainPhase::kOptimizer, c.rank.index);
     reduce_gradients(c);
     const float norm = gradient_norm(c);
@@ -327,7 +350,7 @@ MeshReport ClusterTrainer::mesh_report() const {
     const PipelineStats ps = me.stage ? me.stage->stats() : PipelineStats{};
     rec.insert(rec.end(), {(int64_t)(ps.busy_seconds * 1e9), (int64_t)(ps.step_seconds * 1e9), ps.peak_in_flight,
                            ps.bytes_sent, ps.held ? 1 : 0, (int64_t)(st.cp_attention_seconds * 1e9),
-                           st.cp_bytes_sent, st.cp_kv_bytes_sent});
+                           st.cp_bytes_sent, st.cp_kv_bytes_sent, (int64_t)(me.comm.in_flight_seconds * 1e9)});
     const int R = mpi_->size();
     std::vector<int64_t> all(rec.size() * R);
     mpi_->all_gather(rec.data(), all.data(), std::vector<size_t>(R, rec.size() * sizeof(int64_t)));
@@ -352,6 +375,7 @@ MeshReport ClusterTrainer::mesh_report() const {
         if (x[kFirstKind + k] >= 0)
           rep.bytes_sent_max[kKinds[k]] = std::max<uint64_t>(rep.bytes_sent_max[kKinds[k]], x[kFirstKind + k]);
       rep.comm_seconds_max = std::max(rep.comm_seconds_max, (double)x[kComm] * 1e-9);
+      rep.comm_in_flight_seconds_max = std::max(rep.comm_in_flight_seconds_max, (double)x[kComm + 9] * 1e-9);
       if (!rep.pipeline.empty())
         rep.pipeline[(size_t)(r / per_stage)].add(x[kComm + 1] * 1e-9, x[kComm + 2] * 1e-9, (int)x[kComm + 3], x[10],
                                                   x[kComm + 4], x[kComm + 5] != 0);
@@ -363,6 +387,7 @@ MeshReport ClusterTrainer::mesh_report() const {
     rep.add(r->model->moe_stats(), /*count_rows=*/r->at.tensor == 0 && r->at.context == 0);
     for (auto& [k, b] : r->comm.bytes_sent) rep.bytes_sent_max[k] = std::max(rep.bytes_sent_max[k], b);
     rep.comm_seconds_max = std::max(rep.comm_seconds_max, r->comm.seconds);
+    rep.comm_in_flight_seconds_max = std::max(rep.comm_in_flight_seconds_max, r->comm.in_flight_seconds);
     if (!rep.context.empty()) {
       const MoeStats& st = r->model->moe_stats();
       rep.context[(size_t)r->at.context].add(st.cp_attention_seconds, st.cp_bytes_sent, st.cp_kv_bytes_sent, st.workspace_bytes);

@@ -66,6 +66,19 @@ class ClusterTrainer : public Trainer {
   void gather_sharded_weights(RankCtx& c);
   StepLosses forward_backward(RankCtx& c, const uint8_t* samples, int count);
   void reduce_gradients(RankCtx& c);
+  // mesh.overlap (cluster_overlap.cc): the shards' all-gathers started before
+  // the forward and waited for block by block; each tensor's gradient
+  // reduction started as the backward finishes its block, when it is one
+  // collective (overlappable), and waited for in reduce_gradients.
+  bool overlaps(const Rank& r) const;
+  bool overlappable(const ParamInfo& p) const;
+  void start_weight_gathers(RankCtx& c);
+  void install_block_hooks(RankCtx& c);
+  Pending start_reduction(RankCtx& c, size_t tensor);
+  static void progress(Rank& r);
+  void finish_reduction(RankCtx& c, size_t tensor);
+  // What a rank left in flight, dropped (an exception on the way out).
+  static void abandon_in_flight(Rank& r);
   float gradient_sumsq(RankCtx& c, size_t tensor);
   float gradient_norm(RankCtx& c);
   void update(RankCtx& c, int step, float norm);

@@ -121,9 +121,10 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   const uint64_t global_weights = (uint64_t)count_weights(c, 1);
   const uint64_t rank_weights = (uint64_t)count_weights(c, ep, tp);
   const uint64_t expert_weights = (uint64_t)c.n_layers * c.experts * 3 * c.d_model * c.d_ff / tp;
-  // FSDP shards every tensor but the expert slices of an expert-parallel mesh.
-  const uint64_t sharded = !s.mesh.fsdp ? 0 : ep > 1 ? rank_weights - expert_weights / ep : rank_weights;
-  const int group = s.mesh.fsdp ? dp / std::max(1, s.mesh.replicate) : 1;
+  // FSDP (and mesh.shard_optimizer) shards every tensor but the expert slices of an expert-parallel mesh.
+  const bool shards = s.mesh.shards_state();
+  const uint64_t sharded = !shards ? 0 : ep > 1 ? rank_weights - expert_weights / ep : rank_weights;
+  const int group = shards ? s.mesh.shard_group() : 1;
   const uint64_t owned = rank_weights - sharded + sharded / std::max(1, group);
 
   const int threads = opt.backend == Backend::kReference ? 1 : opt.threads > 0 ? opt.threads : omp_get_max_threads();
@@ -155,11 +156,12 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   add("runtime", 24 * kMiB + (uint64_t)threads * 2 * kMiB,
       "an allowance for code, libraries, thread stacks and per-thread scratch");
   add("corpus", corpus_bytes(s.data), s.data.path.empty() ? "the synthetic corpus" : "data.path, read whole");
-  add("weights", copies_of_state * rank_weights * f + (s.mesh.fsdp ? copies_of_state * sharded / group * f : 0),
-      held + (s.mesh.fsdp ? ", plus the FSDP shards" : ""));
+  const char* shard_kind = s.mesh.fsdp ? "FSDP shards" : "optimizer shards (mesh.shard_optimizer)";
+  add("weights", copies_of_state * rank_weights * f + (shards ? copies_of_state * sharded / group * f : 0),
+      held + (shards ? std::string(", plus the ") + shard_kind : ""));
   add("gradients", (copies_of_state + lanes - 1) * rank_weights * f,
       lanes > 1 ? "one per data lane (" + std::to_string(lanes) + " lanes)" : "one per weight" + ranks);
-  add("adamw_moments", copies_of_state * 2 * owned * f, s.mesh.fsdp ? "m and v of each rank's FSDP shards" : "m and v" + ranks);
+  add("adamw_moments", copies_of_state * 2 * owned * f, shards ? std::string("m and v of each rank's ") + shard_kind : "m and v" + ranks);
   if (m > 1) {
     // A stage folds each chunk's microbatch gradients by the leaf tree over microbatch index: a binary
     // counter of floor(log2 m) + 1 buffers of the chunk's tensors (runner/pipeline.h).
@@ -186,6 +188,17 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
       "slots of d_model + 4 d_ff floats (4 d_model + 4 d_ff with mesh.ep > 1), " + per);
   if (w.dispatch_buffers)
     add("moe_dispatch_buffers", copies * w.dispatch_buffers, "one round's all-to-all rows out and in");
+  if (multi && dp > 1 && s.mesh.overlap && !s.mesh.pipelined(s.microbatches)) {
+    // mesh.overlap: the reduced gradient shards land beside the gradients, and each group's
+    // started collectives keep a result buffer as large as the largest tensor they reduced.
+    int64_t largest = 0;
+    for (const ParamInfo& p : MoeTransformer::layout(c, ep, 0, tp, 0)) largest = std::max(largest, p.size);
+    // In process each such group runs its started collectives on a thread of its own: an allowance of
+    // 4 MiB for each (its stack and allocator arena), three groups a rank at most (data or shard, expert data).
+    add("overlap_buffers", copies_of_state * ((sharded / group + 2 * (uint64_t)largest) * f + 3 * 4 * kMiB),
+        "mesh.overlap: reduced gradient shards, a result buffer per group with started collectives, and an "
+        "allowance for the threads that run them in process");
+  }
   if (!s.ckpt.url.empty() && s.ckpt.every > 0)
     add("checkpoint_staging", 3 * global_weights * f * (1 + std::max(1, s.ckpt.max_inflight)),
         "weights and moments staged in DRAM, plus encoded shards of the uploads in flight");

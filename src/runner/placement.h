@@ -39,8 +39,9 @@ class ParamPlacement {
  public:
   explicit ParamPlacement(const MeshConfig& mesh) : mesh_(mesh) {}
 
-  // FSDP shards this tensor: all but the expert slices of an expert-parallel mesh.
-  bool sharded(const ParamInfo& p) const { return mesh_.fsdp && !(p.expert && mesh_.ep > 1); }
+  // FSDP (or the sharded optimizer of mesh.shard_optimizer) shards this
+  // tensor: all but the expert slices of an expert-parallel mesh.
+  bool sharded(const ParamInfo& p) const { return mesh_.shards_state() && !(p.expert && mesh_.ep > 1); }
   // The blocks of p that the rank at data-parallel index `data` keeps: its
   // FSDP shard group position's range, or all of them.
   Shard shard(const ParamInfo& p, int data) const;

@@ -52,6 +52,7 @@ MeshConfig mesh_from_json(const nlohmann::json& j, int* microbatches) {
   m.ep = j.value("ep", m.ep);
   m.fsdp = j.value("fsdp", m.fsdp);
   m.replicate = j.value("replicate", m.replicate);
+  m.shard_optimizer = j.value("shard_optimizer", m.shard_optimizer);
   m.tp = j.value("tp", m.tp);
   m.sp = j.value("sp", m.sp);
   m.pp = j.value("pp", m.pp);
@@ -60,14 +61,17 @@ MeshConfig mesh_from_json(const nlohmann::json& j, int* microbatches) {
   m.cp = j.value("cp", m.cp);
   m.cp_layout = j.value("cp_layout", m.cp_layout);
   m.dp_node = j.value("dp_node", m.dp_node);
+  m.overlap = j.value("overlap", m.overlap);
   if (microbatches) *microbatches = j.value("microbatches", 1);
   return m;
 }
 
 nlohmann::json mesh_json(const MeshConfig& m, int microbatches) {
-  return {{"dp", m.dp}, {"ep", m.ep}, {"fsdp", m.fsdp}, {"replicate", m.replicate}, {"tp", m.tp}, {"sp", m.sp},
+  return {{"dp", m.dp}, {"ep", m.ep}, {"fsdp", m.fsdp}, {"replicate", m.replicate},
+          {"shard_optimizer", m.shard_optimizer}, {"tp", m.tp}, {"sp", m.sp},
           {"pp", m.pp}, {"pp_schedule", m.pp_schedule}, {"pp_virtual", m.pp_virtual}, {"microbatches", microbatches},
-          {"cp", m.cp}, {"cp_layout", m.cp_layout}, {"dp_node", m.dp_node}};
+          {"cp", m.cp}, {"cp_layout", m.cp_layout}, {"dp_node", m.dp_node},
+          {"overlap", m.overlap}};
 }
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
@@ -146,6 +150,7 @@ nlohmann::json result_json(const RunResult& r) {
               {"peak_grad_state_bytes_per_rank", r.peak_grad_state_bytes}};
   j["bytes_sent_per_rank_per_step"] = r.bytes_sent_per_step;
   j["comm_seconds_per_rank_per_step"] = r.comm_seconds_per_step;
+  j["comm_in_flight_seconds_per_rank_per_step"] = r.comm_in_flight_seconds_per_step;
   if (r.resumed_from) j["resumed_from"] = r.resumed_from;
   // true: --resume found the final step committed and trained nothing (losses empty).
   j["already_complete"] = r.already_complete;

@@ -121,6 +121,7 @@ struct RunResult {
   int64_t workspace_bytes = 0, weight_bytes = 0;  // measured per rank (the largest): activations + scratch; weights + gradients
   std::map<std::string, double> bytes_sent_per_step;  // by collective kind, busiest rank
   double comm_seconds_per_step = 0;  // measured wall time in collectives per step (waits included), slowest rank
+  double comm_in_flight_seconds_per_step = 0;  // measured: started collectives, start to completion (MeshReport)
   int resumed_from = 0;                       // steps already done by the checkpoint resumed from
   // --resume found the final step committed: nothing was trained; the
   // summary (final_state_hash, steps) is the manifest's.

@@ -317,6 +317,10 @@ std::vector<Row> data_parallel_rows() {
                 if (v < 1 || (v & (v - 1))) return "must be a power of two, got " + show(v);
                 return s.mesh.dp % v == 0 ? std::string() : "must divide mesh.dp = " + show(s.mesh.dp) + ", got " + show(v);
               }}}),
+      field("mesh.overlap", [](S& s) -> bool& { return s.mesh.overlap; },
+            "Start each block's gradient reduction as the backward finishes it, and the sharded weights' "
+            "all-gathers before the forward (waited for block by block), instead of after the backward and "
+            "before the forward. The same collectives, so the same bits; false runs them blocking."),
       field("mesh.ep", [](S& s) -> int& { return s.mesh.ep; },
             "Expert-parallel group size: experts are split over this many consecutive "
             "data-parallel ranks, tokens travel by all-to-all.",
@@ -494,6 +498,10 @@ std::vector<Row> fsdp_rows() {
       field("mesh.fsdp", [](S& s) -> bool& { return s.mesh.fsdp; },
             "Shard parameters, gradients and AdamW state across data-parallel ranks "
             "(all-gather before use, reduce-scatter of gradients)."),
+      field("mesh.shard_optimizer", [](S& s) -> bool& { return s.mesh.shard_optimizer; },
+            "Without mesh.fsdp, at mesh.dp > 1: each data-parallel rank keeps AdamW state for, and updates, "
+            "only its share of every tensor (ZeRO-1: gradients reduce-scattered, weights all-gathered); "
+            "false keeps a whole copy on every rank. Same bits either way. Not with mesh.dp_node > 1."),
       field("mesh.replicate", [](S& s) -> int& { return s.mesh.replicate; },
             "With mesh.fsdp: replica groups (HSDP); each shards over mesh.dp / mesh.replicate "
             "consecutive ranks and replicas all-reduce.",

@@ -1,0 +1,106 @@
+// mesh.overlap: a step's collectives started while the rank computes. The
+// shards' all-gathers (FSDP, the sharded optimizer) start before the forward
+// and are waited for as the forward enters each block; each tensor's
+// gradient reduction starts as the backward finishes its block and is
+// waited for before the norm. The collectives, their trees over ranks and
+// their order are the blocking path's, so the bits are too; only when they
+// run changes (CommStats: exposed against in-flight time).
+#include <algorithm>
+
+#include "model/model.h"
+#include "runner/cluster_rank.h"
+#include "runner/cluster_trainer.h"
+
+namespace ls {
+
+bool ClusterTrainer::overlaps(const Rank& r) const { return s_.mesh.overlap && !r.stage; }
+
+// One collective finishes p's reduction: not sequence parallel's TP partials
+// first, HSDP's replicas after or the two levels of dp_node.
+bool ClusterTrainer::overlappable(const ParamInfo& p) const {
+  if (s_.mesh.sp && p.tp_mid == 0) return false;
+  if (p.expert && s_.mesh.ep > 1) return true;
+  if (placement_.sharded(p)) return s_.mesh.dp / s_.mesh.shard_group() == 1;
+  return s_.mesh.dp_node <= 1;
+}
+
+void ClusterTrainer::start_weight_gathers(RankCtx& c) {
+  Rank& rank = c.rank;
+  MoeTransformer& model = *rank.model;
+  const auto& infos = model.params();
+  rank.gathering.clear();
+  rank.gathering.resize(infos.size());
+  // In block order: the forward waits for the first block's tensors first.
+  for (const std::vector<size_t>& tensors : rank.block_tensors)
+    for (size_t t : tensors) {
+      if (!placement_.sharded(infos[t])) continue;
+      Communicator& shard = c.group(Axis::kShard);
+      std::vector<size_t> bytes = ParamPlacement::shard_elems(infos[t].size, shard.size());
+      for (size_t& b : bytes) b *= sizeof(float);
+      rank.gathering[t] = shard.start_all_gather(rank.shard_w.data() + rank.shard_off[t],
+                                                 model.weights() + infos[t].offset, bytes);
+    }
+}
+
+void ClusterTrainer::install_block_hooks(RankCtx& c) {
+  Rank& rank = c.rank;
+  rank.reducing.clear();
+  rank.reducing.resize(rank.model->params().size());
+  MoeTransformer::BlockHooks hooks;
+  hooks.before_forward = [this, &rank](int b) {
+    for (size_t t : rank.block_tensors[(size_t)b])
+      if (rank.gathering[t]) {
+        rank.gathering[t]->wait();
+        rank.gathering[t].reset();
+      }
+    progress(rank);
+  };
+  hooks.after_backward = [this, &c, &rank](int b) {
+    for (size_t t : rank.block_tensors[(size_t)b])
+      if (overlappable(rank.model->params()[t])) rank.reducing[t] = start_reduction(c, t);
+    progress(rank);
+  };
+  rank.model->set_block_hooks(std::move(hooks));
+}
+
+Pending ClusterTrainer::start_reduction(RankCtx& c, size_t t) {
+  Rank& rank = c.rank;
+  const ParamInfo& p = rank.model->params()[t];
+  float* gp = rank.model->grads() + p.offset;
+  if (p.expert && s_.mesh.ep > 1) return c.group(Axis::kExpertData).start_all_reduce_sum(gp, p.size);
+  if (placement_.sharded(p)) {
+    Communicator& shard = c.group(Axis::kShard);
+    if (rank.reduced.size() != rank.shard_w.size()) rank.reduced.resize(rank.shard_w.size());
+    return shard.start_reduce_scatter_sum(gp, rank.reduced.data() + rank.shard_off[t],
+                                          ParamPlacement::shard_elems(p.size, shard.size()));
+  }
+  return c.group(Axis::kData).start_all_reduce_sum(gp, p.size);
+}
+
+// Under MPI a started collective moves only inside the library's calls:
+// give every one in flight a turn between blocks.
+void ClusterTrainer::progress(Rank& r) {
+  for (std::vector<Pending>* v : {&r.gathering, &r.reducing})
+    for (Pending& p : *v)
+      if (p) p->test();
+}
+
+void ClusterTrainer::finish_reduction(RankCtx& c, size_t t) {
+  Rank& rank = c.rank;
+  rank.reducing[t]->wait();
+  rank.reducing[t].reset();
+  const ParamInfo& p = rank.model->params()[t];
+  if (placement_.sharded(p)) {
+    const auto [lo, hi] = range(rank, t);
+    std::copy(rank.reduced.begin() + rank.shard_off[t], rank.reduced.begin() + rank.shard_off[t] + (hi - lo),
+              rank.model->grads() + p.offset + lo);
+  }
+}
+
+void ClusterTrainer::abandon_in_flight(Rank& r) {
+  r.gathering.clear();  // each waits for its collective (in process: the world fails first)
+  r.reducing.clear();
+  r.model->set_block_hooks({});
+}
+
+}  // namespace ls
