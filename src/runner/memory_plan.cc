@@ -105,6 +105,32 @@ std::vector<uint64_t> stage_weights(const Scenario& s) {
   return held;
 }
 
+// "N fp32 weights on each of R ranks", or with pipeline stages the most a
+// stage holds and what each does.
+std::string held_weights_text(const std::vector<uint64_t>& per_stage, uint64_t rank_weights, const std::string& ranks) {
+  if (per_stage.size() <= 1) return std::to_string(rank_weights) + " fp32 weights" + ranks;
+  std::string each;
+  for (uint64_t w : per_stage) each += (each.empty() ? "" : ", ") + std::to_string(w);
+  return "up to " + std::to_string(*std::max_element(per_stage.begin(), per_stage.end())) + " fp32 weights" + ranks +
+         " (the " + std::to_string(per_stage.size()) + " pipeline stages hold " + each + " of " +
+         std::to_string(rank_weights) + ")";
+}
+
+// One rank's buffers for its gradient collectives: the reduced gradient
+// shards (ClusterTrainer::reduced_shard, shard_floats of them) and, with
+// mesh.overlap, a result buffer as large as the largest tensor for each
+// group with started collectives, and an allowance of 4 MiB (its stack and
+// allocator arena) for the thread that runs them in process, three groups a
+// rank at most (data or shard, expert data).
+uint64_t collective_buffer_bytes(const Scenario& s, uint64_t shard_floats) {
+  uint64_t bytes = shard_floats * sizeof(float);
+  if (!s.mesh.overlap || s.mesh.pipelined(s.microbatches)) return bytes;
+  int64_t largest = 0;
+  for (const ParamInfo& p : MoeTransformer::layout(s.model, s.mesh.ep, 0, std::max(1, s.mesh.tp), 0))
+    largest = std::max(largest, p.size);
+  return bytes + 3 * ((uint64_t)largest * sizeof(float) + 4 * kMiB);
+}
+
 }  // namespace
 
 MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
@@ -142,17 +168,9 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   // per (data, context, tensor) index while the ranks are pp times as many.
   e.ranks = s.mesh.world();
   e.weights_per_stage = stage_weights(s);
-  const uint64_t most = *std::max_element(e.weights_per_stage.begin(), e.weights_per_stage.end());
   const std::string ranks =
       e.ranks > 1 ? " on each of " + std::to_string(e.ranks) + " ranks" : std::string();
-  std::string held = std::to_string(rank_weights) + " fp32 weights" + ranks;
-  if (e.weights_per_stage.size() > 1) {
-    std::string each;
-    for (uint64_t w : e.weights_per_stage) each += (each.empty() ? "" : ", ") + std::to_string(w);
-    held = "up to " + std::to_string(most) + " fp32 weights" + ranks + " (the " +
-           std::to_string(e.weights_per_stage.size()) + " pipeline stages hold " + each + " of " +
-           std::to_string(rank_weights) + ")";
-  }
+  const std::string held = held_weights_text(e.weights_per_stage, rank_weights, ranks);
   add("runtime", 24 * kMiB + (uint64_t)threads * 2 * kMiB,
       "an allowance for code, libraries, thread stacks and per-thread scratch");
   add("corpus", corpus_bytes(s.data), s.data.path.empty() ? "the synthetic corpus" : "data.path, read whole");
@@ -188,16 +206,12 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
       "slots of d_model + 4 d_ff floats (4 d_model + 4 d_ff with mesh.ep > 1), " + per);
   if (w.dispatch_buffers)
     add("moe_dispatch_buffers", copies * w.dispatch_buffers, "one round's all-to-all rows out and in");
-  if (multi && dp > 1 && s.mesh.overlap && !s.mesh.pipelined(s.microbatches)) {
-    // mesh.overlap: the reduced gradient shards land beside the gradients, and each group's
-    // started collectives keep a result buffer as large as the largest tensor they reduced.
-    int64_t largest = 0;
-    for (const ParamInfo& p : MoeTransformer::layout(c, ep, 0, tp, 0)) largest = std::max(largest, p.size);
-    // In process each such group runs its started collectives on a thread of its own: an allowance of
-    // 4 MiB for each (its stack and allocator arena), three groups a rank at most (data or shard, expert data).
-    add("overlap_buffers", copies_of_state * ((sharded / group + 2 * (uint64_t)largest) * f + 3 * 4 * kMiB),
-        "mesh.overlap: reduced gradient shards, a result buffer per group with started collectives, and an "
-        "allowance for the threads that run them in process");
+  if (multi && dp > 1) {
+    const uint64_t bytes = collective_buffer_bytes(s, sharded / group);
+    if (bytes > 0)
+      add("collective_buffers", copies_of_state * bytes,
+          "reduced gradient shards; with mesh.overlap a result buffer per group with started collectives, and an "
+          "allowance for the threads that run them in process");
   }
   if (!s.ckpt.url.empty() && s.ckpt.every > 0)
     add("checkpoint_staging", 3 * global_weights * f * (1 + std::max(1, s.ckpt.max_inflight)),
