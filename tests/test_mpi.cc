@@ -173,6 +173,32 @@ TEST_SUITE("mpi") {
     }
   }
 
+  // mesh.overlap as processes: the gradient reductions started during the
+  // backward (MPI's non-blocking collectives, the all-reduce's second phase
+  // in start order on every rank) and the weight gathers before the forward.
+  TEST_CASE("overlapped reductions as processes: started and in flight, the bits and bytes of blocking ones") {
+    if (!ls::mpi_available()) return;
+    const Run one = run_lockstep(0, "");
+    REQUIRE(one.rc == 0);
+    for (const std::string mesh : {"--set mesh.dp=2", "--set mesh.dp=2 --set mesh.shard_optimizer=false",
+                                   "--set mesh.dp=4 --set mesh.ep=2 --set mesh.shard_optimizer=false"}) {
+      CAPTURE(mesh);
+      const int np = mesh.find("dp=4") != std::string::npos ? 4 : 2;
+      const Run overlapped = run_lockstep(np, mesh);
+      const Run blocking = run_lockstep(np, mesh + " --set mesh.overlap=false");
+      CAPTURE(overlapped.err);
+      REQUIRE(overlapped.rc == 0);
+      REQUIRE(blocking.rc == 0);
+      CHECK(overlapped.hash == one.hash);
+      CHECK(overlapped.loss_bits == one.loss_bits);
+      CHECK(blocking.hash == one.hash);
+      // The executions differ: only the overlapped one had collectives in flight.
+      CHECK(overlapped.summary["comm_in_flight_seconds_per_rank_per_step"].get<double>() > 0);
+      CHECK(blocking.summary["comm_in_flight_seconds_per_rank_per_step"].get<double>() == 0);
+      CHECK(overlapped.summary["bytes_sent_per_rank_per_step"] == blocking.summary["bytes_sent_per_rank_per_step"]);
+    }
+  }
+
   // numerics.level=local on a tensor-parallel mesh as processes: the partial
   // folds summed by MPI_Allreduce, not chained. Two addends commute, so the
   // processes and the threads agree here; the bits are not the one-rank

@@ -59,6 +59,21 @@ struct CommStats {
   }
 };
 
+// Bytes one rank sends in a collective, as a ring algorithm would: the
+// accounting every Communicator reports, for blocking and started forms.
+inline uint64_t all_reduce_bytes_sent(size_t count, size_t elem_bytes, int ranks) {
+  return ranks > 1 ? 2 * count * elem_bytes * (size_t)(ranks - 1) / (size_t)ranks : 0;
+}
+// (counts: floats per rank; all but this rank's block leave it.)
+inline uint64_t reduce_scatter_bytes_sent(const std::vector<size_t>& counts, int rank) {
+  size_t total = 0;
+  for (size_t n : counts) total += n;
+  return (total - counts[(size_t)rank]) * sizeof(float);
+}
+inline uint64_t all_gather_bytes_sent(const std::vector<size_t>& bytes, int rank) {
+  return bytes[(size_t)rank] * (bytes.size() - 1);
+}
+
 // A collective started without waiting (Communicator::start_*): its
 // buffers are its own until it completes. Reductions keep the canonical tree
 // over ranks; only when they run changes.

@@ -204,7 +204,7 @@ class InProcessComm : public Communicator {
 
   void all_reduce_sum(float* buf, size_t count) override {
     // A ring all-reduce would send 2 (R-1)/R of the buffer.
-    const CommStats::Timer timed = stats.add("all_reduce", size() > 1 ? 2 * count * 4 * (size() - 1) / size() : 0);
+    const CommStats::Timer timed = stats.add("all_reduce", all_reduce_bytes_sent(count, 4, size()));
     post(buf, count * 4);
     const std::vector<float>& out = tree_over_ranks(0, count);
     hub_->wait_all();
@@ -212,7 +212,7 @@ class InProcessComm : public Communicator {
   }
 
   void all_reduce_sum(int64_t* buf, size_t count) override {
-    const CommStats::Timer timed = stats.add("all_reduce", size() > 1 ? 2 * count * 8 * (size() - 1) / size() : 0);
+    const CommStats::Timer timed = stats.add("all_reduce", all_reduce_bytes_sent(count, 8, size()));
     post(buf, count * 8);
     std::vector<int64_t> out(count, 0);
     for (int r = 0; r < size(); ++r) {
@@ -229,7 +229,7 @@ class InProcessComm : public Communicator {
       if (r == rank_) offset = total;
       total += counts[r];
     }
-    const CommStats::Timer timed = stats.add("reduce_scatter", (total - counts[rank_]) * 4);
+    const CommStats::Timer timed = stats.add("reduce_scatter", reduce_scatter_bytes_sent(counts, rank_));
     post(send, total * 4);
     const std::vector<float>& out = tree_over_ranks(offset, counts[rank_]);
     hub_->wait_all();
@@ -237,7 +237,7 @@ class InProcessComm : public Communicator {
   }
 
   void all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
-    const CommStats::Timer timed = stats.add("all_gather", bytes[rank_] * (size() - 1));
+    const CommStats::Timer timed = stats.add("all_gather", all_gather_bytes_sent(bytes, rank_));
     post(send, bytes[rank_]);
     size_t off = 0;
     for (int r = 0; r < size(); ++r) {
@@ -293,21 +293,19 @@ class InProcessComm : public Communicator {
 
   Pending start_all_reduce_sum(float* buf, size_t count) override {
     if (size() == 1) return Communicator::start_all_reduce_sum(buf, count);
-    stats.count("all_reduce", 2 * count * 4 * (size() - 1) / size());
+    stats.count("all_reduce", all_reduce_bytes_sent(count, 4, size()));
     return started([=](Communicator& c) { c.all_reduce_sum(buf, count); });
   }
 
   Pending start_reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) override {
     if (size() == 1) return Communicator::start_reduce_scatter_sum(send, recv, counts);
-    size_t total = 0;
-    for (size_t n : counts) total += n;
-    stats.count("reduce_scatter", (total - counts[rank_]) * 4);
+    stats.count("reduce_scatter", reduce_scatter_bytes_sent(counts, rank_));
     return started([=](Communicator& c) { c.reduce_scatter_sum(send, recv, counts); });
   }
 
   Pending start_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
     if (size() == 1) return Communicator::start_all_gather(send, recv, bytes);
-    stats.count("all_gather", bytes[rank_] * (size() - 1));
+    stats.count("all_gather", all_gather_bytes_sent(bytes, rank_));
     return started([=](Communicator& c) { c.all_gather(send, recv, bytes); });
   }
 

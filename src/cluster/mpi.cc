@@ -171,14 +171,13 @@ class MpiComm : public Communicator {
   // it by the canonical tree over ranks; the sums are all-gathered. Each
   // rank sends 2 n (R-1)/R bytes, as a ring all-reduce would.
   void all_reduce_sum(float* buf, size_t count) override {
-    const CommStats::Timer timed = stats.add("all_reduce", size_ > 1 ? 2 * count * 4 * (size_ - 1) / size_ : 0);
+    const CommStats::Timer timed = stats.add("all_reduce", all_reduce_bytes_sent(count, 4, size_));
     if (size_ == 1) return;
     if (local_numerics()) {  // the usual way: the library's reduction, in whatever order it picks
       check(MPI_Allreduce(MPI_IN_PLACE, buf, as_count(count, "all_reduce"), MPI_FLOAT, MPI_SUM, comm_), "all_reduce");
       return;
     }
-    std::vector<size_t> counts(size_);
-    for (int r = 0; r < size_; ++r) counts[r] = count * (r + 1) / size_ - count * r / size_;
+    const std::vector<size_t> counts = all_reduce_blocks(count);
     std::vector<float> mine(counts[rank_]);
     reduce_blocks(buf, counts, mine.data());
     std::vector<size_t> bytes(size_);
@@ -188,7 +187,7 @@ class MpiComm : public Communicator {
 
   // Integers: an all-gather, then the sum in rank order (exact in any order).
   void all_reduce_sum(int64_t* buf, size_t count) override {
-    const CommStats::Timer timed = stats.add("all_reduce", size_ > 1 ? 2 * count * 8 * (size_ - 1) / size_ : 0);
+    const CommStats::Timer timed = stats.add("all_reduce", all_reduce_bytes_sent(count, 8, size_));
     if (size_ == 1) return;
     std::vector<int64_t> all(count * size_);
     gather_bytes(buf, all.data(), std::vector<size_t>(size_, count * 8), "all_reduce");
@@ -200,9 +199,7 @@ class MpiComm : public Communicator {
   }
 
   void reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) override {
-    size_t total = 0;
-    for (int r = 0; r < size_; ++r) total += counts[r];
-    const CommStats::Timer timed = stats.add("reduce_scatter", (total - counts[rank_]) * 4);
+    const CommStats::Timer timed = stats.add("reduce_scatter", reduce_scatter_bytes_sent(counts, rank_));
     if (local_numerics() && size_ > 1) {  // the library's reduction, as all_reduce_sum
       std::vector<int> n(size_);
       for (int r = 0; r < size_; ++r) n[r] = as_count(counts[r], "reduce_scatter");
@@ -213,7 +210,7 @@ class MpiComm : public Communicator {
   }
 
   void all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
-    const CommStats::Timer timed = stats.add("all_gather", bytes[rank_] * (size_ - 1));
+    const CommStats::Timer timed = stats.add("all_gather", all_gather_bytes_sent(bytes, rank_));
     gather_bytes(send, recv, bytes, "all_gather");
   }
 
@@ -254,7 +251,7 @@ class MpiComm : public Communicator {
   // Started: the same algorithms on MPI's non-blocking collectives.
   Pending start_all_reduce_sum(float* buf, size_t count) override {
     if (size_ == 1) return Communicator::start_all_reduce_sum(buf, count);
-    stats.count("all_reduce", 2 * count * 4 * (size_ - 1) / size_);
+    stats.count("all_reduce", all_reduce_bytes_sent(count, 4, size_));
     auto p = std::make_unique<MpiPending>(&stats, pool_);
     if (local_numerics()) {
       p->requests.resize(1);
@@ -263,13 +260,12 @@ class MpiComm : public Communicator {
       return p;
     }
     // Block rank() of the sum, then the all-gather of the blocks into buf.
-    std::vector<size_t> counts(size_);
-    for (int r = 0; r < size_; ++r) counts[r] = count * (r + 1) / size_ - count * r / size_;
+    const std::vector<size_t> counts = all_reduce_blocks(count);
     MpiPending* raw = p.get();
     float* result = raw->take_result(counts[rank_]);
     MPI_Comm second = second_phase_comm();
     start_reduce_blocks(*raw, buf, counts, result, [this, raw, buf, counts, second, result] {
-      set_counts(*raw, counts, 4);
+      counts_and_displs(counts, 4, raw->counts, raw->displs, "all_reduce");
       raw->requests.resize(1);
       check(MPI_Iallgatherv(result, raw->counts[rank_], MPI_BYTE, buf, raw->counts.data(),
                             raw->displs.data(), MPI_BYTE, second, &raw->requests[0]), "all_reduce");
@@ -281,9 +277,7 @@ class MpiComm : public Communicator {
 
   Pending start_reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) override {
     if (size_ == 1) return Communicator::start_reduce_scatter_sum(send, recv, counts);
-    size_t total = 0;
-    for (int r = 0; r < size_; ++r) total += counts[r];
-    stats.count("reduce_scatter", (total - counts[rank_]) * 4);
+    stats.count("reduce_scatter", reduce_scatter_bytes_sent(counts, rank_));
     auto p = std::make_unique<MpiPending>(&stats, pool_);
     if (local_numerics()) {
       p->counts.resize(size_);
@@ -299,9 +293,9 @@ class MpiComm : public Communicator {
 
   Pending start_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
     if (size_ == 1) return Communicator::start_all_gather(send, recv, bytes);
-    stats.count("all_gather", bytes[rank_] * (size_ - 1));
+    stats.count("all_gather", all_gather_bytes_sent(bytes, rank_));
     auto p = std::make_unique<MpiPending>(&stats, pool_);
-    set_counts(*p, bytes, 1);
+    counts_and_displs(bytes, 1, p->counts, p->displs, "all_gather");
     p->requests.resize(1);
     check(MPI_Iallgatherv(send, p->counts[rank_], MPI_BYTE, recv, p->counts.data(), p->displs.data(), MPI_BYTE, comm_,
                           &p->requests[0]), "all_gather");
@@ -340,27 +334,15 @@ class MpiComm : public Communicator {
 
   void exchange(const void* send, const std::vector<size_t>& send_bytes, void* recv,
                 const std::vector<size_t>& recv_bytes, const char* what) {
-    std::vector<int> sc(size_), sd(size_), rc(size_), rd(size_);
-    size_t so = 0, ro = 0;
-    for (int r = 0; r < size_; ++r) {
-      sc[r] = as_count(send_bytes[r], what);
-      rc[r] = as_count(recv_bytes[r], what);
-      sd[r] = as_count(so, what);
-      rd[r] = as_count(ro, what);
-      so += send_bytes[r];
-      ro += recv_bytes[r];
-    }
+    std::vector<int> sc, sd, rc, rd;
+    counts_and_displs(send_bytes, 1, sc, sd, what);
+    counts_and_displs(recv_bytes, 1, rc, rd, what);
     check(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(), MPI_BYTE, comm_), what);
   }
 
   void gather_bytes(const void* send, void* recv, const std::vector<size_t>& bytes, const char* what) {
-    std::vector<int> counts(size_), displs(size_);
-    size_t off = 0;
-    for (int r = 0; r < size_; ++r) {
-      counts[r] = as_count(bytes[r], what);
-      displs[r] = as_count(off, what);
-      off += bytes[r];
-    }
+    std::vector<int> counts, displs;
+    counts_and_displs(bytes, 1, counts, displs, what);
     check(MPI_Allgatherv(send, counts[rank_], MPI_BYTE, recv, counts.data(), displs.data(), MPI_BYTE, comm_), what);
   }
 
@@ -404,14 +386,22 @@ class MpiComm : public Communicator {
       if (after) after();
     };
   }
-  // counts/displs of `p` from per-rank sizes in units of `unit` bytes.
-  void set_counts(MpiPending& p, const std::vector<size_t>& n, size_t unit) {
-    p.counts.resize(size_);
-    p.displs.resize(size_);
+  // The all-reduce's blocks: rank r sums elements [count r / R, count (r+1) / R).
+  std::vector<size_t> all_reduce_blocks(size_t count) const {
+    std::vector<size_t> counts(size_);
+    for (int r = 0; r < size_; ++r) counts[r] = count * (r + 1) / size_ - count * r / size_;
+    return counts;
+  }
+  // MPI's byte counts and displacements (consecutive, in rank order) of
+  // per-rank sizes n in units of `unit` bytes.
+  static void counts_and_displs(const std::vector<size_t>& n, size_t unit, std::vector<int>& counts,
+                                std::vector<int>& displs, const char* what) {
+    counts.resize(n.size());
+    displs.resize(n.size());
     size_t off = 0;
-    for (int r = 0; r < size_; ++r) {
-      p.counts[r] = as_count(n[r] * unit, "all_gather");
-      p.displs[r] = as_count(off, "all_gather");
+    for (size_t r = 0; r < n.size(); ++r) {
+      counts[r] = as_count(n[r] * unit, what);
+      displs[r] = as_count(off, what);
       off += n[r] * unit;
     }
   }

@@ -5,7 +5,6 @@
 // waited for before the norm. The collectives, their trees over ranks and
 // their order are the blocking path's, so the bits are too; only when they
 // run changes (CommStats: exposed against in-flight time).
-#include <algorithm>
 
 #include "model/model.h"
 #include "runner/cluster_rank.h"
@@ -33,12 +32,9 @@ void ClusterTrainer::start_weight_gathers(RankCtx& c) {
   // In block order: the forward waits for the first block's tensors first.
   for (const std::vector<size_t>& tensors : rank.block_tensors)
     for (size_t t : tensors) {
-      if (!placement_.sharded(infos[t])) continue;
-      Communicator& shard = c.group(Axis::kShard);
-      std::vector<size_t> bytes = ParamPlacement::shard_elems(infos[t].size, shard.size());
-      for (size_t& b : bytes) b *= sizeof(float);
-      rank.gathering[t] = shard.start_all_gather(rank.shard_w.data() + rank.shard_off[t],
-                                                 model.weights() + infos[t].offset, bytes);
+      if (placement_.sharded(infos[t]))
+        rank.gathering[t] = start_gather_shards(c.group(Axis::kShard), infos[t].size,
+                                                rank.shard_w.data() + rank.shard_off[t], model.weights() + infos[t].offset);
     }
 }
 
@@ -70,9 +66,7 @@ Pending ClusterTrainer::start_reduction(RankCtx& c, size_t t) {
   if (p.expert && s_.mesh.ep > 1) return c.group(Axis::kExpertData).start_all_reduce_sum(gp, p.size);
   if (placement_.sharded(p)) {
     Communicator& shard = c.group(Axis::kShard);
-    if (rank.reduced.size() != rank.shard_w.size()) rank.reduced.resize(rank.shard_w.size());
-    return shard.start_reduce_scatter_sum(gp, rank.reduced.data() + rank.shard_off[t],
-                                          ParamPlacement::shard_elems(p.size, shard.size()));
+    return shard.start_reduce_scatter_sum(gp, reduced_shard(rank, t), ParamPlacement::shard_elems(p.size, shard.size()));
   }
   return c.group(Axis::kData).start_all_reduce_sum(gp, p.size);
 }
@@ -89,12 +83,7 @@ void ClusterTrainer::finish_reduction(RankCtx& c, size_t t) {
   Rank& rank = c.rank;
   rank.reducing[t]->wait();
   rank.reducing[t].reset();
-  const ParamInfo& p = rank.model->params()[t];
-  if (placement_.sharded(p)) {
-    const auto [lo, hi] = range(rank, t);
-    std::copy(rank.reduced.begin() + rank.shard_off[t], rank.reduced.begin() + rank.shard_off[t] + (hi - lo),
-              rank.model->grads() + p.offset + lo);
-  }
+  if (placement_.sharded(rank.model->params()[t])) place_reduced_shard(rank, t);
 }
 
 void ClusterTrainer::abandon_in_flight(Rank& r) {

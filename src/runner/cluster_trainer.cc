@@ -175,6 +175,19 @@ StepLosses ClusterTrainer::forward_backward(RankCtx& c, const uint8_t* samples, 
   return l;
 }
 
+// Where tensor t's reduced gradient shard lands (rank.reduced, kept step to
+// step), and its copy into the gradients, at this rank's range.
+float* ClusterTrainer::reduced_shard(Rank& r, size_t t) {
+  if (r.reduced.size() != r.shard_w.size()) r.reduced.resize(r.shard_w.size());
+  return r.reduced.data() + r.shard_off[t];
+}
+
+void ClusterTrainer::place_reduced_shard(Rank& r, size_t t) const {
+  const auto [lo, hi] = range(r, t);
+  const float* from = r.reduced.data() + r.shard_off[t];
+  std::copy(from, from + (hi - lo), r.model->grads() + r.model->params()[t].offset + lo);
+}
+
 // Each rank's partials are subtrees; they are combined by the canonical
 // tree over ranks: an all-reduce, or a reduce-scatter for FSDP shards.
 void ClusterTrainer::reduce_gradients(RankCtx& c) {
@@ -197,11 +210,11 @@ void ClusterTrainer::reduce_gradients(RankCtx& c) {
       c.group(Axis::kExpertData).all_reduce_sum(gp, p.size);  // the replicas of these experts, one per EP group
     } else if (placement_.sharded(p)) {
       Communicator& shard = c.group(Axis::kShard);
-      const std::vector<size_t> counts = ParamPlacement::shard_elems(p.size, shard.size());
-      std::vector<float> mine(counts[shard.rank()]);
-      shard.reduce_scatter_sum(gp, mine.data(), counts);
-      c.group(Axis::kReplica).all_reduce_sum(mine.data(), mine.size());  // HSDP (one rank: nothing)
-      std::copy(mine.begin(), mine.end(), gp + range(rank, t).first);
+      float* mine = reduced_shard(rank, t);
+      shard.reduce_scatter_sum(gp, mine, ParamPlacement::shard_elems(p.size, shard.size()));
+      const auto [lo, hi] = range(rank, t);
+      c.group(Axis::kReplica).all_reduce_sum(mine, (size_t)(hi - lo));  // HSDP (one rank: nothing)
+      place_reduced_shard(rank, t);
     } else if (s_.mesh.dp_node > 1) {  // a node's aligned subtree, then the tree over nodes: the same tree
       c.group(Axis::kNode).all_reduce_sum(gp, p.size);
       c.group(Axis::kAcrossNodes).all_reduce_sum(gp, p.size);

@@ -149,10 +149,20 @@ float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* 
   return shared_blocks_sumsq(tensor, n, mine.data(), b.own, b.sums);
 }
 
-void gather_shards(Communicator& shard, int64_t n, const float* mine, float* whole) {
-  std::vector<size_t> bytes = ParamPlacement::shard_elems(n, shard.size());
+namespace {
+std::vector<size_t> shard_bytes(int64_t n, int g) {
+  std::vector<size_t> bytes = ParamPlacement::shard_elems(n, g);
   for (size_t& b : bytes) b *= sizeof(float);
-  shard.all_gather(mine, whole, bytes);
+  return bytes;
+}
+}  // namespace
+
+void gather_shards(Communicator& shard, int64_t n, const float* mine, float* whole) {
+  shard.all_gather(mine, whole, shard_bytes(n, shard.size()));
+}
+
+Pending start_gather_shards(Communicator& shard, int64_t n, const float* mine, float* whole) {
+  return shard.start_all_gather(mine, whole, shard_bytes(n, shard.size()));
 }
 
 }  // namespace ls

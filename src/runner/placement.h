@@ -91,7 +91,9 @@ struct SplitNormBuffers {
 float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b);
 
 // whole = a tensor of n elements from its FSDP shards, each rank's block
-// range (an all-gather over the shard group).
+// range (an all-gather over the shard group); started: in place once the
+// Pending completes.
 void gather_shards(Communicator& shard, int64_t n, const float* mine, float* whole);
+Pending start_gather_shards(Communicator& shard, int64_t n, const float* mine, float* whole);
 
 }  // namespace ls
