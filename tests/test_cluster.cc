@@ -165,7 +165,7 @@ TEST_SUITE("cluster") {
   }
 
   TEST_CASE("mesh.overlap reduces gradients during the backward: in flight while the rank computes, same bits") {
-    // A wider model than the tiny one, so a block's backward outlasts a collective's start.
+    // A wider model than the tiny one: its experts' tensors pass the overlap's size floor (cluster_overlap.cc).
     const std::vector<std::string> wide = {"model.d_model=64", "model.d_ff=128", "train.steps=4"};
     auto with = [&](std::vector<std::string> more) {
       more.insert(more.end(), wide.begin(), wide.end());

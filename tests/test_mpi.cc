@@ -178,14 +178,16 @@ TEST_SUITE("mpi") {
   // in start order on every rank) and the weight gathers before the forward.
   TEST_CASE("overlapped reductions as processes: started and in flight, the bits and bytes of blocking ones") {
     if (!ls::mpi_available()) return;
-    const Run one = run_lockstep(0, "");
+    // Wide enough that the experts' tensors pass the overlap's size floor (cluster_overlap.cc).
+    const std::string wide = " --set model.d_model=64 --set model.d_ff=256 --set train.steps=4";
+    const Run one = run_lockstep(0, wide);
     REQUIRE(one.rc == 0);
     for (const std::string mesh : {"--set mesh.dp=2", "--set mesh.dp=2 --set mesh.shard_optimizer=false",
                                    "--set mesh.dp=4 --set mesh.ep=2 --set mesh.shard_optimizer=false"}) {
       CAPTURE(mesh);
       const int np = mesh.find("dp=4") != std::string::npos ? 4 : 2;
-      const Run overlapped = run_lockstep(np, mesh);
-      const Run blocking = run_lockstep(np, mesh + " --set mesh.overlap=false");
+      const Run overlapped = run_lockstep(np, mesh + wide);
+      const Run blocking = run_lockstep(np, mesh + wide + " --set mesh.overlap=false");
       CAPTURE(overlapped.err);
       REQUIRE(overlapped.rc == 0);
       REQUIRE(blocking.rc == 0);

@@ -12,11 +12,17 @@
 
 namespace ls {
 
+// A tensor smaller than this is reduced (and gathered) blocking: starting a
+// collective costs a hand-off (in process, a thread's wake-up; under MPI a
+// request) of tens of microseconds, about what 64 Ki floats take to copy.
+constexpr int64_t kOverlapMinElements = 1 << 16;
+
 bool ClusterTrainer::overlaps(const Rank& r) const { return s_.mesh.overlap && !r.stage; }
 
 // One collective finishes p's reduction: not sequence parallel's TP partials
 // first, HSDP's replicas after or the two levels of dp_node.
 bool ClusterTrainer::overlappable(const ParamInfo& p) const {
+  if (p.size < kOverlapMinElements) return false;
   if (s_.mesh.sp && p.tp_mid == 0) return false;
   if (p.expert && s_.mesh.ep > 1) return true;
   if (placement_.sharded(p)) return s_.mesh.dp / s_.mesh.shard_group() == 1;
@@ -32,9 +38,11 @@ void ClusterTrainer::start_weight_gathers(RankCtx& c) {
   // In block order: the forward waits for the first block's tensors first.
   for (const std::vector<size_t>& tensors : rank.block_tensors)
     for (size_t t : tensors) {
-      if (placement_.sharded(infos[t]))
-        rank.gathering[t] = start_gather_shards(c.group(Axis::kShard), infos[t].size,
-                                                rank.shard_w.data() + rank.shard_off[t], model.weights() + infos[t].offset);
+      if (!placement_.sharded(infos[t])) continue;
+      const float* mine = rank.shard_w.data() + rank.shard_off[t];
+      float* whole = model.weights() + infos[t].offset;
+      if (infos[t].size < kOverlapMinElements) gather_shards(c.group(Axis::kShard), infos[t].size, mine, whole);
+      else rank.gathering[t] = start_gather_shards(c.group(Axis::kShard), infos[t].size, mine, whole);
     }
 }
 
