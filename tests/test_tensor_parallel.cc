@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -15,6 +16,7 @@
 #include "split_mesh.h"
 #include "common/error.h"
 #include "contract.h"
+#include "model/experts.h"
 #include "model/model.h"
 #include "model/step_context.h"
 #include "model/tensor_parallel.h"
@@ -273,6 +275,82 @@ TEST_SUITE("tensor_parallel") {
       if (i.rank == 1) rank1_begin = std::min(rank1_begin, i.begin);
     }
     CHECK(rank1_begin < rank0_end);
+  }
+
+  // A round's expert rows are scattered (slots), so their chain runs on a
+  // packed buffer: cut into pieces of near-equal rows (cut_segments, a
+  // segment split where a piece ends), pipelined piece by piece.
+  TEST_CASE("expert rounds: segments cut into pieces in row order, the packed chain pipelined over them") {
+    const std::vector<ls::Segment> round = {{0, 0, 100, 0}, {1, 5, 30, 200}, {3, 0, 250, 400}};
+    const auto pieces = ls::cut_segments(round, 4);
+    REQUIRE(pieces.size() == 4);
+    int64_t first_slot = -1, total = 0;
+    for (const auto& piece : pieces) {
+      CHECK(std::abs(ls::segment_rows(piece) - 95) <= 1);  // 380 rows in 4
+      for (const ls::Segment& s : piece) {
+        // The pieces walk the round's rows in order: each sub-segment continues the last (slots grow with rows here).
+        CHECK(s.slot > first_slot);
+        first_slot = s.slot + s.rows - 1;
+        total += s.rows;
+      }
+    }
+    CHECK(total == 380);
+    CHECK(pieces[1].front().expert == 0);  // expert 0's 100 rows split after 95
+    CHECK(pieces[1].front().first == 95);
+    CHECK(pieces[1].front().slot == 95);
+    CHECK(ls::cut_segments(round, 1).front().size() == 3);
+
+    // The packed chain: outputs stored in reverse part order, packed part by part.
+    const int parts = 4, width = 2, passes = 2;
+    const std::vector<int64_t> rows_of = {3, 5, 2, 6};
+    std::vector<std::vector<float>> results(2);
+    std::vector<std::vector<std::pair<int, int>>> folded(2);  // (pass, part) in the order folded
+    std::vector<std::chrono::steady_clock::time_point> begun(2), finished_pass0(2);
+    ls::run_in_process(2, [&](ls::Communicator& world) {
+      ls::Mesh mesh;
+      mesh.set_group(ls::Axis::kTensor, &world);
+      ls::ModelConfig cfg;
+      ls::StepWorkspace ws;
+      ls::MoeStats stats;
+      std::vector<ls::ParamInfo> params;
+      ls::StepContext ctx{cfg, ws, stats, params, nullptr, nullptr, nullptr};
+      ctx.mesh = &mesh;
+      const int me = world.rank();
+      std::vector<std::vector<float>> store(parts);  // part b's outputs, where the rank keeps them
+      for (int b = 0; b < parts; ++b) store[(size_t)b].assign((size_t)(rows_of[(size_t)b] * width), -1.0f);
+      ls::ChainOutput chain;
+      chain.parts = parts;
+      chain.part_offset = {0};
+      for (int64_t n : rows_of) chain.part_offset.push_back(chain.part_offset.back() + n * width);
+      chain.floats = chain.part_offset.back();
+      chain.pack = [&](int b, float* at) { std::copy(store[(size_t)b].begin(), store[(size_t)b].end(), at); };
+      chain.unpack = [&](int b, const float* at) {
+        std::copy(at, at + store[(size_t)b].size(), store[(size_t)b].begin());
+      };
+      ls::chained_fold(ctx, passes, chain, [&](int first, int count, bool accumulate, ls::RowBlock blk) {
+        REQUIRE(blk.part >= 0);
+        if (folded[(size_t)me].empty()) begun[(size_t)me] = std::chrono::steady_clock::now();
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        for (float& v : store[(size_t)blk.part]) {
+          if (!accumulate) v = 0.0f;
+          for (int p = first; p < first + count; ++p) v = v * 3.0f + (float)(p * 2 + me + 1);
+        }
+        folded[(size_t)me].push_back({first, blk.part});
+        if (first == 0) finished_pass0[(size_t)me] = std::chrono::steady_clock::now();
+      });
+      for (const auto& part : store) results[(size_t)me].insert(results[(size_t)me].end(), part.begin(), part.end());
+    });
+    float expect = 0.0f;
+    for (int segment = 0; segment < 4; ++segment) expect = expect * 3.0f + (float)(segment + 1);
+    for (const auto& r : results) {
+      REQUIRE(r.size() == 32);
+      for (float v : r) CHECK(v == expect);
+    }
+    for (const auto& order : folded) {  // each rank: every part of pass 0, then of pass 1, in part order
+      REQUIRE(order.size() == 8);
+      for (int i = 0; i < 8; ++i) CHECK(order[(size_t)i] == std::make_pair(i / 4, i % 4));
+    }
+    CHECK(begun[1] < finished_pass0[0]);  // rank 1 began before rank 0 finished its pass: at once
   }
 
   // The gradient norm of a split tensor without assembling it

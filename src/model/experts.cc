@@ -117,9 +117,8 @@ namespace {
 // experts' row order, W1, W3, W2 of the segment's expert) for every row
 // block of round r, blocks in parallel; returns the tasks run.
 template <class Fn>
-int64_t for_each_block(const RoundPlan& plan, int r, const ExpertRows& rows, const float* W1, const float* W3,
+int64_t for_each_block(const std::vector<Segment>& segs, const ExpertRows& rows, const float* W1, const float* W3,
                        const float* W2, int D, int F, Fn&& fn) {
-  const std::vector<Segment>& segs = plan.round[r];
   const int64_t block = row_block();
   const auto tasks = row_tasks(segs, block);
   parallel_tasks((int64_t)tasks.size(), [&](int64_t t) {
@@ -137,7 +136,7 @@ int64_t for_each_block(const RoundPlan& plan, int r, const ExpertRows& rows, con
 
 int64_t experts_round_hidden(const RoundPlan& plan, int r, ExpertSlots& slots, ExpertRows& rows, const float* W1,
                              const float* W3, int D, int F) {
-  const int64_t tasks = for_each_block(plan, r, rows, W1, W3, nullptr, D, F,
+  const int64_t tasks = for_each_block(plan.round[r], rows, W1, W3, nullptr, D, F,
                                        [&](const Segment&, int64_t, int64_t n, int64_t slot, int64_t row,
                                            const float* w1, const float* w3, const float*) {
     float *u = &rows.u[row * F], *v = &rows.v[row * F];
@@ -148,9 +147,9 @@ int64_t experts_round_hidden(const RoundPlan& plan, int r, ExpertSlots& slots, E
   return 2 * tasks;  // GEMM calls: u, v per task
 }
 
-int64_t experts_round_output(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows, RowPlace y,
-                             const float* W2, int D, int F, bool accumulate) {
-  return for_each_block(plan, r, rows, nullptr, nullptr, W2, D, F,
+int64_t experts_round_output(const std::vector<Segment>& segs, const ExpertSlots& slots, const ExpertRows& rows,
+                             RowPlace y, const float* W2, int D, int F, bool accumulate) {
+  return for_each_block(segs, rows, nullptr, nullptr, W2, D, F,
                         [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t, const float*, const float*,
                             const float* w2) {
     ops::gemm(n, D, F, {&slots.act[slot * F], F, 1}, {w2, D, 1}, y.at(rows, s, b, D), D, accumulate, 1);
@@ -159,7 +158,7 @@ int64_t experts_round_output(const RoundPlan& plan, int r, const ExpertSlots& sl
 
 int64_t experts_round_backward_hidden(const RoundPlan& plan, int r, ExpertSlots& slots, const ExpertRows& rows,
                                       RowPlace dy, const float* W2, int D, int F) {
-  return for_each_block(plan, r, rows, nullptr, nullptr, W2, D, F,
+  return for_each_block(plan.round[r], rows, nullptr, nullptr, W2, D, F,
                         [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t row, const float*,
                             const float*, const float* w2) {
     const float *u = &rows.u[row * F], *v = &rows.v[row * F], *sg = &rows.sg[row * F];
@@ -170,10 +169,10 @@ int64_t experts_round_backward_hidden(const RoundPlan& plan, int r, ExpertSlots&
   });
 }
 
-int64_t experts_round_input_grad(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows,
+int64_t experts_round_input_grad(const std::vector<Segment>& segs, const ExpertSlots& slots, const ExpertRows& rows,
                                  RowPlace dx, const float* W1, const float* W3, int D, int F, int first_pass, int count,
                                  bool accumulate) {
-  const int64_t tasks = for_each_block(plan, r, rows, W1, W3, nullptr, D, F,
+  const int64_t tasks = for_each_block(segs, rows, W1, W3, nullptr, D, F,
                                        [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t,
                                            const float* w1, const float* w3, const float*) {
     float* dxr = dx.at(rows, s, b, D);
@@ -185,23 +184,38 @@ int64_t experts_round_input_grad(const RoundPlan& plan, int r, const ExpertSlots
   return count * tasks;
 }
 
-int64_t round_rows(const RoundPlan& plan, int r) {
+int64_t segment_rows(const std::vector<Segment>& segs) {
   int64_t n = 0;
-  for (const Segment& s : plan.round[r]) n += s.rows;
+  for (const Segment& s : segs) n += s.rows;
   return n;
 }
 
-void pack_round_rows(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int width, float* buffer) {
+std::vector<std::vector<Segment>> cut_segments(const std::vector<Segment>& segs, int pieces) {
+  const int64_t total = segment_rows(segs), P = std::max(1, pieces);
+  std::vector<std::vector<Segment>> out((size_t)P);
+  auto end_of = [&](int64_t piece) { return total * (piece + 1) / P; };  // rows before piece + 1
+  int64_t done = 0, piece = 0;  // rows placed so far; the piece they go to
+  for (Segment s : segs)
+    while (s.rows > 0) {
+      while (done >= end_of(piece)) ++piece;
+      const int64_t n = std::min(s.rows, end_of(piece) - done);
+      out[(size_t)piece].push_back({s.expert, s.first, n, s.slot});
+      s.first += n, s.slot += n, s.rows -= n, done += n;
+    }
+  return out;
+}
+
+void pack_rows(const std::vector<Segment>& segs, const ExpertRows& rows, RowPlace place, int width, float* buffer) {
   ops::synchronize();
-  for (const Segment& s : plan.round[r]) {
+  for (const Segment& s : segs) {
     std::copy(place.at(rows, s, 0, width), place.at(rows, s, s.rows, width), buffer);
     buffer += s.rows * width;
   }
 }
 
-void unpack_round_rows(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int width,
-                       const float* buffer) {
-  for (const Segment& s : plan.round[r]) {
+void unpack_rows(const std::vector<Segment>& segs, const ExpertRows& rows, RowPlace place, int width,
+                 const float* buffer) {
+  for (const Segment& s : segs) {
     std::copy(buffer, buffer + s.rows * width, place.at(rows, s, 0, width));
     buffer += s.rows * width;
   }

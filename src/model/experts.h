@@ -90,8 +90,8 @@ int64_t experts_round_hidden(const RoundPlan& plan, int r, ExpertSlots& slots, E
                              const float* W3, int D, int F);
 // The output part: y (+)= slots.act W2, reducing over the hidden feature;
 // with accumulate each output's fold continues (tensor parallel chains it).
-int64_t experts_round_output(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows, RowPlace y,
-                             const float* W2, int D, int F, bool accumulate);
+int64_t experts_round_output(const std::vector<Segment>& segs, const ExpertSlots& slots, const ExpertRows& rows,
+                             RowPlace y, const float* W2, int D, int F, bool accumulate);
 // Round r backward, in two parts. The hidden part: dy (and rows.u, v, sg)
 // -> slots.act (the forward's, for W2's gradient), dact, du and dv; dact
 // reduces over the model feature.
@@ -101,15 +101,23 @@ int64_t experts_round_backward_hidden(const RoundPlan& plan, int r, ExpertSlots&
 // passes first_pass .. first_pass + count - 1: one fold over the hidden
 // index of u, continuing over that of v; with accumulate the first pass
 // continues dx's fold.
-int64_t experts_round_input_grad(const RoundPlan& plan, int r, const ExpertSlots& slots, const ExpertRows& rows,
+int64_t experts_round_input_grad(const std::vector<Segment>& segs, const ExpertSlots& slots, const ExpertRows& rows,
                                  RowPlace dx, const float* W1, const float* W3, int D, int F, int first_pass, int count,
                                  bool accumulate);
-// The rows of round r at `place` (width floats each), in segment order,
+// (The output part and the input gradient run on `segs`: a round's segments
+// (plan.round[r]) or a piece of them (cut_segments); rows are independent.)
+
+// Rows in segs.
+int64_t segment_rows(const std::vector<Segment>& segs);
+// segs cut into `pieces` consecutive pieces of near-equal rows, a segment
+// split where a piece ends (its first rows in one piece, the rest in the
+// next): what a pipelined chain hands on piece by piece.
+std::vector<std::vector<Segment>> cut_segments(const std::vector<Segment>& segs, int pieces);
+// The rows of segs at `place` (width floats each), in segment order,
 // packed into `buffer` or unpacked from it: what a chained fold hands on.
-int64_t round_rows(const RoundPlan& plan, int r);
-void pack_round_rows(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int width, float* buffer);
-void unpack_round_rows(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int width,
-                       const float* buffer);
+void pack_rows(const std::vector<Segment>& segs, const ExpertRows& rows, RowPlace place, int width, float* buffer);
+void unpack_rows(const std::vector<Segment>& segs, const ExpertRows& rows, RowPlace place, int width,
+                 const float* buffer);
 
 // The experts' weight gradients, fed round by round: per expert the leaf
 // tree over its rows (leaves 0..leaves-1 of the reduction group; empty

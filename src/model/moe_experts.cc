@@ -37,9 +37,12 @@ class MoeExperts : public LayerBlock {
       send_round_inputs(ctx, acts, r);
       if (r < own.rounds()) {
         ctx.stats.expert_gemm_calls += experts_round_hidden(own, r, ws.slots, rows, w.w1, w.w3, D, F);
-        // y reduces over the hidden feature (tensor parallel: chained across the group's ranges of it).
-        chained_fold(ctx, 1, round_chain(own, r, rows, y, D), [&](int, int, bool accumulate, RowBlock) {
-          ctx.stats.expert_gemm_calls += experts_round_output(own, r, ws.slots, rows, y, w.w2, D, F, accumulate);
+        // y reduces over the hidden feature (tensor parallel: chained across the group's ranges of it,
+        // pipelined over pieces of the round's rows).
+        const std::vector<std::vector<Segment>> pieces = chain_pieces(ctx, own.round[r]);
+        chained_fold(ctx, 1, round_chain(own.round[r], pieces, rows, y, D), [&](int, int, bool accumulate, RowBlock b) {
+          ctx.stats.expert_gemm_calls +=
+              experts_round_output(segments_of(own.round[r], pieces, b), ws.slots, rows, y, w.w2, D, F, accumulate);
         });
       }
       return_round_rows(ctx, acts, r, ws.slots.y.data(), acts.ye.data());
@@ -86,9 +89,11 @@ class MoeExperts : public LayerBlock {
         refill_round_inputs(ctx, acts, own, r);  // the inputs again, into the same slots
         ctx.stats.expert_gemm_calls += experts_round_backward_hidden(own, r, ws.slots, rows, dy, w.w2, D, F);
         // dx reduces over the hidden feature of u, then of v (tensor parallel: chained).
-        chained_fold(ctx, 2, round_chain(own, r, rows, dx, D), [&](int first, int count, bool accumulate, RowBlock) {
-          ctx.stats.expert_gemm_calls +=
-              experts_round_input_grad(own, r, ws.slots, rows, dx, w.w1, w.w3, D, F, first, count, accumulate);
+        const std::vector<std::vector<Segment>> pieces = chain_pieces(ctx, own.round[r]);
+        chained_fold(ctx, 2, round_chain(own.round[r], pieces, rows, dx, D),
+                     [&](int first, int count, bool accumulate, RowBlock b) {
+          ctx.stats.expert_gemm_calls += experts_round_input_grad(segments_of(own.round[r], pieces, b), ws.slots, rows,
+                                                                  dx, w.w1, w.w3, D, F, first, count, accumulate);
         });
         if (ctx.grads_by_source()) by_source.add_round(own, r, ws.slots, rows, dy);
         else grads.add_round(own, r, ws.slots, rows, dy, grad_w1, grad_w3, grad_w2);
@@ -116,12 +121,26 @@ class MoeExperts : public LayerBlock {
 
 
  private:
-  // A round's rows at `place` as a chained fold's output: packed in segment order.
-  static ChainOutput round_chain(const RoundPlan& plan, int r, const ExpertRows& rows, RowPlace place, int D) {
+  // A round's segments cut for a tensor-parallel chain: pieces of near-equal
+  // rows (chain_blocks, as for token rows), one piece on one rank.
+  static std::vector<std::vector<Segment>> chain_pieces(const StepContext& ctx, const std::vector<Segment>& segs) {
+    return cut_segments(segs, ctx.tp() > 1 ? chain_blocks(segment_rows(segs)) : 1);
+  }
+  // The segments a chain link folds: its piece, or the whole round.
+  static const std::vector<Segment>& segments_of(const std::vector<Segment>& round,
+                                                 const std::vector<std::vector<Segment>>& pieces, RowBlock b) {
+    return b.part < 0 ? round : pieces[(size_t)b.part];
+  }
+  // A round's rows at `place` as a chained fold's output: packed piece by piece, in segment order.
+  static ChainOutput round_chain(const std::vector<Segment>& round, const std::vector<std::vector<Segment>>& pieces,
+                                 const ExpertRows& rows, RowPlace place, int D) {
     ChainOutput out;
-    out.floats = round_rows(plan, r) * D;
-    out.pack = [&plan, r, &rows, place, D](float* buffer) { pack_round_rows(plan, r, rows, place, D, buffer); };
-    out.unpack = [&plan, r, &rows, place, D](const float* buffer) { unpack_round_rows(plan, r, rows, place, D, buffer); };
+    out.floats = segment_rows(round) * D;
+    out.parts = (int)pieces.size();
+    out.part_offset.push_back(0);
+    for (const auto& piece : pieces) out.part_offset.push_back(out.part_offset.back() + segment_rows(piece) * D);
+    out.pack = [&pieces, &rows, place, D](int b, float* at) { pack_rows(pieces[(size_t)b], rows, place, D, at); };
+    out.unpack = [&pieces, &rows, place, D](int b, const float* at) { unpack_rows(pieces[(size_t)b], rows, place, D, at); };
     return out;
   }
   struct ExpertWeights {

@@ -9,6 +9,16 @@
 namespace ls {
 namespace {
 
+// Every part of packed outputs into the buffer, or back (contiguous outputs: nothing to do).
+void pack_parts(const ChainOutput& out, float* buffer) {
+  if (out.pack)
+    for (int b = 0; b < out.parts; ++b) out.pack(b, buffer + out.part_begin(b));
+}
+void unpack_parts(const ChainOutput& out, const float* buffer) {
+  if (out.unpack)
+    for (int b = 0; b < out.parts; ++b) out.unpack(b, buffer + out.part_begin(b));
+}
+
 // numerics.level=local, the usual way (Megatron's row-parallel GEMM): every
 // rank folds its own k-range from +0 with the level's GEMM, and the partial
 // outputs are summed by the communicator's all-reduce (with sequence
@@ -24,7 +34,7 @@ void summed_fold(StepContext& ctx, int passes, const ChainOutput& out, const Cha
   if (!buffer) {
     ctx.ws.tp_partial.resize(out.floats);
     buffer = ctx.ws.tp_partial.data();
-    if (out.pack) out.pack(buffer);
+    pack_parts(out, buffer);
   }
   if (out.scatter) {  // each rank its own rows, in place (a contiguous output: tp_partial is free)
     const int64_t each = out.floats / tp;
@@ -36,7 +46,7 @@ void summed_fold(StepContext& ctx, int passes, const ChainOutput& out, const Cha
     return;
   }
   group.all_reduce_sum(buffer, (size_t)out.floats);
-  if (out.unpack) out.unpack(buffer);
+  unpack_parts(out, buffer);
 }
 
 }  // namespace
@@ -45,7 +55,7 @@ int chain_blocks(int64_t rows) { return (int)std::max<int64_t>(1, std::min<int64
 
 void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const ChainStep& fold) {
   const int tp = ctx.tp(), me = ctx.tp_rank();
-  const RowBlock all{0, out.rows};  // every row (none named for packed outputs)
+  const RowBlock all{0, out.rows, -1};  // every row and part
   if (tp == 1) {
     fold(0, passes, false, all);
     return;
@@ -54,14 +64,15 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
   Communicator& group = ctx.group(Axis::kTensor);
   // Kernels run asynchronously on a kernel backend: none may still touch the outputs the host is about to write.
   ops::synchronize();
-  // A contiguous output travels itself, block by block; scattered outputs through the packed buffer, whole.
+  // A contiguous output travels itself, block by block; scattered outputs through the packed buffer, part by part.
   float* buffer = out.data;
   if (!buffer) {
     ctx.ws.tp_partial.resize(out.floats);
     buffer = ctx.ws.tp_partial.data();
   }
-  const int blocks = out.rows > 0 ? chain_blocks(out.rows) : 1;
-  const int64_t width = out.rows > 0 ? out.floats / out.rows : out.floats;
+  const bool by_rows = out.rows > 0;
+  const int blocks = by_rows ? chain_blocks(out.rows) : out.parts;
+  const int64_t width = by_rows ? out.floats / out.rows : 0;
   const int segments = passes * tp;
   const int next = (me + 1) % tp, previous = (me + tp - 1) % tp;
   // Segment p * tp + me of each block: the blocks of one pass go down the
@@ -71,19 +82,23 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
   for (int p = 0; p < passes; ++p) {
     const int segment = p * tp + me;
     for (int b = 0; b < blocks; ++b) {
-      const RowBlock block = out.rows > 0 ? RowBlock{out.rows * b / blocks, out.rows * (b + 1) / blocks - out.rows * b / blocks}
-                                          : all;
-      float* part = buffer + block.first * width;
-      const size_t bytes = sizeof(float) * (size_t)(out.rows > 0 ? block.count * width : out.floats);
+      RowBlock block{0, 0, b};
+      int64_t begin = out.part_begin(b), end = out.part_begin(b + 1);  // floats of the buffer
+      if (by_rows) {
+        block = RowBlock{out.rows * b / blocks, out.rows * (b + 1) / blocks - out.rows * b / blocks, b};
+        begin = block.first * width, end = (block.first + block.count) * width;
+      }
+      float* part = buffer + begin;
+      const size_t bytes = sizeof(float) * (size_t)(end - begin);
       if (segment > 0) {
         ops::synchronize();
         group.recv(part, bytes, previous);
-        if (out.unpack) out.unpack(buffer);
+        if (out.unpack) out.unpack(b, part);
       }
       fold(p, 1, segment > 0, block);
       if (segment + 1 < segments) {
         ops::synchronize();
-        if (out.pack) out.pack(buffer);
+        if (out.pack) out.pack(b, part);
         group.send(part, bytes, next);
       }
     }
@@ -101,10 +116,10 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
   }
   if (me == tp - 1) {
     ops::synchronize();
-    if (out.pack) out.pack(buffer);
+    pack_parts(out, buffer);
   }
   group.broadcast(buffer, sizeof(float) * out.floats, tp - 1);
-  if (me != tp - 1 && out.unpack) out.unpack(buffer);
+  if (me != tp - 1) unpack_parts(out, buffer);
 }
 
 void gather_stream(StepContext& ctx, const float* local, float* full, int64_t width) {

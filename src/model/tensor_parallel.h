@@ -12,25 +12,32 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "model/step_context.h"
 
 namespace ls {
 
-// Output rows [first, first + count) of a chained fold: the block of token
-// rows one link of a pipelined chain folds.
+// The block of outputs one link of a pipelined chain folds: output rows
+// [first, first + count) of contiguous outputs, or part `part` of packed
+// ones (part -1: every part, when the chain runs in one call).
 struct RowBlock {
   int64_t first = 0, count = 0;
+  int part = -1;
 };
 
 // Where a chained fold's outputs live. A contiguous output is handed over
 // as is (pack/unpack empty); scattered rows (expert slots) are packed into
-// `floats` contiguous floats and unpacked on the receiving rank.
+// `floats` contiguous floats and unpacked on the receiving rank, in `parts`
+// parts: part b is floats [part_offset[b], part_offset[b + 1]) of the
+// buffer, and the chain is pipelined over the parts as over row blocks.
 struct ChainOutput {
   float* data = nullptr;  // contiguous outputs (or nullptr when packed)
   int64_t floats = 0;
-  std::function<void(float*)> pack;          // outputs -> buffer
-  std::function<void(const float*)> unpack;  // buffer -> outputs
+  int parts = 1;
+  std::vector<int64_t> part_offset;  // parts + 1 offsets (empty: one part, all floats)
+  std::function<void(int part, float*)> pack;          // outputs -> buffer
+  std::function<void(int part, const float*)> unpack;  // buffer -> outputs
   // Sequence parallel: the finished outputs (contiguous, token rows) land
   // scattered instead of broadcast -- TP rank t gets only its stream tokens'
   // rows, in place -- the chained equivalent of a reduce-scatter.
@@ -39,8 +46,11 @@ struct ChainOutput {
   // width), and the chain is pipelined over blocks of them: rank t
   // continues block b while rank t - 1 folds block b + 1 (each output's
   // fold is over k alone, so cutting the rows changes no bit). 0: one
-  // block (packed outputs travel whole).
+  // block, or the packed outputs' parts.
   int64_t rows = 0;
+
+  // Floats [part_begin(b), part_begin(b + 1)) of the packed buffer are part b.
+  int64_t part_begin(int b) const { return part_offset.empty() ? (b == 0 ? 0 : floats) : part_offset[(size_t)b]; }
 };
 
 // How many row blocks a pipelined chain cuts `rows` into: blocks of at
@@ -55,8 +65,8 @@ int chain_blocks(int64_t rows);
 // or the hidden features of u and then of v). fold(first_pass, count,
 // accumulate) continues (accumulate) or starts (+0) every output's fold over
 // this rank's segments of passes first_pass .. first_pass + count - 1, for
-// the output rows of `block` (every row, unless out.rows pipelines the
-// chain); on one rank all passes and rows come in one call. On return every
+// the outputs of `block` (every row and part, unless out.rows or out.parts
+// pipeline the chain); on one rank all passes and rows come in one call. On return every
 // rank of the group holds the finished outputs. Reduces over the split
 // feature index, in ascending order, whatever the group size.
 using ChainStep = std::function<void(int first_pass, int count, bool accumulate, RowBlock block)>;
