@@ -190,6 +190,27 @@ TEST_SUITE("cluster") {
     CHECK(sharded.result.bytes_sent_per_step.count("all_gather") == 1);
   }
 
+  TEST_CASE("the summary splits exposed communication by kind, and times the copies for collectives") {
+    ls::Scenario s = ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json", {"mesh.tp=2"});
+    ls::RunOptions opt;
+    opt.threads = 2;
+    opt.eval = false;
+    opt.profile_ops = true;
+    const ls::RunResult tp = ls::run_scenario(s, opt);
+    // A chain's waits are its receives and the last rank's broadcast; its copies pack the experts' rows.
+    CHECK(tp.comm_seconds_by_kind_per_step.count("recv") == 1);
+    CHECK(tp.comm_seconds_by_kind_per_step.count("broadcast") == 1);
+    CHECK(tp.op_seconds.at("copy") > 0);
+    s = ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json", {"mesh.dp=2", "mesh.overlap=false"});
+    const ls::RunResult dp = ls::run_scenario(s, opt);
+    CHECK(dp.comm_seconds_by_kind_per_step.count("reduce_scatter") == 1);  // the sharded optimizer's
+    CHECK(dp.comm_seconds_by_kind_per_step.count("recv") == 0);           // no chain
+    double sum = 0;
+    for (const auto& [kind, t] : dp.comm_seconds_by_kind_per_step) sum += t;
+    CHECK(sum >= dp.comm_seconds_per_step * 0.999);  // every exposed second has a kind (each its busiest rank)
+    omp_set_num_threads(omp_get_num_procs());
+  }
+
   TEST_CASE("final_state_hash is the same on every mesh: dp x ep x fsdp, HSDP; equals the reference") {
     const Outcome ref = run({}, 1, ls::Backend::kReference);
     const Outcome one = run({}, 1);

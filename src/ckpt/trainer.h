@@ -97,6 +97,9 @@ struct MeshReport {
   // completion, the rank with the most, all steps. What of it is not in
   // comm_seconds_max overlapped compute.
   double comm_in_flight_seconds_max = 0;
+  // comm_seconds_max's kind of collective ("recv": waits for a chain's or a
+  // pipeline's message), each the rank with the most, all steps.
+  std::map<std::string, double> comm_seconds_by_kind_max;
 };
 
 // A piece of training state: elements [global_begin, global_end) of the

@@ -966,7 +966,8 @@ int main(int argc, char** argv) {
                 "print the memory estimate per part (as `plan`) and train nothing; exit 5 when it does not fit");
   run->add_flag("--profile-ops", ra.profile_ops,
                 "time each kind of op (GEMM, weight gradients, attention, softmax, norms, MoE dispatch and combine, "
-                "AdamW, gradient norm): op_seconds in the --json summary, thread-seconds over the training steps");
+                "AdamW, gradient norm, copies for collectives and chains): op_seconds in the --json summary, "
+                "thread-seconds over the training steps");
   run->add_option("--resume", ra.resume,
                   "continue from the latest committed checkpoint at URL (or URL@STEP), on this run's mesh; an "
                   "unusable one falls back to the one before; none usable: exit 2 (never a silent restart from step "

@@ -28,6 +28,7 @@ struct CommStats {
   std::map<std::string, uint64_t> bytes_sent;
   std::map<std::string, uint64_t> calls;
   double seconds = 0;
+  std::map<std::string, double> seconds_by_kind;  // `seconds` by collective kind ("recv", "barrier" too)
   double in_flight_seconds = 0;
   uint64_t started = 0;  // collectives started without waiting
   std::chrono::steady_clock::time_point in_flight_until{};  // the latest completion counted in in_flight_seconds
@@ -37,21 +38,26 @@ struct CommStats {
     if (end > from) in_flight_seconds += std::chrono::duration<double>(end - from).count();
     in_flight_until = std::max(in_flight_until, end);
   }
-  // Adds its lifetime to `seconds`: hold it for the whole collective.
+  // Adds its lifetime to `seconds` (and to its kind's): hold it for the whole collective.
   class Timer {
    public:
-    explicit Timer(CommStats* s) : s_(s), t0_(std::chrono::steady_clock::now()) {}
+    Timer(CommStats* s, const char* kind) : s_(s), kind_(kind), t0_(std::chrono::steady_clock::now()) {}
     Timer(const Timer&) = delete;
     Timer& operator=(const Timer&) = delete;
-    ~Timer() { s_->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
+    ~Timer() {
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+      s_->seconds += dt;
+      s_->seconds_by_kind[kind_] += dt;
+    }
 
    private:
     CommStats* s_;
+    const char* kind_;
     std::chrono::steady_clock::time_point t0_;
   };
   [[nodiscard]] Timer add(const char* kind, uint64_t bytes) {
     count(kind, bytes);
-    return Timer(this);
+    return Timer(this, kind);
   }
   void count(const char* kind, uint64_t bytes) {
     bytes_sent[kind] += bytes;

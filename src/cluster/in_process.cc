@@ -17,6 +17,7 @@
 #include "cluster/communicator.h"
 #include "cluster/pending.h"
 #include "common/numerics_level.h"
+#include "common/op_profile.h"
 #include "contract.h"
 
 namespace ls {
@@ -153,8 +154,8 @@ class AsyncLane {
 
 class LanePending : public TimedPending {
  public:
-  LanePending(CommStats* stats, std::shared_ptr<AsyncLane::Job> job, std::shared_ptr<Hub> hub)
-      : TimedPending(stats), job_(std::move(job)), hub_(std::move(hub)) {}
+  LanePending(CommStats* stats, const char* kind, std::shared_ptr<AsyncLane::Job> job, std::shared_ptr<Hub> hub)
+      : TimedPending(stats, kind), job_(std::move(job)), hub_(std::move(hub)) {}
   // The buffers are the job's until it ends. Left behind by an exception,
   // its peers may never join it: fail the world first (as run_in_process
   // would once the exception reached it), so it ends at once.
@@ -190,7 +191,7 @@ class InProcessComm : public Communicator {
   int size() const override { return hub_->size; }
 
   void barrier() override {
-    const CommStats::Timer timed(&stats);
+    const CommStats::Timer timed(&stats, "barrier");
     jitter();
     hub_->wait_all();
   }
@@ -275,13 +276,18 @@ class InProcessComm : public Communicator {
 
   void send(const void* buf, size_t bytes, int dst) override {
     const CommStats::Timer timed = stats.add("send", bytes);
+    std::vector<char> copy;
+    {
+      const OpTimer copying(OpKind::kCopy);
+      copy.assign((const char*)buf, (const char*)buf + bytes);
+    }
     std::lock_guard<std::mutex> lk(hub_->mu);
-    hub_->mail[{rank_, dst}].emplace_back((const char*)buf, (const char*)buf + bytes);
+    hub_->mail[{rank_, dst}].push_back(std::move(copy));
     hub_->cv.notify_all();
   }
 
   void recv(void* buf, size_t bytes, int src) override {
-    const CommStats::Timer timed(&stats);
+    const CommStats::Timer timed(&stats, "recv");
     std::unique_lock<std::mutex> lk(hub_->mu);
     auto& box = hub_->mail[{src, rank_}];
     hub_->cv.wait(lk, [&] { return !box.empty() || hub_->aborted; });
@@ -294,19 +300,19 @@ class InProcessComm : public Communicator {
   Pending start_all_reduce_sum(float* buf, size_t count) override {
     if (size() == 1) return Communicator::start_all_reduce_sum(buf, count);
     stats.count("all_reduce", all_reduce_bytes_sent(count, 4, size()));
-    return started([=](Communicator& c) { c.all_reduce_sum(buf, count); });
+    return started("all_reduce", [=](Communicator& c) { c.all_reduce_sum(buf, count); });
   }
 
   Pending start_reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) override {
     if (size() == 1) return Communicator::start_reduce_scatter_sum(send, recv, counts);
     stats.count("reduce_scatter", reduce_scatter_bytes_sent(counts, rank_));
-    return started([=](Communicator& c) { c.reduce_scatter_sum(send, recv, counts); });
+    return started("reduce_scatter", [=](Communicator& c) { c.reduce_scatter_sum(send, recv, counts); });
   }
 
   Pending start_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
     if (size() == 1) return Communicator::start_all_gather(send, recv, bytes);
     stats.count("all_gather", all_gather_bytes_sent(bytes, rank_));
-    return started([=](Communicator& c) { c.all_gather(send, recv, bytes); });
+    return started("all_gather", [=](Communicator& c) { c.all_gather(send, recv, bytes); });
   }
 
   std::unique_ptr<Communicator> split(int color, int key) override {
@@ -333,13 +339,13 @@ class InProcessComm : public Communicator {
   }
 
  private:
-  Pending started(std::function<void(Communicator&)> run) {
+  Pending started(const char* kind, std::function<void(Communicator&)> run) {
     if (!lane_) {  // collective: every rank's first start. Setup, not traffic: left out of the stats.
       const CommStats saved = stats;
       lane_ = std::make_unique<AsyncLane>(split(0, rank_));
       stats = saved;
     }
-    return std::make_unique<LanePending>(&stats, lane_->submit(std::move(run)), hub_);
+    return std::make_unique<LanePending>(&stats, kind, lane_->submit(std::move(run)), hub_);
   }
   void jitter() {
     if (!jitter_) return;

@@ -14,6 +14,7 @@
 
 #include "cluster/pending.h"
 #include "common/numerics_level.h"
+#include "common/op_profile.h"
 
 namespace ls {
 
@@ -72,7 +73,8 @@ class ScratchPool {
 // only after those started before it did.
 class MpiPending : public TimedPending {
  public:
-  MpiPending(CommStats* stats, std::shared_ptr<ScratchPool> pool) : TimedPending(stats), pool_(std::move(pool)) {}
+  MpiPending(CommStats* stats, const char* kind, std::shared_ptr<ScratchPool> pool)
+      : TimedPending(stats, kind), pool_(std::move(pool)) {}
   ~MpiPending() override {
     if (!done()) {
       try {
@@ -158,7 +160,7 @@ class MpiComm : public Communicator {
   int size() const override { return size_; }
 
   void barrier() override {
-    const CommStats::Timer timed(&stats);
+    const CommStats::Timer timed(&stats, "barrier");
     check(MPI_Barrier(comm_), "barrier");
   }
 
@@ -230,14 +232,17 @@ class MpiComm : public Communicator {
     const CommStats::Timer timed = stats.add("send", bytes);
     reap_sends();
     BufferedSend p;
-    p.bytes.assign((const char*)buf, (const char*)buf + bytes);
+    {
+      const OpTimer copying(OpKind::kCopy);
+      p.bytes.assign((const char*)buf, (const char*)buf + bytes);
+    }
     pending_.push_back(std::move(p));
     BufferedSend& mine = pending_.back();
     check(MPI_Isend(mine.bytes.data(), as_count(bytes, "send"), MPI_BYTE, dst, kTag, comm_, &mine.request), "send");
   }
 
   void recv(void* buf, size_t bytes, int src) override {
-    const CommStats::Timer timed(&stats);
+    const CommStats::Timer timed(&stats, "recv");
     MPI_Status st;
     check(MPI_Probe(src, kTag, comm_, &st), "recv");
     int got = 0;
@@ -252,7 +257,7 @@ class MpiComm : public Communicator {
   Pending start_all_reduce_sum(float* buf, size_t count) override {
     if (size_ == 1) return Communicator::start_all_reduce_sum(buf, count);
     stats.count("all_reduce", all_reduce_bytes_sent(count, 4, size_));
-    auto p = std::make_unique<MpiPending>(&stats, pool_);
+    auto p = std::make_unique<MpiPending>(&stats, "all_reduce", pool_);
     if (local_numerics()) {
       p->requests.resize(1);
       check(MPI_Iallreduce(MPI_IN_PLACE, buf, as_count(count, "all_reduce"), MPI_FLOAT, MPI_SUM, comm_,
@@ -278,7 +283,7 @@ class MpiComm : public Communicator {
   Pending start_reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) override {
     if (size_ == 1) return Communicator::start_reduce_scatter_sum(send, recv, counts);
     stats.count("reduce_scatter", reduce_scatter_bytes_sent(counts, rank_));
-    auto p = std::make_unique<MpiPending>(&stats, pool_);
+    auto p = std::make_unique<MpiPending>(&stats, "reduce_scatter", pool_);
     if (local_numerics()) {
       p->counts.resize(size_);
       for (int r = 0; r < size_; ++r) p->counts[r] = as_count(counts[r], "reduce_scatter");
@@ -294,7 +299,7 @@ class MpiComm : public Communicator {
   Pending start_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
     if (size_ == 1) return Communicator::start_all_gather(send, recv, bytes);
     stats.count("all_gather", all_gather_bytes_sent(bytes, rank_));
-    auto p = std::make_unique<MpiPending>(&stats, pool_);
+    auto p = std::make_unique<MpiPending>(&stats, "all_gather", pool_);
     counts_and_displs(bytes, 1, p->counts, p->displs, "all_gather");
     p->requests.resize(1);
     check(MPI_Iallgatherv(send, p->counts[rank_], MPI_BYTE, recv, p->counts.data(), p->displs.data(), MPI_BYTE, comm_,
@@ -352,7 +357,7 @@ class MpiComm : public Communicator {
   // place: it does not travel).
   void reduce_blocks(const float* in, const std::vector<size_t>& counts, float* out) {
     CommStats inside;  // the caller's Timer counts this collective
-    MpiPending p(&inside, pool_);
+    MpiPending p(&inside, "reduce_scatter", pool_);
     start_reduce_blocks(p, in, counts, out, nullptr);
     p.wait();
   }

@@ -11,7 +11,10 @@ namespace ls {
 
 class TimedPending : public PendingCollective {
  public:
-  explicit TimedPending(CommStats* stats) : stats_(stats), t0_(std::chrono::steady_clock::now()) { ++stats->started; }
+  TimedPending(CommStats* stats, const char* kind)
+      : stats_(stats), kind_(kind), t0_(std::chrono::steady_clock::now()) {
+    ++stats->started;
+  }
   bool test() final {
     if (!done_ && poll()) finish();
     return done_;
@@ -19,7 +22,7 @@ class TimedPending : public PendingCollective {
   void wait() final {
     if (done_) return;
     {
-      const CommStats::Timer exposed(stats_);
+      const CommStats::Timer exposed(stats_, kind_);
       block();
     }
     finish();
@@ -41,6 +44,7 @@ class TimedPending : public PendingCollective {
     stats_->add_in_flight(t0_, completed_at());
   }
   CommStats* stats_;
+  const char* kind_;
   Clock::time_point t0_;
   bool done_ = false;
 };

@@ -25,12 +25,13 @@ enum class OpKind {
   kMoeCombine,   // gated sum of the experts' outputs and its backward
   kAdamw,        // the optimizer update
   kGradNorm,     // the global gradient norm
+  kCopy,         // rows packed, unpacked and copied for a collective or a chain (not inside another op)
   kCount
 };
 
 inline const char* op_kind_name(OpKind k) {
   static const char* names[] = {"gemm",         "weight_grad", "attention", "softmax", "norm",     "swiglu",
-                                "moe_dispatch", "moe_combine", "adamw",     "grad_norm"};
+                                "moe_dispatch", "moe_combine", "adamw",     "grad_norm", "copy"};
   return names[(int)k];
 }
 

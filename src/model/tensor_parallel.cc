@@ -4,19 +4,29 @@
 #include <vector>
 
 #include "common/numerics_level.h"
+#include "common/op_profile.h"
 #include "ops/ops.h"
 
 namespace ls {
 namespace {
 
-// Every part of packed outputs into the buffer, or back (contiguous outputs: nothing to do).
+// Part b of packed outputs into the buffer, or back (contiguous outputs: nothing to do).
+void pack_part(const ChainOutput& out, int b, float* at) {
+  const OpTimer copying(OpKind::kCopy);
+  if (out.pack) out.pack(b, at);
+}
+void unpack_part(const ChainOutput& out, int b, const float* at) {
+  const OpTimer copying(OpKind::kCopy);
+  if (out.unpack) out.unpack(b, at);
+}
+// Every part.
 void pack_parts(const ChainOutput& out, float* buffer) {
   if (out.pack)
-    for (int b = 0; b < out.parts; ++b) out.pack(b, buffer + out.part_begin(b));
+    for (int b = 0; b < out.parts; ++b) pack_part(out, b, buffer + out.part_begin(b));
 }
 void unpack_parts(const ChainOutput& out, const float* buffer) {
   if (out.unpack)
-    for (int b = 0; b < out.parts; ++b) out.unpack(b, buffer + out.part_begin(b));
+    for (int b = 0; b < out.parts; ++b) unpack_part(out, b, buffer + out.part_begin(b));
 }
 
 // numerics.level=local, the usual way (Megatron's row-parallel GEMM): every
@@ -93,12 +103,12 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
       if (segment > 0) {
         ops::synchronize();
         group.recv(part, bytes, previous);
-        if (out.unpack) out.unpack(b, part);
+        unpack_part(out, b, part);
       }
       fold(p, 1, segment > 0, block);
       if (segment + 1 < segments) {
         ops::synchronize();
-        if (out.pack) out.pack(b, part);
+        pack_part(out, b, part);
         group.send(part, bytes, next);
       }
     }
@@ -146,9 +156,13 @@ void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts) {
   const int64_t held = ctx.stream_tokens * K, all = ctx.tokens * K;
   ws.sp_rows.resize(held * D);
   ws.sp_rows_all.resize(all * D);
-  ops::copy_rows(ws.dye.data(), acts.row_of.data() + ctx.stream_first * K, ws.sp_rows.data(), nullptr, held, D);
-  ops::synchronize();
+  {
+    const OpTimer copying(OpKind::kCopy);
+    ops::copy_rows(ws.dye.data(), acts.row_of.data() + ctx.stream_first * K, ws.sp_rows.data(), nullptr, held, D);
+    ops::synchronize();
+  }
   all_gather_equal(ctx.group(Axis::kTensor), ws.sp_rows.data(), ws.sp_rows_all.data(), sizeof(float) * held * D);
+  const OpTimer copying(OpKind::kCopy);
   ops::copy_rows(ws.sp_rows_all.data(), nullptr, ws.dye.data(), acts.row_of.data(), all, D);
 }
 

@@ -9,10 +9,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <map>
 
 #include "cluster/communicator.h"
 #include "common/error.h"
+#include "common/op_profile.h"
 #include "contract.h"
 #include "model/model.h"
 #include "ops/device_memory.h"
@@ -109,6 +111,7 @@ void ClusterTrainer::run_rank(Communicator& world, const Mesh& mesh, const std::
     CommStats sum;
     for (Communicator* c : all) {
       sum.seconds += c->stats.seconds;
+      for (auto& [k, t] : c->stats.seconds_by_kind) sum.seconds_by_kind[k] += t;
       sum.in_flight_seconds += c->stats.in_flight_seconds;
       for (auto& [k, b] : c->stats.bytes_sent) sum.bytes_sent[k] += b, sum.calls[k] += c->stats.calls.at(k);
     }
@@ -122,6 +125,7 @@ void ClusterTrainer::run_rank(Communicator& world, const Mesh& mesh, const std::
   const CommStats after = totals();
   rank.comm.seconds += after.seconds - before.seconds;
   rank.comm.in_flight_seconds += after.in_flight_seconds - before.in_flight_seconds;
+  for (auto& [k, t] : after.seconds_by_kind) rank.comm.seconds_by_kind[k] += t - before.seconds_by_kind[k];
   for (auto& [k, b] : after.bytes_sent) {
     rank.comm.bytes_sent[k] += b - before.bytes_sent[k];
     rank.comm.calls[k] += after.calls.at(k) - before.calls[k];
@@ -183,6 +187,7 @@ float* ClusterTrainer::reduced_shard(Rank& r, size_t t) {
 }
 
 void ClusterTrainer::place_reduced_shard(Rank& r, size_t t) const {
+  const OpTimer copying(OpKind::kCopy);
   const auto [lo, hi] = range(r, t);
   const float* from = r.reduced.data() + r.shard_off[t];
   std::copy(from, from + (hi - lo), r.model->grads() + r.model->params()[t].offset + lo);
@@ -345,6 +350,12 @@ std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
   return out;
 }
 
+namespace {
+// The kinds whose exposed seconds a process's record carries (CommStats::seconds_by_kind).
+constexpr const char* kTimeKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
+                                      "broadcast",  "send",           "recv",       "barrier"};
+}  // namespace
+
 MeshReport ClusterTrainer::mesh_report() const {
   MeshReport rep;
   if (pipelined()) rep.pipeline.resize((size_t)s_.mesh.pp);
@@ -364,6 +375,9 @@ MeshReport ClusterTrainer::mesh_report() const {
     rec.insert(rec.end(), {(int64_t)(ps.busy_seconds * 1e9), (int64_t)(ps.step_seconds * 1e9), ps.peak_in_flight,
                            ps.bytes_sent, ps.held ? 1 : 0, (int64_t)(st.cp_attention_seconds * 1e9),
                            st.cp_bytes_sent, st.cp_kv_bytes_sent, (int64_t)(me.comm.in_flight_seconds * 1e9)});
+    const size_t kFirstTime = rec.size();  // then nanoseconds by kind, kTimeKinds' order
+    for (const char* k : kTimeKinds)
+      rec.push_back(me.comm.seconds_by_kind.count(k) ? (int64_t)(me.comm.seconds_by_kind.at(k) * 1e9) : 0);
     const int R = mpi_->size();
     std::vector<int64_t> all(rec.size() * R);
     mpi_->all_gather(rec.data(), all.data(), std::vector<size_t>(R, rec.size() * sizeof(int64_t)));
@@ -389,6 +403,9 @@ MeshReport ClusterTrainer::mesh_report() const {
           rep.bytes_sent_max[kKinds[k]] = std::max<uint64_t>(rep.bytes_sent_max[kKinds[k]], x[kFirstKind + k]);
       rep.comm_seconds_max = std::max(rep.comm_seconds_max, (double)x[kComm] * 1e-9);
       rep.comm_in_flight_seconds_max = std::max(rep.comm_in_flight_seconds_max, (double)x[kComm + 9] * 1e-9);
+      for (size_t k = 0; k < std::size(kTimeKinds); ++k)
+        rep.comm_seconds_by_kind_max[kTimeKinds[k]] =
+            std::max(rep.comm_seconds_by_kind_max[kTimeKinds[k]], (double)x[kFirstTime + k] * 1e-9);
       if (!rep.pipeline.empty())
         rep.pipeline[(size_t)(r / per_stage)].add(x[kComm + 1] * 1e-9, x[kComm + 2] * 1e-9, (int)x[kComm + 3], x[10],
                                                   x[kComm + 4], x[kComm + 5] != 0);
@@ -401,6 +418,7 @@ MeshReport ClusterTrainer::mesh_report() const {
     for (auto& [k, b] : r->comm.bytes_sent) rep.bytes_sent_max[k] = std::max(rep.bytes_sent_max[k], b);
     rep.comm_seconds_max = std::max(rep.comm_seconds_max, r->comm.seconds);
     rep.comm_in_flight_seconds_max = std::max(rep.comm_in_flight_seconds_max, r->comm.in_flight_seconds);
+    for (auto& [k, t] : r->comm.seconds_by_kind) rep.comm_seconds_by_kind_max[k] = std::max(rep.comm_seconds_by_kind_max[k], t);
     if (!rep.context.empty()) {
       const MoeStats& st = r->model->moe_stats();
       rep.context[(size_t)r->at.context].add(st.cp_attention_seconds, st.cp_bytes_sent, st.cp_kv_bytes_sent, st.workspace_bytes);

@@ -151,6 +151,7 @@ nlohmann::json result_json(const RunResult& r) {
   j["bytes_sent_per_rank_per_step"] = r.bytes_sent_per_step;
   j["comm_seconds_per_rank_per_step"] = r.comm_seconds_per_step;
   j["comm_in_flight_seconds_per_rank_per_step"] = r.comm_in_flight_seconds_per_step;
+  j["comm_seconds_by_kind_per_rank_per_step"] = r.comm_seconds_by_kind_per_step;
   if (r.resumed_from) j["resumed_from"] = r.resumed_from;
   // true: --resume found the final step committed and trained nothing (losses empty).
   j["already_complete"] = r.already_complete;

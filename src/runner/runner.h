@@ -122,6 +122,7 @@ struct RunResult {
   std::map<std::string, double> bytes_sent_per_step;  // by collective kind, busiest rank
   double comm_seconds_per_step = 0;  // measured wall time in collectives per step (waits included), slowest rank
   double comm_in_flight_seconds_per_step = 0;  // measured: started collectives, start to completion (MeshReport)
+  std::map<std::string, double> comm_seconds_by_kind_per_step;  // comm_seconds_per_step by kind, each its slowest rank
   int resumed_from = 0;                       // steps already done by the checkpoint resumed from
   // --resume found the final step committed: nothing was trained; the
   // summary (final_state_hash, steps) is the manifest's.

@@ -109,6 +109,7 @@ class TrainingRun {
   std::map<std::string, uint64_t> train_bytes_;
   double train_comm_seconds_ = 0;
   double train_in_flight_seconds_ = 0;
+  std::map<std::string, double> train_comm_by_kind_;
   std::chrono::steady_clock::time_point t_start_;
   double last_progress_ = -1;  // seconds into the loop of the last progress line
   std::vector<MeshReport::ContextRank> context_sum_;  // context parallel: sums over the steps measured
@@ -458,6 +459,7 @@ void TrainingRun::record_step(int step, float loss, double step_seconds) {
     train_bytes_ = mr.bytes_sent_max;
     train_comm_seconds_ = mr.comm_seconds_max;
     train_in_flight_seconds_ = mr.comm_in_flight_seconds_max;
+    train_comm_by_kind_ = mr.comm_seconds_by_kind_max;
   }
   for (int h : opt_.hash_at)
     if (h == done) r_.state_hashes[done] = trainer_->state_hash();
@@ -521,6 +523,8 @@ void TrainingRun::finish() {
   for (auto& [k, b] : train_bytes_) r_.bytes_sent_per_step[k] = ran > 0 ? (double)b / ran : 0;
   r_.comm_seconds_per_step = ran > 0 ? train_comm_seconds_ / ran : 0;
   r_.comm_in_flight_seconds_per_step = ran > 0 ? train_in_flight_seconds_ / ran : 0;
+  for (auto& [k, t] : train_comm_by_kind_)
+    if (t > 0) r_.comm_seconds_by_kind_per_step[k] = ran > 0 ? t / ran : 0;
   r_.peak_rss_bytes = peak_rss_bytes();
 }
 
