@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <chrono>
+#include <functional>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -24,6 +25,22 @@
 #include "runner/scenario.h"
 
 namespace {
+
+// body on `ranks` in-process ranks, each with a step context whose tensor
+// group is the world (a chained fold's whole setting, no model).
+void on_tensor_group(int ranks, const std::function<void(ls::Communicator&, ls::StepContext&)>& body) {
+  ls::run_in_process(ranks, [&](ls::Communicator& world) {
+    ls::Mesh mesh;
+    mesh.set_group(ls::Axis::kTensor, &world);
+    ls::ModelConfig cfg;
+    ls::StepWorkspace ws;
+    ls::MoeStats stats;
+    std::vector<ls::ParamInfo> params;
+    ls::StepContext ctx{cfg, ws, stats, params, nullptr, nullptr, nullptr};
+    ctx.mesh = &mesh;
+    body(world, ctx);
+  });
+}
 
 using lstest::kSplitScenario;
 using lstest::loss_bits;
@@ -220,15 +237,7 @@ TEST_SUITE("tensor_parallel") {
     std::mutex mu;
     std::vector<Interval> seen;
     std::vector<std::vector<float>> results(2);
-    ls::run_in_process(2, [&](ls::Communicator& world) {
-      ls::Mesh mesh;
-      mesh.set_group(ls::Axis::kTensor, &world);
-      ls::ModelConfig cfg;
-      ls::StepWorkspace ws;
-      ls::MoeStats stats;
-      std::vector<ls::ParamInfo> params;
-      ls::StepContext ctx{cfg, ws, stats, params, nullptr, nullptr, nullptr};
-      ctx.mesh = &mesh;
+    on_tensor_group(2, [&](ls::Communicator& world, ls::StepContext& ctx) {
       std::vector<float> out((size_t)(rows * width), -1.0f);
       ls::ChainOutput chain;
       chain.data = out.data();
@@ -306,15 +315,7 @@ TEST_SUITE("tensor_parallel") {
     std::vector<std::vector<float>> results(2);
     std::vector<std::vector<std::pair<int, int>>> folded(2);  // (pass, part) in the order folded
     std::vector<std::chrono::steady_clock::time_point> begun(2), finished_pass0(2);
-    ls::run_in_process(2, [&](ls::Communicator& world) {
-      ls::Mesh mesh;
-      mesh.set_group(ls::Axis::kTensor, &world);
-      ls::ModelConfig cfg;
-      ls::StepWorkspace ws;
-      ls::MoeStats stats;
-      std::vector<ls::ParamInfo> params;
-      ls::StepContext ctx{cfg, ws, stats, params, nullptr, nullptr, nullptr};
-      ctx.mesh = &mesh;
+    on_tensor_group(2, [&](ls::Communicator& world, ls::StepContext& ctx) {
       const int me = world.rank();
       std::vector<std::vector<float>> store(parts);  // part b's outputs, where the rank keeps them
       for (int b = 0; b < parts; ++b) store[(size_t)b].assign((size_t)(rows_of[(size_t)b] * width), -1.0f);
