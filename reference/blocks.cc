@@ -72,6 +72,22 @@ int64_t count_of(const typename Step<T>::Layer& acts, int64_t NK, int e) {
   return count;
 }
 
+// Sample s's load-balancing loss E * sum_e f_se P_se: f_se its assignments
+// to e over its T K, P_se the mean of its tokens' gates g_e (a sequential
+// fold over the sample's tokens). Reduces over the expert index e.
+template <class T>
+T sample_balance(const typename Step<T>::Layer& acts, int64_t s, int64_t Ts, int E, int K) {
+  T dot = 0;
+  for (int e = 0; e < E; ++e) {
+    int64_t count = 0;
+    for (int64_t i = s * Ts * K; i < (s + 1) * Ts * K; ++i) count += acts.sel[i] == e;
+    T P = 0;
+    for (int64_t n = s * Ts; n < (s + 1) * Ts; ++n) P = P + acts.g[n * E + e];
+    dot = FMA(T(count) / T(Ts * K), P / T(Ts), dot);
+  }
+  return T(E) * dot;
+}
+
 // ---------------------------------------------------------------- embedding
 // h = tok_emb[x] + pos_emb[t].
 template <class T>
@@ -233,11 +249,17 @@ void moe_routing_backward(Model<T>& m, Step<T>& st, int l) {
   typename Step<T>::Layer& acts = st.layers[l];
   const T *moe_norm = layer_param(m, l, "moe_norm").w.data(), *router = layer_param(m, l, "router").w.data();
   std::vector<T> auxc(E), dz(N * E);
-  for (int e = 0; e < E; ++e) {
-    T f = T(count_of<T>(acts, N * K, e)) / T(N * K);
-    auxc[e] = ((T(c.aux_loss_weight) * T(E)) * f) / T(N);
-  }
+  auto aux_constants = [&](int64_t first, int64_t tokens) {  // f_e over those tokens' assignments
+    for (int e = 0; e < E; ++e) {
+      int64_t count = 0;
+      for (int64_t i = first * K; i < (first + tokens) * K; ++i) count += acts.sel[i] == e;
+      T f = T(count) / T(tokens * K);
+      auxc[e] = ((T(c.aux_loss_weight) * T(E)) * f) / T(N);
+    }
+  };
+  if (!c.aux_per_sample) aux_constants(0, N);  // the step's counts; per sample, each sample's
   for (int64_t n = 0; n < N; ++n) {
+    if (c.aux_per_sample && n % c.seq_len == 0) aux_constants(n, c.seq_len);
     for (int e = 0; e < E; ++e) st.dg[n * E + e] = st.dg[n * E + e] + auxc[e];
     softmax_backward(&acts.g[n * E], &st.dg[n * E], &dz[n * E], E);
     T zc = ((T(c.z_loss_weight) * T(2)) * acts.lse[n]) / T(N);
@@ -377,13 +399,22 @@ void moe_combine_forward(Model<T>& m, Step<T>& st, int l, Losses<T>& losses) {
   trace(m, st, "fwd", l, "moe.combine", "h", h, {N, D});
   // Switch load balancing: aux = E * sum_e f_e * P_e, f_e = count_e / (N K),
   // P_e = mean over tokens of g_e (a token reduction).
-  T dot = 0;  // reduces over the expert index e
-  for (int e = 0; e < E; ++e) {
-    T f = T(count_of<T>(acts, N * K, e)) / T(N * K);
-    T Pe = token_reduce<T>(N, leaf, [&](int64_t n, T acc) { return acc + acts.g[n * E + e]; }) / T(N);
-    dot = FMA(f, Pe, dot);
+  // Per sample (moe.aux_scope=sequence): each sample's loss, averaged over the samples (a token reduction whose
+  // items are samples: in order inside a leaf of leaf_samples, leaves by the canonical tree).
+  if (c.aux_per_sample) {
+    const int64_t B = N / c.seq_len;
+    acts.aux = token_reduce<T>(B, c.leaf_samples, [&](int64_t s, T acc) {
+                 return acc + sample_balance<T>(acts, s, c.seq_len, E, K);
+               }) / T(B);
+  } else {
+    T dot = 0;  // reduces over the expert index e
+    for (int e = 0; e < E; ++e) {
+      T f = T(count_of<T>(acts, N * K, e)) / T(N * K);
+      T Pe = token_reduce<T>(N, leaf, [&](int64_t n, T acc) { return acc + acts.g[n * E + e]; }) / T(N);
+      dot = FMA(f, Pe, dot);
+    }
+    acts.aux = T(E) * dot;
   }
-  acts.aux = T(E) * dot;
   // z-loss: mean over tokens of lse^2 (a token reduction).
   acts.zl = token_reduce<T>(N, leaf, [&](int64_t n, T acc) { return FMA(acts.lse[n], acts.lse[n], acc); }) / T(N);
   losses.aux = losses.aux + acts.aux;  // the step's sums fold layer by layer

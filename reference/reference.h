@@ -19,6 +19,7 @@ struct Config {
   bool shared_expert = false;
   float init_std = 0.02f, rms_eps = 1e-5f, aux_loss_weight = 0.01f, z_loss_weight = 0.001f;
   float router_skew = 0.0f;  // added to the router logits of experts [0, max(1, E/4))
+  bool aux_per_sample = false;  // the load-balancing loss per sample, averaged (moe.aux_scope=sequence)
   int batch = 16, leaf_samples = 1;
   // AdamW and schedule.
   float lr = 3e-3f, min_lr_ratio = 0.1f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;

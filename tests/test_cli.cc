@@ -426,7 +426,7 @@ TEST_SUITE("cli") {
     Result r = run("check --golden-dir " + golden + " --threads 1");
     CHECK(r.rc == 2);
     // The golden file the user's folder holds, and the way out.
-    CHECK(r.err.find("lockstep: error: " + golden + "/aux_z.json: its scenario scenarios/aux_z.json") == 0);
+    CHECK(r.err.find("lockstep: error: " + golden + "/aux_seq.json: its scenario scenarios/aux_seq.json") == 0);
     CHECK(r.err.find("--scenario-dir") != std::string::npos);
     CHECK(r.out.empty());
 
@@ -441,7 +441,7 @@ TEST_SUITE("cli") {
     // A scenario folder without top2.json: named as --scenario-dir DIR/top2.json.
     const fs::path some = far / "some";
     fs::create_directories(some);
-    for (const char* n : {"aux_z.json", "long_seq.json", "many_experts.json", "top1.json"})
+    for (const char* n : {"aux_seq.json", "aux_z.json", "long_seq.json", "many_experts.json", "top1.json"})
       fs::copy_file(kRoot / "scenarios" / n, some / n);
     r = run("check --golden-dir " + golden + " --scenario-dir " + some.string());
     CHECK(r.rc == 2);

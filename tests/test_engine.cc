@@ -462,6 +462,13 @@ TEST_SUITE("engine") {
         R"({"model": {"d_model": 18, "n_heads": 3, "seq_len": 7, "d_ff": 5}, "moe": {"experts": 5, "top_k": 2},
             "train": {"batch": 6}, "numerics": {"leaf_samples": 3}})"));
   }
+  TEST_CASE("training steps equal the reference: the sequence-wise aux loss, leaves of 1 and 3 samples") {
+    check_engine_matches_reference(tiny_scenario(R"({"moe": {"aux_scope": "sequence", "aux_loss_weight": 0.1}})"));
+    check_engine_matches_reference(tiny_scenario(
+        R"({"model": {"d_model": 18, "n_heads": 3, "seq_len": 7, "d_ff": 5, "shared_expert": true},
+            "moe": {"experts": 5, "top_k": 2, "aux_scope": "sequence", "aux_loss_weight": 0.1},
+            "train": {"batch": 6}, "numerics": {"leaf_samples": 3}})"));
+  }
   TEST_CASE("training steps equal the reference: grad clipping active, no aux losses") {
     check_engine_matches_reference(tiny_scenario(
         R"({"moe": {"aux_loss_weight": 0, "z_loss_weight": 0}, "train": {"grad_clip": 0.01, "lr": 0.01}})"));

@@ -192,6 +192,34 @@ TEST_SUITE("pipeline") {
     }
   }
 
+  TEST_CASE("with moe.aux_scope=sequence 1F1B holds no backward: at most p - s microbatches, less than GPipe") {
+    // The aux loss on (as by default), per sample: a microbatch's backward reads only its own samples' counts.
+    const ls::RunResult one = run_split({"moe.aux_scope=sequence"}, 1);
+    const ls::RunResult batch = run_split({}, 1);
+    CHECK(one.final_state_hash != batch.final_state_hash);  // another loss: other bits
+    std::vector<std::string> gsets = pp_sets(4, 8, "gpipe"), fsets = pp_sets(4, 8, "1f1b"),
+                             bsets = pp_sets(4, 8, "1f1b");
+    gsets.push_back("moe.aux_scope=sequence");
+    fsets.push_back("moe.aux_scope=sequence");
+    const ls::RunResult gpipe = run_split(gsets), f1b = run_split(fsets), held = run_split(bsets);
+    CHECK(gpipe.final_state_hash == one.final_state_hash);
+    CHECK(f1b.final_state_hash == one.final_state_hash);
+    CHECK(loss_bits(f1b) == loss_bits(one));
+    CHECK(held.final_state_hash == batch.final_state_hash);
+    REQUIRE(f1b.pipeline.size() == 4);
+    REQUIRE(held.pipeline.size() == 4);
+    for (int st = 0; st < 4; ++st) {
+      CAPTURE(st);
+      CHECK(gpipe.pipeline[st].peak_in_flight == 8);
+      CHECK(f1b.pipeline[st].peak_in_flight == 4 - st);
+      CHECK_FALSE(f1b.pipeline[st].held);
+      CHECK(f1b.pipeline[st].workspace_bytes < gpipe.pipeline[st].workspace_bytes);
+      // The same schedule with the step's counts (batch, the default) holds every microbatch, on every stage.
+      CHECK(held.pipeline[st].held);
+      CHECK(held.pipeline[st].peak_in_flight == 8);
+    }
+  }
+
   TEST_CASE("pp composes with dp, tp, sp, ep and fsdp on the one-process hash; a stage holds fewer weights") {
     const ls::RunResult one = run_split({}, 1);
     for (const std::vector<std::string>& sets : std::vector<std::vector<std::string>>{

@@ -77,7 +77,7 @@ const char* kFull = R"({
   "name": "full", "description": "every key set", "seed": 18446744073709551615,
   "model": {"d_model": 512, "n_layers": 8, "n_heads": 8, "seq_len": 128, "d_ff": 1024,
             "shared_expert": true, "init_std": 0.03, "rms_eps": 1e-06},
-  "moe": {"experts": 64, "top_k": 4, "aux_loss_weight": 0.02, "z_loss_weight": 0.0,
+  "moe": {"experts": 64, "top_k": 4, "aux_loss_weight": 0.02, "aux_scope": "sequence", "z_loss_weight": 0.0,
           "policy": "peak", "capacity_factor": 0.5, "capacity": 12, "group_size": 8, "borrow": false,
           "router_skew": 1.5},
   "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2, "shard_optimizer": false, "tp": 1, "sp": false, "pp": 2,
@@ -499,6 +499,8 @@ TEST_SUITE("scenario") {
     CHECK(err({"mesh.dp=2", "mesh.ep=4"}).find("mesh.ep: must divide mesh.dp") != std::string::npos);
     CHECK(err({"mesh.dp=4", "mesh.replicate=3"}).find("mesh.replicate: must divide mesh.dp") != std::string::npos);
     CHECK(err({"moe.policy=greedy"}).find("moe.policy: must be one of rounds, peak, drop") != std::string::npos);
+    CHECK(err({"moe.aux_scope=token"}).find("moe.aux_scope: must be one of batch, sequence, got \"token\"") !=
+          std::string::npos);
     CHECK(err({"train.batch=24", "mesh.dp=3", "numerics.leaf_samples=2"}) == "");  // 4 leaves per rank
   }
 

@@ -12,6 +12,12 @@ enum class MoePolicy {
   kDrop,    // fixed capacity; overflow skips the expert (GShard/Switch); changes the math
 };
 
+// Which tokens the load-balancing loss counts over (scenario key moe.aux_scope).
+enum class AuxScope {
+  kBatch,     // the step's: f_e and P_e over every token of the global batch (Switch)
+  kSequence,  // each sample's own f_e and P_e, the samples' losses averaged (DeepSeek-V3's sequence-wise loss)
+};
+
 struct ModelConfig {
   int vocab = 256;          // bytes; fixed
   int d_model = 64;
@@ -26,6 +32,7 @@ struct ModelConfig {
   float rms_eps = 1e-5f;
   float aux_loss_weight = 0.01f;  // Switch load-balancing loss; 0 disables
   float z_loss_weight = 0.001f;   // router z-loss; 0 disables
+  AuxScope aux_scope = AuxScope::kBatch;
   float router_skew = 0.0f;       // fixed logit bonus for experts [0, max(1, E/4)): skewed routing
   MoePolicy moe_policy = MoePolicy::kRounds;
   float capacity_factor = 1.0f;   // slots per expert per round = factor x mean load

@@ -212,6 +212,29 @@ LayerBalance layer_balance(int experts, const float* router_sums, const int64_t*
   return {(float)experts * dot, router_sums[experts] / global_tokens};
 }
 
+float sequence_balance(const float* gates, const int* sel, int64_t samples, int seq_len, int experts, int top_k,
+                       int64_t leaf_samples, std::vector<int64_t>& counts) {
+  const int E = experts, K = top_k;
+  const int64_t T = seq_len;
+  counts.assign((size_t)(samples * E), 0);
+  std::vector<float> leaf_sums((size_t)(samples / leaf_samples), 0.0f), gate_sums((size_t)E);
+  for (int64_t s = 0; s < samples; ++s) {
+    int64_t* n = &counts[(size_t)(s * E)];
+    for (int64_t i = s * T * K; i < (s + 1) * T * K; ++i) ++n[sel[i]];
+    std::fill(gate_sums.begin(), gate_sums.end(), 0.0f);
+    for (int64_t t = s * T; t < (s + 1) * T; ++t)  // reduces over the sample's tokens, in order
+      for (int e = 0; e < E; ++e) gate_sums[(size_t)e] = gate_sums[(size_t)e] + gates[t * E + e];
+    float dot = 0.0f;  // reduces over the expert index e
+    for (int e = 0; e < E; ++e) {
+      const float f = (float)n[e] / (float)(T * K);
+      dot = ls::fma(f, gate_sums[(size_t)e] / (float)T, dot);
+    }
+    float& leaf = leaf_sums[(size_t)(s / leaf_samples)];  // reduces over the leaf's samples, in order
+    leaf = leaf + (float)E * dot;
+  }
+  return tree_sum(leaf_sums.data(), (int64_t)leaf_sums.size());  // over leaves, the canonical tree
+}
+
 float total_loss(const ModelConfig& c, const StepLosses& l) {
   return l.ce + c.aux_loss_weight * l.aux + c.z_loss_weight * l.z;
 }

@@ -63,6 +63,17 @@ struct LayerBalance {
 LayerBalance layer_balance(int experts, const float* router_sums, const int64_t* counts, float global_tokens,
                            float global_assignments);
 
+// moe.aux_scope=sequence: the load-balancing loss of each of `samples`
+// consecutive samples of seq_len tokens, E * sum_e f_se P_se with f_se =
+// counts[s * E + e] / (seq_len K) and P_se = (a sequential fold of the
+// sample's gates g_e) / seq_len, summed as a token reduction (in order inside
+// each leaf of leaf_samples samples, leaves by the canonical tree). Fills
+// counts (samples x E, the sample's assignments per expert) from sel (K per
+// token) and returns the sum: the layer's loss is its total over the global
+// batch divided by the batch's samples. Reduces over the expert index e.
+float sequence_balance(const float* gates, const int* sel, int64_t samples, int seq_len, int experts, int top_k,
+                       int64_t leaf_samples, std::vector<int64_t>& counts);
+
 // Routing statistics of the last forward pass.
 struct MoeStats {
   std::vector<int64_t> tokens_per_expert;  // layer-major: [layer * experts + e], this rank's tokens

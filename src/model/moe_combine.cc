@@ -60,19 +60,25 @@ class MoeCombine : public LayerBlock {
     // This rank's subtrees (ops::router_stats), then the canonical tree over ranks.
     StepWorkspace& ws = ctx.ws;
     ops::DeviceVector<float>& sums = ws.router_sums;
-    sums.resize(E + 1);
+    const bool per_sample = c.aux_scope == AuxScope::kSequence;
+    sums.resize(E + 1 + (per_sample ? 1 : 0));
     ops::router_stats(acts.gates.data(), acts.router_lse.data(), Ns, E, ctx.leaf_tokens, ctx.stream_leaves, sums.data());
     ops::synchronize();  // read by the host (and the mesh's sum)
+    // The stream's samples' balance losses, summed as the router sums are: a third token reduction.
+    if (per_sample)
+      sums[E + 1] = sequence_balance(acts.gates.data(), acts.sel.data() + first * K, Ns / c.seq_len, c.seq_len, E, K,
+                                     ctx.leaf_tokens / c.seq_len, acts.sample_counts);
     acts.global_counts.resize(E);
     for (int e = 0; e < E; ++e) acts.global_counts[e] = acts.expert_off[e + 1] - acts.expert_off[e];
     if (ctx.microbatches > 0) {  // a pipeline combines the microbatches' sums and counts
-      acts.router_partial.assign(sums.data(), sums.data() + E + 1);
+      acts.router_partial.assign(sums.data(), sums.data() + sums.size());
       return;
     }
     ctx.mesh->stream_group().all_reduce_sum(sums.data(), sums.size());
     ctx.group(Axis::kData).all_reduce_sum(acts.global_counts.data(), E);
-    const LayerBalance balance =
+    LayerBalance balance =
         layer_balance(E, sums.data(), acts.global_counts.data(), ctx.global_tokens, ctx.global_assignments);
+    if (per_sample) balance.aux = sums[E + 1] / (ctx.global_tokens / (float)c.seq_len);  // the mean over samples
     ws.aux_loss[layer_] = balance.aux;
     ws.z_loss[layer_] = balance.z;
     // The step's sums fold layer by layer, in layer order.

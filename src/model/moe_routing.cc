@@ -69,13 +69,26 @@ class MoeRouting : public LayerBlock {
     // The gate gradient + the aux term (the counts are constants), softmax
     // backward, + the z-loss term.
     ops::synchronize();
-    ws.row_vector.resize(E);
-    for (int e = 0; e < E; ++e) {
-      const float f = (float)acts.global_counts[e] / ctx.global_assignments;
-      ws.row_vector[e] = ((c.aux_loss_weight * (float)E) * f) / ctx.global_tokens;
+    if (c.aux_scope == AuxScope::kSequence) {  // each sample's own counts: a row vector per sample
+      const int64_t T = c.seq_len, samples = N / T;
+      const float assignments = (float)(T * c.top_k);
+      ws.row_vector.resize(samples * E);
+      for (int64_t s = 0; s < samples; ++s)
+        for (int e = 0; e < E; ++e) {
+          const float f = (float)acts.sample_counts[(size_t)(s * E + e)] / assignments;
+          ws.row_vector[s * E + e] = ((c.aux_loss_weight * (float)E) * f) / ctx.global_tokens;
+        }
+      for (int64_t s = 0; s < samples; ++s)
+        ops::add_row_vector(ws.dg.data() + s * T * E, T, E, E, ws.row_vector.data() + s * E);
+    } else {
+      ws.row_vector.resize(E);
+      for (int e = 0; e < E; ++e) {
+        const float f = (float)acts.global_counts[e] / ctx.global_assignments;
+        ws.row_vector[e] = ((c.aux_loss_weight * (float)E) * f) / ctx.global_tokens;
+      }
+      ops::add_row_vector(ws.dg.data(), N, E, E, ws.row_vector.data());
     }
     ws.dz.resize(N * E);
-    ops::add_row_vector(ws.dg.data(), N, E, E, ws.row_vector.data());
     ops::softmax_backward_rows(acts.gates.data(), E, ws.dg.data(), E, ws.dz.data(), E, (int)N, E, 0);
     ops::z_loss_grad(acts.gates.data(), acts.router_lse.data(), N, E, c.z_loss_weight * 2.0f, ctx.global_tokens,
                      ws.dz.data());

@@ -41,7 +41,9 @@ struct LayerActs {
   std::vector<int64_t> row_token;           // [N*K] token of each expert row
   std::vector<int64_t> global_counts;       // [E] assignments per expert over every data-parallel rank
                                             // (pipelined: this microbatch's until the pipeline sets the step's)
-  std::vector<float> router_partial;        // pipelined: this microbatch's router sums ([E] gates, lse^2)
+  std::vector<float> router_partial;        // pipelined: this microbatch's router sums ([E] gates, lse^2,
+                                            // and with moe.aux_scope=sequence the samples' losses)
+  std::vector<int64_t> sample_counts;       // moe.aux_scope=sequence: [held stream samples, E] assignments
   // The round schedule: plans[d] is EP rank d's (every rank knows every
   // owner's, to place its rows); counts[src * E + e]: rows of EP rank src
   // for expert e. Without expert parallelism: one plan, counts = the loads.

@@ -58,13 +58,15 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes) {
   const uint64_t f = sizeof(float);
   // A pipeline's workspaces: one per microbatch in flight on each stage,
   // each holding the stage's layers (about n_layers / pp) and the backward
-  // scratch; 1F1B keeps pp - s in flight on stage s unless the aux loss
-  // makes every stage hold all m (runner/pipeline.h); GPipe and interleaved: m.
+  // scratch; 1F1B keeps pp - s in flight on stage s unless the aux loss over
+  // the batch makes every stage hold all m (runner/pipeline.h); GPipe and interleaved: m.
   WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes / m, ep);
   if (s.mesh.pipelined(s.microbatches)) {
     int64_t slots = 0;
     for (int st = 0; st < pp; ++st)
-      slots += s.mesh.schedule() == PipelineSchedule::k1f1b && c.aux_loss_weight == 0 ? std::min(pp - st, m) : m;
+      slots += s.mesh.schedule() == PipelineSchedule::k1f1b && (c.aux_loss_weight == 0 || c.aux_scope == AuxScope::kSequence)
+                   ? std::min(pp - st, m)
+                   : m;
     const double share = (double)slots / pp;  // workspaces per stage, on average
     w.activations = (int64_t)(share * (c.n_layers * w.per_layer / pp + w.scratch)) * pp;
     w.expert_buffers = (int64_t)(share * w.expert_buffers);

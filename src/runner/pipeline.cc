@@ -194,8 +194,10 @@ struct PipelineStage::Step {
   const int64_t sample_bytes_, mb_tokens_;
   const size_t stream_bytes_;
   const float global_tokens_, global_assignments_;
-  // The backward reads the step's expert counts only through the aux loss's gradient, which is +0 at weight 0.
+  // The backward reads the step's expert counts only through the aux loss's gradient, which is +0 at weight 0,
+  // and with moe.aux_scope=sequence reads its own microbatch's samples' counts instead.
   const bool hold_;
+  const size_t router_width_;  // a microbatch's router sums: E gate sums, lse^2 (and the samples' losses)
 
   std::vector<Chunk> chunks_;
   std::vector<LeafTree> trees_;  // per chunk
@@ -232,7 +234,8 @@ PipelineStage::Step::Step(PipelineStage& stage, MoeTransformer& model, const Mes
       stream_bytes_(stream_bytes_of(sizes_, mb_tokens_, cfg_.d_model)),
       global_tokens_((float)(mb_tokens_ * sizes_.dp * m_)),
       global_assignments_((float)(mb_tokens_ * cfg_.top_k * sizes_.dp * m_)),
-      hold_(cfg_.aux_loss_weight != 0.0f),
+      hold_(cfg_.aux_loss_weight != 0.0f && cfg_.aux_scope == AuxScope::kBatch),
+      router_width_((size_t)E_ + (cfg_.aux_scope == AuxScope::kSequence ? 2 : 1)),
       router_((size_t)L_),
       counts_((size_t)L_),
       step_counts_((size_t)L_),
@@ -244,7 +247,7 @@ PipelineStage::Step::Step(PipelineStage& stage, MoeTransformer& model, const Mes
   for (Chunk& ch : chunks_) trees_.emplace_back(ch.tree_scratch.data(), ch.width);
   for (const Chunk& ch : chunks_)
     for (int l : ch.layers) {
-      router_[(size_t)l].assign((size_t)m_ * (E_ + 1), 0.0f);
+      router_[(size_t)l].assign((size_t)m_ * router_width_, 0.0f);
       counts_[(size_t)l].assign((size_t)m_ * E_, 0);
     }
 }
@@ -333,9 +336,9 @@ void PipelineStage::Step::forward(const PipelineAction& a) {
 void PipelineStage::Step::keep_statistics(const Chunk& ch, int mb) {
   for (int l : ch.layers) {
     const std::vector<float>& r = model_.router_partial(l);
-    float* mine = router_[(size_t)l].data() + (size_t)mb * (E_ + 1);
+    float* mine = router_[(size_t)l].data() + (size_t)mb * router_width_;
     std::copy(r.begin(), r.end(), mine);
-    if (sizes_.sp) mesh_.group(Axis::kTensor).all_reduce_sum(mine, (size_t)E_ + 1);
+    if (sizes_.sp) mesh_.group(Axis::kTensor).all_reduce_sum(mine, router_width_);
     const std::vector<int64_t>& n = model_.expert_counts(l);
     std::copy(n.begin(), n.end(), counts_[(size_t)l].begin() + (size_t)mb * E_);
   }
@@ -350,8 +353,8 @@ void PipelineStage::Step::keep_statistics(const Chunk& ch, int mb) {
 void PipelineStage::Step::combine(Chunk& ch) {
   for (int l : ch.layers) {
     std::vector<const float*> parts;
-    for (int mb = 0; mb < m_; ++mb) parts.push_back(router_[(size_t)l].data() + (size_t)mb * (E_ + 1));
-    std::vector<float> sums((size_t)E_ + 1);
+    for (int mb = 0; mb < m_; ++mb) parts.push_back(router_[(size_t)l].data() + (size_t)mb * router_width_);
+    std::vector<float> sums(router_width_);
     tree_over_ranks(parts.data(), m_, 0, sums.size(), sums.data());
     mesh_.group(Axis::kData).all_reduce_sum(sums.data(), sums.size());
     std::vector<int64_t>& total = step_counts_[(size_t)l];
@@ -360,6 +363,8 @@ void PipelineStage::Step::combine(Chunk& ch) {
       for (int e = 0; e < E_; ++e) total[(size_t)e] += counts_[(size_t)l][(size_t)mb * E_ + e];
     mesh_.group(Axis::kData).all_reduce_sum(total.data(), total.size());
     balance_[(size_t)l] = layer_balance(E_, sums.data(), total.data(), global_tokens_, global_assignments_);
+    if (cfg_.aux_scope == AuxScope::kSequence)  // the mean over the step's samples
+      balance_[(size_t)l].aux = sums[(size_t)E_ + 1] / (global_tokens_ / (float)cfg_.seq_len);
   }
   if (ch.last == model_.num_blocks()) {
     std::vector<const float*> parts;

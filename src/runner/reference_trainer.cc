@@ -29,6 +29,7 @@ ref::Config reference_config(const Scenario& s) {
   c.aux_loss_weight = m.aux_loss_weight;
   c.z_loss_weight = m.z_loss_weight;
   c.router_skew = m.router_skew;
+  c.aux_per_sample = m.aux_scope == AuxScope::kSequence;
   c.batch = s.batch;
   c.leaf_samples = s.leaf_samples;
   const OptimConfig& o = s.optim;

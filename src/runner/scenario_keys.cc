@@ -83,6 +83,29 @@ Row policy_row() {
   return r;
 }
 
+// moe.aux_scope: a string naming an AuxScope.
+Row aux_scope_row() {
+  Row r;
+  r.info.key = "moe.aux_scope";
+  r.info.type = "string";
+  r.info.doc = "Tokens the load-balancing loss counts over: batch (each expert's share of the step's assignments "
+               "and of its gates, over the whole global batch: Switch) or sequence (each sample's own, the "
+               "samples' losses averaged: DeepSeek-V3's sequence-wise balance loss). With sequence a microbatch "
+               "knows its counts when its forward ends, so a 1F1B pipeline holds no backward.";
+  r.info.constraint = "one of batch, sequence";
+  r.decode = [](Scenario& s, const json& v) -> std::string {
+    std::string name;
+    if (std::string e = decode_value(v, &name); !e.empty()) return e;
+    if (name == "batch") s.model.aux_scope = AuxScope::kBatch;
+    else if (name == "sequence") s.model.aux_scope = AuxScope::kSequence;
+    else return "must be one of batch, sequence, got \"" + name + "\"";
+    return std::string();
+  };
+  r.encode = [](const Scenario& s) { return json(s.model.aux_scope == AuxScope::kBatch ? "batch" : "sequence"); };
+  r.check = [](const Scenario&) { return std::string(); };
+  return r;
+}
+
 // The run's identity and its random draws.
 std::vector<Row> top_level_rows() {
   return {
@@ -143,6 +166,7 @@ std::vector<Row> moe_rows() {
             "Weight of the Switch load-balancing loss; 0 disables it.", {at_least(0.0f)}),
       field("moe.z_loss_weight", [](S& s) -> float& { return s.model.z_loss_weight; },
             "Weight of the router z-loss; 0 disables it.", {at_least(0.0f)}),
+      aux_scope_row(),
   };
 }
 
