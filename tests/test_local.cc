@@ -168,6 +168,22 @@ TEST_SUITE("local") {
     }
   }
 
+  TEST_CASE("local on a pipeline: the microbatches' gradients added in arrival order; close to portable") {
+    const std::vector<std::string> pipe4 = {"mesh.pp=2", "train.microbatches=4"},
+                                   pipe2 = {"mesh.pp=2", "train.microbatches=2"};
+    const ls::RunResult portable = train("portable", 16, 2, pipe4);
+    const ls::RunResult l4 = train("local", 16, 2, pipe4), again = train("local", 16, 2, pipe4),
+                        l2 = train("local", 16, 2, pipe2);
+    CHECK(l4.level == "local");
+    REQUIRE(l4.pipeline.size() == 2);  // really pipelined
+    REQUIRE(l4.losses.size() == 16);
+    for (int i = 0; i < 16; ++i)
+      CHECK(std::fabs((double)l4.losses[i] - portable.losses[i]) <= 1e-4 * std::fabs((double)portable.losses[i]));
+    CHECK(again.final_state_hash == l4.final_state_hash);  // bitwise run to run at a fixed mesh
+    CHECK(l2.final_state_hash != l4.final_state_hash);     // a running sum: the microbatch count moves the bits
+    CHECK(train("portable", 16, 2, pipe2).final_state_hash == portable.final_state_hash);  // the tree does not
+  }
+
   TEST_CASE("a run leaves the process portable, whatever its level") {
     train("local", 2, 1);
     CHECK(ls::numerics_level() == ls::NumericsLevel::kPortable);

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "common/error.h"
+#include "common/numerics_level.h"
 #include "contract.h"
 
 namespace ls {
@@ -169,6 +170,7 @@ struct PipelineStage::Step {
     int64_t width = 0;                // their elements
     std::vector<float> tree_scratch;  // the gradient tree over microbatches (LeafTree levels)
     int forwards = 0;                 // microbatches that ran its forward
+    int backwards = 0;                // and its backward
     bool combined = false;            // its statistics are the step's
   };
   Chunk make_chunk(int k) const;  // the stage's chunk k
@@ -407,7 +409,23 @@ void PipelineStage::Step::backward(const PipelineAction& a) {
 }
 
 // This microbatch's gradients: the next leaf of the tree over microbatches.
+// numerics.level=local: added to a running sum in arrival order instead, as
+// a trainer accumulating gradients over microbatches usually does.
 void PipelineStage::Step::push_gradient_leaf(size_t k) {
+  Chunk& ch = chunks_[k];
+  if (local_numerics()) {
+    float* sum = ch.tree_scratch.data();
+    for (size_t t : ch.params) {
+      const ParamInfo& p = infos_[t];
+      const float* g = model_.grads() + p.offset;
+      if (ch.backwards == 0) std::memcpy(sum, g, sizeof(float) * p.size);
+      else
+        for (int64_t i = 0; i < p.size; ++i) sum[i] += g[i];
+      sum += p.size;
+    }
+    ++ch.backwards;
+    return;
+  }
   float* leaf = trees_[k].next_leaf();
   for (size_t t : chunks_[k].params) {
     const ParamInfo& p = infos_[t];
@@ -421,7 +439,7 @@ void PipelineStage::Step::finish_gradients() {
   if (m_ == 1) return;  // the one microbatch's gradients are in place
   const Clock::time_point busy0 = Clock::now();
   for (size_t k = 0; k < chunks_.size(); ++k) {
-    const float* whole = trees_[k].finish();
+    const float* whole = local_numerics() ? chunks_[k].tree_scratch.data() : trees_[k].finish();
     for (size_t t : chunks_[k].params) {
       const ParamInfo& p = infos_[t];
       std::memcpy(model_.grads() + p.offset, whole, sizeof(float) * p.size);

@@ -191,6 +191,25 @@ struct Loader {
 
 }  // namespace
 
+// The key table as the docs show it (scenario_table::rows, scenario_keys.cc).
+const std::vector<ScenarioKey>& scenario_keys() {
+  static const std::vector<ScenarioKey> t = [] {
+    std::vector<ScenarioKey> out;
+    for (const Row& r : rows()) out.push_back(r.info);
+    return out;
+  }();
+  return t;
+}
+
+std::string scenario_keys_markdown() {
+  std::string md = "| key | type | default | meaning | constraints |\n"
+                   "| --- | --- | --- | --- | --- |\n";
+  for (const ScenarioKey& k : scenario_keys())
+    md += "| `" + k.key + "` | " + k.type + " | `" + k.default_value.dump() + "` | " + k.doc +
+          " | " + k.constraint + " |\n";
+  return md;
+}
+
 Scenario scenario_from_json(const nlohmann::json& j, const std::string& origin,
                             const std::vector<std::string>& sets) {
   Loader l;

@@ -56,54 +56,53 @@ namespace {
 
 using S = Scenario;
 
-// moe.policy: a string naming a MoePolicy.
-Row policy_row() {
+// A string key naming one of a ModelConfig enum's values.
+template <class E>
+Row enum_row(const std::string& key, const std::string& doc, E ModelConfig::*member,
+             std::vector<std::pair<std::string, E>> values) {
+  std::string list;
+  for (const auto& [name, value] : values) list += (list.empty() ? "" : ", ") + name;
   Row r;
-  r.info.key = "moe.policy";
+  r.info.key = key;
   r.info.type = "string";
-  r.info.doc = "Expert scheduling: rounds (fixed capacity per round, overflow waits, never drops), "
-               "peak (one round sized to the busiest expert), drop (overflow skips the expert; "
-               "changes the math).";
-  r.info.constraint = "one of rounds, peak, drop";
-  r.decode = [](Scenario& s, const json& v) -> std::string {
+  r.info.doc = doc;
+  r.info.constraint = "one of " + list;
+  r.decode = [member, values, list](Scenario& s, const json& v) -> std::string {
     std::string name;
     if (std::string e = decode_value(v, &name); !e.empty()) return e;
-    if (name == "rounds") s.model.moe_policy = MoePolicy::kRounds;
-    else if (name == "peak") s.model.moe_policy = MoePolicy::kPeak;
-    else if (name == "drop") s.model.moe_policy = MoePolicy::kDrop;
-    else return "must be one of rounds, peak, drop, got \"" + name + "\"";
-    return std::string();
+    for (const auto& [n, value] : values)
+      if (n == name) {
+        s.model.*member = value;
+        return std::string();
+      }
+    return "must be one of " + list + ", got \"" + name + "\"";
   };
-  r.encode = [](const Scenario& s) {
-    return json(s.model.moe_policy == MoePolicy::kRounds ? "rounds"
-                : s.model.moe_policy == MoePolicy::kPeak ? "peak"
-                                                         : "drop");
+  r.encode = [member, values](const Scenario& s) {
+    for (const auto& [n, value] : values)
+      if (s.model.*member == value) return json(n);
+    return json(nullptr);
   };
   r.check = [](const Scenario&) { return std::string(); };
   return r;
 }
 
-// moe.aux_scope: a string naming an AuxScope.
+Row policy_row() {
+  return enum_row<MoePolicy>("moe.policy",
+                             "Expert scheduling: rounds (fixed capacity per round, overflow waits, never drops), "
+                             "peak (one round sized to the busiest expert), drop (overflow skips the expert; "
+                             "changes the math).",
+                             &ModelConfig::moe_policy,
+                             {{"rounds", MoePolicy::kRounds}, {"peak", MoePolicy::kPeak}, {"drop", MoePolicy::kDrop}});
+}
+
 Row aux_scope_row() {
-  Row r;
-  r.info.key = "moe.aux_scope";
-  r.info.type = "string";
-  r.info.doc = "Tokens the load-balancing loss counts over: batch (each expert's share of the step's assignments "
-               "and of its gates, over the whole global batch: Switch) or sequence (each sample's own, the "
-               "samples' losses averaged: DeepSeek-V3's sequence-wise balance loss). With sequence a microbatch "
-               "knows its counts when its forward ends, so a 1F1B pipeline holds no backward.";
-  r.info.constraint = "one of batch, sequence";
-  r.decode = [](Scenario& s, const json& v) -> std::string {
-    std::string name;
-    if (std::string e = decode_value(v, &name); !e.empty()) return e;
-    if (name == "batch") s.model.aux_scope = AuxScope::kBatch;
-    else if (name == "sequence") s.model.aux_scope = AuxScope::kSequence;
-    else return "must be one of batch, sequence, got \"" + name + "\"";
-    return std::string();
-  };
-  r.encode = [](const Scenario& s) { return json(s.model.aux_scope == AuxScope::kBatch ? "batch" : "sequence"); };
-  r.check = [](const Scenario&) { return std::string(); };
-  return r;
+  return enum_row<AuxScope>(
+      "moe.aux_scope",
+      "Tokens the load-balancing loss counts over: batch (each expert's share of the step's assignments and of its "
+      "gates, over the whole global batch: Switch) or sequence (each sample's own, the samples' losses averaged: "
+      "DeepSeek-V3's sequence-wise balance loss). With sequence a microbatch knows its counts when its forward "
+      "ends, so a 1F1B pipeline holds no backward.",
+      &ModelConfig::aux_scope, {{"batch", AuxScope::kBatch}, {"sequence", AuxScope::kSequence}});
 }
 
 // The run's identity and its random draws.
@@ -585,26 +584,4 @@ bool is_section(const std::string& key) {
 }
 
 }  // namespace scenario_table
-
-using scenario_table::Row;
-using scenario_table::rows;
-
-const std::vector<ScenarioKey>& scenario_keys() {
-  static const std::vector<ScenarioKey> t = [] {
-    std::vector<ScenarioKey> out;
-    for (const Row& r : rows()) out.push_back(r.info);
-    return out;
-  }();
-  return t;
-}
-
-std::string scenario_keys_markdown() {
-  std::string md = "| key | type | default | meaning | constraints |\n"
-                   "| --- | --- | --- | --- | --- |\n";
-  for (const ScenarioKey& k : scenario_keys())
-    md += "| `" + k.key + "` | " + k.type + " | `" + k.default_value.dump() + "` | " + k.doc +
-          " | " + k.constraint + " |\n";
-  return md;
-}
-
 }  // namespace ls
