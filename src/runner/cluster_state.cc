@@ -24,49 +24,36 @@ struct ClusterTrainer::StatePart {
 
 namespace {
 
-// The whole state, tensor by tensor (canonical index): weights, AdamW's m and v.
-struct WholeState {
-  explicit WholeState(const std::vector<ParamInfo>& all)
-      : all(all), param(all.size()), mom1(all.size()), mom2(all.size()) {
+// The global state's canonical hash from the ranks' pieces (contract rule
+// 6: adam_m/<p>, adam_v/<p>, param/<p>, each tensor's little-endian bits),
+// one tensor assembled at a time, so hashing holds one tensor beside the
+// state rather than a copy of all of it.
+std::string hash_pieces(const std::vector<ParamInfo>& all, const std::vector<ClusterTrainer::StatePart>& parts) {
+  std::vector<std::vector<const ClusterTrainer::StatePart*>> of_tensor(all.size());
+  for (const ClusterTrainer::StatePart& p : parts) of_tensor[(size_t)p.t].push_back(&p);
+  StateHasher hs;
+  std::vector<float> tensor;
+  for (int kind = 0; kind < 3; ++kind)
     for (size_t t = 0; t < all.size(); ++t) {
       int64_t global = 1;
       for (int64_t d : all[t].global_shape) global *= d;
-      param[t].assign(global, 0.0f);
-      mom1[t].assign(global, 0.0f);
-      mom2[t].assign(global, 0.0f);
-    }
-  }
-  void place(const ClusterTrainer::StatePart& p) {
-    if (p.tp_first < 0) {
-      std::copy(p.w, p.w + p.n, param[p.t].begin() + p.start);
-      std::copy(p.m1, p.m1 + p.n, mom1[p.t].begin() + p.start);
-      std::copy(p.m2, p.m2 + p.n, mom2[p.t].begin() + p.start);
-      return;
-    }
-    ParamInfo q = all[p.t];  // the part's view of the tensor
-    q.global_offset = p.start;
-    q.tp_first = p.tp_first;
-    for (int64_t i = 0; i < p.n; ++i) {
-      const int64_t g = q.global_index(p.held_first + i);
-      param[p.t][g] = p.w[i];
-      mom1[p.t][g] = p.m1[i];
-      mom2[p.t][g] = p.m2[i];
-    }
-  }
-  // Contract rule 6: names adam_m/<p>, adam_v/<p>, param/<p>, each tensor's little-endian bits.
-  std::string hash() const {
-    StateHasher hs;
-    for (int kind = 0; kind < 3; ++kind)
-      for (size_t t = 0; t < all.size(); ++t) {
-        const char* prefix = kind == 0 ? "adam_m/" : kind == 1 ? "adam_v/" : "param/";
-        const auto& data = kind == 0 ? mom1[t] : kind == 1 ? mom2[t] : param[t];
-        hs.add(prefix + all[t].name, all[t].global_shape, data.data());
+      tensor.assign((size_t)global, 0.0f);
+      for (const ClusterTrainer::StatePart* p : of_tensor[t]) {
+        const float* from = kind == 0 ? p->m1 : kind == 1 ? p->m2 : p->w;
+        if (p->tp_first < 0) {
+          std::copy(from, from + p->n, tensor.begin() + p->start);
+          continue;
+        }
+        ParamInfo q = all[t];  // the part's view of the tensor
+        q.global_offset = p->start;
+        q.tp_first = p->tp_first;
+        for (int64_t i = 0; i < p->n; ++i) tensor[(size_t)q.global_index(p->held_first + i)] = from[i];
       }
-    return hs.hex();
-  }
-  const std::vector<ParamInfo>& all;
-  std::vector<std::vector<float>> param, mom1, mom2;
-};
+      const char* prefix = kind == 0 ? "adam_m/" : kind == 1 ? "adam_v/" : "param/";
+      hs.add(prefix + all[t].name, all[t].global_shape, tensor.data());
+    }
+  return hs.hex();
+}
 
 }  // namespace
 
@@ -125,15 +112,15 @@ std::vector<ClusterTrainer::StatePart> ClusterTrainer::all_processes_parts(const
 // Assembles the global tensors from the ranks' pieces, as a checkpoint
 // would, and hashes them canonically (contract rule 6).
 std::string ClusterTrainer::state_hash() const {
-  WholeState whole(all_tensors_);
+  std::vector<float> data;  // under MPI, every process's pieces
+  std::vector<StatePart> parts;
   if (!mpi_) {
     for (const auto& rank : ranks_)
-      for (const StatePart& p : state_parts(*rank)) whole.place(p);
+      for (const StatePart& p : state_parts(*rank)) parts.push_back(p);
   } else {
-    std::vector<float> data;
-    for (const StatePart& p : all_processes_parts(state_parts(*ranks_[mpi_->rank()]), data)) whole.place(p);
+    parts = all_processes_parts(state_parts(*ranks_[mpi_->rank()]), data);
   }
-  return whole.hash();
+  return hash_pieces(all_tensors_, parts);
 }
 
 float* ClusterTrainer::storage(Rank& r, size_t t, const std::string& kind) const {

@@ -218,9 +218,9 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   if (!s.ckpt.url.empty() && s.ckpt.every > 0)
     add("checkpoint_staging", 3 * global_weights * f * (1 + std::max(1, s.ckpt.max_inflight)),
         "weights and moments staged in DRAM, plus encoded shards of the uploads in flight");
-  // A mesh gathers every tensor's whole weights and moments to hash them
-  // (ClusterTrainer::state_hash); a single rank hashes in place.
-  if (multi) add("state_hash_gather", 3 * global_weights * f, "whole weights and moments, gathered to hash the state");
+  // MPI processes gather every piece of the weights and moments to hash the
+  // state (ClusterTrainer::state_hash); in process, one tensor at a time.
+  if (multi && opt.mpi) add("state_hash_gather", 3 * global_weights * f, "weights and moments, gathered to hash the state");
   uint64_t restore = 0;
   if (!opt.resume.empty()) {
     restore = 2 * 3 * global_weights * f;

@@ -168,7 +168,7 @@ struct PipelineStage::Step {
     std::vector<int> layers;          // whose router statistics it produces
     std::vector<size_t> params;       // the model's tensors it writes gradients of
     int64_t width = 0;                // their elements
-    std::vector<float> tree_scratch;  // the gradient tree over microbatches (LeafTree levels)
+    float* tree_scratch = nullptr;    // the gradient tree over microbatches (LeafTree levels; the stage's)
     int forwards = 0;                 // microbatches that ran its forward
     int backwards = 0;                // and its backward
     bool combined = false;            // its statistics are the step's
@@ -246,7 +246,7 @@ PipelineStage::Step::Step(PipelineStage& stage, MoeTransformer& model, const Mes
       slot_of_((size_t)m_, -1),
       backwards_left_((size_t)m_, v_) {
   for (int k = 0; k < v_; ++k) chunks_.push_back(make_chunk(k));
-  for (Chunk& ch : chunks_) trees_.emplace_back(ch.tree_scratch.data(), ch.width);
+  for (Chunk& ch : chunks_) trees_.emplace_back(ch.tree_scratch, ch.width);
   for (const Chunk& ch : chunks_)
     for (int l : ch.layers) {
       router_[(size_t)l].assign((size_t)m_ * router_width_, 0.0f);
@@ -265,7 +265,17 @@ PipelineStage::Step::Chunk PipelineStage::Step::make_chunk(int k) const {
     if (infos_[t].expert && sizes_.ep > 1) continue;
     if (b >= ch.first && b < ch.last) ch.params.push_back(t), ch.width += infos_[t].size;
   }
-  if (m_ > 1) ch.tree_scratch.resize((size_t)LeafTree::levels_for(m_) * ch.width);
+  if (m_ > 1) {
+    std::vector<std::vector<float>>& kept = stage_.tree_scratch_;
+    if (kept.size() < (size_t)v_) kept.resize((size_t)v_);
+    std::vector<float>& tree = kept[(size_t)k];
+    // The counter's stack after k < m pushes holds popcount(k) entries, and the next leaf one more:
+    // floor(log2 m) + 1 buffers in all (LeafTree::levels_for allows one more, never written here).
+    int levels = 1;
+    while ((1 << levels) <= m_) ++levels;
+    tree.resize((size_t)levels * ch.width);
+    ch.tree_scratch = tree.data();
+  }
   return ch;
 }
 
@@ -414,7 +424,7 @@ void PipelineStage::Step::backward(const PipelineAction& a) {
 void PipelineStage::Step::push_gradient_leaf(size_t k) {
   Chunk& ch = chunks_[k];
   if (local_numerics()) {
-    float* sum = ch.tree_scratch.data();
+    float* sum = ch.tree_scratch;
     for (size_t t : ch.params) {
       const ParamInfo& p = infos_[t];
       const float* g = model_.grads() + p.offset;
@@ -439,7 +449,7 @@ void PipelineStage::Step::finish_gradients() {
   if (m_ == 1) return;  // the one microbatch's gradients are in place
   const Clock::time_point busy0 = Clock::now();
   for (size_t k = 0; k < chunks_.size(); ++k) {
-    const float* whole = local_numerics() ? chunks_[k].tree_scratch.data() : trees_[k].finish();
+    const float* whole = local_numerics() ? chunks_[k].tree_scratch : trees_[k].finish();
     for (size_t t : chunks_[k].params) {
       const ParamInfo& p = infos_[t];
       std::memcpy(model_.grads() + p.offset, whole, sizeof(float) * p.size);
@@ -501,6 +511,8 @@ StepLosses PipelineStage::train(MoeTransformer& model, const Mesh& mesh, Communi
 
 float PipelineStage::evaluate(MoeTransformer& model, const Mesh& mesh, Communicator& pipe, const uint8_t* tokens,
                               int samples) {
+  tree_scratch_.clear();  // its pages back before the evaluation's activations take theirs
+  tree_scratch_.shrink_to_fit();
   const int C = stages_ * chunks_per_stage_;
   const int64_t n_tokens = (int64_t)samples * cfg_.seq_len;
   const MeshSizes sizes = mesh_sizes(mesh);

@@ -92,6 +92,10 @@ class PipelineStage {
   PipelineSchedule schedule_;
   int stages_, chunks_per_stage_, microbatches_, stage_;
   std::vector<std::pair<int, int>> chunks_;
+  // Per chunk of this stage, its gradient tree's levels over microbatches:
+  // kept between steps (fresh each step, the kernel zeroed their pages every
+  // step; every entry is written before it is read).
+  std::vector<std::vector<float>> tree_scratch_;
   PipelineStats stats_;
   int steps_run_ = 0;
   double busy_sum_ = 0, step_sum_ = 0;  // over the steps after the first
