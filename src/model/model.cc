@@ -169,7 +169,9 @@ MoeTransformer::~MoeTransformer() = default;
 
 void MoeTransformer::use_workspace(int slot) {
   while ((int)workspaces_.size() <= slot) workspaces_.push_back(std::make_unique<StepWorkspace>());
-  ws_ = workspaces_[(size_t)slot].get();
+  StepWorkspace* next = workspaces_[(size_t)slot].get();
+  if (ws_ && next != ws_) ws_->hand_backward_scratch(*next);
+  ws_ = next;
 }
 
 int64_t MoeTransformer::workspace_bytes() const {
@@ -279,6 +281,9 @@ WorkspaceEstimate estimate_workspace(const ModelConfig& c, int batch, int ep_siz
   w.activations = L * layer + scratch;
   w.per_layer = layer;
   w.scratch = scratch;
+  // Of it, what only a backward pass reads (StepWorkspace::hand_backward_scratch): dh, dtmp, da2, dO,
+  // dqkv, dlogits, dg, dz, dye, dxe and the shared expert's.
+  w.backward_scratch = (7 * N * D + N * V + 2 * N * E + 2 * NK * D) * f + (c.shared_expert ? (3 * N * F + N * D) * f : 0);
   // Per layer, what is kept per routed row: outputs (D), u, v and sg (F),
   // the leaf id; with expert parallelism the received input row (D) too.
   const int64_t El = E / ep_size;
@@ -479,6 +484,14 @@ namespace {
 template <class T>
 int64_t allocated(const ops::DeviceVector<T>& v) { return (int64_t)(v.capacity() * sizeof(T)); }
 }  // namespace
+
+void StepWorkspace::hand_backward_scratch(StepWorkspace& to) {
+  for (auto [mine, theirs] : {std::pair{&dh, &to.dh}, {&dtmp, &to.dtmp}, {&dlogits, &to.dlogits}, {&dye, &to.dye},
+                              {&dxe, &to.dxe}, {&dg, &to.dg}, {&dz, &to.dz}, {&dmoe_in, &to.dmoe_in},
+                              {&dattn_out, &to.dattn_out}, {&dqkv, &to.dqkv}, {&shared_dact, &to.shared_dact},
+                              {&shared_du, &to.shared_du}, {&shared_dv, &to.shared_dv}, {&shared_dx, &to.shared_dx}})
+    mine->swap(*theirs);
+}
 
 int64_t StepWorkspace::allocated_bytes() const {
   int64_t n = 0;

@@ -109,6 +109,7 @@ struct MoeStats {
 struct WorkspaceEstimate {
   int64_t activations = 0;       // saved per-layer activations and backward scratch: n_layers * per_layer + scratch
   int64_t per_layer = 0, scratch = 0;
+  int64_t backward_scratch = 0;  // of scratch, the backward's own: one set per pipeline stage, not per microbatch
   int64_t expert_buffers = 0;    // rows kept per routed row, and the capacity-sized expert slots
   int64_t dispatch_buffers = 0;  // expert parallel: one round's send and receive buffers
 };

@@ -95,6 +95,11 @@ struct StepWorkspace {
   ops::DeviceVector<float> cp_send, cp_recv, cp_link;
   // Measured: the bytes every float buffer above holds allocated (capacities), the layers' included.
   int64_t allocated_bytes() const;
+  // Swaps the backward scratch (dh ... shared_dx: read and written only
+  // inside one backward pass) with `to`'s: a pipeline stage switching
+  // microbatch workspaces carries one set along instead of one per
+  // microbatch in flight.
+  void hand_backward_scratch(StepWorkspace& to);
 };
 
 // One step as the blocks see it.

@@ -68,7 +68,9 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes) {
                    ? std::min(pp - st, m)
                    : m;
     const double share = (double)slots / pp;  // workspaces per stage, on average
-    w.activations = (int64_t)(share * (c.n_layers * w.per_layer / pp + w.scratch)) * pp;
+    // The backward scratch travels with the workspace in use: one set per stage.
+    w.activations =
+        ((int64_t)(share * (c.n_layers * w.per_layer / pp + w.scratch - w.backward_scratch)) + w.backward_scratch) * pp;
     w.expert_buffers = (int64_t)(share * w.expert_buffers);
     w.dispatch_buffers = w.dispatch_buffers * pp;
   }
