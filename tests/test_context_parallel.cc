@@ -124,6 +124,37 @@ TEST_SUITE("context_parallel") {
     }
   }
 
+  TEST_CASE("the dK/dV chain goes a key block at a time, inside one sample too; a kernel backend sends whole links") {
+    const int S = 128, heads = 4, layers = 2, kb = ls::cp_chain_key_block(S, 2);
+    const std::vector<ls::ChainLink> chain = ls::cp_chain(S, 2, true);
+    for (int batch : {1, 8}) {
+      CAPTURE(batch);
+      const std::vector<std::string> base = {"model.seq_len=128", "train.batch=" + std::to_string(batch)};
+      std::vector<std::string> sets = base;
+      sets.push_back("mesh.cp=2");
+      const ls::RunResult one = run_split(base, 1);
+      const ls::RunResult r = run_split(sets, 2);  // a thread per rank: one head at a time
+      CHECK(r.final_state_hash == one.final_state_hash);
+      CHECK(loss_bits(r) == loss_bits(one));
+      const ls::RunResult kernels = run_split(sets, 2, ls::Backend::kCudaEmulated);
+      CHECK(kernels.final_state_hash == one.final_state_hash);
+      REQUIRE(r.context.size() == 2);
+      REQUIRE(kernels.context.size() == 2);
+      for (int c = 0; c < 2; ++c) {
+        CAPTURE(c);
+        int64_t blocks = 0, links = 0;  // this rank's links that hand on to the other rank
+        for (size_t k = 0; k + 1 < chain.size(); ++k)
+          if (chain[k].rank == c && chain[k + 1].rank != c) {
+            blocks += (chain[k].range.first + chain[k].range.count + kb - 1) / kb;
+            ++links;
+          }
+        CHECK(blocks > links);  // more messages than links: the next rank starts before a link is done
+        CHECK(r.context[(size_t)c].link_messages == (int64_t)layers * batch * heads * blocks);
+        CHECK(kernels.context[(size_t)c].link_messages == (int64_t)layers * batch * links);
+      }
+    }
+  }
+
   TEST_CASE("the group splits the routed experts: as many expert GEMM calls over all ranks as one rank makes, not cp times") {
     for (const std::vector<std::string>& base : std::vector<std::vector<std::string>>{
              {}, {"mesh.dp=2", "mesh.ep=2"}, {"mesh.pp=2", "train.microbatches=2"}, {"mesh.tp=2"}}) {

@@ -326,6 +326,47 @@ TEST_SUITE("engine") {
     ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
   }
 
+  TEST_CASE("a range's backward as dS and dq, then dK and dV a key block at a time, gives the whole range's bits") {
+    // The context-parallel chain pipelined over key blocks (model/context_parallel.cc): per head, then per
+    // block of 16 keys, against attention_backward_range_heads, the ranges chained in ascending order.
+    for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {
+      if (!ls::ops::gemm_path_supported(path)) continue;
+      ls::ops::set_gemm_path(path);
+      const std::string path_name = ls::ops::gemm_path_name();
+      CAPTURE(path_name);
+      for (int hd : {3, 8, 16, 32}) {
+        for (const std::vector<int>& cuts :
+             std::vector<std::vector<int>>{{0, 13, 40}, {0, 16, 48, 64}, {0, 20, 37, 64}, {0, 64}}) {
+          CAPTURE(hd);
+          CAPTURE(cuts.size());
+          const int H = 2, D = H * hd, S = cuts.back();
+          const float scale = 1.0f / ls::sqrt((float)hd);
+          auto qkv = random_vec((size_t)S * 3 * D, 5000 + hd + S, 2.0f), dO = random_vec((size_t)S * D, 6000 + S);
+          std::vector<float> o((size_t)S * D), whole((size_t)S * 3 * D, 0.0f), split(whole.size(), 0.0f);
+          for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+            const int first = cuts[c], count = cuts[c + 1] - cuts[c], end = cuts[c + 1];
+            const int64_t per = ls::ops::attention_range_probs_floats(count, first);
+            std::vector<float> P((size_t)(H * per)), dS((size_t)per);
+            ls::ops::attention_forward_range_heads(qkv.data(), 1, H, S, hd, scale, first, count, P.data(), per, 0,
+                                                   o.data());
+            ls::ops::attention_backward_range_heads(qkv.data(), 0, H, S, hd, scale, first, count, P.data(), per, 0,
+                                                    dO.data(), whole.data(), c > 0);
+            for (int h = 0; h < H; ++h) {
+              ls::ops::attention_backward_range_dq_heads(qkv.data(), 0, H, h, h + 1, S, hd, scale, first, count,
+                                                         P.data(), per, 0, dO.data(), dS.data(), split.data());
+              for (int u0 = 0; u0 < end; u0 += 16)
+                ls::ops::attention_backward_range_dkv_heads(qkv.data(), 0, H, h, h + 1, S, hd, first, count, P.data(),
+                                                            per, 0, dS.data(), dO.data(), split.data(), u0,
+                                                            std::min(end, u0 + 16));
+            }
+          }
+          for (size_t i = 0; i < whole.size(); ++i) REQUIRE(ls::bits(split[i]) == ls::bits(whole[i]));
+        }
+      }
+    }
+    ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
+  }
+
   TEST_CASE("causal attention head: NaN, infinite and tied scores give the reference's bits") {
     // Special scores (NaN, +-inf, inf - inf, all-equal rows) through the
     // blocked softmax and the folds must come out as the reference's bits,

@@ -76,10 +76,12 @@ struct MeshReport {
   struct ContextRank {
     double attention_seconds = 0;
     int64_t bytes_sent = 0, kv_bytes_sent = 0, workspace_bytes = 0;
-    void add(double seconds, int64_t sent, int64_t kv_sent, int64_t workspace) {
+    int64_t link_messages = 0;  // the dK/dV chain's messages it sent
+    void add(double seconds, int64_t sent, int64_t kv_sent, int64_t workspace, int64_t messages) {
       attention_seconds = std::max(attention_seconds, seconds);
       bytes_sent = std::max(bytes_sent, sent);
       kv_bytes_sent = std::max(kv_bytes_sent, kv_sent);
+      link_messages = std::max(link_messages, messages);
       workspace_bytes = std::max(workspace_bytes, workspace);
     }
     // Sums over steps (seconds, bytes) and the largest workspace, for means.
@@ -87,6 +89,7 @@ struct MeshReport {
       attention_seconds += step.attention_seconds;
       bytes_sent += step.bytes_sent;
       kv_bytes_sent += step.kv_bytes_sent;
+      link_messages += step.link_messages;
       workspace_bytes = std::max(workspace_bytes, step.workspace_bytes);
     }
   };

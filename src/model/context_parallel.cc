@@ -5,8 +5,11 @@
 #include <cstring>
 #include <stdexcept>
 
+#include <omp.h>
+
 #include "contract.h"
 #include "ops/attention.h"
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace ls {
@@ -269,6 +272,8 @@ std::vector<ChainLink> cp_chain(int S, int cp, bool zigzag) {
   return links;
 }
 
+int cp_chain_key_block(int S, int cp) { return std::max(16, S / (8 * cp) / 16 * 16); }
+
 int64_t cp_probs_floats(int S, int cp, int rank, bool zigzag) {
   const std::vector<QueryRange> ranges = cp_query_ranges(S, cp, rank, zigzag);
   return probs_offset(ranges, ranges.size());
@@ -286,16 +291,19 @@ void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd,
                                        per_head, probs_offset(ranges, i), attn_out);
 }
 
-void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
-                           const float* dattn_out, float* dqkv) {
+namespace {
+
+// The chain of a sample's dK, dV folds, a whole link at a time: receive the
+// keys [0, first) from the previous link's rank, run the range's backward,
+// send the keys [0, end) on. Kernel backends (one launch per link).
+void chain_whole_links(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
+                       const float* dattn_out, float* dqkv) {
   const int S = ctx.cfg.seq_len, Dh = heads * hd;
   const int64_t ld = 3 * (int64_t)Dh;
   const bool zz = ctx.cp_zigzag();
   const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp(), ctx.cp_rank(), zz);
   const std::vector<ChainLink> chain = cp_chain(S, ctx.cp(), zz);
   const int64_t per_head = probs_offset(ranges, ranges.size());
-  // A key's row takes its first term in the range that holds it: +0 until then.
-  ops::fill(dqkv, ctx.tokens * ld, 0.0f);
   ops::DeviceVector<float>& link = ctx.ws.cp_link;
   // My links in ascending position; for each, every sample in turn, so the
   // next rank starts on sample 0 while this one works on sample 1.
@@ -327,9 +335,93 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
         ctx.group(Axis::kContext).send(link.data(), sizeof(float) * (link.size()), chain[k + 1].rank);
         ctx.stats.cp_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
         ctx.stats.cp_kv_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
+        ++ctx.stats.cp_link_messages;
       }
     }
   }
+}
+
+// The same chain pipelined over key blocks (the engine's ops). Per link and
+// sample, a group of heads at a time (as many as the rank has threads, so a
+// group's dS stays in cache): first dS and dq (they read no partial: this
+// overlaps the previous link's rank still folding), then dK, dV a key block
+// at a time, each block received from the previous link's rank just before
+// it is continued and sent on as soon as it is done, so the next rank works
+// on block i while this one works on block i + 1, inside one sample too.
+// Each key's fold runs over the queries in ascending order as in the
+// whole-link chain: the same bits.
+void chain_key_blocks(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
+                      const float* dattn_out, float* dqkv) {
+  const int S = ctx.cfg.seq_len, Dh = heads * hd, kb = cp_chain_key_block(S, ctx.cp());
+  const int group = std::max(1, std::min(heads, omp_get_max_threads()));
+  const int64_t ld = 3 * (int64_t)Dh;
+  const bool zz = ctx.cp_zigzag();
+  const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp(), ctx.cp_rank(), zz);
+  const std::vector<ChainLink> chain = cp_chain(S, ctx.cp(), zz);
+  const int64_t per_head = probs_offset(ranges, ranges.size());
+  ops::DeviceVector<float>& ds = ctx.ws.cp_ds;  // one (link, sample, head group)'s dS
+  ops::DeviceVector<float>& link = ctx.ws.cp_link;
+  for (size_t k = 0; k < chain.size(); ++k) {
+    if (chain[k].rank != ctx.cp_rank()) continue;
+    const QueryRange r = chain[k].range;
+    size_t mine = 0;  // which of my ranges
+    while (ranges[mine].first != r.first) ++mine;
+    const int64_t p_off = probs_offset(ranges, mine);
+    const int end = r.first + r.count;
+    const bool from_peer = k > 0 && chain[k - 1].rank != ctx.cp_rank();
+    const bool to_peer = k + 1 < chain.size() && chain[k + 1].rank != ctx.cp_rank();
+    ds.resize((size_t)(group * ops::attention_range_probs_floats(r.count, r.first)));
+    for (int b = 0; b < ctx.batch; ++b)
+      for (int h0 = 0; h0 < heads; h0 += group) {
+        const int h1 = std::min(heads, h0 + group), w = (h1 - h0) * hd;  // the group's K (and V) columns
+        const int64_t row0 = (int64_t)b * S;
+        {
+          CpBusy busy(ctx);
+          ops::attention_backward_range_dq_heads(qkv, b, heads, h0, h1, S, hd, scale, r.first, r.count, P, per_head,
+                                                 p_off, dattn_out, ds.data(), dqkv);
+        }
+        for (int u0 = 0; u0 < end; u0 += kb) {
+          const int u1 = std::min(end, u0 + kb);
+          if (from_peer && u0 < r.first) {  // the previous link's partial of keys [u0, min(u1, first))
+            const int n = std::min(u1, r.first) - u0;
+            link.resize((size_t)n * 2 * w);
+            ctx.group(Axis::kContext).recv(link.data(), sizeof(float) * link.size(), chain[k - 1].rank);
+            const float* in = link.data();
+            unpack_rows(dqkv, ld, row0 + u0, n, Dh + h0 * hd, w, in);
+            unpack_rows(dqkv, ld, row0 + u0, n, 2 * Dh + h0 * hd, w, in);
+          }
+          {
+            CpBusy busy(ctx);
+            ops::attention_backward_range_dkv_heads(qkv, b, heads, h0, h1, S, hd, r.first, r.count, P, per_head,
+                                                    p_off, ds.data(), dattn_out, dqkv, u0, u1);
+          }
+          if (to_peer) {  // keys [u0, u1) go on
+            link.resize((size_t)(u1 - u0) * 2 * w);
+            float* out = link.data();
+            pack_rows(dqkv, ld, row0 + u0, u1 - u0, Dh + h0 * hd, w, out);
+            pack_rows(dqkv, ld, row0 + u0, u1 - u0, 2 * Dh + h0 * hd, w, out);
+            ctx.group(Axis::kContext).send(link.data(), sizeof(float) * link.size(), chain[k + 1].rank);
+            ctx.stats.cp_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
+            ctx.stats.cp_kv_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
+            ++ctx.stats.cp_link_messages;
+          }
+        }
+      }
+  }
+}
+
+}  // namespace
+
+void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
+                           const float* dattn_out, float* dqkv) {
+  const int S = ctx.cfg.seq_len, Dh = heads * hd;
+  const int64_t ld = 3 * (int64_t)Dh;
+  const bool zz = ctx.cp_zigzag();
+  const std::vector<ChainLink> chain = cp_chain(S, ctx.cp(), zz);
+  // A key's row takes its first term in the range that holds it: +0 until then.
+  ops::fill(dqkv, ctx.tokens * ld, 0.0f);
+  if (ops::installed_kernels()) chain_whole_links(ctx, qkv, heads, hd, scale, P, dattn_out, dqkv);
+  else chain_key_blocks(ctx, qkv, heads, hd, scale, P, dattn_out, dqkv);
   // The finished dK, dV are on the last link's rank. Rank q gets what it
   // reads: its own rows whole (its input gradient) and every row's columns
   // of its wqkv weight-gradient share. Then every rank's dq rows.

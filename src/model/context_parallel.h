@@ -81,6 +81,10 @@ struct ChainLink {
   int rank = 0;
 };
 std::vector<ChainLink> cp_chain(int S, int cp, bool zigzag);
+// Keys per message of the dK/dV chain on the engine (cp_attention_backward
+// pipelines each link over key blocks): about an eighth of a rank's share of
+// the sequence, a multiple of 16 (the probabilities' layout).
+int cp_chain_key_block(int S, int cp);
 
 // Floats of P one (sample, head) keeps on CP rank `rank`.
 int64_t cp_probs_floats(int S, int cp, int rank, bool zigzag);

@@ -200,6 +200,7 @@ void MoeTransformer::begin_step() {
   stats_.cp_attention_seconds = 0;
   stats_.cp_bytes_sent = 0;
   stats_.cp_kv_bytes_sent = 0;
+  stats_.cp_link_messages = 0;
   stats_.tokens_per_expert.assign((size_t)cfg_.n_layers * cfg_.experts, 0);
 }
 
@@ -505,7 +506,7 @@ int64_t StepWorkspace::allocated_bytes() const {
   for (const auto* v : {&h, &final_out, &final_inv_rms, &logits, &prob, &lse, &loss, &dh, &dtmp, &dlogits, &dye, &dxe,
                         &dg, &dz, &dmoe_in, &dattn_out, &dqkv, &shared_dact, &shared_du, &shared_dv, &shared_dx,
                         &router_sums, &slots.x, &slots.act, &slots.y, &slots.dy, &slots.dact, &slots.du, &slots.dv,
-                        &slots.dx, &send, &recv, &row_vector, &tp_partial, &sp_gathered, &sp_dh, &cp_send, &cp_recv, &cp_link, &sp_rows,
+                        &slots.dx, &send, &recv, &row_vector, &tp_partial, &sp_gathered, &sp_dh, &cp_send, &cp_recv, &cp_link, &cp_ds, &sp_rows,
                         &sp_rows_all})
     n += allocated(*v);
   n += allocated(sel_held);

@@ -98,6 +98,7 @@ struct MoeStats {
   // all of them, and those of K, V, dK and dV.
   double cp_attention_seconds = 0;
   int64_t cp_bytes_sent = 0, cp_kv_bytes_sent = 0;
+  int64_t cp_link_messages = 0;  // the dK/dV chain's messages this rank sent (a key block of a head group each)
 };
 
 // What a training step keeps allocated for `batch` samples on one rank, in bytes: a

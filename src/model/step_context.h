@@ -93,6 +93,7 @@ struct StepWorkspace {
   ops::DeviceVector<int> sel_held;  // sequence parallel: the routing choices of this rank's stream tokens
   // Context parallel: rows packed for the group's all-gathers and broadcast, and one dK/dV link.
   ops::DeviceVector<float> cp_send, cp_recv, cp_link;
+  ops::DeviceVector<float> cp_ds;  // the dS of this rank's query ranges, kept for the dK/dV chain's key blocks
   // Measured: the bytes every float buffer above holds allocated (capacities), the layers' included.
   int64_t allocated_bytes() const;
   // Swaps the backward scratch (dh ... shared_dx: read and written only

@@ -21,7 +21,7 @@ namespace internal {
 void causal_rows_avx512(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo,
                         int hd);
 void causal_cols_avx512(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo,
-                        int hd, bool accumulate);
+                        int hd, bool accumulate, int u_begin, int u_end);
 void causal_scores_avx512(const float* X, int64_t ldx, const float* Y, int64_t ldy, int Q, int t_off, int hd,
                           float* out, float* xt);
 void softmax_blocks_avx512(float* s, int Q, int t_off, float scale);
@@ -49,12 +49,13 @@ void causal_rows_scalar(const float* A, int Q, int t_off, const float* M, int64_
 }
 
 // out[u][:] = fold over t = max(u, t_off)..U-1, ascending, of A(t - t_off, u) *
-// M[t - t_off][:], from +0 or (accumulate) from out[u]'s partial fold.
-// Reduces over the query position t >= u (the causal suffix of column u).
+// M[t - t_off][:], from +0 or (accumulate) from out[u]'s partial fold, for
+// the keys u in [u_begin, u_end). Reduces over the query position t >= u
+// (the causal suffix of column u).
 void causal_cols_scalar(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo,
-                        int hd, bool accumulate) {
+                        int hd, bool accumulate, int u_begin, int u_end) {
   const int U = t_off + Q;
-  for (int u = 0; u < U; ++u)
+  for (int u = u_begin; u < u_end; ++u)
     for (int j = 0; j < hd; ++j) {
       float acc = accumulate ? out[(int64_t)u * ldo + j] : 0.0f;
       for (int t = std::max(u, t_off); t < U; ++t)
@@ -76,18 +77,22 @@ void causal_scores_scalar(const float* X, int64_t ldx, const float* Y, int64_t l
     }
 }
 
+// kRows: every query row of the range; else the key rows [u_begin, u_end)
+// (u_end < 0: all t_off + Q of them; u_begin a multiple of 16).
 template <bool kRows>
 void causal(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo, int hd,
-            bool accumulate = false) {
+            bool accumulate = false, int u_begin = 0, int u_end = -1) {
+  if (u_end < 0) u_end = t_off + Q;
   const GemmPath path = gemm_path();
   if (path == GemmPath::kAvx512 && hd % 16 == 0) {
     if (kRows) return internal::causal_rows_avx512(A, Q, t_off, M, ldm, out, ldo, hd);
-    return internal::causal_cols_avx512(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
+    return internal::causal_cols_avx512(A, Q, t_off, M, ldm, out, ldo, hd, accumulate, u_begin, u_end);
   }
   if (path != GemmPath::kScalar && hd % 8 == 0)
-    return attention_kernels::fold<internal::Avx2, kRows>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
+    return attention_kernels::fold<internal::Avx2, kRows>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate, u_begin,
+                                                          u_end);
   if (kRows) return causal_rows_scalar(A, Q, t_off, M, ldm, out, ldo, hd);
-  causal_cols_scalar(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
+  causal_cols_scalar(A, Q, t_off, M, ldm, out, ldo, hd, accumulate, u_begin, u_end);
 }
 
 void scores(const float* X, int64_t ldx, const float* Y, int64_t ldy, int Q, int t_off, int hd, float* out,
@@ -342,6 +347,39 @@ void attention_backward_range_heads(const float* qkv, int b, int H, int S, int h
     attention_backward_range(base + first * ld, ld, base + D, base + 2 * D, ld, count, first, hd, scale,
                              P + ((int64_t)b * H + hh) * probs_stride + p_off, dO + (row0 + first) * D + hh * hd, D,
                              dbase + first * ld, ld, dbase + D, dbase + 2 * D, ld, continue_kv, scratch);
+  });
+}
+
+void attention_backward_range_dq_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, float scale,
+                                       int first, int count, const float* P, int64_t probs_stride, int64_t p_off,
+                                       const float* dO, float* dS, float* dqkv) {
+  const OpTimer op_timer(OpKind::kAttention);
+  const int D = H * hd;
+  const int64_t ld = 3 * (int64_t)D, row0 = (int64_t)b * S, per_head = attention_range_probs_floats(count, first);
+  parallel_tasks_with<AttentionScratch>(h1 - h0, [&](AttentionScratch& scratch, int64_t i) {
+    const int64_t hh = h0 + i;
+    const float* base = qkv + row0 * ld + hh * hd;
+    float* ds = dS + i * per_head;
+    scores(dO + (row0 + first) * D + hh * hd, D, base + 2 * D, ld, count, first, hd, ds, scratch.t1);  // dp over j
+    softmax_backward_blocks(P + ((int64_t)b * H + hh) * probs_stride + p_off, ds, count, first, scale);
+    causal<true>(ds, count, first, base + D, ld, dqkv + (row0 + first) * ld + hh * hd, ld, hd);  // dq over u <= t
+  });
+}
+
+void attention_backward_range_dkv_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, int first,
+                                        int count, const float* P, int64_t probs_stride, int64_t p_off,
+                                        const float* dS, const float* dO, float* dqkv, int u0, int u1) {
+  const OpTimer op_timer(OpKind::kAttention);
+  const int D = H * hd;
+  const int64_t ld = 3 * (int64_t)D, row0 = (int64_t)b * S, per_head = attention_range_probs_floats(count, first);
+  parallel_tasks(h1 - h0, [&](int64_t i) {
+    const int64_t hh = h0 + i;
+    const float* base = qkv + row0 * ld + hh * hd;
+    float* dbase = dqkv + row0 * ld + hh * hd;
+    // dk and dv over t >= u, continuing each key's fold (+0 where nothing came before).
+    causal<false>(dS + i * per_head, count, first, base + first * ld, ld, dbase + D, ld, hd, true, u0, u1);
+    causal<false>(P + ((int64_t)b * H + hh) * probs_stride + p_off, count, first, dO + (row0 + first) * D + hh * hd, D,
+                  dbase + 2 * D, ld, hd, true, u0, u1);
   });
 }
 

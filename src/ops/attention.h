@@ -82,5 +82,19 @@ void attention_forward_range_heads(const float* qkv, int B, int H, int S, int hd
 void attention_backward_range_heads(const float* qkv, int b, int H, int S, int hd, float scale, int first, int count,
                                     const float* P, int64_t probs_stride, int64_t p_off, const float* dO, float* dqkv,
                                     bool continue_kv);
+// The same backward in two parts, for a dK/dV chain pipelined over key
+// blocks (model/context_parallel.cc), with attention_backward_range_heads'
+// bits, for the heads [h0, h1): first dS (into dS, head h at (h - h0) *
+// attention_range_probs_floats(count, first), P's layout) and the range's dq
+// rows, which read no key's partial; then dk, dv of the keys [u0, u1) (u0 a
+// multiple of 16), continuing the partial fold each key's row holds (+0
+// where none). The engine's code only: a kernel backend runs
+// attention_backward_range_heads.
+void attention_backward_range_dq_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, float scale,
+                                       int first, int count, const float* P, int64_t probs_stride, int64_t p_off,
+                                       const float* dO, float* dS, float* dqkv);
+void attention_backward_range_dkv_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, int first,
+                                        int count, const float* P, int64_t probs_stride, int64_t p_off,
+                                        const float* dS, const float* dO, float* dqkv, int u0, int u1);
 
 }  // namespace ls::ops

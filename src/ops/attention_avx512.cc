@@ -17,8 +17,8 @@ void causal_rows_avx512(const float* A, int Q, int t_off, const float* M, int64_
 }
 
 void causal_cols_avx512(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo,
-                        int hd, bool accumulate) {
-  attention_kernels::fold<Avx512, false>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
+                        int hd, bool accumulate, int u_begin, int u_end) {
+  attention_kernels::fold<Avx512, false>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate, u_begin, u_end);
 }
 
 void causal_scores_avx512(const float* X, int64_t ldx, const float* Y, int64_t ldy, int Q, int t_off, int hd,

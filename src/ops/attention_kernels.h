@@ -99,15 +99,16 @@ void cols_block(const float* A, int Q, int t_off, const float* M, int64_t ldm, f
     for (int v = 0; v < JV; ++v) V::store(out + (int64_t)(u0 + r) * ldo + j0 + V::kLanes * v, acc[r][v]);
 }
 
-// The whole output in blocks (Q local rows, or U = t_off + Q keys);
-// hd must be a multiple of V::kLanes * JV.
+// The whole output in blocks (Q local rows, or U = t_off + Q keys; of the
+// keys, those in [u_begin, u_end), u_begin a multiple of 16); hd must be a
+// multiple of V::kLanes * JV.
 template <class V, bool kRows, int JV>
 void blocked(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo, int hd,
-             bool accumulate) {
+             bool accumulate, int u_begin, int u_end) {
   constexpr int R = 8 / JV;  // divides 16: a row block never straddles a 16-block of A
-  const int U = t_off + Q, n = kRows ? Q : U;
+  const int U = t_off + Q, n = kRows ? Q : u_end < 0 ? U : u_end;
   for (int j0 = 0; j0 < hd; j0 += V::kLanes * JV)
-    for (int i0 = 0; i0 < n; i0 += R) {
+    for (int i0 = kRows ? 0 : u_begin; i0 < n; i0 += R) {
       const int rows = n - i0 < R ? n - i0 : R;
       if (kRows)
         rows_block<V, R, JV>(A, U, t_off, M, ldm, out, ldo, i0, rows, j0);
@@ -119,10 +120,12 @@ void blocked(const float* A, int Q, int t_off, const float* M, int64_t ldm, floa
 // Picks the widest block the head width allows; hd % V::kLanes == 0.
 template <class V, bool kRows>
 void fold(const float* A, int Q, int t_off, const float* M, int64_t ldm, float* out, int64_t ldo, int hd,
-          bool accumulate) {
-  if (hd % (4 * V::kLanes) == 0) return blocked<V, kRows, 4>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
-  if (hd % (2 * V::kLanes) == 0) return blocked<V, kRows, 2>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
-  blocked<V, kRows, 1>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate);
+          bool accumulate, int u_begin = 0, int u_end = -1) {
+  if (hd % (4 * V::kLanes) == 0)
+    return blocked<V, kRows, 4>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate, u_begin, u_end);
+  if (hd % (2 * V::kLanes) == 0)
+    return blocked<V, kRows, 2>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate, u_begin, u_end);
+  blocked<V, kRows, 1>(A, Q, t_off, M, ldm, out, ldo, hd, accumulate, u_begin, u_end);
 }
 
 // xt[j * 16 + l] = X[t0 + l][j] for the block's `lanes` queries, zeros past

@@ -378,6 +378,7 @@ MeshReport ClusterTrainer::mesh_report() const {
     const size_t kFirstTime = rec.size();  // then nanoseconds by kind, kTimeKinds' order
     for (const char* k : kTimeKinds)
       rec.push_back(me.comm.seconds_by_kind.count(k) ? (int64_t)(me.comm.seconds_by_kind.at(k) * 1e9) : 0);
+    rec.push_back(st.cp_link_messages);  // last
     const int R = mpi_->size();
     std::vector<int64_t> all(rec.size() * R);
     mpi_->all_gather(rec.data(), all.data(), std::vector<size_t>(R, rec.size() * sizeof(int64_t)));
@@ -409,7 +410,8 @@ MeshReport ClusterTrainer::mesh_report() const {
       if (!rep.pipeline.empty())
         rep.pipeline[(size_t)(r / per_stage)].add(x[kComm + 1] * 1e-9, x[kComm + 2] * 1e-9, (int)x[kComm + 3], x[10],
                                                   x[kComm + 4], x[kComm + 5] != 0);
-      if (!rep.context.empty()) rep.context[(size_t)at.context].add(x[kComm + 6] * 1e-9, x[kComm + 7], x[kComm + 8], x[10]);
+      if (!rep.context.empty())
+        rep.context[(size_t)at.context].add(x[kComm + 6] * 1e-9, x[kComm + 7], x[kComm + 8], x[10], x[rec.size() - 1]);
     }
     return rep;
   }
@@ -421,7 +423,8 @@ MeshReport ClusterTrainer::mesh_report() const {
     for (auto& [k, t] : r->comm.seconds_by_kind) rep.comm_seconds_by_kind_max[k] = std::max(rep.comm_seconds_by_kind_max[k], t);
     if (!rep.context.empty()) {
       const MoeStats& st = r->model->moe_stats();
-      rep.context[(size_t)r->at.context].add(st.cp_attention_seconds, st.cp_bytes_sent, st.cp_kv_bytes_sent, st.workspace_bytes);
+      rep.context[(size_t)r->at.context].add(st.cp_attention_seconds, st.cp_bytes_sent, st.cp_kv_bytes_sent, st.workspace_bytes,
+                                             st.cp_link_messages);
     }
     if (r->stage) {
       const PipelineStats& ps = r->stage->stats();

@@ -135,6 +135,7 @@ nlohmann::json result_json(const RunResult& r) {
       ranks.push_back({{"attention_seconds", c.attention_seconds},
                        {"bytes_sent", c.bytes_sent},
                        {"kv_bytes_sent", c.kv_bytes_sent},
+                       {"link_messages", c.link_messages},
                        {"workspace_bytes", c.workspace_bytes}});
     j["context_parallel"] = {{"layout", r.mesh.cp_layout}, {"ranks", ranks}};
   }

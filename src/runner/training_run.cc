@@ -513,6 +513,7 @@ void TrainingRun::finish() {
     c.attention_seconds /= context_steps_;
     c.bytes_sent /= context_steps_;
     c.kv_bytes_sent /= context_steps_;
+    c.link_messages /= context_steps_;
     r_.context.push_back(c);
   }
   r_.mesh = s_.mesh;
