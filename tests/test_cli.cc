@@ -441,7 +441,8 @@ TEST_SUITE("cli") {
     // A scenario folder without top2.json: named as --scenario-dir DIR/top2.json.
     const fs::path some = far / "some";
     fs::create_directories(some);
-    for (const char* n : {"aux_seq.json", "aux_z.json", "long_seq.json", "many_experts.json", "top1.json"})
+    for (const char* n :
+         {"aux_seq.json", "aux_z.json", "long_seq.json", "long_wide.json", "many_experts.json", "top1.json"})
       fs::copy_file(kRoot / "scenarios" / n, some / n);
     r = run("check --golden-dir " + golden + " --scenario-dir " + some.string());
     CHECK(r.rc == 2);

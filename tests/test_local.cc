@@ -184,6 +184,24 @@ TEST_SUITE("local") {
     CHECK(train("portable", 16, 2, pipe2).final_state_hash == portable.final_state_hash);  // the tree does not
   }
 
+  TEST_CASE("local on a context-parallel mesh: each rank's dK/dV partial from +0, summed by an all-reduce") {
+    const std::vector<std::string> cp2 = {"mesh.cp=2"}, cp4 = {"mesh.cp=4", "mesh.cp_layout=contiguous"};
+    const ls::RunResult portable = train("portable", 16, 2, cp2);
+    const ls::RunResult l2 = train("local", 16, 2, cp2), again = train("local", 16, 2, cp2),
+                        l4 = train("local", 16, 2, cp4);
+    CHECK(l2.level == "local");
+    REQUIRE(l2.context.size() == 2);  // really split
+    REQUIRE(l2.losses.size() == 16);
+    for (int i = 0; i < 16; ++i)
+      CHECK(std::fabs((double)l2.losses[i] - portable.losses[i]) <= 1e-4 * std::fabs((double)portable.losses[i]));
+    // The chain's links are sends; the summed partials go by all-reduce and no link is sent.
+    CHECK(portable.bytes_sent_per_step.count("send"));
+    CHECK(!l2.bytes_sent_per_step.count("send"));
+    CHECK(l2.context[0].link_messages == 0);
+    CHECK(again.final_state_hash == l2.final_state_hash);  // bitwise run to run at a fixed mesh (two ranks)
+    CHECK(l4.final_state_hash != l2.final_state_hash);     // the mesh moves local's bits
+  }
+
   TEST_CASE("a run leaves the process portable, whatever its level") {
     train("local", 2, 1);
     CHECK(ls::numerics_level() == ls::NumericsLevel::kPortable);

@@ -410,6 +410,35 @@ void chain_key_blocks(StepContext& ctx, const float* qkv, int heads, int hd, flo
   }
 }
 
+// numerics.level=local, the usual way: each rank folds dK, dV over its own
+// queries from +0 (its ranges in ascending order), and the group's partials
+// are summed by an all-reduce in the library's order, so every rank holds
+// every key's dK, dV. Its bits move with mesh.cp.
+void local_partials_summed(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
+                           const float* dattn_out, float* dqkv) {
+  const int S = ctx.cfg.seq_len, Dh = heads * hd;
+  const int64_t ld = 3 * (int64_t)Dh, rows = (int64_t)ctx.batch * S;
+  const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp(), ctx.cp_rank(), ctx.cp_zigzag());
+  const int64_t per_head = probs_offset(ranges, ranges.size());
+  {
+    CpBusy busy(ctx);
+    for (int b = 0; b < ctx.batch; ++b)
+      for (size_t i = 0; i < ranges.size(); ++i)
+        ops::attention_backward_range_heads(qkv, b, heads, S, hd, scale, ranges[i].first, ranges[i].count, P,
+                                            per_head, probs_offset(ranges, i), dattn_out, dqkv, i > 0);
+  }
+  ops::DeviceVector<float>& sums = ctx.ws.cp_send;
+  sums.resize((size_t)(rows * 2 * Dh));
+  float* out = sums.data();
+  pack_rows(dqkv, ld, 0, (int)rows, Dh, 2 * Dh, out);
+  ctx.group(Axis::kContext).all_reduce_sum(sums.data(), sums.size());
+  const float* in = sums.data();
+  unpack_rows(dqkv, ld, 0, (int)rows, Dh, 2 * Dh, in);
+  const int64_t sent = (int64_t)all_reduce_bytes_sent(sums.size(), sizeof(float), ctx.cp());
+  ctx.stats.cp_bytes_sent += sent;
+  ctx.stats.cp_kv_bytes_sent += sent;
+}
+
 }  // namespace
 
 void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
@@ -420,6 +449,10 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
   const std::vector<ChainLink> chain = cp_chain(S, ctx.cp(), zz);
   // A key's row takes its first term in the range that holds it: +0 until then.
   ops::fill(dqkv, ctx.tokens * ld, 0.0f);
+  if (local_numerics()) {
+    local_partials_summed(ctx, qkv, heads, hd, scale, P, dattn_out, dqkv);
+    return cp_gather_rows(ctx, dqkv, ld, 0, Dh, 0, ctx.batch);  // every rank's dq rows
+  }
   if (ops::installed_kernels()) chain_whole_links(ctx, qkv, heads, hd, scale, P, dattn_out, dqkv);
   else chain_key_blocks(ctx, qkv, heads, hd, scale, P, dattn_out, dqkv);
   // The finished dK, dV are on the last link's rank. Rank q gets what it

@@ -197,47 +197,65 @@ void backward_range(const float* q, int64_t ldq, const float* k, const float* v,
   causal<false>(P, Q, t_off, dO, ldo, dv, lddkv, hd, continue_kv);    // dv over t >= u
 }
 
-// numerics.level=local: dense S x S scores and probabilities, every product
-// one Eigen GEMM (ops/local.h), the causal softmax with the C library's exp;
-// P is still written in the blocked layout the backward and the trace read.
-void attention_forward_local(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
-                             float* P, float* o, int64_t ldo, AttentionScratch& sc) {
-  sc.t1.resize((size_t)S * S);
+// numerics.level=local: dense scores and probabilities of a query range
+// (Q rows against its U = t_off + Q keys; the whole sequence is t_off = 0),
+// every product one GEMM (ops/local.h), the causal softmax with the C
+// library's exp; P is still written in the blocked layout the backward and
+// the trace read.
+void forward_range_local(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q,
+                         int t_off, int hd, float scale, float* P, float* o, int64_t ldo, AttentionScratch& sc) {
+  const int U = t_off + Q;
+  sc.t1.resize((size_t)Q * U);
   float* z = sc.t1.data();
-  local::gemm(S, S, hd, ConstMat{q, ld, 1}, ConstMat{k, 1, ld}, z, S, false);  // q_t . k_u
-  std::fill(P, P + attention_probs_floats(S), 0.0f);
-  for (int t = 0; t < S; ++t) {
-    float* row = z + (int64_t)t * S;
+  local::gemm(Q, U, hd, ConstMat{q, ldq, 1}, ConstMat{k, 1, ldkv}, z, U, false);  // q_t . k_u
+  std::fill(P, P + attention_range_probs_floats(Q, t_off), 0.0f);
+  for (int i = 0; i < Q; ++i) {
+    const int t = t_off + i;
+    float* row = z + (int64_t)i * U;
     float m = row[0] * scale;
     for (int u = 0; u <= t; ++u) m = std::max(m, row[u] * scale);
     for (int u = 0; u <= t; ++u) row[u] = row[u] * scale - m;
     local::exp_n(row, row, t + 1);
     float sum = 0.0f;
     for (int u = 0; u <= t; ++u) sum += row[u];
-    for (int u = 0; u <= t; ++u) P[blocked_index(S, t, u)] = row[u] = row[u] / sum;
-    std::fill(row + t + 1, row + S, 0.0f);
+    for (int u = 0; u <= t; ++u) P[blocked_index(U, i, u)] = row[u] = row[u] / sum;
+    std::fill(row + t + 1, row + U, 0.0f);
   }
-  local::gemm(S, hd, S, ConstMat{z, S, 1}, ConstMat{v, ld, 1}, o, ldo, false);
+  local::gemm(Q, hd, U, ConstMat{z, U, 1}, ConstMat{v, ldkv, 1}, o, ldo, false);
+}
+
+// dk, dv of the U keys: (accumulate) added to what they hold, else written.
+void backward_range_local(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q, int t_off,
+                          int hd, float scale, const float* P, const float* dO, int64_t ldo, float* dq, int64_t lddq,
+                          float* dk, float* dv, int64_t lddkv, bool accumulate, AttentionScratch& sc) {
+  const int U = t_off + Q;
+  sc.t0.resize((size_t)Q * U);
+  sc.t1.resize((size_t)Q * U);
+  float *p = sc.t1.data(), *d = sc.t0.data();
+  for (int i = 0; i < Q; ++i)
+    for (int u = 0; u < U; ++u) p[(int64_t)i * U + u] = u <= t_off + i ? P[blocked_index(U, i, u)] : 0.0f;
+  local::gemm(Q, U, hd, ConstMat{dO, ldo, 1}, ConstMat{v, 1, ldkv}, d, U, false);  // dp(t, u) = dO_t . v_u
+  for (int i = 0; i < Q; ++i) {
+    const int t = t_off + i;
+    float *dr = d + (int64_t)i * U, *pr = p + (int64_t)i * U;
+    float dot = 0.0f;
+    for (int u = 0; u <= t; ++u) dot += dr[u] * pr[u];
+    for (int u = 0; u < U; ++u) dr[u] = u <= t ? pr[u] * (dr[u] - dot) * scale : 0.0f;
+  }
+  local::gemm(Q, hd, U, ConstMat{d, U, 1}, ConstMat{k, ldkv, 1}, dq, lddq, false);                // dS K
+  local::gemm(U, hd, Q, ConstMat{d, 1, U}, ConstMat{q, ldq, 1}, dk, lddkv, accumulate);           // dS^T Q
+  local::gemm(U, hd, Q, ConstMat{p, 1, U}, ConstMat{dO, ldo, 1}, dv, lddkv, accumulate);          // P^T dO
+}
+
+void attention_forward_local(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
+                             float* P, float* o, int64_t ldo, AttentionScratch& sc) {
+  forward_range_local(q, ld, k, v, ld, S, 0, hd, scale, P, o, ldo, sc);
 }
 
 void attention_backward_local(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
                               const float* P, const float* dO, int64_t ldo, float* dq, float* dk, float* dv,
                               int64_t ldd, AttentionScratch& sc) {
-  sc.t0.resize((size_t)S * S);
-  sc.t1.resize((size_t)S * S);
-  float *p = sc.t1.data(), *d = sc.t0.data();
-  for (int t = 0; t < S; ++t)
-    for (int u = 0; u < S; ++u) p[(int64_t)t * S + u] = u <= t ? P[blocked_index(S, t, u)] : 0.0f;
-  local::gemm(S, S, hd, ConstMat{dO, ldo, 1}, ConstMat{v, 1, ld}, d, S, false);  // dp(t, u) = dO_t . v_u
-  for (int t = 0; t < S; ++t) {
-    float *dr = d + (int64_t)t * S, *pr = p + (int64_t)t * S;
-    float dot = 0.0f;
-    for (int u = 0; u <= t; ++u) dot += dr[u] * pr[u];
-    for (int u = 0; u < S; ++u) dr[u] = u <= t ? pr[u] * (dr[u] - dot) * scale : 0.0f;
-  }
-  local::gemm(S, hd, S, ConstMat{d, S, 1}, ConstMat{k, ld, 1}, dq, ldd, false);    // dS K
-  local::gemm(S, hd, S, ConstMat{d, 1, S}, ConstMat{q, ld, 1}, dk, ldd, false);    // dS^T Q
-  local::gemm(S, hd, S, ConstMat{p, 1, S}, ConstMat{dO, ldo, 1}, dv, ldd, false);  // P^T dO
+  backward_range_local(q, ld, k, v, ld, S, 0, hd, scale, P, dO, ldo, dq, ldd, dk, dv, ldd, false, sc);
 }
 
 }  // namespace
@@ -273,6 +291,7 @@ void attention_forward_range(const float* q, int64_t ldq, const float* k, const 
                              int t_off, int hd, float scale, float* P, float* o, int64_t ldo,
                              AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
+  if (local_numerics()) return forward_range_local(q, ldq, k, v, ldkv, Q, t_off, hd, scale, P, o, ldo, sc);
   forward_range(q, ldq, k, v, ldkv, Q, t_off, hd, scale, P, o, ldo, sc);
 }
 
@@ -281,6 +300,9 @@ void attention_backward_range(const float* q, int64_t ldq, const float* k, const
                               float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv, bool continue_kv,
                               AttentionScratch& sc) {
   const OpTimer op_timer(OpKind::kAttention);
+  if (local_numerics())
+    return backward_range_local(q, ldq, k, v, ldkv, Q, t_off, hd, scale, P, dO, ldo, dq, lddq, dk, dv, lddkv,
+                                continue_kv, sc);
   backward_range(q, ldq, k, v, ldkv, Q, t_off, hd, scale, P, dO, ldo, dq, lddq, dk, dv, lddkv, continue_kv, sc);
 }
 void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, float scale, float* P, float* o) {

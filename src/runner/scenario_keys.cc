@@ -453,11 +453,6 @@ std::vector<Row> context_parallel_rows() {
                          show(chunks) + " equal chunks" +
                          (s.mesh.cp_layout == "zigzag" ? " (mesh.cp_layout=zigzag gives each rank two)" : "");
                 return std::string();
-              }},
-             {"not with numerics.level=local", [](const S& s, int v) {
-                if (v == 1 || s.level != "local") return std::string();
-                return "is " + show(v) + " with numerics.level=local: the chained dK/dV fold needs the portable "
-                       "attention kernels";
               }}}),
       field("mesh.cp_layout", [](S& s) -> std::string& { return s.mesh.cp_layout; },
             "Which query positions a context-parallel rank holds: zigzag (the sequence cut into 2 x mesh.cp "
