@@ -46,6 +46,15 @@ ls::RunResult train(const std::string& level, int steps, int threads, std::vecto
   return ls::run_scenario(s, opt);
 }
 
+// Every step's loss within the stated bound of portable's (docs/NUMERICS.md section 8).
+void check_close(const ls::RunResult& local, const ls::RunResult& portable) {
+  REQUIRE(local.losses.size() == portable.losses.size());
+  for (size_t i = 0; i < portable.losses.size(); ++i) {
+    CAPTURE(i);
+    CHECK(std::fabs((double)local.losses[i] - portable.losses[i]) <= 1e-4 * std::fabs((double)portable.losses[i]));
+  }
+}
+
 // The param/* tensors of the checkpoint of `step` in url, by name.
 std::map<std::string, std::vector<float>> params_at(const std::string& url, int64_t step) {
   std::unique_ptr<ls::ObjectStore> store = ls::open_store(url, ls::StoreOptions{});
@@ -157,9 +166,7 @@ TEST_SUITE("local") {
       CAPTURE(mesh.size());
       const ls::RunResult l = train("local", 16, 2, mesh);
       CHECK(l.level == "local");
-      REQUIRE(l.losses.size() == 16);
-      for (int i = 0; i < 16; ++i)
-        CHECK(std::fabs((double)l.losses[i] - portable.losses[i]) <= 1e-4 * std::fabs((double)portable.losses[i]));
+      check_close(l, portable);
       if (mesh[0] != "mesh.tp=2") continue;
       // The chain's links are sends; the summed fold sends none, and its partials go by all-reduce or reduce-scatter.
       CHECK(portable.bytes_sent_per_step.count("send"));
@@ -176,9 +183,7 @@ TEST_SUITE("local") {
                         l2 = train("local", 16, 2, pipe2);
     CHECK(l4.level == "local");
     REQUIRE(l4.pipeline.size() == 2);  // really pipelined
-    REQUIRE(l4.losses.size() == 16);
-    for (int i = 0; i < 16; ++i)
-      CHECK(std::fabs((double)l4.losses[i] - portable.losses[i]) <= 1e-4 * std::fabs((double)portable.losses[i]));
+    check_close(l4, portable);
     CHECK(again.final_state_hash == l4.final_state_hash);  // bitwise run to run at a fixed mesh
     CHECK(l2.final_state_hash != l4.final_state_hash);     // a running sum: the microbatch count moves the bits
     CHECK(train("portable", 16, 2, pipe2).final_state_hash == portable.final_state_hash);  // the tree does not
@@ -191,9 +196,7 @@ TEST_SUITE("local") {
                         l4 = train("local", 16, 2, cp4);
     CHECK(l2.level == "local");
     REQUIRE(l2.context.size() == 2);  // really split
-    REQUIRE(l2.losses.size() == 16);
-    for (int i = 0; i < 16; ++i)
-      CHECK(std::fabs((double)l2.losses[i] - portable.losses[i]) <= 1e-4 * std::fabs((double)portable.losses[i]));
+    check_close(l2, portable);
     // The chain's links are sends; the summed partials go by all-reduce and no link is sent.
     CHECK(portable.bytes_sent_per_step.count("send"));
     CHECK(!l2.bytes_sent_per_step.count("send"));

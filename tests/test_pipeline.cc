@@ -27,6 +27,20 @@ using lstest::loss_bits;
 using lstest::run_split;
 using lstest::split_scenario;
 
+// 4 stages, 8 microbatches: GPipe holds all 8 on every stage; 1F1B holds
+// no backward, keeps 4 - s on stage s and less activation memory.
+void check_1f1b_frees(const ls::RunResult& gpipe, const ls::RunResult& f1b) {
+  REQUIRE(gpipe.pipeline.size() == 4);
+  REQUIRE(f1b.pipeline.size() == 4);
+  for (int st = 0; st < 4; ++st) {
+    CAPTURE(st);
+    CHECK(gpipe.pipeline[st].peak_in_flight == 8);
+    CHECK(f1b.pipeline[st].peak_in_flight == 4 - st);
+    CHECK_FALSE(f1b.pipeline[st].held);
+    CHECK(f1b.pipeline[st].workspace_bytes < gpipe.pipeline[st].workspace_bytes);
+  }
+}
+
 std::vector<std::string> pp_sets(int pp, int microbatches, const std::string& schedule, int chunks = 1) {
   return {"mesh.pp=" + std::to_string(pp), "train.microbatches=" + std::to_string(microbatches),
           "mesh.pp_schedule=" + schedule, "mesh.pp_virtual=" + std::to_string(chunks)};
@@ -182,14 +196,7 @@ TEST_SUITE("pipeline") {
     CHECK(gpipe.final_state_hash == one.final_state_hash);
     CHECK(f1b.final_state_hash == one.final_state_hash);
     CHECK(loss_bits(f1b) == loss_bits(one));
-    REQUIRE(f1b.pipeline.size() == 4);
-    for (int st = 0; st < 4; ++st) {
-      CAPTURE(st);
-      CHECK(gpipe.pipeline[st].peak_in_flight == 8);
-      CHECK(f1b.pipeline[st].peak_in_flight == 4 - st);
-      CHECK_FALSE(f1b.pipeline[st].held);
-      CHECK(f1b.pipeline[st].workspace_bytes < gpipe.pipeline[st].workspace_bytes);
-    }
+    check_1f1b_frees(gpipe, f1b);
   }
 
   TEST_CASE("with moe.aux_scope=sequence 1F1B holds no backward: at most p - s microbatches, less than GPipe") {
@@ -206,14 +213,10 @@ TEST_SUITE("pipeline") {
     CHECK(f1b.final_state_hash == one.final_state_hash);
     CHECK(loss_bits(f1b) == loss_bits(one));
     CHECK(held.final_state_hash == batch.final_state_hash);
-    REQUIRE(f1b.pipeline.size() == 4);
+    check_1f1b_frees(gpipe, f1b);
     REQUIRE(held.pipeline.size() == 4);
     for (int st = 0; st < 4; ++st) {
       CAPTURE(st);
-      CHECK(gpipe.pipeline[st].peak_in_flight == 8);
-      CHECK(f1b.pipeline[st].peak_in_flight == 4 - st);
-      CHECK_FALSE(f1b.pipeline[st].held);
-      CHECK(f1b.pipeline[st].workspace_bytes < gpipe.pipeline[st].workspace_bytes);
       // The same schedule with the step's counts (batch, the default) holds every microbatch, on every stage.
       CHECK(held.pipeline[st].held);
       CHECK(held.pipeline[st].peak_in_flight == 8);

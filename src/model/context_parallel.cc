@@ -293,6 +293,35 @@ void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd,
 
 namespace {
 
+// One of this rank's links of the chain: its query range, where its P starts
+// in a (sample, head)'s share of per_head floats, and the ranks of the links
+// before and after it when they are another rank's (else -1).
+struct MyLink {
+  QueryRange range;
+  int64_t p_off = 0, per_head = 0;
+  int from = -1, to = -1;
+};
+
+// fn(MyLink) for this rank's links in ascending position.
+template <class Fn>
+void for_each_my_link(const StepContext& ctx, Fn&& fn) {
+  const int S = ctx.cfg.seq_len, me = ctx.cp_rank();
+  const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp(), me, ctx.cp_zigzag());
+  const std::vector<ChainLink> chain = cp_chain(S, ctx.cp(), ctx.cp_zigzag());
+  for (size_t k = 0; k < chain.size(); ++k) {
+    if (chain[k].rank != me) continue;
+    size_t mine = 0;  // which of my ranges
+    while (ranges[mine].first != chain[k].range.first) ++mine;
+    MyLink l;
+    l.range = chain[k].range;
+    l.p_off = probs_offset(ranges, mine);
+    l.per_head = probs_offset(ranges, ranges.size());
+    if (k > 0 && chain[k - 1].rank != me) l.from = chain[k - 1].rank;
+    if (k + 1 < chain.size() && chain[k + 1].rank != me) l.to = chain[k + 1].rank;
+    fn(l);
+  }
+}
+
 // The chain of a sample's dK, dV folds, a whole link at a time: receive the
 // keys [0, first) from the previous link's rank, run the range's backward,
 // send the keys [0, end) on. Kernel backends (one launch per link).
@@ -300,45 +329,37 @@ void chain_whole_links(StepContext& ctx, const float* qkv, int heads, int hd, fl
                        const float* dattn_out, float* dqkv) {
   const int S = ctx.cfg.seq_len, Dh = heads * hd;
   const int64_t ld = 3 * (int64_t)Dh;
-  const bool zz = ctx.cp_zigzag();
-  const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp(), ctx.cp_rank(), zz);
-  const std::vector<ChainLink> chain = cp_chain(S, ctx.cp(), zz);
-  const int64_t per_head = probs_offset(ranges, ranges.size());
   ops::DeviceVector<float>& link = ctx.ws.cp_link;
-  // My links in ascending position; for each, every sample in turn, so the
-  // next rank starts on sample 0 while this one works on sample 1.
-  for (size_t k = 0; k < chain.size(); ++k) {
-    if (chain[k].rank != ctx.cp_rank()) continue;
-    const QueryRange r = chain[k].range;
-    size_t mine = 0;  // which of my ranges
-    while (ranges[mine].first != r.first) ++mine;
-    const int64_t p_off = probs_offset(ranges, mine);
+  // For each link, every sample in turn, so the next rank starts on sample 0 while this one works on sample 1.
+  for_each_my_link(ctx, [&](const MyLink& l) {
+    const QueryRange r = l.range;
+    const bool continues = r.first > 0;  // only the chain's first link starts from +0
     for (int b = 0; b < ctx.batch; ++b) {
       const int64_t row0 = (int64_t)b * S;
-      if (k > 0 && chain[k - 1].rank != ctx.cp_rank()) {  // the partial dK, dV of keys [0, r.first)
+      if (l.from >= 0) {  // the partial dK, dV of keys [0, r.first)
         ops::synchronize();  // the host rewrites rows kernels may still touch
         link.resize((size_t)r.first * 2 * Dh);
-        ctx.group(Axis::kContext).recv(link.data(), sizeof(float) * (link.size()), chain[k - 1].rank);
+        ctx.group(Axis::kContext).recv(link.data(), sizeof(float) * (link.size()), l.from);
         const float* in = link.data();
         unpack_rows(dqkv, ld, row0, r.first, Dh, 2 * Dh, in);
       }
       {
         CpBusy busy(ctx);
-        ops::attention_backward_range_heads(qkv, b, heads, S, hd, scale, r.first, r.count, P, per_head, p_off,
-                                            dattn_out, dqkv, /*continue_kv=*/k > 0);
+        ops::attention_backward_range_heads(qkv, b, heads, S, hd, scale, r.first, r.count, P, l.per_head, l.p_off,
+                                            dattn_out, dqkv, continues);
       }
-      if (k + 1 < chain.size() && chain[k + 1].rank != ctx.cp_rank()) {  // keys [0, end) go on
+      if (l.to >= 0) {  // keys [0, end) go on
         const int end = r.first + r.count;
         link.resize((size_t)end * 2 * Dh);
         float* out = link.data();
         pack_rows(dqkv, ld, row0, end, Dh, 2 * Dh, out);
-        ctx.group(Axis::kContext).send(link.data(), sizeof(float) * (link.size()), chain[k + 1].rank);
+        ctx.group(Axis::kContext).send(link.data(), sizeof(float) * (link.size()), l.to);
         ctx.stats.cp_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
         ctx.stats.cp_kv_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
         ++ctx.stats.cp_link_messages;
       }
     }
-  }
+  });
 }
 
 // The same chain pipelined over key blocks (the engine's ops). Per link and
@@ -355,21 +376,11 @@ void chain_key_blocks(StepContext& ctx, const float* qkv, int heads, int hd, flo
   const int S = ctx.cfg.seq_len, Dh = heads * hd, kb = cp_chain_key_block(S, ctx.cp());
   const int group = std::max(1, std::min(heads, omp_get_max_threads()));
   const int64_t ld = 3 * (int64_t)Dh;
-  const bool zz = ctx.cp_zigzag();
-  const std::vector<QueryRange> ranges = cp_query_ranges(S, ctx.cp(), ctx.cp_rank(), zz);
-  const std::vector<ChainLink> chain = cp_chain(S, ctx.cp(), zz);
-  const int64_t per_head = probs_offset(ranges, ranges.size());
   ops::DeviceVector<float>& ds = ctx.ws.cp_ds;  // one (link, sample, head group)'s dS
   ops::DeviceVector<float>& link = ctx.ws.cp_link;
-  for (size_t k = 0; k < chain.size(); ++k) {
-    if (chain[k].rank != ctx.cp_rank()) continue;
-    const QueryRange r = chain[k].range;
-    size_t mine = 0;  // which of my ranges
-    while (ranges[mine].first != r.first) ++mine;
-    const int64_t p_off = probs_offset(ranges, mine);
+  for_each_my_link(ctx, [&](const MyLink& l) {
+    const QueryRange r = l.range;
     const int end = r.first + r.count;
-    const bool from_peer = k > 0 && chain[k - 1].rank != ctx.cp_rank();
-    const bool to_peer = k + 1 < chain.size() && chain[k + 1].rank != ctx.cp_rank();
     ds.resize((size_t)(group * ops::attention_range_probs_floats(r.count, r.first)));
     for (int b = 0; b < ctx.batch; ++b)
       for (int h0 = 0; h0 < heads; h0 += group) {
@@ -377,37 +388,37 @@ void chain_key_blocks(StepContext& ctx, const float* qkv, int heads, int hd, flo
         const int64_t row0 = (int64_t)b * S;
         {
           CpBusy busy(ctx);
-          ops::attention_backward_range_dq_heads(qkv, b, heads, h0, h1, S, hd, scale, r.first, r.count, P, per_head,
-                                                 p_off, dattn_out, ds.data(), dqkv);
+          ops::attention_backward_range_dq_heads(qkv, b, heads, h0, h1, S, hd, scale, r.first, r.count, P,
+                                                 l.per_head, l.p_off, dattn_out, ds.data(), dqkv);
         }
         for (int u0 = 0; u0 < end; u0 += kb) {
           const int u1 = std::min(end, u0 + kb);
-          if (from_peer && u0 < r.first) {  // the previous link's partial of keys [u0, min(u1, first))
+          if (l.from >= 0 && u0 < r.first) {  // the previous link's partial of keys [u0, min(u1, first))
             const int n = std::min(u1, r.first) - u0;
             link.resize((size_t)n * 2 * w);
-            ctx.group(Axis::kContext).recv(link.data(), sizeof(float) * link.size(), chain[k - 1].rank);
+            ctx.group(Axis::kContext).recv(link.data(), sizeof(float) * link.size(), l.from);
             const float* in = link.data();
             unpack_rows(dqkv, ld, row0 + u0, n, Dh + h0 * hd, w, in);
             unpack_rows(dqkv, ld, row0 + u0, n, 2 * Dh + h0 * hd, w, in);
           }
           {
             CpBusy busy(ctx);
-            ops::attention_backward_range_dkv_heads(qkv, b, heads, h0, h1, S, hd, r.first, r.count, P, per_head,
-                                                    p_off, ds.data(), dattn_out, dqkv, u0, u1);
+            ops::attention_backward_range_dkv_heads(qkv, b, heads, h0, h1, S, hd, r.first, r.count, P, l.per_head,
+                                                    l.p_off, ds.data(), dattn_out, dqkv, u0, u1);
           }
-          if (to_peer) {  // keys [u0, u1) go on
+          if (l.to >= 0) {  // keys [u0, u1) go on
             link.resize((size_t)(u1 - u0) * 2 * w);
             float* out = link.data();
             pack_rows(dqkv, ld, row0 + u0, u1 - u0, Dh + h0 * hd, w, out);
             pack_rows(dqkv, ld, row0 + u0, u1 - u0, 2 * Dh + h0 * hd, w, out);
-            ctx.group(Axis::kContext).send(link.data(), sizeof(float) * link.size(), chain[k + 1].rank);
+            ctx.group(Axis::kContext).send(link.data(), sizeof(float) * link.size(), l.to);
             ctx.stats.cp_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
             ctx.stats.cp_kv_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
             ++ctx.stats.cp_link_messages;
           }
         }
       }
-  }
+  });
 }
 
 // numerics.level=local, the usual way: each rank folds dK, dV over its own
