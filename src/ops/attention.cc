@@ -197,31 +197,38 @@ void backward_range(const float* q, int64_t ldq, const float* k, const float* v,
   causal<false>(P, Q, t_off, dO, ldo, dv, lddkv, hd, continue_kv);    // dv over t >= u
 }
 
-// numerics.level=local: dense scores and probabilities of a query range
-// (Q rows against its U = t_off + Q keys; the whole sequence is t_off = 0),
-// every product one GEMM (ops/local.h), the causal softmax with the C
-// library's exp; P is still written in the blocked layout the backward and
-// the trace read.
+// numerics.level=local: the scores and probabilities of a query range (Q
+// rows against its U = t_off + Q keys; the whole sequence is t_off = 0) a
+// block of kLocalRows queries at a time, each block against the keys up to
+// its last query only (the causal mask skips about half of the products),
+// every product one GEMM (ops/local.h), the softmax with the C library's
+// exp; P is still written in the blocked layout the backward and the trace
+// read.
+constexpr int kLocalRows = 128;
+
 void forward_range_local(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q,
                          int t_off, int hd, float scale, float* P, float* o, int64_t ldo, AttentionScratch& sc) {
   const int U = t_off + Q;
-  sc.t1.resize((size_t)Q * U);
-  float* z = sc.t1.data();
-  local::gemm(Q, U, hd, ConstMat{q, ldq, 1}, ConstMat{k, 1, ldkv}, z, U, false);  // q_t . k_u
   std::fill(P, P + attention_range_probs_floats(Q, t_off), 0.0f);
-  for (int i = 0; i < Q; ++i) {
-    const int t = t_off + i;
-    float* row = z + (int64_t)i * U;
-    float m = row[0] * scale;
-    for (int u = 0; u <= t; ++u) m = std::max(m, row[u] * scale);
-    for (int u = 0; u <= t; ++u) row[u] = row[u] * scale - m;
-    local::exp_n(row, row, t + 1);
-    float sum = 0.0f;
-    for (int u = 0; u <= t; ++u) sum += row[u];
-    for (int u = 0; u <= t; ++u) P[blocked_index(U, i, u)] = row[u] = row[u] / sum;
-    std::fill(row + t + 1, row + U, 0.0f);
+  for (int i0 = 0; i0 < Q; i0 += kLocalRows) {
+    const int n = std::min(kLocalRows, Q - i0), Ub = t_off + i0 + n;  // the block's keys: u < Ub
+    sc.t1.resize((size_t)n * Ub);
+    float* z = sc.t1.data();
+    local::gemm(n, Ub, hd, ConstMat{q + (int64_t)i0 * ldq, ldq, 1}, ConstMat{k, 1, ldkv}, z, Ub, false);  // q_t . k_u
+    for (int r = 0; r < n; ++r) {
+      const int i = i0 + r, t = t_off + i;
+      float* row = z + (int64_t)r * Ub;
+      float m = row[0] * scale;
+      for (int u = 0; u <= t; ++u) m = std::max(m, row[u] * scale);
+      for (int u = 0; u <= t; ++u) row[u] = row[u] * scale - m;
+      local::exp_n(row, row, t + 1);
+      float sum = 0.0f;
+      for (int u = 0; u <= t; ++u) sum += row[u];
+      for (int u = 0; u <= t; ++u) P[blocked_index(U, i, u)] = row[u] = row[u] / sum;
+      std::fill(row + t + 1, row + Ub, 0.0f);
+    }
+    local::gemm(n, hd, Ub, ConstMat{z, Ub, 1}, ConstMat{v, ldkv, 1}, o + (int64_t)i0 * ldo, ldo, false);
   }
-  local::gemm(Q, hd, U, ConstMat{z, U, 1}, ConstMat{v, ldkv, 1}, o, ldo, false);
 }
 
 // dk, dv of the U keys: (accumulate) added to what they hold, else written.
@@ -229,22 +236,31 @@ void backward_range_local(const float* q, int64_t ldq, const float* k, const flo
                           int hd, float scale, const float* P, const float* dO, int64_t ldo, float* dq, int64_t lddq,
                           float* dk, float* dv, int64_t lddkv, bool accumulate, AttentionScratch& sc) {
   const int U = t_off + Q;
-  sc.t0.resize((size_t)Q * U);
-  sc.t1.resize((size_t)Q * U);
-  float *p = sc.t1.data(), *d = sc.t0.data();
-  for (int i = 0; i < Q; ++i)
-    for (int u = 0; u < U; ++u) p[(int64_t)i * U + u] = u <= t_off + i ? P[blocked_index(U, i, u)] : 0.0f;
-  local::gemm(Q, U, hd, ConstMat{dO, ldo, 1}, ConstMat{v, 1, ldkv}, d, U, false);  // dp(t, u) = dO_t . v_u
-  for (int i = 0; i < Q; ++i) {
-    const int t = t_off + i;
-    float *dr = d + (int64_t)i * U, *pr = p + (int64_t)i * U;
-    float dot = 0.0f;
-    for (int u = 0; u <= t; ++u) dot += dr[u] * pr[u];
-    for (int u = 0; u < U; ++u) dr[u] = u <= t ? pr[u] * (dr[u] - dot) * scale : 0.0f;
+  if (!accumulate)  // the blocks add into every key row they reach
+    for (int u = 0; u < U; ++u) {
+      std::fill(dk + (int64_t)u * lddkv, dk + (int64_t)u * lddkv + hd, 0.0f);
+      std::fill(dv + (int64_t)u * lddkv, dv + (int64_t)u * lddkv + hd, 0.0f);
+    }
+  for (int i0 = 0; i0 < Q; i0 += kLocalRows) {
+    const int n = std::min(kLocalRows, Q - i0), Ub = t_off + i0 + n;
+    sc.t0.resize((size_t)n * Ub);
+    sc.t1.resize((size_t)n * Ub);
+    float *p = sc.t1.data(), *d = sc.t0.data();
+    for (int r = 0; r < n; ++r)
+      for (int u = 0; u < Ub; ++u) p[(int64_t)r * Ub + u] = u <= t_off + i0 + r ? P[blocked_index(U, i0 + r, u)] : 0.0f;
+    const float* dOb = dO + (int64_t)i0 * ldo;
+    local::gemm(n, Ub, hd, ConstMat{dOb, ldo, 1}, ConstMat{v, 1, ldkv}, d, Ub, false);  // dp(t, u) = dO_t . v_u
+    for (int r = 0; r < n; ++r) {
+      const int t = t_off + i0 + r;
+      float *dr = d + (int64_t)r * Ub, *pr = p + (int64_t)r * Ub;
+      float dot = 0.0f;
+      for (int u = 0; u <= t; ++u) dot += dr[u] * pr[u];
+      for (int u = 0; u < Ub; ++u) dr[u] = u <= t ? pr[u] * (dr[u] - dot) * scale : 0.0f;
+    }
+    local::gemm(n, hd, Ub, ConstMat{d, Ub, 1}, ConstMat{k, ldkv, 1}, dq + (int64_t)i0 * lddq, lddq, false);  // dS K
+    local::gemm(Ub, hd, n, ConstMat{d, 1, Ub}, ConstMat{q + (int64_t)i0 * ldq, ldq, 1}, dk, lddkv, true);    // dS^T Q
+    local::gemm(Ub, hd, n, ConstMat{p, 1, Ub}, ConstMat{dOb, ldo, 1}, dv, lddkv, true);                      // P^T dO
   }
-  local::gemm(Q, hd, U, ConstMat{d, U, 1}, ConstMat{k, ldkv, 1}, dq, lddq, false);                // dS K
-  local::gemm(U, hd, Q, ConstMat{d, 1, U}, ConstMat{q, ldq, 1}, dk, lddkv, accumulate);           // dS^T Q
-  local::gemm(U, hd, Q, ConstMat{p, 1, U}, ConstMat{dO, ldo, 1}, dv, lddkv, accumulate);          // P^T dO
 }
 
 void attention_forward_local(const float* q, const float* k, const float* v, int64_t ld, int S, int hd, float scale,
