@@ -95,7 +95,6 @@ void ClusterTrainer::finish_reduction(RankCtx& c, size_t t) {
   Rank& rank = c.rank;
   rank.reducing[t]->wait();
   rank.reducing[t].reset();
-  if (placement_.sharded(rank.model->params()[t])) place_reduced_shard(rank, t);
 }
 
 void ClusterTrainer::abandon_in_flight(Rank& r) {

@@ -180,17 +180,18 @@ StepLosses ClusterTrainer::forward_backward(RankCtx& c, const uint8_t* samples, 
 }
 
 // Where tensor t's reduced gradient shard lands (rank.reduced, kept step to
-// step), and its copy into the gradients, at this rank's range.
+// step): the norm and the optimizer read it there.
 float* ClusterTrainer::reduced_shard(Rank& r, size_t t) {
   if (r.reduced.size() != r.shard_w.size()) r.reduced.resize(r.shard_w.size());
   return r.reduced.data() + r.shard_off[t];
 }
 
-void ClusterTrainer::place_reduced_shard(Rank& r, size_t t) const {
-  const OpTimer copying(OpKind::kCopy);
-  const auto [lo, hi] = range(r, t);
-  const float* from = r.reduced.data() + r.shard_off[t];
-  std::copy(from, from + (hi - lo), r.model->grads() + r.model->params()[t].offset + lo);
+// The reduced gradient of this rank's range of tensor t: its reduced shard
+// when the tensor is sharded, else the gradients themselves.
+float* ClusterTrainer::reduced_gradient(Rank& r, size_t t) {
+  const ParamInfo& p = r.model->params()[t];
+  if (placement_.sharded(p)) return r.reduced.data() + r.shard_off[t];
+  return r.model->grads() + p.offset + range(r, t).first;
 }
 
 // Each rank's partials are subtrees; they are combined by the canonical
@@ -219,7 +220,6 @@ void ClusterTrainer::reduce_gradients(RankCtx& c) {
       shard.reduce_scatter_sum(gp, mine, ParamPlacement::shard_elems(p.size, shard.size()));
       const auto [lo, hi] = range(rank, t);
       c.group(Axis::kReplica).all_reduce_sum(mine, (size_t)(hi - lo));  // HSDP (one rank: nothing)
-      place_reduced_shard(rank, t);
     } else if (s_.mesh.dp_node > 1) {  // a node's aligned subtree, then the tree over nodes: the same tree
       c.group(Axis::kNode).all_reduce_sum(gp, p.size);
       c.group(Axis::kAcrossNodes).all_reduce_sum(gp, p.size);
@@ -245,8 +245,8 @@ float ClusterTrainer::gradient_sumsq(RankCtx& c, size_t t) {
     ops::DeviceVector<float> slice, held, parts;
     if (p.tp_mid > 0) {  // (with FSDP, the reduced shard of the held part)
       const bool sharded = placement_.sharded(p);
-      gather_tp_tensor(p, sharded, c.group(Axis::kShard), c.group(Axis::kTensor), gp + (sharded ? range(rank, t).first : 0),
-                       held, parts, slice);
+      gather_tp_tensor(p, sharded, c.group(Axis::kShard), c.group(Axis::kTensor),
+                       sharded ? reduced_gradient(rank, t) : gp, held, parts, slice);
     } else {
       slice.assign(gp, gp + p.size);
     }
@@ -258,7 +258,7 @@ float ClusterTrainer::gradient_sumsq(RankCtx& c, size_t t) {
   }
   if (!placement_.sharded(p)) return ops::param_sumsq(gp, p.size);
   // An FSDP shard: this rank's blocks' folds, all-gathered, then the tree over every block.
-  return shared_blocks_sumsq(c.group(Axis::kShard), p.size, gp + range(rank, t).first, rank.norm_buffers.own,
+  return shared_blocks_sumsq(c.group(Axis::kShard), p.size, reduced_gradient(rank, t), rank.norm_buffers.own,
                              rank.norm_buffers.sums);
 }
 
@@ -283,7 +283,7 @@ void ClusterTrainer::update(RankCtx& c, int step, float norm) {
     const auto [lo, hi] = range(rank, t);
     float* w = placement_.sharded(infos[t]) ? rank.shard_w.data() + rank.shard_off[t]
                                             : model.weights() + infos[t].offset + lo;
-    slices.push_back({w, model.grads() + infos[t].offset + lo, rank.m.data() + rank.shard_off[t],
+    slices.push_back({w, reduced_gradient(rank, t), rank.m.data() + rank.shard_off[t],
                       rank.v.data() + rank.shard_off[t], hi - lo, infos[t].decay});
   }
   adamw_step(s_.optim, decay_steps_, step, norm, slices);

@@ -79,7 +79,7 @@ class ClusterTrainer : public Trainer {
   void finish_reduction(RankCtx& c, size_t tensor);
   // Tensor t's reduced gradient shard (FSDP, the sharded optimizer) and its copy into the gradients.
   float* reduced_shard(Rank& r, size_t tensor);
-  void place_reduced_shard(Rank& r, size_t tensor) const;
+  float* reduced_gradient(Rank& r, size_t tensor);
   // What a rank left in flight, dropped (an exception on the way out).
   static void abandon_in_flight(Rank& r);
   float gradient_sumsq(RankCtx& c, size_t tensor);
