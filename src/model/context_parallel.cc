@@ -464,7 +464,9 @@ void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd
     local_partials_summed(ctx, qkv, heads, hd, scale, P, dattn_out, dqkv);
     return cp_gather_rows(ctx, dqkv, ld, 0, Dh, 0, ctx.batch);  // every rank's dq rows
   }
-  if (ops::installed_kernels()) chain_whole_links(ctx, qkv, heads, hd, scale, P, dattn_out, dqkv);
+  // Key blocks where the samples alone cannot fill the chain (fewer than 2 cp of them: the next rank would idle
+  // for a link's share of a sample); with more, the samples pipeline it and whole links send fewer messages.
+  if (ops::installed_kernels() || ctx.batch >= 2 * ctx.cp()) chain_whole_links(ctx, qkv, heads, hd, scale, P, dattn_out, dqkv);
   else chain_key_blocks(ctx, qkv, heads, hd, scale, P, dattn_out, dqkv);
   // The finished dK, dV are on the last link's rank. Rank q gets what it
   // reads: its own rows whole (its input gradient) and every row's columns
