@@ -204,15 +204,18 @@ void MoeTransformer::begin_step() {
   stats_.tokens_per_expert.assign((size_t)cfg_.n_layers * cfg_.experts, 0);
 }
 
-LayerBalance layer_balance(int experts, const float* router_sums, const int64_t* counts, float global_tokens,
-                           float global_assignments) {
+LayerBalance layer_balance(const ModelConfig& cfg, const float* router_sums, const int64_t* counts,
+                           float global_tokens, float global_assignments) {
+  const int E = cfg.experts;
+  const float z = router_sums[E] / global_tokens;
+  if (cfg.aux_scope == AuxScope::kSequence) return {router_sums[E + 1] / (global_tokens / (float)cfg.seq_len), z};
   float dot = 0.0f;  // reduces over the expert index e
-  for (int e = 0; e < experts; ++e) {
+  for (int e = 0; e < E; ++e) {
     const float f = (float)counts[e] / global_assignments;
     const float share = router_sums[e] / global_tokens;
     dot = ls::fma(f, share, dot);
   }
-  return {(float)experts * dot, router_sums[experts] / global_tokens};
+  return {(float)E * dot, z};
 }
 
 float sequence_balance(const float* gates, const int* sel, int64_t samples, int seq_len, int experts, int top_k,

@@ -56,12 +56,14 @@ float total_loss(const ModelConfig& cfg, const StepLosses& l);
 // A layer's load-balancing loss E * sum_e f_e P_e and z-loss mean(lse^2),
 // from the step's router sums (ops::router_stats: per expert the gate sum,
 // then the sum of lse^2) and its assignments per expert (f_e = counts[e] /
-// global_assignments, P_e = sums[e] / global_tokens). Reduces over the expert index e.
+// global_assignments, P_e = sums[e] / global_tokens). With
+// moe.aux_scope=sequence the sums hold one more entry, the step's samples'
+// losses (sequence_balance), and aux is their mean. Reduces over the expert index e.
 struct LayerBalance {
   float aux = 0, z = 0;
 };
-LayerBalance layer_balance(int experts, const float* router_sums, const int64_t* counts, float global_tokens,
-                           float global_assignments);
+LayerBalance layer_balance(const ModelConfig& cfg, const float* router_sums, const int64_t* counts,
+                           float global_tokens, float global_assignments);
 
 // moe.aux_scope=sequence: the load-balancing loss of each of `samples`
 // consecutive samples of seq_len tokens, E * sum_e f_se P_se with f_se =

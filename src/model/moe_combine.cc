@@ -76,9 +76,8 @@ class MoeCombine : public LayerBlock {
     }
     ctx.mesh->stream_group().all_reduce_sum(sums.data(), sums.size());
     ctx.group(Axis::kData).all_reduce_sum(acts.global_counts.data(), E);
-    LayerBalance balance =
-        layer_balance(E, sums.data(), acts.global_counts.data(), ctx.global_tokens, ctx.global_assignments);
-    if (per_sample) balance.aux = sums[E + 1] / (ctx.global_tokens / (float)c.seq_len);  // the mean over samples
+    const LayerBalance balance =
+        layer_balance(c, sums.data(), acts.global_counts.data(), ctx.global_tokens, ctx.global_assignments);
     ws.aux_loss[layer_] = balance.aux;
     ws.z_loss[layer_] = balance.z;
     // The step's sums fold layer by layer, in layer order.

@@ -69,25 +69,19 @@ class MoeRouting : public LayerBlock {
     // The gate gradient + the aux term (the counts are constants), softmax
     // backward, + the z-loss term.
     ops::synchronize();
-    if (c.aux_scope == AuxScope::kSequence) {  // each sample's own counts: a row vector per sample
-      const int64_t T = c.seq_len, samples = N / T;
-      const float assignments = (float)(T * c.top_k);
-      ws.row_vector.resize(samples * E);
-      for (int64_t s = 0; s < samples; ++s)
-        for (int e = 0; e < E; ++e) {
-          const float f = (float)acts.sample_counts[(size_t)(s * E + e)] / assignments;
-          ws.row_vector[s * E + e] = ((c.aux_loss_weight * (float)E) * f) / ctx.global_tokens;
-        }
-      for (int64_t s = 0; s < samples; ++s)
-        ops::add_row_vector(ws.dg.data() + s * T * E, T, E, E, ws.row_vector.data() + s * E);
-    } else {
-      ws.row_vector.resize(E);
+    // One vector for every row (the step's counts), or with moe.aux_scope=sequence one per sample (its own).
+    const bool per_sample = c.aux_scope == AuxScope::kSequence;
+    const int64_t rows = per_sample ? c.seq_len : N, vectors = N / rows;
+    const int64_t* counts = per_sample ? acts.sample_counts.data() : acts.global_counts.data();
+    const float assignments = per_sample ? (float)(rows * c.top_k) : ctx.global_assignments;
+    ws.row_vector.resize(vectors * E);
+    for (int64_t s = 0; s < vectors; ++s)
       for (int e = 0; e < E; ++e) {
-        const float f = (float)acts.global_counts[e] / ctx.global_assignments;
-        ws.row_vector[e] = ((c.aux_loss_weight * (float)E) * f) / ctx.global_tokens;
+        const float f = (float)counts[s * E + e] / assignments;
+        ws.row_vector[s * E + e] = ((c.aux_loss_weight * (float)E) * f) / ctx.global_tokens;
       }
-      ops::add_row_vector(ws.dg.data(), N, E, E, ws.row_vector.data());
-    }
+    for (int64_t s = 0; s < vectors; ++s)
+      ops::add_row_vector(ws.dg.data() + s * rows * E, rows, E, E, ws.row_vector.data() + s * E);
     ws.dz.resize(N * E);
     ops::softmax_backward_rows(acts.gates.data(), E, ws.dg.data(), E, ws.dz.data(), E, (int)N, E, 0);
     ops::z_loss_grad(acts.gates.data(), acts.router_lse.data(), N, E, c.z_loss_weight * 2.0f, ctx.global_tokens,

@@ -188,10 +188,8 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
       lanes > 1 ? "one per data lane (" + std::to_string(lanes) + " lanes)" : "one per weight" + ranks);
   add("adamw_moments", copies_of_state * 2 * owned * f, shards ? std::string("m and v of each rank's ") + shard_kind : "m and v" + ranks);
   if (m > 1) {
-    // A stage folds each chunk's microbatch gradients by the leaf tree over microbatch index: a binary
-    // counter of floor(log2 m) + 1 buffers of the chunk's tensors (runner/pipeline.h).
-    int levels = 1;
-    while ((1 << levels) <= m) ++levels;
+    // A stage folds each chunk's microbatch gradients by the leaf tree over microbatch index.
+    const int levels = gradient_tree_buffers(m);
     add("pipeline_gradient_trees", copies_of_state * levels * rank_weights * f,
         std::to_string(levels) + " buffers of each stage's tensors: the tree over " + std::to_string(m) + " microbatches");
   }

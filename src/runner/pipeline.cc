@@ -85,6 +85,12 @@ std::vector<std::pair<int, int>> pipeline_chunks(const ModelConfig& c, int count
   return out;
 }
 
+int gradient_tree_buffers(int microbatches) {
+  int levels = 1;
+  while ((1 << levels) <= microbatches) ++levels;
+  return levels;
+}
+
 double pipeline_bubble_formula(PipelineSchedule schedule, int stages, int chunks, int microbatches) {
   const double p = stages, m = microbatches, v = schedule == PipelineSchedule::kInterleaved ? chunks : 1;
   return (p - 1) / (v * m + p - 1);
@@ -269,11 +275,7 @@ PipelineStage::Step::Chunk PipelineStage::Step::make_chunk(int k) const {
     std::vector<std::vector<float>>& kept = stage_.tree_scratch_;
     if (kept.size() < (size_t)v_) kept.resize((size_t)v_);
     std::vector<float>& tree = kept[(size_t)k];
-    // The counter's stack after k < m pushes holds popcount(k) entries, and the next leaf one more:
-    // floor(log2 m) + 1 buffers in all (LeafTree::levels_for allows one more, never written here).
-    int levels = 1;
-    while ((1 << levels) <= m_) ++levels;
-    tree.resize((size_t)levels * ch.width);
+    tree.resize((size_t)gradient_tree_buffers(m_) * ch.width);
     ch.tree_scratch = tree.data();
   }
   return ch;
@@ -374,9 +376,7 @@ void PipelineStage::Step::combine(Chunk& ch) {
     for (int mb = 0; mb < m_; ++mb)
       for (int e = 0; e < E_; ++e) total[(size_t)e] += counts_[(size_t)l][(size_t)mb * E_ + e];
     mesh_.group(Axis::kData).all_reduce_sum(total.data(), total.size());
-    balance_[(size_t)l] = layer_balance(E_, sums.data(), total.data(), global_tokens_, global_assignments_);
-    if (cfg_.aux_scope == AuxScope::kSequence)  // the mean over the step's samples
-      balance_[(size_t)l].aux = sums[(size_t)E_ + 1] / (global_tokens_ / (float)cfg_.seq_len);
+    balance_[(size_t)l] = layer_balance(cfg_, sums.data(), total.data(), global_tokens_, global_assignments_);
   }
   if (ch.last == model_.num_blocks()) {
     std::vector<const float*> parts;

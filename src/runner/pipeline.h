@@ -51,6 +51,12 @@ std::vector<std::pair<int, int>> pipeline_chunks(const ModelConfig& cfg, int cou
 // passes, free messages): (p - 1) / (m + p - 1), interleaved (p - 1) / (v m + p - 1).
 double pipeline_bubble_formula(PipelineSchedule schedule, int stages, int chunks, int microbatches);
 
+// Buffers of a chunk's tensors its gradient tree over m microbatches holds:
+// the binary counter's stack after k < m pushes has popcount(k) entries, and
+// the next leaf one more, so floor(log2 m) + 1 (LeafTree::levels_for allows
+// one more, never written here).
+int gradient_tree_buffers(int microbatches);
+
 // What one stage measured: the seconds are means per step over the steps
 // after the first (a warm-up: buffers grow), or the first alone; the rest is
 // the last step's.
