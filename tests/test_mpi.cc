@@ -222,6 +222,31 @@ TEST_SUITE("mpi") {
     CHECK(bytes.at("all_reduce").get<double>() > 0);
   }
 
+  TEST_CASE("as processes: the sequence-wise aux loss through 1F1B without a hold, and the dK/dV chain by key blocks") {
+    if (!ls::mpi_available()) return;
+    // One sample per cp rank (key blocks); no router skew, which routes every sample alike (then both scopes agree).
+    const std::string base = "--set model.seq_len=64 --set train.batch=2 --set moe.router_skew=0 ";
+    const Run batch = run_lockstep(0, base), one = run_lockstep(0, base + "--set moe.aux_scope=sequence");
+    const Run pp = run_lockstep(2, base + "--set moe.aux_scope=sequence --set mesh.pp=2 --set train.microbatches=2");
+    const Run cp = run_lockstep(2, base + "--set moe.aux_scope=sequence --set mesh.cp=2");
+    REQUIRE(batch.rc == 0);
+    REQUIRE(one.rc == 0);
+    CAPTURE(pp.err);
+    REQUIRE(pp.rc == 0);
+    CAPTURE(cp.err);
+    REQUIRE(cp.rc == 0);
+    CHECK(one.hash != batch.hash);  // another loss
+    CHECK(pp.summary["processes"] == 2);
+    CHECK(pp.hash == one.hash);
+    CHECK(pp.loss_bits == one.loss_bits);
+    for (const nlohmann::json& st : pp.summary.at("pipeline").at("stages")) CHECK(st.at("held_for_expert_counts") == false);
+    CHECK(cp.summary["processes"] == 2);
+    CHECK(cp.hash == one.hash);
+    // 2 layers x 2 samples: the whole-link chain's messages; key blocks (of one head each) send more.
+    for (const nlohmann::json& rank : cp.summary.at("context_parallel").at("ranks"))
+      CHECK(rank.at("link_messages").get<int64_t>() > 2 * 2);
+  }
+
   TEST_CASE("--launcher mpi starts mpirun itself; a world that is not the mesh is refused, naming both numbers") {
     if (!ls::mpi_available()) return;
     const Run one = run_lockstep(0, "");
