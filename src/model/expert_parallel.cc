@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "common/op_profile.h"
-#include "model/context_parallel.h"
 #include "ops/ops.h"
 
 namespace ls {
@@ -70,11 +69,7 @@ void hold_moe_buffers(StepContext& ctx, LayerActs& acts) {
     for (ops::DeviceVector<float>* v : {&ws.slots.y, &ws.slots.dy, &ws.slots.dx}) grow(*v, slots * D);
   for (ops::DeviceVector<float>* v : {&ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv}) grow(*v, slots * F);
   const size_t held_rows = (size_t)acts.rows.off[ctx.local_experts];
-  // u, v, sg: the rows of the experts this rank computes (context parallel: its share of them, cp_own_experts).
-  const CpShare mine = ctx.cp() > 1 ? cp_share(ctx.local_experts, ctx.cp(), ctx.cp_rank()) : CpShare{0, ctx.local_experts};
-  acts.rows.hidden_first = acts.rows.off[mine.first];
-  const size_t hidden_rows = (size_t)(acts.rows.off[mine.first + mine.count] - acts.rows.hidden_first);
-  for (ops::DeviceVector<float>* v : {&acts.rows.u, &acts.rows.v, &acts.rows.sg}) grow(*v, hidden_rows * F);
+  for (ops::DeviceVector<float>* v : {&acts.rows.u, &acts.rows.v, &acts.rows.sg}) grow(*v, held_rows * F);
   grow(acts.ye, (size_t)(ctx.tokens * ctx.cfg.top_k) * D);
   if (ctx.ep() > 1) {  // a pair moves at most the destination's slots per round
     size_t all_slots = 0;

@@ -139,11 +139,10 @@ int64_t experts_round_hidden(const RoundPlan& plan, int r, ExpertSlots& slots, E
   const int64_t tasks = for_each_block(plan.round[r], rows, W1, W3, nullptr, D, F,
                                        [&](const Segment&, int64_t, int64_t n, int64_t slot, int64_t row,
                                            const float* w1, const float* w3, const float*) {
-    const int64_t h = (row - rows.hidden_first) * F;
-    float *u = &rows.u[h], *v = &rows.v[h];
+    float *u = &rows.u[row * F], *v = &rows.v[row * F];
     ops::gemm(n, F, D, {&slots.x[slot * D], D, 1}, {w1, F, 1}, u, F, false, 1);
     ops::gemm(n, F, D, {&slots.x[slot * D], D, 1}, {w3, F, 1}, v, F, false, 1);
-    ops::swiglu(u, v, &rows.sg[h], &slots.act[slot * F], n * F);
+    ops::swiglu(u, v, &rows.sg[row * F], &slots.act[slot * F], n * F);
   });
   return 2 * tasks;  // GEMM calls: u, v per task
 }
@@ -162,8 +161,7 @@ int64_t experts_round_backward_hidden(const RoundPlan& plan, int r, ExpertSlots&
   return for_each_block(plan.round[r], rows, nullptr, nullptr, W2, D, F,
                         [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t row, const float*,
                             const float*, const float* w2) {
-    const int64_t h = (row - rows.hidden_first) * F;
-    const float *u = &rows.u[h], *v = &rows.v[h], *sg = &rows.sg[h];
+    const float *u = &rows.u[row * F], *v = &rows.v[row * F], *sg = &rows.sg[row * F];
     float *act = &slots.act[slot * F], *dact = &slots.dact[slot * F];
     ops::swiglu_product(u, sg, v, act, n * F);  // the forward's act, for W2's gradient
     ops::gemm(n, F, D, {dy.at(rows, s, b, D), D, 1}, {w2, 1, D}, dact, F, false, 1);

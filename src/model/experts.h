@@ -64,8 +64,7 @@ struct ExpertRows {
   std::vector<int64_t> off;   // [experts + 1]: first row of each expert
   std::vector<int64_t> leaf;  // per row: its leaf in the reduction group, ascending per expert
   ops::DeviceVector<float> x;       // [rows, D] (expert parallel only)
-  ops::DeviceVector<float> u, v, sg;  // [rows, F]: rows hidden_first .. of those this rank computes
-  int64_t hidden_first = 0;           // (context parallel: its share of the experts' rows; else 0, all)
+  ops::DeviceVector<float> u, v, sg;  // [rows, F]
   int experts() const { return (int)off.size() - 1; }
 };
 

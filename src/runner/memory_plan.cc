@@ -84,9 +84,6 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes) {
     const int64_t whole = ops::attention_probs_floats(c.seq_len);
     w.activations = w.activations - (uint64_t)(L * BH * whole) * f + (uint64_t)(L * BH * held / cp) * f +
                     (uint64_t)(s.batch / dp) * c.seq_len * 4 * c.d_model * f;
-    // The routed rows' u, v, sg: the rows of this rank's share of the experts (about 1 / cp of them).
-    const int64_t NK = (int64_t)(s.batch / dp / m) * c.seq_len * c.top_k;
-    w.expert_buffers -= (int64_t)(L * NK * 3 * c.d_ff * f) * (cp - 1) / cp;
   }
   return w;
 }
