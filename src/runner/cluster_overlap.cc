@@ -42,7 +42,7 @@ void ClusterTrainer::start_weight_gathers(RankCtx& c) {
   for (const std::vector<size_t>& tensors : rank.block_tensors)
     for (size_t t : tensors) {
       if (!placement_.sharded(infos[t])) continue;
-      const float* mine = rank.shard_w.data() + rank.shard_off[t];
+      const float* mine = rank.shard_w.data() + rank.sharded_off[t];
       float* whole = model.weights() + infos[t].offset;
       if (infos[t].size < kOverlapMinElements) gather_shards(c.group(Axis::kShard), infos[t].size, mine, whole);
       else rank.gathering[t] = start_gather_shards(c.group(Axis::kShard), infos[t].size, mine, whole);

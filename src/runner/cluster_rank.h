@@ -22,15 +22,16 @@ struct ClusterTrainer::Rank {
   std::unique_ptr<PipelineStage> stage;  // pipelined (mesh.pp > 1 or train.microbatches > 1): its blocks and schedule
   std::unique_ptr<MoeTransformer> model;
   ops::DeviceVector<float> m, v;    // AdamW moments for what this rank updates (shards with fsdp)
-  ops::DeviceVector<float> shard_w;  // fsdp: the authoritative parameter shards, concatenated
-  std::vector<int64_t> shard_off;   // fsdp: per tensor, offset into shard_w / m / v
+  ops::DeviceVector<float> shard_w;  // fsdp: the authoritative parameter shards of the sharded tensors, concatenated
+  std::vector<int64_t> shard_off;   // per tensor, offset of its range into m / v
+  std::vector<int64_t> sharded_off;  // per sharded tensor, offset into shard_w / reduced (-1: not sharded)
   std::vector<Shard> shards;        // per tensor, its block range (every block without fsdp)
   CommStats comm;                   // bytes sent, accumulated over steps
   SplitNormBuffers norm_buffers;    // the gradient norm's buffers (split tensors, FSDP shards), reused step to step
   // mesh.overlap: collectives started during the step, per tensor (empty: none in flight).
   std::vector<Pending> reducing;    // its gradient's reduction, started as the backward finished it
   std::vector<Pending> gathering;   // its shards' all-gather, started before the forward
-  ops::DeviceVector<float> reduced;  // sharded tensors' reduced gradient shards, at shard_off
+  ops::DeviceVector<float> reduced;  // sharded tensors' reduced gradient shards, at sharded_off
   std::vector<std::vector<size_t>> block_tensors;  // per block: its tensors (MoeTransformer::block_of)
 };
 

@@ -57,23 +57,29 @@ ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), pl
     rank->model = std::make_unique<MoeTransformer>(s.model, s.leaf_samples, s.seed, ep, rank->at.data % ep, m.tp,
                                                    rank->at.tensor, blocks);
     const auto& infos = rank->model->params();
-    int64_t off = 0;
+    // m and v cover every tensor's range; the master shards (and the reduced
+    // gradients) only the sharded tensors': the others update in place.
+    int64_t off = 0, sharded = 0;
     for (const ParamInfo& p : infos) {
       const Shard sh = placement_.shard(p, rank->at.data);
+      const int64_t n = std::min(p.size, sh.b1 * kParamBlock) - std::min(p.size, sh.b0 * kParamBlock);
       rank->shards.push_back(sh);
       rank->shard_off.push_back(off);
-      off += std::min(p.size, sh.b1 * kParamBlock) - std::min(p.size, sh.b0 * kParamBlock);
+      rank->sharded_off.push_back(placement_.sharded(p) ? sharded : -1);
+      off += n;
+      if (placement_.sharded(p)) sharded += n;
     }
     rank->m.assign(off, 0.0f);
     rank->v.assign(off, 0.0f);
-    rank->shard_w.resize(off);
+    rank->shard_w.resize(sharded);
     rank->block_tensors.resize((size_t)rank->model->num_blocks());
     for (size_t t = 0; t < infos.size(); ++t)
       rank->block_tensors[(size_t)MoeTransformer::block_of(s.model, infos[t].name)].push_back(t);
     for (size_t t = 0; t < infos.size(); ++t) {
+      if (rank->sharded_off[t] < 0) continue;
       const auto [lo, hi] = range(*rank, t);
       std::copy(rank->model->weights() + infos[t].offset + lo, rank->model->weights() + infos[t].offset + hi,
-                rank->shard_w.begin() + rank->shard_off[t]);
+                rank->shard_w.begin() + rank->sharded_off[t]);
     }
     ranks_.push_back(std::move(rank));
   }
@@ -162,7 +168,7 @@ void ClusterTrainer::gather_sharded_weights(RankCtx& c) {
   const auto& infos = model.params();
   for (size_t t = 0; t < infos.size(); ++t)
     if (placement_.sharded(infos[t]))
-      gather_shards(c.group(Axis::kShard), infos[t].size, c.rank.shard_w.data() + c.rank.shard_off[t],
+      gather_shards(c.group(Axis::kShard), infos[t].size, c.rank.shard_w.data() + c.rank.sharded_off[t],
                     model.weights() + infos[t].offset);
 }
 
@@ -183,14 +189,14 @@ StepLosses ClusterTrainer::forward_backward(RankCtx& c, const uint8_t* samples, 
 // step): the norm and the optimizer read it there.
 float* ClusterTrainer::reduced_shard(Rank& r, size_t t) {
   if (r.reduced.size() != r.shard_w.size()) r.reduced.resize(r.shard_w.size());
-  return r.reduced.data() + r.shard_off[t];
+  return r.reduced.data() + r.sharded_off[t];
 }
 
 // The reduced gradient of this rank's range of tensor t: its reduced shard
 // when the tensor is sharded, else the gradients themselves.
 float* ClusterTrainer::reduced_gradient(Rank& r, size_t t) {
   const ParamInfo& p = r.model->params()[t];
-  if (placement_.sharded(p)) return r.reduced.data() + r.shard_off[t];
+  if (placement_.sharded(p)) return r.reduced.data() + r.sharded_off[t];
   return r.model->grads() + p.offset + range(r, t).first;
 }
 
@@ -281,7 +287,7 @@ void ClusterTrainer::update(RankCtx& c, int step, float norm) {
   std::vector<AdamWSlice> slices;
   for (size_t t = 0; t < infos.size(); ++t) {
     const auto [lo, hi] = range(rank, t);
-    float* w = placement_.sharded(infos[t]) ? rank.shard_w.data() + rank.shard_off[t]
+    float* w = placement_.sharded(infos[t]) ? rank.shard_w.data() + rank.sharded_off[t]
                                             : model.weights() + infos[t].offset + lo;
     slices.push_back({w, reduced_gradient(rank, t), rank.m.data() + rank.shard_off[t],
                       rank.v.data() + rank.shard_off[t], hi - lo, infos[t].decay});
