@@ -38,7 +38,7 @@ class AttentionBlock : public LayerBlock {
     acts.attn_inv_rms.resize(Ns);
     ops::rmsnorm(acts.x.data(), ctx.layer_weight(layer_, "attn_norm"), acts.attn_in.data(), acts.attn_inv_rms.data(), Ns,
                  D, c.rms_eps);
-    ctx.trace_tensor("fwd", layer_, "attn_norm", "out", acts.attn_in.data(), {N, D});
+    ctx.trace_tensor("fwd", layer_, "attn_norm", "out", acts.attn_in.data(), {N, D}, {TraceRows::kStream});
     acts.qkv.resize(N * 3 * Dh);
     const float* attn_in = every_token(ctx, acts.attn_in.data(), ws.sp_gathered);
     acts.attn_out.resize(N * Dh);
@@ -54,7 +54,7 @@ class AttentionBlock : public LayerBlock {
     });
     gather_held_stream_rows(ctx, ws.dtmp.data(), D);
     ops::add(acts.x.data(), ws.dtmp.data() + ctx.stream_first * D, acts.mid.data(), Ns * D);
-    ctx.trace_tensor("fwd", layer_, "attn_residual", "h", acts.mid.data(), {N, D});
+    ctx.trace_tensor("fwd", layer_, "attn_residual", "h", acts.mid.data(), {N, D}, {TraceRows::kStream});
   }
 
   // dh: d(mid) in, d(x) out (the residual's part + the norm's). Tensor
@@ -80,7 +80,7 @@ class AttentionBlock : public LayerBlock {
     token_weight_grad(ctx, acts.attn_out.data(), Dh, dmid, D, Dh, D, ctx.layer_grad(layer_, "wo"));
     ws.dqkv.resize(N * 3 * Dh);
     attention_backward_held(ctx, acts, ws.dattn_out.data(), ws.dqkv.data());
-    ctx.trace_tensor("bwd", layer_, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D});
+    ctx.trace_tensor("bwd", layer_, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D}, {TraceRows::kHeld, 3});
     token_weight_grad(ctx, every_token(ctx, acts.attn_in.data(), ws.sp_gathered), D, ws.dqkv.data(), 3 * Dh, D, 3 * Dh,
                 ctx.layer_grad(layer_, "wqkv"));
     ws.dtmp.resize(N * D);
@@ -98,7 +98,7 @@ class AttentionBlock : public LayerBlock {
                              ctx.layer_grad(layer_, "attn_norm"));
     ops::rmsnorm_backward(acts.x.data(), ctx.layer_weight(layer_, "attn_norm"), acts.attn_inv_rms.data(), dattn_in,
                           ws.dh.data(), Ns, D, true);
-    ctx.trace_tensor("bwd", layer_, "attn_norm", "dh", ws.dh.data(), {N, D});
+    ctx.trace_tensor("bwd", layer_, "attn_norm", "dh", ws.dh.data(), {N, D}, {TraceRows::kStream});
   }
 };
 

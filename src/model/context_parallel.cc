@@ -100,19 +100,21 @@ void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, c
   const float scale = attention_scale(c);
   if (ctx.cp() == 1) {
     ops::linear(attn_in, N, D, wqkv, 3 * Dh, acts.qkv.data());
-    ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D});
+    ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D}, {TraceRows::kTokens, 3});
     acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
     ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, hd, scale, acts.attn_probs.data(),
                                  acts.attn_out.data());
-    ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D});
+    ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D}, {TraceRows::kTokens, 1});
     return;
   }
   held_rows(ctx, [&](int64_t row, int count) {  // this rank's positions; then every token's K and V
     ops::linear(attn_in + row * D, count, D, wqkv, 3 * Dh, acts.qkv.data() + row * 3 * Dh);
   });
+  ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D}, {TraceRows::kHeld, 3});
   cp_gather_rows(ctx, acts.qkv.data(), 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true);
   acts.attn_probs.resize((size_t)ctx.batch * Hh * cp_probs_floats(S, ctx.cp(), ctx.cp_rank(), ctx.cp_zigzag()));
   cp_attention_forward(ctx, acts.qkv.data(), Hh, hd, scale, acts.attn_probs.data(), acts.attn_out.data());
+  ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D}, {TraceRows::kHeld, 1});
 }
 
 void attention_backward_held(StepContext& ctx, const LayerActs& acts, const float* dattn_out, float* dqkv) {

@@ -29,9 +29,9 @@ class HeadBlock : public Block {
     ws.lse.resize(N);
     ws.loss.resize(N);
     ops::rmsnorm(ws.h.data(), ctx.weight("final_norm"), ws.final_out.data(), ws.final_inv_rms.data(), N, D, c.rms_eps);
-    ctx.trace_tensor("fwd", -1, "final_norm", "out", ws.final_out.data(), {N, D});
+    ctx.trace_tensor("fwd", -1, "final_norm", "out", ws.final_out.data(), {N, D}, {TraceRows::kStream});
     ops::linear(ws.final_out.data(), N, D, ctx.weight("lm_head"), V, ws.logits.data());
-    ctx.trace_tensor("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V});
+    ctx.trace_tensor("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V}, {TraceRows::kStream});
     ws.target_id.resize(N);
     for (int64_t i = 0; i < N; ++i) {
       const int64_t n = first + i;
@@ -39,7 +39,7 @@ class HeadBlock : public Block {
     }
     ops::softmax_rows(ws.logits.data(), V, ws.prob.data(), V, (int)N, V, 0, ws.lse.data());
     ops::token_losses(ws.lse.data(), ws.logits.data(), ws.target_id.data(), N, V, ws.loss.data());
-    ctx.trace_tensor("fwd", -1, "loss", "per_token", ws.loss.data(), {N});
+    ctx.trace_tensor("fwd", -1, "loss", "per_token", ws.loss.data(), {N}, {TraceRows::kStream});
     float ce_sum = ops::token_sum(ws.loss.data(), N, ctx.leaf_tokens);  // this rank's subtree
     if (ctx.microbatches > 0) {  // a pipeline combines the microbatches' sums
       ws.ce_partial = ce_sum;
@@ -58,7 +58,7 @@ class HeadBlock : public Block {
     StepWorkspace& ws = ctx.ws;
     ws.dlogits.resize(N * V);
     ops::cross_entropy_grad(ws.prob.data(), ws.target_id.data(), N, V, ctx.global_tokens, ws.dlogits.data());
-    ctx.trace_tensor("bwd", -1, "lm_head", "dlogits", ws.dlogits.data(), {N, V});
+    ctx.trace_tensor("bwd", -1, "lm_head", "dlogits", ws.dlogits.data(), {N, V}, {TraceRows::kStream});
     ops::weight_grad(ws.final_out.data(), D, ws.dlogits.data(), V, D, V, ws.uniform_off.data(), ctx.stream_leaves,
                      ctx.grad("lm_head"));
     ws.dtmp.resize(N * D);
@@ -68,7 +68,7 @@ class HeadBlock : public Block {
                              ctx.grad("final_norm"));
     ops::rmsnorm_backward(ws.h.data(), ctx.weight("final_norm"), ws.final_inv_rms.data(), ws.dtmp.data(), ws.dh.data(),
                           N, D, false);
-    ctx.trace_tensor("bwd", -1, "final_norm", "dh", ws.dh.data(), {N, D});
+    ctx.trace_tensor("bwd", -1, "final_norm", "dh", ws.dh.data(), {N, D}, {TraceRows::kStream});
   }
 };
 

@@ -12,6 +12,7 @@
 #include "common/parallel.h"
 #include "contract.h"
 #include "model/blocks.h"
+#include "model/context_parallel.h"
 #include "model/step_context.h"
 #include "ops/attention.h"
 #include "ops/ops.h"
@@ -354,10 +355,38 @@ const ParamInfo& StepContext::param(const std::string& name) const {
 }
 
 void StepContext::trace_tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
-                               std::vector<int64_t> shape) const {
+                               std::vector<int64_t> shape, TraceLayout layout) const {
   if (!trace) return;
   ops::synchronize();  // the host reads what kernels wrote
-  trace->tensor(phase, layer, op, name, data, shape);
+  // This rank's first token in the step's (sample, position) order: its
+  // data-parallel share, then its microbatch.
+  const int mb = std::max(1, microbatches);
+  const int64_t S = cfg.seq_len;
+  const int64_t first_row = ((int64_t)mesh->rank(Axis::kData) * batch * mb + (int64_t)microbatch * batch) * S;
+  shape[0] = tokens * dp() * mb;
+  TracePiece piece;
+  switch (layout.rows) {
+    case TraceRows::kTokens: piece.rows.push_back({first_row, 0, tokens}); break;
+    case TraceRows::kStream: piece.rows.push_back({first_row + stream_first, 0, stream_tokens}); break;
+    case TraceRows::kHeld:
+      if (cp() == 1) {
+        piece.rows.push_back({first_row, 0, tokens});
+        break;
+      }
+      cp_for_each_held(*this, 0, batch, [&](int64_t row, int count) { piece.rows.push_back({first_row + row, row, count}); });
+      break;
+  }
+  int64_t cols = 1;
+  for (size_t d = 1; d < shape.size(); ++d) cols *= shape[d];
+  if (layout.split_parts > 0 && tp() > 1) {
+    const int D = cfg.d_model, w = width_held();
+    for (int k = 0; k < layout.split_parts; ++k) piece.cols.push_back({(int64_t)k * D + (int64_t)tp_rank() * w, (int64_t)k * w, w});
+    piece.ld = (int64_t)layout.split_parts * w;
+  } else {
+    piece.cols.push_back({0, 0, cols});
+    piece.ld = cols;
+  }
+  trace->piece(phase, layer, op, name, data, shape, piece);
 }
 
 const float* StepContext::token_slot_order(const LayerActs& acts, const float* rows, int width) const {
@@ -443,8 +472,10 @@ StepLosses MoeTransformer::forward_range(const uint8_t* tokens, int batch, bool 
   }
   if (end_layer < cfg_.n_layers) ws.layers[(size_t)end_layer].x.resize(N * D);
   if (last > layer_block(cfg_.n_layers, LayerPart::kAttention) - 1) ws.h.resize(N * D);  // the range reaches the head
-  if (first == 0 && ctx.trace)
-    for (const ParamInfo& p : infos_) ctx.trace_tensor("params", -1, "param", p.name.c_str(), ctx.weights + p.offset, p.shape);
+  if (first == 0 && ctx.trace && trace_state_) {
+    ops::synchronize();
+    for (const ParamInfo& p : infos_) ctx.trace->tensor("params", -1, "param", p.name.c_str(), ctx.weights + p.offset, p.shape);
+  }
   if (first > 0) {
     if (!io.stream_in) throw InternalError("engine: forward_range from block " + std::to_string(first) + " needs stream_in");
     std::memcpy(blocks_[first]->stream_in(ws), io.stream_in, sizeof(float) * N * D);
@@ -476,8 +507,10 @@ void MoeTransformer::backward_range(int first, int last, const float* grad_out, 
       block_hooks_.after_backward(b);
     }
   }
-  if (first == 0 && ctx.trace)
-    for (const ParamInfo& p : infos_) ctx.trace_tensor("grad", -1, "param", p.name.c_str(), g_.data() + p.offset, p.shape);
+  if (first == 0 && ctx.trace && trace_state_) {
+    ops::synchronize();
+    for (const ParamInfo& p : infos_) ctx.trace->tensor("grad", -1, "param", p.name.c_str(), g_.data() + p.offset, p.shape);
+  }
   ops::synchronize();  // the gradients are done: the trainer's collectives and optimizer may read them
   stats_.workspace_bytes = workspace_bytes();
   stats_.weight_bytes = (int64_t)(w_.capacity() + g_.capacity()) * (int64_t)sizeof(float);

@@ -234,7 +234,12 @@ class MoeTransformer {
   // workspace and weight bytes: this model's and every lane's together).
   void set_moe_stats_from_lanes(const std::vector<const MoeStats*>& lanes);
   // Tensors of forward_backward() go to `sink` (nullptr: no tracing).
-  void set_trace(TraceSink* sink) { trace_ = sink; }
+  // state: also the weights before and the gradients after (one rank; a
+  // mesh's trainer traces its assembled state instead).
+  void set_trace(TraceSink* sink, bool state = true) {
+    trace_ = sink;
+    trace_state_ = state;
+  }
   // Debug only: fold the MoE RMSNorm's sum of squares in descending feature
   // order, a deliberate contract violation that drift tools must locate.
   void set_debug_reorder_moe_norm(bool on) { debug_reorder_moe_norm_ = on; }
@@ -272,6 +277,7 @@ class MoeTransformer {
   StepWorkspace* ws_ = nullptr;  // the one in use
   std::vector<std::unique_ptr<Block>> blocks_;
   TraceSink* trace_ = nullptr;
+  bool trace_state_ = true;
   Mesh one_rank_;  // the mesh of a model on its own
   const Mesh* mesh_ = &one_rank_;
   int ep_size_ = 1, ep_rank_ = 0;

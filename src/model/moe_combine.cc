@@ -55,7 +55,7 @@ class MoeCombine : public LayerBlock {
     // out = fold over slots of fma(gate, y_slot, out) from +0, then + shared, + residual.
     ops::moe_combine(acts.gates.data(), E, acts.sel.data() + first * K, K, acts.row_of.data() + first * K, acts.ye_rows,
                      c.shared_expert ? acts.shared_out.data() + first * D : nullptr, acts.mid.data(), out, Ns, D);
-    ctx.trace_tensor("fwd", layer_, "moe.combine", "h", out, {N, D});
+    ctx.trace_tensor("fwd", layer_, "moe.combine", "h", out, {N, D}, {TraceRows::kStream});
     // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
     // This rank's subtrees (ops::router_stats), then the canonical tree over ranks.
     StepWorkspace& ws = ctx.ws;

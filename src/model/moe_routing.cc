@@ -36,7 +36,7 @@ class MoeRouting : public LayerBlock {
       ops::rmsnorm_debug_reversed(acts.mid.data(), norm, moe_in, acts.moe_inv_rms.data(), N, D, c.rms_eps);
     else
       ops::rmsnorm(acts.mid.data(), norm, moe_in, acts.moe_inv_rms.data(), N, D, c.rms_eps);
-    ctx.trace_tensor("fwd", layer_, "moe_norm", "out", moe_in, {N, D});
+    ctx.trace_tensor("fwd", layer_, "moe_norm", "out", moe_in, {N, D}, {TraceRows::kStream});
     acts.router_logits.resize(N * E);
     acts.gates.resize(N * E);
     acts.router_lse.resize(N);
@@ -53,8 +53,8 @@ class MoeRouting : public LayerBlock {
     gather_stream_rows(ctx, ws.sp_rows, acts.moe_in, D);
     gather_stream_rows(ctx, ws.sel_held, acts.sel, K);
     ops::synchronize();  // the host plans the rounds from the routing choices
-    ctx.trace_tensor("fwd", layer_, "router", "logits", acts.router_logits.data(), {N, E});
-    ctx.trace_tensor("fwd", layer_, "router", "gates", acts.gates.data(), {N, E});
+    ctx.trace_tensor("fwd", layer_, "router", "logits", acts.router_logits.data(), {N, E}, {TraceRows::kStream});
+    ctx.trace_tensor("fwd", layer_, "router", "gates", acts.gates.data(), {N, E}, {TraceRows::kStream});
   }
 
   // dg (from the combine) and d(moe_in) (from the dispatch) -> the router's
@@ -86,7 +86,7 @@ class MoeRouting : public LayerBlock {
     ops::softmax_backward_rows(acts.gates.data(), E, ws.dg.data(), E, ws.dz.data(), E, (int)N, E, 0);
     ops::z_loss_grad(acts.gates.data(), acts.router_lse.data(), N, E, c.z_loss_weight * 2.0f, ctx.global_tokens,
                      ws.dz.data());
-    ctx.trace_tensor("bwd", layer_, "router", "dz", ws.dz.data(), {N, E});
+    ctx.trace_tensor("bwd", layer_, "router", "dz", ws.dz.data(), {N, E}, {TraceRows::kStream});
     ops::weight_grad(moe_in, D, ws.dz.data(), E, D, E, ws.uniform_off.data(), ctx.stream_leaves,
                      ctx.layer_grad(layer_, "router"));
     ws.dtmp.resize(N * D);
@@ -96,7 +96,7 @@ class MoeRouting : public LayerBlock {
                              ctx.layer_grad(layer_, "moe_norm"));
     ops::rmsnorm_backward(acts.mid.data(), ctx.layer_weight(layer_, "moe_norm"), acts.moe_inv_rms.data(),
                           ws.dmoe_in.data(), ws.dh.data(), N, D, true);
-    ctx.trace_tensor("bwd", layer_, "moe_norm", "dh", ws.dh.data(), {N, D});
+    ctx.trace_tensor("bwd", layer_, "moe_norm", "dh", ws.dh.data(), {N, D}, {TraceRows::kStream});
   }
 
 };

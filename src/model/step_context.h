@@ -103,6 +103,20 @@ struct StepWorkspace {
   void hand_backward_scratch(StepWorkspace& to);
 };
 
+// Which rows of a traced buffer hold this rank's values of the logical
+// [N, ...] tensor, N every token of the step in (sample, position) order.
+enum class TraceRows {
+  kTokens,  // every token this rank runs (ctx.tokens), from row 0
+  kStream,  // the residual stream's tokens held here: stream_first.., from row 0
+  kHeld,    // context parallel: this rank's positions of each sample (held_rows), at their rows
+};
+struct TraceLayout {
+  TraceRows rows = TraceRows::kTokens;
+  // > 0: tensor parallel splits the columns into this many parts of d_model
+  // features each (q, k, v), the rank holding its heads' width_held() of each.
+  int split_parts = 0;
+};
+
 // One step as the blocks see it.
 struct StepContext {
   const ModelConfig& cfg;
@@ -162,9 +176,10 @@ struct StepContext {
   // The plan of the experts held here, for layer l.
   const RoundPlan& own_plan(const LayerActs& acts) const { return acts.plans[(size_t)ep_rank()]; }
 
-  // A tensor to the trace sink, if tracing.
+  // A tensor to the trace sink, if tracing: this rank's piece of it, as
+  // `layout` says, shape[0] standing for the step's N. (One rank: the whole.)
   void trace_tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
-                    std::vector<int64_t> shape) const;
+                    std::vector<int64_t> shape, TraceLayout layout = {}) const;
   // Expert rows in (token, slot) order, the layout the reference keeps (for the trace).
   const float* token_slot_order(const LayerActs& acts, const float* rows, int width) const;
 

@@ -58,19 +58,45 @@ std::string hash_pieces(const std::vector<ParamInfo>& all, const std::vector<Clu
 }  // namespace
 
 // The pieces of rank r that count in the state (ParamPlacement::counts_in_state).
-std::vector<ClusterTrainer::StatePart> ClusterTrainer::state_parts(const Rank& rk) const {
+// gradients: w points at the reduced gradients instead (reduced_gradient).
+std::vector<ClusterTrainer::StatePart> ClusterTrainer::state_parts(const Rank& rk, bool gradients) const {
   std::vector<StatePart> out;
   const auto& infos = rk.model->params();
   for (size_t t = 0; t < infos.size(); ++t) {
     const ParamInfo& q = infos[t];
     if (!placement_.counts_in_state(rk.index, q)) continue;
     const auto [lo, hi] = range(rk, t);
-    const float* w = placement_.sharded(q) ? rk.shard_w.data() + rk.sharded_off[t] : rk.model->weights() + q.offset + lo;
+    const bool sharded = placement_.sharded(q);
+    const float* w = gradients ? (sharded ? rk.reduced.data() + rk.sharded_off[t] : rk.model->grads() + q.offset + lo)
+                               : (sharded ? rk.shard_w.data() + rk.sharded_off[t] : rk.model->weights() + q.offset + lo);
     const bool split = q.tp_mid > 0;
     out.push_back({(int64_t)q.index, q.global_offset + (split ? 0 : lo), hi - lo, split ? q.tp_first : -1,
                    split ? lo : 0, w, rk.m.data() + rk.shard_off[t], rk.v.data() + rk.shard_off[t]});
   }
   return out;
+}
+
+// Rank rk's pieces of the weights ("params") or of the reduced gradients
+// ("grad") to the mesh trace, as flat element runs of the whole tensors.
+void ClusterTrainer::trace_state(const Rank& rk, const char* phase) const {
+  for (const StatePart& p : state_parts(rk, std::string(phase) == "grad")) {
+    const ParamInfo& whole = all_tensors_[(size_t)p.t];
+    TracePiece piece;
+    if (p.tp_first < 0) {
+      piece.rows.push_back({p.start, 0, p.n});
+    } else {
+      ParamInfo q = whole;  // the part's view of the tensor, as hash_pieces places it
+      q.global_offset = p.start;
+      q.tp_first = p.tp_first;
+      for (int64_t i = 0; i < p.n; ++i) {
+        const int64_t e = q.global_index(p.held_first + i);
+        TraceRun* last = piece.rows.empty() ? nullptr : &piece.rows.back();
+        if (last && last->logical + last->count == e && last->local + last->count == i) ++last->count;
+        else piece.rows.push_back({e, i, 1});
+      }
+    }
+    mesh_trace_->add(rk.index, phase, -1, "param", whole.name.c_str(), p.w, whole.global_shape, piece);
+  }
 }
 
 // Under MPI every process sends its parts to every other (an all-gather of

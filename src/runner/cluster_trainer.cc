@@ -23,6 +23,7 @@
 #include "runner/cluster_rank.h"
 #include "runner/pipeline.h"
 #include "trace/sink.h"
+#include "trace/writer.h"
 
 namespace ls {
 
@@ -93,10 +94,25 @@ std::pair<int64_t, int64_t> ClusterTrainer::range(const Rank& r, size_t t) const
 
 double ClusterTrainer::train_flops_per_token() const { return ls::train_flops_per_token(s_.model); }
 
+// Every rank traces its pieces; a step's are assembled and written at its
+// end (runner/mesh_trace.h), the weights and reduced gradients from the
+// pieces the state hash places.
 void ClusterTrainer::set_trace(TraceSink* sink) {
-  if (sink)
-    throw UserError("--trace: tracing a multi-rank or pipelined mesh is not supported yet; trace the same scenario on "
-                    "one rank (mesh.* at 1 and train.microbatches=1), which must give the same bits");
+  mesh_trace_.reset();
+  for (auto& r : ranks_)
+    if (r) r->model->set_trace(nullptr);
+  if (!sink) return;
+  if (mpi_)
+    throw UserError("--trace: not yet under --launcher mpi; trace the same mesh as threads (without --launcher mpi), "
+                    "which must give the same bits");
+  const auto* writer = dynamic_cast<const TraceWriter*>(sink);
+  std::vector<std::string> names;
+  for (const ParamInfo& p : all_tensors_) names.push_back(p.name);
+  std::vector<MeshConfig::RankCoords> coords;
+  for (int r = 0; r < s_.mesh.world(); ++r) coords.push_back(s_.mesh.rank_coords(r));
+  mesh_trace_ = std::make_unique<MeshTrace>(sink, writer ? writer->path() + ".ranks" : std::string(), s_.model.n_layers,
+                                            std::move(names), std::move(coords));
+  for (auto& r : ranks_) r->model->set_trace(mesh_trace_->rank_sink(r->index), /*state=*/false);
 }
 
 void ClusterTrainer::debug_bump_weight(const std::string&, int64_t) {
@@ -299,6 +315,8 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
   const int local = batch / s_.mesh.dp;
   const int64_t sample_bytes = s_.model.seq_len + 1;
   float figures[2] = {0, 0};  // rank 0's loss and gradient norm
+  if (mesh_trace_)  // the weights the step starts from
+    for (const auto& r : ranks_) trace_state(*r, "params");
   each_rank([&](RankCtx& c) {
     // Left by an exception, what is in flight is dropped (its peers released) on the way out.
     struct InFlight {
@@ -318,11 +336,13 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
     if (overlap) c.rank.model->set_block_hooks({});
     if (phase_hook_) phase_hook_(TrainPhase::kOptimizer, c.rank.index);
     reduce_gradients(c);
+    if (mesh_trace_) trace_state(c.rank, "grad");
     const float norm = gradient_norm(c);
     update(c, step, norm);
     if (c.rank.index == 0) figures[0] = l.ce, figures[1] = norm;
   });
   if (mpi_) mpi_->broadcast(figures, sizeof figures, 0);  // rank 0's figures, on every process
+  if (mesh_trace_) mesh_trace_->flush();
   *grad_norm = figures[1];
   return figures[0];
 }

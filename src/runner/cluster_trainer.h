@@ -13,6 +13,7 @@
 #include "cluster/communicator.h"
 #include "cluster/mesh.h"
 #include "model/model.h"
+#include "runner/mesh_trace.h"
 #include "runner/placement.h"
 #include "runner/runner.h"
 
@@ -87,7 +88,9 @@ class ClusterTrainer : public Trainer {
   void update(RankCtx& c, int step, float norm);
 
   // The state hash's pieces (cluster_state.cc).
-  std::vector<StatePart> state_parts(const Rank& r) const;
+  std::vector<StatePart> state_parts(const Rank& r, bool gradients = false) const;
+  // --trace: the weights or reduced gradients of rank r, as pieces of the mesh trace.
+  void trace_state(const Rank& r, const char* phase) const;
   std::vector<StatePart> all_processes_parts(const std::vector<StatePart>& mine, std::vector<float>& data) const;
 
   std::pair<int64_t, int64_t> range(const Rank& r, size_t tensor) const;  // elements this rank owns
@@ -105,6 +108,7 @@ class ClusterTrainer : public Trainer {
   Communicator* mpi_ = nullptr;
   std::unique_ptr<Mesh> mpi_mesh_;  // under MPI: this process's groups, split once
   std::function<void(TrainPhase, int)> phase_hook_;
+  std::unique_ptr<MeshTrace> mesh_trace_;  // --trace: the ranks' pieces, assembled step by step
 };
 
 }  // namespace ls

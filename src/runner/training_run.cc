@@ -142,7 +142,6 @@ void TrainingRun::make_trainer() {
                       std::to_string(s.mesh.world()) + ")");
     if (opt.backend != Backend::kEngine) throw UserError("--backend: under mpirun only the engine runs");
     if (opt.mpi->size() > 1) {
-      if (!opt.trace_path.empty()) throw UserError("--trace: tracing needs mesh.dp=1 (one process)");
       trainer_ = std::make_unique<ClusterTrainer>(s, opt.mpi);
     }
   }

@@ -9,12 +9,34 @@
 
 namespace ls {
 
+// `count` consecutive indices: from `logical` in the whole tensor, from
+// `local` in a rank's buffer.
+struct TraceRun {
+  int64_t logical = 0, local = 0, count = 0;
+};
+
+// The part of a logical tensor one rank's buffer holds. The tensor is seen
+// as [rows, cols]: its first dimension, the others flattened. The buffer is
+// row-major with leading dimension `ld`; it holds every element of each
+// (row run, column run) pair.
+struct TracePiece {
+  std::vector<TraceRun> rows, cols;
+  int64_t ld = 0;
+  // The piece is the whole [rows, cols] tensor, laid out as it.
+  bool whole(int64_t rows_total, int64_t cols_total) const;
+};
+
 class TraceSink {
  public:
   virtual ~TraceSink() = default;
   // layer is -1 for tensors outside the layer stack.
   virtual void tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
                       const std::vector<int64_t>& shape) = 0;
+  // A rank's piece of the tensor of logical `shape`. A one-rank sink takes
+  // whole tensors only (anything else is an internal error); a mesh's
+  // assembles the pieces of every rank (runner/mesh_trace.h).
+  virtual void piece(const char* phase, int layer, const char* op, const char* name, const float* data,
+                     const std::vector<int64_t>& shape, const TracePiece& piece);
 };
 
 }  // namespace ls

@@ -1,0 +1,227 @@
+#include "runner/mesh_trace.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+
+#include "common/error.h"
+
+namespace ls {
+namespace {
+
+// The one-rank order of a step's activation records (docs/TRACE.md): the
+// forward's ops in each layer, then the head's; the backward's head ops, then
+// each layer's.
+const std::vector<std::string>& forward_ops() {
+  static const std::vector<std::string> ops = {
+      "attn_norm/out",  "qkv/out",         "attention/out", "attn_residual/h", "moe_norm/out",   "router/logits",
+      "router/gates",   "moe.experts/out", "moe.combine/h", "final_norm/out",  "lm_head/logits", "loss/per_token"};
+  return ops;
+}
+const std::vector<std::string>& backward_ops() {
+  static const std::vector<std::string> ops = {"lm_head/dlogits", "final_norm/dh", "moe.experts/dx", "router/dz",
+                                               "moe_norm/dh",     "attention/dqkv", "attn_norm/dh"};
+  return ops;
+}
+
+int phase_order(const std::string& phase) {
+  if (phase == "params") return 0;
+  if (phase == "fwd") return 1;
+  if (phase == "bwd") return 2;
+  if (phase == "grad") return 3;
+  throw InternalError("trace: no phase '" + phase + "'");
+}
+
+int64_t columns_of(const std::vector<int64_t>& shape) {
+  int64_t c = 1;
+  for (size_t d = 1; d < shape.size(); ++d) c *= shape[d];
+  return c;
+}
+
+int64_t elements_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// Calls fn(logical element, packed index) for every element of a piece, in packing order.
+template <class Fn>
+void for_each_element(const TracePiece& p, int64_t cols, Fn fn) {
+  int64_t packed = 0;
+  if (p.cols.empty()) {  // runs of flat elements
+    for (const TraceRun& r : p.rows)
+      for (int64_t i = 0; i < r.count; ++i) fn(r.logical + i, packed++);
+    return;
+  }
+  for (const TraceRun& r : p.rows)
+    for (int64_t i = 0; i < r.count; ++i)
+      for (const TraceRun& c : p.cols)
+        for (int64_t j = 0; j < c.count; ++j) fn((r.logical + i) * cols + c.logical + j, packed++);
+}
+
+class RankSink : public TraceSink {
+ public:
+  RankSink(MeshTrace& trace, int rank) : trace_(trace), rank_(rank) {}
+  void tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
+              const std::vector<int64_t>& shape) override {
+    TracePiece whole;
+    whole.rows.push_back({0, 0, shape.empty() ? 1 : shape[0]});
+    whole.cols.push_back({0, 0, columns_of(shape)});
+    whole.ld = columns_of(shape);
+    trace_.add(rank_, phase, layer, op, name, data, shape, whole);
+  }
+  void piece(const char* phase, int layer, const char* op, const char* name, const float* data,
+             const std::vector<int64_t>& shape, const TracePiece& p) override {
+    trace_.add(rank_, phase, layer, op, name, data, shape, p);
+  }
+
+ private:
+  MeshTrace& trace_;
+  int rank_;
+};
+
+nlohmann::json runs_json(const std::vector<TraceRun>& runs) {
+  nlohmann::json a = nlohmann::json::array();
+  for (const TraceRun& r : runs) a.push_back({r.logical, r.count});
+  return a;
+}
+
+}  // namespace
+
+MeshTrace::MeshTrace(TraceSink* out, std::string ranks_path, int n_layers, std::vector<std::string> tensors,
+                     std::vector<MeshConfig::RankCoords> coords)
+    : out_(out), ranks_path_(std::move(ranks_path)), n_layers_(n_layers), coords_(std::move(coords)) {
+  for (size_t t = 0; t < tensors.size(); ++t) tensor_index_[tensors[t]] = (int64_t)t;
+  for (size_t r = 0; r < coords_.size(); ++r) sinks_.push_back(std::make_unique<RankSink>(*this, (int)r));
+}
+
+MeshTrace::~MeshTrace() = default;
+
+TraceSink* MeshTrace::rank_sink(int rank) { return sinks_.at((size_t)rank).get(); }
+
+void MeshTrace::add(int rank, const char* phase, int layer, const char* op, const char* name, const float* data,
+                    const std::vector<int64_t>& shape, const TracePiece& where) {
+  Piece p;
+  p.rank = rank;
+  p.where = where;
+  if (where.cols.empty()) {
+    for (const TraceRun& r : where.rows) p.data.insert(p.data.end(), data + r.local, data + r.local + r.count);
+  } else {
+    for (const TraceRun& r : where.rows)
+      for (int64_t i = 0; i < r.count; ++i)
+        for (const TraceRun& c : where.cols) {
+          const float* from = data + (r.local + i) * where.ld + c.local;
+          p.data.insert(p.data.end(), from, from + c.count);
+        }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  Record& rec = records_[{phase, layer, op, name}];
+  if (rec.pieces.empty()) {
+    rec.phase = phase;
+    rec.layer = layer;
+    rec.op = op;
+    rec.name = name;
+    rec.shape = shape;
+    const auto t = tensor_index_.find(name);
+    rec.seq = t == tensor_index_.end() ? 0 : t->second;
+  } else if (rec.shape != shape) {
+    throw InternalError(std::string("trace: ranks disagree on the shape of ") + phase + " " + op + "/" + name);
+  }
+  rec.pieces.push_back(std::move(p));
+}
+
+MeshTrace::Key MeshTrace::order_of(const Record& r) const {
+  const int phase = phase_order(r.phase);
+  if (phase == 0 || phase == 3) return {phase, 0, 0, r.seq};
+  const std::string op = r.op + "/" + r.name;
+  const std::vector<std::string>& ops = phase == 1 ? forward_ops() : backward_ops();
+  const auto at = std::find(ops.begin(), ops.end(), op);
+  if (at == ops.end()) throw InternalError("trace: record " + r.phase + " " + op + " has no place in the one-rank order");
+  // Forward: layers ascending, the head (-1) after them; backward: the head first, layers descending.
+  const int64_t layer = phase == 1 ? (r.layer < 0 ? n_layers_ : r.layer) : (r.layer < 0 ? -1 : n_layers_ - r.layer);
+  return {phase, layer, (int)(at - ops.begin()), 0};
+}
+
+void MeshTrace::flush() {
+  std::vector<const Record*> in_order;
+  for (const auto& [k, r] : records_) in_order.push_back(&r);
+  std::sort(in_order.begin(), in_order.end(),
+            [&](const Record* a, const Record* b) { return order_of(*a) < order_of(*b); });
+  std::vector<float> whole;
+  std::vector<unsigned char> held;
+  for (const Record* r : in_order) {
+    const int64_t n = elements_of(r->shape), cols = columns_of(r->shape);
+    whole.assign((size_t)n, 0.0f);
+    held.assign((size_t)n, 0);
+    std::vector<const Piece*> pieces;
+    for (const Piece& p : r->pieces) pieces.push_back(&p);
+    // The lowest rank's bits where ranks overlap (replicas), whatever order the threads ran in.
+    std::stable_sort(pieces.begin(), pieces.end(), [](const Piece* a, const Piece* b) { return a->rank < b->rank; });
+    int64_t differ = 0;
+    for (const Piece* p : pieces)
+      for_each_element(p->where, cols, [&](int64_t e, int64_t i) {
+        if (e < 0 || e >= n)
+          throw InternalError("trace: rank " + std::to_string(p->rank) + "'s piece of " + r->phase + " " + r->op + "/" +
+                              r->name + " reaches outside it");
+        if (!held[(size_t)e]) {
+          held[(size_t)e] = 1;
+          whole[(size_t)e] = p->data[(size_t)i];
+        } else if (std::memcmp(&whole[(size_t)e], &p->data[(size_t)i], sizeof(float)) != 0) {
+          ++differ;
+        }
+      });
+    const auto missing = std::find(held.begin(), held.end(), 0);
+    if (missing != held.end())
+      throw InternalError("trace: no rank traced element " + std::to_string(missing - held.begin()) + " of " +
+                          r->phase + " layer " + std::to_string(r->layer) + " " + r->op + "/" + r->name);
+    if (differ > 0) {
+      mismatches_ += differ;
+      std::fprintf(stderr, "trace: %lld elements of %s layer %d %s/%s differ between the ranks that hold them "
+                   "(the lowest rank's are written)\n", (long long)differ, r->phase.c_str(), r->layer, r->op.c_str(),
+                   r->name.c_str());
+    }
+    out_->tensor(r->phase.c_str(), r->layer, r->op.c_str(), r->name.c_str(), whole.data(), r->shape);
+  }
+  if (!ranks_written_ && !ranks_path_.empty()) write_ranks_file(in_order);
+  ranks_written_ = true;
+  records_.clear();
+}
+
+// One line for the mesh, then one per record: every piece's rank and its
+// rows and columns (runs of [first, count]; "elements" for flat runs).
+void MeshTrace::write_ranks_file(const std::vector<const Record*>& in_order) {
+  std::ofstream f(ranks_path_);
+  if (!f) throw UserError("--trace: cannot write " + ranks_path_);
+  nlohmann::json ranks = nlohmann::json::array();
+  for (size_t r = 0; r < coords_.size(); ++r)
+    ranks.push_back({{"rank", r},
+                     {"stage", coords_[r].stage},
+                     {"data", coords_[r].data},
+                     {"context", coords_[r].context},
+                     {"tensor", coords_[r].tensor}});
+  f << nlohmann::json{{"kind", "ranks"}, {"format", "lockstep-trace-ranks-1"}, {"ranks", ranks}}.dump() << '\n';
+  for (const Record* r : in_order) {
+    nlohmann::json pieces = nlohmann::json::array();
+    for (const Piece& p : r->pieces) {
+      nlohmann::json j = {{"rank", p.rank}};
+      if (p.where.cols.empty()) {
+        j["elements"] = runs_json(p.where.rows);
+      } else {
+        j["rows"] = runs_json(p.where.rows);
+        j["cols"] = runs_json(p.where.cols);
+      }
+      pieces.push_back(std::move(j));
+    }
+    std::sort(pieces.begin(), pieces.end(),
+              [](const nlohmann::json& a, const nlohmann::json& b) { return a["rank"] < b["rank"]; });
+    f << nlohmann::json{{"kind", "record"}, {"phase", r->phase}, {"layer", r->layer}, {"op", r->op},
+                        {"tensor", r->name}, {"shape", r->shape}, {"pieces", pieces}}
+             .dump()
+      << '\n';
+  }
+  if (!f) throw UserError("--trace: cannot write " + ranks_path_);
+}
+
+}  // namespace ls

@@ -1,0 +1,74 @@
+// The trace of a multi-rank run in the one-rank format (docs/TRACE.md):
+// every rank traces its pieces of each tensor (StepContext::trace_tensor
+// says which rows and columns it holds); at the end of the step the pieces
+// are assembled into the logical tensors and written in the one-rank order.
+// A correct mesh gives the one-rank trace's records byte for byte. Beside
+// the trace, FILE.ranks says which ranks hold which rows and columns of
+// every record, so diff can name the rank of a differing element.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cluster/config.h"
+#include "trace/sink.h"
+
+namespace ls {
+
+class MeshTrace {
+ public:
+  // out: where the assembled records go; ranks_path: the side file ("" for
+  // none); tensors: every parameter's name in canonical order (the order of
+  // the params and grad records); coords: every world rank's place in the mesh.
+  MeshTrace(TraceSink* out, std::string ranks_path, int n_layers, std::vector<std::string> tensors,
+            std::vector<MeshConfig::RankCoords> coords);
+  ~MeshTrace();
+
+  // What rank r's model traces to (its tensors become pieces of this trace).
+  TraceSink* rank_sink(int rank);
+  // A piece from rank r (any thread).
+  void add(int rank, const char* phase, int layer, const char* op, const char* name, const float* data,
+           const std::vector<int64_t>& shape, const TracePiece& piece);
+  // The step's records, assembled and written in the one-rank order; the
+  // side file with the first step's. Throws InternalError naming a record
+  // whose elements no rank wrote.
+  void flush();
+  // Elements two ranks both held with different bits, so far (each noted on stderr once per record).
+  int64_t replica_mismatches() const { return mismatches_; }
+
+ private:
+  struct Piece {
+    int rank = 0;
+    TracePiece where;
+    std::vector<float> data;  // packed: row runs, each row's column runs
+  };
+  struct Record {
+    std::string phase, op, name;
+    int layer = 0;
+    std::vector<int64_t> shape;
+    int64_t seq = 0;  // params and grad: the tensor's canonical index
+    std::vector<Piece> pieces;
+  };
+  using Key = std::tuple<int, int64_t, int, int64_t>;  // phase, layer order, op order, seq
+  Key order_of(const Record& r) const;
+  void write_ranks_file(const std::vector<const Record*>& in_order);
+
+  TraceSink* out_;
+  std::string ranks_path_;
+  int n_layers_;
+  std::map<std::string, int64_t> tensor_index_;
+  std::vector<MeshConfig::RankCoords> coords_;
+  std::vector<std::unique_ptr<TraceSink>> sinks_;
+  std::mutex mu_;
+  std::map<std::tuple<std::string, int, std::string, std::string>, Record> records_;
+  bool ranks_written_ = false;
+  int64_t mismatches_ = 0;
+};
+
+}  // namespace ls
