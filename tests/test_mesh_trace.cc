@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_run.h"
+#include "trace/diff.h"
 
 namespace fs = std::filesystem;
 
@@ -81,6 +82,49 @@ void check_same_trace(const fs::path& scenario, const std::string& sets, const s
   CHECK_FALSE(fs::exists(one.string() + ".ranks"));
 }
 
+// A fault planted in one piece of the mesh machinery, where diff and bisect must find it.
+struct Planted {
+  const char* kind;
+  const char* mesh;     // --set flags
+  const char* phase;    // the first divergent record
+  int layer;
+  const char* op;
+  const char* tensor;
+  int rank;             // a rank that holds its first differing element
+};
+
+// The first divergence of a --debug-mesh-fault run against one rank, found
+// by diff as a user would: traced, then the step and op of the first
+// divergent record dumped. Returns the diff of the dumps.
+ls::TraceDiff planted_diff(const Planted& p) {
+  const fs::path dir = lstest::fresh_dir("planted");
+  fs::create_directories(dir);
+  const fs::path sc = kRoot / "scenarios" / "top2.json";
+  const std::string one = "run " + sc.string() + " --steps 2 --quiet --trace ";
+  const std::string mesh = "run " + sc.string() + " " + p.mesh + " --debug-mesh-fault " + p.kind + " --steps 2 --quiet --trace ";
+  REQUIRE(lstest::run_cli(one + (dir / "one.jsonl").string()).rc == 0);
+  const lstest::CliResult r = lstest::run_cli(mesh + (dir / "mesh.jsonl").string());
+  CAPTURE(r.err);
+  REQUIRE(r.rc == 0);
+  const ls::TraceDiff coarse =
+      ls::diff_traces(ls::read_trace((dir / "one.jsonl").string()), ls::read_trace((dir / "mesh.jsonl").string()));
+  REQUIRE_FALSE(coarse.identical);
+  REQUIRE(coarse.first["a"].is_object());
+  const std::string dump = " --trace-dump " + std::to_string(coarse.first["a"]["step"].get<int>()) + ":" +
+                           coarse.first["a"]["op"].get<std::string>();
+  REQUIRE(lstest::run_cli(one + (dir / "one-d.jsonl").string() + dump).rc == 0);
+  REQUIRE(lstest::run_cli(mesh + (dir / "mesh-d.jsonl").string() + dump).rc == 0);
+  return ls::diff_traces(ls::read_trace((dir / "one-d.jsonl").string()), ls::read_trace((dir / "mesh-d.jsonl").string()));
+}
+
+const Planted kPlanted[] = {
+    {"tp_chain", "--set mesh.tp=2", "fwd", 0, "attn_residual", "h", 1},
+    {"cp_handoff", "--set mesh.cp=2", "bwd", 1, "attention", "dqkv", 0},
+    {"pp_activation", "--set mesh.pp=2 --set train.microbatches=2", "fwd", 1, "attn_norm", "out", 1},
+    {"ep_row", "--set mesh.dp=2 --set mesh.ep=2", "fwd", 0, "moe.experts", "out", 0},
+    {"fsdp_block", "--set mesh.dp=2 --set mesh.fsdp=true", "grad", -1, "param", "final_norm", 1},
+};
+
 }  // namespace
 
 TEST_SUITE("mesh_trace") {
@@ -99,5 +143,52 @@ TEST_SUITE("mesh_trace") {
     check_same_trace(kRoot / "scenarios" / "top2.json",
                      " --set mesh.dp=2 --set mesh.tp=2 --set mesh.sp=true --set mesh.pp=2 --set train.microbatches=2",
                      " --trace-dump 2");
+  }
+
+  TEST_CASE("five planted mesh faults: diff names the op, the tensor, the element and the rank that holds it") {
+    for (const Planted& p : kPlanted) {
+      CAPTURE(std::string(p.kind));
+      const ls::TraceDiff d = planted_diff(p);
+      const nlohmann::json& a = d.first["a"];
+      CHECK(a["phase"] == p.phase);
+      CHECK(a["layer"] == p.layer);
+      CHECK(a["op"] == p.op);
+      CHECK(a["tensor"] == p.tensor);
+      // One bit of one element flipped: it shows as one-ulp differences, the first named with its ranks.
+      REQUIRE_FALSE(d.elements.is_null());
+      CHECK(d.elements["max_ulp"].get<uint64_t>() >= 1);
+      REQUIRE(d.ranks.contains("B"));
+      CHECK_FALSE(d.ranks.contains("A"));  // the one-rank trace has no side file
+      const nlohmann::json& first = d.ranks["B"]["elements"].at(0);
+      CHECK(first["index"] == d.elements["first"][0]["index"]);
+      bool named = false;
+      for (const auto& x : first["ranks"]) named = named || x["rank"] == p.rank;
+      CHECK(named);
+      CHECK(ls::format_diff(d).find("is held by rank " ) != std::string::npos);
+    }
+  }
+
+  TEST_CASE("bisect traces a mesh that changed the bits and names the record, the element and the rank") {
+    for (const Planted& p : kPlanted) {
+      CAPTURE(std::string(p.kind));
+      std::string sets;
+      for (std::string m = p.mesh; !m.empty();) {  // "--set k=v --set k2=v2" -> " --set-b k=v --set-b k2=v2"
+        const size_t next = m.find(" --set ", 1);
+        sets += " --set-b " + m.substr(6, (next == std::string::npos ? m.size() : next) - 6);
+        m = next == std::string::npos ? "" : m.substr(next + 1);
+      }
+      const lstest::CliResult r = lstest::run_cli("bisect " + (kRoot / "scenarios" / "top2.json").string() + sets +
+                                                  " --steps 2 --debug-mesh-fault-b " + p.kind);
+      CAPTURE(r.out);
+      CAPTURE(r.err);
+      CHECK(r.rc == 1);
+      const size_t at = r.out.find("B's mesh first changes the bits at step ");
+      REQUIRE(at != std::string::npos);
+      const std::string line = r.out.substr(at, r.out.find('\n', at) - at);
+      CHECK(line.find(std::string("op ") + p.op + " (tensor " + p.tensor + ")") != std::string::npos);
+      CHECK(line.find(", element [") != std::string::npos);
+      CHECK(line.find("rank " + std::to_string(p.rank) + " (") != std::string::npos);
+      CHECK(r.out.find("this is a determinism bug") != std::string::npos);
+    }
   }
 }

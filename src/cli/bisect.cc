@@ -33,6 +33,7 @@ struct Side {
   nlohmann::json resolved;  // the full scenario
   std::string backend = "engine";
   int threads = 0;
+  std::string mesh_fault;  // debug only: --debug-mesh-fault (dropped on one rank)
 };
 
 std::string quote(const std::string& s) {
@@ -68,6 +69,7 @@ class Runner {
     std::string cmd = quote(side.binary) + " run " + quote(sc.string()) + " --json --quiet --steps " +
                       std::to_string(steps) + " --backend " + side.backend;
     if (side.threads > 0) cmd += " --threads " + std::to_string(side.threads);
+    if (!side.mesh_fault.empty()) cmd += " --debug-mesh-fault " + quote(side.mesh_fault);
     if (!trace.empty()) cmd += " --trace " + quote(trace);
     if (!dump.empty()) cmd += " --trace-dump " + quote(dump);
     cmd += " >" + quote(out.string()) + " 2>" + quote(err.string());
@@ -200,6 +202,7 @@ MeshConfig mesh_of(const nlohmann::json& resolved, int* microbatches) {
 // mesh key is set (MeshConfig::single_rank), so none a side sets survives.
 Side single_rank(const Side& s) {
   Side t = s;
+  t.mesh_fault.clear();  // a fault of the mesh's machinery: there is none on one rank
   nlohmann::json mesh = mesh_json(MeshConfig::single_rank(), 1);
   mesh.erase("microbatches");  // a train.* key
   t.resolved["mesh"] = mesh;
@@ -220,12 +223,55 @@ std::string mesh_text(const nlohmann::json& resolved) {
   return m.multi_rank(microbatches) ? "mesh " + m.describe(microbatches) : "one rank";
 }
 
+// "first loss that differs: step 3", or that no loss does (the state does).
+std::string first_loss_text(int step) {
+  return step > 0 ? "first loss that differs: step " + std::to_string(step)
+                  : "no loss differs, the state does";
+}
+
 int first_loss_step(const Child& a, const Child& b) {
   for (size_t i = 0; i < std::min(a.summary["loss_bits"].size(), b.summary["loss_bits"].size()); ++i)
     if (a.summary["loss_bits"][i] != b.summary["loss_bits"][i]) return (int)i + 1;
   return 0;
 }
 
+
+// A side whose mesh changed its bits, against its one-rank twin: both
+// traced (the mesh's trace assembled from its ranks' pieces) up to the
+// first loss that differs, that step dumped, and the first divergent record
+// printed with the ranks that hold its differing elements. Returns the
+// location in one line.
+std::string locate_mesh_divergence(Runner& r, const char* name, const Side& side, const Side& one, int steps,
+                                   int first_loss) {
+  const std::string tag = std::string(name) == "A" ? "a" : "b";
+  const int limit = first_loss > 0 ? first_loss : steps;
+  const std::string tm = (r.dir() / (tag + "-mesh.jsonl")).string(), to = (r.dir() / (tag + "-one.jsonl")).string();
+  must(r, one, limit, std::string(name) + " (one rank, traced)", to);
+  must(r, side, limit, std::string(name) + " (traced on its mesh)", tm);
+  const TraceDiff coarse = diff_traces(read_trace(to), read_trace(tm));
+  if (coarse.first.is_null()) return "no traced tensor (only the state hash)";
+  const int step = coarse.first["a"].value("step", limit);
+  const std::string op = coarse.first["a"].value("op", "");
+  const std::string dump = std::to_string(step) + (op.empty() ? "" : ":" + op);
+  const std::string dm = (r.dir() / (tag + "-mesh-dump.jsonl")).string(),
+                    d1 = (r.dir() / (tag + "-one-dump.jsonl")).string();
+  must(r, one, step, std::string(name) + " (one rank, dump)", d1, dump);
+  must(r, side, step, std::string(name) + " (on its mesh, dump)", dm, dump);
+  TraceDiff fine = diff_traces(read_trace(d1), read_trace(dm));
+  fine.spread = coarse.spread;
+  fine.config_changes = nlohmann::json::array();  // only the mesh keys: said above
+  std::printf("%s on %s against one rank (trace A: one rank, trace B: the mesh):\n%s", name,
+              mesh_text(side.resolved).c_str(), format_diff(fine).c_str());
+  std::string at = where(fine);
+  if (fine.ranks.contains("B") && !fine.ranks["B"]["elements"].empty()) {
+    const auto& e = fine.ranks["B"]["elements"][0];
+    at += ", element " + e["index"].get<std::string>();
+    std::string held;
+    for (const auto& x : e["ranks"]) held += (held.empty() ? "" : ", ") + x["text"].get<std::string>();
+    if (!held.empty()) at += " on " + held;
+  }
+  return at;
+}
 
 }  // namespace
 
@@ -243,6 +289,7 @@ int cmd_bisect(const BisectArgs& a) {
   B.backend = a.backend_b;
   A.threads = a.threads_a;
   B.threads = a.threads_b;
+  B.mesh_fault = a.debug_mesh_fault_b;
   // At most the shorter side's train.steps: a run refuses --steps above its own.
   const int steps = std::min(a.steps > 0 ? a.steps : sa.steps, std::min(sa.steps, sb.steps));
 
@@ -288,24 +335,29 @@ int cmd_bisect(const BisectArgs& a) {
     // (A side already on one rank is its own twin.)
     const Child ca1 = multi_rank(A.resolved) ? must(r, A1, steps, "A (one rank)") : ca,
                 cb1 = multi_rank(B.resolved) ? must(r, B1, steps, "B (one rank)") : cb;
-    // Each side against its own single-rank twin: the mesh must keep the bits.
+    // Each side against its own single-rank twin: the mesh must keep the
+    // bits. Where it does not, the side is traced on its mesh and located.
     bool mesh_bug = false;
-    for (auto [name, side, full, one] : {std::tuple{"A", &A, &ca, &ca1}, std::tuple{"B", &B, &cb, &cb1}})
+    for (auto [name, side, side1, full, one] :
+         {std::tuple{"A", &A, &A1, &ca, &ca1}, std::tuple{"B", &B, &B1, &cb, &cb1}})
       if (multi_rank(side->resolved) && !same_bits(*full, *one)) {
         mesh_bug = true;
-        std::printf("determinism bug: %s on %s ends on final_state_hash %s, on one rank on %s (first loss that "
-                    "differs: step %d): its mesh changed the bits\n",
+        std::printf("determinism bug: %s on %s ends on final_state_hash %s, on one rank on %s (%s): its mesh "
+                    "changed the bits\n",
                     name, mesh_text(side->resolved).c_str(), full->summary["final_state_hash"].get<std::string>().c_str(),
-                    one->summary["final_state_hash"].get<std::string>().c_str(), first_loss_step(*full, *one));
+                    one->summary["final_state_hash"].get<std::string>().c_str(),
+                    first_loss_text(first_loss_step(*full, *one)).c_str());
+        say(std::string("tracing ") + name + " on its mesh and on one rank");
+        const std::string at = locate_mesh_divergence(r, name, *side, *side1, steps, first_loss_step(*full, *one));
+        std::printf("%s's mesh first changes the bits at %s\n", name, at.c_str());
       }
     if (same_bits(ca1, cb1)) {
-      std::printf("%s: on one rank both sides end on final_state_hash %s, but A ends on %s and B on %s (first loss "
-                  "that differs: step %d)\n",
+      std::printf("%s: on one rank both sides end on final_state_hash %s, but A ends on %s and B on %s (%s)\n",
                   mesh_keys.empty() ? "the mesh alone makes the runs differ"
                                     : ("only the mesh keys (" + aside + ") make the runs differ").c_str(),
                   ca1.summary["final_state_hash"].get<std::string>().c_str(),
                   ca.summary["final_state_hash"].get<std::string>().c_str(),
-                  cb.summary["final_state_hash"].get<std::string>().c_str(), first_loss_step(ca, cb));
+                  cb.summary["final_state_hash"].get<std::string>().c_str(), first_loss_text(first_loss_step(ca, cb)).c_str());
       std::printf("the mesh must not change the bits: this is a determinism bug%s\n",
                   mesh_bug ? " (the side named above)" : "");
       return 1;

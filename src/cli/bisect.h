@@ -15,6 +15,7 @@ struct BisectArgs {
   int threads_a = 0, threads_b = 0;
   int steps = 0;                       // 0: the scenario's train.steps
   std::string keep;                    // copy the traces here
+  std::string debug_mesh_fault_b;      // debug only: run B plants this mesh fault (lockstep run --debug-mesh-fault)
 };
 
 // Prints the report; returns 0 when the runs agree, 1 when they differ.

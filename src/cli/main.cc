@@ -184,6 +184,7 @@ struct RunArgs {
   int max_restarts = 8;
   double heartbeat_timeout = 120;
   std::vector<std::string> debug_bumps;
+  std::string debug_mesh_fault;
   std::string launcher = "threads";
   std::vector<int> hash_at;  // (lockstep check --launcher mpi: the golden file's state-hash steps)
 };
@@ -349,6 +350,7 @@ int cmd_run(const RunArgs& a, const char* self) {
     for (const auto& [given, name] : std::vector<std::pair<bool, const char*>>{
              {!a.trace.empty(), "--trace"}, {!a.trace_dump.empty(), "--trace-dump"},
              {!a.debug_reorder.empty(), "--debug-reorder"}, {!a.debug_bumps.empty(), "--debug-bump"},
+             {!a.debug_mesh_fault.empty(), "--debug-mesh-fault"},
              {a.dry_run, "--dry-run"}})
       if (given)
         throw UserError(std::string(name) + ": not available in a supervised run (--supervise or --fault): a restarted "
@@ -450,6 +452,7 @@ int cmd_run(const RunArgs& a, const char* self) {
     opt.debug_reorder_moe_norm = true;
   }
   for (const std::string& b : a.debug_bumps) opt.debug_bumps.push_back(parse_bump(b));
+  opt.debug_mesh_fault = a.debug_mesh_fault;
   if (!a.out_dir.empty()) check_output_dir(a.out_dir);
   RunResult r = run_scenario(s, opt);
   if (!report) return 0;
@@ -990,6 +993,10 @@ int main(int argc, char** argv) {
       ->group("Debug");
   run->add_option("--debug-bump", ra.debug_bumps, "debug only: PARAM[INDEX]@STEP adds one ulp to a weight")
       ->group("Debug");
+  run->add_option("--debug-mesh-fault", ra.debug_mesh_fault,
+                  "debug only: one piece of the mesh machinery flips one bit a step (tp_chain, cp_handoff, "
+                  "pp_activation, ep_row, fsdp_block) so drift tools can be tested")
+      ->group("Debug");
 
   RunArgs pa;
   auto* plan = app.add_subcommand("plan", "estimate a scenario's memory per part (weights, moments, activations, MoE "
@@ -1064,6 +1071,9 @@ int main(int argc, char** argv) {
   bisect->add_option("--threads-b", ba.threads_b, "threads for run B")->check(CLI::Range(1, 1024));
   bisect->add_option("--steps", ba.steps, "compare at most this many steps")->check(CLI::Range(1, 1000000));
   bisect->add_option("--keep", ba.keep, "keep the traces in this directory");
+  bisect->add_option("--debug-mesh-fault-b", ba.debug_mesh_fault_b,
+                     "debug only: run B plants a mesh fault (run --debug-mesh-fault) for bisect to locate")
+      ->group("Debug");
 
   std::string ckpt_url, ckpt_endpoint;
   bool ckpt_json = false;

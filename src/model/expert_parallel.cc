@@ -244,6 +244,14 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
   }
   ops::synchronize();  // the packed rows, read by the host's all-to-all
   ep_all_to_all(ctx, ws.send.data(), send_bytes, ws.recv.data(), recv_bytes);
+  if (ctx.ep_rank() == 1 && to_owner) {  // --debug-mesh-fault ep_row: the first row another rank sent
+    size_t at = 0;
+    for (int d = 0; d < ep; at += recv_bytes[(size_t)d], ++d)
+      if (d != me && recv_bytes[(size_t)d] > 0) {
+        if (ctx.take_debug_fault(MeshFault::kEpRow)) flip_bit(ws.recv.data() + at / sizeof(float));
+        break;
+      }
+  }
   const int64_t arrived = (int64_t)ws.to_row.size();
   if (to_owner) {
     ops::copy_rows(ws.recv.data(), nullptr, slot_buf, ws.to_row.data(), arrived, width);

@@ -348,6 +348,13 @@ std::vector<std::string> MoeTransformer::block_names() const {
   return names;
 }
 
+void flip_bit(float* x, int bit) {
+  uint32_t u;
+  std::memcpy(&u, x, sizeof u);
+  u ^= 1u << bit;
+  std::memcpy(x, &u, sizeof u);
+}
+
 const ParamInfo& StepContext::param(const std::string& name) const {
   for (const ParamInfo& p : params)
     if (p.name == name) return p;
@@ -428,6 +435,7 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   ctx.global_assignments = (float)(ctx.tokens * c.top_k * dp * mb);
   ctx.trace = training ? trace_ : nullptr;  // evaluation passes are not traced
   ctx.debug_reorder_moe_norm = debug_reorder_moe_norm_;
+  ctx.debug_fault = &debug_fault_;
   return ctx;
 }
 

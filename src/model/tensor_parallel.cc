@@ -127,6 +127,7 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
   if (me == tp - 1) {
     ops::synchronize();
     pack_parts(out, buffer);
+    if (out.data && ctx.take_debug_fault(MeshFault::kTpChain)) flip_bit(buffer);  // the chain's output, in place
   }
   group.broadcast(buffer, sizeof(float) * out.floats, tp - 1);
   if (me != tp - 1) unpack_parts(out, buffer);

@@ -119,6 +119,11 @@ void ClusterTrainer::debug_bump_weight(const std::string&, int64_t) {
   throw UserError("--debug-bump: only on one rank (mesh.* at 1 and train.microbatches=1)");
 }
 
+void ClusterTrainer::set_debug_mesh_fault(MeshFault f) {
+  for (auto& r : ranks_)
+    if (r) r->model->debug_fault().planted = f;
+}
+
 void ClusterTrainer::set_debug_reorder_moe_norm(bool on) {
   for (auto& r : ranks_)
     if (r) r->model->set_debug_reorder_moe_norm(on);
@@ -251,6 +256,17 @@ void ClusterTrainer::reduce_gradients(RankCtx& c) {
   }
 }
 
+// --debug-mesh-fault fsdp_block: shard rank 1's first reduce-scattered block, its top mantissa bit flipped.
+void ClusterTrainer::plant_fsdp_fault(RankCtx& c) {
+  if (c.group(Axis::kShard).rank() != 1) return;
+  const auto& infos = c.rank.model->params();
+  for (size_t t = 0; t < infos.size(); ++t)
+    if (placement_.sharded(infos[t]) && range(c.rank, t).second > range(c.rank, t).first) {
+      if (c.rank.model->debug_fault().take(MeshFault::kFsdpBlock)) flip_bit(reduced_gradient(c.rank, t), 22);
+      return;
+    }
+}
+
 // The sum of squares of tensor t's reduced gradient, as AdamW::global_norm
 // folds it: the fma fold in blocks of kParamBlock of the whole tensor, the
 // blocks by the canonical tree.
@@ -317,6 +333,8 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
   float figures[2] = {0, 0};  // rank 0's loss and gradient norm
   if (mesh_trace_)  // the weights the step starts from
     for (const auto& r : ranks_) trace_state(*r, "params");
+  for (const auto& r : ranks_)
+    if (r) r->model->debug_fault().armed = true;
   each_rank([&](RankCtx& c) {
     // Left by an exception, what is in flight is dropped (its peers released) on the way out.
     struct InFlight {
@@ -336,6 +354,7 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
     if (overlap) c.rank.model->set_block_hooks({});
     if (phase_hook_) phase_hook_(TrainPhase::kOptimizer, c.rank.index);
     reduce_gradients(c);
+    plant_fsdp_fault(c);
     if (mesh_trace_) trace_state(c.rank, "grad");
     const float norm = gradient_norm(c);
     update(c, step, norm);

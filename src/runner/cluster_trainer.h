@@ -35,6 +35,7 @@ class ClusterTrainer : public Trainer {
   void set_trace(TraceSink* sink) override;
   void debug_bump_weight(const std::string& param, int64_t index) override;
   void set_debug_reorder_moe_norm(bool on) override;
+  void set_debug_mesh_fault(MeshFault f);  // --debug-mesh-fault (model/step_context.h)
 
   void set_threads(int threads) { threads_ = threads; }
   // Nonzero: every collective sleeps a random few microseconds per rank.
@@ -67,6 +68,7 @@ class ClusterTrainer : public Trainer {
   void gather_sharded_weights(RankCtx& c);
   StepLosses forward_backward(RankCtx& c, const uint8_t* samples, int count);
   void reduce_gradients(RankCtx& c);
+  void plant_fsdp_fault(RankCtx& c);
   // mesh.overlap (cluster_overlap.cc): the shards' all-gathers started before
   // the forward and waited for block by block; each tensor's gradient
   // reduction started as the backward finishes its block, when it is one

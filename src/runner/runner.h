@@ -73,6 +73,7 @@ struct RunOptions {
     int step = 0;  // 1-based: applied just before this step's forward
   };
   std::vector<Bump> debug_bumps;        // --debug-bump PARAM[INDEX]@STEP: +1 ulp
+  std::string debug_mesh_fault;         // --debug-mesh-fault KIND (mesh_fault_kinds(); "" for none)
   bool memory_check = true;  // refuse a scenario whose memory estimate exceeds the available memory
   bool profile_ops = false;  // --profile-ops: seconds per kind of op (common/op_profile.h) in the summary
 };

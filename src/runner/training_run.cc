@@ -77,6 +77,7 @@ class TrainingRun {
  private:
   void make_trainer();
   void make_injector_and_tracer();
+  void plant_mesh_fault();
   void evaluate(int step);
   // A checkpoint of another scenario's numerics, or of other data: UserError naming what differs.
   void check_fingerprint(const Manifest& m, const std::string& url) const;
@@ -155,6 +156,33 @@ void TrainingRun::make_trainer() {
   }
   r_.train_flops_per_token = trainer_->train_flops_per_token();
   if (opt.debug_reorder_moe_norm) trainer_->set_debug_reorder_moe_norm(true);
+  if (!opt.debug_mesh_fault.empty()) plant_mesh_fault();
+}
+
+// --debug-mesh-fault KIND: on a mesh with the axis it perturbs.
+void TrainingRun::plant_mesh_fault() {
+  const MeshConfig& m = s_.mesh;
+  const std::string& kind = opt_.debug_mesh_fault;
+  struct Kind {
+    const char* name;
+    MeshFault fault;
+    bool applies;
+    const char* needs;
+  };
+  const Kind kinds[] = {{"tp_chain", MeshFault::kTpChain, m.tp > 1, "mesh.tp > 1"},
+                        {"cp_handoff", MeshFault::kCpHandoff, m.cp > 1, "mesh.cp > 1"},
+                        {"pp_activation", MeshFault::kPpActivation, m.pp > 1, "mesh.pp > 1"},
+                        {"ep_row", MeshFault::kEpRow, m.ep > 1, "mesh.ep > 1"},
+                        {"fsdp_block", MeshFault::kFsdpBlock, m.shard_group() > 1, "sharded state (mesh.fsdp or mesh.shard_optimizer on mesh.dp > 1)"}};
+  for (const Kind& k : kinds) {
+    if (kind != k.name) continue;
+    auto* cluster = dynamic_cast<ClusterTrainer*>(trainer_.get());
+    if (!cluster || !k.applies) throw UserError("--debug-mesh-fault " + kind + ": needs " + k.needs);
+    cluster->set_debug_mesh_fault(k.fault);
+    return;
+  }
+  throw UserError("--debug-mesh-fault: one of tp_chain, cp_handoff, pp_activation, ep_row, fsdp_block; got '" +
+                  quote_for_message(kind) + "'");
 }
 
 void TrainingRun::make_injector_and_tracer() {
@@ -175,6 +203,7 @@ void TrainingRun::make_injector_and_tracer() {
     nlohmann::json header = {{"backend", backend_name(opt.backend)}, {"scenario", s.name}, {"fingerprint", r_.fingerprint},
                              {"resolved", s.resolved}, {"threads", r_.threads}};
     if (opt.debug_reorder_moe_norm) header["debug_reorder"] = "moe_norm";
+    if (!opt.debug_mesh_fault.empty()) header["debug_mesh_fault"] = opt.debug_mesh_fault;
     tracer_ = std::make_unique<TraceWriter>(opt.trace_path, header, opt.trace_dump);
     trainer_->set_trace(tracer_.get());
   }

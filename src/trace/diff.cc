@@ -186,6 +186,7 @@ Trace read_trace(const std::string& path) {
   if (in.bad()) throw UserError(path + ": read error");
   if (t.header.is_null() || t.header.value("format", "") != "lockstep-trace-1")
     throw UserError(path + ": not a lockstep trace (no lockstep-trace-1 header)");
+  t.ranks = read_trace_ranks(path);
   return t;
 }
 
@@ -251,6 +252,34 @@ uint64_t sample_ulp(const nlohmann::json& a, const nlohmann::json& b) {
     worst = std::max(worst, ulp_distance(x, y));
   }
   return worst;
+}
+
+// The differing elements of the first divergent record (dumped, else the
+// sampled ones whose bits differ) and the ranks of `ranks` that hold each;
+// the record's every rank when no element is known.
+nlohmann::json ranks_of_difference(const TraceDiff& d, const TraceRanks& ranks, const nlohmann::json& rec) {
+  const std::vector<int64_t> shape = rec["shape"];
+  std::vector<int64_t> flats;
+  if (!d.elements.is_null()) {
+    for (const auto& e : d.elements["first"]) flats.push_back(e["flat"].get<int64_t>());
+  } else if (d.first["a"].contains("sample") && d.first["b"].contains("sample")) {
+    int64_t n = 1;
+    for (int64_t x : shape) n *= x;
+    const std::vector<int64_t> at = trace_sample_indices(n);
+    const auto& sa = d.first["a"]["sample"];
+    const auto& sb = d.first["b"]["sample"];
+    for (size_t i = 0; i < std::min({sa.size(), sb.size(), at.size()}) && flats.size() < 5; ++i)
+      if (sa[i] != sb[i]) flats.push_back(at[i]);
+  }
+  auto described = [&](const std::vector<int>& rs) {
+    nlohmann::json out = nlohmann::json::array();
+    for (int r : rs) out.push_back({{"rank", r}, {"text", ranks.describe(r)}});
+    return out;
+  };
+  nlohmann::json out = {{"elements", nlohmann::json::array()}, {"record", described(ranks.all_of(rec))}};
+  for (int64_t e : flats)
+    out["elements"].push_back({{"index", index_string(e, shape)}, {"flat", e}, {"ranks", described(ranks.holding(rec, e))}});
+  return out;
 }
 
 }  // namespace
@@ -393,6 +422,10 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
     d.elements = {{"first", first}, {"differing", count}, {"total", x.size()}, {"max_abs", max_abs},
                   {"max_rel", max_rel}, {"max_ulp", max_ulp}};
   }
+  if (!d.first.is_null() && d.first["a"].is_object() && d.first["a"].value("kind", "") == "tensor" &&
+      d.first["b"].is_object() && !d.first.contains("shapes_differ"))
+    for (auto [side, t] : {std::pair{"A", &a}, std::pair{"B", &b}})
+      if (!t->ranks.empty()) d.ranks[side] = ranks_of_difference(d, t->ranks, d.first[side == std::string("A") ? "a" : "b"]);
   return d;
 }
 
@@ -460,6 +493,18 @@ std::string format_diff(const TraceDiff& d) {
     o << "  (rerun both with --trace-dump " << d.first["a"]["step"] << ":" << d.first["a"]["op"].get<std::string>()
       << " to see the differing elements)\n";
   }
+  for (auto& [side, r] : d.ranks.items()) {
+    if (r["elements"].empty()) {
+      o << "ranks: no differing element is known; trace " << side << "'s record comes from";
+      for (const auto& x : r["record"]) o << " " << x["text"].get<std::string>() << ";";
+      o << "\n";
+    }
+    for (const auto& e : r["elements"]) {
+      o << "  element " << e["index"].get<std::string>() << " of trace " << side << " is held by";
+      for (const auto& x : e["ranks"]) o << " " << x["text"].get<std::string>();
+      o << "\n";
+    }
+  }
   if (d.first_loss_step) o << "first loss that differs: step " << d.first_loss_step << "\n";
   if (!d.spread.empty()) {
     o << "spread:\n";
@@ -481,7 +526,7 @@ nlohmann::json diff_json(const TraceDiff& d) {
   return {{"identical", d.identical}, {"truncated", d.truncated}, {"torn", d.torn},
           {"identical_until_truncation", d.identical_until_truncation()},
           {"config_changes", d.config_changes}, {"first_loss_step", d.first_loss_step},
-          {"first", d.first}, {"elements", d.elements}, {"spread", d.spread}, {"heat", d.heat}};
+          {"first", d.first}, {"elements", d.elements}, {"ranks", d.ranks}, {"spread", d.spread}, {"heat", d.heat}};
 }
 
 }  // namespace ls

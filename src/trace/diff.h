@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "trace/ranks.h"
+
 namespace ls {
 
 struct Trace {
@@ -18,6 +20,7 @@ struct Trace {
   // The line number of a last line cut mid-record (no newline, not JSON: a
   // run killed while writing it), which is ignored; 0 when there is none.
   int64_t torn_last_line = 0;
+  TraceRanks ranks;  // a mesh's trace: FILE.ranks, which rank holds what; empty for one rank
 };
 // Throws UserError naming the file and line; a torn last line is not an error.
 Trace read_trace(const std::string& path);
@@ -44,6 +47,10 @@ struct TraceDiff {
   // Per trace ("A", "B") whose last line was cut mid-record: that line's
   // number (ignored when reading). An empty object when neither was.
   nlohmann::json torn = nlohmann::json::object();
+  // Per mesh trace ("A", "B") of the first divergent tensor: the ranks that
+  // hold its differing elements ({index, flat, ranks: [{rank, text}]}; the
+  // sampled ones without a dump), or all its ranks when none is known.
+  nlohmann::json ranks = nlohmann::json::object();
   // Nothing differs in the steps both traces hold, but one ends earlier:
   // neither identical nor diverged (`lockstep diff` exits 4).
   bool identical_until_truncation() const { return !identical && first.is_null() && first_loss_step == 0 && !truncated.is_null(); }
