@@ -210,20 +210,6 @@ TEST_SUITE("cli") {
     CHECK(j.at("processes") == 2);
   }
 
-  TEST_CASE("--trace with --launcher mpi on a multi-rank mesh is refused once, before mpirun starts") {
-    fs::path sc = write("tiny.json", kTiny);
-    const fs::path trace = temp_dir() / "mpi-trace.jsonl";
-    fs::remove(trace);
-    Result r = run("run " + sc.string() + " --quiet --launcher mpi --set mesh.dp=2 --trace " + trace.string());
-    CAPTURE(r.err);
-    CHECK(r.rc == 2);
-    CHECK(count(r.err, "--trace") == 1);
-    CHECK(count(r.err, "\n") == 1);  // one error line: no rank, no mpirun said anything
-    CHECK(r.err.find("--launcher mpi on mesh.dp x mesh.tp x mesh.pp = 2 x 1 x 1 = 2") != std::string::npos);
-    CHECK(r.out.empty());
-    CHECK_FALSE(fs::exists(trace));
-  }
-
   TEST_CASE("a scenario that sets only one of ckpt.url and ckpt.every is refused naming both") {
     fs::path sc = write("tiny.json", kTiny);
     const std::string dir = (temp_dir() / "one-sided").string();

@@ -52,16 +52,22 @@ int world_of(const nlohmann::json& summary) {
 }
 
 // Traces `scenario` with `sets` and its one-rank twin, and holds the two traces equal.
-void check_same_trace(const fs::path& scenario, const std::string& sets, const std::string& extra = "") {
+// launcher: the mesh run's (the twin runs in this process).
+void check_same_trace(const fs::path& scenario, const std::string& sets, const std::string& extra = "",
+                      const std::string& launcher = "") {
   const fs::path dir = lstest::fresh_dir("mesh-trace");
   fs::create_directories(dir);
   const fs::path mesh = dir / "mesh.jsonl", one = dir / "one.jsonl";
   lstest::CliResult r = lstest::run_cli("run " + scenario.string() + sets + " --steps 2 --threads 2 --quiet --json" +
-                                        extra + " --trace " + mesh.string());
+                                        extra + launcher + " --trace " + mesh.string());
   CAPTURE(r.err);
   REQUIRE(r.rc == 0);
   const nlohmann::json summary = lstest::last_json(r.out);
   const int ranks = world_of(summary);
+  if (!launcher.empty()) {  // one process per rank, really
+    CHECK(summary.at("launcher") == "mpi");
+    CHECK(summary.at("processes").get<int>() == ranks);
+  }
   r = lstest::run_cli("run " + scenario.string() + sets + kOneRank + " --steps 2 --threads 2 --quiet --json" + extra +
                       " --trace " + one.string());
   REQUIRE(r.rc == 0);
@@ -136,6 +142,13 @@ TEST_SUITE("mesh_trace") {
     for (const fs::path& v : variants) {
       CAPTURE(v.filename().string());
       check_same_trace(v, "");
+    }
+  }
+
+  TEST_CASE("under --launcher mpi the ranks' pieces travel to process 0, which writes the same trace") {
+    for (const char* v : {"top2_pp2_tp2_dp2_mb4.json", "aux_seq_dp2_cp2_tp2_sp_ep2.json", "top1_dp4_fsdp.json"}) {
+      CAPTURE(std::string(v));
+      check_same_trace(kRoot / "scenarios" / "variants" / v, "", "", " --launcher mpi");
     }
   }
 

@@ -316,11 +316,6 @@ int cmd_run(const RunArgs& a, const char* self) {
   if (a.launcher != "threads" && a.launcher != "mpi")
     throw UserError("--launcher: 'threads' (ranks as threads of this process) or 'mpi' (one process per rank), got '" +
                     a.launcher + "'");
-  // A mesh's trace is assembled in one process: under mpirun every rank
-  // process would refuse it on its own, so it is refused here, once, before mpirun.
-  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.trace.empty() && s.mesh.world() > 1)
-    throw UserError("--trace: not yet with --launcher mpi on " + s.mesh.world_formula() +
-                    "; trace the same mesh with --launcher threads, which must give the same bits and the same trace");
   // --steps stops a run early; it never stretches one past train.steps,
   // whose learning-rate schedule it keeps. Refused here, before mpirun or a
   // supervisor starts anything.

@@ -96,15 +96,13 @@ double ClusterTrainer::train_flops_per_token() const { return ls::train_flops_pe
 
 // Every rank traces its pieces; a step's are assembled and written at its
 // end (runner/mesh_trace.h), the weights and reduced gradients from the
-// pieces the state hash places.
+// pieces the state hash places. Under MPI process 0 writes: the others'
+// `sink` is never written to.
 void ClusterTrainer::set_trace(TraceSink* sink) {
   mesh_trace_.reset();
   for (auto& r : ranks_)
     if (r) r->model->set_trace(nullptr);
   if (!sink) return;
-  if (mpi_)
-    throw UserError("--trace: not yet under --launcher mpi; trace the same mesh as threads (without --launcher mpi), "
-                    "which must give the same bits");
   const auto* writer = dynamic_cast<const TraceWriter*>(sink);
   std::vector<std::string> names;
   for (const ParamInfo& p : all_tensors_) names.push_back(p.name);
@@ -112,7 +110,9 @@ void ClusterTrainer::set_trace(TraceSink* sink) {
   for (int r = 0; r < s_.mesh.world(); ++r) coords.push_back(s_.mesh.rank_coords(r));
   mesh_trace_ = std::make_unique<MeshTrace>(sink, writer ? writer->path() + ".ranks" : std::string(), s_.model.n_layers,
                                             std::move(names), std::move(coords));
-  for (auto& r : ranks_) r->model->set_trace(mesh_trace_->rank_sink(r->index), /*state=*/false);
+  mesh_trace_->set_processes(mpi_);
+  for (auto& r : ranks_)
+    if (r) r->model->set_trace(mesh_trace_->rank_sink(r->index), /*state=*/false);
 }
 
 void ClusterTrainer::debug_bump_weight(const std::string&, int64_t) {
@@ -332,7 +332,8 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
   const int64_t sample_bytes = s_.model.seq_len + 1;
   float figures[2] = {0, 0};  // rank 0's loss and gradient norm
   if (mesh_trace_)  // the weights the step starts from
-    for (const auto& r : ranks_) trace_state(*r, "params");
+    for (const auto& r : ranks_)
+      if (r) trace_state(*r, "params");
   for (const auto& r : ranks_)
     if (r) r->model->debug_fault().armed = true;
   each_rank([&](RankCtx& c) {

@@ -144,7 +144,110 @@ MeshTrace::Key MeshTrace::order_of(const Record& r) const {
   return {phase, layer, (int)(at - ops.begin()), 0};
 }
 
+namespace {
+
+// A flat byte buffer of records, as processes exchange them.
+struct Packer {
+  std::vector<char> bytes;
+  void i64(int64_t v) { raw(&v, sizeof v); }
+  void str(const std::string& s) {
+    i64((int64_t)s.size());
+    raw(s.data(), s.size());
+  }
+  void raw(const void* p, size_t n) { bytes.insert(bytes.end(), (const char*)p, (const char*)p + n); }
+};
+struct Unpacker {
+  const char* at;
+  const char* end;
+  int64_t i64() {
+    int64_t v;
+    raw(&v, sizeof v);
+    return v;
+  }
+  std::string str() {
+    std::string s((size_t)i64(), '\0');
+    raw(s.data(), s.size());
+    return s;
+  }
+  void raw(void* p, size_t n) {
+    if ((size_t)(end - at) < n) throw InternalError("trace: a process's pieces arrived cut short");
+    std::memcpy(p, at, n);
+    at += n;
+  }
+};
+
+void pack_runs(Packer& p, const std::vector<TraceRun>& runs) {
+  p.i64((int64_t)runs.size());
+  for (const TraceRun& r : runs) p.i64(r.logical), p.i64(r.local), p.i64(r.count);
+}
+std::vector<TraceRun> unpack_runs(Unpacker& u) {
+  std::vector<TraceRun> runs((size_t)u.i64());
+  for (TraceRun& r : runs) r.logical = u.i64(), r.local = u.i64(), r.count = u.i64();
+  return runs;
+}
+
+}  // namespace
+
+void MeshTrace::gather_to_first() {
+  Packer p;
+  p.i64((int64_t)records_.size());
+  for (const auto& [k, r] : records_) {
+    p.str(r.phase), p.i64(r.layer), p.str(r.op), p.str(r.name), p.i64(r.seq);
+    p.i64((int64_t)r.shape.size());
+    for (int64_t d : r.shape) p.i64(d);
+    p.i64((int64_t)r.pieces.size());
+    for (const Piece& x : r.pieces) {
+      p.i64(x.rank);
+      pack_runs(p, x.where.rows);
+      pack_runs(p, x.where.cols);
+      p.i64(x.where.ld);
+      p.i64((int64_t)x.data.size());
+      p.raw(x.data.data(), x.data.size() * sizeof(float));
+    }
+  }
+  const int R = procs_->size();
+  std::vector<int64_t> sizes((size_t)R);
+  const int64_t mine = (int64_t)p.bytes.size();
+  all_gather_equal(*procs_, &mine, sizes.data(), sizeof mine);
+  std::vector<size_t> each((size_t)R);
+  size_t total = 0;
+  for (int r = 0; r < R; ++r) total += each[(size_t)r] = (size_t)sizes[(size_t)r];
+  std::vector<char> all(total);
+  procs_->all_gather(p.bytes.data(), all.data(), each);
+  records_.clear();
+  if (procs_->rank() != 0) return;  // process 0 writes
+  Unpacker u{all.data(), all.data() + all.size()};
+  for (int from = 0; from < R; ++from)
+    for (int64_t n = u.i64(); n > 0; --n) {
+      Record r;
+      r.phase = u.str(), r.layer = (int)u.i64(), r.op = u.str(), r.name = u.str(), r.seq = u.i64();
+      r.shape.resize((size_t)u.i64());
+      for (int64_t& d : r.shape) d = u.i64();
+      r.pieces.resize((size_t)u.i64());
+      for (Piece& x : r.pieces) {
+        x.rank = (int)u.i64();
+        x.where.rows = unpack_runs(u);
+        x.where.cols = unpack_runs(u);
+        x.where.ld = u.i64();
+        x.data.resize((size_t)u.i64());
+        u.raw(x.data.data(), x.data.size() * sizeof(float));
+      }
+      Record& into = records_[{r.phase, r.layer, r.op, r.name}];
+      if (into.pieces.empty()) {
+        std::vector<Piece> pieces = std::move(r.pieces);
+        into = std::move(r);
+        into.pieces = std::move(pieces);
+      } else {
+        for (Piece& x : r.pieces) into.pieces.push_back(std::move(x));
+      }
+    }
+}
+
 void MeshTrace::flush() {
+  if (procs_ && procs_->size() > 1) {
+    gather_to_first();
+    if (procs_->rank() != 0) return;
+  }
   std::vector<const Record*> in_order;
   for (const auto& [k, r] : records_) in_order.push_back(&r);
   std::sort(in_order.begin(), in_order.end(),

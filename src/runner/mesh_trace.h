@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cluster/communicator.h"
 #include "cluster/config.h"
 #include "trace/sink.h"
 
@@ -32,6 +33,8 @@ class MeshTrace {
 
   // What rank r's model traces to (its tensors become pieces of this trace).
   TraceSink* rank_sink(int rank);
+  // Under MPI: every process's pieces go to process 0 at flush, which alone writes.
+  void set_processes(Communicator* procs) { procs_ = procs; }
   // A piece from rank r (any thread).
   void add(int rank, const char* phase, int layer, const char* op, const char* name, const float* data,
            const std::vector<int64_t>& shape, const TracePiece& piece);
@@ -57,9 +60,12 @@ class MeshTrace {
   };
   using Key = std::tuple<int, int64_t, int, int64_t>;  // phase, layer order, op order, seq
   Key order_of(const Record& r) const;
+  // MPI: this process's records to process 0, whose records become every process's.
+  void gather_to_first();
   void write_ranks_file(const std::vector<const Record*>& in_order);
 
   TraceSink* out_;
+  Communicator* procs_ = nullptr;
   std::string ranks_path_;
   int n_layers_;
   std::map<std::string, int64_t> tensor_index_;

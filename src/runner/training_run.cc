@@ -101,7 +101,8 @@ class TrainingRun {
   bool lead_ = true;
   std::string step_log_;
   std::unique_ptr<FaultInjector> injector_;
-  std::unique_ptr<TraceWriter> tracer_;
+  std::unique_ptr<TraceWriter> tracer_;       // process 0's (the only one's without MPI)
+  std::unique_ptr<TraceSink> follower_sink_;  // MPI, other processes: traced, written by process 0
   std::vector<uint8_t> batch_;
   std::unique_ptr<CheckpointLease> lease_;
   std::unique_ptr<CheckpointWriter> writer_;
@@ -204,8 +205,16 @@ void TrainingRun::make_injector_and_tracer() {
                              {"resolved", s.resolved}, {"threads", r_.threads}};
     if (opt.debug_reorder_moe_norm) header["debug_reorder"] = "moe_norm";
     if (!opt.debug_mesh_fault.empty()) header["debug_mesh_fault"] = opt.debug_mesh_fault;
-    tracer_ = std::make_unique<TraceWriter>(opt.trace_path, header, opt.trace_dump);
-    trainer_->set_trace(tracer_.get());
+    if (lead_) {
+      tracer_ = std::make_unique<TraceWriter>(opt.trace_path, header, opt.trace_dump);
+      trainer_->set_trace(tracer_.get());
+    } else {  // MPI: this process's pieces go to process 0, which writes
+      struct Discard : TraceSink {
+        void tensor(const char*, int, const char*, const char*, const float*, const std::vector<int64_t>&) override {}
+      };
+      follower_sink_ = std::make_unique<Discard>();
+      trainer_->set_trace(follower_sink_.get());
+    }
   }
 }
 
@@ -447,7 +456,10 @@ void TrainingRun::run_step(int step) {
   const float loss = trainer_->train_step(batch_.data(), B_, step, &norm);
   const double step_seconds =
       fault_seconds + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (tracer_) tracer_->end_step(loss, norm, trainer_->state_hash());
+  if (!opt_.trace_path.empty()) {
+    const std::string hash = trainer_->state_hash();  // under MPI a collective: every process takes part
+    if (tracer_) tracer_->end_step(loss, norm, hash);
+  }
   r_.grad_norms.push_back(norm);
   record_step(step, loss, step_seconds);
   if (writer_ && done % s_.ckpt.every == 0) {
