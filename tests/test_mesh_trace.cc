@@ -178,6 +178,14 @@ TEST_SUITE("mesh_trace") {
       for (const auto& x : first["ranks"]) named = named || x["rank"] == p.rank;
       CHECK(named);
       CHECK(ls::format_diff(d).find("is held by rank " ) != std::string::npos);
+      // The report's page says it too.
+      const fs::path dir = lstest::cli_temp_dir() / "planted", page = dir / "report.html";
+      REQUIRE(lstest::run_cli("report " + (dir / "one-d.jsonl").string() + " " + (dir / "mesh-d.jsonl").string() +
+                              " -o " + page.string())
+                  .rc == 0);
+      const std::string html = lstest::slurp(page);
+      CHECK(html.find("Ranks of trace B") != std::string::npos);
+      CHECK(html.find("rank " + std::to_string(p.rank) + " (stage ") != std::string::npos);
     }
   }
 

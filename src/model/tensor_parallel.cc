@@ -118,6 +118,7 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
     const int64_t each = out.floats / tp;
     if (me == tp - 1) {
       ops::synchronize();
+      if (ctx.take_debug_fault(MeshFault::kTpChain)) flip_bit(buffer);  // rank 0's rows, on their way
       for (int t = 0; t < tp - 1; ++t) group.send(buffer + t * each, sizeof(float) * each, t);
     } else {
       group.recv(buffer + me * each, sizeof(float) * each, tp - 1);

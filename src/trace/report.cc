@@ -477,6 +477,24 @@ std::string first_divergence(const TraceDiff& d, const std::vector<LossPoint>& l
              esc(text_of(r.value("ulp", json()))) + "</td></tr>\n";
       }
       o += "</tbody></table>\n";
+    }
+    // A mesh's trace: which ranks hold the differing elements (its side file, FILE.ranks).
+    for (const auto& [side, r] : d.ranks.items()) {
+      o += "<h3>Ranks of trace " + esc(side) + "</h3>\n<table class=\"elements\"><thead><tr><th>element</th>"
+           "<th>held by</th></tr></thead><tbody>\n";
+      auto names = [&](const json& list) {
+        std::string t;
+        for (const json& x : list) t += (t.empty() ? "" : "; ") + x.value("text", std::string());
+        return esc(t);
+      };
+      for (const json& e : r.value("elements", json::array()))
+        o += "<tr><td class=\"mono\">" + esc(text_of(e.value("index", json()))) + "</td><td>" +
+             names(e.value("ranks", json::array())) + "</td></tr>\n";
+      if (r.value("elements", json::array()).empty())
+        o += "<tr><td>(no differing element known)</td><td>" + names(r.value("record", json::array())) + "</td></tr>\n";
+      o += "</tbody></table>\n";
+    }
+    if (!d.elements.is_null()) {
     } else if (tensor && b.is_object() && d.first.contains("shapes_differ")) {
       // Element dumps compare like with like: a shape mismatch is the finding.
       o += "<p class=\"muted\">The shapes differ, so no element-wise comparison applies: the runs computed "
