@@ -14,6 +14,7 @@
 
 #include "common/error.h"
 #include "common/json_input.h"
+#include "common/parallel.h"
 #include "contract.h"
 
 namespace ls {
@@ -83,8 +84,9 @@ void TraceWriter::tensor(const char* phase, int layer, const char* op, const cha
   // combined in chunk order: the same numbers for any thread count.
   const int64_t chunk = 4096, chunks = (n + chunk - 1) / chunk;
   std::vector<double> cmn(chunks), cmx(chunks), csum(chunks), csq(chunks);
-#pragma omp parallel for schedule(static) if (chunks > 4)
-  for (int64_t c = 0; c < chunks; ++c) {
+  // On the engine's own threads (common/parallel.h): an OpenMP team would
+  // spin after each record on the cores the next step's ops need.
+  parallel_for(chunks, [&](int64_t c) {
     const int64_t lo = c * chunk, hi = std::min(n, lo + chunk);
     float lmn = INFINITY, lmx = -INFINITY;
     int64_t i = lo;
@@ -143,7 +145,7 @@ void TraceWriter::tensor(const char* phase, int layer, const char* op, const cha
     cmx[c] = lmx;
     csum[c] = ls;
     csq[c] = lq;
-  }
+  }, 5);
   double mn = INFINITY, mx = -INFINITY, sum = 0, sq = 0;
   for (int64_t c = 0; c < chunks; ++c) {
     mn = std::min(mn, cmn[c]);
