@@ -5,6 +5,7 @@
 // by hand; bits equal reference/ for any thread count.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -38,6 +39,17 @@ struct ParamInfo {
   int64_t tp_held() const;  // the middle indices held: tp_mid / tp
   // The element of the whole tensor that held element `i` is.
   int64_t global_index(int64_t i) const;
+  // Held elements [first, first + n) as runs contiguous in both: fn(global
+  // element, offset from `first`, count), in held order.
+  template <class Fn>
+  void for_each_global_run(int64_t first, int64_t n, Fn fn) const {
+    const int64_t block = tp_mid == 0 ? n : tp_held() * tp_inner;  // held elements contiguous in the whole
+    for (int64_t i = 0; i < n;) {
+      const int64_t count = tp_mid == 0 ? n : std::min(n - i, block - (first + i) % block);
+      fn(global_index(first + i), i, count);
+      i += count;
+    }
+  }
 };
 
 // The passes of a training step, as a phase hook sees them (fault

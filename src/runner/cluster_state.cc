@@ -47,7 +47,9 @@ std::string hash_pieces(const std::vector<ParamInfo>& all, const std::vector<Clu
         ParamInfo q = all[t];  // the part's view of the tensor
         q.global_offset = p->start;
         q.tp_first = p->tp_first;
-        for (int64_t i = 0; i < p->n; ++i) tensor[(size_t)q.global_index(p->held_first + i)] = from[i];
+        q.for_each_global_run(p->held_first, p->n, [&](int64_t g, int64_t i, int64_t count) {
+          std::copy(from + i, from + i + count, tensor.begin() + g);
+        });
       }
       const char* prefix = kind == 0 ? "adam_m/" : kind == 1 ? "adam_v/" : "param/";
       hs.add(prefix + all[t].name, all[t].global_shape, tensor.data());
@@ -88,12 +90,8 @@ void ClusterTrainer::trace_state(const Rank& rk, const char* phase) const {
       ParamInfo q = whole;  // the part's view of the tensor, as hash_pieces places it
       q.global_offset = p.start;
       q.tp_first = p.tp_first;
-      for (int64_t i = 0; i < p.n; ++i) {
-        const int64_t e = q.global_index(p.held_first + i);
-        TraceRun* last = piece.rows.empty() ? nullptr : &piece.rows.back();
-        if (last && last->logical + last->count == e && last->local + last->count == i) ++last->count;
-        else piece.rows.push_back({e, i, 1});
-      }
+      q.for_each_global_run(p.held_first, p.n,
+                            [&](int64_t g, int64_t i, int64_t count) { piece.rows.push_back({g, i, count}); });
     }
     mesh_trace_->add(rk.index, phase, -1, "param", whole.name.c_str(), p.w, whole.global_shape, piece);
   }

@@ -46,19 +46,18 @@ int64_t elements_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
-// Calls fn(logical element, packed index) for every element of a piece, in packing order.
+// Calls fn(first logical element, packed index, count) for every span of a
+// piece contiguous in both, in packing order.
 template <class Fn>
-void for_each_element(const TracePiece& p, int64_t cols, Fn fn) {
+void for_each_span(const TracePiece& p, int64_t cols, Fn fn) {
   int64_t packed = 0;
   if (p.cols.empty()) {  // runs of flat elements
-    for (const TraceRun& r : p.rows)
-      for (int64_t i = 0; i < r.count; ++i) fn(r.logical + i, packed++);
+    for (const TraceRun& r : p.rows) fn(r.logical, packed, r.count), packed += r.count;
     return;
   }
   for (const TraceRun& r : p.rows)
     for (int64_t i = 0; i < r.count; ++i)
-      for (const TraceRun& c : p.cols)
-        for (int64_t j = 0; j < c.count; ++j) fn((r.logical + i) * cols + c.logical + j, packed++);
+      for (const TraceRun& c : p.cols) fn((r.logical + i) * cols + c.logical, packed, c.count), packed += c.count;
 }
 
 class RankSink : public TraceSink {
@@ -264,15 +263,23 @@ void MeshTrace::flush() {
     std::stable_sort(pieces.begin(), pieces.end(), [](const Piece* a, const Piece* b) { return a->rank < b->rank; });
     int64_t differ = 0;
     for (const Piece* p : pieces)
-      for_each_element(p->where, cols, [&](int64_t e, int64_t i) {
-        if (e < 0 || e >= n)
+      for_each_span(p->where, cols, [&](int64_t e, int64_t i, int64_t count) {
+        if (e < 0 || e + count > n)
           throw InternalError("trace: rank " + std::to_string(p->rank) + "'s piece of " + r->phase + " " + r->op + "/" +
                               r->name + " reaches outside it");
-        if (!held[(size_t)e]) {
-          held[(size_t)e] = 1;
-          whole[(size_t)e] = p->data[(size_t)i];
-        } else if (std::memcmp(&whole[(size_t)e], &p->data[(size_t)i], sizeof(float)) != 0) {
-          ++differ;
+        unsigned char* h = held.data() + e;
+        if (std::find(h, h + count, 1) == h + count) {  // none held yet: the span whole
+          std::memcpy(&whole[(size_t)e], &p->data[(size_t)i], sizeof(float) * (size_t)count);
+          std::memset(h, 1, (size_t)count);
+          return;
+        }
+        for (int64_t k = 0; k < count; ++k) {
+          if (!h[k]) {
+            h[k] = 1;
+            whole[(size_t)(e + k)] = p->data[(size_t)(i + k)];
+          } else if (std::memcmp(&whole[(size_t)(e + k)], &p->data[(size_t)(i + k)], sizeof(float)) != 0) {
+            ++differ;
+          }
         }
       });
     const auto missing = std::find(held.begin(), held.end(), 0);
