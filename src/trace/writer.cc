@@ -14,7 +14,9 @@
 
 #include "common/error.h"
 #include "common/json_input.h"
+#if defined(_OPENMP)  // the engine's build; the fuzz build compiles the parsers alone, serial
 #include "common/parallel.h"
+#endif
 #include "contract.h"
 
 namespace ls {
@@ -86,7 +88,7 @@ void TraceWriter::tensor(const char* phase, int layer, const char* op, const cha
   std::vector<double> cmn(chunks), cmx(chunks), csum(chunks), csq(chunks);
   // On the engine's own threads (common/parallel.h): an OpenMP team would
   // spin after each record on the cores the next step's ops need.
-  parallel_for(chunks, [&](int64_t c) {
+  auto stats_of_chunk = [&](int64_t c) {
     const int64_t lo = c * chunk, hi = std::min(n, lo + chunk);
     float lmn = INFINITY, lmx = -INFINITY;
     int64_t i = lo;
@@ -145,7 +147,12 @@ void TraceWriter::tensor(const char* phase, int layer, const char* op, const cha
     cmx[c] = lmx;
     csum[c] = ls;
     csq[c] = lq;
-  }, 5);
+  };
+#if defined(_OPENMP)
+  parallel_for(chunks, stats_of_chunk, 5);
+#else
+  for (int64_t c = 0; c < chunks; ++c) stats_of_chunk(c);
+#endif
   double mn = INFINITY, mx = -INFINITY, sum = 0, sq = 0;
   for (int64_t c = 0; c < chunks; ++c) {
     mn = std::min(mn, cmn[c]);
