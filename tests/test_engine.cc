@@ -89,6 +89,22 @@ void check_engine_matches_reference(const ls::Scenario& s) {
   omp_set_num_threads(omp_get_num_procs());
 }
 
+// fn(path name) on every instruction-set path this CPU has, set in turn and
+// captured in failures; the automatic choice again afterwards, however fn ends.
+template <class Fn>
+void on_every_gemm_path(Fn fn) {
+  struct Restore {
+    ~Restore() { ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto); }
+  } restore;
+  for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {
+    if (!ls::ops::gemm_path_supported(path)) continue;
+    ls::ops::set_gemm_path(path);
+    const std::string path_name = ls::ops::gemm_path_name();
+    CAPTURE(path_name);
+    fn(path_name);
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("engine") {
@@ -225,11 +241,7 @@ TEST_SUITE("engine") {
     // Every head width path (register-blocked 8/16/32-multiples, scalar otherwise) on every
     // instruction-set path, sequences shorter and longer than a row block, and strided q/k/v
     // as the model lays them out.
-    for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {
-      if (!ls::ops::gemm_path_supported(path)) continue;
-      ls::ops::set_gemm_path(path);
-      const std::string path_name = ls::ops::gemm_path_name();
-      CAPTURE(path_name);
+    on_every_gemm_path([&](const std::string&) {
       for (int hd : {3, 8, 16, 24, 32, 48, 64, 96, 128}) {
         for (int S : {1, 5, 13, 64}) {
           CAPTURE(hd);
@@ -258,8 +270,7 @@ TEST_SUITE("engine") {
               REQUIRE(ls::bits(d[(size_t)t * ldd + j]) == ls::bits(rd[(size_t)t * ldd + j]));
         }
       }
-    }
-    ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
+    });
   }
 
   TEST_CASE("attention over query ranges, chained in ascending order, gives the whole sequence's bits") {
@@ -267,11 +278,7 @@ TEST_SUITE("engine") {
     // earlier key, dK and dV continuing the folds of the ranges before it.
     // Ranges of every size (a lone row, ranges that start and end inside a
     // 16-block, the zigzag halves) on every instruction-set path.
-    for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {
-      if (!ls::ops::gemm_path_supported(path)) continue;
-      ls::ops::set_gemm_path(path);
-      const std::string path_name = ls::ops::gemm_path_name();
-      CAPTURE(path_name);
+    on_every_gemm_path([&](const std::string&) {
       for (int hd : {3, 8, 16, 32, 64}) {
         for (const std::vector<int>& cuts : std::vector<std::vector<int>>{
                  {0, 13}, {0, 1, 13}, {0, 5, 9, 13}, {0, 16, 32, 48, 64}, {0, 8, 16, 24, 32, 40, 48, 56, 64},
@@ -322,18 +329,13 @@ TEST_SUITE("engine") {
               REQUIRE(ls::bits(dkv[(size_t)u * 2 * hd + j]) == ls::bits(d[(size_t)u * ldd + hd + j]));
         }
       }
-    }
-    ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
+    });
   }
 
   TEST_CASE("a range's backward as dS and dq, then dK and dV a key block at a time, gives the whole range's bits") {
     // The context-parallel chain pipelined over key blocks (model/context_parallel.cc): per head, then per
     // block of 16 keys, against attention_backward_range_heads, the ranges chained in ascending order.
-    for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {
-      if (!ls::ops::gemm_path_supported(path)) continue;
-      ls::ops::set_gemm_path(path);
-      const std::string path_name = ls::ops::gemm_path_name();
-      CAPTURE(path_name);
+    on_every_gemm_path([&](const std::string&) {
       for (int hd : {3, 8, 16, 32}) {
         for (const std::vector<int>& cuts :
              std::vector<std::vector<int>>{{0, 13, 40}, {0, 16, 48, 64}, {0, 20, 37, 64}, {0, 64}}) {
@@ -363,8 +365,7 @@ TEST_SUITE("engine") {
           for (size_t i = 0; i < whole.size(); ++i) REQUIRE(ls::bits(split[i]) == ls::bits(whole[i]));
         }
       }
-    }
-    ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
+    });
   }
 
   TEST_CASE("causal attention head: NaN, infinite and tied scores give the reference's bits") {
@@ -374,11 +375,7 @@ TEST_SUITE("engine") {
     const int S = 37, hd = 16;
     const int64_t ld = 3 * hd, ldo = hd, ldd = 3 * hd;
     const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
-    for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {
-      if (!ls::ops::gemm_path_supported(path)) continue;
-      ls::ops::set_gemm_path(path);
-      const std::string path_name = ls::ops::gemm_path_name();
-      CAPTURE(path_name);
+    on_every_gemm_path([&](const std::string&) {
       auto qkv = random_vec((size_t)S * ld, 77, 2.0f), dO = random_vec((size_t)S * ldo, 78);
       float *q = qkv.data(), *k = q + hd, *v = q + 2 * hd;
       q[3 * ld + 2] = nan;                                  // row 3: every score NaN
@@ -406,8 +403,7 @@ TEST_SUITE("engine") {
       ref::attention_head_backward(q, k, v, ld, S, hd, 0.25f, rP.data(), dO.data(), ldo, rd.data(), rd.data() + hd,
                                    rd.data() + 2 * hd, ldd);
       for (size_t i = 0; i < d.size(); ++i) REQUIRE(ls::bits(d[i]) == ls::bits(rd[i]));
-    }
-    ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
+    });
   }
 
   TEST_CASE("weight_grad: leaf tree over tokens, any leaf sizes, any threads, any tiling, every ISA path") {
@@ -424,10 +420,7 @@ TEST_SUITE("engine") {
         {0, 5, 5, 17, 18, 30, 30, 30, 53}, {0, 53}, {0, 0, 0}, {7, 12, 12, 40}, {}};
     for (int l = 0; l <= 37; ++l) offsets.back().push_back(l * 53 / 37);
     const int N = 53;
-    for (auto path : {ls::ops::GemmPath::kScalar, ls::ops::GemmPath::kAvx2, ls::ops::GemmPath::kAvx512}) {
-      if (!ls::ops::gemm_path_supported(path)) continue;
-      ls::ops::set_gemm_path(path);
-      const std::string path_name = ls::ops::gemm_path_name();
+    on_every_gemm_path([&](const std::string& path_name) {
       for (Shape sh : {Shape{19, 150}, Shape{70, 40}, Shape{64, 128}, Shape{8, 32}, Shape{13, 37}, Shape{6, 1},
                        Shape{33, 300}}) {
         const int in = sh.in, out = sh.out, ldx = in + 3, ldy = out + 5;
@@ -458,8 +451,7 @@ TEST_SUITE("engine") {
           }
         }
       }
-    }
-    ls::ops::set_gemm_path(ls::ops::GemmPath::kAuto);
+    });
     omp_set_num_threads(omp_get_num_procs());
   }
 

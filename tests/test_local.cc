@@ -55,6 +55,20 @@ void check_close(const ls::RunResult& local, const ls::RunResult& portable) {
   }
 }
 
+// local on `mesh` against portable there: its level, every loss close, and
+// bitwise run to run; `other`, a second mesh of the same axis, moves its bits.
+struct LocalOnMesh {
+  ls::RunResult portable, local;
+};
+LocalOnMesh check_local_on_mesh(const std::vector<std::string>& mesh, const std::vector<std::string>& other) {
+  LocalOnMesh r{train("portable", 16, 2, mesh), train("local", 16, 2, mesh)};
+  CHECK(r.local.level == "local");
+  check_close(r.local, r.portable);
+  CHECK(train("local", 16, 2, mesh).final_state_hash == r.local.final_state_hash);   // run to run, a fixed mesh
+  CHECK(train("local", 16, 2, other).final_state_hash != r.local.final_state_hash);  // the mesh moves local's bits
+  return r;
+}
+
 // The param/* tensors of the checkpoint of `step` in url, by name.
 std::map<std::string, std::vector<float>> params_at(const std::string& url, int64_t step) {
   std::unique_ptr<ls::ObjectStore> store = ls::open_store(url, ls::StoreOptions{});
@@ -178,31 +192,20 @@ TEST_SUITE("local") {
   TEST_CASE("local on a pipeline: the microbatches' gradients added in arrival order; close to portable") {
     const std::vector<std::string> pipe4 = {"mesh.pp=2", "train.microbatches=4"},
                                    pipe2 = {"mesh.pp=2", "train.microbatches=2"};
-    const ls::RunResult portable = train("portable", 16, 2, pipe4);
-    const ls::RunResult l4 = train("local", 16, 2, pipe4), again = train("local", 16, 2, pipe4),
-                        l2 = train("local", 16, 2, pipe2);
-    CHECK(l4.level == "local");
-    REQUIRE(l4.pipeline.size() == 2);  // really pipelined
-    check_close(l4, portable);
-    CHECK(again.final_state_hash == l4.final_state_hash);  // bitwise run to run at a fixed mesh
-    CHECK(l2.final_state_hash != l4.final_state_hash);     // a running sum: the microbatch count moves the bits
-    CHECK(train("portable", 16, 2, pipe2).final_state_hash == portable.final_state_hash);  // the tree does not
+    // A running sum: the microbatch count moves local's bits.
+    const LocalOnMesh r = check_local_on_mesh(pipe4, pipe2);
+    REQUIRE(r.local.pipeline.size() == 2);  // really pipelined
+    CHECK(train("portable", 16, 2, pipe2).final_state_hash == r.portable.final_state_hash);  // the tree does not
   }
 
   TEST_CASE("local on a context-parallel mesh: each rank's dK/dV partial from +0, summed by an all-reduce") {
     const std::vector<std::string> cp2 = {"mesh.cp=2"}, cp4 = {"mesh.cp=4", "mesh.cp_layout=contiguous"};
-    const ls::RunResult portable = train("portable", 16, 2, cp2);
-    const ls::RunResult l2 = train("local", 16, 2, cp2), again = train("local", 16, 2, cp2),
-                        l4 = train("local", 16, 2, cp4);
-    CHECK(l2.level == "local");
-    REQUIRE(l2.context.size() == 2);  // really split
-    check_close(l2, portable);
+    const LocalOnMesh r = check_local_on_mesh(cp2, cp4);
+    REQUIRE(r.local.context.size() == 2);  // really split
     // The chain's links are sends; the summed partials go by all-reduce and no link is sent.
-    CHECK(portable.bytes_sent_per_step.count("send"));
-    CHECK(!l2.bytes_sent_per_step.count("send"));
-    CHECK(l2.context[0].link_messages == 0);
-    CHECK(again.final_state_hash == l2.final_state_hash);  // bitwise run to run at a fixed mesh (two ranks)
-    CHECK(l4.final_state_hash != l2.final_state_hash);     // the mesh moves local's bits
+    CHECK(r.portable.bytes_sent_per_step.count("send"));
+    CHECK(!r.local.bytes_sent_per_step.count("send"));
+    CHECK(r.local.context[0].link_messages == 0);
   }
 
   TEST_CASE("a run leaves the process portable, whatever its level") {
