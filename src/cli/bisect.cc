@@ -236,29 +236,54 @@ int first_loss_step(const Child& a, const Child& b) {
 }
 
 
-// A side whose mesh changed its bits, against its one-rank twin: both
-// traced (the mesh's trace assembled from its ranks' pieces) up to the
-// first loss that differs, that step dumped, and the first divergent record
-// printed with the ranks that hold its differing elements. Returns the
-// location in one line.
+// Where two sides first differ: both traced to `limit` (files NAME_A.jsonl,
+// NAME_B.jsonl), then the first divergent step again with its op's tensors
+// kept whole (NAME_X-dump.jsonl); the diff of the dumps, with the traced
+// runs' spread. found: a traced tensor differed (else the dump is of step
+// `limit`, every op).
+struct Divergence {
+  TraceDiff fine;
+  bool found = false;
+  Child a_dump;             // side A's dumped run
+  std::string a_dump_path;  // and its trace
+  int step = 0;      // the dumped step
+  std::string dump;  // its --trace-dump, STEP[:OP]
+};
+Divergence trace_divergence(Runner& r, const Side& a, const Side& b, int limit, const std::string& name_a,
+                            const std::string& name_b, const std::string& label_a, const std::string& label_b,
+                            const std::function<void(const std::string&)>& say) {
+  say("tracing both sides to step " + std::to_string(limit));
+  const std::string ta = (r.dir() / (name_a + ".jsonl")).string(), tb = (r.dir() / (name_b + ".jsonl")).string();
+  must(r, a, limit, label_a + " (traced)", ta);
+  must(r, b, limit, label_b + " (traced)", tb);
+  const TraceDiff coarse = diff_traces(read_trace(ta), read_trace(tb));
+  Divergence d;
+  d.found = !coarse.first.is_null();
+  d.step = d.found ? coarse.first["a"].value("step", limit) : limit;
+  const std::string op = d.found ? coarse.first["a"].value("op", "") : "";
+  d.dump = std::to_string(d.step) + (op.empty() ? "" : ":" + op);
+  say("dumping step " + d.dump + " on both sides");
+  const std::string da = (r.dir() / (name_a + "-dump.jsonl")).string(),
+                    db = (r.dir() / (name_b + "-dump.jsonl")).string();
+  d.a_dump = must(r, a, d.step, label_a + " (dump)", da, d.dump);
+  d.a_dump_path = da;
+  must(r, b, d.step, label_b + " (dump)", db, d.dump);
+  d.fine = diff_traces(read_trace(da), read_trace(db));
+  d.fine.spread = coarse.spread;
+  return d;
+}
+
+// A side whose mesh changed its bits, against its one-rank twin, traced up
+// to the first loss that differs (the mesh's trace assembled from its
+// ranks' pieces): the first divergent record printed with the ranks that
+// hold its differing elements. Returns the location in one line.
 std::string locate_mesh_divergence(Runner& r, const char* name, const Side& side, const Side& one, int steps,
-                                   int first_loss) {
+                                   int first_loss, const std::function<void(const std::string&)>& say) {
   const std::string tag = std::string(name) == "A" ? "a" : "b";
-  const int limit = first_loss > 0 ? first_loss : steps;
-  const std::string tm = (r.dir() / (tag + "-mesh.jsonl")).string(), to = (r.dir() / (tag + "-one.jsonl")).string();
-  must(r, one, limit, std::string(name) + " (one rank, traced)", to);
-  must(r, side, limit, std::string(name) + " (traced on its mesh)", tm);
-  const TraceDiff coarse = diff_traces(read_trace(to), read_trace(tm));
-  if (coarse.first.is_null()) return "no traced tensor (only the state hash)";
-  const int step = coarse.first["a"].value("step", limit);
-  const std::string op = coarse.first["a"].value("op", "");
-  const std::string dump = std::to_string(step) + (op.empty() ? "" : ":" + op);
-  const std::string dm = (r.dir() / (tag + "-mesh-dump.jsonl")).string(),
-                    d1 = (r.dir() / (tag + "-one-dump.jsonl")).string();
-  must(r, one, step, std::string(name) + " (one rank, dump)", d1, dump);
-  must(r, side, step, std::string(name) + " (on its mesh, dump)", dm, dump);
-  TraceDiff fine = diff_traces(read_trace(d1), read_trace(dm));
-  fine.spread = coarse.spread;
+  Divergence d = trace_divergence(r, one, side, first_loss > 0 ? first_loss : steps, tag + "-one", tag + "-mesh",
+                                  std::string(name) + " on one rank", std::string(name) + " on its mesh", say);
+  if (!d.found) return "no traced tensor (only the state hash)";
+  TraceDiff& fine = d.fine;
   fine.config_changes = nlohmann::json::array();  // only the mesh keys: said above
   std::printf("%s on %s against one rank (trace A: one rank, trace B: the mesh):\n%s", name,
               mesh_text(side.resolved).c_str(), format_diff(fine).c_str());
@@ -348,7 +373,8 @@ int cmd_bisect(const BisectArgs& a) {
                     one->summary["final_state_hash"].get<std::string>().c_str(),
                     first_loss_text(first_loss_step(*full, *one)).c_str());
         say(std::string("tracing ") + name + " on its mesh and on one rank");
-        const std::string at = locate_mesh_divergence(r, name, *side, *side1, steps, first_loss_step(*full, *one));
+        const std::string at =
+            locate_mesh_divergence(r, name, *side, *side1, steps, first_loss_step(*full, *one), say);
         std::printf("%s's mesh first changes the bits at %s\n", name, at.c_str());
       }
     if (same_bits(ca1, cb1)) {
@@ -369,27 +395,13 @@ int cmd_bisect(const BisectArgs& a) {
   }
   int limit = steps;
   if (const int first = first_loss_step(ca, cb)) limit = first;
-  // 2. Traced, only as far as the first loss that differs.
-  say("tracing both sides to step " + std::to_string(limit));
-  const std::string ta = (r.dir() / "a.jsonl").string(), tb = (r.dir() / "b.jsonl").string();
-  must(r, A, limit, "A (traced)", ta);
-  must(r, B, limit, "B (traced)", tb);
-  TraceDiff coarse = diff_traces(read_trace(ta), read_trace(tb));
-  int step = limit;
-  std::string op;
-  if (!coarse.first.is_null()) {
-    step = coarse.first["a"].value("step", limit);
-    op = coarse.first["a"].value("op", "");
-  }
-  // 3. That step again, keeping the divergent op's tensors whole.
-  const std::string dump = std::to_string(step) + (op.empty() ? "" : ":" + op);
-  say("dumping step " + dump + " on both sides");
-  const std::string da = (r.dir() / "a-dump.jsonl").string(), db = (r.dir() / "b-dump.jsonl").string();
-  Child ra = must(r, A, step, "A (dump)", da, dump);
-  must(r, B, step, "B (dump)", db, dump);
-  TraceDiff fine = diff_traces(read_trace(da), read_trace(db));
-  fine.spread = coarse.spread;
-  std::printf("%s", format_diff(fine).c_str());
+  // 2. Traced, only as far as the first loss that differs; 3. that step
+  // again, keeping the divergent op's tensors whole.
+  Divergence traced = trace_divergence(r, A, B, limit, "a", "b", "A", "B", say);
+  const Child& ra = traced.a_dump;
+  const int step = traced.step;
+  const std::string& dump = traced.dump;
+  std::printf("%s", format_diff(traced.fine).c_str());
 
   // 4. Delta debugging over the differences between the sides.
   std::vector<Change> changes;
@@ -420,7 +432,7 @@ int cmd_bisect(const BisectArgs& a) {
   // Where does the minimal change alone first show?
   const std::string ma = (r.dir() / "min.jsonl").string();
   must(r, with_changes(A, minimal), step, "A + minimal change", ma, dump);
-  TraceDiff alone = diff_traces(read_trace(da), read_trace(ma));
+  TraceDiff alone = diff_traces(read_trace(traced.a_dump_path), read_trace(ma));
   std::printf("%s %s the bits at %s (%zu of %zu differences%s; %d runs)\n", names.c_str(),
               minimal.size() == 1 ? "alone changes" : "together change", where(alone).c_str(), minimal.size(),
               changes.size(), mesh_keys.empty() ? "" : ", mesh keys set aside", r.runs());

@@ -46,18 +46,20 @@ int64_t elements_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
-// Calls fn(first logical element, packed index, count) for every span of a
-// piece contiguous in both, in packing order.
+// Calls fn(first logical element, its offset in the rank's buffer, packed
+// index, count) for every span of a piece contiguous in all three, in
+// packing order (a tensor of `cols` columns).
 template <class Fn>
 void for_each_span(const TracePiece& p, int64_t cols, Fn fn) {
   int64_t packed = 0;
   if (p.cols.empty()) {  // runs of flat elements
-    for (const TraceRun& r : p.rows) fn(r.logical, packed, r.count), packed += r.count;
+    for (const TraceRun& r : p.rows) fn(r.logical, r.local, packed, r.count), packed += r.count;
     return;
   }
   for (const TraceRun& r : p.rows)
     for (int64_t i = 0; i < r.count; ++i)
-      for (const TraceRun& c : p.cols) fn((r.logical + i) * cols + c.logical, packed, c.count), packed += c.count;
+      for (const TraceRun& c : p.cols)
+        fn((r.logical + i) * cols + c.logical, (r.local + i) * p.ld + c.local, packed, c.count), packed += c.count;
 }
 
 class RankSink : public TraceSink {
@@ -105,16 +107,9 @@ void MeshTrace::add(int rank, const char* phase, int layer, const char* op, cons
   Piece p;
   p.rank = rank;
   p.where = where;
-  if (where.cols.empty()) {
-    for (const TraceRun& r : where.rows) p.data.insert(p.data.end(), data + r.local, data + r.local + r.count);
-  } else {
-    for (const TraceRun& r : where.rows)
-      for (int64_t i = 0; i < r.count; ++i)
-        for (const TraceRun& c : where.cols) {
-          const float* from = data + (r.local + i) * where.ld + c.local;
-          p.data.insert(p.data.end(), from, from + c.count);
-        }
-  }
+  for_each_span(where, columns_of(shape), [&](int64_t, int64_t local, int64_t, int64_t count) {
+    p.data.insert(p.data.end(), data + local, data + local + count);
+  });
   std::lock_guard<std::mutex> lock(mu_);
   Record& rec = records_[{phase, layer, op, name}];
   if (rec.pieces.empty()) {
@@ -263,7 +258,7 @@ void MeshTrace::flush() {
     std::stable_sort(pieces.begin(), pieces.end(), [](const Piece* a, const Piece* b) { return a->rank < b->rank; });
     int64_t differ = 0;
     for (const Piece* p : pieces)
-      for_each_span(p->where, cols, [&](int64_t e, int64_t i, int64_t count) {
+      for_each_span(p->where, cols, [&](int64_t e, int64_t, int64_t i, int64_t count) {
         if (e < 0 || e + count > n)
           throw InternalError("trace: rank " + std::to_string(p->rank) + "'s piece of " + r->phase + " " + r->op + "/" +
                               r->name + " reaches outside it");
@@ -287,7 +282,6 @@ void MeshTrace::flush() {
       throw InternalError("trace: no rank traced element " + std::to_string(missing - held.begin()) + " of " +
                           r->phase + " layer " + std::to_string(r->layer) + " " + r->op + "/" + r->name);
     if (differ > 0) {
-      mismatches_ += differ;
       std::fprintf(stderr, "trace: %lld elements of %s layer %d %s/%s differ between the ranks that hold them "
                    "(the lowest rank's are written)\n", (long long)differ, r->phase.c_str(), r->layer, r->op.c_str(),
                    r->name.c_str());

@@ -42,8 +42,6 @@ class MeshTrace {
   // side file with the first step's. Throws InternalError naming a record
   // whose elements no rank wrote.
   void flush();
-  // Elements two ranks both held with different bits, so far (each noted on stderr once per record).
-  int64_t replica_mismatches() const { return mismatches_; }
 
  private:
   struct Piece {
@@ -74,7 +72,6 @@ class MeshTrace {
   std::mutex mu_;
   std::map<std::tuple<std::string, int, std::string, std::string>, Record> records_;
   bool ranks_written_ = false;
-  int64_t mismatches_ = 0;
 };
 
 }  // namespace ls
