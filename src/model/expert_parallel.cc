@@ -244,7 +244,8 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
   }
   ops::synchronize();  // the packed rows, read by the host's all-to-all
   ep_all_to_all(ctx, ws.send.data(), send_bytes, ws.recv.data(), recv_bytes);
-  if (ctx.ep_rank() == 1 && to_owner) {  // --debug-mesh-fault ep_row: the first row another rank sent
+  if (ctx.debug_fault && ctx.debug_fault->planted == MeshFault::kEpRow && ctx.ep_rank() == 1 && to_owner) {
+    // --debug-mesh-fault ep_row: the first row another rank sent
     size_t at = 0;
     for (int d = 0; d < ep; at += recv_bytes[(size_t)d], ++d)
       if (d != me && recv_bytes[(size_t)d] > 0) {
