@@ -403,7 +403,11 @@ AttemptEnd Supervision::watch(pid_t pid) {
   // Whatever way the job ended, no rank process of it may live on into the
   // next attempt (or past the supervisor).
   end.orphans_killed = mpi_ ? kill_session(pid) : 0;
-  if (!pending_.is_null()) settle_pending(false, end.detected);  // it died before its first step
+  // A resumed child that began a step, though it ended before a poll saw its
+  // heartbeat (a short run on a busy machine), resumed: seen now. Without a
+  // heartbeat it died before its first step.
+  struct stat beat;
+  if (!pending_.is_null()) settle_pending(::stat(hb_.c_str(), &beat) == 0, end.detected);
   return end;
 }
 
