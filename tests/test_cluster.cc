@@ -172,10 +172,11 @@ TEST_SUITE("cluster") {
       return run(more);
     };
     const Outcome one = with({});
+    // As messages (mesh.shared_memory=false, as across hosts): threads share memory, and would fold in place.
     for (const char* optimizer : {"mesh.shard_optimizer=true", "mesh.shard_optimizer=false"}) {
       CAPTURE(optimizer);
-      const Outcome blocking = with({"mesh.dp=2", optimizer, "mesh.overlap=false"});
-      const Outcome overlapped = with({"mesh.dp=2", optimizer});
+      const Outcome blocking = with({"mesh.dp=2", optimizer, "mesh.overlap=false", "mesh.shared_memory=false"});
+      const Outcome overlapped = with({"mesh.dp=2", optimizer, "mesh.shared_memory=false"});
       CHECK(blocking.hash == one.hash);
       CHECK(overlapped.hash == one.hash);
       CHECK(overlapped.loss_bits == one.loss_bits);
@@ -185,9 +186,50 @@ TEST_SUITE("cluster") {
       CHECK(overlapped.result.bytes_sent_per_step == blocking.result.bytes_sent_per_step);
     }
     // The sharded optimizer reduce-scatters and all-gathers instead of all-reducing: the same bytes, split.
-    const Outcome sharded = with({"mesh.dp=2"});
+    const Outcome sharded = with({"mesh.dp=2", "mesh.shared_memory=false"});
     CHECK(sharded.result.bytes_sent_per_step.count("reduce_scatter") == 1);
     CHECK(sharded.result.bytes_sent_per_step.count("all_gather") == 1);
+  }
+
+  TEST_CASE("mesh.shared_memory: a shard group on one host folds its gradients in place and shares one copy of the "
+            "weights; the bits of messages") {
+    const std::vector<std::string> wide = {"model.d_model=64", "model.d_ff=128", "train.steps=4"};
+    auto with = [&](std::vector<std::string> more, uint64_t jitter = 0) {
+      more.insert(more.end(), wide.begin(), wide.end());
+      return run(more, 2, ls::Backend::kEngine, jitter);
+    };
+    const Outcome one = with({});
+    const std::vector<std::vector<std::string>> meshes = {
+        {"mesh.dp=2"}, {"mesh.dp=4"}, {"mesh.dp=2", "mesh.overlap=false"}, {"mesh.dp=2", "mesh.fsdp=true"},
+        {"mesh.dp=2", "mesh.tp=2"}};
+    for (const auto& mesh : meshes) {
+      CAPTURE(mesh);
+      const Outcome shared = with(mesh, /*jitter=*/17);  // ranks arrive at the folds in shifting orders
+      std::vector<std::string> off = mesh;
+      off.push_back("mesh.shared_memory=false");
+      const Outcome messages = with(off);
+      CHECK(shared.hash == one.hash);
+      CHECK(shared.loss_bits == one.loss_bits);
+      CHECK(messages.hash == one.hash);
+      // The executions differ: the gradients were never sent, the weights not gathered (only the norm's
+      // block sums and, with tp, the split tensors' parts travel), and nothing was left in flight.
+      const auto& in_place = shared.result.bytes_sent_per_step;
+      const auto& sent = messages.result.bytes_sent_per_step;
+      CHECK(sent.at("reduce_scatter") > 0);
+      CHECK(in_place.count("reduce_scatter") == 0);
+      CHECK(in_place.at("all_gather") < sent.at("all_gather") - sent.at("reduce_scatter") / 2);
+      CHECK(shared.result.comm_in_flight_seconds_per_step == 0);
+    }
+    // Where a tensor needs another group first (expert-parallel slices, HSDP's replicas), messages as before.
+    for (const std::vector<std::string> mesh : {std::vector<std::string>{"mesh.dp=2", "mesh.ep=2"},
+                                                {"mesh.dp=4", "mesh.fsdp=true", "mesh.replicate=2"}}) {
+      CAPTURE(mesh);
+      const Outcome fallback = with(mesh);
+      CHECK(fallback.hash == one.hash);
+      const auto& sent = fallback.result.bytes_sent_per_step;
+      CHECK(sent.count("reduce_scatter") == 1);
+      CHECK(sent.at("reduce_scatter") > 1000);
+    }
   }
 
   TEST_CASE("the summary splits exposed communication by kind, and times the copies for collectives") {
@@ -201,7 +243,8 @@ TEST_SUITE("cluster") {
     CHECK(tp.comm_seconds_by_kind_per_step.count("recv") == 1);
     CHECK(tp.comm_seconds_by_kind_per_step.count("broadcast") == 1);
     CHECK(tp.op_seconds.at("copy") > 0);
-    s = ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json", {"mesh.dp=2", "mesh.overlap=false"});
+    s = ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json",
+                               {"mesh.dp=2", "mesh.overlap=false", "mesh.shared_memory=false"});
     const ls::RunResult dp = ls::run_scenario(s, opt);
     CHECK(dp.comm_seconds_by_kind_per_step.count("reduce_scatter") == 1);  // the sharded optimizer's
     CHECK(dp.comm_seconds_by_kind_per_step.count("recv") == 0);           // no chain

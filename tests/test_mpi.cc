@@ -186,8 +186,10 @@ TEST_SUITE("mpi") {
                                    "--set mesh.dp=4 --set mesh.ep=2 --set mesh.shard_optimizer=false"}) {
       CAPTURE(mesh);
       const int np = mesh.find("dp=4") != std::string::npos ? 4 : 2;
-      const Run overlapped = run_lockstep(np, mesh + wide);
-      const Run blocking = run_lockstep(np, mesh + wide + " --set mesh.overlap=false");
+      // As messages (as across hosts): processes of one node would share the memory instead (next case).
+      const std::string messages = " --set mesh.shared_memory=false";
+      const Run overlapped = run_lockstep(np, mesh + wide + messages);
+      const Run blocking = run_lockstep(np, mesh + wide + messages + " --set mesh.overlap=false");
       CAPTURE(overlapped.err);
       REQUIRE(overlapped.rc == 0);
       REQUIRE(blocking.rc == 0);
@@ -198,6 +200,34 @@ TEST_SUITE("mpi") {
       CHECK(overlapped.summary["comm_in_flight_seconds_per_rank_per_step"].get<double>() > 0);
       CHECK(blocking.summary["comm_in_flight_seconds_per_rank_per_step"].get<double>() == 0);
       CHECK(overlapped.summary["bytes_sent_per_rank_per_step"] == blocking.summary["bytes_sent_per_rank_per_step"]);
+    }
+  }
+
+  // mesh.shared_memory as processes of one node: the shard group maps one
+  // MPI_Win_allocate_shared window of weights and one of gradients, and
+  // each process folds its share from the others' gradients in place.
+  TEST_CASE("a shard group of processes on one node folds in place: no gradient or weight sent, the same bits") {
+    if (!ls::mpi_available()) return;
+    const std::string wide = " --set model.d_model=64 --set model.d_ff=256 --set train.steps=4";
+    const Run one = run_lockstep(0, wide);
+    REQUIRE(one.rc == 0);
+    for (const std::string mesh : {"--set mesh.dp=2", "--set mesh.dp=4", "--set mesh.dp=2 --set mesh.fsdp=true"}) {
+      CAPTURE(mesh);
+      const int np = mesh.find("dp=4") != std::string::npos ? 4 : 2;
+      const Run shared = run_lockstep(np, mesh + wide);
+      const Run messages = run_lockstep(np, mesh + wide + " --set mesh.shared_memory=false");
+      CAPTURE(shared.err);
+      REQUIRE(shared.rc == 0);
+      REQUIRE(messages.rc == 0);
+      CHECK(shared.hash == one.hash);
+      CHECK(shared.loss_bits == one.loss_bits);
+      CHECK(messages.hash == one.hash);
+      const nlohmann::json& in_place = shared.summary["bytes_sent_per_rank_per_step"];
+      const nlohmann::json& sent = messages.summary["bytes_sent_per_rank_per_step"];
+      CHECK(sent["reduce_scatter"].get<double>() > 0);
+      CHECK(!in_place.contains("reduce_scatter"));
+      // Only the gradient norm's block sums are all-gathered, not the weights.
+      CHECK(in_place["all_gather"].get<double>() * 100 < sent["all_gather"].get<double>());
     }
   }
 

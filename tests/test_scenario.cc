@@ -82,7 +82,7 @@ const char* kFull = R"({
           "router_skew": 1.5},
   "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2, "shard_optimizer": false, "tp": 1, "sp": false, "pp": 2,
            "pp_schedule": "gpipe", "pp_virtual": 1, "cp": 1, "cp_layout": "contiguous", "dp_node": 1,
-           "overlap": false},
+           "overlap": false, "shared_memory": false},
   "ckpt": {"url": "s3://bucket/run", "every": 50, "async": false, "keep_last": 3, "max_inflight": 2,
            "restore": "naive", "s3_endpoint": "http://127.0.0.1:9000", "lease_seconds": 12.5, "retry_seconds": 5.5,
            "on_failure": "stop"},

@@ -13,6 +13,8 @@ class Completed : public PendingCollective {
 
 }  // namespace
 
+std::unique_ptr<SharedRegion> Communicator::share_memory(size_t) { return nullptr; }
+
 Pending Communicator::start_all_reduce_sum(float* buf, size_t count) {
   all_reduce_sum(buf, count);
   return std::make_unique<Completed>();

@@ -94,6 +94,26 @@ class PendingCollective {
 };
 using Pending = std::unique_ptr<PendingCollective>;
 
+// Memory every rank of a group reads and writes in place: ranks on one host
+// (threads of a process, or MPI processes of one node). What moves through
+// it is the caller's to order: it publishes with release stores and reads
+// after acquire loads (publish_flag, flag_at_least) or after a barrier.
+class SharedRegion {
+ public:
+  virtual ~SharedRegion() = default;
+  // The region's bytes, 64-byte aligned, the same memory on every rank.
+  virtual char* data() const = 0;
+  // Throws if a peer has failed (in process: the world's abort), so a rank
+  // spinning on a peer's flag does not wait forever.
+  virtual void check_peers() const {}
+};
+
+// A flag in shared memory: set with release order, read with acquire.
+inline void publish_flag(int64_t* flag, int64_t value) { __atomic_store_n(flag, value, __ATOMIC_RELEASE); }
+inline bool flag_at_least(const int64_t* flag, int64_t value) {
+  return __atomic_load_n(flag, __ATOMIC_ACQUIRE) >= value;
+}
+
 // out[i] = the canonical-tree sum over ranks r = 0..count-1 (contract.h's
 // LeafTree, in rank order) of parts[r][offset + i], for i < n. out may be one
 // of the parts' own elements (it is written only after every part is read).
@@ -125,6 +145,10 @@ class Communicator {
   // Collective: ranks with the same color form a new communicator, ordered
   // by key then parent rank.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+  // Collective: one region of `bytes` (zeroed) that every rank of this
+  // group maps, or nullptr on every rank where the group spans hosts (or
+  // the communicator has no shared memory). Every rank passes the same bytes.
+  virtual std::unique_ptr<SharedRegion> share_memory(size_t bytes);
 
   // The same collectives, started: each returns at once and its result is
   // in place when the Pending completes. Every rank starts the same ones in

@@ -6,6 +6,7 @@
 // on purpose, to show what that costs in reproducibility).
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -183,6 +184,34 @@ class LanePending : public TimedPending {
   std::shared_ptr<Hub> hub_;
 };
 
+// Zeroed, 64-byte aligned heap memory, shared by the threads of a process.
+struct HeapRegion {
+  explicit HeapRegion(size_t bytes) : bytes_((bytes + 63) / 64 * 64) {
+    base = static_cast<char*>(std::aligned_alloc(64, std::max<size_t>(bytes_, 64)));
+    if (!base) throw std::bad_alloc();
+    std::memset(base, 0, bytes_);
+  }
+  ~HeapRegion() { std::free(base); }
+  HeapRegion(const HeapRegion&) = delete;
+  HeapRegion& operator=(const HeapRegion&) = delete;
+  size_t bytes_;
+  char* base = nullptr;
+};
+
+class InProcessRegion : public SharedRegion {
+ public:
+  InProcessRegion(std::shared_ptr<HeapRegion> r, std::shared_ptr<Hub> hub) : r_(std::move(r)), hub_(std::move(hub)) {}
+  char* data() const override { return r_->base; }
+  void check_peers() const override {
+    std::lock_guard<std::mutex> lk(hub_->mu);
+    if (hub_->aborted) throw std::runtime_error("another rank failed");
+  }
+
+ private:
+  std::shared_ptr<HeapRegion> r_;
+  std::shared_ptr<Hub> hub_;
+};
+
 class InProcessComm : public Communicator {
  public:
   InProcessComm(std::shared_ptr<Hub> hub, int rank, uint64_t jitter_seed)
@@ -313,6 +342,18 @@ class InProcessComm : public Communicator {
     if (size() == 1) return Communicator::start_all_gather(send, recv, bytes);
     stats.count("all_gather", all_gather_bytes_sent(bytes, rank_));
     return started("all_gather", [=](Communicator& c) { c.all_gather(send, recv, bytes); });
+  }
+
+  // Rank 0 allocates; every rank keeps a reference, so the region lives
+  // as long as any rank holds it (the communicator may not).
+  std::unique_ptr<SharedRegion> share_memory(size_t bytes) override {
+    std::shared_ptr<HeapRegion> made;
+    if (rank_ == 0) made = std::make_shared<HeapRegion>(bytes);
+    post(&made, 0);
+    hub_->wait_all();
+    auto mine = std::make_unique<InProcessRegion>(*(const std::shared_ptr<HeapRegion>*)hub_->posted[0], hub_);
+    hub_->wait_all();  // rank 0's `made` may go now
+    return mine;
   }
 
   std::unique_ptr<Communicator> split(int color, int key) override {

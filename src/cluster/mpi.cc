@@ -4,7 +4,9 @@
 
 #include <mpi.h>
 
+#include <cstdint>
 #include <cstring>
+#include <exception>
 #include <deque>
 #include <limits>
 #include <memory>
@@ -142,6 +144,26 @@ class MpiPending : public TimedPending {
     f();
     return !requests.empty();
   }
+};
+
+// A node's shared window (MPI_Win_allocate_shared): rank 0 of the group
+// allocates it all, every rank maps it. Freed collectively, except on the
+// way out of an exception (a peer may never join the free: MPI_Finalize or
+// the job's end releases it).
+class MpiRegion : public SharedRegion {
+ public:
+  MpiRegion(MPI_Win win, MPI_Comm node, char* data) : win_(win), node_(node), data_(data) {}
+  ~MpiRegion() override {
+    if (std::uncaught_exceptions() > 0) return;
+    MPI_Win_free(&win_);
+    MPI_Comm_free(&node_);
+  }
+  char* data() const override { return data_; }
+
+ private:
+  MPI_Win win_;
+  MPI_Comm node_;
+  char* data_;
 };
 
 class MpiComm : public Communicator {
@@ -305,6 +327,36 @@ class MpiComm : public Communicator {
     check(MPI_Iallgatherv(send, p->counts[rank_], MPI_BYTE, recv, p->counts.data(), p->displs.data(), MPI_BYTE, comm_,
                           &p->requests[0]), "all_gather");
     return p;
+  }
+
+  // Only where every rank of the group is on this node: the group's
+  // ranks agree (a minimum over the group) before any window is made.
+  std::unique_ptr<SharedRegion> share_memory(size_t bytes) override {
+    finish_sends();
+    MPI_Comm node;
+    check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node), "share_memory");
+    int node_size = 0;
+    check(MPI_Comm_size(node, &node_size), "share_memory");
+    int on_one_node = node_size == size_ ? 1 : 0;
+    check(MPI_Allreduce(MPI_IN_PLACE, &on_one_node, 1, MPI_INT, MPI_MIN, comm_), "share_memory");
+    if (!on_one_node) {
+      MPI_Comm_free(&node);
+      return nullptr;
+    }
+    const size_t padded = bytes + 64;  // room to align the start to 64 bytes
+    char* mine = nullptr;
+    MPI_Win win;
+    check(MPI_Win_allocate_shared(rank_ == 0 ? (MPI_Aint)padded : 0, 1, MPI_INFO_NULL, node, &mine, &win),
+          "share_memory");
+    MPI_Aint size = 0;
+    int unit = 0;
+    char* base = nullptr;
+    check(MPI_Win_shared_query(win, 0, &size, &unit, &base), "share_memory");
+    // Mappings start on page boundaries, so the offset is the same in every process.
+    char* data = base + (64 - (uintptr_t)base % 64) % 64;
+    if (rank_ == 0) std::memset(data, 0, bytes);
+    check(MPI_Barrier(node), "share_memory");
+    return std::make_unique<MpiRegion>(win, node, data);
   }
 
   std::unique_ptr<Communicator> split(int color, int key) override {

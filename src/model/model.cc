@@ -142,6 +142,7 @@ MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_
     infos_.push_back(p);
   }
   w_.resize(off);
+  n_weights_ = off;
   g_.assign(off, 0.0f);
   for (const ParamInfo& p : infos_) {
     float* w = w_.data() + p.offset;
@@ -158,7 +159,8 @@ MoeTransformer::MoeTransformer(const MoeTransformer& main, LaneTag)
     : cfg_(main.cfg_), leaf_samples_(main.leaf_samples_), infos_(main.infos_), blocks_(make_blocks(main.cfg_)),
       ep_size_(main.ep_size_), ep_rank_(main.ep_rank_), tp_size_(main.tp_size_), tp_rank_(main.tp_rank_) {
   use_workspace(0);
-  g_.assign(main.w_.size(), 0.0f);
+  n_weights_ = main.n_weights_;
+  g_.assign((size_t)n_weights_, 0.0f);
   wsrc_ = main.weights();
 }
 
@@ -167,6 +169,19 @@ std::unique_ptr<MoeTransformer> MoeTransformer::lane_of(const MoeTransformer& ma
 }
 
 MoeTransformer::~MoeTransformer() = default;
+
+void MoeTransformer::place_storage(float* weights, float* grads) {
+  w_at_ = weights;
+  g_at_ = grads;
+  ops::DeviceVector<float>().swap(w_);
+  ops::DeviceVector<float>().swap(g_);
+}
+
+// The weights and gradients this model reads and writes (placed: in memory it shares).
+int64_t MoeTransformer::storage_bytes() const {
+  const int64_t own = (int64_t)(w_.capacity() + g_.capacity());
+  return (w_at_ ? 2 * n_weights_ : own) * (int64_t)sizeof(float);
+}
 
 void MoeTransformer::use_workspace(int slot) {
   while ((int)workspaces_.size() <= slot) workspaces_.push_back(std::make_unique<StepWorkspace>());
@@ -335,7 +350,7 @@ void MoeTransformer::set_moe_stats_from_lanes(const std::vector<const MoeStats*>
     st.workspace_bytes += lane->workspace_bytes;  // the lanes are one rank's threads: their buffers add up
     st.weight_bytes += lane->weight_bytes;        // a lane's own gradients (it reads these weights)
   }
-  st.weight_bytes += (int64_t)(w_.capacity() + g_.capacity()) * (int64_t)sizeof(float);
+  st.weight_bytes += storage_bytes();
   stats_ = st;
 }
 
@@ -413,7 +428,7 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
     throw InternalError("engine: the mesh disagrees with the model's tensor parallel slice");
   if (batch % leaf_samples_ != 0)
     throw std::invalid_argument("engine: batch " + std::to_string(batch) + " is not a multiple of numerics.leaf_samples");
-  StepContext ctx{c, *ws_, stats_, infos_, wsrc_ ? wsrc_ : w_.data(), g_.data(), tokens};
+  StepContext ctx{c, *ws_, stats_, infos_, wsrc_ ? wsrc_ : weights(), grads(), tokens};
   ctx.batch = batch;
   ctx.tokens = (int64_t)batch * c.seq_len;
   ctx.leaf_tokens = (int64_t)leaf_samples_ * c.seq_len;
@@ -517,11 +532,11 @@ void MoeTransformer::backward_range(int first, int last, const float* grad_out, 
   }
   if (first == 0 && ctx.trace && trace_state_) {
     ops::synchronize();
-    for (const ParamInfo& p : infos_) ctx.trace->tensor("grad", -1, "param", p.name.c_str(), g_.data() + p.offset, p.shape);
+    for (const ParamInfo& p : infos_) ctx.trace->tensor("grad", -1, "param", p.name.c_str(), grads() + p.offset, p.shape);
   }
   ops::synchronize();  // the gradients are done: the trainer's collectives and optimizer may read them
   stats_.workspace_bytes = workspace_bytes();
-  stats_.weight_bytes = (int64_t)(w_.capacity() + g_.capacity()) * (int64_t)sizeof(float);
+  stats_.weight_bytes = storage_bytes();
   if (first > 0 && grad_in) ops::copy_to_host(grad_in, ws_->dh.data(), sizeof(float) * N * D);
 }
 

@@ -235,11 +235,16 @@ class MoeTransformer {
   const ModelConfig& config() const { return cfg_; }
   const std::vector<ParamInfo>& params() const { return infos_; }  // canonical order
   const ParamInfo& param(const std::string& name) const;
-  float* weights() { return w_.data(); }
-  const float* weights() const { return w_.data(); }
-  float* grads() { return g_.data(); }
-  const float* grads() const { return g_.data(); }
-  int64_t num_weights() const { return (int64_t)w_.size(); }
+  float* weights() { return w_at_ ? w_at_ : w_.data(); }
+  const float* weights() const { return w_at_ ? w_at_ : w_.data(); }
+  float* grads() { return g_at_ ? g_at_ : g_.data(); }
+  const float* grads() const { return g_at_ ? g_at_ : g_.data(); }
+  int64_t num_weights() const { return n_weights_; }
+  // The weights and gradients move to memory the caller provides and keeps
+  // alive (num_weights() floats each, 64-byte aligned): ranks sharing one
+  // host's memory (runner/cluster_shared.cc). Nothing is copied: the caller
+  // fills the weights before the next pass, which overwrites the gradients.
+  void place_storage(float* weights, float* grads);
   const MoeStats& moe_stats() const { return stats_; }
   // The statistics of a step that other models ran in data-parallel lanes
   // (each over consecutive samples): tokens per expert summed; what they
@@ -280,11 +285,14 @@ class MoeTransformer {
   // The step's context for blocks; tokens: nullptr in a backward.
   StepContext step_context(const uint8_t* tokens, int batch, bool training);
   void check_range(int first, int last) const;
+  int64_t storage_bytes() const;
 
   ModelConfig cfg_;
   int leaf_samples_;
   std::vector<ParamInfo> infos_;
   ops::DeviceVector<float> w_, g_;  // weights and gradients: where the backend's kernels read them
+  float *w_at_ = nullptr, *g_at_ = nullptr;  // place_storage's memory instead of w_ and g_
+  int64_t n_weights_ = 0;
   const float* wsrc_ = nullptr;  // a lane reads its main model's weights; nullptr: its own
   MoeStats stats_;
   std::vector<std::unique_ptr<StepWorkspace>> workspaces_;

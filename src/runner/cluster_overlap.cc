@@ -56,13 +56,14 @@ void ClusterTrainer::install_block_hooks(RankCtx& c) {
   MoeTransformer::BlockHooks hooks;
   hooks.before_forward = [this, &rank](int b) {
     for (size_t t : rank.block_tensors[(size_t)b])
-      if (rank.gathering[t]) {
+      if (t < rank.gathering.size() && rank.gathering[t]) {  // (none with mesh.shared_memory)
         rank.gathering[t]->wait();
         rank.gathering[t].reset();
       }
     progress(rank);
   };
   hooks.after_backward = [this, &c, &rank](int b) {
+    if (rank.node) return node_block_done(rank, b);  // mesh.shared_memory: no collective to start
     for (size_t t : rank.block_tensors[(size_t)b])
       if (overlappable(rank.model->params()[t])) rank.reducing[t] = start_reduction(c, t);
     progress(rank);

@@ -16,6 +16,22 @@
 
 namespace ls {
 
+// mesh.shared_memory: what a shard group whose ranks share a host's memory
+// holds in it (cluster_shared.cc).
+struct NodeShare {
+  std::unique_ptr<SharedRegion> weights;  // the group's one copy of the weights
+  std::unique_ptr<SharedRegion> grads;    // every rank's gradients, rank q's at q x stride floats
+  std::unique_ptr<SharedRegion> flags;    // per rank and block, 64 bytes apart: the last pass that finished it
+  Communicator* group = nullptr;          // the shard group (valid during a step: check_peers, barriers)
+  size_t stride = 0;
+  int ranks = 0, me = 0, blocks = 0;
+  int64_t pass = 0;                  // training passes so far, the same count on every rank
+  bool stale = true;                 // the shards changed since they were last published
+  std::vector<char> done, folded;    // per block, this pass: flag published, gradients reduced
+  const float* grads_of(int q) const { return (const float*)grads->data() + (size_t)q * stride; }
+  int64_t* flag(int q, int block) const { return (int64_t*)(flags->data() + ((size_t)q * blocks + block) * 64); }
+};
+
 struct ClusterTrainer::Rank {
   int index = 0;                    // in the world: MeshConfig::rank_coords
   MeshConfig::RankCoords at;       // its stage, data, context and tensor index
@@ -33,6 +49,8 @@ struct ClusterTrainer::Rank {
   std::vector<Pending> gathering;   // its shards' all-gather, started before the forward
   ops::DeviceVector<float> reduced;  // sharded tensors' reduced gradient shards, at sharded_off
   std::vector<std::vector<size_t>> block_tensors;  // per block: its tensors (MoeTransformer::block_of)
+  std::unique_ptr<NodeShare> node;  // mesh.shared_memory, once made (null: messages)
+  bool node_tried = false;          // share_node_memory ran (once: a collective)
 };
 
 }  // namespace ls

@@ -229,6 +229,7 @@ void ClusterTrainer::load_piece(int rank, const StatePiece& need, const float* d
   while (infos[t].name != name) ++t;
   const ParamInfo& p = infos[t];
   float* to = storage(r, t, kind);
+  if (r.node) r.node->stale = true;
   if (p.tp_mid == 0) {
     std::copy(data, data + (need.global_end - need.global_begin), to);
     return;

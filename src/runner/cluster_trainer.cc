@@ -185,6 +185,7 @@ void ClusterTrainer::each_rank(const std::function<void(RankCtx&)>& body) {
 }
 
 void ClusterTrainer::gather_sharded_weights(RankCtx& c) {
+  if (share_node_memory(c)) return publish_weights(c);
   MoeTransformer& model = *c.rank.model;
   const auto& infos = model.params();
   for (size_t t = 0; t < infos.size(); ++t)
@@ -225,6 +226,7 @@ float* ClusterTrainer::reduced_gradient(Rank& r, size_t t) {
 // tree over ranks: an all-reduce, or a reduce-scatter for FSDP shards.
 void ClusterTrainer::reduce_gradients(RankCtx& c) {
   Rank& rank = c.rank;
+  if (rank.node) return fold_ready_blocks(rank, /*wait=*/true);
   const auto& infos = rank.model->params();
   float* g = rank.model->grads();
   for (size_t t = 0; t < infos.size(); ++t) {
@@ -325,6 +327,7 @@ void ClusterTrainer::update(RankCtx& c, int step, float norm) {
                       rank.v.data() + rank.shard_off[t], hi - lo, infos[t].decay});
   }
   adamw_step(s_.optim, decay_steps_, step, norm, slices);
+  if (rank.node) rank.node->stale = true;  // published before the weights are next read
 }
 
 float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) {
@@ -345,7 +348,14 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
       }
     } in_flight{c.rank};
     const bool overlap = overlaps(c.rank);
-    if (overlap) {  // every sharded tensor, whole, before use: as the forward reaches it
+    if (share_node_memory(c)) {  // mesh.shared_memory: the shards published in place, the folds by block
+      NodeShare& node = *c.rank.node;
+      ++node.pass;
+      std::fill(node.done.begin(), node.done.end(), 0);
+      std::fill(node.folded.begin(), node.folded.end(), 0);
+      publish_weights(c);
+      if (overlap) install_block_hooks(c);
+    } else if (overlap) {  // every sharded tensor, whole, before use: as the forward reaches it
       start_weight_gathers(c);
       install_block_hooks(c);
     } else {

@@ -83,6 +83,14 @@ class ClusterTrainer : public Trainer {
   // Tensor t's reduced gradient shard (FSDP, the sharded optimizer) and its copy into the gradients.
   float* reduced_shard(Rank& r, size_t tensor);
   float* reduced_gradient(Rank& r, size_t tensor);
+  // mesh.shared_memory (cluster_shared.cc): a shard group on one host
+  // shares one weights buffer and folds each block's gradients straight
+  // from its ranks' buffers once every rank's backward finished the block.
+  bool may_share_memory(const Rank& r) const;
+  bool share_node_memory(RankCtx& c);  // made on the first call; false: messages as before
+  void publish_weights(RankCtx& c);    // this rank's updated shards into the shared weights
+  void node_block_done(Rank& r, int block);
+  void fold_ready_blocks(Rank& r, bool wait);
   // What a rank left in flight, dropped (an exception on the way out).
   static void abandon_in_flight(Rank& r);
   float gradient_sumsq(RankCtx& c, size_t tensor);

@@ -62,6 +62,7 @@ MeshConfig mesh_from_json(const nlohmann::json& j, int* microbatches) {
   m.cp_layout = j.value("cp_layout", m.cp_layout);
   m.dp_node = j.value("dp_node", m.dp_node);
   m.overlap = j.value("overlap", m.overlap);
+  m.shared_memory = j.value("shared_memory", m.shared_memory);
   if (microbatches) *microbatches = j.value("microbatches", 1);
   return m;
 }
@@ -71,7 +72,7 @@ nlohmann::json mesh_json(const MeshConfig& m, int microbatches) {
           {"shard_optimizer", m.shard_optimizer}, {"tp", m.tp}, {"sp", m.sp},
           {"pp", m.pp}, {"pp_schedule", m.pp_schedule}, {"pp_virtual", m.pp_virtual}, {"microbatches", microbatches},
           {"cp", m.cp}, {"cp_layout", m.cp_layout}, {"dp_node", m.dp_node},
-          {"overlap", m.overlap}};
+          {"overlap", m.overlap}, {"shared_memory", m.shared_memory}};
 }
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {

@@ -344,6 +344,12 @@ std::vector<Row> data_parallel_rows() {
             "Start each block's gradient reduction as the backward finishes it, and the sharded weights' "
             "all-gathers before the forward (waited for block by block), instead of after the backward and "
             "before the forward. The same collectives, so the same bits; false runs them blocking."),
+      field("mesh.shared_memory", [](S& s) -> bool& { return s.mesh.shared_memory; },
+            "With the sharded optimizer (or FSDP without replicas), ranks of a shard group that share a host's "
+            "memory (threads, or MPI processes of one node) share one weights buffer and read each other's "
+            "gradients in place: no all-gather, no reduce-scatter messages. The same canonical tree over "
+            "ranks, so the same bits; false sends them as messages. Only on the CPU, without a pipeline, "
+            "sequence parallel or expert parallel."),
       field("mesh.ep", [](S& s) -> int& { return s.mesh.ep; },
             "Expert-parallel group size: experts are split over this many consecutive "
             "data-parallel ranks, tokens travel by all-to-all.",

@@ -1,0 +1,128 @@
+// mesh.shared_memory: a shard group (the sharded optimizer, or FSDP without
+// replicas) whose ranks share a host's memory, as threads of one process or
+// MPI processes of one node, keeps the weights once for the group and its
+// ranks' gradients side by side. Instead of messages:
+//   - the reduce-scatter: once every rank's backward finished a block, each
+//     rank folds its share of the block's gradients straight from the
+//     ranks' buffers, by the same canonical tree over ranks;
+//   - the all-gather: each rank copies its updated shards into the shared
+//     weights, and a barrier makes them everyone's.
+// The trees and the order are the messages', so the bits are too; only what
+// is copied and when changes. A rank's flag per block says which training
+// pass last finished it (release store); its peers read it (acquire load).
+//
+// Why it is safe without more barriers: a rank folds a block only after
+// every rank's backward finished it, and a rank reaches its next pass (where
+// its gradients are overwritten and the shards republished) only after the
+// gradient norm's all-gather, which every rank enters after all its folds.
+
+#include <thread>
+
+#include "model/model.h"
+#include "ops/dispatch.h"
+#include "common/numerics_level.h"
+#include "runner/cluster_rank.h"
+#include "runner/cluster_trainer.h"
+
+namespace ls {
+
+bool ClusterTrainer::may_share_memory(const Rank& r) const {
+  const MeshConfig& m = s_.mesh;
+  if (!m.shared_memory || m.shard_group() < 2 || m.dp / m.shard_group() != 1) return false;
+  // Not where a tensor needs another collective first (SP's TP partials), a
+  // pipeline reduces per microbatch, or a kernel backend holds the buffers.
+  if (m.sp || r.stage || ops::installed_kernels() || local_numerics()) return false;
+  for (const ParamInfo& p : r.model->params())
+    if (!placement_.sharded(p)) return false;  // expert-parallel slices: all-reduced over their own group
+  return true;
+}
+
+bool ClusterTrainer::share_node_memory(RankCtx& c) {
+  Rank& rank = c.rank;
+  if (rank.node) {
+    rank.node->group = &c.group(Axis::kShard);
+    return true;
+  }
+  if (rank.node_tried || !may_share_memory(rank)) return false;
+  rank.node_tried = true;
+  Communicator& shard = c.group(Axis::kShard);
+  MoeTransformer& model = *rank.model;
+  auto node = std::make_unique<NodeShare>();
+  const size_t n = (size_t)model.num_weights();
+  node->weights = shard.share_memory(n * sizeof(float));
+  if (!node->weights) return false;  // (the same answer on every rank of the group)
+  node->ranks = shard.size();
+  node->me = shard.rank();
+  node->blocks = model.num_blocks();
+  node->stride = (n + 15) / 16 * 16;  // 64-byte aligned per rank
+  node->grads = shard.share_memory(node->stride * node->ranks * sizeof(float));
+  node->flags = shard.share_memory((size_t)node->ranks * node->blocks * 64);
+  node->done.assign((size_t)node->blocks, 0);
+  node->folded.assign((size_t)node->blocks, 0);
+  node->group = &shard;
+  model.place_storage((float*)node->weights->data(),
+                      (float*)node->grads->data() + (size_t)node->me * node->stride);
+  rank.node = std::move(node);
+  return true;
+}
+
+void ClusterTrainer::publish_weights(RankCtx& c) {
+  Rank& rank = c.rank;
+  NodeShare& node = *rank.node;
+  if (!node.stale) return;
+  const auto& infos = rank.model->params();
+  for (size_t t = 0; t < infos.size(); ++t) {
+    const auto [lo, hi] = range(rank, t);
+    const float* mine = rank.shard_w.data() + rank.sharded_off[t];
+    std::copy(mine, mine + (hi - lo), rank.model->weights() + infos[t].offset + lo);
+  }
+  node.group->barrier();  // every rank's shards are in
+  node.stale = false;
+}
+
+// This rank's backward finished `block` (its gradients written): say so,
+// then fold whatever every rank has finished.
+void ClusterTrainer::node_block_done(Rank& r, int block) {
+  NodeShare& node = *r.node;
+  publish_flag(node.flag(node.me, block), node.pass);
+  node.done[(size_t)block] = 1;
+  fold_ready_blocks(r, /*wait=*/false);
+}
+
+// Folds this rank's share of each block every rank has finished, in the
+// order the backward finishes them (last block first); wait: all of them,
+// waiting for the peers (exposed time, as a reduce-scatter's wait).
+void ClusterTrainer::fold_ready_blocks(Rank& r, bool wait) {
+  NodeShare& node = *r.node;
+  const auto& infos = r.model->params();
+  std::vector<const float*> parts((size_t)node.ranks);
+  for (int b = node.blocks - 1; b >= 0; --b) {
+    if (node.folded[(size_t)b]) continue;
+    if (!node.done[(size_t)b]) {
+      if (!wait) continue;
+      publish_flag(node.flag(node.me, b), node.pass);  // without hooks: the whole backward is done
+      node.done[(size_t)b] = 1;
+    }
+    auto ready = [&] {
+      for (int q = 0; q < node.ranks; ++q)
+        if (!flag_at_least(node.flag(q, b), node.pass)) return false;
+      return true;
+    };
+    if (!ready()) {
+      if (!wait) continue;
+      const CommStats::Timer timed(&node.group->stats, "reduce_scatter");
+      for (int spins = 0; !ready(); ++spins) {
+        if (spins % 1024 == 1023) node.weights->check_peers();
+        std::this_thread::yield();  // processes may outnumber cores
+      }
+    }
+    for (size_t t : r.block_tensors[(size_t)b]) {
+      const auto [lo, hi] = range(r, t);
+      for (int q = 0; q < node.ranks; ++q) parts[(size_t)q] = node.grads_of(q) + infos[t].offset + lo;
+      tree_over_ranks(parts.data(), node.ranks, 0, (size_t)(hi - lo), reduced_shard(r, t));
+    }
+    node.folded[(size_t)b] = 1;
+  }
+}
+
+}  // namespace ls
