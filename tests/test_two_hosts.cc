@@ -25,6 +25,7 @@ struct TwoHosts {
   int rc = -1;
   std::string out, err, hash;
   std::vector<std::string> loss_bits;
+  nlohmann::json summary;
 };
 
 TwoHosts run_two_hosts(int np, const std::string& args) {
@@ -42,9 +43,9 @@ TwoHosts run_two_hosts(int np, const std::string& args) {
   while (!text.empty() && text.back() == '\n') text.pop_back();
   const size_t nl = text.rfind('\n');
   if (r.rc == 0 && !text.empty()) {
-    const auto summary = nlohmann::json::parse(nl == std::string::npos ? text : text.substr(nl + 1));
-    r.hash = summary["final_state_hash"];
-    r.loss_bits = summary["loss_bits"].get<std::vector<std::string>>();
+    r.summary = nlohmann::json::parse(nl == std::string::npos ? text : text.substr(nl + 1));
+    r.hash = r.summary["final_state_hash"];
+    r.loss_bits = r.summary["loss_bits"].get<std::vector<std::string>>();
   }
   return r;
 }
@@ -100,6 +101,8 @@ TEST_SUITE("mpi") {
       CHECK(r.err.find("orted started through the agent on: 10.77.0.2") != std::string::npos);
       CHECK(r.err.find("--mca btl tcp,self") != std::string::npos);
       CHECK(r.err.find("two-hosts: ok: ") != std::string::npos);
+      // The shard group spans the hosts, so mesh.shared_memory falls back to messages: gradients reduce-scattered.
+      if (c.args.empty()) CHECK(r.summary["bytes_sent_per_rank_per_step"]["reduce_scatter"].get<double>() > 0);
     }
   }
 }
