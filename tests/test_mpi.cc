@@ -134,10 +134,12 @@ TEST_SUITE("mpi") {
         const nlohmann::json& bytes = r.summary.at("bytes_sent_per_rank_per_step");
         return bytes.contains(kind) ? bytes.at(kind).get<double>() : 0.0;
       };
-      for (const char* kind : {"all_reduce", "send", "broadcast"})  // send, broadcast: tensor parallel's chained partials
+      // send, broadcast: tensor parallel's chained partials (shared_send, shared_final: the same through the
+      // node's shared memory, mesh.shared_memory) and a pipeline's activations.
+      for (const char* kind : {"all_reduce", "send", "broadcast", "shared_send", "shared_final"})
         CHECK(sent(mpi, kind) == sent(threads, kind));
-      if (mesh.find("mesh.tp=2") != std::string::npos || mesh.find("mesh.pp=2") != std::string::npos)
-        CHECK(sent(mpi, "send") > 0);
+      if (mesh.find("mesh.tp=2") != std::string::npos) CHECK(sent(mpi, "shared_send") > 0);
+      if (mesh.find("mesh.pp=2") != std::string::npos) CHECK(sent(mpi, "send") > 0);
       if (mesh.find("mesh.cp=") != std::string::npos) {  // each context-parallel rank handed its group the same bytes
         const nlohmann::json& a = mpi.summary.at("context_parallel").at("ranks");
         const nlohmann::json& b = threads.summary.at("context_parallel").at("ranks");

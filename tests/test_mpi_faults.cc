@@ -90,7 +90,7 @@ TEST_SUITE("mpi") {
 
   TEST_CASE("a rank process SIGKILLed from outside: the supervisor restarts the job and it ends on the same hash") {
     if (!ls::mpi_available()) return;
-    const int steps = 300;
+    const int steps = 3000;  // long enough to be killed mid-run (tiny steps take about a millisecond)
     const Run whole = run_lockstep(0, "--set train.steps=" + std::to_string(steps));
     const fs::path dir = fresh_dir("mpi-sup-kill");
     const auto sc = lstest::write_temp("mpi_kill_sup.json", lstest::kTiny);
@@ -103,10 +103,16 @@ TEST_SUITE("mpi") {
     std::system(("(timeout 300 " + cmd + " >" + out.string() + " 2>" + err.string() + "; echo $? >" +
                  rc_file.string() + ") &")
                     .c_str());
-    // Once the first checkpoint committed, kill one rank process from outside.
-    for (int i = 0; i < 600 && !fs::exists(dir / "step-00000020" / "manifest.json"); ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    REQUIRE(fs::exists(dir / "step-00000020" / "manifest.json"));
+    // Once a checkpoint committed, kill one rank process from outside. (Any: the oldest are
+    // collected as newer ones commit, so step 20's may be gone by the time this looks.)
+    auto committed = [&] {
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(dir, ec))
+        if (e.path().filename().string().rfind("step-", 0) == 0 && fs::exists(e.path() / "manifest.json")) return true;
+      return false;
+    };
+    for (int i = 0; i < 600 && !committed(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    REQUIRE(committed());
     std::vector<int> ranks = rank_processes(dir.string());
     REQUIRE(ranks.size() == 4);
     REQUIRE(kill(ranks[1], SIGKILL) == 0);

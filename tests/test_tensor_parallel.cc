@@ -94,6 +94,7 @@ TEST_SUITE("tensor_parallel") {
       CHECK(loss_bits(r) == loss_bits(one));
       if (tp == 1) {
         CHECK(sent(r, "send") == 0);
+        CHECK(sent(r, "shared_send") == 0);
         continue;
       }
       if (ep > 1) continue;  // an owner's rows then depend on the routing; the formula below is for ep = 1
@@ -101,9 +102,22 @@ TEST_SUITE("tensor_parallel") {
       // projection (1 pass) and QKV's input gradient (3 passes) over N x D, the experts' outputs (1) and
       // input gradients (2) over every routed row (N x K, dropless), the shared expert's (1 and 2) over N x D.
       // TP rank 0 sends one partial per pass; the last rank broadcasts each finished output to tp - 1 ranks.
+      // Through shared memory (mesh.shared_memory, the default here: ranks are threads) the same partials
+      // are handed on, and each finished output is written once for the others to read.
       const double N = (double)s.batch / dp * c.seq_len, D = c.d_model, K = c.top_k, L = c.n_layers;
-      CHECK(sent(r, "send") == L * (4 * N * D + 3 * N * K * D + 3 * N * D) * 4);
-      CHECK(sent(r, "broadcast") == L * (2 * N * D + 2 * N * K * D + 2 * N * D) * (tp - 1) * 4);
+      const double partials = L * (4 * N * D + 3 * N * K * D + 3 * N * D) * 4,
+                   finished = L * (2 * N * D + 2 * N * K * D + 2 * N * D) * 4;
+      CHECK(sent(r, "shared_send") == partials);
+      CHECK(sent(r, "shared_final") == finished);
+      CHECK(sent(r, "send") == 0);
+      CHECK(sent(r, "broadcast") == 0);
+      std::vector<std::string> as_messages = m.sets;
+      as_messages.push_back("mesh.shared_memory=false");
+      const ls::RunResult messages = run_split(as_messages);
+      CHECK(messages.final_state_hash == one.final_state_hash);
+      CHECK(sent(messages, "send") == partials);
+      CHECK(sent(messages, "broadcast") == finished * (tp - 1));
+      CHECK(sent(messages, "shared_send") == 0);
     }
   }
 

@@ -13,6 +13,8 @@
 
 namespace ls {
 
+struct SharedChain;  // cluster/shared_chain.h
+
 class Mesh {
  public:
   // One rank: every group is this rank alone.
@@ -37,6 +39,10 @@ class Mesh {
   // Puts `comm` (not owned; it outlives this mesh) on axis a: data lanes
   // run as a data group inside one rank (runner/data_lanes.h).
   void set_group(Axis a, Communicator* comm) { groups_[(size_t)a] = comm; }
+  // mesh.shared_memory: the tensor group's shared hand-off region (not
+  // owned: the runner keeps it from step to step), or null: messages.
+  void set_shared_chain(SharedChain* chain) { shared_chain_ = chain; }
+  SharedChain* shared_chain() const { return shared_chain_; }
 
   // The communicator colour of `coords`' group along axis a: the same for
   // exactly the ranks of that group (its varying coordinates set to 0).
@@ -45,6 +51,7 @@ class Mesh {
  private:
   std::array<std::unique_ptr<Communicator>, kAxisCount> owned_;
   std::array<Communicator*, kAxisCount> groups_{};
+  SharedChain* shared_chain_ = nullptr;
   bool sp_ = false;
   CpLayout cp_layout_ = CpLayout::kZigzag;
 };

@@ -1,11 +1,14 @@
 #include "model/tensor_parallel.h"
 
 #include <algorithm>
+#include <cstring>
+#include <thread>
 #include <vector>
 
 #include "common/numerics_level.h"
 #include "common/op_profile.h"
 #include "ops/ops.h"
+#include "cluster/shared_chain.h"
 
 namespace ls {
 namespace {
@@ -59,6 +62,79 @@ void summed_fold(StepContext& ctx, int passes, const ChainOutput& out, const Cha
   unpack_parts(out, buffer);
 }
 
+// A chain's hand-offs between neighbours: messages, or (mesh.shared_memory,
+// cluster/shared_chain.h) copies through the group's shared slot, each block
+// flagged as its segment finishes. The shared path also puts the finished
+// blocks out one by one, so the others read each as soon as it is done.
+// Its bytes count as `shared_send` (partials) and `shared_final` (each
+// finished output, written once), not as messages.
+class ChainLinks {
+ public:
+  ChainLinks(StepContext& ctx, int blocks, int64_t floats) : group_(ctx.group(Axis::kTensor)) {
+    const int tp = group_.size(), me = group_.rank();
+    next_ = (me + 1) % tp;
+    previous_ = (me + tp - 1) % tp;
+    SharedChain* chain = ctx.mesh->shared_chain();
+    if (!chain) return;
+    const int64_t sequence = chain->sequence++;  // on every rank, whichever way this chain goes
+    if (floats > chain->capacity || blocks > SharedChain::kMaxBlocks) return;
+    chain_ = chain;
+    slot_ = chain->slot((int)(sequence % 2));
+    flags_ = (int)(sequence % 2);
+    stamp_ = sequence * SharedChain::kStampStride;
+  }
+  bool shared() const { return chain_ != nullptr; }
+  // Segment `segment` of block b, the chain buffer's floats [at, at + n) in
+  // `part`, is done: on to the next rank.
+  void hand_on(int b, int segment, const float* part, int64_t at, int64_t n) {
+    if (!chain_) return group_.send(part, sizeof(float) * (size_t)n, next_);
+    copy(slot_ + at, part, n);
+    publish_flag(chain_->flag(flags_, b), stamp_ + segment + 1);
+    group_.stats.count("shared_send", sizeof(float) * (size_t)n);
+  }
+  // The previous segment of block b, into `part`.
+  void receive(int b, int segment, float* part, int64_t at, int64_t n) {
+    if (!chain_) return group_.recv(part, sizeof(float) * (size_t)n, previous_);
+    wait(b, stamp_ + segment, "recv");
+    copy(part, slot_ + at, n);
+  }
+  // The last segment of block b: finished, for every other rank.
+  void finish(int b, const float* part, int64_t at, int64_t n) {
+    copy(slot_ + at, part, n);
+    publish_flag(chain_->flag(flags_, b), stamp_ + kFinished);
+    group_.stats.count("shared_final", sizeof(float) * (size_t)n);
+  }
+  // The finished outputs' floats [at, at + n), once blocks [first, last) are done.
+  void read_finished(int first, int last, float* to, int64_t at, int64_t n) {
+    for (int b = first; b < last; ++b) wait(b, stamp_ + kFinished, "broadcast");
+    copy(to, slot_ + at, n);
+  }
+
+ private:
+  static constexpr int64_t kFinished = SharedChain::kStampStride - 1;
+  static void copy(float* to, const float* from, int64_t n) {
+    const OpTimer copying(OpKind::kCopy);
+    std::memcpy(to, from, sizeof(float) * (size_t)n);
+  }
+  // Exposed time, as the message it replaces (a receive, or the broadcast of the finished outputs).
+  void wait(int b, int64_t value, const char* kind) {
+    const int64_t* f = chain_->flag(flags_, b);
+    if (flag_at_least(f, value)) return;
+    const CommStats::Timer timed(&group_.stats, kind);
+    for (int spins = 0; !flag_at_least(f, value); ++spins) {
+      if (spins % 1024 == 1023) chain_->region->check_peers();
+      std::this_thread::yield();  // processes may outnumber cores
+    }
+  }
+
+  Communicator& group_;
+  int next_ = 0, previous_ = 0;
+  SharedChain* chain_ = nullptr;
+  float* slot_ = nullptr;
+  int flags_ = 0;
+  int64_t stamp_ = 0;
+};
+
 }  // namespace
 
 int chain_blocks(int64_t rows) { return (int)std::max<int64_t>(1, std::min<int64_t>(8, rows / 64)); }
@@ -83,35 +159,60 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
   const bool by_rows = out.rows > 0;
   const int blocks = by_rows ? chain_blocks(out.rows) : out.parts;
   const int64_t width = by_rows ? out.floats / out.rows : 0;
+  std::vector<RowBlock> cut((size_t)blocks);
+  std::vector<int64_t> begin((size_t)blocks + 1);  // floats of the buffer
+  for (int b = 0; b < blocks; ++b) {
+    cut[(size_t)b] = RowBlock{0, 0, b};
+    begin[(size_t)b] = out.part_begin(b);
+    if (by_rows) {
+      cut[(size_t)b] = RowBlock{out.rows * b / blocks, out.rows * (b + 1) / blocks - out.rows * b / blocks, b};
+      begin[(size_t)b] = cut[(size_t)b].first * width;
+    }
+  }
+  begin[(size_t)blocks] = by_rows ? out.rows * width : out.part_begin(blocks);
+  ChainLinks links(ctx, blocks, out.floats);
   const int segments = passes * tp;
-  const int next = (me + 1) % tp, previous = (me + tp - 1) % tp;
   // Segment p * tp + me of each block: the blocks of one pass go down the
   // chain one after another, so while this rank folds block b the next
-  // continues block b - 1 (sends are buffered; messages between two ranks
-  // arrive in the order sent).
+  // continues block b - 1 (hand-offs do not wait for the receiver; between
+  // two ranks they arrive in the order sent).
   for (int p = 0; p < passes; ++p) {
     const int segment = p * tp + me;
     for (int b = 0; b < blocks; ++b) {
-      RowBlock block{0, 0, b};
-      int64_t begin = out.part_begin(b), end = out.part_begin(b + 1);  // floats of the buffer
-      if (by_rows) {
-        block = RowBlock{out.rows * b / blocks, out.rows * (b + 1) / blocks - out.rows * b / blocks, b};
-        begin = block.first * width, end = (block.first + block.count) * width;
-      }
-      float* part = buffer + begin;
-      const size_t bytes = sizeof(float) * (size_t)(end - begin);
+      float* part = buffer + begin[(size_t)b];
+      const int64_t floats = begin[(size_t)b + 1] - begin[(size_t)b];
       if (segment > 0) {
         ops::synchronize();
-        group.recv(part, bytes, previous);
+        links.receive(b, segment, part, begin[(size_t)b], floats);
         unpack_part(out, b, part);
       }
-      fold(p, 1, segment > 0, block);
+      fold(p, 1, segment > 0, cut[(size_t)b]);
       if (segment + 1 < segments) {
         ops::synchronize();
         pack_part(out, b, part);
-        group.send(part, bytes, next);
+        links.hand_on(b, segment, part, begin[(size_t)b], floats);
+      } else if (links.shared()) {  // the finished block, out at once
+        ops::synchronize();
+        pack_part(out, b, part);
+        if (b == 0 && (out.data || out.scatter) && ctx.take_debug_fault(MeshFault::kTpChain))
+          flip_bit(part);  // the chain's first output (with SP: rank 0's rows), on its way
+        links.finish(b, part, begin[(size_t)b], floats);
       }
     }
+  }
+  if (links.shared()) {
+    if (me == tp - 1) return;
+    if (out.scatter) {  // this rank's own rows
+      const int64_t each = out.floats / tp;
+      links.read_finished(0, blocks, buffer + me * each, me * each, each);
+      return;
+    }
+    for (int b = 0; b < blocks; ++b) {
+      const int64_t floats = begin[(size_t)b + 1] - begin[(size_t)b];
+      links.read_finished(b, b + 1, buffer + begin[(size_t)b], begin[(size_t)b], floats);
+      unpack_part(out, b, buffer + begin[(size_t)b]);
+    }
+    return;
   }
   // The last segment's owner, TP rank tp - 1, has the finished outputs.
   if (out.scatter) {  // each rank its own rows

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cluster/communicator.h"
+#include "cluster/shared_chain.h"
 #include "model/model.h"
 #include "ops/device_memory.h"
 #include "runner/cluster_trainer.h"
@@ -51,6 +52,8 @@ struct ClusterTrainer::Rank {
   std::vector<std::vector<size_t>> block_tensors;  // per block: its tensors (MoeTransformer::block_of)
   std::unique_ptr<NodeShare> node;  // mesh.shared_memory, once made (null: messages)
   bool node_tried = false;          // share_node_memory ran (once: a collective)
+  std::unique_ptr<SharedChain> chain;  // mesh.shared_memory at tp > 1, once made (null: messages)
+  bool chain_tried = false;
 };
 
 }  // namespace ls

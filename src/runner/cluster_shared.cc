@@ -37,6 +37,22 @@ bool ClusterTrainer::may_share_memory(const Rank& r) const {
   return true;
 }
 
+// The chain hands over at most the tokens' rows times (top-k + 2) at the
+// model's width: token outputs (N x D) and routed rows (N x top-k x D).
+void ClusterTrainer::attach_shared_chain(Rank& r, Mesh& mesh) {
+  if (!r.chain_tried) {
+    r.chain_tried = true;
+    const MeshConfig& m = s_.mesh;
+    if (m.shared_memory && m.tp > 1 && !ops::installed_kernels() && !local_numerics()) {
+      const int64_t tokens = (int64_t)s_.batch / m.dp * s_.model.seq_len;
+      const int64_t floats = tokens * s_.model.d_model * (s_.model.top_k + 2);
+      if (auto region = mesh.group(Axis::kTensor).share_memory(SharedChain::bytes_for(floats)))
+        r.chain = std::make_unique<SharedChain>(std::move(region), floats);
+    }
+  }
+  mesh.set_shared_chain(r.chain.get());
+}
+
 bool ClusterTrainer::share_node_memory(RankCtx& c) {
   Rank& rank = c.rank;
   if (rank.node) {

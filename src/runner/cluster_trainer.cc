@@ -129,8 +129,9 @@ void ClusterTrainer::set_debug_reorder_moe_norm(bool on) {
     if (r) r->model->set_debug_reorder_moe_norm(on);
 }
 
-void ClusterTrainer::run_rank(Communicator& world, const Mesh& mesh, const std::function<void(RankCtx&)>& body) {
+void ClusterTrainer::run_rank(Communicator& world, Mesh& mesh, const std::function<void(RankCtx&)>& body) {
   Rank& rank = *ranks_[world.rank()];
+  attach_shared_chain(rank, mesh);
   std::vector<Communicator*> all = mesh.communicators();
   all.push_back(&world);
   // The communicators may outlive this call (MPI): count only what it sent.
@@ -178,7 +179,7 @@ void ClusterTrainer::each_rank(const std::function<void(RankCtx&)>& body) {
       world,
       [&](Communicator& comm) {
         omp_set_num_threads(threads_per_rank);
-        const Mesh mesh(s_.mesh, comm);
+        Mesh mesh(s_.mesh, comm);
         run_rank(comm, mesh, body);
       },
       jitter_seed_);
@@ -420,7 +421,8 @@ MeshReport ClusterTrainer::mesh_report() const {
   if (mpi_) {  // every process's figures: a fixed record each, all-gathered
     const Rank& me = *ranks_[mpi_->rank()];
     const MoeStats& st = me.model->moe_stats();
-    static const char* kKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send"};
+    static const char* kKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
+                                   "broadcast",  "send",           "shared_send", "shared_final"};
     constexpr size_t kFirstKind = 12, kKindCount = sizeof kKinds / sizeof *kKinds, kComm = kFirstKind + kKindCount;
     std::vector<int64_t> rec = {st.rounds, st.borrowed, st.dropped, st.expert_gemm_calls, st.all_to_all_calls,
                                 st.all_to_all_bytes, st.peak_expert_bytes, st.peak_dispatch_bytes,

@@ -61,7 +61,7 @@ class ClusterTrainer : public Trainer {
   void each_rank(const std::function<void(RankCtx&)>& body);
   // body on world.rank()'s rank; its communicators' traffic during the call
   // is added to the rank's.
-  void run_rank(Communicator& world, const Mesh& mesh, const std::function<void(RankCtx&)>& body);
+  void run_rank(Communicator& world, Mesh& mesh, const std::function<void(RankCtx&)>& body);
   // One training step on a rank, in order: FSDP's weights gathered, the
   // forward and backward (a pipeline stage's schedule when pipelined), the
   // gradients reduced over the mesh, their global norm, the update.
@@ -90,6 +90,8 @@ class ClusterTrainer : public Trainer {
   bool share_node_memory(RankCtx& c);  // made on the first call; false: messages as before
   void publish_weights(RankCtx& c);    // this rank's updated shards into the shared weights
   void node_block_done(Rank& r, int block);
+  // The tensor group's shared hand-off region for the chain (cluster/shared_chain.h), made once.
+  void attach_shared_chain(Rank& r, Mesh& mesh);
   void fold_ready_blocks(Rank& r, bool wait);
   // What a rank left in flight, dropped (an exception on the way out).
   static void abandon_in_flight(Rank& r);

@@ -345,11 +345,12 @@ std::vector<Row> data_parallel_rows() {
             "all-gathers before the forward (waited for block by block), instead of after the backward and "
             "before the forward. The same collectives, so the same bits; false runs them blocking."),
       field("mesh.shared_memory", [](S& s) -> bool& { return s.mesh.shared_memory; },
-            "With the sharded optimizer (or FSDP without replicas), ranks of a shard group that share a host's "
-            "memory (threads, or MPI processes of one node) share one weights buffer and read each other's "
-            "gradients in place: no all-gather, no reduce-scatter messages. The same canonical tree over "
-            "ranks, so the same bits; false sends them as messages. Only on the CPU, without a pipeline, "
-            "sequence parallel or expert parallel."),
+            "Ranks that share a host's memory (threads, or MPI processes of one node) hand data over in place. "
+            "A shard group (the sharded optimizer, or FSDP without replicas) shares one weights buffer and folds "
+            "each rank's gradient share from the ranks' buffers: no all-gather or reduce-scatter messages (not "
+            "with a pipeline, sequence parallel or expert parallel). A tensor group hands its chain's partial and "
+            "finished outputs over through a shared buffer instead of sends and broadcasts. The same folds in the "
+            "same order, so the same bits; false sends messages. CPU engine only."),
       field("mesh.ep", [](S& s) -> int& { return s.mesh.ep; },
             "Expert-parallel group size: experts are split over this many consecutive "
             "data-parallel ranks, tokens travel by all-to-all.",

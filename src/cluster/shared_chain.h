@@ -1,0 +1,42 @@
+// mesh.shared_memory for tensor parallel's chain (model/tensor_parallel.cc):
+// a tensor group whose ranks share a host's memory hands its partial and
+// finished outputs over through one shared region instead of messages. Two
+// slots, used by alternate chains, each with a flag per block: a rank that
+// finished segment s of block b copies the block in and sets its flag to
+// stamp + s + 1 (a release store); the next rank waits for it (acquire),
+// copies the block out and continues the fold. Every rank of the group runs
+// the same chains in the same order, so `sequence` agrees everywhere, and a
+// slot is written again only two chains later, after every rank has read it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "cluster/communicator.h"
+
+namespace ls {
+
+struct SharedChain {
+  static constexpr int kMaxBlocks = 64;
+  static constexpr int64_t kStampStride = 1024;  // more than any chain's segments (passes x tp)
+  // floats: the most one chain hands over (a larger chain goes as messages).
+  SharedChain(std::unique_ptr<SharedRegion> r, int64_t floats) : region(std::move(r)), capacity(floats) {}
+  // The region's bytes for `floats` per slot.
+  static size_t bytes_for(int64_t floats) {
+    return 2 * ((size_t)floats * sizeof(float) + 64) + 2 * (size_t)kMaxBlocks * 64;
+  }
+  float* slot(int s) const {
+    const size_t stride = ((size_t)capacity * sizeof(float) + 63) / 64 * 64;
+    return (float*)(region->data() + (size_t)s * stride);
+  }
+  int64_t* flag(int s, int block) const {
+    const size_t stride = ((size_t)capacity * sizeof(float) + 63) / 64 * 64;
+    return (int64_t*)(region->data() + 2 * stride + ((size_t)s * kMaxBlocks + (size_t)block) * 64);
+  }
+
+  std::unique_ptr<SharedRegion> region;
+  int64_t capacity = 0;
+  int64_t sequence = 0;  // chains run so far
+};
+
+}  // namespace ls
