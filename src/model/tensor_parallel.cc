@@ -5,10 +5,10 @@
 #include <thread>
 #include <vector>
 
+#include "cluster/shared_chain.h"
 #include "common/numerics_level.h"
 #include "common/op_profile.h"
 #include "ops/ops.h"
-#include "cluster/shared_chain.h"
 
 namespace ls {
 namespace {

@@ -18,9 +18,9 @@
 
 #include <thread>
 
+#include "common/numerics_level.h"
 #include "model/model.h"
 #include "ops/dispatch.h"
-#include "common/numerics_level.h"
 #include "runner/cluster_rank.h"
 #include "runner/cluster_trainer.h"
 
