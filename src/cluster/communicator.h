@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace ls {
@@ -106,6 +107,17 @@ class SharedRegion {
   // Throws if a peer has failed (in process: the world's abort), so a rank
   // spinning on a peer's flag does not wait forever.
   virtual void check_peers() const {}
+  // Spins until ready() (yielding: processes may outnumber cores), checking
+  // the peers now and then; the wait counts as `stats`' exposed `kind` time.
+  template <class Ready>
+  void wait_until(CommStats& stats, const char* kind, Ready ready) const {
+    if (ready()) return;
+    const CommStats::Timer timed(&stats, kind);
+    for (int spins = 0; !ready(); ++spins) {
+      if (spins % 1024 == 1023) check_peers();
+      std::this_thread::yield();
+    }
+  }
 };
 
 // A flag in shared memory: set with release order, read with acquire.

@@ -60,9 +60,10 @@ struct MeshConfig {
   std::string cp_layout = "zigzag";  // zigzag | contiguous: which positions each context-parallel rank holds
   int dp_node = 1;     // data-parallel ranks per node: gradients all-reduced inside a node, then across nodes
   bool overlap = true;  // collectives started during the backward (and before the forward), waited for later
-  // A shard group whose ranks share a host's memory (threads, or MPI processes
-  // of one node) shares one weights buffer and reads its gradients in place
-  // instead of all-gathering and reduce-scattering them (runner/cluster_shared.cc).
+  // Ranks that share a host's memory (threads, or MPI processes of one node)
+  // hand data over in place: a shard group shares one weights buffer and folds
+  // its gradients from the ranks' buffers (runner/cluster_shared.cc), a tensor
+  // group's chain goes through a shared slot (cluster/shared_chain.h).
   bool shared_memory = true;
 
   // One row per axis that multiplies into the world, in rank order.

@@ -25,14 +25,11 @@ struct SharedChain {
   static size_t bytes_for(int64_t floats) {
     return 2 * ((size_t)floats * sizeof(float) + 64) + 2 * (size_t)kMaxBlocks * 64;
   }
-  float* slot(int s) const {
-    const size_t stride = ((size_t)capacity * sizeof(float) + 63) / 64 * 64;
-    return (float*)(region->data() + (size_t)s * stride);
-  }
+  float* slot(int s) const { return (float*)(region->data() + (size_t)s * slot_bytes()); }
   int64_t* flag(int s, int block) const {
-    const size_t stride = ((size_t)capacity * sizeof(float) + 63) / 64 * 64;
-    return (int64_t*)(region->data() + 2 * stride + ((size_t)s * kMaxBlocks + (size_t)block) * 64);
+    return (int64_t*)(region->data() + 2 * slot_bytes() + ((size_t)s * kMaxBlocks + (size_t)block) * 64);
   }
+  size_t slot_bytes() const { return ((size_t)capacity * sizeof(float) + 63) / 64 * 64; }
 
   std::unique_ptr<SharedRegion> region;
   int64_t capacity = 0;

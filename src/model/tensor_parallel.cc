@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "cluster/shared_chain.h"
@@ -119,12 +118,7 @@ class ChainLinks {
   // Exposed time, as the message it replaces (a receive, or the broadcast of the finished outputs).
   void wait(int b, int64_t value, const char* kind) {
     const int64_t* f = chain_->flag(flags_, b);
-    if (flag_at_least(f, value)) return;
-    const CommStats::Timer timed(&group_.stats, kind);
-    for (int spins = 0; !flag_at_least(f, value); ++spins) {
-      if (spins % 1024 == 1023) chain_->region->check_peers();
-      std::this_thread::yield();  // processes may outnumber cores
-    }
+    chain_->region->wait_until(group_.stats, kind, [&] { return flag_at_least(f, value); });
   }
 
   Communicator& group_;

@@ -3,6 +3,7 @@
 // Internal to runner/cluster_*.cc.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -28,9 +29,14 @@ struct NodeShare {
   int ranks = 0, me = 0, blocks = 0;
   int64_t pass = 0;                  // training passes so far, the same count on every rank
   bool stale = true;                 // the shards changed since they were last published
-  std::vector<char> done, folded;    // per block, this pass: flag published, gradients reduced
+  std::vector<char> folded;          // per block, this pass: its gradients reduced
   const float* grads_of(int q) const { return (const float*)grads->data() + (size_t)q * stride; }
   int64_t* flag(int q, int block) const { return (int64_t*)(flags->data() + ((size_t)q * blocks + block) * 64); }
+  bool finished(int q, int block) const { return flag_at_least(flag(q, block), pass); }  // in this pass
+  void begin_pass() {
+    ++pass;
+    std::fill(folded.begin(), folded.end(), 0);
+  }
 };
 
 struct ClusterTrainer::Rank {

@@ -16,8 +16,6 @@
 // its gradients are overwritten and the shards republished) only after the
 // gradient norm's all-gather, which every rank enters after all its folds.
 
-#include <thread>
-
 #include "common/numerics_level.h"
 #include "model/model.h"
 #include "ops/dispatch.h"
@@ -73,7 +71,6 @@ bool ClusterTrainer::share_node_memory(RankCtx& c) {
   node->stride = (n + 15) / 16 * 16;  // 64-byte aligned per rank
   node->grads = shard.share_memory(node->stride * node->ranks * sizeof(float));
   node->flags = shard.share_memory((size_t)node->ranks * node->blocks * 64);
-  node->done.assign((size_t)node->blocks, 0);
   node->folded.assign((size_t)node->blocks, 0);
   node->group = &shard;
   model.place_storage((float*)node->weights->data(),
@@ -101,7 +98,6 @@ void ClusterTrainer::publish_weights(RankCtx& c) {
 void ClusterTrainer::node_block_done(Rank& r, int block) {
   NodeShare& node = *r.node;
   publish_flag(node.flag(node.me, block), node.pass);
-  node.done[(size_t)block] = 1;
   fold_ready_blocks(r, /*wait=*/false);
 }
 
@@ -114,24 +110,17 @@ void ClusterTrainer::fold_ready_blocks(Rank& r, bool wait) {
   std::vector<const float*> parts((size_t)node.ranks);
   for (int b = node.blocks - 1; b >= 0; --b) {
     if (node.folded[(size_t)b]) continue;
-    if (!node.done[(size_t)b]) {
+    if (!node.finished(node.me, b)) {
       if (!wait) continue;
       publish_flag(node.flag(node.me, b), node.pass);  // without hooks: the whole backward is done
-      node.done[(size_t)b] = 1;
     }
     auto ready = [&] {
       for (int q = 0; q < node.ranks; ++q)
-        if (!flag_at_least(node.flag(q, b), node.pass)) return false;
+        if (!node.finished(q, b)) return false;
       return true;
     };
-    if (!ready()) {
-      if (!wait) continue;
-      const CommStats::Timer timed(&node.group->stats, "reduce_scatter");
-      for (int spins = 0; !ready(); ++spins) {
-        if (spins % 1024 == 1023) node.weights->check_peers();
-        std::this_thread::yield();  // processes may outnumber cores
-      }
-    }
+    if (!ready() && !wait) continue;
+    node.flags->wait_until(node.group->stats, "reduce_scatter", ready);
     for (size_t t : r.block_tensors[(size_t)b]) {
       const auto [lo, hi] = range(r, t);
       for (int q = 0; q < node.ranks; ++q) parts[(size_t)q] = node.grads_of(q) + infos[t].offset + lo;

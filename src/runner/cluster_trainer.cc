@@ -350,10 +350,7 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
     } in_flight{c.rank};
     const bool overlap = overlaps(c.rank);
     if (share_node_memory(c)) {  // mesh.shared_memory: the shards published in place, the folds by block
-      NodeShare& node = *c.rank.node;
-      ++node.pass;
-      std::fill(node.done.begin(), node.done.end(), 0);
-      std::fill(node.folded.begin(), node.folded.end(), 0);
+      c.rank.node->begin_pass();
       publish_weights(c);
       if (overlap) install_block_hooks(c);
     } else if (overlap) {  // every sharded tensor, whole, before use: as the forward reaches it
