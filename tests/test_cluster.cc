@@ -191,6 +191,37 @@ TEST_SUITE("cluster") {
     CHECK(sharded.result.bytes_sent_per_step.count("all_gather") == 1);
   }
 
+  TEST_CASE("mesh.overlap hides the expert exchanges behind the shared expert: started, finished later, same bits") {
+    // Per layer and step, the forward's last round goes back to the sources while the combine computes the
+    // shared expert, and the backward's first round of gradients goes out during the shared expert's backward.
+    const std::vector<std::string> ep = {"model.shared_expert=true", "train.steps=3", "mesh.dp=2", "mesh.ep=2"};
+    auto with = [&](std::vector<std::string> more, uint64_t jitter = 0) {
+      more.insert(more.end(), ep.begin(), ep.end());
+      return run(more, 2, ls::Backend::kEngine, jitter);
+    };
+    const Outcome one = run({"model.shared_expert=true", "train.steps=3"});
+    const Outcome blocking = with({"mesh.overlap=false"});
+    const ls::Scenario s = ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json", ep);
+    for (uint64_t jitter : {0, 7}) {
+      CAPTURE(jitter);
+      const Outcome hidden = with({}, jitter);
+      CHECK(hidden.hash == one.hash);
+      CHECK(hidden.loss_bits == one.loss_bits);
+      // Both EP ranks, every layer, forward and backward: started, of the same exchanges as the blocking run.
+      for (size_t step = 0; step < hidden.result.moe_all_to_all_started.size(); ++step) {
+        CHECK(hidden.result.moe_all_to_all_started[step] == 2 * 2 * s.model.n_layers);
+        CHECK(hidden.result.moe_all_to_all_calls[step] == blocking.result.moe_all_to_all_calls[step]);
+        CHECK(hidden.result.moe_all_to_all_bytes[step] == blocking.result.moe_all_to_all_bytes[step]);
+      }
+    }
+    CHECK(blocking.hash == one.hash);
+    for (int64_t started : blocking.result.moe_all_to_all_started) CHECK(started == 0);
+    // Without a shared expert there is nothing to hide behind: blocking, the same bits.
+    const Outcome plain = run({"train.steps=3", "mesh.dp=2", "mesh.ep=2"});
+    CHECK(plain.hash == run({"train.steps=3"}).hash);
+    for (int64_t started : plain.result.moe_all_to_all_started) CHECK(started == 0);
+  }
+
   TEST_CASE("mesh.shared_memory: a shard group on one host folds its gradients in place and shares one copy of the "
             "weights; the bits of messages") {
     const std::vector<std::string> wide = {"model.d_model=64", "model.d_ff=128", "train.steps=4"};

@@ -135,10 +135,12 @@ TEST_SUITE("mpi") {
         return bytes.contains(kind) ? bytes.at(kind).get<double>() : 0.0;
       };
       // send, broadcast: tensor parallel's chained partials (shared_send, shared_final: the same through the
-      // node's shared memory, mesh.shared_memory) and a pipeline's activations.
-      for (const char* kind : {"all_reduce", "send", "broadcast", "shared_send", "shared_final"})
+      // node's shared memory, mesh.shared_memory), a pipeline's activations and sequence parallel's stream
+      // rows through shared memory (shared_gather).
+      for (const char* kind : {"all_reduce", "send", "broadcast", "shared_send", "shared_final", "shared_gather"})
         CHECK(sent(mpi, kind) == sent(threads, kind));
       if (mesh.find("mesh.tp=2") != std::string::npos) CHECK(sent(mpi, "shared_send") > 0);
+      if (mesh.find("mesh.sp=true") != std::string::npos) CHECK(sent(mpi, "shared_gather") > 0);
       if (mesh.find("mesh.pp=2") != std::string::npos) CHECK(sent(mpi, "send") > 0);
       if (mesh.find("mesh.cp=") != std::string::npos) {  // each context-parallel rank handed its group the same bytes
         const nlohmann::json& a = mpi.summary.at("context_parallel").at("ranks");

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 #include <omp.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <cstdlib>
@@ -21,18 +22,25 @@
 #include "model/model.h"
 #include "model/step_context.h"
 #include "model/tensor_parallel.h"
+#include "cluster/shared_chain.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
 
 namespace {
 
 // body on `ranks` in-process ranks, each with a step context whose tensor
-// group is the world (a chained fold's whole setting, no model).
-void on_tensor_group(int ranks, const std::function<void(ls::Communicator&, ls::StepContext&)>& body) {
+// group is the world (a chained fold's whole setting, no model); with
+// `shared_floats` > 0 the group shares a hand-off region of that many floats.
+void on_tensor_group(int ranks, const std::function<void(ls::Communicator&, ls::StepContext&)>& body,
+                     const ls::ModelConfig& cfg = {}, int64_t shared_floats = 0) {
   ls::run_in_process(ranks, [&](ls::Communicator& world) {
     ls::Mesh mesh;
     mesh.set_group(ls::Axis::kTensor, &world);
-    ls::ModelConfig cfg;
+    std::unique_ptr<ls::SharedChain> chain;
+    if (shared_floats > 0)
+      chain = std::make_unique<ls::SharedChain>(world.share_memory(ls::SharedChain::bytes_for(shared_floats)),
+                                                shared_floats);
+    mesh.set_shared_chain(chain.get());
     ls::StepWorkspace ws;
     ls::MoeStats stats;
     std::vector<ls::ParamInfo> params;
@@ -163,10 +171,72 @@ TEST_SUITE("tensor_parallel") {
       // Really another execution: the norms' outputs, the stream's gradient and the routing are gathered
       // (more all-gather bytes); the stream's tensors are a TP rank's share (less workspace); the sums over
       // stream tokens span the TP ranks (an all-reduce even on one data-parallel rank).
-      CHECK(sent(sp, "all_gather") > sent(plain, "all_gather"));
+      CHECK(sent(sp, "all_gather") + sent(sp, "shared_gather") > sent(plain, "all_gather"));
       CHECK(sp.workspace_bytes < plain.workspace_bytes);
       CHECK(sent(sp, "all_reduce") > 0);
       if (m.dp == 1) CHECK(sent(plain, "all_reduce") == 0);
+      // The stream's gathers (ranks are threads: through shared memory), from the model's shapes: per
+      // layer the norm's output for QKV, again for QKV's weight gradient, moe_in, d(mid) for the output
+      // projection's input gradient and the shared expert's d(out) (D floats a token), the expert outputs'
+      // gradients (K x D floats) and the routing choices (K ints); each rank writes its N/tp rows once.
+      const ls::Scenario s = split_scenario(with_sp);
+      const double N = (double)s.batch / m.dp * s.model.seq_len, D = s.model.d_model, L = s.model.n_layers,
+                   K = s.model.top_k;
+      const double stream_rows = L * (5 * D + K * D + K) * (N / m.tp) * 4;
+      CHECK(sent(sp, "shared_gather") == stream_rows);
+      // Every one of them: none as messages (at dp 1; at dp 2 plain's data parallel shares memory, SP's not).
+      if (m.dp == 1) CHECK(sent(sp, "all_gather") == sent(plain, "all_gather"));
+      with_sp.push_back("mesh.shared_memory=false");
+      const ls::RunResult messages = run_split(with_sp);
+      CHECK(messages.final_state_hash == one.final_state_hash);
+      CHECK(sent(messages, "shared_gather") == 0);
+      CHECK(sent(messages, "all_gather") > sent(sp, "all_gather"));
+    }
+  }
+
+  TEST_CASE("sequence parallel: a column-parallel GEMM starts on this rank's rows before the others' arrive") {
+    // Rank 1 enters the gather only once rank 0 has been handed its own rows: a gather that waited for
+    // every part first would hold rank 0 until the timeout, and the check below fails.
+    const int64_t width = 32, rows_each = 16;
+    for (bool shared : {true, false}) {
+      CAPTURE(shared);
+      std::atomic<bool> own_rows_done{false};
+      bool rank1_saw_it = false;
+      std::vector<std::vector<int64_t>> order(2);  // the first row of each piece, per rank
+      std::vector<std::vector<float>> gathered(2);
+      ls::ModelConfig cfg;
+      cfg.d_model = (int)width;
+      on_tensor_group(2, [&](ls::Communicator& world, ls::StepContext& ctx) {
+        const int me = world.rank();
+        ctx.sp = true;
+        ctx.tokens = 2 * rows_each;
+        ctx.stream_tokens = rows_each;
+        ctx.stream_first = me * rows_each;
+        std::vector<float> held((size_t)(rows_each * width));
+        for (size_t i = 0; i < held.size(); ++i) held[i] = (float)(me * 1000 + (int)i);
+        float one = 1.0f;
+        world.start_all_reduce_sum(&one, 1)->wait();  // a rank's first started collective is collective setup
+        if (me == 1) {
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          while (!own_rows_done && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+          rank1_saw_it = own_rows_done;
+        }
+        ls::ops::DeviceVector<float> whole;
+        const float* all = ls::every_token_rows(ctx, held.data(), whole, [&](const float* x, int64_t first, int64_t n) {
+          CHECK(n == rows_each);
+          CHECK(x[0] == (float)(first / rows_each * 1000));  // the rows handed are rows [first, first + n)
+          order[(size_t)me].push_back(first);
+          if (me == 0 && first == 0) own_rows_done = true;
+        });
+        gathered[(size_t)me].assign(all, all + 2 * rows_each * width);
+        world.barrier();  // the region outlives every rank's reads
+      }, cfg, shared ? 2 * rows_each * width : 0);
+      CHECK(rank1_saw_it);
+      for (int me = 0; me < 2; ++me) {
+        CHECK(order[(size_t)me] == std::vector<int64_t>{me * rows_each, (1 - me) * rows_each});
+        for (int64_t i = 0; i < 2 * rows_each * width; ++i)
+          REQUIRE(gathered[(size_t)me][(size_t)i] == (float)(i / (rows_each * width) * 1000 + i % (rows_each * width)));
+      }
     }
   }
 

@@ -26,6 +26,7 @@ struct MeshReport {
   int rounds = 0;
   int64_t borrowed = 0, dropped = 0;                       // rows, summed over layers and ranks
   int64_t expert_gemm_calls = 0, all_to_all_calls = 0, all_to_all_bytes = 0;
+  int64_t all_to_all_started = 0;  // of the calls, started behind the shared expert (mesh.overlap)
   int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;  // per rank, the largest
   int64_t peak_routed_bytes = 0, peak_grad_state_bytes = 0;
   int64_t workspace_bytes = 0, weight_bytes = 0;           // measured, per rank, the largest
@@ -40,6 +41,7 @@ struct MeshReport {
     expert_gemm_calls += st.expert_gemm_calls;
     all_to_all_calls += st.all_to_all_calls;
     all_to_all_bytes += st.all_to_all_bytes;
+    all_to_all_started += st.all_to_all_started;
     peak_expert_bytes = std::max(peak_expert_bytes, st.peak_expert_bytes);
     peak_dispatch_bytes = std::max(peak_dispatch_bytes, st.peak_dispatch_bytes);
     peak_routed_bytes = std::max(peak_routed_bytes, st.peak_routed_bytes);

@@ -80,6 +80,13 @@ inline uint64_t reduce_scatter_bytes_sent(const std::vector<size_t>& counts, int
 inline uint64_t all_gather_bytes_sent(const std::vector<size_t>& bytes, int rank) {
   return bytes[(size_t)rank] * (bytes.size() - 1);
 }
+// (send_bytes: per destination; what goes to this rank itself stays.)
+inline uint64_t bytes_to_others(const std::vector<size_t>& send_bytes, int rank) {
+  uint64_t out = 0;
+  for (size_t r = 0; r < send_bytes.size(); ++r)
+    if ((int)r != rank) out += send_bytes[r];
+  return out;
+}
 
 // A collective started without waiting (Communicator::start_*): its
 // buffers are its own until it completes. Reductions keep the canonical tree
@@ -170,6 +177,8 @@ class Communicator {
   virtual Pending start_all_reduce_sum(float* buf, size_t count);
   virtual Pending start_reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts);
   virtual Pending start_all_gather(const void* send, void* recv, const std::vector<size_t>& bytes);
+  virtual Pending start_all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                                   const std::vector<size_t>& recv_bytes);
 
   CommStats stats;
 };

@@ -279,10 +279,7 @@ class InProcessComm : public Communicator {
 
   void all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
                   const std::vector<size_t>& recv_bytes) override {
-    uint64_t out = 0;
-    for (int r = 0; r < size(); ++r)
-      if (r != rank_) out += send_bytes[r];
-    const CommStats::Timer timed = stats.add("all_to_all", out);
+    const CommStats::Timer timed = stats.add("all_to_all", bytes_to_others(send_bytes, rank_));
     // Post the send buffer and its per-destination offsets.
     std::vector<size_t> offsets(size() + 1, 0);
     for (int r = 0; r < size(); ++r) offsets[r + 1] = offsets[r] + send_bytes[r];
@@ -342,6 +339,13 @@ class InProcessComm : public Communicator {
     if (size() == 1) return Communicator::start_all_gather(send, recv, bytes);
     stats.count("all_gather", all_gather_bytes_sent(bytes, rank_));
     return started("all_gather", [=](Communicator& c) { c.all_gather(send, recv, bytes); });
+  }
+
+  Pending start_all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                           const std::vector<size_t>& recv_bytes) override {
+    if (size() == 1) return Communicator::start_all_to_all(send, send_bytes, recv, recv_bytes);
+    stats.count("all_to_all", bytes_to_others(send_bytes, rank_));
+    return started("all_to_all", [=](Communicator& c) { c.all_to_all(send, send_bytes, recv, recv_bytes); });
   }
 
   // Rank 0 allocates; every rank keeps a reference, so the region lives

@@ -31,7 +31,8 @@ int Mesh::group_color(const MeshConfig& cfg, Axis a, const MeshConfig::RankCoord
   return ((fixed.stage * cfg.dp + fixed.data) * cfg.cp + fixed.context) * cfg.tp + fixed.tensor;
 }
 
-Mesh::Mesh(const MeshConfig& cfg, Communicator& world) : sp_(cfg.sp && cfg.tp > 1), cp_layout_(cfg.layout()) {
+Mesh::Mesh(const MeshConfig& cfg, Communicator& world)
+    : sp_(cfg.sp && cfg.tp > 1), overlap_(cfg.overlap), cp_layout_(cfg.layout()) {
   const int me = world.rank();
   const MeshConfig::RankCoords at = cfg.rank_coords(me);
   // Ordered by world rank: along every group, by the varying coordinate.

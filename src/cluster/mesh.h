@@ -33,6 +33,8 @@ class Mesh {
   bool sequence_parallel() const { return sp_; }
   Communicator& stream_group() const { return group(sp_ ? Axis::kStage : Axis::kData); }
   CpLayout cp_layout() const { return cp_layout_; }
+  // mesh.overlap: collectives may be started and waited for later.
+  bool overlap() const { return overlap_; }
   // Every distinct communicator, for traffic counts.
   std::vector<Communicator*> communicators() const;
 
@@ -53,6 +55,7 @@ class Mesh {
   std::array<Communicator*, kAxisCount> groups_{};
   SharedChain* shared_chain_ = nullptr;
   bool sp_ = false;
+  bool overlap_ = false;
   CpLayout cp_layout_ = CpLayout::kZigzag;
 };
 

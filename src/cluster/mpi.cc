@@ -240,10 +240,7 @@ class MpiComm : public Communicator {
 
   void all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
                   const std::vector<size_t>& recv_bytes) override {
-    uint64_t out = 0;
-    for (int r = 0; r < size_; ++r)
-      if (r != rank_) out += send_bytes[r];
-    const CommStats::Timer timed = stats.add("all_to_all", out);
+    const CommStats::Timer timed = stats.add("all_to_all", bytes_to_others(send_bytes, rank_));
     exchange(send, send_bytes, recv, recv_bytes, "all_to_all");
   }
 
@@ -326,6 +323,19 @@ class MpiComm : public Communicator {
     p->requests.resize(1);
     check(MPI_Iallgatherv(send, p->counts[rank_], MPI_BYTE, recv, p->counts.data(), p->displs.data(), MPI_BYTE, comm_,
                           &p->requests[0]), "all_gather");
+    return p;
+  }
+
+  Pending start_all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                           const std::vector<size_t>& recv_bytes) override {
+    if (size_ == 1) return Communicator::start_all_to_all(send, send_bytes, recv, recv_bytes);
+    stats.count("all_to_all", bytes_to_others(send_bytes, rank_));
+    auto p = std::make_unique<MpiPending>(&stats, "all_to_all", pool_);
+    counts_and_displs(send_bytes, 1, p->counts, p->displs, "all_to_all");
+    counts_and_displs(recv_bytes, 1, p->recv_counts, p->recv_displs, "all_to_all");
+    p->requests.resize(1);
+    check(MPI_Ialltoallv(send, p->counts.data(), p->displs.data(), MPI_BYTE, recv, p->recv_counts.data(),
+                         p->recv_displs.data(), MPI_BYTE, comm_, &p->requests[0]), "all_to_all");
     return p;
   }
 

@@ -40,9 +40,8 @@ class AttentionBlock : public LayerBlock {
                  D, c.rms_eps);
     ctx.trace_tensor("fwd", layer_, "attn_norm", "out", acts.attn_in.data(), {N, D}, {TraceRows::kStream});
     acts.qkv.resize(N * 3 * Dh);
-    const float* attn_in = every_token(ctx, acts.attn_in.data(), ws.sp_gathered);
     acts.attn_out.resize(N * Dh);
-    attention_forward_held(ctx, layer_, attn_in, ctx.layer_weight(layer_, "wqkv"), acts);
+    attention_forward_held(ctx, layer_, acts.attn_in.data(), ctx.layer_weight(layer_, "wqkv"), acts);
     ws.dtmp.resize(N * D);
     // Reduces over the attention features, this rank's heads' range of them.
     const float* wo = ctx.layer_weight(layer_, "wo");
@@ -69,11 +68,10 @@ class AttentionBlock : public LayerBlock {
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
     // Sequence parallel: the projection's gradients need every token's d(mid).
-    const float* dmid = every_token(ctx, ws.dh.data(), ws.sp_dh);
     const float* wo = ctx.layer_weight(layer_, "wo");
     ws.dattn_out.resize(N * Dh);
-    held_rows(ctx, [&](int64_t row, int count) {
-      ops::linear_input_grad(dmid + row * D, count, D, wo, Dh, ws.dattn_out.data() + row * Dh, false);
+    const float* dmid = held_stream_rows(ctx, ws.dh.data(), ws.sp_dh, true, [&](const float* d, int64_t row, int count) {
+      ops::linear_input_grad(d, count, D, wo, Dh, ws.dattn_out.data() + row * Dh, false);
     });
     // Context parallel: every token's attention output, for wo's gradient.
     gather_held_rows(ctx, acts.attn_out.data(), Dh);

@@ -84,6 +84,19 @@ void held_rows(StepContext& ctx, RowBlock block, const std::function<void(int64_
   cp_rows_held(ctx, block, fn);
 }
 
+const float* held_stream_rows(StepContext& ctx, const float* stream, ops::DeviceVector<float>& gathered, bool busy,
+                              const HeldRowsOf& fn) {
+  if (ctx.cp() == 1)
+    return every_token_rows(ctx, stream, gathered,
+                            [&](const float* x, int64_t first, int64_t count) { fn(x, first, (int)count); });
+  const float* all = every_token(ctx, stream, gathered);
+  const int64_t D = ctx.cfg.d_model;
+  const auto rows = [&](int64_t row, int count) { fn(all + row * D, row, count); };
+  if (busy) held_rows(ctx, rows);
+  else cp_rows_held(ctx, rows);
+  return all;
+}
+
 void gather_held_rows(StepContext& ctx, float* m, int64_t ld) {
   if (ctx.cp() > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, 0, ctx.batch);
 }
@@ -98,8 +111,10 @@ void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, c
   const int D = c.d_model, S = c.seq_len, Dh = ctx.width_held(), Hh = ctx.heads_held(), hd = D / c.n_heads;
   const int64_t N = ctx.tokens;
   const float scale = attention_scale(c);
+  held_stream_rows(ctx, attn_in, ctx.ws.sp_gathered, true, [&](const float* x, int64_t row, int count) {
+    ops::linear(x, count, D, wqkv, 3 * Dh, acts.qkv.data() + row * 3 * Dh);
+  });
   if (ctx.cp() == 1) {
-    ops::linear(attn_in, N, D, wqkv, 3 * Dh, acts.qkv.data());
     ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D}, {TraceRows::kTokens, 3});
     acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
     ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, hd, scale, acts.attn_probs.data(),
@@ -107,9 +122,7 @@ void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, c
     ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D}, {TraceRows::kTokens, 1});
     return;
   }
-  held_rows(ctx, [&](int64_t row, int count) {  // this rank's positions; then every token's K and V
-    ops::linear(attn_in + row * D, count, D, wqkv, 3 * Dh, acts.qkv.data() + row * 3 * Dh);
-  });
+  // This rank's positions' q, k and v; then every token's K and V.
   ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D}, {TraceRows::kHeld, 3});
   cp_gather_rows(ctx, acts.qkv.data(), 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true);
   acts.attn_probs.resize((size_t)ctx.batch * Hh * cp_probs_floats(S, ctx.cp(), ctx.cp_rank(), ctx.cp_zigzag()));

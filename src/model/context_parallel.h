@@ -43,6 +43,16 @@ void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count
 // The same inside the rows of `block` (a pipelined chain's link).
 void held_rows(StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn);
 
+// held_rows (busy: counted as held_rows counts) or cp_rows_held over a
+// stream tensor [stream_tokens, D] that a column-parallel GEMM reads for
+// every token: fn(x, row, count), x pointing at row `row`'s data. It starts
+// on the rows at hand (every_token_rows: sequence parallel's own rows while
+// the others arrive); at cp > 1 after the gather, on this rank's positions.
+// Returns every token's rows (every_token).
+using HeldRowsOf = std::function<void(const float* x, int64_t row, int count)>;
+const float* held_stream_rows(StepContext& ctx, const float* stream, ops::DeviceVector<float>& gathered, bool busy,
+                              const HeldRowsOf& fn);
+
 // An [N, ld] matrix whose rows each rank wrote for its positions made
 // whole on every rank (an all-gather; nothing at cp 1): every sample's rows,
 // or the samples of this rank's residual stream only (sequence parallel
@@ -51,7 +61,7 @@ void gather_held_rows(StepContext& ctx, float* m, int64_t ld);
 void gather_held_stream_rows(StepContext& ctx, float* m, int64_t ld);
 
 // The attention of a layer on this rank's rows: qkv [N, 3*Dh] = its rows of
-// attn_in [N, D] times wqkv (at cp > 1 every token's K and V gathered), P
+// attn_in (the stream's rows held here, gathered through held_stream_rows) times wqkv (at cp > 1 every token's K and V gathered), P
 // and attn_out [N, Dh] for its queries. Reduces over keys, one query's on one rank.
 void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, const float* wqkv, LayerActs& acts);
 // dattn_out [N, Dh] of this rank's rows -> dqkv [N, 3*Dh] (cp_attention_backward at cp > 1).

@@ -146,6 +146,28 @@ void send_round_output_grads(StepContext& ctx, const LayerActs& acts, int r) {
                   ctx.ws.slots.dy.data(), nullptr, nullptr);
 }
 
+bool exchange_overlaps_shared_expert(const StepContext& ctx, const LayerActs& acts) {
+  return ctx.mesh->overlap() && ctx.ep() > 1 && ctx.cfg.shared_expert && ctx.cp() == 1 && exchange_rounds(acts) > 0;
+}
+
+void start_return_round_rows(StepContext& ctx, const LayerActs& acts, int r, const float* slots, float* dispatch_rows) {
+  exchange_rows(ctx, acts, r, ctx.cfg.d_model, /*to_owner=*/false, nullptr, nullptr, const_cast<float*>(slots),
+                nullptr, dispatch_rows, /*start=*/true);
+}
+
+void start_round_output_grads(StepContext& ctx, const LayerActs& acts, int r) {
+  exchange_rows(ctx, acts, r, ctx.cfg.d_model, /*to_owner=*/true, ctx.ws.dye.data(), [](int64_t disp) { return disp; },
+                ctx.ws.slots.dy.data(), nullptr, nullptr, /*start=*/true);
+}
+
+bool finish_round_exchange(StepContext& ctx) {
+  if (!ctx.ws.exchange_in_flight) return false;
+  const std::function<void()> finish = std::move(ctx.ws.exchange_in_flight);
+  ctx.ws.exchange_in_flight = nullptr;
+  finish();
+  return true;
+}
+
 void refill_round_inputs(StepContext& ctx, const LayerActs& acts, const RoundPlan& plan, int r) {
   StepWorkspace& ws = ctx.ws;
   const int D = ctx.cfg.d_model;
@@ -167,8 +189,14 @@ void refill_round_inputs(StepContext& ctx, const LayerActs& acts, const RoundPla
 }
 
 void ep_all_to_all(StepContext& ctx, const void* send, const std::vector<size_t>& send_bytes, void* recv,
-                   const std::vector<size_t>& recv_bytes) {
-  ctx.group(Axis::kExpert).all_to_all(send, send_bytes, recv, recv_bytes);
+                   const std::vector<size_t>& recv_bytes, Pending* started) {
+  Communicator& group = ctx.group(Axis::kExpert);
+  if (started) {
+    *started = group.start_all_to_all(send, send_bytes, recv, recv_bytes);
+    ++ctx.stats.all_to_all_started;
+  } else {
+    group.all_to_all(send, send_bytes, recv, recv_bytes);
+  }
   ++ctx.stats.all_to_all_calls;
   for (size_t b : send_bytes) ctx.stats.all_to_all_bytes += (int64_t)b;
 }
@@ -180,7 +208,8 @@ int exchange_rounds(const LayerActs& acts) {
 }
 
 void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bool to_owner, const float* src,
-                   const std::function<int64_t(int64_t)>& src_index, float* slot_buf, float* keep, float* disp_out) {
+                   const std::function<int64_t(int64_t)>& src_index, float* slot_buf, float* keep, float* disp_out,
+                   bool start) {
   const OpTimer op_timer(OpKind::kMoeDispatch);
   StepWorkspace& ws = ctx.ws;
   const int ep = ctx.ep(), El = ctx.local_experts, me = ctx.ep_rank();
@@ -243,23 +272,36 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
     });
   }
   ops::synchronize();  // the packed rows, read by the host's all-to-all
-  ep_all_to_all(ctx, ws.send.data(), send_bytes, ws.recv.data(), recv_bytes);
-  if (ctx.debug_fault && ctx.debug_fault->planted == MeshFault::kEpRow && ctx.ep_rank() == 1 && to_owner) {
-    // --debug-mesh-fault ep_row: the first row another rank sent
-    size_t at = 0;
-    for (int d = 0; d < ep; at += recv_bytes[(size_t)d], ++d)
-      if (d != me && recv_bytes[(size_t)d] > 0) {
-        if (ctx.take_debug_fault(MeshFault::kEpRow)) flip_bit(ws.recv.data() + at / sizeof(float));
-        break;
-      }
+  // What arrives, into place (the index lists stay in ws until the next exchange).
+  auto unpack = [&ctx, &ws, recv_bytes, to_owner, width, slot_buf, keep, disp_out, ep, me] {
+    if (ctx.debug_fault && ctx.debug_fault->planted == MeshFault::kEpRow && ctx.ep_rank() == 1 && to_owner) {
+      // --debug-mesh-fault ep_row: the first row another rank sent
+      size_t at = 0;
+      for (int d = 0; d < ep; at += recv_bytes[(size_t)d], ++d)
+        if (d != me && recv_bytes[(size_t)d] > 0) {
+          if (ctx.take_debug_fault(MeshFault::kEpRow)) flip_bit(ws.recv.data() + at / sizeof(float));
+          break;
+        }
+    }
+    const OpTimer unpacking(OpKind::kMoeDispatch);
+    const int64_t arrived = (int64_t)ws.to_row.size();
+    if (to_owner) {
+      ops::copy_rows(ws.recv.data(), nullptr, slot_buf, ws.to_row.data(), arrived, width);
+      if (keep) ops::copy_rows(ws.recv.data(), nullptr, keep, ws.keep_row.data(), arrived, width);
+    } else {
+      ops::copy_rows(ws.recv.data(), nullptr, disp_out, ws.to_row.data(), arrived, width);
+    }
+  };
+  if (!start) {
+    ep_all_to_all(ctx, ws.send.data(), send_bytes, ws.recv.data(), recv_bytes);
+    return unpack();
   }
-  const int64_t arrived = (int64_t)ws.to_row.size();
-  if (to_owner) {
-    ops::copy_rows(ws.recv.data(), nullptr, slot_buf, ws.to_row.data(), arrived, width);
-    if (keep) ops::copy_rows(ws.recv.data(), nullptr, keep, ws.keep_row.data(), arrived, width);
-  } else {
-    ops::copy_rows(ws.recv.data(), nullptr, disp_out, ws.to_row.data(), arrived, width);
-  }
+  auto pending = std::make_shared<Pending>();
+  ep_all_to_all(ctx, ws.send.data(), send_bytes, ws.recv.data(), recv_bytes, pending.get());
+  ws.exchange_in_flight = [pending, unpack] {
+    (*pending)->wait();
+    unpack();
+  };
 }
 
 void count_moe_memory(StepContext& ctx) {

@@ -42,15 +42,29 @@ void return_round_rows(StepContext& ctx, const LayerActs& acts, int r, const flo
 // Backward, round r: the output gradients (ws.dye, dispatch order) into the
 // owners' slots (ws.slots.dy; nothing at ep 1, where they are read in place).
 void send_round_output_grads(StepContext& ctx, const LayerActs& acts, int r);
+// The exchanges the shared expert's compute can hide (mesh.overlap, ep > 1,
+// a shared expert, cp 1): the forward's last round back to the sources,
+// started by the experts and finished by the combine after the shared
+// expert's forward; the backward's first round of output gradients to the
+// owners, started by the combine before the shared expert's backward and
+// finished by the experts. Rows are only moved, so the bits are the same.
+bool exchange_overlaps_shared_expert(const StepContext& ctx, const LayerActs& acts);
+// return_round_rows and send_round_output_grads, started: the all-to-all in
+// flight, its unpack left in ws.exchange_in_flight.
+void start_return_round_rows(StepContext& ctx, const LayerActs& acts, int r, const float* slots, float* dispatch_rows);
+void start_round_output_grads(StepContext& ctx, const LayerActs& acts, int r);
+// Waits for the started exchange and unpacks its rows; false if none was started.
+bool finish_round_exchange(StepContext& ctx);
 // Backward, round r of `plan`: the rows' inputs into the slots again, from
 // the rows kept at ep > 1, else from the tokens' moe_in.
 void refill_round_inputs(StepContext& ctx, const LayerActs& acts, const RoundPlan& plan, int r);
 
 // ---- The pieces. ----
 
-// An all-to-all in the expert-parallel group, counted in ctx.stats.
+// An all-to-all in the expert-parallel group, counted in ctx.stats: done
+// on return, or with `started` set started (*started to wait for).
 void ep_all_to_all(StepContext& ctx, const void* send, const std::vector<size_t>& send_bytes, void* recv,
-                   const std::vector<size_t>& recv_bytes);
+                   const std::vector<size_t>& recv_bytes, Pending* started = nullptr);
 
 // Exchanges are collective: every EP rank runs the most rounds any owner needs.
 int exchange_rounds(const LayerActs& acts);
@@ -61,8 +75,11 @@ int exchange_rounds(const LayerActs& acts);
 // position in keep). Back: the owner reads slot_buf and the source writes
 // disp_out[disp]. The rows move by ops::copy_rows over index lists built
 // here (one kernel per list on the CUDA backend).
+// start: at ep > 1 the all-to-all is started and the unpack left in
+// ws.exchange_in_flight (finish_round_exchange).
 void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bool to_owner, const float* src,
-                   const std::function<int64_t(int64_t)>& src_index, float* slot_buf, float* keep, float* disp_out);
+                   const std::function<int64_t(int64_t)>& src_index, float* slot_buf, float* keep, float* disp_out,
+                   bool start = false);
 
 // The high-water marks of the MoE buffers, into ctx.stats (measured: the
 // bytes allocated now).

@@ -214,9 +214,7 @@ void MoeTransformer::begin_step() {
   stats_.rounds = 0;
   stats_.borrowed = stats_.dropped = stats_.expert_gemm_calls = stats_.all_to_all_calls = stats_.all_to_all_bytes = 0;
   stats_.cp_attention_seconds = 0;
-  stats_.cp_bytes_sent = 0;
-  stats_.cp_kv_bytes_sent = 0;
-  stats_.cp_link_messages = 0;
+  stats_.all_to_all_started = stats_.cp_bytes_sent = stats_.cp_kv_bytes_sent = stats_.cp_link_messages = 0;
   stats_.tokens_per_expert.assign((size_t)cfg_.n_layers * cfg_.experts, 0);
 }
 
@@ -343,6 +341,7 @@ void MoeTransformer::set_moe_stats_from_lanes(const std::vector<const MoeStats*>
     st.expert_gemm_calls += lane->expert_gemm_calls;
     st.all_to_all_calls += lane->all_to_all_calls;
     st.all_to_all_bytes += lane->all_to_all_bytes;
+    st.all_to_all_started += lane->all_to_all_started;
     st.peak_expert_bytes = std::max(st.peak_expert_bytes, lane->peak_expert_bytes);
     st.peak_dispatch_bytes = std::max(st.peak_dispatch_bytes, lane->peak_dispatch_bytes);
     st.peak_routed_bytes = std::max(st.peak_routed_bytes, lane->peak_routed_bytes);
@@ -508,6 +507,7 @@ StepLosses MoeTransformer::forward_range(const uint8_t* tokens, int batch, bool 
     if (block_hooks_.before_forward) block_hooks_.before_forward(b);
     blocks_[b]->forward(ctx, losses);
   }
+  if (ws.exchange_in_flight) throw InternalError("engine: an expert exchange was started and never finished");
   ops::synchronize();
   if (last < num_blocks() && io.stream_out) ops::copy_to_host(io.stream_out, blocks_[last]->stream_in(ws), sizeof(float) * N * D);
   return losses;
@@ -530,6 +530,7 @@ void MoeTransformer::backward_range(int first, int last, const float* grad_out, 
       block_hooks_.after_backward(b);
     }
   }
+  if (ws_->exchange_in_flight) throw InternalError("engine: an expert exchange was started and never finished");
   if (first == 0 && ctx.trace && trace_state_) {
     ops::synchronize();
     for (const ParamInfo& p : infos_) ctx.trace->tensor("grad", -1, "param", p.name.c_str(), grads() + p.offset, p.shape);

@@ -97,6 +97,7 @@ struct MoeStats {
   int64_t borrowed = 0, dropped = 0;       // rows computed in lent slots / skipped, summed over layers
   int64_t expert_gemm_calls = 0;           // GEMM calls of the experts (rows, then weight gradients)
   int64_t all_to_all_calls = 0;            // expert-parallel exchanges, metadata and per round
+  int64_t all_to_all_started = 0;          // of those, started to hide behind the shared expert (mesh.overlap)
   int64_t all_to_all_bytes = 0;            // bytes this rank sent in them
   // Measured: high-water marks of the bytes allocated, since the model was made.
   int64_t peak_expert_bytes = 0;           // the capacity-sized expert slots

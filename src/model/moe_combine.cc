@@ -8,6 +8,7 @@
 #include "contract.h"
 #include "model/blocks.h"
 #include "model/context_parallel.h"
+#include "model/expert_parallel.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
@@ -52,6 +53,7 @@ class MoeCombine : public LayerBlock {
       });
       gather_held_stream_rows(ctx, acts.shared_out.data(), D);
     }
+    finish_round_exchange(ctx);  // expert parallel: the rows the shared expert's compute hid, now in place
     // out = fold over slots of fma(gate, y_slot, out) from +0, then + shared, + residual.
     ops::moe_combine(acts.gates.data(), E, acts.sel.data() + first * K, K, acts.row_of.data() + first * K, acts.ye_rows,
                      c.shared_expert ? acts.shared_out.data() + first * D : nullptr, acts.mid.data(), out, Ns, D);
@@ -102,6 +104,8 @@ class MoeCombine : public LayerBlock {
                               acts.row_of.data() + first * K, acts.ye_rows, ws.dg.data(), ws.dye.data(), Ns, D);
     gather_expert_output_grads(ctx, acts);
     if (!c.shared_expert) return;
+    // Expert parallel: the experts' first round of gradients leaves now, hidden behind the shared expert's backward.
+    if (exchange_overlaps_shared_expert(ctx, acts)) start_round_output_grads(ctx, acts, 0);
     const float* w1 = ctx.layer_weight(layer_, "shared.w1");
     const float* w3 = ctx.layer_weight(layer_, "shared.w3");
     const float* w2 = ctx.layer_weight(layer_, "shared.w2");
@@ -109,9 +113,9 @@ class MoeCombine : public LayerBlock {
     ws.shared_dv.resize(N * F);
     ws.shared_dx.resize(N * D);
     ws.shared_dact.resize(N * F);
-    const float* dout = every_token(ctx, ws.dh.data(), ws.sp_dh);  // sequence parallel: every token's
-    cp_rows_held(ctx, [&](int64_t row, int count) {  // context parallel: this rank's positions' rows
-      ops::linear_input_grad(dout + row * D, count, D, w2, F, ws.shared_dact.data() + row * F, false);
+    // Sequence parallel: every token's, started on the rows at hand; context parallel: this rank's positions' rows.
+    const float* dout = held_stream_rows(ctx, ws.dh.data(), ws.sp_dh, false, [&](const float* d, int64_t row, int count) {
+      ops::linear_input_grad(d, count, D, w2, F, ws.shared_dact.data() + row * F, false);
       ops::swiglu_backward(acts.shared_u.data() + row * F, acts.shared_v.data() + row * F,
                            acts.shared_gate.data() + row * F, ws.shared_dact.data() + row * F,
                            ws.shared_du.data() + row * F, ws.shared_dv.data() + row * F, count * F);

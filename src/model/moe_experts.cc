@@ -33,7 +33,10 @@ class MoeExperts : public LayerBlock {
     const ExpertWeights w = weights(ctx);
     // The outputs land in the slots and travel back, or straight in the dispatch rows the combine reads.
     const RowPlace y = round_output_place(ctx, ws.slots.y.data(), acts.ye.data());
-    for (int r = 0; r < exchange_rounds(acts); ++r) {
+    const int rounds = exchange_rounds(acts);
+    // The last round's rows go back while the combine computes the shared expert (it finishes the exchange).
+    const bool hide_last = exchange_overlaps_shared_expert(ctx, acts);
+    for (int r = 0; r < rounds; ++r) {
       send_round_inputs(ctx, acts, r);
       if (r < own.rounds()) {
         ctx.stats.expert_gemm_calls += experts_round_hidden(own, r, ws.slots, rows, w.w1, w.w3, D, F);
@@ -45,7 +48,8 @@ class MoeExperts : public LayerBlock {
               experts_round_output(segments_of(own.round[r], pieces, b), ws.slots, rows, y, w.w2, D, F, accumulate);
         });
       }
-      return_round_rows(ctx, acts, r, ws.slots.y.data(), acts.ye.data());
+      if (hide_last && r == rounds - 1) start_return_round_rows(ctx, acts, r, ws.slots.y.data(), acts.ye.data());
+      else return_round_rows(ctx, acts, r, ws.slots.y.data(), acts.ye.data());
     }
     gather_expert_rows(ctx, acts, acts.ye.data(), D);  // context parallel: every block's rows, here
     const RoundPlan& planned = ctx.own_plan(acts);
@@ -53,9 +57,12 @@ class MoeExperts : public LayerBlock {
     ctx.stats.borrowed += planned.borrowed;
     ctx.stats.dropped += planned.dropped;
     acts.ye_rows = acts.ye.data();
-    if (ctx.trace)
-      ctx.trace_tensor("fwd", layer_, "moe.experts", "out", ctx.token_slot_order(acts, acts.ye_rows, D),
-                       {ctx.tokens, ctx.cfg.top_k, D});
+    if (!hide_last) return trace_outputs(ctx);
+    // The outputs are whole once the combine finished the exchange (in this range of blocks, on this ctx).
+    ws.exchange_in_flight = [finish = std::move(ws.exchange_in_flight), this, &ctx] {
+      finish();
+      trace_outputs(ctx);
+    };
   }
 
   // dye (dispatch order) -> dxe; the experts' weight gradients. Backward in
@@ -84,7 +91,8 @@ class MoeExperts : public LayerBlock {
     const RowPlace dy = round_output_place(ctx, ws.slots.dy.data(), ws.dye.data());
     const RowPlace dx = round_output_place(ctx, ws.slots.dx.data(), ws.dxe.data());
     for (int r = 0; r < exchange_rounds(acts); ++r) {
-      send_round_output_grads(ctx, acts, r);
+      // Round 0's may have been started by the combine, hidden behind the shared expert's backward.
+      if (r > 0 || !finish_round_exchange(ctx)) send_round_output_grads(ctx, acts, r);
       if (r < own.rounds()) {
         refill_round_inputs(ctx, acts, own, r);  // the inputs again, into the same slots
         ctx.stats.expert_gemm_calls += experts_round_backward_hidden(own, r, ws.slots, rows, dy, w.w2, D, F);
@@ -121,6 +129,13 @@ class MoeExperts : public LayerBlock {
 
 
  private:
+  // The experts' outputs, every row in place.
+  void trace_outputs(StepContext& ctx) const {
+    const int D = ctx.cfg.d_model;
+    if (ctx.trace)
+      ctx.trace_tensor("fwd", layer_, "moe.experts", "out", ctx.token_slot_order(ctx.layer(layer_), ctx.layer(layer_).ye_rows, D),
+                       {ctx.tokens, ctx.cfg.top_k, D});
+  }
   // A round's segments cut for a tensor-parallel chain: pieces of near-equal
   // rows (chain_blocks, as for token rows), one piece on one rank.
   static std::vector<std::vector<Segment>> chain_pieces(const StepContext& ctx, const std::vector<Segment>& segs) {

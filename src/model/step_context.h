@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -84,6 +85,9 @@ struct StepWorkspace {
   ops::DeviceVector<int64_t> from_row, to_row;  // a round's row copies (ops::copy_rows): source and destination rows
   ops::DeviceVector<int64_t> keep_row;          // and, expert parallel, where each arriving row is kept
   std::vector<int64_t> piece_first_row, piece_rows;  // exchange_rows: per local expert, a source's part of a round
+  // expert_parallel.h: a round's exchange started and not yet finished (its all-to-all in flight), and
+  // what finishing it does with the rows that arrive. Empty: none.
+  std::function<void()> exchange_in_flight;
   ops::DeviceVector<float> row_vector;          // a vector added to every row (router skew, aux-loss gradient)
   std::vector<ops::DeviceVector<float>> grad_state;  // LeafFold state per (expert, gradient)
   ExpertWeightGrads expert_grads;               // the backward's expert weight gradients, reused by every layer

@@ -229,20 +229,89 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
   if (me != tp - 1) unpack_parts(out, buffer);
 }
 
-void gather_stream(StepContext& ctx, const float* local, float* full, int64_t width) {
-  const int64_t n = ctx.stream_tokens * width;
+namespace {
+
+// Sequence parallel's all-gather of stream rows (`row_bytes` each, every
+// rank's stream_tokens of them), each rank's part handed to `at_hand` (if
+// any) as soon as this rank has it: its own first, then the others'.
+// Through the tensor group's shared slot (mesh.shared_memory): each rank
+// copies its rows in and flags them, and the others take each part as its
+// flag turns (counted as `shared_gather`); else a started all-gather, this
+// rank's own part computed on while it is in flight.
+void gather_stream_parts(StepContext& ctx, const void* local, void* full, size_t row_bytes, const RowsAtHand* at_hand) {
+  Communicator& group = ctx.group(Axis::kTensor);
+  const int tp = group.size(), me = group.rank();
+  const int64_t rows = ctx.stream_tokens;
+  const size_t n = (size_t)rows * row_bytes;
+  const auto part = [&](void* base, int t) { return (char*)base + (size_t)t * n; };
+  const auto hand = [&](const void* at, int t) {
+    if (at_hand) (*at_hand)((const float*)at, t * rows, rows);
+  };
   ops::synchronize();  // the host reads what kernels wrote
-  if (!ctx.sp) {
-    ops::copy_to_host(full, local, sizeof(float) * n);
+  SharedChain* chain = ctx.mesh->shared_chain();
+  const int64_t sequence = chain ? chain->sequence++ : 0;  // on every rank, whichever way this gather goes
+  if (chain && n * tp <= (size_t)chain->capacity * sizeof(float)) {
+    const int slot_index = (int)(sequence % 2);
+    const int64_t stamp = sequence * SharedChain::kStampStride + 1;
+    char* slot = (char*)chain->slot(slot_index);
+    {
+      const OpTimer copying(OpKind::kCopy);
+      std::memcpy(part(slot, me), local, n);
+    }
+    publish_flag(chain->flag(slot_index, me), stamp);
+    group.stats.count("shared_gather", n);
+    {
+      const OpTimer copying(OpKind::kCopy);
+      std::memcpy(part(full, me), local, n);
+    }
+    hand(local, me);
+    for (int k = 1; k < tp; ++k) {
+      const int t = (me + k) % tp;
+      const int64_t* flag = chain->flag(slot_index, t);
+      chain->region->wait_until(group.stats, "all_gather", [&] { return flag_at_least(flag, stamp); });
+      {
+        const OpTimer copying(OpKind::kCopy);
+        std::memcpy(part(full, t), part(slot, t), n);
+      }
+      hand(part(full, t), t);
+    }
     return;
   }
-  all_gather_equal(ctx.group(Axis::kTensor), local, full, sizeof(float) * n);
+  const std::vector<size_t> bytes((size_t)tp, n);
+  if (!at_hand) return group.all_gather(local, full, bytes);
+  Pending gathering = group.start_all_gather(local, full, bytes);
+  hand(local, me);
+  gathering->wait();
+  for (int t = 0; t < tp; ++t)
+    if (t != me) hand(part(full, t), t);
+}
+
+}  // namespace
+
+void gather_stream(StepContext& ctx, const float* local, float* full, int64_t width) {
+  if (!ctx.sp) {
+    ops::synchronize();  // the host reads what kernels wrote
+    ops::copy_to_host(full, local, sizeof(float) * ctx.stream_tokens * width);
+    return;
+  }
+  gather_stream_parts(ctx, local, full, sizeof(float) * (size_t)width, nullptr);
 }
 
 const float* every_token(StepContext& ctx, const float* held, ops::DeviceVector<float>& gathered) {
   if (!ctx.sp) return held;
   gathered.resize(ctx.tokens * ctx.cfg.d_model);
   gather_stream(ctx, held, gathered.data(), ctx.cfg.d_model);
+  return gathered.data();
+}
+
+const float* every_token_rows(StepContext& ctx, const float* held, ops::DeviceVector<float>& gathered,
+                              const RowsAtHand& at_hand) {
+  if (!ctx.sp) {
+    at_hand(held, 0, ctx.tokens);
+    return held;
+  }
+  gathered.resize(ctx.tokens * ctx.cfg.d_model);
+  gather_stream_parts(ctx, held, gathered.data(), sizeof(float) * (size_t)ctx.cfg.d_model, &at_hand);
   return gathered.data();
 }
 
@@ -258,7 +327,7 @@ void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts) {
     ops::copy_rows(ws.dye.data(), acts.row_of.data() + ctx.stream_first * K, ws.sp_rows.data(), nullptr, held, D);
     ops::synchronize();
   }
-  all_gather_equal(ctx.group(Axis::kTensor), ws.sp_rows.data(), ws.sp_rows_all.data(), sizeof(float) * held * D);
+  gather_stream_parts(ctx, ws.sp_rows.data(), ws.sp_rows_all.data(), sizeof(float) * (size_t)(K * D), nullptr);
   const OpTimer copying(OpKind::kCopy);
   ops::copy_rows(ws.sp_rows_all.data(), nullptr, ws.dye.data(), acts.row_of.data(), all, D);
 }
@@ -270,9 +339,7 @@ void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<float>& held, 
 
 void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<int>& held, ops::DeviceVector<int>& whole,
                         int64_t width) {
-  if (!ctx.sp) return;
-  ops::synchronize();  // the host reads what kernels wrote
-  all_gather_equal(ctx.group(Axis::kTensor), held.data(), whole.data(), sizeof(int) * ctx.stream_tokens * width);
+  if (ctx.sp) gather_stream_parts(ctx, held.data(), whole.data(), sizeof(int) * (size_t)width, nullptr);
 }
 
 ChainOutput stream_output(StepContext& ctx, float* data) {

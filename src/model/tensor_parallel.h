@@ -83,6 +83,16 @@ void gather_stream(StepContext& ctx, const float* local, float* full, int64_t wi
 // gathered into `gathered`.
 const float* every_token(StepContext& ctx, const float* held, ops::DeviceVector<float>& gathered);
 
+// every_token for a column-parallel GEMM that starts on the rows at hand:
+// at_hand(rows, first, count) is called on every token's rows [first, first
+// + count) in pieces -- with sequence parallel this rank's own stream rows
+// at once, then each other rank's as it arrives (shared memory) or once the
+// gather is done; without, every token in one call. Rows are independent,
+// so the order changes no bit. Returns what every_token returns.
+using RowsAtHand = std::function<void(const float* rows, int64_t first, int64_t count)>;
+const float* every_token_rows(StepContext& ctx, const float* held, ops::DeviceVector<float>& gathered,
+                              const RowsAtHand& at_hand);
+
 // Sequence parallel: each TP rank wrote the expert-output gradients (ws.dye,
 // dispatch order) of its stream tokens' rows; the experts need every row's.
 // The rows of every token, in (token, slot) order, gathered over the group

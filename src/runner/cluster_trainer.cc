@@ -419,7 +419,7 @@ MeshReport ClusterTrainer::mesh_report() const {
     const Rank& me = *ranks_[mpi_->rank()];
     const MoeStats& st = me.model->moe_stats();
     static const char* kKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
-                                   "broadcast",  "send",           "shared_send", "shared_final"};
+                                   "broadcast",  "send",           "shared_send", "shared_final", "shared_gather"};
     constexpr size_t kFirstKind = 12, kKindCount = sizeof kKinds / sizeof *kKinds, kComm = kFirstKind + kKindCount;
     std::vector<int64_t> rec = {st.rounds, st.borrowed, st.dropped, st.expert_gemm_calls, st.all_to_all_calls,
                                 st.all_to_all_bytes, st.peak_expert_bytes, st.peak_dispatch_bytes,
@@ -433,7 +433,8 @@ MeshReport ClusterTrainer::mesh_report() const {
     const size_t kFirstTime = rec.size();  // then nanoseconds by kind, kTimeKinds' order
     for (const char* k : kTimeKinds)
       rec.push_back(me.comm.seconds_by_kind.count(k) ? (int64_t)(me.comm.seconds_by_kind.at(k) * 1e9) : 0);
-    rec.push_back(st.cp_link_messages);  // last
+    rec.push_back(st.all_to_all_started);  // last but one
+    rec.push_back(st.cp_link_messages);    // last
     const int R = mpi_->size();
     std::vector<int64_t> all(rec.size() * R);
     mpi_->all_gather(rec.data(), all.data(), std::vector<size_t>(R, rec.size() * sizeof(int64_t)));
@@ -446,6 +447,7 @@ MeshReport ClusterTrainer::mesh_report() const {
       s.expert_gemm_calls = x[3];
       s.all_to_all_calls = x[4];
       s.all_to_all_bytes = x[5];
+      s.all_to_all_started = x[rec.size() - 2];
       s.peak_expert_bytes = x[6];
       s.peak_dispatch_bytes = x[7];
       s.peak_routed_bytes = x[8];

@@ -146,6 +146,7 @@ nlohmann::json result_json(const RunResult& r) {
               {"expert_gemm_calls", r.moe_gemm_calls},
               {"all_to_all_calls", r.moe_all_to_all_calls},
               {"all_to_all_bytes", r.moe_all_to_all_bytes},
+              {"all_to_all_started", r.moe_all_to_all_started},
               {"peak_expert_bytes_per_rank", r.peak_expert_bytes},
               {"peak_dispatch_bytes_per_rank", r.peak_dispatch_bytes},
               {"peak_routed_bytes_per_rank", r.peak_routed_bytes},

@@ -117,6 +117,7 @@ struct RunResult {
   std::vector<int> moe_rounds;               // per step
   std::vector<int64_t> moe_borrowed, moe_dropped;  // per step
   std::vector<int64_t> moe_gemm_calls, moe_all_to_all_calls, moe_all_to_all_bytes;  // per step, all ranks
+  std::vector<int64_t> moe_all_to_all_started;  // per step, all ranks: the calls started behind the shared expert
   int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;  // measured high-water marks, the largest rank
   int64_t peak_routed_bytes = 0, peak_grad_state_bytes = 0;
   int64_t workspace_bytes = 0, weight_bytes = 0;  // measured per rank (the largest): activations + scratch; weights + gradients

@@ -483,6 +483,7 @@ void TrainingRun::record_step(int step, float loss, double step_seconds) {
   r_.moe_gemm_calls.push_back(mr.expert_gemm_calls);
   r_.moe_all_to_all_calls.push_back(mr.all_to_all_calls);
   r_.moe_all_to_all_bytes.push_back(mr.all_to_all_bytes);
+  r_.moe_all_to_all_started.push_back(mr.all_to_all_started);
   r_.peak_expert_bytes = std::max(r_.peak_expert_bytes, mr.peak_expert_bytes);
   r_.peak_dispatch_bytes = std::max(r_.peak_dispatch_bytes, mr.peak_dispatch_bytes);
   r_.peak_routed_bytes = std::max(r_.peak_routed_bytes, mr.peak_routed_bytes);
