@@ -124,6 +124,25 @@ TEST_SUITE("context_parallel") {
     }
   }
 
+  TEST_CASE("mesh.overlap: K and V are projected first and their all-gather is in flight while Q is; the same bits") {
+    const ls::RunResult one = run_split({}, 1);
+    for (const char* layout : {"mesh.cp_layout=zigzag", "mesh.cp_layout=contiguous"}) {
+      CAPTURE(layout);
+      const ls::RunResult blocking = run_split({"mesh.cp=2", layout, "mesh.overlap=false"});
+      const ls::RunResult overlapped = run_split({"mesh.cp=2", layout});
+      CHECK(blocking.final_state_hash == one.final_state_hash);
+      CHECK(overlapped.final_state_hash == one.final_state_hash);
+      CHECK(loss_bits(overlapped) == loss_bits(one));
+      // dp 1: the K/V gathers are the only collectives started (one per layer and step).
+      CHECK(blocking.comm_in_flight_seconds_per_step == 0);
+      CHECK(overlapped.comm_in_flight_seconds_per_step > 0);
+      // The same collectives either way.
+      CHECK(overlapped.bytes_sent_per_step == blocking.bytes_sent_per_step);
+      for (size_t c = 0; c < overlapped.context.size(); ++c)
+        CHECK(overlapped.context[c].kv_bytes_sent == blocking.context[c].kv_bytes_sent);
+    }
+  }
+
   TEST_CASE("with few samples the dK/dV chain goes a key block at a time; with many, and on a kernel backend, whole links") {
     const int S = 128, heads = 4, layers = 2, kb = ls::cp_chain_key_block(S, 2);
     const std::vector<ls::ChainLink> chain = ls::cp_chain(S, 2, true);

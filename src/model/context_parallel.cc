@@ -106,28 +106,60 @@ void gather_held_stream_rows(StepContext& ctx, float* m, int64_t ld) {
   if (ctx.cp() > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, (int)(ctx.stream_first / S), (int)(ctx.stream_tokens / S));
 }
 
+namespace {
+
+// Context parallel: acts.qkv's q, k and v of this rank's positions, and
+// every token's k and v gathered. With mesh.overlap k and v are projected
+// first and their all-gather is in flight while q is (each column's fold
+// is its own, so the order changes no bit).
+void cp_project_qkv(StepContext& ctx, const float* attn_in, const float* wqkv, LayerActs& acts) {
+  const int D = ctx.cfg.d_model, Dh = ctx.width_held();
+  float* qkv = acts.qkv.data();
+  if (!ctx.mesh->overlap()) {
+    held_stream_rows(ctx, attn_in, ctx.ws.sp_gathered, true, [&](const float* x, int64_t row, int count) {
+      ops::linear(x, count, D, wqkv, 3 * Dh, qkv + row * 3 * Dh);
+    });
+    return cp_gather_rows(ctx, qkv, 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true);
+  }
+  const float* x_all = held_stream_rows(ctx, attn_in, ctx.ws.sp_gathered, true, [&](const float* x, int64_t row, int count) {
+    ops::linear_strided(x, D, count, D, wqkv + Dh, 3 * Dh, 2 * Dh, qkv + row * 3 * Dh + Dh, 3 * Dh, false);
+  });
+  // Q in pieces of at most 256 rows, the gather progressed between them (MPI moves data only inside its calls).
+  cp_gather_rows(ctx, qkv, 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true, [&](const std::function<void()>& progress) {
+    held_rows(ctx, [&](int64_t row, int count) {
+      for (int at = 0; at < count; at += 256) {
+        const int rows = std::min(256, count - at);
+        ops::linear_strided(x_all + (row + at) * D, D, rows, D, wqkv, 3 * Dh, Dh, qkv + (row + at) * 3 * Dh, 3 * Dh,
+                            false);
+        progress();
+      }
+    });
+  });
+}
+
+}  // namespace
+
 void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, const float* wqkv, LayerActs& acts) {
   const ModelConfig& c = ctx.cfg;
   const int D = c.d_model, S = c.seq_len, Dh = ctx.width_held(), Hh = ctx.heads_held(), hd = D / c.n_heads;
   const int64_t N = ctx.tokens;
   const float scale = attention_scale(c);
+  if (ctx.cp() > 1) {  // this rank's positions' queries against every token's K and V
+    cp_project_qkv(ctx, attn_in, wqkv, acts);
+    ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D}, {TraceRows::kHeld, 3});
+    acts.attn_probs.resize((size_t)ctx.batch * Hh * cp_probs_floats(S, ctx.cp(), ctx.cp_rank(), ctx.cp_zigzag()));
+    cp_attention_forward(ctx, acts.qkv.data(), Hh, hd, scale, acts.attn_probs.data(), acts.attn_out.data());
+    ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D}, {TraceRows::kHeld, 1});
+    return;
+  }
   held_stream_rows(ctx, attn_in, ctx.ws.sp_gathered, true, [&](const float* x, int64_t row, int count) {
     ops::linear(x, count, D, wqkv, 3 * Dh, acts.qkv.data() + row * 3 * Dh);
   });
-  if (ctx.cp() == 1) {
-    ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D}, {TraceRows::kTokens, 3});
-    acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
-    ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, hd, scale, acts.attn_probs.data(),
-                                 acts.attn_out.data());
-    ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D}, {TraceRows::kTokens, 1});
-    return;
-  }
-  // This rank's positions' q, k and v; then every token's K and V.
-  ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D}, {TraceRows::kHeld, 3});
-  cp_gather_rows(ctx, acts.qkv.data(), 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true);
-  acts.attn_probs.resize((size_t)ctx.batch * Hh * cp_probs_floats(S, ctx.cp(), ctx.cp_rank(), ctx.cp_zigzag()));
-  cp_attention_forward(ctx, acts.qkv.data(), Hh, hd, scale, acts.attn_probs.data(), acts.attn_out.data());
-  ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D}, {TraceRows::kHeld, 1});
+  ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D}, {TraceRows::kTokens, 3});
+  acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
+  ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, hd, scale, acts.attn_probs.data(),
+                               acts.attn_out.data());
+  ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D}, {TraceRows::kTokens, 1});
 }
 
 void attention_backward_held(StepContext& ctx, const LayerActs& acts, const float* dattn_out, float* dqkv) {
@@ -153,7 +185,7 @@ void token_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const floa
 }
 
 void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, int first_sample, int samples,
-                    bool kv) {
+                    bool kv, const InFlightWork& while_in_flight) {
   ops::synchronize();  // the host packs and unpacks what kernels wrote
   const int S = ctx.cfg.seq_len, cp = ctx.cp();
   const bool zz = ctx.cp_zigzag();
@@ -162,7 +194,15 @@ void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, 
   ctx.ws.cp_recv.resize((size_t)(each * cp));
   float* out = ctx.ws.cp_send.data();
   cp_for_each_held(ctx, first_sample, samples, [&](int64_t row, int count) { pack_rows(m, ld, row, count, col, width, out); });
-  all_gather_floats(ctx.group(Axis::kContext), ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), std::vector<size_t>((size_t)cp, (size_t)each));
+  Communicator& group = ctx.group(Axis::kContext);
+  const std::vector<size_t> bytes((size_t)cp, sizeof(float) * (size_t)each);
+  if (while_in_flight) {
+    Pending gathering = group.start_all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), bytes);
+    while_in_flight([&] { gathering->test(); });
+    gathering->wait();
+  } else {
+    group.all_gather(ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), bytes);
+  }
   const int64_t sent = each * (int64_t)sizeof(float) * (cp - 1);
   ctx.stats.cp_bytes_sent += sent;
   if (kv) ctx.stats.cp_kv_bytes_sent += sent;

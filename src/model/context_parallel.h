@@ -112,8 +112,11 @@ void cp_rows_held(const StepContext& ctx, RowBlock block, const std::function<vo
 // Columns [col, col + width) of an [N, ld] token-row matrix, samples
 // [first_sample, first_sample + samples): every rank's held rows made whole
 // on every rank (an all-gather). `kv`: the bytes count as K/V traffic.
+// `while_in_flight`: work to do while the all-gather is in flight (it is
+// then started, and waited for after), given a call that progresses it.
+using InFlightWork = std::function<void(const std::function<void()>& progress)>;
 void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, int first_sample, int samples,
-                    bool kv = false);
+                    bool kv = false, const InFlightWork& while_in_flight = nullptr);
 
 // CP rank `rank`'s items [first, first + count) of n consecutive ones
 // (a weight gradient's output columns, the experts held): ceil(n / cp)
