@@ -217,6 +217,23 @@ TEST_SUITE("context_parallel") {
     CHECK(bytes[2] < bytes[1]);
   }
 
+  TEST_CASE("a context-parallel rank keeps the routed rows' SwiGLU inputs only for its block of experts") {
+    // u, v and sg (d_ff floats each per routed row) for the rows of the experts the rank computes; the
+    // expert outputs (d_model floats a row) stay whole on every rank, gathered.
+    const ls::Scenario s = lstest::split_scenario({});
+    const int64_t rows = (int64_t)s.batch * s.model.seq_len * s.model.top_k, F = s.model.d_ff, D = s.model.d_model;
+    const ls::RunResult one = run_split({"train.steps=1"}, 1);  // one rank, one lane: every row
+    const int64_t leaf_ids = rows * 8, outputs = rows * D * 4, swiglu = 3 * rows * F * 4;
+    CHECK(one.peak_routed_bytes == s.model.n_layers * (outputs + swiglu + leaf_ids));
+    for (int cp : {2, 4}) {
+      CAPTURE(cp);
+      const ls::RunResult r = run_split({"train.steps=1", "mesh.cp=" + std::to_string(cp)});
+      CHECK(r.final_state_hash == one.final_state_hash);
+      CHECK(r.peak_routed_bytes < one.peak_routed_bytes);
+      CHECK(r.peak_routed_bytes >= s.model.n_layers * (outputs + leaf_ids + swiglu / cp));  // the largest block
+    }
+  }
+
   TEST_CASE("a checkpoint saved at cp 2 resumes at cp 1, cp 4 and with dp and tp changed, on the uninterrupted hash") {
     const std::string sc = lstest::write_temp("cp-ckpt.json", kSplitScenario).string();
     // Context-parallel ranks hold the same state: CP rank 0 writes it; every rank writes an object.

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/op_profile.h"
+#include "model/context_parallel.h"
 #include "ops/ops.h"
 
 namespace ls {
@@ -69,7 +70,11 @@ void hold_moe_buffers(StepContext& ctx, LayerActs& acts) {
     for (ops::DeviceVector<float>* v : {&ws.slots.y, &ws.slots.dy, &ws.slots.dx}) grow(*v, slots * D);
   for (ops::DeviceVector<float>* v : {&ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv}) grow(*v, slots * F);
   const size_t held_rows = (size_t)acts.rows.off[ctx.local_experts];
-  for (ops::DeviceVector<float>* v : {&acts.rows.u, &acts.rows.v, &acts.rows.sg}) grow(*v, held_rows * F);
+  // u, v and sg for the rows this rank computes: all held, or with context parallel its expert block's.
+  const CpShare block = cp_share(ctx.local_experts, ctx.cp(), ctx.cp_rank());
+  acts.rows.hidden_base = acts.rows.off[(size_t)block.first];
+  const size_t computed = (size_t)(acts.rows.off[(size_t)(block.first + block.count)] - acts.rows.hidden_base);
+  for (ops::DeviceVector<float>* v : {&acts.rows.u, &acts.rows.v, &acts.rows.sg}) grow(*v, computed * F);
   grow(acts.ye, (size_t)(ctx.tokens * ctx.cfg.top_k) * D);
   if (ctx.ep() > 1) {  // a pair moves at most the destination's slots per round
     size_t all_slots = 0;

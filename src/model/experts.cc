@@ -113,9 +113,10 @@ RoundPlan plan_rounds(const ModelConfig& c, const std::vector<int64_t>& load, in
 
 namespace {
 
-// Runs fn(segment, its first row b in the block, rows n, slot, row in the
-// experts' row order, W1, W3, W2 of the segment's expert) for every row
-// block of round r, blocks in parallel; returns the tasks run.
+// Runs fn(segment, its first row b in the block, rows n, slot, row of u, v
+// and sg (the experts' row order, from rows.hidden_base), W1, W3, W2 of the
+// segment's expert) for every row block of round r, blocks in parallel;
+// returns the tasks run.
 template <class Fn>
 int64_t for_each_block(const std::vector<Segment>& segs, const ExpertRows& rows, const float* W1, const float* W3,
                        const float* W2, int D, int F, Fn&& fn) {
@@ -126,7 +127,7 @@ int64_t for_each_block(const std::vector<Segment>& segs, const ExpertRows& rows,
     const int64_t b = tasks[t].second, n = std::min(block, s.rows - b);
     const int64_t e = s.expert;
     const int64_t per_expert = (int64_t)D * F;  // a part passes nullptr for the weights it does not read
-    fn(s, b, n, s.slot + b, rows.off[e] + s.first + b, W1 ? W1 + e * per_expert : nullptr,
+    fn(s, b, n, s.slot + b, rows.off[e] + s.first + b - rows.hidden_base, W1 ? W1 + e * per_expert : nullptr,
        W3 ? W3 + e * per_expert : nullptr, W2 ? W2 + e * per_expert : nullptr);
   });
   return (int64_t)tasks.size();

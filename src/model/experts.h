@@ -64,7 +64,10 @@ struct ExpertRows {
   std::vector<int64_t> off;   // [experts + 1]: first row of each expert
   std::vector<int64_t> leaf;  // per row: its leaf in the reduction group, ascending per expert
   ops::DeviceVector<float> x;       // [rows, D] (expert parallel only)
-  ops::DeviceVector<float> u, v, sg;  // [rows, F]
+  ops::DeviceVector<float> u, v, sg;  // [rows, F] from row hidden_base on
+  // The first row u, v and sg hold: 0, or with context parallel the first
+  // row of the rank's expert block (the only rows it computes).
+  int64_t hidden_base = 0;
   int experts() const { return (int)off.size() - 1; }
 };
 
