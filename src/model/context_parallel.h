@@ -6,7 +6,8 @@
 // of all three. K and V travel: each rank's rows are all-gathered after the
 // projection. The routed experts are split too, by expert: every rank
 // routes every token alike, then computes a block of the experts held
-// (cp_share) over all of their rows, and the group all-gathers the
+// (cp_expert_block: contiguous, cut to balance their rows) over all of
+// their rows, and the group all-gathers the
 // rows' outputs, input gradients and the experts' weight gradients. The
 // shared expert goes as the projections do: its positions' rows here,
 // gathered; its weight gradients by column. The rest (norms, router,
@@ -68,7 +69,8 @@ void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, c
 void attention_backward_held(StepContext& ctx, const LayerActs& acts, const float* dattn_out, float* dqkv);
 
 // The experts' plan this rank computes: its EP rank's, or at cp > 1 its
-// block of those experts (cp_own_experts, kept in `scratch`).
+// block of those experts (cp_own_experts, kept in `scratch`). Points the
+// slots' d_ff-wide buffers at that plan's slots (ExpertSlots::hidden_base).
 const RoundPlan& computed_expert_plan(const StepContext& ctx, const LayerActs& acts, RoundPlan& scratch);
 
 // ---- The pieces. ----
@@ -148,11 +150,18 @@ class CpBusy {
   double t0_;
 };
 
-// The experts a CP rank computes: cp_share(ctx.local_experts, ctx.cp(), rank).
+// The experts CP rank `rank` computes of EP owner `owner`'s (its local
+// experts at ep 1): a contiguous block, cut where the blocks' rows (that
+// owner's plan's loads) come nearest equal, so no rank holds most of the
+// rows' buffers. Every rank derives the same cut from the same plans. With
+// a pipeline's expert parallel (grads_by_source: an expert's gradient
+// accumulates over microbatches on one rank) the fixed cp_share of the
+// experts instead.
+CpShare cp_expert_block(const StepContext& ctx, const LayerActs& acts, int owner, int rank);
 // `plan` with only this rank's block's segments: the rounds, slots and
 // capacity as they were, so each row is computed where and when it would
 // be (rows are independent; an expert's gradient folds whole here).
-RoundPlan cp_own_experts(const StepContext& ctx, const RoundPlan& plan);
+RoundPlan cp_own_experts(const StepContext& ctx, const LayerActs& acts, const RoundPlan& plan);
 
 // Dispatch rows [NK, width] (acts.expert_off's order): each rank's experts'
 // rows made whole on every rank (an all-gather; nothing at cp 1). Reduces over nothing.
@@ -160,7 +169,7 @@ void gather_expert_rows(StepContext& ctx, const LayerActs& acts, float* rows, in
 
 // A weight gradient [local_experts, per_expert]: each rank's block's slabs
 // made whole on every rank (an all-gather; nothing at cp 1). Reduces over nothing.
-void gather_expert_grads(StepContext& ctx, float* grad, int64_t per_expert);
+void gather_expert_grads(StepContext& ctx, const LayerActs& acts, float* grad, int64_t per_expert);
 
 // qkv [N, 3*Dh]: this rank's rows' q, every token's k and v. Forward: P gets
 // this rank's ranges of every (sample, head), attn_out [N, Dh] their rows.

@@ -68,10 +68,15 @@ void hold_moe_buffers(StepContext& ctx, LayerActs& acts) {
   grow(ws.slots.x, slots * D);
   if (ctx.ep() > 1)
     for (ops::DeviceVector<float>* v : {&ws.slots.y, &ws.slots.dy, &ws.slots.dx}) grow(*v, slots * D);
-  for (ops::DeviceVector<float>* v : {&ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv}) grow(*v, slots * F);
+  // The d_ff-wide ones: every slot, or with context parallel the slots of the rank's block of experts.
+  RoundPlan cp_plan;
+  const SlotRange in_slots = hidden_slot_range(computed_expert_plan(ctx, acts, cp_plan));
+  const size_t hidden_slots = ctx.cp() > 1 ? (size_t)(in_slots.end - in_slots.first) : slots;
+  for (ops::DeviceVector<float>* v : {&ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv})
+    grow(*v, hidden_slots * F);
   const size_t held_rows = (size_t)acts.rows.off[ctx.local_experts];
   // u, v and sg for the rows this rank computes: all held, or with context parallel its expert block's.
-  const CpShare block = cp_share(ctx.local_experts, ctx.cp(), ctx.cp_rank());
+  const CpShare block = cp_expert_block(ctx, acts, ctx.ep_rank(), ctx.cp_rank());
   acts.rows.hidden_base = acts.rows.off[(size_t)block.first];
   const size_t computed = (size_t)(acts.rows.off[(size_t)(block.first + block.count)] - acts.rows.hidden_base);
   for (ops::DeviceVector<float>* v : {&acts.rows.u, &acts.rows.v, &acts.rows.sg}) grow(*v, computed * F);

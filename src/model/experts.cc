@@ -1,6 +1,7 @@
 #include "model/experts.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <string>
 
@@ -143,7 +144,7 @@ int64_t experts_round_hidden(const RoundPlan& plan, int r, ExpertSlots& slots, E
     float *u = &rows.u[row * F], *v = &rows.v[row * F];
     ops::gemm(n, F, D, {&slots.x[slot * D], D, 1}, {w1, F, 1}, u, F, false, 1);
     ops::gemm(n, F, D, {&slots.x[slot * D], D, 1}, {w3, F, 1}, v, F, false, 1);
-    ops::swiglu(u, v, &rows.sg[row * F], &slots.act[slot * F], n * F);
+    ops::swiglu(u, v, &rows.sg[row * F], &slots.act[slots.hidden(slot) * F], n * F);
   });
   return 2 * tasks;  // GEMM calls: u, v per task
 }
@@ -153,7 +154,7 @@ int64_t experts_round_output(const std::vector<Segment>& segs, const ExpertSlots
   return for_each_block(segs, rows, nullptr, nullptr, W2, D, F,
                         [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t, const float*, const float*,
                             const float* w2) {
-    ops::gemm(n, D, F, {&slots.act[slot * F], F, 1}, {w2, D, 1}, y.at(rows, s, b, D), D, accumulate, 1);
+    ops::gemm(n, D, F, {&slots.act[slots.hidden(slot) * F], F, 1}, {w2, D, 1}, y.at(rows, s, b, D), D, accumulate, 1);
   });
 }
 
@@ -163,10 +164,11 @@ int64_t experts_round_backward_hidden(const RoundPlan& plan, int r, ExpertSlots&
                         [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t row, const float*,
                             const float*, const float* w2) {
     const float *u = &rows.u[row * F], *v = &rows.v[row * F], *sg = &rows.sg[row * F];
-    float *act = &slots.act[slot * F], *dact = &slots.dact[slot * F];
+    const int64_t h = slots.hidden(slot);
+    float *act = &slots.act[h * F], *dact = &slots.dact[h * F];
     ops::swiglu_product(u, sg, v, act, n * F);  // the forward's act, for W2's gradient
     ops::gemm(n, F, D, {dy.at(rows, s, b, D), D, 1}, {w2, 1, D}, dact, F, false, 1);
-    ops::swiglu_backward(u, v, sg, dact, &slots.du[slot * F], &slots.dv[slot * F], n * F);
+    ops::swiglu_backward(u, v, sg, dact, &slots.du[h * F], &slots.dv[h * F], n * F);
   });
 }
 
@@ -178,11 +180,21 @@ int64_t experts_round_input_grad(const std::vector<Segment>& segs, const ExpertS
                                            const float* w1, const float* w3, const float*) {
     float* dxr = dx.at(rows, s, b, D);
     for (int pass = first_pass; pass < first_pass + count; ++pass) {
-      const float* dhidden = pass == 0 ? &slots.du[slot * F] : &slots.dv[slot * F];
+      const float* dhidden = pass == 0 ? &slots.du[slots.hidden(slot) * F] : &slots.dv[slots.hidden(slot) * F];
       ops::gemm(n, D, F, {dhidden, F, 1}, {pass == 0 ? w1 : w3, 1, F}, dxr, D, accumulate || pass > first_pass, 1);
     }
   });
   return count * tasks;
+}
+
+SlotRange hidden_slot_range(const RoundPlan& plan) {
+  SlotRange r{INT64_MAX, 0};
+  for (const std::vector<Segment>& round : plan.round)
+    for (const Segment& s : round) {
+      r.first = std::min(r.first, s.slot);
+      r.end = std::max(r.end, s.slot + s.rows);
+    }
+  return r.first < r.end ? r : SlotRange{};
 }
 
 int64_t segment_rows(const std::vector<Segment>& segs) {
@@ -254,8 +266,9 @@ void ExpertWeightGrads::add_round(const RoundPlan& plan, int r, const ExpertSlot
     const int which = (int)(task % 3), e = s.expert;
     // W1, W3: X = x rows, dY = du / dv; W2: X = act rows, dY = dy. Each reduces over the expert's token rows.
     const int in = which == 2 ? F : D, out = which == 2 ? D : F;
-    const float* X = (which == 2 ? slots.act.data() : slots.x.data()) + s.slot * in;
-    const float* dY = which == 2 ? dy.at(rows, s, 0, D) : (which == 0 ? slots.du.data() : slots.dv.data()) + s.slot * out;
+    const float* X = which == 2 ? slots.act.data() + slots.hidden(s.slot) * in : slots.x.data() + s.slot * in;
+    const float* dY =
+        which == 2 ? dy.at(rows, s, 0, D) : (which == 0 ? slots.du.data() : slots.dv.data()) + slots.hidden(s.slot) * out;
     const int64_t* leaf = &rows.leaf[rows.off[e] + s.first];
     if (segments_[e] > 1) {  // rows in several rounds: the fold continues
       folds_[(size_t)e * 3 + which].add(X, in, dY, out, leaf, s.rows);
@@ -309,7 +322,7 @@ void ExpertGradsBySource::add_round(const RoundPlan& plan, int r, const ExpertSl
     const Segment& s = segs[task / 3];
     const int which = (int)(task % 3), e = s.expert;
     const int in = which == 2 ? F : D, out = which == 2 ? D : F;
-    const float* X = (which == 2 ? slots.act.data() : slots.x.data()) + s.slot * in;
+    const float* X = which == 2 ? slots.act.data() + slots.hidden(s.slot) * in : slots.x.data() + s.slot * in;
     const int64_t* leaf = &rows.leaf[rows.off[e] + s.first];
     std::vector<int64_t> within((size_t)s.rows);
     // The segment's rows, source by source (rows are in source, then token order).
@@ -318,7 +331,7 @@ void ExpertGradsBySource::add_round(const RoundPlan& plan, int r, const ExpertSl
       int64_t k1 = k0;
       for (; k1 < s.rows && leaf[k1] / leaves_ == src; ++k1) within[(size_t)k1] = leaf[k1] - src * leaves_;
       const float* dY = which == 2 ? dy.at(rows, s, k0, D)
-                                   : (which == 0 ? slots.du.data() : slots.dv.data()) + (s.slot + k0) * out;
+                                   : (which == 0 ? slots.du.data() : slots.dv.data()) + slots.hidden(s.slot + k0) * out;
       folds_[((size_t)e * 3 + which) * sources_ + (size_t)src].add(X + k0 * in, in, dY, out, &within[(size_t)k0], k1 - k0);
       ++calls[(size_t)task];
       k0 = k1;

@@ -54,7 +54,18 @@ RoundPlan plan_rounds(const ModelConfig& cfg, const std::vector<int64_t>& load, 
 struct ExpertSlots {
   ops::DeviceVector<float> x, act, y;             // forward: input rows, SwiGLU product, output rows
   ops::DeviceVector<float> dy, dact, du, dv, dx;  // backward
+  // The first slot the d_ff-wide buffers (act, dact, du, dv) hold: 0, or
+  // for a context-parallel rank the lowest slot its block of experts uses
+  // (hidden_slot_range), so it holds them for that block only.
+  int64_t hidden_base = 0;
+  int64_t hidden(int64_t slot) const { return slot - hidden_base; }
 };
+
+// [first, end) of the slots a plan's segments use, over every round.
+struct SlotRange {
+  int64_t first = 0, end = 0;
+};
+SlotRange hidden_slot_range(const RoundPlan& plan);
 
 // What the owner keeps per routed row between forward and backward (no
 // padding): the SwiGLU inputs u, v and gate sg (act is recomputed from

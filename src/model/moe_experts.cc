@@ -121,7 +121,7 @@ class MoeExperts : public LayerBlock {
       finished = true;
     }
     if (finished)  // context parallel: each block's gradients folded whole on its rank, gathered
-      for (float* g : {grad_w1, grad_w3, grad_w2}) gather_expert_grads(ctx, g, (int64_t)D * F);
+      for (float* g : {grad_w1, grad_w3, grad_w2}) gather_expert_grads(ctx, acts, g, (int64_t)D * F);
     if (ctx.trace)
       ctx.trace_tensor("bwd", layer_, "moe.experts", "dx", ctx.token_slot_order(acts, ws.dxe.data(), D),
                        {ctx.tokens, ctx.cfg.top_k, D});
