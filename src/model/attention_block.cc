@@ -70,9 +70,10 @@ class AttentionBlock : public LayerBlock {
     // Sequence parallel: the projection's gradients need every token's d(mid).
     const float* wo = ctx.layer_weight(layer_, "wo");
     ws.dattn_out.resize(N * Dh);
-    const float* dmid = held_stream_rows(ctx, ws.dh.data(), ws.sp_dh, true, [&](const float* d, int64_t row, int count) {
+    const auto dattn_rows = [&](const float* d, int64_t row, int count) {
       ops::linear_input_grad(d, count, D, wo, Dh, ws.dattn_out.data() + row * Dh, false);
-    });
+    };
+    const float* dmid = held_stream_rows(ctx, ws.dh.data(), ws.sp_dh, true, dattn_rows);
     // Context parallel: every token's attention output, for wo's gradient.
     gather_held_rows(ctx, acts.attn_out.data(), Dh);
     token_weight_grad(ctx, acts.attn_out.data(), Dh, dmid, D, Dh, D, ctx.layer_grad(layer_, "wo"));

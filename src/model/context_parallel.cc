@@ -121,9 +121,10 @@ void cp_project_qkv(StepContext& ctx, const float* attn_in, const float* wqkv, L
     });
     return cp_gather_rows(ctx, qkv, 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true);
   }
-  const float* x_all = held_stream_rows(ctx, attn_in, ctx.ws.sp_gathered, true, [&](const float* x, int64_t row, int count) {
+  const auto project_kv = [&](const float* x, int64_t row, int count) {
     ops::linear_strided(x, D, count, D, wqkv + Dh, 3 * Dh, 2 * Dh, qkv + row * 3 * Dh + Dh, 3 * Dh, false);
-  });
+  };
+  const float* x_all = held_stream_rows(ctx, attn_in, ctx.ws.sp_gathered, true, project_kv);
   // Q in pieces of at most 256 rows, the gather progressed between them (MPI moves data only inside its calls).
   cp_gather_rows(ctx, qkv, 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true, [&](const std::function<void()>& progress) {
     held_rows(ctx, [&](int64_t row, int count) {

@@ -62,7 +62,8 @@ void gather_held_rows(StepContext& ctx, float* m, int64_t ld);
 void gather_held_stream_rows(StepContext& ctx, float* m, int64_t ld);
 
 // The attention of a layer on this rank's rows: qkv [N, 3*Dh] = its rows of
-// attn_in (the stream's rows held here, gathered through held_stream_rows) times wqkv (at cp > 1 every token's K and V gathered), P
+// attn_in (the stream's rows held here, gathered through held_stream_rows)
+// times wqkv (at cp > 1 every token's K and V gathered), P
 // and attn_out [N, Dh] for its queries. Reduces over keys, one query's on one rank.
 void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, const float* wqkv, LayerActs& acts);
 // dattn_out [N, Dh] of this rank's rows -> dqkv [N, 3*Dh] (cp_attention_backward at cp > 1).

@@ -267,8 +267,8 @@ void ExpertWeightGrads::add_round(const RoundPlan& plan, int r, const ExpertSlot
     // W1, W3: X = x rows, dY = du / dv; W2: X = act rows, dY = dy. Each reduces over the expert's token rows.
     const int in = which == 2 ? F : D, out = which == 2 ? D : F;
     const float* X = which == 2 ? slots.act.data() + slots.hidden(s.slot) * in : slots.x.data() + s.slot * in;
-    const float* dY =
-        which == 2 ? dy.at(rows, s, 0, D) : (which == 0 ? slots.du.data() : slots.dv.data()) + slots.hidden(s.slot) * out;
+    const float* dY = which == 2 ? dy.at(rows, s, 0, D)
+                                 : (which == 0 ? slots.du.data() : slots.dv.data()) + slots.hidden(s.slot) * out;
     const int64_t* leaf = &rows.leaf[rows.off[e] + s.first];
     if (segments_[e] > 1) {  // rows in several rounds: the fold continues
       folds_[(size_t)e * 3 + which].add(X, in, dY, out, leaf, s.rows);

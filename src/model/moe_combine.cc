@@ -114,12 +114,13 @@ class MoeCombine : public LayerBlock {
     ws.shared_dx.resize(N * D);
     ws.shared_dact.resize(N * F);
     // Sequence parallel: every token's, started on the rows at hand; context parallel: this rank's positions' rows.
-    const float* dout = held_stream_rows(ctx, ws.dh.data(), ws.sp_dh, false, [&](const float* d, int64_t row, int count) {
+    const auto hidden_grads = [&](const float* d, int64_t row, int count) {
       ops::linear_input_grad(d, count, D, w2, F, ws.shared_dact.data() + row * F, false);
       ops::swiglu_backward(acts.shared_u.data() + row * F, acts.shared_v.data() + row * F,
                            acts.shared_gate.data() + row * F, ws.shared_dact.data() + row * F,
                            ws.shared_du.data() + row * F, ws.shared_dv.data() + row * F, count * F);
-    });
+    };
+    const float* dout = held_stream_rows(ctx, ws.dh.data(), ws.sp_dh, false, hidden_grads);
     // Reduces over the hidden feature of u, then continues over that of v (tensor parallel: chained).
     chained_fold(ctx, 2, stream_output(ctx, ws.shared_dx.data()),
                  [&](int first_pass, int count, bool accumulate, RowBlock block) {

@@ -131,10 +131,11 @@ class MoeExperts : public LayerBlock {
  private:
   // The experts' outputs, every row in place.
   void trace_outputs(StepContext& ctx) const {
+    if (!ctx.trace) return;
     const int D = ctx.cfg.d_model;
-    if (ctx.trace)
-      ctx.trace_tensor("fwd", layer_, "moe.experts", "out", ctx.token_slot_order(ctx.layer(layer_), ctx.layer(layer_).ye_rows, D),
-                       {ctx.tokens, ctx.cfg.top_k, D});
+    const LayerActs& acts = ctx.layer(layer_);
+    ctx.trace_tensor("fwd", layer_, "moe.experts", "out", ctx.token_slot_order(acts, acts.ye_rows, D),
+                     {ctx.tokens, ctx.cfg.top_k, D});
   }
   // A round's segments cut for a tensor-parallel chain: pieces of near-equal
   // rows (chain_blocks, as for token rows), one piece on one rank.
