@@ -23,6 +23,7 @@
 #include "model/step_context.h"
 #include "model/tensor_parallel.h"
 #include "cluster/shared_chain.h"
+#include "runner/placement.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
 
@@ -442,6 +443,54 @@ TEST_SUITE("tensor_parallel") {
   // (runner/placement.h split_tensor_sumsq): clipping on every step makes the
   // norm's bits reach the weights, so equal hashes hold the norm to the
   // one-process fold.
+  TEST_CASE("checkpoint staging of a split tensor: each TP rank receives just its range, each element sent once") {
+    // runner/cluster_state.cc stages TP rank q's range of every split tensor through gather_tp_range.
+    const ls::Scenario s = split_scenario({});
+    for (int tp : {2, 4}) {
+      CAPTURE(tp);
+      std::vector<uint64_t> sent_out((size_t)tp, 0), part_floats((size_t)tp, 0), gathered((size_t)tp, 0);
+      std::vector<int64_t> wrong((size_t)tp, 0);
+      ls::run_in_process(tp, [&](ls::Communicator& world) {
+        const size_t me = (size_t)world.rank();
+        for (const ls::ParamInfo& p : ls::MoeTransformer::layout(s.model, 1, 0, tp, (int)me)) {
+          if (p.tp_mid == 0) continue;
+          std::vector<float> part((size_t)p.size);  // each element: its index in the whole tensor
+          for (int64_t i = 0; i < p.size; ++i) part[(size_t)i] = (float)(p.global_index(i) - p.global_offset);
+          const int64_t total = p.size * tp;
+          auto range_of = [&](int q) { return std::pair<int64_t, int64_t>{total * q / tp, total * (q + 1) / tp}; };
+          ls::TpRangeBuffers buffers;
+          std::vector<float> mine;
+          const uint64_t before = world.stats.bytes_sent["all_to_all"];
+          ls::gather_tp_range(p, world, part.data(), range_of, buffers, mine);
+          sent_out[me] += world.stats.bytes_sent["all_to_all"] - before;
+          part_floats[me] += (uint64_t)p.size;
+          const auto [lo, hi] = range_of((int)me);
+          REQUIRE(mine.size() == (size_t)(hi - lo));
+          for (int64_t g = lo; g < hi; ++g) wrong[me] += mine[(size_t)(g - lo)] != (float)g;
+        }
+        gathered[me] = world.stats.bytes_sent["all_gather"];
+      });
+      for (size_t q = 0; q < (size_t)tp; ++q) {
+        CHECK(wrong[q] == 0);
+        CHECK(sent_out[q] > 0);
+        CHECK(sent_out[q] < part_floats[q] * 4);  // what the others stage of this rank's part, never all of it twice
+        CHECK(gathered[q] == 0);                  // nothing assembled
+      }
+    }
+    // A run that saves every step: staging adds all-to-all bytes, at most each of a rank's parameter and
+    // moment elements once, and gathers nothing; the checkpointed run ends on the same hash.
+    int64_t part = 0;
+    for (const ls::ParamInfo& p : ls::MoeTransformer::layout(s.model, 1, 0, 2, 0))
+      if (p.tp_mid > 0) part += p.size;
+    const ls::RunResult plain = run_split({"mesh.tp=2"});
+    const std::string url = "file://" + lstest::fresh_dir("tp-staging").string();
+    const ls::RunResult saving = run_split({"mesh.tp=2", "ckpt.url=" + url, "ckpt.every=1", "ckpt.async=false"});
+    CHECK(saving.final_state_hash == plain.final_state_hash);
+    CHECK(sent(saving, "all_gather") == sent(plain, "all_gather"));
+    CHECK(sent(saving, "all_to_all") > sent(plain, "all_to_all"));
+    CHECK(sent(saving, "all_to_all") - sent(plain, "all_to_all") <= 3.0 * (double)part * 4);
+  }
+
   TEST_CASE("the gradient norm of split tensors: each element sent at most once, the norm's bits unchanged") {
     const std::vector<std::string> clip = {"train.grad_clip=0.01"};
     auto with = [&](std::vector<std::string> sets) {

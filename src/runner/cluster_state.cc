@@ -174,10 +174,12 @@ std::vector<StatePiece> ClusterTrainer::state_needs(int rank) const {
 }
 
 // Every global element is staged once. A tensor-parallel split tensor is
-// staged in contiguous ranges: each writing rank assembles the tensor (its
-// expert-parallel slice) from its FSDP shard group's shards and its TP
-// group's parts (all-gathers) and stages one of tp x (shard group size)
-// near-equal ranges: TP rank q, shard position g stages range q x G + g.
+// staged in contiguous ranges, one of tp x (shard group size) near-equal
+// ranges of the tensor (its expert-parallel slice) per writing rank: TP rank
+// q, shard position g stages range q x G + g. With FSDP the shard group's
+// shards of each TP part are gathered first; then each rank receives from
+// its TP group just the elements of its range (gather_tp_range: each
+// element travels once), not the assembled tensor.
 void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
   out.resize(ranks_.size());
   for (size_t r = 0; r < ranks_.size(); ++r)
@@ -187,7 +189,9 @@ void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
     std::vector<StatePiece>& staged = out[(size_t)rank.index];
     const auto& infos = rank.model->params();
     size_t k = 0;  // pieces staged by this rank; buffers of an earlier save are reused in order
-    ops::DeviceVector<float> held, parts, whole;
+    ops::DeviceVector<float> held;
+    TpRangeBuffers exchange;
+    std::vector<float> range_held;  // a split tensor's range this rank stages
     for (const char* kind : {"param", "adam_m", "adam_v"})
       for (size_t t = 0; t < infos.size(); ++t) {
         const ParamInfo& p = infos[t];
@@ -196,14 +200,25 @@ void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
         const float* from = storage(rank, t, kind);
         StatePiece piece{std::string(kind) + "/" + p.name, p.global_shape, p.global_offset + lo, p.global_offset + hi, {}};
         if (p.tp_mid > 0) {  // collectives: every writing rank of the groups takes part, whatever it holds
+          // With FSDP the shard group's shards of each TP part first; then each rank receives from the
+          // tensor group just the elements of its range (each element once), not the whole tensor.
           const bool sharded = placement_.sharded(p);
           Communicator& tensor = c.group(Axis::kTensor);
           Communicator& shard = c.group(Axis::kShard);
-          gather_tp_tensor(p, sharded, shard, tensor, from, held, parts, whole);
-          const int64_t ranges = (int64_t)tensor.size() * (sharded ? shard.size() : 1);
-          const int64_t mine = (int64_t)rank.at.tensor * (ranges / tensor.size()) + (sharded ? shard.rank() : 0);
-          const int64_t total = (int64_t)whole.size(), begin = total * mine / ranges, end = total * (mine + 1) / ranges;
-          from = whole.data() + begin;
+          if (sharded) {
+            held.resize(p.size);
+            gather_shards(shard, p.size, from, held.data());
+            from = held.data();
+          }
+          const int64_t per_part = sharded ? shard.size() : 1, ranges = (int64_t)tensor.size() * per_part;
+          const int64_t total = p.size * tensor.size(), g = sharded ? shard.rank() : 0;
+          auto range_of = [&](int q) {
+            const int64_t k = (int64_t)q * per_part + g;
+            return std::pair<int64_t, int64_t>{total * k / ranges, total * (k + 1) / ranges};
+          };
+          gather_tp_range(p, tensor, from, range_of, exchange, range_held);
+          const auto [begin, end] = range_of(tensor.rank());
+          from = range_held.data();
           piece.global_begin = p.global_offset + begin;
           piece.global_end = p.global_offset + end;
         }

@@ -113,11 +113,10 @@ void assemble_tp_parts(const ParamInfo& p, const float* parts, int tp, float* wh
   });
 }
 
-float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b) {
+void gather_tp_range(const ParamInfo& p, Communicator& tensor, const float* part, const TpRangeOf& range_of,
+                     TpRangeBuffers& b, std::vector<float>& mine) {
   const int tp = tensor.size(), me = tensor.rank();
-  const int64_t n = p.size * tp, nb = blocks_of(n);
-  auto range_of = [&](int q) { return elements_of(block_share(nb, q, tp), n); };  // rank q's blocks, as elements
-  // Send each rank the elements of its blocks this rank holds, in global order.
+  // Send each rank the elements of its range this rank holds, in global order.
   std::vector<float>& send = b.send;
   send.clear();
   std::vector<size_t> send_bytes((size_t)tp, 0), recv_bytes((size_t)tp, 0);
@@ -137,7 +136,6 @@ float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* 
   recv.resize((size_t)(hi - lo));
   tensor.all_to_all(send.data(), send_bytes, recv.data(), recv_bytes);
   // Received by source rank; put each run back at its global place.
-  std::vector<float>& mine = b.mine;
   mine.resize((size_t)(hi - lo));
   std::vector<size_t> at((size_t)tp, 0);
   for (int r = 1; r < tp; ++r) at[(size_t)r] = at[(size_t)r - 1] + recv_bytes[(size_t)r - 1] / sizeof(float);
@@ -146,7 +144,14 @@ float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* 
               mine.begin() + (g - lo));
     at[(size_t)holder] += (size_t)len;
   });
-  return shared_blocks_sumsq(tensor, n, mine.data(), b.own, b.sums);
+}
+
+float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b) {
+  const int tp = tensor.size();
+  const int64_t n = p.size * tp, nb = blocks_of(n);
+  // Rank q's blocks, as elements.
+  gather_tp_range(p, tensor, part, [&](int q) { return elements_of(block_share(nb, q, tp), n); }, b.range, b.mine);
+  return shared_blocks_sumsq(tensor, n, b.mine.data(), b.own, b.sums);
 }
 
 namespace {

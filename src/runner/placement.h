@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -85,8 +86,21 @@ void gather_tp_tensor(const ParamInfo& p, bool sharded, Communicator& shard, Com
 // all-to-all: every element travels at most once), and the block sums are
 // all-gathered for the tree. `part`: this rank's part, p.size elements.
 // b: buffers kept between calls (the all-to-all's, the block sums).
+// mine = elements [lo, hi) = range_of(tensor.rank()) of the whole of a
+// tensor-parallel split tensor (its expert-parallel slice), TP rank q asking
+// for range_of(q): each rank sends each other rank just the elements of its
+// range it holds (an all-to-all: every element travels at most once).
+// `part`: this rank's part, p.size elements; b: buffers kept between calls.
+struct TpRangeBuffers {
+  std::vector<float> send, recv;
+};
+using TpRangeOf = std::function<std::pair<int64_t, int64_t>(int q)>;
+void gather_tp_range(const ParamInfo& p, Communicator& tensor, const float* part, const TpRangeOf& range_of,
+                     TpRangeBuffers& b, std::vector<float>& mine);
+
 struct SplitNormBuffers {
-  std::vector<float> send, recv, mine, own, sums;
+  TpRangeBuffers range;
+  std::vector<float> mine, own, sums;
 };
 float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b);
 
