@@ -170,10 +170,15 @@ void start_round_output_grads(StepContext& ctx, const LayerActs& acts, int r) {
                 ctx.ws.slots.dy.data(), nullptr, nullptr, /*start=*/true);
 }
 
+void progress_round_exchange(StepContext& ctx) {
+  if (ctx.ws.exchange_progress) ctx.ws.exchange_progress();
+}
+
 bool finish_round_exchange(StepContext& ctx) {
   if (!ctx.ws.exchange_in_flight) return false;
   const std::function<void()> finish = std::move(ctx.ws.exchange_in_flight);
   ctx.ws.exchange_in_flight = nullptr;
+  ctx.ws.exchange_progress = nullptr;
   finish();
   return true;
 }
@@ -308,6 +313,7 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
   }
   auto pending = std::make_shared<Pending>();
   ep_all_to_all(ctx, ws.send.data(), send_bytes, ws.recv.data(), recv_bytes, pending.get());
+  ws.exchange_progress = [pending] { (*pending)->test(); };
   ws.exchange_in_flight = [pending, unpack] {
     (*pending)->wait();
     unpack();

@@ -53,6 +53,9 @@ bool exchange_overlaps_shared_expert(const StepContext& ctx, const LayerActs& ac
 // flight, its unpack left in ws.exchange_in_flight.
 void start_return_round_rows(StepContext& ctx, const LayerActs& acts, int r, const float* slots, float* dispatch_rows);
 void start_round_output_grads(StepContext& ctx, const LayerActs& acts, int r);
+// Lets a started exchange's all-to-all move while the rank computes (MPI
+// progresses it only inside its calls); nothing if none is in flight.
+void progress_round_exchange(StepContext& ctx);
 // Waits for the started exchange and unpacks its rows; false if none was started.
 bool finish_round_exchange(StepContext& ctx);
 // Backward, round r of `plan`: the rows' inputs into the slots again, from

@@ -43,6 +43,7 @@ class MoeCombine : public LayerBlock {
         ops::swiglu(acts.shared_u.data() + row * F, acts.shared_v.data() + row * F, acts.shared_gate.data() + row * F,
                     acts.shared_act.data() + row * F, count * F);
       });
+      progress_round_exchange(ctx);
       // Reduces over the hidden feature (tensor parallel: chained across the group's ranges of it).
       const float* w2 = ctx.layer_weight(layer_, "shared.w2");
       chained_fold(ctx, 1, stream_output(ctx, acts.shared_out.data()), [&](int, int, bool accumulate, RowBlock block) {
@@ -121,6 +122,7 @@ class MoeCombine : public LayerBlock {
                            ws.shared_du.data() + row * F, ws.shared_dv.data() + row * F, count * F);
     };
     const float* dout = held_stream_rows(ctx, ws.dh.data(), ws.sp_dh, false, hidden_grads);
+    progress_round_exchange(ctx);
     // Reduces over the hidden feature of u, then continues over that of v (tensor parallel: chained).
     chained_fold(ctx, 2, stream_output(ctx, ws.shared_dx.data()),
                  [&](int first_pass, int count, bool accumulate, RowBlock block) {
@@ -134,7 +136,9 @@ class MoeCombine : public LayerBlock {
     gather_held_stream_rows(ctx, ws.shared_dx.data(), D);
     for (float* m : {ws.shared_du.data(), ws.shared_dv.data(), acts.shared_act.data()}) gather_held_rows(ctx, m, F);
     token_weight_grad(ctx, acts.moe_in.data(), D, ws.shared_du.data(), F, D, F, ctx.layer_grad(layer_, "shared.w1"));
+    progress_round_exchange(ctx);
     token_weight_grad(ctx, acts.moe_in.data(), D, ws.shared_dv.data(), F, D, F, ctx.layer_grad(layer_, "shared.w3"));
+    progress_round_exchange(ctx);
     token_weight_grad(ctx, acts.shared_act.data(), F, dout, D, F, D, ctx.layer_grad(layer_, "shared.w2"));
   }
 

@@ -88,6 +88,7 @@ struct StepWorkspace {
   // expert_parallel.h: a round's exchange started and not yet finished (its all-to-all in flight), and
   // what finishing it does with the rows that arrive. Empty: none.
   std::function<void()> exchange_in_flight;
+  std::function<void()> exchange_progress;  // lets its all-to-all move (MPI moves data only inside its calls)
   ops::DeviceVector<float> row_vector;          // a vector added to every row (router skew, aux-loss gradient)
   std::vector<ops::DeviceVector<float>> grad_state;  // LeafFold state per (expert, gradient)
   ExpertWeightGrads expert_grads;               // the backward's expert weight gradients, reused by every layer
