@@ -30,6 +30,21 @@ struct SharedChain {
     return (int64_t*)(region->data() + 2 * slot_bytes() + ((size_t)s * kMaxBlocks + (size_t)block) * 64);
   }
   size_t slot_bytes() const { return ((size_t)capacity * sizeof(float) + 63) / 64 * 64; }
+  // The next hand-off (a chain, or sequence parallel's gather) on every rank
+  // alike: the slot and flags it uses, and the stamp its flags count from.
+  struct Turn {
+    int slot = 0;
+    int64_t stamp = 0;
+  };
+  Turn next_turn() {
+    const int64_t s = sequence++;
+    return {(int)(s % 2), s * kStampStride};
+  }
+  // Until flag (slot, block) reaches `value`, counted as `stats`' exposed `kind` time.
+  void wait_flag(CommStats& stats, const char* kind, int s, int block, int64_t value) const {
+    const int64_t* f = flag(s, block);
+    region->wait_until(stats, kind, [&] { return flag_at_least(f, value); });
+  }
 
   std::unique_ptr<SharedRegion> region;
   int64_t capacity = 0;

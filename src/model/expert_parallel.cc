@@ -171,15 +171,15 @@ void start_round_output_grads(StepContext& ctx, const LayerActs& acts, int r) {
 }
 
 void progress_round_exchange(StepContext& ctx) {
-  if (ctx.ws.exchange_progress) ctx.ws.exchange_progress();
+  if (ctx.ws.exchange_in_flight.pending) ctx.ws.exchange_in_flight.pending->test();
 }
 
 bool finish_round_exchange(StepContext& ctx) {
-  if (!ctx.ws.exchange_in_flight) return false;
-  const std::function<void()> finish = std::move(ctx.ws.exchange_in_flight);
-  ctx.ws.exchange_in_flight = nullptr;
-  ctx.ws.exchange_progress = nullptr;
-  finish();
+  StepWorkspace::ExchangeInFlight in_flight = std::move(ctx.ws.exchange_in_flight);
+  ctx.ws.exchange_in_flight = {};
+  if (!in_flight.pending) return false;
+  in_flight.pending->wait();
+  in_flight.unpack();
   return true;
 }
 
@@ -311,13 +311,8 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
     ep_all_to_all(ctx, ws.send.data(), send_bytes, ws.recv.data(), recv_bytes);
     return unpack();
   }
-  auto pending = std::make_shared<Pending>();
-  ep_all_to_all(ctx, ws.send.data(), send_bytes, ws.recv.data(), recv_bytes, pending.get());
-  ws.exchange_progress = [pending] { (*pending)->test(); };
-  ws.exchange_in_flight = [pending, unpack] {
-    (*pending)->wait();
-    unpack();
-  };
+  ep_all_to_all(ctx, ws.send.data(), send_bytes, ws.recv.data(), recv_bytes, &ws.exchange_in_flight.pending);
+  ws.exchange_in_flight.unpack = unpack;
 }
 
 void count_moe_memory(StepContext& ctx) {

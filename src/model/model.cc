@@ -507,7 +507,7 @@ StepLosses MoeTransformer::forward_range(const uint8_t* tokens, int batch, bool 
     if (block_hooks_.before_forward) block_hooks_.before_forward(b);
     blocks_[b]->forward(ctx, losses);
   }
-  if (ws.exchange_in_flight) throw InternalError("engine: an expert exchange was started and never finished");
+  if (ws.exchange_in_flight.pending) throw InternalError("engine: an expert exchange was started and never finished");
   ops::synchronize();
   if (last < num_blocks() && io.stream_out) ops::copy_to_host(io.stream_out, blocks_[last]->stream_in(ws), sizeof(float) * N * D);
   return losses;
@@ -530,7 +530,7 @@ void MoeTransformer::backward_range(int first, int last, const float* grad_out, 
       block_hooks_.after_backward(b);
     }
   }
-  if (ws_->exchange_in_flight) throw InternalError("engine: an expert exchange was started and never finished");
+  if (ws_->exchange_in_flight.pending) throw InternalError("engine: an expert exchange was started and never finished");
   if (first == 0 && ctx.trace && trace_state_) {
     ops::synchronize();
     for (const ParamInfo& p : infos_) ctx.trace->tensor("grad", -1, "param", p.name.c_str(), grads() + p.offset, p.shape);

@@ -59,8 +59,8 @@ class MoeExperts : public LayerBlock {
     acts.ye_rows = acts.ye.data();
     if (!hide_last) return trace_outputs(ctx);
     // The outputs are whole once the combine finished the exchange (in this range of blocks, on this ctx).
-    ws.exchange_in_flight = [finish = std::move(ws.exchange_in_flight), this, &ctx] {
-      finish();
+    ws.exchange_in_flight.unpack = [unpack = std::move(ws.exchange_in_flight.unpack), this, &ctx] {
+      unpack();
       trace_outputs(ctx);
     };
   }

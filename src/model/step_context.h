@@ -85,10 +85,12 @@ struct StepWorkspace {
   ops::DeviceVector<int64_t> from_row, to_row;  // a round's row copies (ops::copy_rows): source and destination rows
   ops::DeviceVector<int64_t> keep_row;          // and, expert parallel, where each arriving row is kept
   std::vector<int64_t> piece_first_row, piece_rows;  // exchange_rows: per local expert, a source's part of a round
-  // expert_parallel.h: a round's exchange started and not yet finished (its all-to-all in flight), and
-  // what finishing it does with the rows that arrive. Empty: none.
-  std::function<void()> exchange_in_flight;
-  std::function<void()> exchange_progress;  // lets its all-to-all move (MPI moves data only inside its calls)
+  // expert_parallel.h: a round's exchange started and not yet finished -- its all-to-all in flight, and
+  // what finishing it does with the rows that arrive. No pending: none.
+  struct ExchangeInFlight {
+    Pending pending;
+    std::function<void()> unpack;
+  } exchange_in_flight;
   ops::DeviceVector<float> row_vector;          // a vector added to every row (router skew, aux-loss gradient)
   std::vector<ops::DeviceVector<float>> grad_state;  // LeafFold state per (expert, gradient)
   ExpertWeightGrads expert_grads;               // the backward's expert weight gradients, reused by every layer

@@ -61,6 +61,12 @@ void summed_fold(StepContext& ctx, int passes, const ChainOutput& out, const Cha
   unpack_parts(out, buffer);
 }
 
+// Bytes into or out of a shared slot, timed as copies (--profile-ops).
+void copy_bytes(void* to, const void* from, size_t n) {
+  const OpTimer copying(OpKind::kCopy);
+  std::memcpy(to, from, n);
+}
+
 // A chain's hand-offs between neighbours: messages, or (mesh.shared_memory,
 // cluster/shared_chain.h) copies through the group's shared slot, each block
 // flagged as its segment finishes. The shared path also puts the finished
@@ -75,12 +81,12 @@ class ChainLinks {
     previous_ = (me + tp - 1) % tp;
     SharedChain* chain = ctx.mesh->shared_chain();
     if (!chain) return;
-    const int64_t sequence = chain->sequence++;  // on every rank, whichever way this chain goes
+    const SharedChain::Turn turn = chain->next_turn();  // on every rank, whichever way this chain goes
     if (floats > chain->capacity || blocks > SharedChain::kMaxBlocks) return;
     chain_ = chain;
-    slot_ = chain->slot((int)(sequence % 2));
-    flags_ = (int)(sequence % 2);
-    stamp_ = sequence * SharedChain::kStampStride;
+    slot_ = chain->slot(turn.slot);
+    flags_ = turn.slot;
+    stamp_ = turn.stamp;
   }
   bool shared() const { return chain_ != nullptr; }
   // Segment `segment` of block b, the chain buffer's floats [at, at + n) in
@@ -111,15 +117,9 @@ class ChainLinks {
 
  private:
   static constexpr int64_t kFinished = SharedChain::kStampStride - 1;
-  static void copy(float* to, const float* from, int64_t n) {
-    const OpTimer copying(OpKind::kCopy);
-    std::memcpy(to, from, sizeof(float) * (size_t)n);
-  }
+  static void copy(float* to, const float* from, int64_t n) { copy_bytes(to, from, sizeof(float) * (size_t)n); }
   // Exposed time, as the message it replaces (a receive, or the broadcast of the finished outputs).
-  void wait(int b, int64_t value, const char* kind) {
-    const int64_t* f = chain_->flag(flags_, b);
-    chain_->region->wait_until(group_.stats, kind, [&] { return flag_at_least(f, value); });
-  }
+  void wait(int b, int64_t value, const char* kind) { chain_->wait_flag(group_.stats, kind, flags_, b, value); }
 
   Communicator& group_;
   int next_ = 0, previous_ = 0;
@@ -249,30 +249,20 @@ void gather_stream_parts(StepContext& ctx, const void* local, void* full, size_t
   };
   ops::synchronize();  // the host reads what kernels wrote
   SharedChain* chain = ctx.mesh->shared_chain();
-  const int64_t sequence = chain ? chain->sequence++ : 0;  // on every rank, whichever way this gather goes
+  // On every rank, whichever way this gather goes; rank t's part is flagged on flag t.
+  const SharedChain::Turn turn = chain ? chain->next_turn() : SharedChain::Turn{};
   if (chain && n * tp <= (size_t)chain->capacity * sizeof(float)) {
-    const int slot_index = (int)(sequence % 2);
-    const int64_t stamp = sequence * SharedChain::kStampStride + 1;
-    char* slot = (char*)chain->slot(slot_index);
-    {
-      const OpTimer copying(OpKind::kCopy);
-      std::memcpy(part(slot, me), local, n);
-    }
-    publish_flag(chain->flag(slot_index, me), stamp);
+    const int64_t stamp = turn.stamp + 1;
+    char* slot = (char*)chain->slot(turn.slot);
+    copy_bytes(part(slot, me), local, n);
+    publish_flag(chain->flag(turn.slot, me), stamp);
     group.stats.count("shared_gather", n);
-    {
-      const OpTimer copying(OpKind::kCopy);
-      std::memcpy(part(full, me), local, n);
-    }
+    copy_bytes(part(full, me), local, n);
     hand(local, me);
     for (int k = 1; k < tp; ++k) {
       const int t = (me + k) % tp;
-      const int64_t* flag = chain->flag(slot_index, t);
-      chain->region->wait_until(group.stats, "all_gather", [&] { return flag_at_least(flag, stamp); });
-      {
-        const OpTimer copying(OpKind::kCopy);
-        std::memcpy(part(full, t), part(slot, t), n);
-      }
+      chain->wait_flag(group.stats, "all_gather", turn.slot, t, stamp);
+      copy_bytes(part(full, t), part(slot, t), n);
       hand(part(full, t), t);
     }
     return;
