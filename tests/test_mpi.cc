@@ -207,6 +207,29 @@ TEST_SUITE("mpi") {
     }
   }
 
+  // mesh.overlap with expert parallelism and a shared expert, as processes:
+  // two exchanges per layer and EP rank started (MPI_Ialltoallv) and
+  // finished after the shared expert's compute, the one-process bits.
+  TEST_CASE("expert exchanges hidden behind the shared expert, as processes: started, the same bits") {
+    if (!ls::mpi_available()) return;
+    const std::string shared = " --set model.shared_expert=true --set train.steps=3";
+    const Run one = run_lockstep(0, shared);
+    REQUIRE(one.rc == 0);
+    const std::string mesh = " --set mesh.dp=2 --set mesh.ep=2";
+    const Run hidden = run_lockstep(2, shared + mesh);
+    const Run blocking = run_lockstep(2, shared + mesh + " --set mesh.overlap=false");
+    CAPTURE(hidden.err);
+    REQUIRE(hidden.rc == 0);
+    REQUIRE(blocking.rc == 0);
+    CHECK(hidden.hash == one.hash);
+    CHECK(hidden.loss_bits == one.loss_bits);
+    CHECK(blocking.hash == one.hash);
+    const int layers = nlohmann::json::parse(lstest::kTiny)["model"].value("n_layers", 2);
+    for (const auto& started : hidden.summary["moe"]["all_to_all_started"]) CHECK(started.get<int>() == 2 * 2 * layers);
+    for (const auto& started : blocking.summary["moe"]["all_to_all_started"]) CHECK(started.get<int>() == 0);
+    CHECK(hidden.summary["moe"]["all_to_all_calls"] == blocking.summary["moe"]["all_to_all_calls"]);
+  }
+
   // mesh.shared_memory as processes of one node: the shard group maps one
   // MPI_Win_allocate_shared window of weights and one of gradients, and
   // each process folds its share from the others' gradients in place.
