@@ -234,6 +234,38 @@ TEST_SUITE("context_parallel") {
     }
   }
 
+  TEST_CASE("every per-token op of the stream runs on a rank's own positions: its rows are one process's / cp") {
+    // Counted as each op runs (MoeStats::stream_rows): the largest rank's rows per op in the last step.
+    const ls::RunResult one = run_split({"train.steps=2", "moe.aux_scope=sequence"});
+    REQUIRE(one.stream_rows.size() == (size_t)ls::kStreamOps);
+    for (const auto& [op, rows] : one.stream_rows) {
+      CAPTURE(op);
+      CHECK(rows > 0);  // every op ran and was counted
+    }
+    struct Mesh {
+      std::vector<std::string> sets;
+      int cp, divisor;  // the stream's rows a rank holds: one process's / divisor
+    };
+    for (const Mesh& m : std::vector<Mesh>{{{"mesh.cp=2"}, 2, 2},
+                                           {{"mesh.cp=4"}, 4, 4},
+                                           {{"mesh.cp=2", "mesh.cp_layout=contiguous"}, 2, 2},
+                                           {{"mesh.cp=2", "mesh.dp=2", "mesh.ep=2"}, 2, 4},
+                                           {{"mesh.cp=2", "mesh.tp=2", "mesh.sp=true"}, 2, 4}}) {
+      std::vector<std::string> sets = m.sets;
+      sets.insert(sets.end(), {"train.steps=2", "moe.aux_scope=sequence"});
+      std::string shown;
+      for (const std::string& x : sets) shown += x + " ";
+      CAPTURE(shown);
+      const ls::RunResult r = run_split(sets);
+      CHECK(r.final_state_hash == one.final_state_hash);
+      REQUIRE(r.context.size() == (size_t)m.cp);  // really split: every CP rank reported
+      for (const auto& [op, rows] : one.stream_rows) {
+        CAPTURE(op);
+        CHECK(r.stream_rows.at(op) * m.divisor == rows);
+      }
+    }
+  }
+
   TEST_CASE("a checkpoint saved at cp 2 resumes at cp 1, cp 4 and with dp and tp changed, on the uninterrupted hash") {
     const std::string sc = lstest::write_temp("cp-ckpt.json", kSplitScenario).string();
     // Context-parallel ranks hold the same state: CP rank 0 writes it; every rank writes an object.

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -30,6 +31,8 @@ struct MeshReport {
   int64_t peak_expert_bytes = 0, peak_dispatch_bytes = 0;  // per rank, the largest
   int64_t peak_routed_bytes = 0, peak_grad_state_bytes = 0;
   int64_t workspace_bytes = 0, weight_bytes = 0;           // measured, per rank, the largest
+  // Rows each of the stream's per-token ops ran on (StreamOp's order), the largest rank's.
+  std::array<int64_t, kStreamOps> stream_rows_max{};
   // One rank's step. count_rows: false for the tensor-parallel ranks past
   // the first of their group, which compute parts of the same rows.
   void add(const MoeStats& st, bool count_rows = true) {
@@ -48,6 +51,7 @@ struct MeshReport {
     peak_grad_state_bytes = std::max(peak_grad_state_bytes, st.peak_grad_state_bytes);
     workspace_bytes = std::max(workspace_bytes, st.workspace_bytes);
     weight_bytes = std::max(weight_bytes, st.weight_bytes);
+    for (int op = 0; op < kStreamOps; ++op) stream_rows_max[op] = std::max(stream_rows_max[op], st.stream_rows[op]);
   }
   // Pipeline parallel, per stage, measured (runner/pipeline.h's PipelineStats:
   // seconds per step after a warm-up step): the slowest

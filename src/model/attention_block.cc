@@ -26,8 +26,8 @@ class AttentionBlock : public LayerBlock {
   // over their features chained across the group (row-parallel). Sequence
   // parallel: the norm and the residual on this rank's stream tokens, the
   // norm's output gathered before QKV, the projection landing scattered.
-  // Context parallel: QKV, attention and the output projection on this
-  // rank's positions; K and V all-gathered, and the projection's rows.
+  // Context parallel: every op on this rank's positions, K and V
+  // all-gathered.
   void forward(StepContext& ctx, StepLosses&) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, Dh = ctx.width_held();
@@ -36,8 +36,13 @@ class AttentionBlock : public LayerBlock {
     StepWorkspace& ws = ctx.ws;
     acts.attn_in.resize(Ns * D);
     acts.attn_inv_rms.resize(Ns);
-    ops::rmsnorm(acts.x.data(), ctx.layer_weight(layer_, "attn_norm"), acts.attn_in.data(), acts.attn_inv_rms.data(), Ns,
-                 D, c.rms_eps);
+    const int64_t first = ctx.stream_first;
+    const float* norm = ctx.layer_weight(layer_, "attn_norm");
+    stream_rows(ctx, StreamOp::kAttnNorm, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      ops::rmsnorm(acts.x.data() + s * D, norm, acts.attn_in.data() + s * D, acts.attn_inv_rms.data() + s, count, D,
+                   c.rms_eps);
+    });
     ctx.trace_tensor("fwd", layer_, "attn_norm", "out", acts.attn_in.data(), {N, D}, {TraceRows::kStream});
     acts.qkv.resize(N * 3 * Dh);
     acts.attn_out.resize(N * Dh);
@@ -51,16 +56,18 @@ class AttentionBlock : public LayerBlock {
                             accumulate);
       });
     });
-    gather_held_stream_rows(ctx, ws.dtmp.data(), D);
-    ops::add(acts.x.data(), ws.dtmp.data() + ctx.stream_first * D, acts.mid.data(), Ns * D);
+    stream_rows(ctx, StreamOp::kAttnResidual, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      ops::add(acts.x.data() + s * D, ws.dtmp.data() + row * D, acts.mid.data() + s * D, (int64_t)count * D);
+    });
     ctx.trace_tensor("fwd", layer_, "attn_residual", "h", acts.mid.data(), {N, D}, {TraceRows::kStream});
   }
 
   // dh: d(mid) in, d(x) out (the residual's part + the norm's). Tensor
   // parallel: the norm's input gradient folds over every head's q, k and v
   // features, chained across the group. Context parallel: the input
-  // gradients of this rank's positions, their rows all-gathered; the weight
-  // gradients a share of the columns each.
+  // gradients of this rank's positions; the weight gradients over every
+  // token's rows, gathered, a share of the columns each.
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, Dh = ctx.width_held();
@@ -70,6 +77,7 @@ class AttentionBlock : public LayerBlock {
     // Sequence parallel: the projection's gradients need every token's d(mid).
     const float* wo = ctx.layer_weight(layer_, "wo");
     ws.dattn_out.resize(N * Dh);
+    gather_stream_held(ctx, ws.dh.data(), D);  // context parallel: every token's d(mid), for wo's gradient
     const auto dattn_rows = [&](const float* d, int64_t row, int count) {
       ops::linear_input_grad(d, count, D, wo, Dh, ws.dattn_out.data() + row * Dh, false);
     };
@@ -80,6 +88,7 @@ class AttentionBlock : public LayerBlock {
     ws.dqkv.resize(N * 3 * Dh);
     attention_backward_held(ctx, acts, ws.dattn_out.data(), ws.dqkv.data());
     ctx.trace_tensor("bwd", layer_, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D}, {TraceRows::kHeld, 3});
+    gather_stream_held(ctx, acts.attn_in.data(), D);  // context parallel: every token's, for wqkv's gradient
     token_weight_grad(ctx, every_token(ctx, acts.attn_in.data(), ws.sp_gathered), D, ws.dqkv.data(), 3 * Dh, D, 3 * Dh,
                 ctx.layer_grad(layer_, "wqkv"));
     ws.dtmp.resize(N * D);
@@ -91,12 +100,20 @@ class AttentionBlock : public LayerBlock {
                                        wqkv + first * Dh, 3 * Dh, D, ws.dtmp.data() + row * D, D, accumulate);
       });
     });
-    gather_held_stream_rows(ctx, ws.dtmp.data(), D);
-    const float* dattn_in = ws.dtmp.data() + ctx.stream_first * D;  // this rank's stream tokens
-    ops::rmsnorm_weight_grad(acts.x.data(), acts.attn_inv_rms.data(), dattn_in, Ns, D, ctx.leaf_tokens,
-                             ctx.layer_grad(layer_, "attn_norm"));
-    ops::rmsnorm_backward(acts.x.data(), ctx.layer_weight(layer_, "attn_norm"), acts.attn_inv_rms.data(), dattn_in,
-                          ws.dh.data(), Ns, D, true);
+    const int64_t first = ctx.stream_first;
+    float* dattn_in = ws.dtmp.data() + first * D;  // this rank's stream tokens
+    const float* norm = ctx.layer_weight(layer_, "attn_norm");
+    stream_rows(ctx, StreamOp::kAttnNorm, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      ops::rmsnorm_backward(acts.x.data() + s * D, norm, acts.attn_inv_rms.data() + s, dattn_in + s * D,
+                            ws.dh.data() + s * D, count, D, true);
+    });
+    // The norm's weight gradient folds over every token: their rows from every rank.
+    gather_stream_held(ctx, acts.x.data(), D);
+    gather_stream_held(ctx, acts.attn_inv_rms.data(), 1);
+    gather_stream_held(ctx, dattn_in, D);
+    stream_rmsnorm_weight_grad(ctx, acts.x.data(), acts.attn_inv_rms.data(), dattn_in,
+                               ctx.layer_grad(layer_, "attn_norm"));
     ctx.trace_tensor("bwd", layer_, "attn_norm", "dh", ws.dh.data(), {N, D}, {TraceRows::kStream});
   }
 };

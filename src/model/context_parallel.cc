@@ -101,11 +101,6 @@ void gather_held_rows(StepContext& ctx, float* m, int64_t ld) {
   if (ctx.cp() > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, 0, ctx.batch);
 }
 
-void gather_held_stream_rows(StepContext& ctx, float* m, int64_t ld) {
-  const int S = ctx.cfg.seq_len;
-  if (ctx.cp() > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, (int)(ctx.stream_first / S), (int)(ctx.stream_tokens / S));
-}
-
 namespace {
 
 // Context parallel: acts.qkv's q, k and v of this rank's positions, and
@@ -180,7 +175,7 @@ void token_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const floa
 }
 
 void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, int first_sample, int samples,
-                    bool kv, const InFlightWork& while_in_flight) {
+                    bool kv, const InFlightWork& while_in_flight, int64_t m_first_row) {
   ops::synchronize();  // the host packs and unpacks what kernels wrote
   const int S = ctx.cfg.seq_len, cp = ctx.cp();
   const bool zz = ctx.cp_zigzag();
@@ -188,7 +183,8 @@ void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, 
   ctx.ws.cp_send.resize((size_t)each);
   ctx.ws.cp_recv.resize((size_t)(each * cp));
   float* out = ctx.ws.cp_send.data();
-  cp_for_each_held(ctx, first_sample, samples, [&](int64_t row, int count) { pack_rows(m, ld, row, count, col, width, out); });
+  cp_for_each_held(ctx, first_sample, samples,
+                   [&](int64_t row, int count) { pack_rows(m, ld, row - m_first_row, count, col, width, out); });
   Communicator& group = ctx.group(Axis::kContext);
   const std::vector<size_t> bytes((size_t)cp, sizeof(float) * (size_t)each);
   if (while_in_flight) {
@@ -206,7 +202,8 @@ void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, 
     const float* in = ctx.ws.cp_recv.data() + q * each;
     const std::vector<QueryRange> held = cp_query_ranges(S, cp, q, zz);
     for (int b = first_sample; b < first_sample + samples; ++b)
-      for (const QueryRange& r : held) unpack_rows(m, ld, (int64_t)b * S + r.first, r.count, col, width, in);
+      for (const QueryRange& r : held)
+        unpack_rows(m, ld, (int64_t)b * S + r.first - m_first_row, r.count, col, width, in);
   }
 }
 
@@ -218,25 +215,43 @@ CpShare cp_share(int n, int cp, int rank) {
 
 void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                     float* dW) {
+  cp_columns(ctx, out, {{dW, in}}, [&](int first, int count, const std::vector<float*>& parts) {
+    CpBusy busy(ctx);
+    ops::weight_grad(X, ldx, dY + first, ldy, in, count, ctx.ws.uniform_off.data(), ctx.leaves, parts[0]);
+  });
+}
+
+void cp_columns(StepContext& ctx, int cols, const std::vector<ColumnsOut>& outs,
+                const std::function<void(int first, int count, const std::vector<float*>& parts)>& fn) {
   const int cp = ctx.cp();
-  const CpShare mine = cp_share(out, cp, ctx.cp_rank());
-  const int c0 = mine.first, cols = mine.count;
-  const int64_t each = (int64_t)in * cp_share(out, cp, 0).count;  // rank 0 holds the most columns
+  const CpShare mine = cp_share(cols, cp, ctx.cp_rank());
+  const int widest = cp_share(cols, cp, 0).count;  // rank 0 holds the most columns
+  int64_t rows = 0;
+  for (const ColumnsOut& o : outs) rows += o.rows;
+  const int64_t each = rows * widest;
   ctx.ws.cp_send.resize((size_t)each);
   ctx.ws.cp_recv.resize((size_t)(each * cp));
-  if (cols > 0) {
-    CpBusy busy(ctx);
-    ops::weight_grad(X, ldx, dY + c0, ldy, in, cols, ctx.ws.uniform_off.data(), ctx.leaves, ctx.ws.cp_send.data());
+  if (mine.count > 0) {
+    std::vector<float*> parts;
+    float* at = ctx.ws.cp_send.data();
+    for (const ColumnsOut& o : outs) {
+      parts.push_back(at);
+      at += o.rows * mine.count;
+    }
+    fn(mine.first, mine.count, parts);
   }
   ops::synchronize();
-  all_gather_floats(ctx.group(Axis::kContext), ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(), std::vector<size_t>((size_t)cp, (size_t)each));
+  all_gather_floats(ctx.group(Axis::kContext), ctx.ws.cp_send.data(), ctx.ws.cp_recv.data(),
+                    std::vector<size_t>((size_t)cp, (size_t)each));
   ctx.stats.cp_bytes_sent += each * (int64_t)sizeof(float) * (cp - 1);
-  for (int q = 0; q < cp; ++q) {  // rank q's [in, its columns], packed, into dW's columns
-    const CpShare theirs = cp_share(out, cp, q);
-    const int q0 = theirs.first, qcols = theirs.count;
+  for (int q = 0; q < cp; ++q) {  // rank q's [rows, its columns] of each, packed, into place
+    const CpShare theirs = cp_share(cols, cp, q);
     const float* slice = ctx.ws.cp_recv.data() + q * each;
-    for (int i = 0; i < in && qcols > 0; ++i)
-      std::memcpy(dW + (int64_t)i * out + q0, slice + (int64_t)i * qcols, sizeof(float) * (size_t)qcols);
+    for (const ColumnsOut& o : outs) {
+      for (int64_t i = 0; i < o.rows && theirs.count > 0; ++i)
+        std::memcpy(o.data + i * cols + theirs.first, slice + i * theirs.count, sizeof(float) * (size_t)theirs.count);
+      slice += o.rows * theirs.count;
+    }
   }
 }
 

@@ -9,10 +9,11 @@
 // (cp_expert_block: contiguous, cut to balance their rows) over all of
 // their rows, and the group all-gathers the
 // rows' outputs, input gradients and the experts' weight gradients. The
-// shared expert goes as the projections do: its positions' rows here,
-// gathered; its weight gradients by column. The rest (norms, router,
-// dispatch, combine, head) runs on every rank of the group alike, on
-// every token.
+// shared expert goes as the projections do: its positions' rows here;
+// its weight gradients by column. The residual stream's per-token ops (the
+// embedding, norms, residual adds, router, combine, head) run on the rank's
+// positions too (stream_rows), their rows gathered only for a fold over
+// tokens: the routing plan, the losses' sums, the weight gradients.
 //
 // Two folds cross the split. dK and dV fold over query positions t >= u in
 // ascending order (docs/NUMERICS.md §3): chained, as tensor parallel chains
@@ -55,11 +56,8 @@ const float* held_stream_rows(StepContext& ctx, const float* stream, ops::Device
                               const HeldRowsOf& fn);
 
 // An [N, ld] matrix whose rows each rank wrote for its positions made
-// whole on every rank (an all-gather; nothing at cp 1): every sample's rows,
-// or the samples of this rank's residual stream only (sequence parallel
-// holds a share of them).
+// whole on every rank (an all-gather; nothing at cp 1).
 void gather_held_rows(StepContext& ctx, float* m, int64_t ld);
-void gather_held_stream_rows(StepContext& ctx, float* m, int64_t ld);
 
 // The attention of a layer on this rank's rows: qkv [N, 3*Dh] = its rows of
 // attn_in (the stream's rows held here, gathered through held_stream_rows)
@@ -73,6 +71,37 @@ void attention_backward_held(StepContext& ctx, const LayerActs& acts, const floa
 // block of those experts (cp_own_experts, kept in `scratch`). Points the
 // slots' d_ff-wide buffers at that plan's slots (ExpertSlots::hidden_base).
 const RoundPlan& computed_expert_plan(const StepContext& ctx, const LayerActs& acts, RoundPlan& scratch);
+
+// ---- The residual stream: every per-token op on this rank's positions. ----
+
+// fn(row, count) over the stream's rows this rank computes, `row` a token's
+// index in the step (a stream buffer holds it at row - stream_first): all of
+// [stream_first, stream_first + stream_tokens) in one call at cp 1, else this
+// rank's positions of those samples. Adds the rows to stats.stream_rows[op].
+void stream_rows(StepContext& ctx, StreamOp op, const std::function<void(int64_t row, int count)>& fn);
+
+// A stream buffer [stream_tokens, ld] (its row 0 the token stream_first)
+// whose rows each CP rank wrote for its positions, made whole on every rank
+// of the group where a fold over tokens reads them (an all-gather; nothing
+// at cp 1). Ints travel as their bytes.
+void gather_stream_held(StepContext& ctx, float* m, int64_t ld);
+void gather_stream_held(StepContext& ctx, int* m, int64_t ld);
+
+// Expert rows [N * top_k, width] (acts.row_of's rows) that each CP rank
+// wrote for its positions' slots, made whole on every rank (nothing at cp 1).
+void gather_held_slot_rows(StepContext& ctx, const LayerActs& acts, float* rows, int64_t width);
+
+// The stream's weight gradients, each a fold over the stream's tokens (its
+// leaves): at cp > 1 over rows gathered first (gather_stream_held), split by
+// output column across the group (cp_weight_grad), so no rank folds another's
+// columns. stream_weight_grad: dW [in, out] = X^T dY (ops::weight_grad);
+// Reduces over the token index.
+void stream_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                        float* dW);
+// The norm's dw (ops::rmsnorm_weight_grad) of x, r, dy [stream_tokens, D]. Reduces over the token index.
+void stream_rmsnorm_weight_grad(StepContext& ctx, const float* x, const float* r, const float* dy, float* dw);
+// The embeddings' gradients (ops::embedding_grad) of the stream's dh. Reduces over the token index.
+void stream_embedding_grad(StepContext& ctx, const int* tok, const float* dh, float* gtok, float* gpos);
 
 // ---- The pieces. ----
 
@@ -114,12 +143,12 @@ void cp_rows_held(const StepContext& ctx, RowBlock block, const std::function<vo
 
 // Columns [col, col + width) of an [N, ld] token-row matrix, samples
 // [first_sample, first_sample + samples): every rank's held rows made whole
-// on every rank (an all-gather). `kv`: the bytes count as K/V traffic.
+// on every rank (an all-gather); m's first row is token m_first_row. `kv`: the bytes count as K/V traffic.
 // `while_in_flight`: work to do while the all-gather is in flight (it is
 // then started, and waited for after), given a call that progresses it.
 using InFlightWork = std::function<void(const std::function<void()>& progress)>;
 void cp_gather_rows(StepContext& ctx, float* m, int64_t ld, int col, int width, int first_sample, int samples,
-                    bool kv = false, const InFlightWork& while_in_flight = nullptr);
+                    bool kv = false, const InFlightWork& while_in_flight = nullptr, int64_t m_first_row = 0);
 
 // CP rank `rank`'s items [first, first + count) of n consecutive ones
 // (a weight gradient's output columns, the experts held): ceil(n / cp)
@@ -135,6 +164,16 @@ CpShare cp_share(int n, int cp, int rank);
 // whole one. Reduces over the global token index, on one rank per column.
 void cp_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                     float* dW);
+// Columns [0, cols) of the matrices `outs` ({data, rows} each, [rows, cols]
+// row-major), a cp_share of them computed per rank: fn(first, count, parts)
+// writes [rows, count] of each, packed, to parts[i]; then all-gathered into
+// place on every rank.
+struct ColumnsOut {
+  float* data;
+  int64_t rows;
+};
+void cp_columns(StepContext& ctx, int cols, const std::vector<ColumnsOut>& outs,
+                const std::function<void(int first, int count, const std::vector<float*>& parts)>& fn);
 // ops::weight_grad over every token (the leaf tree), or cp_weight_grad at cp > 1.
 void token_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                        float* dW);

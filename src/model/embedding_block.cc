@@ -5,6 +5,7 @@
 #include <string>
 
 #include "model/blocks.h"
+#include "model/context_parallel.h"
 #include "ops/ops.h"
 
 namespace ls {
@@ -25,13 +26,18 @@ class EmbeddingBlock : public Block {
       const int64_t n = first + i;
       ws.tok_id[i] = (int)ctx.token_bytes[(n / S) * (S + 1) + n % S];
     }
-    ops::embed(ws.tok_id.data(), ctx.weight("tok_emb"), ctx.weight("pos_emb"), ctx.stream(0), N, S, D);
+    // Context parallel: this rank's positions (a range inside one sample, so its positions are the table's from p).
+    stream_rows(ctx, StreamOp::kEmbed, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      ops::embed(ws.tok_id.data() + s, ctx.weight("tok_emb"), ctx.weight("pos_emb") + (row % S) * D,
+                 ctx.stream(0) + s * D, count, S, D);
+    });
   }
 
+  // Context parallel: every token's dh gathered, the gradients split by feature.
   void backward(StepContext& ctx) override {
-    const ModelConfig& c = ctx.cfg;
-    ops::embedding_grad(ctx.ws.tok_id.data(), ctx.ws.dh.data(), ctx.stream_tokens, c.seq_len, c.d_model, c.vocab,
-                        ctx.leaf_tokens, ctx.stream_leaves, ctx.grad("tok_emb"), ctx.grad("pos_emb"));
+    gather_stream_held(ctx, ctx.ws.dh.data(), ctx.cfg.d_model);
+    stream_embedding_grad(ctx, ctx.ws.tok_id.data(), ctx.ws.dh.data(), ctx.grad("tok_emb"), ctx.grad("pos_emb"));
   }
 };
 

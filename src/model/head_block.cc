@@ -5,6 +5,7 @@
 #include <string>
 
 #include "model/blocks.h"
+#include "model/context_parallel.h"
 #include "ops/ops.h"
 
 namespace ls {
@@ -17,6 +18,8 @@ class HeadBlock : public Block {
   bool begins_at_stream() const override { return true; }
   float* stream_in(StepWorkspace& ws) const override { return ws.h.data(); }
 
+  // Context parallel: every op on this rank's positions; the per-token
+  // losses gathered for the fold over tokens.
   void forward(StepContext& ctx, StepLosses& losses) override {
     const ModelConfig& c = ctx.cfg;
     const int S = c.seq_len, D = c.d_model, V = c.vocab;
@@ -28,18 +31,27 @@ class HeadBlock : public Block {
     ws.prob.resize(N * V);
     ws.lse.resize(N);
     ws.loss.resize(N);
-    ops::rmsnorm(ws.h.data(), ctx.weight("final_norm"), ws.final_out.data(), ws.final_inv_rms.data(), N, D, c.rms_eps);
-    ctx.trace_tensor("fwd", -1, "final_norm", "out", ws.final_out.data(), {N, D}, {TraceRows::kStream});
-    ops::linear(ws.final_out.data(), N, D, ctx.weight("lm_head"), V, ws.logits.data());
-    ctx.trace_tensor("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V}, {TraceRows::kStream});
     ws.target_id.resize(N);
-    for (int64_t i = 0; i < N; ++i) {
-      const int64_t n = first + i;
-      ws.target_id[i] = (int)ctx.token_bytes[(n / S) * (S + 1) + n % S + 1];
-    }
-    ops::softmax_rows(ws.logits.data(), V, ws.prob.data(), V, (int)N, V, 0, ws.lse.data());
-    ops::token_losses(ws.lse.data(), ws.logits.data(), ws.target_id.data(), N, V, ws.loss.data());
+    const float* norm = ctx.weight("final_norm");
+    stream_rows(ctx, StreamOp::kFinalNorm, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      ops::rmsnorm(ws.h.data() + s * D, norm, ws.final_out.data() + s * D, ws.final_inv_rms.data() + s, count, D,
+                   c.rms_eps);
+    });
+    ctx.trace_tensor("fwd", -1, "final_norm", "out", ws.final_out.data(), {N, D}, {TraceRows::kStream});
+    const float* lm_head = ctx.weight("lm_head");
+    stream_rows(ctx, StreamOp::kHead, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      ops::linear(ws.final_out.data() + s * D, count, D, lm_head, V, ws.logits.data() + s * V);
+      for (int64_t n = row; n < row + count; ++n)
+        ws.target_id[n - first] = (int)ctx.token_bytes[(n / S) * (S + 1) + n % S + 1];
+      ops::softmax_rows(ws.logits.data() + s * V, V, ws.prob.data() + s * V, V, count, V, 0, ws.lse.data() + s);
+      ops::token_losses(ws.lse.data() + s, ws.logits.data() + s * V, ws.target_id.data() + s, count, V,
+                        ws.loss.data() + s);
+    });
+    ctx.trace_tensor("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V}, {TraceRows::kStream});
     ctx.trace_tensor("fwd", -1, "loss", "per_token", ws.loss.data(), {N}, {TraceRows::kStream});
+    gather_stream_held(ctx, ws.loss.data(), 1);
     float ce_sum = ops::token_sum(ws.loss.data(), N, ctx.leaf_tokens);  // this rank's subtree
     if (ctx.microbatches > 0) {  // a pipeline combines the microbatches' sums
       ws.ce_partial = ce_sum;
@@ -50,24 +62,38 @@ class HeadBlock : public Block {
     losses.total = total_loss(c, losses);
   }
 
-  // The loss -> dh, the gradient of the head's input stream.
+  // The loss -> dh, the gradient of the head's input stream. Context
+  // parallel: the weight gradients over every token's rows, gathered, a
+  // share of the columns per rank.
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, V = c.vocab;
-    const int64_t N = ctx.stream_tokens;
+    const int64_t N = ctx.stream_tokens, first = ctx.stream_first;
     StepWorkspace& ws = ctx.ws;
     ws.dlogits.resize(N * V);
-    ops::cross_entropy_grad(ws.prob.data(), ws.target_id.data(), N, V, ctx.global_tokens, ws.dlogits.data());
-    ctx.trace_tensor("bwd", -1, "lm_head", "dlogits", ws.dlogits.data(), {N, V}, {TraceRows::kStream});
-    ops::weight_grad(ws.final_out.data(), D, ws.dlogits.data(), V, D, V, ws.uniform_off.data(), ctx.stream_leaves,
-                     ctx.grad("lm_head"));
     ws.dtmp.resize(N * D);
     ws.dh.resize(N * D);
-    ops::linear_input_grad(ws.dlogits.data(), N, V, ctx.weight("lm_head"), D, ws.dtmp.data(), false);
-    ops::rmsnorm_weight_grad(ws.h.data(), ws.final_inv_rms.data(), ws.dtmp.data(), N, D, ctx.leaf_tokens,
-                             ctx.grad("final_norm"));
-    ops::rmsnorm_backward(ws.h.data(), ctx.weight("final_norm"), ws.final_inv_rms.data(), ws.dtmp.data(), ws.dh.data(),
-                          N, D, false);
+    const float* lm_head = ctx.weight("lm_head");
+    stream_rows(ctx, StreamOp::kHead, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      ops::cross_entropy_grad(ws.prob.data() + s * V, ws.target_id.data() + s, count, V, ctx.global_tokens,
+                              ws.dlogits.data() + s * V);
+    });
+    ctx.trace_tensor("bwd", -1, "lm_head", "dlogits", ws.dlogits.data(), {N, V}, {TraceRows::kStream});
+    gather_stream_held(ctx, ws.final_out.data(), D);
+    gather_stream_held(ctx, ws.dlogits.data(), V);
+    stream_weight_grad(ctx, ws.final_out.data(), D, ws.dlogits.data(), V, D, V, ctx.grad("lm_head"));
+    const float* norm = ctx.weight("final_norm");
+    stream_rows(ctx, StreamOp::kFinalNorm, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      ops::linear_input_grad(ws.dlogits.data() + s * V, count, V, lm_head, D, ws.dtmp.data() + s * D, false);
+      ops::rmsnorm_backward(ws.h.data() + s * D, norm, ws.final_inv_rms.data() + s, ws.dtmp.data() + s * D,
+                            ws.dh.data() + s * D, count, D, false);
+    });
+    gather_stream_held(ctx, ws.h.data(), D);
+    gather_stream_held(ctx, ws.final_inv_rms.data(), 1);
+    gather_stream_held(ctx, ws.dtmp.data(), D);
+    stream_rmsnorm_weight_grad(ctx, ws.h.data(), ws.final_inv_rms.data(), ws.dtmp.data(), ctx.grad("final_norm"));
     ctx.trace_tensor("bwd", -1, "final_norm", "dh", ws.dh.data(), {N, D}, {TraceRows::kStream});
   }
 };

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -89,6 +90,13 @@ LayerBalance layer_balance(const ModelConfig& cfg, const float* router_sums, con
 float sequence_balance(const float* gates, const int* sel, int64_t samples, int seq_len, int experts, int top_k,
                        int64_t leaf_samples, std::vector<int64_t>& counts);
 
+// The residual stream's per-token ops: at mesh.cp > 1 each runs on the
+// rank's own positions only (model/context_parallel.h stream_rows), and
+// MoeStats counts the rows each ran on.
+enum class StreamOp { kEmbed, kAttnNorm, kAttnResidual, kMoeNorm, kRouter, kCombine, kDispatchSum, kFinalNorm, kHead };
+constexpr int kStreamOps = 9;
+const char* stream_op_name(StreamOp op);
+
 // Routing statistics of the last forward pass.
 struct MoeStats {
   std::vector<int64_t> tokens_per_expert;  // layer-major: [layer * experts + e], this rank's tokens
@@ -115,6 +123,8 @@ struct MoeStats {
   double cp_attention_seconds = 0;
   int64_t cp_bytes_sent = 0, cp_kv_bytes_sent = 0;
   int64_t cp_link_messages = 0;  // the dK/dV chain's messages this rank sent (a key block of a head group each)
+  // Rows each per-token op of the stream ran on this step, forward and backward (StreamOp's order).
+  std::array<int64_t, kStreamOps> stream_rows{};
 };
 
 // What a training step keeps allocated for `batch` samples on one rank, in bytes: a

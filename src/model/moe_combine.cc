@@ -23,7 +23,7 @@ class MoeCombine : public LayerBlock {
   void forward(StepContext& ctx, StepLosses& losses) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, F = ctx.d_ff_held(), E = c.experts, K = c.top_k;
-    // The shared expert runs on every token (context parallel: this rank's positions, then gathered);
+    // The shared expert runs on every token (context parallel: this rank's positions);
     // the combine on the stream's tokens held here.
     const int64_t N = ctx.tokens, Ns = ctx.stream_tokens, first = ctx.stream_first;
     LayerActs& acts = ctx.layer(layer_);
@@ -52,12 +52,15 @@ class MoeCombine : public LayerBlock {
                               D, accumulate);
         });
       });
-      gather_held_stream_rows(ctx, acts.shared_out.data(), D);
     }
     finish_round_exchange(ctx);  // expert parallel: the rows the shared expert's compute hid, now in place
     // out = fold over slots of fma(gate, y_slot, out) from +0, then + shared, + residual.
-    ops::moe_combine(acts.gates.data(), E, acts.sel.data() + first * K, K, acts.row_of.data() + first * K, acts.ye_rows,
-                     c.shared_expert ? acts.shared_out.data() + first * D : nullptr, acts.mid.data(), out, Ns, D);
+    stream_rows(ctx, StreamOp::kCombine, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      ops::moe_combine(acts.gates.data() + s * E, E, acts.sel.data() + row * K, K, acts.row_of.data() + row * K,
+                       acts.ye_rows, c.shared_expert ? acts.shared_out.data() + row * D : nullptr,
+                       acts.mid.data() + s * D, out + s * D, count, D);
+    });
     ctx.trace_tensor("fwd", layer_, "moe.combine", "h", out, {N, D}, {TraceRows::kStream});
     // Load balancing (E * sum_e f_e P_e) and z-loss (mean lse^2): token reductions.
     // This rank's subtrees (ops::router_stats), then the canonical tree over ranks.
@@ -101,10 +104,16 @@ class MoeCombine : public LayerBlock {
     ws.dye.resize(NK * D);
     ws.dg.resize(Ns * E);
     ops::fill(ws.dg.data(), Ns * E, 0.0f);
-    ops::moe_combine_backward(ws.dh.data(), acts.gates.data(), E, acts.sel.data() + first * K, K,
-                              acts.row_of.data() + first * K, acts.ye_rows, ws.dg.data(), ws.dye.data(), Ns, D);
+    stream_rows(ctx, StreamOp::kCombine, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      ops::moe_combine_backward(ws.dh.data() + s * D, acts.gates.data() + s * E, E, acts.sel.data() + row * K, K,
+                                acts.row_of.data() + row * K, acts.ye_rows, ws.dg.data() + s * E, ws.dye.data(), count,
+                                D);
+    });
+    gather_held_slot_rows(ctx, acts, ws.dye.data(), D);  // context parallel: every slot's, for the experts
     gather_expert_output_grads(ctx, acts);
     if (!c.shared_expert) return;
+    gather_stream_held(ctx, ws.dh.data(), D);  // every token's, for the shared expert's w2 gradient
     // Expert parallel: the experts' first round of gradients leaves now, hidden behind the shared expert's backward.
     if (exchange_overlaps_shared_expert(ctx, acts)) start_round_output_grads(ctx, acts, 0);
     const float* w1 = ctx.layer_weight(layer_, "shared.w1");
@@ -132,8 +141,7 @@ class MoeCombine : public LayerBlock {
                                  pass == 0 ? w1 : w3, D, ws.shared_dx.data() + row * D, accumulate || pass > first_pass);
       });
     });
-    // Context parallel: the input gradient's stream rows; every token's rows for the weight gradients.
-    gather_held_stream_rows(ctx, ws.shared_dx.data(), D);
+    // Context parallel: every token's rows for the weight gradients.
     for (float* m : {ws.shared_du.data(), ws.shared_dv.data(), acts.shared_act.data()}) gather_held_rows(ctx, m, F);
     token_weight_grad(ctx, acts.moe_in.data(), D, ws.shared_du.data(), F, D, F, ctx.layer_grad(layer_, "shared.w1"));
     progress_round_exchange(ctx);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/blocks.h"
+#include "model/context_parallel.h"
 #include "model/expert_parallel.h"
 #include "ops/ops.h"
 
@@ -72,8 +73,11 @@ class MoeDispatch : public LayerBlock {
     const int D = ctx.cfg.d_model, K = ctx.cfg.top_k;
     const LayerActs& acts = ctx.layer(layer_);
     ws.dmoe_in.resize(N * D);
-    ops::slot_sum(ws.dxe.data(), acts.row_of.data() + first * K, K, N, D, ws.dmoe_in.data());
-    if (ctx.cfg.shared_expert) ops::add(ws.dmoe_in.data(), ws.shared_dx.data() + first * D, ws.dmoe_in.data(), N * D);
+    stream_rows(ctx, StreamOp::kDispatchSum, [&](int64_t row, int count) {
+      float* dmoe_in = ws.dmoe_in.data() + (row - first) * D;
+      ops::slot_sum(ws.dxe.data(), acts.row_of.data() + row * K, K, count, D, dmoe_in);
+      if (ctx.cfg.shared_expert) ops::add(dmoe_in, ws.shared_dx.data() + row * D, dmoe_in, (int64_t)count * D);
+    });
   }
 
 };

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "model/blocks.h"
+#include "model/context_parallel.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
@@ -32,23 +33,39 @@ class MoeRouting : public LayerBlock {
     acts.moe_in.resize(ctx.tokens * D);
     float* moe_in = stream_rows_out(ctx, acts.moe_in, ws.sp_rows, D);  // sequence parallel: this rank's, gathered below
     acts.moe_inv_rms.resize(N);
-    if (ctx.debug_reorder_moe_norm)
-      ops::rmsnorm_debug_reversed(acts.mid.data(), norm, moe_in, acts.moe_inv_rms.data(), N, D, c.rms_eps);
-    else
-      ops::rmsnorm(acts.mid.data(), norm, moe_in, acts.moe_inv_rms.data(), N, D, c.rms_eps);
+    const int64_t first = ctx.stream_first;
+    stream_rows(ctx, StreamOp::kMoeNorm, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      if (ctx.debug_reorder_moe_norm)
+        ops::rmsnorm_debug_reversed(acts.mid.data() + s * D, norm, moe_in + s * D, acts.moe_inv_rms.data() + s, count,
+                                    D, c.rms_eps);
+      else
+        ops::rmsnorm(acts.mid.data() + s * D, norm, moe_in + s * D, acts.moe_inv_rms.data() + s, count, D, c.rms_eps);
+    });
     ctx.trace_tensor("fwd", layer_, "moe_norm", "out", moe_in, {N, D}, {TraceRows::kStream});
     acts.router_logits.resize(N * E);
     acts.gates.resize(N * E);
     acts.router_lse.resize(N);
     acts.sel.resize(ctx.tokens * K);
-    ops::linear(moe_in, N, D, ctx.layer_weight(layer_, "router"), E, acts.router_logits.data());
+    int* sel = stream_rows_out(ctx, acts.sel, ws.sel_held, K);
+    const float* router = ctx.layer_weight(layer_, "router");
     if (c.router_skew != 0) {  // a fixed preference for the first max(1, E/4) experts
       ops::synchronize();
-      ctx.ws.row_vector.assign(std::max(1, E / 4), c.router_skew);
-      ops::add_row_vector(acts.router_logits.data(), N, E, std::max(1, E / 4), ctx.ws.row_vector.data());
+      ws.row_vector.assign(std::max(1, E / 4), c.router_skew);
     }
-    ops::softmax_rows(acts.router_logits.data(), E, acts.gates.data(), E, (int)N, E, 0, acts.router_lse.data());
-    ops::route_topk(acts.gates.data(), N, E, K, stream_rows_out(ctx, acts.sel, ws.sel_held, K));
+    stream_rows(ctx, StreamOp::kRouter, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      float* logits = acts.router_logits.data() + s * E;
+      ops::linear(moe_in + s * D, count, D, router, E, logits);
+      if (c.router_skew != 0) ops::add_row_vector(logits, count, E, std::max(1, E / 4), ws.row_vector.data());
+      ops::softmax_rows(logits, E, acts.gates.data() + s * E, E, count, E, 0, acts.router_lse.data() + s);
+      ops::route_topk(acts.gates.data() + s * E, count, E, K, sel + s * K);
+    });
+    // Context parallel: the rows a fold over tokens, the dispatch or the experts read, from every rank.
+    gather_stream_held(ctx, moe_in, D);
+    gather_stream_held(ctx, sel, K);
+    gather_stream_held(ctx, acts.gates.data(), E);
+    gather_stream_held(ctx, acts.router_lse.data(), 1);
     // Every token's input row and choices, for the dispatch and the experts.
     gather_stream_rows(ctx, ws.sp_rows, acts.moe_in, D);
     gather_stream_rows(ctx, ws.sel_held, acts.sel, K);
@@ -64,7 +81,7 @@ class MoeRouting : public LayerBlock {
     const int D = c.d_model, E = c.experts;
     const int64_t N = ctx.stream_tokens;  // the stream's tokens held here
     StepWorkspace& ws = ctx.ws;
-    const LayerActs& acts = ctx.layer(layer_);
+    LayerActs& acts = ctx.layer(layer_);
     const float* moe_in = acts.moe_in.data() + ctx.stream_first * D;
     // The gate gradient + the aux term (the counts are constants), softmax
     // backward, + the z-loss term.
@@ -80,22 +97,39 @@ class MoeRouting : public LayerBlock {
         const float f = (float)counts[s * E + e] / assignments;
         ws.row_vector[s * E + e] = ((c.aux_loss_weight * (float)E) * f) / ctx.global_tokens;
       }
-    for (int64_t s = 0; s < vectors; ++s)
-      ops::add_row_vector(ws.dg.data() + s * rows * E, rows, E, E, ws.row_vector.data() + s * E);
     ws.dz.resize(N * E);
-    ops::softmax_backward_rows(acts.gates.data(), E, ws.dg.data(), E, ws.dz.data(), E, (int)N, E, 0);
-    ops::z_loss_grad(acts.gates.data(), acts.router_lse.data(), N, E, c.z_loss_weight * 2.0f, ctx.global_tokens,
-                     ws.dz.data());
-    ctx.trace_tensor("bwd", layer_, "router", "dz", ws.dz.data(), {N, E}, {TraceRows::kStream});
-    ops::weight_grad(moe_in, D, ws.dz.data(), E, D, E, ws.uniform_off.data(), ctx.stream_leaves,
-                     ctx.layer_grad(layer_, "router"));
     ws.dtmp.resize(N * D);
-    ops::linear_input_grad(ws.dz.data(), N, E, ctx.layer_weight(layer_, "router"), D, ws.dtmp.data(), false);
-    ops::add(ws.dmoe_in.data(), ws.dtmp.data(), ws.dmoe_in.data(), N * D);
-    ops::rmsnorm_weight_grad(acts.mid.data(), acts.moe_inv_rms.data(), ws.dmoe_in.data(), N, D, ctx.leaf_tokens,
-                             ctx.layer_grad(layer_, "moe_norm"));
-    ops::rmsnorm_backward(acts.mid.data(), ctx.layer_weight(layer_, "moe_norm"), acts.moe_inv_rms.data(),
-                          ws.dmoe_in.data(), ws.dh.data(), N, D, true);
+    const int64_t first = ctx.stream_first;
+    const float* router = ctx.layer_weight(layer_, "router");
+    stream_rows(ctx, StreamOp::kRouter, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      for (int64_t at = s; at < s + count;) {  // each vector's rows of the range
+        const int64_t vector = at / rows, end = std::min(s + count, (vector + 1) * rows);
+        ops::add_row_vector(ws.dg.data() + at * E, end - at, E, E, ws.row_vector.data() + vector * E);
+        at = end;
+      }
+      ops::softmax_backward_rows(acts.gates.data() + s * E, E, ws.dg.data() + s * E, E, ws.dz.data() + s * E, E, count,
+                                 E, 0);
+      ops::z_loss_grad(acts.gates.data() + s * E, acts.router_lse.data() + s, count, E, c.z_loss_weight * 2.0f,
+                       ctx.global_tokens, ws.dz.data() + s * E);
+      ops::linear_input_grad(ws.dz.data() + s * E, count, E, router, D, ws.dtmp.data() + s * D, false);
+    });
+    ctx.trace_tensor("bwd", layer_, "router", "dz", ws.dz.data(), {N, E}, {TraceRows::kStream});
+    gather_stream_held(ctx, ws.dz.data(), E);
+    stream_weight_grad(ctx, moe_in, D, ws.dz.data(), E, D, E, ctx.layer_grad(layer_, "router"));
+    const float* norm = ctx.layer_weight(layer_, "moe_norm");
+    stream_rows(ctx, StreamOp::kMoeNorm, [&](int64_t row, int count) {
+      const int64_t s = row - first;
+      ops::add(ws.dmoe_in.data() + s * D, ws.dtmp.data() + s * D, ws.dmoe_in.data() + s * D, count * D);
+      ops::rmsnorm_backward(acts.mid.data() + s * D, norm, acts.moe_inv_rms.data() + s, ws.dmoe_in.data() + s * D,
+                            ws.dh.data() + s * D, count, D, true);
+    });
+    // The norm's weight gradient folds over every token: their rows from every rank.
+    gather_stream_held(ctx, acts.mid.data(), D);
+    gather_stream_held(ctx, acts.moe_inv_rms.data(), 1);
+    gather_stream_held(ctx, ws.dmoe_in.data(), D);
+    stream_rmsnorm_weight_grad(ctx, acts.mid.data(), acts.moe_inv_rms.data(), ws.dmoe_in.data(),
+                               ctx.layer_grad(layer_, "moe_norm"));
     ctx.trace_tensor("bwd", layer_, "moe_norm", "dh", ws.dh.data(), {N, D}, {TraceRows::kStream});
   }
 

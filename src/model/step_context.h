@@ -102,6 +102,7 @@ struct StepWorkspace {
   // Context parallel: rows packed for the group's all-gathers and broadcast, and one dK/dV link.
   ops::DeviceVector<float> cp_send, cp_recv, cp_link;
   ops::DeviceVector<float> cp_ds;  // the dS of this rank's query ranges, kept for the dK/dV chain's key blocks
+  ops::DeviceVector<float> cp_pack;  // a share of a stream tensor's columns, packed for its fold (cp_columns)
   // Measured: the bytes every float buffer above holds allocated (capacities), the layers' included.
   int64_t allocated_bytes() const;
   // Swaps the backward scratch (dh ... shared_dx: read and written only

@@ -433,6 +433,8 @@ MeshReport ClusterTrainer::mesh_report() const {
     const size_t kFirstTime = rec.size();  // then nanoseconds by kind, kTimeKinds' order
     for (const char* k : kTimeKinds)
       rec.push_back(me.comm.seconds_by_kind.count(k) ? (int64_t)(me.comm.seconds_by_kind.at(k) * 1e9) : 0);
+    const size_t kFirstStreamOp = rec.size();
+    rec.insert(rec.end(), st.stream_rows.begin(), st.stream_rows.end());
     rec.push_back(st.all_to_all_started);  // last but one
     rec.push_back(st.cp_link_messages);    // last
     const int R = mpi_->size();
@@ -454,6 +456,7 @@ MeshReport ClusterTrainer::mesh_report() const {
       s.peak_grad_state_bytes = x[9];
       s.workspace_bytes = x[10];
       s.weight_bytes = x[11];
+      std::copy(x + kFirstStreamOp, x + kFirstStreamOp + kStreamOps, s.stream_rows.begin());
       const MeshConfig::RankCoords at = s_.mesh.rank_coords(r);
       rep.add(s, /*count_rows=*/at.tensor == 0 && at.context == 0);
       for (size_t k = 0; k < kKindCount; ++k)

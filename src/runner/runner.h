@@ -114,6 +114,9 @@ struct RunResult {
   // attention seconds and bytes sent as means per step after a warm-up
   // step, workspace bytes the largest.
   std::vector<MeshReport::ContextRank> context;
+  // The last step's rows per per-token op of the residual stream (StreamOp), the largest rank's: at mesh.cp > 1
+  // a rank's own positions only (measured, counted as each op ran).
+  std::map<std::string, int64_t> stream_rows;
   std::vector<int> moe_rounds;               // per step
   std::vector<int64_t> moe_borrowed, moe_dropped;  // per step
   std::vector<int64_t> moe_gemm_calls, moe_all_to_all_calls, moe_all_to_all_bytes;  // per step, all ranks

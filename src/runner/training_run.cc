@@ -490,6 +490,7 @@ void TrainingRun::record_step(int step, float loss, double step_seconds) {
   r_.peak_grad_state_bytes = std::max(r_.peak_grad_state_bytes, mr.peak_grad_state_bytes);
   r_.workspace_bytes = std::max(r_.workspace_bytes, mr.workspace_bytes);
   r_.pipeline = mr.pipeline;
+  for (int op = 0; op < kStreamOps; ++op) r_.stream_rows[stream_op_name((StreamOp)op)] = mr.stream_rows_max[op];
   if (!mr.context.empty() && (step > start_ || done == r_.steps)) {  // means after the first step (finish)
     if (context_steps_ == 0) context_sum_.assign(mr.context.size(), {});
     ++context_steps_;
