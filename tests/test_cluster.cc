@@ -263,6 +263,30 @@ TEST_SUITE("cluster") {
     }
   }
 
+  TEST_CASE("mesh.shared_memory: the optimizer updates its shards in the shared weights, copied there once a run") {
+    const std::vector<std::string> wide = {"model.d_model=64", "model.d_ff=128"};
+    auto with = [&](std::vector<std::string> more, int steps) {
+      more.insert(more.end(), wide.begin(), wide.end());
+      more.push_back("train.steps=" + std::to_string(steps));
+      return run(more, 2);
+    };
+    for (const std::vector<std::string>& mesh : {std::vector<std::string>{"mesh.dp=2"}, {"mesh.dp=2", "mesh.fsdp=true"}}) {
+      CAPTURE(mesh);
+      std::vector<double> published;
+      for (int steps : {2, 5}) {
+        const Outcome shared = with(mesh, steps);
+        CHECK(shared.hash == with({}, steps).hash);
+        // The bytes of the one copy of the rank's shards, as the run's total: the same for 2 steps as for 5.
+        published.push_back(shared.result.bytes_sent_per_step.at("shared_publish") * steps);
+        // Its share of the weights: the model's over the shard group (the weights placed once, with the gradients).
+        const double weight_bytes = (double)shared.result.weight_bytes / 2;
+        CHECK(published.back() >= 0.45 * weight_bytes);
+        CHECK(published.back() <= 0.55 * weight_bytes);
+      }
+      CHECK(published[0] == doctest::Approx(published[1]));
+    }
+  }
+
   TEST_CASE("the summary splits exposed communication by kind, and times the copies for collectives") {
     // As messages: through shared memory a chain's waits are timed only when a rank really waited.
     ls::Scenario s = ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json",

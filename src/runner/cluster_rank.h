@@ -29,6 +29,9 @@ struct NodeShare {
   int ranks = 0, me = 0, blocks = 0;
   int64_t pass = 0;                  // training passes so far, the same count on every rank
   bool stale = true;                 // the shards changed since they were last published
+  // The shared weights hold the master shards (published once from shard_w): the optimizer updates them in
+  // place and publishing is a barrier, not a copy (ClusterTrainer::master_shard).
+  bool master_in_place = false;
   std::vector<char> folded;          // per block, this pass: its gradients reduced
   const float* grads_of(int q) const { return (const float*)grads->data() + (size_t)q * stride; }
   int64_t* flag(int q, int block) const { return (int64_t*)(flags->data() + ((size_t)q * blocks + block) * 64); }
@@ -45,9 +48,12 @@ struct ClusterTrainer::Rank {
   std::unique_ptr<PipelineStage> stage;  // pipelined (mesh.pp > 1 or train.microbatches > 1): its blocks and schedule
   std::unique_ptr<MoeTransformer> model;
   ops::DeviceVector<float> m, v;    // AdamW moments for what this rank updates (shards with fsdp)
-  ops::DeviceVector<float> shard_w;  // fsdp: the authoritative parameter shards of the sharded tensors, concatenated
+  // The authoritative parameter shards of the sharded tensors (FSDP, the sharded optimizer), concatenated;
+  // with mesh.shared_memory only until the shared weights take them over (NodeShare::master_in_place).
+  ops::DeviceVector<float> shard_w;
   std::vector<int64_t> shard_off;   // per tensor, offset of its range into m / v
   std::vector<int64_t> sharded_off;  // per sharded tensor, offset into shard_w / reduced (-1: not sharded)
+  int64_t sharded_floats = 0;       // the sharded tensors' ranges, in all: the size of shard_w and reduced
   std::vector<Shard> shards;        // per tensor, its block range (every block without fsdp)
   CommStats comm;                   // bytes sent, accumulated over steps
   SplitNormBuffers norm_buffers;    // the gradient norm's buffers (split tensors, FSDP shards), reused step to step

@@ -83,14 +83,27 @@ void ClusterTrainer::publish_weights(RankCtx& c) {
   Rank& rank = c.rank;
   NodeShare& node = *rank.node;
   if (!node.stale) return;
-  const auto& infos = rank.model->params();
-  for (size_t t = 0; t < infos.size(); ++t) {
-    const auto [lo, hi] = range(rank, t);
-    const float* mine = rank.shard_w.data() + rank.sharded_off[t];
-    std::copy(mine, mine + (hi - lo), rank.model->weights() + infos[t].offset + lo);
+  if (!node.master_in_place) {  // once: the shards into the shared weights, which hold them from then on
+    const auto& infos = rank.model->params();
+    for (size_t t = 0; t < infos.size(); ++t) {
+      const auto [lo, hi] = range(rank, t);
+      const float* mine = rank.shard_w.data() + rank.sharded_off[t];
+      std::copy(mine, mine + (hi - lo), rank.model->weights() + infos[t].offset + lo);
+      rank.comm.count("shared_publish", sizeof(float) * (uint64_t)(hi - lo));
+    }
+    node.master_in_place = true;
+    ops::DeviceVector<float>().swap(rank.shard_w);  // (master_shard points into the shared weights now)
   }
   node.group->barrier();  // every rank's shards are in
   node.stale = false;
+}
+
+// The optimizer writes a shard into the shared weights only after every
+// rank's backward is done with them: it runs after the gradient norm, which
+// every rank enters after its last fold, i.e. after its backward.
+float* ClusterTrainer::master_shard(const Rank& r, size_t t) const {
+  if (r.node && r.node->master_in_place) return r.model->weights() + r.model->params()[t].offset + range(r, t).first;
+  return const_cast<float*>(r.shard_w.data()) + r.sharded_off[t];
 }
 
 // This rank's backward finished `block` (its gradients written): say so,

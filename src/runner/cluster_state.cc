@@ -70,7 +70,7 @@ std::vector<ClusterTrainer::StatePart> ClusterTrainer::state_parts(const Rank& r
     const auto [lo, hi] = range(rk, t);
     const bool sharded = placement_.sharded(q);
     const float* w = gradients ? (sharded ? rk.reduced.data() + rk.sharded_off[t] : rk.model->grads() + q.offset + lo)
-                               : (sharded ? rk.shard_w.data() + rk.sharded_off[t] : rk.model->weights() + q.offset + lo);
+                               : (sharded ? master_shard(rk, t) : rk.model->weights() + q.offset + lo);
     const bool split = q.tp_mid > 0;
     out.push_back({(int64_t)q.index, q.global_offset + (split ? 0 : lo), hi - lo, split ? q.tp_first : -1,
                    split ? lo : 0, w, rk.m.data() + rk.shard_off[t], rk.v.data() + rk.shard_off[t]});
@@ -151,7 +151,7 @@ float* ClusterTrainer::storage(Rank& r, size_t t, const std::string& kind) const
   const ParamInfo& p = r.model->params()[t];
   if (kind == "adam_m") return r.m.data() + r.shard_off[t];
   if (kind == "adam_v") return r.v.data() + r.shard_off[t];
-  if (placement_.sharded(p)) return r.shard_w.data() + r.sharded_off[t];
+  if (placement_.sharded(p)) return master_shard(r, t);
   return r.model->weights() + p.offset + range(r, t).first;
 }
 

@@ -73,6 +73,7 @@ ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), pl
     rank->m.assign(off, 0.0f);
     rank->v.assign(off, 0.0f);
     rank->shard_w.resize(sharded);
+    rank->sharded_floats = sharded;
     rank->block_tensors.resize((size_t)rank->model->num_blocks());
     for (size_t t = 0; t < infos.size(); ++t)
       rank->block_tensors[(size_t)MoeTransformer::block_of(s.model, infos[t].name)].push_back(t);
@@ -211,7 +212,7 @@ StepLosses ClusterTrainer::forward_backward(RankCtx& c, const uint8_t* samples, 
 // Where tensor t's reduced gradient shard lands (rank.reduced, kept step to
 // step): the norm and the optimizer read it there.
 float* ClusterTrainer::reduced_shard(Rank& r, size_t t) {
-  if (r.reduced.size() != r.shard_w.size()) r.reduced.resize(r.shard_w.size());
+  if (r.reduced.size() != (size_t)r.sharded_floats) r.reduced.resize((size_t)r.sharded_floats);
   return r.reduced.data() + r.sharded_off[t];
 }
 
@@ -322,8 +323,7 @@ void ClusterTrainer::update(RankCtx& c, int step, float norm) {
   std::vector<AdamWSlice> slices;
   for (size_t t = 0; t < infos.size(); ++t) {
     const auto [lo, hi] = range(rank, t);
-    float* w = placement_.sharded(infos[t]) ? rank.shard_w.data() + rank.sharded_off[t]
-                                            : model.weights() + infos[t].offset + lo;
+    float* w = placement_.sharded(infos[t]) ? master_shard(rank, t) : model.weights() + infos[t].offset + lo;
     slices.push_back({w, reduced_gradient(rank, t), rank.m.data() + rank.shard_off[t],
                       rank.v.data() + rank.shard_off[t], hi - lo, infos[t].decay});
   }
@@ -419,7 +419,8 @@ MeshReport ClusterTrainer::mesh_report() const {
     const Rank& me = *ranks_[mpi_->rank()];
     const MoeStats& st = me.model->moe_stats();
     static const char* kKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
-                                   "broadcast",  "send",           "shared_send", "shared_final", "shared_gather"};
+                                   "broadcast",  "send",           "shared_send", "shared_final", "shared_gather",
+                                   "shared_publish"};
     constexpr size_t kFirstKind = 12, kKindCount = sizeof kKinds / sizeof *kKinds, kComm = kFirstKind + kKindCount;
     std::vector<int64_t> rec = {st.rounds, st.borrowed, st.dropped, st.expert_gemm_calls, st.all_to_all_calls,
                                 st.all_to_all_bytes, st.peak_expert_bytes, st.peak_dispatch_bytes,

@@ -82,6 +82,8 @@ class ClusterTrainer : public Trainer {
   void finish_reduction(RankCtx& c, size_t tensor);
   // Tensor t's reduced gradient shard (FSDP, the sharded optimizer) and its copy into the gradients.
   float* reduced_shard(Rank& r, size_t tensor);
+  // Where this rank's master shard of sharded tensor t lives: shard_w, or the shared weights once they hold it.
+  float* master_shard(const Rank& r, size_t tensor) const;
   float* reduced_gradient(Rank& r, size_t tensor);
   // mesh.shared_memory (cluster_shared.cc): a shard group on one host
   // shares one weights buffer and folds each block's gradients straight
