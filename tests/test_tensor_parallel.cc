@@ -23,6 +23,7 @@
 #include "model/step_context.h"
 #include "model/tensor_parallel.h"
 #include "cluster/shared_chain.h"
+#include "ops/ops.h"
 #include "runner/placement.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
@@ -443,6 +444,55 @@ TEST_SUITE("tensor_parallel") {
   // (runner/placement.h split_tensor_sumsq): clipping on every step makes the
   // norm's bits reach the weights, so equal hashes hold the norm to the
   // one-process fold.
+  TEST_CASE("a split tensor's gradient norm is chained through the TP group: a float a block travels, the same bits") {
+    // runner/placement.h split_tensor_sumsq with last_rank_only: each block's fold carried on rank by rank where
+    // its runs come in ascending rank order -- the d_ff-wide tensors, a row of d_ff = 1024 being one block --
+    // else each rank folds a share of the blocks, their elements exchanged. Either gives the whole tensor's bits.
+    const ls::Scenario s = split_scenario({"model.d_model=64", "model.d_ff=1024"});
+    for (int tp : {2, 4}) {
+      CAPTURE(tp);
+      std::vector<int64_t> wrong((size_t)tp, 0), ffn_unchained((size_t)tp, 0), chained((size_t)tp, 0);
+      std::vector<int64_t> chained_moved((size_t)tp, 0);
+      std::vector<uint64_t> chain_bytes((size_t)tp, 0), blocks_sent((size_t)tp, 0);
+      ls::run_in_process(tp, [&](ls::Communicator& world) {
+        const size_t me = (size_t)world.rank();
+        auto value = [](int64_t g) { return (float)((g * 2654435761u) % 2003) / 1001.0f - 1.0f; };
+        for (const ls::ParamInfo& p : ls::MoeTransformer::layout(s.model, 1, 0, tp, (int)me)) {
+          if (p.tp_mid == 0) continue;
+          std::vector<float> part((size_t)p.size), whole((size_t)(p.size * tp));
+          for (int64_t i = 0; i < p.size; ++i) part[(size_t)i] = value(p.global_index(i) - p.global_offset);
+          for (int64_t g = 0; g < p.size * tp; ++g) whole[(size_t)g] = value(g);
+          const float expect = ls::param_sumsq(whole.data(), (int64_t)whole.size());
+          ls::SplitNormBuffers b;
+          bool last_only = false;
+          const uint64_t to_all = world.stats.bytes_sent["all_to_all"];
+          const float got = ls::split_tensor_sumsq(p, world, part.data(), b, &last_only);
+          if (last_only) {
+            ++chained[me];
+            chained_moved[me] += world.stats.bytes_sent["all_to_all"] - to_all;  // no element travelled
+            if (me + 1 == (size_t)tp) wrong[me] += ls::bits(got) != ls::bits(expect);
+            else blocks_sent[me] += (uint64_t)((p.size * tp + ls::kParamBlock - 1) / ls::kParamBlock) * 4;
+          } else {
+            wrong[me] += ls::bits(got) != ls::bits(expect);
+            ffn_unchained[me] += p.name.find("experts.") != std::string::npos || p.name.find("shared.") != std::string::npos;
+          }
+          // The share-per-rank path (every rank's result, elements exchanged) gives the same bits.
+          wrong[me] += ls::bits(ls::split_tensor_sumsq(p, world, part.data(), b)) != ls::bits(expect);
+        }
+        chain_bytes[me] = world.stats.bytes_sent["norm_chain"];
+      });
+      for (size_t q = 0; q < (size_t)tp; ++q) {
+        CAPTURE(q);
+        CHECK(wrong[q] == 0);
+        // Per layer every split tensor but wqkv (its q, k and v runs, 64 / tp wide, interleave inside a block).
+        CHECK(chained[q] == 2 * 7);
+        CHECK(ffn_unchained[q] == 0);
+        CHECK(chained_moved[q] == 0);
+        CHECK(chain_bytes[q] == blocks_sent[q]);  // one float a block, from every rank but the last
+      }
+    }
+  }
+
   TEST_CASE("checkpoint staging of a split tensor: each TP rank receives just its range, each element sent once") {
     // runner/cluster_state.cc stages TP rank q's range of every split tensor through gather_tp_range.
     const ls::Scenario s = split_scenario({});

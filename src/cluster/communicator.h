@@ -144,7 +144,7 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual void barrier() = 0;
-  virtual void broadcast(void* buf, size_t bytes, int root) = 0;
+  virtual void broadcast(void* buf, size_t bytes, int root, const char* kind = "broadcast") = 0;
   // buf = canonical-tree sum over ranks of every rank's buf.
   virtual void all_reduce_sum(float* buf, size_t count) = 0;
   virtual void all_reduce_sum(int64_t* buf, size_t count) = 0;
@@ -159,8 +159,9 @@ class Communicator {
                           const std::vector<size_t>& recv_bytes) = 0;
   // Buffered: returns once buf may be reused, without waiting for the
   // matching recv (messages between two ranks arrive in the order sent).
-  virtual void send(const void* buf, size_t bytes, int dst) = 0;
-  virtual void recv(void* buf, size_t bytes, int src) = 0;
+  // `kind`: what CommStats counts the bytes and the wait as.
+  virtual void send(const void* buf, size_t bytes, int dst, const char* kind = "send") = 0;
+  virtual void recv(void* buf, size_t bytes, int src, const char* kind = "recv") = 0;
   // Collective: ranks with the same color form a new communicator, ordered
   // by key then parent rank.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;

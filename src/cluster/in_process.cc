@@ -225,8 +225,8 @@ class InProcessComm : public Communicator {
     hub_->wait_all();
   }
 
-  void broadcast(void* buf, size_t bytes, int root) override {
-    const CommStats::Timer timed = stats.add("broadcast", rank_ == root ? bytes * (size() - 1) : 0);
+  void broadcast(void* buf, size_t bytes, int root, const char* kind = "broadcast") override {
+    const CommStats::Timer timed = stats.add(kind, rank_ == root ? bytes * (size() - 1) : 0);
     post(buf, bytes);
     if (rank_ != root) copy_bytes(buf, hub_->posted[root], bytes);
     hub_->wait_all();
@@ -300,8 +300,8 @@ class InProcessComm : public Communicator {
     hub_->wait_all();
   }
 
-  void send(const void* buf, size_t bytes, int dst) override {
-    const CommStats::Timer timed = stats.add("send", bytes);
+  void send(const void* buf, size_t bytes, int dst, const char* kind = "send") override {
+    const CommStats::Timer timed = stats.add(kind, bytes);
     std::vector<char> copy;
     {
       const OpTimer copying(OpKind::kCopy);
@@ -312,8 +312,8 @@ class InProcessComm : public Communicator {
     hub_->cv.notify_all();
   }
 
-  void recv(void* buf, size_t bytes, int src) override {
-    const CommStats::Timer timed(&stats, "recv");
+  void recv(void* buf, size_t bytes, int src, const char* kind = "recv") override {
+    const CommStats::Timer timed(&stats, kind);
     std::unique_lock<std::mutex> lk(hub_->mu);
     auto& box = hub_->mail[{src, rank_}];
     hub_->cv.wait(lk, [&] { return !box.empty() || hub_->aborted; });

@@ -186,8 +186,8 @@ class MpiComm : public Communicator {
     check(MPI_Barrier(comm_), "barrier");
   }
 
-  void broadcast(void* buf, size_t bytes, int root) override {
-    const CommStats::Timer timed = stats.add("broadcast", rank_ == root ? bytes * (size_ - 1) : 0);
+  void broadcast(void* buf, size_t bytes, int root, const char* kind = "broadcast") override {
+    const CommStats::Timer timed = stats.add(kind, rank_ == root ? bytes * (size_ - 1) : 0);
     check(MPI_Bcast(buf, as_count(bytes, "broadcast"), MPI_BYTE, root, comm_), "broadcast");
   }
 
@@ -247,8 +247,8 @@ class MpiComm : public Communicator {
   // Buffered, as in process: the bytes are copied and sent in the
   // background, so two ranks may send to each other before either receives
   // (a pipeline's activations one way, gradients the other).
-  void send(const void* buf, size_t bytes, int dst) override {
-    const CommStats::Timer timed = stats.add("send", bytes);
+  void send(const void* buf, size_t bytes, int dst, const char* kind = "send") override {
+    const CommStats::Timer timed = stats.add(kind, bytes);
     reap_sends();
     BufferedSend p;
     {
@@ -260,8 +260,8 @@ class MpiComm : public Communicator {
     check(MPI_Isend(mine.bytes.data(), as_count(bytes, "send"), MPI_BYTE, dst, kTag, comm_, &mine.request), "send");
   }
 
-  void recv(void* buf, size_t bytes, int src) override {
-    const CommStats::Timer timed(&stats, "recv");
+  void recv(void* buf, size_t bytes, int src, const char* kind = "recv") override {
+    const CommStats::Timer timed(&stats, kind);
     MPI_Status st;
     check(MPI_Probe(src, kTag, comm_, &st), "recv");
     int got = 0;

@@ -82,6 +82,10 @@ float param_sumsq(const float* v, int64_t n);
 // that holds some blocks and trees them with the others'. Reduces over the
 // parameter index inside a block.
 void param_block_sumsqs(const float* v, int64_t n, float* sums);
+// acc[i] = acc[i] continued by the fma fold of piece i, v[i * len, (i + 1) * len):
+// a block's fold carried on across pieces held in different places, bit for
+// bit the fold over the block. Reduces over the parameter index inside a piece.
+void param_piece_sumsqs(const float* v, int64_t pieces, int64_t len, float* acc);
 
 // SwiGLU hidden of n elements: s = sigmoid(u) (kept for the backward),
 // act = (u * s) * v. Elementwise.

@@ -274,14 +274,14 @@ void ClusterTrainer::plant_fsdp_fault(RankCtx& c) {
 // The sum of squares of tensor t's reduced gradient, as AdamW::global_norm
 // folds it: the fma fold in blocks of kParamBlock of the whole tensor, the
 // blocks by the canonical tree.
-float ClusterTrainer::gradient_sumsq(RankCtx& c, size_t t) {
+float ClusterTrainer::gradient_sumsq(RankCtx& c, size_t t, bool* last_tp_rank_only) {
   Rank& rank = c.rank;
   const ParamInfo& p = rank.model->params()[t];
   const float* gp = rank.model->grads() + p.offset;
   const bool ep_slice = p.expert && s_.mesh.ep > 1;
-  // A split tensor's blocks a share per TP rank, each element sent at most once.
+  // A split tensor's blocks chained through the TP group, or a share per TP rank, each element sent at most once.
   if (p.tp_mid > 0 && !ep_slice && !placement_.sharded(p))
-    return split_tensor_sumsq(p, c.group(Axis::kTensor), gp, rank.norm_buffers);
+    return split_tensor_sumsq(p, c.group(Axis::kTensor), gp, rank.norm_buffers, last_tp_rank_only);
   if (p.tp_mid > 0 || ep_slice) {
     // The whole tensor: the TP group's parts put in place, then the EP group's slices in rank order.
     ops::DeviceVector<float> slice, held, parts;
@@ -309,7 +309,19 @@ float ClusterTrainer::gradient_sumsq(RankCtx& c, size_t t) {
 float ClusterTrainer::gradient_norm(RankCtx& c) {
   const auto& infos = c.rank.model->params();
   std::vector<float> sumsqs(all_tensors_.size(), 0.0f);  // by canonical index
-  for (size_t t = 0; t < infos.size(); ++t) sumsqs[(size_t)infos[t].index] = gradient_sumsq(c, t);
+  std::vector<size_t> chained;                           // of those, the ones only the last TP rank holds
+  for (size_t t = 0; t < infos.size(); ++t) {
+    bool last_tp_rank_only = false;
+    sumsqs[(size_t)infos[t].index] = gradient_sumsq(c, t, &last_tp_rank_only);
+    if (last_tp_rank_only) chained.push_back((size_t)infos[t].index);
+  }
+  if (!chained.empty()) {  // the chains' sums, from the TP group's last rank, once for every tensor
+    Communicator& tensor = c.group(Axis::kTensor);
+    std::vector<float> sums;
+    for (size_t i : chained) sums.push_back(sumsqs[i]);
+    tensor.broadcast(sums.data(), sizeof(float) * sums.size(), tensor.size() - 1, "norm_chain");
+    for (size_t k = 0; k < chained.size(); ++k) sumsqs[chained[k]] = sums[k];
+  }
   // Pipelined, each stage has its tensors' sums (the others +0): exact over the pipe.
   c.group(Axis::kPipeline).all_reduce_sum(sumsqs.data(), sumsqs.size());
   return global_norm_of(sumsqs);
@@ -407,7 +419,7 @@ std::vector<int64_t> ClusterTrainer::tokens_per_expert() const {
 namespace {
 // The kinds whose exposed seconds a process's record carries (CommStats::seconds_by_kind).
 constexpr const char* kTimeKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
-                                      "broadcast",  "send",           "recv",       "barrier"};
+                                      "broadcast",  "send",           "recv",       "barrier", "norm_chain"};
 }  // namespace
 
 MeshReport ClusterTrainer::mesh_report() const {
@@ -420,7 +432,7 @@ MeshReport ClusterTrainer::mesh_report() const {
     const MoeStats& st = me.model->moe_stats();
     static const char* kKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
                                    "broadcast",  "send",           "shared_send", "shared_final", "shared_gather",
-                                   "shared_publish"};
+                                   "shared_publish", "norm_chain"};
     constexpr size_t kFirstKind = 12, kKindCount = sizeof kKinds / sizeof *kKinds, kComm = kFirstKind + kKindCount;
     std::vector<int64_t> rec = {st.rounds, st.borrowed, st.dropped, st.expert_gemm_calls, st.all_to_all_calls,
                                 st.all_to_all_bytes, st.peak_expert_bytes, st.peak_dispatch_bytes,

@@ -97,7 +97,8 @@ class ClusterTrainer : public Trainer {
   void fold_ready_blocks(Rank& r, bool wait);
   // What a rank left in flight, dropped (an exception on the way out).
   static void abandon_in_flight(Rank& r);
-  float gradient_sumsq(RankCtx& c, size_t tensor);
+  // last_tp_rank_only: may return a sum only the TP group's last rank holds (split_tensor_sumsq's chain).
+  float gradient_sumsq(RankCtx& c, size_t tensor, bool* last_tp_rank_only = nullptr);
   float gradient_norm(RankCtx& c);
   void update(RankCtx& c, int step, float norm);
 

@@ -67,14 +67,14 @@ class DataLanes::LaneGroup : public Communicator {
     std::copy(out.begin(), out.end(), v);
   }
 
-  void broadcast(void*, size_t, int) override { unsupported("broadcast"); }
+  void broadcast(void*, size_t, int, const char*) override { unsupported("broadcast"); }
   void reduce_scatter_sum(const float*, float*, const std::vector<size_t>&) override { unsupported("reduce_scatter"); }
   void all_gather(const void*, void*, const std::vector<size_t>&) override { unsupported("all_gather"); }
   void all_to_all(const void*, const std::vector<size_t>&, void*, const std::vector<size_t>&) override {
     unsupported("all_to_all");
   }
-  void send(const void*, size_t, int) override { unsupported("send"); }
-  void recv(void*, size_t, int) override { unsupported("recv"); }
+  void send(const void*, size_t, int, const char*) override { unsupported("send"); }
+  void recv(void*, size_t, int, const char*) override { unsupported("recv"); }
   std::unique_ptr<Communicator> split(int, int) override { unsupported("split"); }
 
  private:

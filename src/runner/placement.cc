@@ -146,9 +146,62 @@ void gather_tp_range(const ParamInfo& p, Communicator& tensor, const float* part
   });
 }
 
-float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b) {
-  const int tp = tensor.size();
+namespace {
+
+// This TP rank's pieces of a split tensor's parameter blocks, in block
+// order. False when some block's runs are not held in ascending TP rank
+// order (a chain through the ranks in order could not carry its fold).
+bool chain_pieces(const ParamInfo& p, int tp, int me, std::vector<BlockPiece>& mine) {
+  const int64_t n = p.size * tp;
+  std::vector<int> last_holder((size_t)blocks_of(n), -1);
+  bool ascending = true;
+  mine.clear();
+  for_each_run(p, 0, n, [&](int64_t g, int64_t len, int holder, int64_t local) {
+    for (int64_t at = g; at < g + len;) {  // the run cut at block boundaries
+      const int64_t block = at / kParamBlock, end = std::min(g + len, (block + 1) * kParamBlock);
+      ascending = ascending && last_holder[(size_t)block] < holder;
+      last_holder[(size_t)block] = holder;
+      if (holder == me) mine.push_back({block, local + (at - g), end - at});
+      at = end;
+    }
+  });
+  return ascending;
+}
+
+// Continues acc[block] over each piece: runs of pieces of equal length that
+// follow each other in the part and in block order fold side by side.
+void fold_pieces(const float* part, const std::vector<BlockPiece>& pieces, float* acc) {
+  for (size_t i = 0; i < pieces.size();) {
+    const BlockPiece& first = pieces[i];
+    size_t j = i + 1;
+    while (j < pieces.size() && pieces[j].len == first.len && pieces[j].block == first.block + (int64_t)(j - i) &&
+           pieces[j].local == first.local + (int64_t)(j - i) * first.len)
+      ++j;
+    ops::param_piece_sumsqs(part + first.local, (int64_t)(j - i), first.len, acc + first.block);
+    i = j;
+  }
+}
+
+}  // namespace
+
+float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b,
+                         bool* last_rank_only) {
+  const int tp = tensor.size(), me = tensor.rank();
   const int64_t n = p.size * tp, nb = blocks_of(n);
+  if (last_rank_only && chain_pieces(p, tp, me, b.pieces)) {
+    // The chain: each block's fold starts at +0 on TP rank 0 and is carried on, rank by rank, over the pieces
+    // each holds (their runs come in ascending rank order): what travels is one float per block.
+    b.sums.assign((size_t)nb, 0.0f);
+    if (me > 0) tensor.recv(b.sums.data(), sizeof(float) * (size_t)nb, me - 1, "norm_chain");
+    fold_pieces(part, b.pieces, b.sums.data());
+    *last_rank_only = true;
+    if (me + 1 < tp) {
+      tensor.send(b.sums.data(), sizeof(float) * (size_t)nb, me + 1, "norm_chain");
+      return 0.0f;
+    }
+    return tree_sum(b.sums.data(), nb);
+  }
+  if (last_rank_only) *last_rank_only = false;
   // Rank q's blocks, as elements.
   gather_tp_range(p, tensor, part, [&](int q) { return elements_of(block_share(nb, q, tp), n); }, b.range, b.mine);
   return shared_blocks_sumsq(tensor, n, b.mine.data(), b.own, b.sums);

@@ -98,11 +98,25 @@ using TpRangeOf = std::function<std::pair<int64_t, int64_t>(int q)>;
 void gather_tp_range(const ParamInfo& p, Communicator& tensor, const float* part, const TpRangeOf& range_of,
                      TpRangeBuffers& b, std::vector<float>& mine);
 
+// A TP rank's piece of a split tensor's parameter block: `len` elements of
+// block `block`, at `local` in the rank's part.
+struct BlockPiece {
+  int64_t block, local, len;
+};
 struct SplitNormBuffers {
   TpRangeBuffers range;
   std::vector<float> mine, own, sums;
+  std::vector<BlockPiece> pieces;
 };
-float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b);
+// With last_rank_only, where every block's runs are held in ascending TP
+// rank order (the model's split tensors), the blocks' folds are chained
+// instead: TP rank 0 folds its piece of every block from +0 and sends the
+// partials on, each rank continues them over its pieces (one float per
+// block travels, no element), and only the group's last rank returns the
+// sum (*last_rank_only set; the others return 0 and the caller shares it,
+// so a rank goes on to its next tensor while the next rank folds this one).
+float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* part, SplitNormBuffers& b,
+                         bool* last_rank_only = nullptr);
 
 // whole = a tensor of n elements from its FSDP shards, each rank's block
 // range (an all-gather over the shard group); started: in place once the
