@@ -252,7 +252,7 @@ TEST_SUITE("cluster") {
       CHECK(shared.result.comm_in_flight_seconds_per_step == 0);
     }
     // Where a tensor needs another group first (expert-parallel slices, HSDP's replicas), messages as before.
-    for (const std::vector<std::string> mesh : {std::vector<std::string>{"mesh.dp=2", "mesh.ep=2"},
+    for (const std::vector<std::string>& mesh : {std::vector<std::string>{"mesh.dp=2", "mesh.ep=2"},
                                                 {"mesh.dp=4", "mesh.fsdp=true", "mesh.replicate=2"}}) {
       CAPTURE(mesh);
       const Outcome fallback = with(mesh);

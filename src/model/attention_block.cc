@@ -71,7 +71,7 @@ class AttentionBlock : public LayerBlock {
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, Dh = ctx.width_held();
-    const int64_t N = ctx.tokens, Ns = ctx.stream_tokens;
+    const int64_t N = ctx.tokens;
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
     // Sequence parallel: the projection's gradients need every token's d(mid).

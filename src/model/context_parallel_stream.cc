@@ -1,5 +1,6 @@
-// Context parallel's residual stream: the norms, the residual adds, the
-// router, the combine and the head run on a rank's own positions only. A
+// Context parallel's residual stream: the embedding, the norms, the residual
+// adds, the router, the combine, the dispatch's slot sum and the head run on
+// a rank's own positions only. A
 // fold over tokens (a weight gradient, the losses' sums) reads every token's
 // rows: those are gathered first, and a weight gradient is then split by
 // output column, so each column's fold is the whole one, on one rank.

@@ -95,6 +95,7 @@ float sequence_balance(const float* gates, const int* sel, int64_t samples, int 
 // MoeStats counts the rows each ran on.
 enum class StreamOp { kEmbed, kAttnNorm, kAttnResidual, kMoeNorm, kRouter, kCombine, kDispatchSum, kFinalNorm, kHead };
 constexpr int kStreamOps = 9;
+static_assert((int)StreamOp::kHead + 1 == kStreamOps, "kStreamOps counts StreamOp");
 const char* stream_op_name(StreamOp op);
 
 // Routing statistics of the last forward pass.
