@@ -137,7 +137,10 @@ TEST_SUITE("mpi") {
       // send, broadcast: tensor parallel's chained partials (shared_send, shared_final: the same through the
       // node's shared memory, mesh.shared_memory), a pipeline's activations and sequence parallel's stream
       // rows through shared memory (shared_gather).
-      for (const char* kind : {"all_reduce", "send", "broadcast", "shared_send", "shared_final", "shared_gather"})
+      // shared_publish: the sharded optimizer's shards copied into the node's shared weights, once a run;
+      // norm_chain: the split tensors' gradient norms chained through the TP group, a float a block.
+      for (const char* kind : {"all_reduce", "send", "broadcast", "shared_send", "shared_final", "shared_gather",
+                               "shared_publish", "norm_chain"})
         CHECK(sent(mpi, kind) == sent(threads, kind));
       if (mesh.find("mesh.tp=2") != std::string::npos) CHECK(sent(mpi, "shared_send") > 0);
       if (mesh.find("mesh.sp=true") != std::string::npos) CHECK(sent(mpi, "shared_gather") > 0);
@@ -150,6 +153,13 @@ TEST_SUITE("mpi") {
           CHECK(a[c]["bytes_sent"].get<int64_t>() > 0);
           CHECK(a[c]["bytes_sent"] == b[c]["bytes_sent"]);
         }
+        // The per-token ops ran on each rank's own positions, as processes as in process.
+        const nlohmann::json& rows = mpi.summary.at("context_parallel").at("stream_rows");
+        CHECK(rows == threads.summary.at("context_parallel").at("stream_rows"));
+        for (const auto& [op, n] : rows.items()) {
+          CAPTURE(op);
+          CHECK(n.get<int64_t>() > 0);
+        }
       }
       if (mesh.find("mesh.pp=2") != std::string::npos) {  // the stages measured the same bytes between them
         REQUIRE(mpi.summary.at("pipeline").at("stages").size() == 2);
@@ -159,21 +169,27 @@ TEST_SUITE("mpi") {
     }
   }
 
-  // The split tensors' gradient norm by block shares (an all-to-all, then the
-  // block sums gathered), as processes: clipping on every step makes the
-  // norm's bits reach the weights.
+  // The split tensors' gradient norm as processes: by block shares (an
+  // all-to-all, then the block sums gathered) where the tensors are sharded,
+  // chained through the TP group (a float a block) where not. Clipping on
+  // every step makes the norm's bits reach the weights.
   TEST_CASE("the gradient norm of split tensors as processes: the one-rank bits under clipping") {
     if (!ls::mpi_available()) return;
-    const std::string clip = "--set train.grad_clip=0.01";
+    const std::string clip = "--set train.grad_clip=0.01 --set model.d_ff=1024";  // a row of d_ff: one block
     const Run one = run_lockstep(0, clip);
     REQUIRE(one.rc == 0);
-    for (const std::string mesh : {"--set mesh.dp=2 --set mesh.tp=2", "--set mesh.dp=2 --set mesh.tp=2 --set mesh.fsdp=true"}) {
+    for (const std::string mesh : {"--set mesh.dp=2 --set mesh.tp=2",
+                                   "--set mesh.dp=2 --set mesh.tp=2 --set mesh.fsdp=true",
+                                   "--set mesh.dp=2 --set mesh.tp=2 --set mesh.shard_optimizer=false"}) {
       CAPTURE(mesh);
       const Run mpi = run_lockstep(4, mesh + " " + clip);
       CAPTURE(mpi.err);
       REQUIRE(mpi.rc == 0);
       CHECK(mpi.hash == one.hash);
       CHECK(mpi.loss_bits == one.loss_bits);
+      // Sharded tensors take the block shares; whole ones the chain.
+      const bool chained = mesh.find("shard_optimizer=false") != std::string::npos;
+      CHECK(mpi.summary.at("bytes_sent_per_rank_per_step").contains("norm_chain") == chained);
     }
   }
 

@@ -200,8 +200,6 @@ void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
         const float* from = storage(rank, t, kind);
         StatePiece piece{std::string(kind) + "/" + p.name, p.global_shape, p.global_offset + lo, p.global_offset + hi, {}};
         if (p.tp_mid > 0) {  // collectives: every writing rank of the groups takes part, whatever it holds
-          // With FSDP the shard group's shards of each TP part first; then each rank receives from the
-          // tensor group just the elements of its range (each element once), not the whole tensor.
           const bool sharded = placement_.sharded(p);
           Communicator& tensor = c.group(Axis::kTensor);
           Communicator& shard = c.group(Axis::kShard);
