@@ -172,11 +172,11 @@ TEST_SUITE("tensor_parallel") {
       CHECK(loss_bits(sp) == loss_bits(one));
       // Really another execution: the norms' outputs, the stream's gradient and the routing are gathered
       // (more all-gather bytes); the stream's tensors are a TP rank's share (less workspace); the sums over
-      // stream tokens span the TP ranks (an all-reduce even on one data-parallel rank).
+      // stream tokens span the TP ranks (an all-reduce even on one data-parallel rank; without SP only the
+      // head's, which runs on a TP rank's share of the tokens either way).
       CHECK(sent(sp, "all_gather") + sent(sp, "shared_gather") > sent(plain, "all_gather"));
       CHECK(sp.workspace_bytes < plain.workspace_bytes);
-      CHECK(sent(sp, "all_reduce") > 0);
-      if (m.dp == 1) CHECK(sent(plain, "all_reduce") == 0);
+      CHECK(sent(sp, "all_reduce") > sent(plain, "all_reduce"));
       // The stream's gathers (ranks are threads: through shared memory), from the model's shapes: per
       // layer the norm's output for QKV, again for QKV's weight gradient, moe_in, d(mid) for the output
       // projection's input gradient and the shared expert's d(out) (D floats a token), the expert outputs'
@@ -194,6 +194,43 @@ TEST_SUITE("tensor_parallel") {
       CHECK(sent(messages, "shared_gather") == 0);
       CHECK(sent(messages, "all_gather") > sent(sp, "all_gather"));
     }
+  }
+
+  TEST_CASE("tensor parallel without SP: the head runs on a TP rank's share of the tokens, on the one-process hash") {
+    const ls::Scenario s = split_scenario({});
+    const double D = s.model.d_model;
+    const ls::RunResult one = run_split({}, 1);
+    for (int tp : {2, 4})
+      for (int dp : {1, 2}) {
+        CAPTURE(tp);
+        CAPTURE(dp);
+        const std::vector<std::string> sets{"mesh.tp=" + std::to_string(tp), "mesh.dp=" + std::to_string(dp)};
+        const ls::RunResult r = run_split(sets);
+        CHECK(r.final_state_hash == one.final_state_hash);
+        CHECK(loss_bits(r) == loss_bits(one));
+        // Counted as the ops ran (MoeStats::stream_rows, the largest rank's): the head's rows are a TP
+        // rank's share of its data-parallel rank's tokens; the rest of the stream runs on every one of them.
+        for (const char* op : {"head", "final_norm"}) {
+          CAPTURE(op);
+          CHECK(r.stream_rows.at(op) * tp * dp == one.stream_rows.at(op));
+        }
+        CHECK(r.stream_rows.at("router") * dp == one.stream_rows.at("router"));
+        // The input gradient's rows, gathered through the shared slot: each rank writes its N / tp rows once.
+        const double N = (double)s.batch / dp * s.model.seq_len;
+        CHECK(sent(r, "shared_gather") == N / tp * D * 4);
+        std::vector<std::string> messages = sets;
+        messages.push_back("mesh.shared_memory=false");
+        const ls::RunResult m = run_split(messages);
+        CHECK(m.final_state_hash == one.final_state_hash);
+        CHECK(sent(m, "shared_gather") == 0);
+        CHECK(sent(m, "all_gather") >= N / tp * D * 4 * (tp - 1));
+      }
+    // Leaves that do not split into a power of two per TP rank: the head runs whole on every rank, same bits.
+    const ls::RunResult wide = run_split({"numerics.leaf_samples=4"}, 1);
+    const ls::RunResult whole = run_split({"numerics.leaf_samples=4", "mesh.tp=4"});
+    CHECK(whole.final_state_hash == wide.final_state_hash);
+    CHECK(whole.stream_rows.at("head") == wide.stream_rows.at("head"));
+    CHECK(sent(whole, "shared_gather") == 0);
   }
 
   TEST_CASE("sequence parallel: a column-parallel GEMM starts on this rank's rows before the others' arrive") {

@@ -2,15 +2,51 @@
 // and the mean cross-entropy over every data-parallel rank's tokens (this
 // rank's leaf subtree, then the canonical tree over ranks); then the
 // step's total loss. Matches ref::Head.
+//
+// Tensor parallel without sequence parallel: every TP rank holds the whole
+// stream, and the head is replicated work (at the quickstart's shape a
+// tenth of the GEMM FLOPs and the vocab-wide softmax). So each TP rank runs
+// it on its share of the tokens, whole leaves, as sequence parallel would:
+// the losses' sum and the head's weight gradients are then partial folds
+// over aligned leaf subtrees, combined over the TP group by the canonical
+// tree (the contract's tree over this rank's leaves), and the input
+// gradient's rows are all-gathered.
 #include <string>
 
 #include "model/blocks.h"
 #include "model/context_parallel.h"
+#include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
 namespace ls {
 
 namespace {
+
+// Whether the head runs on a TP rank's share of the tokens: tensor parallel
+// without sequence parallel, context parallel or a pipeline's microbatches,
+// and a power-of-two number of whole leaves a rank (its subtree).
+bool splits_head(const StepContext& ctx) {
+  const int tp = ctx.tp();
+  if (tp == 1 || ctx.sp || ctx.cp() > 1 || ctx.microbatches > 0 || ctx.leaves % tp != 0) return false;
+  const int64_t each = ctx.leaves / tp;
+  return (each & (each - 1)) == 0;
+}
+
+// The head's view of the step: split, this TP rank's tokens as its stream.
+StepContext head_view(const StepContext& ctx) {
+  StepContext view = ctx;
+  if (!splits_head(ctx)) return view;
+  view.stream_tokens = ctx.tokens / ctx.tp();
+  view.stream_first = view.stream_tokens * ctx.tp_rank();
+  view.stream_leaves = ctx.leaves / ctx.tp();
+  return view;
+}
+
+// Where the head's first row sits in the stream buffers (ws.h, ws.dh): its
+// own first token's row when split, else row 0 (they hold its rows only).
+int64_t stream_row0(const StepContext& ctx, const StepContext& view) {
+  return view.stream_first - ctx.stream_first;
+}
 
 class HeadBlock : public Block {
  public:
@@ -20,7 +56,9 @@ class HeadBlock : public Block {
 
   // Context parallel: every op on this rank's positions; the per-token
   // losses gathered for the fold over tokens.
-  void forward(StepContext& ctx, StepLosses& losses) override {
+  void forward(StepContext& whole, StepLosses& losses) override {
+    StepContext ctx = head_view(whole);
+    const bool split = ctx.stream_tokens != whole.stream_tokens;
     const ModelConfig& c = ctx.cfg;
     const int S = c.seq_len, D = c.d_model, V = c.vocab;
     const int64_t N = ctx.stream_tokens, first = ctx.stream_first;  // the stream's tokens held here
@@ -32,10 +70,11 @@ class HeadBlock : public Block {
     ws.lse.resize(N);
     ws.loss.resize(N);
     ws.target_id.resize(N);
+    const float* h = ws.h.data() + stream_row0(whole, ctx) * D;
     const float* norm = ctx.weight("final_norm");
     stream_rows(ctx, StreamOp::kFinalNorm, [&](int64_t row, int count) {
       const int64_t s = row - first;
-      ops::rmsnorm(ws.h.data() + s * D, norm, ws.final_out.data() + s * D, ws.final_inv_rms.data() + s, count, D,
+      ops::rmsnorm(h + s * D, norm, ws.final_out.data() + s * D, ws.final_inv_rms.data() + s, count, D,
                    c.rms_eps);
     });
     ctx.trace_tensor("fwd", -1, "final_norm", "out", ws.final_out.data(), {N, D}, {TraceRows::kStream});
@@ -57,6 +96,7 @@ class HeadBlock : public Block {
       ws.ce_partial = ce_sum;
       return;
     }
+    if (split) ctx.group(Axis::kTensor).all_reduce_sum(&ce_sum, 1);  // the TP ranks' subtrees
     ctx.mesh->stream_group().all_reduce_sum(&ce_sum, 1);
     losses.ce = ce_sum / ctx.global_tokens;
     losses.total = total_loss(c, losses);
@@ -65,14 +105,19 @@ class HeadBlock : public Block {
   // The loss -> dh, the gradient of the head's input stream. Context
   // parallel: the weight gradients over every token's rows, gathered, a
   // share of the columns per rank.
-  void backward(StepContext& ctx) override {
+  void backward(StepContext& whole) override {
+    StepContext ctx = head_view(whole);
+    const bool split = ctx.stream_tokens != whole.stream_tokens;
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, V = c.vocab;
     const int64_t N = ctx.stream_tokens, first = ctx.stream_first;
     StepWorkspace& ws = ctx.ws;
     ws.dlogits.resize(N * V);
     ws.dtmp.resize(N * D);
-    ws.dh.resize(N * D);
+    ws.dh.resize(whole.stream_tokens * D);
+    const int64_t row0 = stream_row0(whole, ctx);
+    const float* h = ws.h.data() + row0 * D;
+    float* dh = ws.dh.data() + row0 * D;
     const float* lm_head = ctx.weight("lm_head");
     stream_rows(ctx, StreamOp::kHead, [&](int64_t row, int count) {
       const int64_t s = row - first;
@@ -87,14 +132,20 @@ class HeadBlock : public Block {
     stream_rows(ctx, StreamOp::kFinalNorm, [&](int64_t row, int count) {
       const int64_t s = row - first;
       ops::linear_input_grad(ws.dlogits.data() + s * V, count, V, lm_head, D, ws.dtmp.data() + s * D, false);
-      ops::rmsnorm_backward(ws.h.data() + s * D, norm, ws.final_inv_rms.data() + s, ws.dtmp.data() + s * D,
-                            ws.dh.data() + s * D, count, D, false);
+      ops::rmsnorm_backward(h + s * D, norm, ws.final_inv_rms.data() + s, ws.dtmp.data() + s * D, dh + s * D, count,
+                            D, false);
     });
     gather_stream_held(ctx, ws.h.data(), D);
     gather_stream_held(ctx, ws.final_inv_rms.data(), 1);
     gather_stream_held(ctx, ws.dtmp.data(), D);
-    stream_rmsnorm_weight_grad(ctx, ws.h.data(), ws.final_inv_rms.data(), ws.dtmp.data(), ctx.grad("final_norm"));
-    ctx.trace_tensor("bwd", -1, "final_norm", "dh", ws.dh.data(), {N, D}, {TraceRows::kStream});
+    stream_rmsnorm_weight_grad(ctx, h, ws.final_inv_rms.data(), ws.dtmp.data(), ctx.grad("final_norm"));
+    if (split) {  // the TP ranks' subtrees, combined; every rank's rows of dh
+      ops::synchronize();
+      ctx.group(Axis::kTensor).all_reduce_sum(ctx.grad("lm_head"), (size_t)V * D);
+      ctx.group(Axis::kTensor).all_reduce_sum(ctx.grad("final_norm"), (size_t)D);
+      gather_tp_rows(ctx, ws.dh.data(), N, D);
+    }
+    whole.trace_tensor("bwd", -1, "final_norm", "dh", ws.dh.data(), {whole.stream_tokens, D}, {TraceRows::kStream});
   }
 };
 

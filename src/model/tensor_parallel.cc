@@ -238,10 +238,11 @@ namespace {
 // copies its rows in and flags them, and the others take each part as its
 // flag turns (counted as `shared_gather`); else a started all-gather, this
 // rank's own part computed on while it is in flight.
-void gather_stream_parts(StepContext& ctx, const void* local, void* full, size_t row_bytes, const RowsAtHand* at_hand) {
+// `rows` rows a rank (sequence parallel's: its stream tokens).
+void gather_stream_parts(StepContext& ctx, const void* local, void* full, size_t row_bytes, const RowsAtHand* at_hand,
+                         int64_t rows) {
   Communicator& group = ctx.group(Axis::kTensor);
   const int tp = group.size(), me = group.rank();
-  const int64_t rows = ctx.stream_tokens;
   const size_t n = (size_t)rows * row_bytes;
   const auto part = [&](void* base, int t) { return (char*)base + (size_t)t * n; };
   const auto hand = [&](const void* at, int t) {
@@ -284,7 +285,17 @@ void gather_stream(StepContext& ctx, const float* local, float* full, int64_t wi
     ops::copy_to_host(full, local, sizeof(float) * ctx.stream_tokens * width);
     return;
   }
-  gather_stream_parts(ctx, local, full, sizeof(float) * (size_t)width, nullptr);
+  gather_stream_parts(ctx, local, full, sizeof(float) * (size_t)width, nullptr, ctx.stream_tokens);
+}
+
+void gather_tp_rows(StepContext& ctx, float* full, int64_t rows, int64_t width) {
+  if (ctx.tp() == 1) return;
+  // The message path's all-gather reads its input apart from its output: this rank's rows, copied out first.
+  ops::DeviceVector<float>& mine = ctx.ws.sp_rows;
+  mine.resize(rows * width);
+  ops::synchronize();
+  copy_bytes(mine.data(), full + ctx.tp_rank() * rows * width, sizeof(float) * (size_t)(rows * width));
+  gather_stream_parts(ctx, mine.data(), full, sizeof(float) * (size_t)width, nullptr, rows);
 }
 
 const float* every_token(StepContext& ctx, const float* held, ops::DeviceVector<float>& gathered) {
@@ -301,7 +312,8 @@ const float* every_token_rows(StepContext& ctx, const float* held, ops::DeviceVe
     return held;
   }
   gathered.resize(ctx.tokens * ctx.cfg.d_model);
-  gather_stream_parts(ctx, held, gathered.data(), sizeof(float) * (size_t)ctx.cfg.d_model, &at_hand);
+  gather_stream_parts(ctx, held, gathered.data(), sizeof(float) * (size_t)ctx.cfg.d_model, &at_hand,
+                      ctx.stream_tokens);
   return gathered.data();
 }
 
@@ -317,7 +329,8 @@ void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts) {
     ops::copy_rows(ws.dye.data(), acts.row_of.data() + ctx.stream_first * K, ws.sp_rows.data(), nullptr, held, D);
     ops::synchronize();
   }
-  gather_stream_parts(ctx, ws.sp_rows.data(), ws.sp_rows_all.data(), sizeof(float) * (size_t)(K * D), nullptr);
+  gather_stream_parts(ctx, ws.sp_rows.data(), ws.sp_rows_all.data(), sizeof(float) * (size_t)(K * D), nullptr,
+                      ctx.stream_tokens);
   const OpTimer copying(OpKind::kCopy);
   ops::copy_rows(ws.sp_rows_all.data(), nullptr, ws.dye.data(), acts.row_of.data(), all, D);
 }
@@ -329,7 +342,8 @@ void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<float>& held, 
 
 void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<int>& held, ops::DeviceVector<int>& whole,
                         int64_t width) {
-  if (ctx.sp) gather_stream_parts(ctx, held.data(), whole.data(), sizeof(int) * (size_t)width, nullptr);
+  if (ctx.sp)
+    gather_stream_parts(ctx, held.data(), whole.data(), sizeof(int) * (size_t)width, nullptr, ctx.stream_tokens);
 }
 
 ChainOutput stream_output(StepContext& ctx, float* data) {

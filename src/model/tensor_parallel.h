@@ -77,6 +77,11 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
 // sequence parallel local is already the whole and is copied.
 void gather_stream(StepContext& ctx, const float* local, float* full, int64_t width);
 
+// Tensor parallel: rows [t x rows, (t + 1) x rows) of full[tp x rows,
+// width] are TP rank t's; afterwards every rank holds them all (an
+// all-gather in place, through the shared slot where there is one).
+void gather_tp_rows(StepContext& ctx, float* full, int64_t rows, int64_t width);
+
 // A stream tensor [stream_tokens, D] as every token's [N, D] (what a
 // column-parallel GEMM reads, or the stream's gradient a row-parallel one
 // needs): `held` itself, or with sequence parallel the TP group's rows
