@@ -418,12 +418,13 @@ int cmd_run(const RunArgs& a, const char* self) {
     opt.mpi = &mpi_world();
     report = opt.mpi->rank() == 0;
   }
-  // More threads than cores gives the same bits, only slower: say so once.
-  if (a.threads > omp_get_num_procs() && !a.quiet && !child && opt.backend == Backend::kEngine)
+  // More threads than cores gives the same bits, only slower: say so once (rank 0 under mpirun).
+  if (a.threads > omp_get_num_procs() && report && !a.quiet && !child && opt.backend == Backend::kEngine)
     std::fprintf(stderr,
-                 "lockstep: warning: --threads %d is more than the %d cores this process may use; the bits are the "
-                 "same, but expect it to run slower than --threads %d\n",
-                 a.threads, omp_get_num_procs(), omp_get_num_procs());
+                 "lockstep: warning: --threads %d is more than the %d core%s this process may use%s; the bits are "
+                 "the same, but expect it to run slower than --threads %d\n",
+                 a.threads, omp_get_num_procs(), omp_get_num_procs() == 1 ? "" : "s",
+                 opt.mpi ? " (--threads is per process; mpirun binds each to its cores)" : "", omp_get_num_procs());
   opt.steps = a.steps;
   opt.hash_at = a.hash_at;
   opt.progress = report && (a.progress || (!a.quiet && isatty(2)));
