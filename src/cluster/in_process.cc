@@ -4,6 +4,10 @@
 // and wait again before anyone may reuse a buffer. Arrival order never
 // enters a result (except at numerics.level=local, where float sums follow it
 // on purpose, to show what that costs in reproducibility).
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -48,13 +52,27 @@ void tree_over_ranks(const float* const* parts, int count, size_t offset, size_t
 
 namespace {
 
+// How many times a rank waiting for its peers checks before it sleeps (each
+// check yields), and up to how many ranks a group may spin: the cores.
+constexpr int kSpins = 2000;
+int spinning_ranks() {
+  static const int cores = [] {
+    cpu_set_t set;  // the cores this process may run on (a container's or taskset's), not the host's
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return (int)std::max(1u, std::thread::hardware_concurrency());
+  }();
+  return cores;
+}
+
 struct Hub {
   explicit Hub(int n) : size(n), posted(n), posted_bytes(n) {}
   const int size;
   std::mutex mu;
   std::condition_variable cv;
   int arrived = 0;
-  uint64_t generation = 0;
+  std::atomic<uint64_t> generation{0};  // written under mu; read without it by a spinning rank
+  std::atomic<bool> sleeps{false};        // never spins: the started collectives' lanes (a NIC's stand-in)
+  std::atomic<uint64_t> mail_sent{0};     // messages ever sent here (under mu), for a spinning receiver
   std::vector<const void*> posted;
   std::vector<size_t> posted_bytes;
   std::vector<int> arrivals;  // ranks in the order they posted to the current collective
@@ -63,18 +81,34 @@ struct Hub {
   bool aborted = false;  // a rank failed: every wait gives up instead of hanging
 
   void wait_all() {
-    std::unique_lock<std::mutex> lk(mu);
-    if (aborted) throw std::runtime_error("another rank failed");
-    const uint64_t g = generation;
-    if (++arrived == size) {
-      arrived = 0;
-      ++generation;
-      cv.notify_all();
-    } else {
-      cv.wait(lk, [&] { return generation != g || aborted; });
-      if (generation == g) throw std::runtime_error("another rank failed");
+    uint64_t g = 0;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (aborted) throw std::runtime_error("another rank failed");
+      g = generation.load(std::memory_order_relaxed);
+      if (++arrived == size) {
+        arrived = 0;
+        generation.store(g + 1, std::memory_order_release);
+        cv.notify_all();
+        return;
+      }
     }
+    // Peers on other cores arrive within microseconds, and waking from the
+    // condition variable costs tens: spin a while first, where every rank
+    // can have a core of its own.
+    if (spins())
+      for (int n = 0; n < kSpins; ++n) {
+        if (generation.load(std::memory_order_acquire) != g) return;
+        std::this_thread::yield();
+      }
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] { return generation.load(std::memory_order_acquire) != g || aborted; });
+    if (generation.load(std::memory_order_acquire) == g) throw std::runtime_error("another rank failed");
   }
+
+  // Whether a waiting rank spins before it sleeps: where every rank of the
+  // group can have a core of its own, and not on a lane.
+  bool spins() const { return size <= spinning_ranks() && !sleeps.load(std::memory_order_relaxed); }
 
   // Wakes every rank waiting here or in any group split from here.
   void abort() {
@@ -309,6 +343,7 @@ class InProcessComm : public Communicator {
     }
     std::lock_guard<std::mutex> lk(hub_->mu);
     hub_->mail[{rank_, dst}].push_back(std::move(copy));
+    hub_->mail_sent.fetch_add(1, std::memory_order_release);
     hub_->cv.notify_all();
   }
 
@@ -316,6 +351,13 @@ class InProcessComm : public Communicator {
     const CommStats::Timer timed(&stats, kind);
     std::unique_lock<std::mutex> lk(hub_->mu);
     auto& box = hub_->mail[{src, rank_}];
+    // As wait_all: spin a while (until any message arrives, then look) before sleeping.
+    for (int n = 0; box.empty() && !hub_->aborted && n < kSpins && hub_->spins();) {
+      const uint64_t seen = hub_->mail_sent.load(std::memory_order_relaxed);
+      lk.unlock();
+      while (hub_->mail_sent.load(std::memory_order_acquire) == seen && ++n < kSpins) std::this_thread::yield();
+      lk.lock();
+    }
     hub_->cv.wait(lk, [&] { return !box.empty() || hub_->aborted; });
     if (box.empty()) throw std::runtime_error("another rank failed");
     if (box.front().size() != bytes) throw std::logic_error("recv: message size differs from the expected size");
@@ -387,7 +429,9 @@ class InProcessComm : public Communicator {
   Pending started(const char* kind, std::function<void(Communicator&)> run) {
     if (!lane_) {  // collective: every rank's first start. Setup, not traffic: left out of the stats.
       const CommStats saved = stats;
-      lane_ = std::make_unique<AsyncLane>(split(0, rank_));
+      std::unique_ptr<Communicator> twin = split(0, rank_);
+      static_cast<InProcessComm&>(*twin).hub_->sleeps = true;  // it must not take the cores its ranks compute on
+      lane_ = std::make_unique<AsyncLane>(std::move(twin));
       stats = saved;
     }
     return std::make_unique<LanePending>(&stats, kind, lane_->submit(std::move(run)), hub_);
