@@ -37,6 +37,23 @@ lstest::CliResult run_mpi_check(int np, const std::string& extra = "") {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), lstest::slurp(out), lstest::slurp(err)};
 }
 
+// One mesh under mpirun with mesh.overlap on (the default) and off, both
+// finished, the overlapped one on `one`'s hash and loss bits, the blocking
+// one on its hash.
+struct OverlapPair {
+  Run overlapped, blocking;
+};
+OverlapPair run_overlap_pair(int np, const std::string& args, const Run& one) {
+  OverlapPair p{run_lockstep(np, args), run_lockstep(np, args + " --set mesh.overlap=false")};
+  CAPTURE(p.overlapped.err);
+  REQUIRE(p.overlapped.rc == 0);
+  REQUIRE(p.blocking.rc == 0);
+  CHECK(p.overlapped.hash == one.hash);
+  CHECK(p.overlapped.loss_bits == one.loss_bits);
+  CHECK(p.blocking.hash == one.hash);
+  return p;
+}
+
 }  // namespace
 
 TEST_SUITE("mpi") {
@@ -215,14 +232,7 @@ TEST_SUITE("mpi") {
       const int np = mesh.find("dp=4") != std::string::npos ? 4 : 2;
       // As messages (as across hosts): processes of one node would share the memory instead (next case).
       const std::string messages = " --set mesh.shared_memory=false";
-      const Run overlapped = run_lockstep(np, mesh + wide + messages);
-      const Run blocking = run_lockstep(np, mesh + wide + messages + " --set mesh.overlap=false");
-      CAPTURE(overlapped.err);
-      REQUIRE(overlapped.rc == 0);
-      REQUIRE(blocking.rc == 0);
-      CHECK(overlapped.hash == one.hash);
-      CHECK(overlapped.loss_bits == one.loss_bits);
-      CHECK(blocking.hash == one.hash);
+      const auto [overlapped, blocking] = run_overlap_pair(np, mesh + wide + messages, one);
       // The executions differ: only the overlapped one had collectives in flight.
       CHECK(overlapped.summary["comm_in_flight_seconds_per_rank_per_step"].get<double>() > 0);
       CHECK(blocking.summary["comm_in_flight_seconds_per_rank_per_step"].get<double>() == 0);
@@ -239,14 +249,7 @@ TEST_SUITE("mpi") {
     const Run one = run_lockstep(0, shared);
     REQUIRE(one.rc == 0);
     const std::string mesh = " --set mesh.dp=2 --set mesh.ep=2";
-    const Run hidden = run_lockstep(2, shared + mesh);
-    const Run blocking = run_lockstep(2, shared + mesh + " --set mesh.overlap=false");
-    CAPTURE(hidden.err);
-    REQUIRE(hidden.rc == 0);
-    REQUIRE(blocking.rc == 0);
-    CHECK(hidden.hash == one.hash);
-    CHECK(hidden.loss_bits == one.loss_bits);
-    CHECK(blocking.hash == one.hash);
+    const auto [hidden, blocking] = run_overlap_pair(2, shared + mesh, one);
     const int layers = nlohmann::json::parse(lstest::kTiny)["model"].value("n_layers", 2);
     for (const auto& started : hidden.summary["moe"]["all_to_all_started"]) CHECK(started.get<int>() == 2 * 2 * layers);
     for (const auto& started : blocking.summary["moe"]["all_to_all_started"]) CHECK(started.get<int>() == 0);
