@@ -3,6 +3,7 @@
 // meshes, MoE schedules and thread counts.
 #include <doctest/doctest.h>
 #include <omp.h>
+#include <sched.h>
 
 #include <chrono>
 #include <string>
@@ -162,6 +163,39 @@ TEST_SUITE("cluster") {
     // Rank 0's all-reduce waited for its peer (30 ms at least) while rank 0 computed: in flight, and its wait found it done.
     CHECK(in_flight[0] >= 0.03);
     CHECK(exposed[0] < in_flight[0] / 2);
+  }
+
+  TEST_CASE("in process, a waiting rank spins first where each rank has a core, and sleeps where they outnumber them") {
+    cpu_set_t set;
+    REQUIRE(sched_getaffinity(0, sizeof set, &set) == 0);
+    const int cores = CPU_COUNT(&set);
+    constexpr int kRounds = 2000;
+    // Barriers, and a message and its answer, kRounds times; each rank's waits as they ended.
+    auto waits = [&](int ranks) {
+      std::vector<uint64_t> spun((size_t)ranks), slept((size_t)ranks);
+      ls::run_in_process(ranks, [&](ls::Communicator& c) {
+        float x = 1.0f;
+        for (int i = 0; i < kRounds; ++i) {
+          c.barrier();
+          if (c.rank() == 0) c.send(&x, sizeof x, 1), c.recv(&x, sizeof x, 1);
+          if (c.rank() == 1) c.recv(&x, sizeof x, 0), c.send(&x, sizeof x, 0);
+        }
+        spun[(size_t)c.rank()] = c.stats.waits_spun;
+        slept[(size_t)c.rank()] = c.stats.waits_slept;
+      });
+      uint64_t s = 0, z = 0;
+      for (int r = 0; r < ranks; ++r) s += spun[(size_t)r], z += slept[(size_t)r];
+      return std::pair<uint64_t, uint64_t>{s, z};
+    };
+    if (cores >= 2) {  // two ranks, a core each: waits end while spinning (a busy machine may still make some sleep)
+      const auto [spun, slept] = waits(2);
+      CHECK(spun > 0);
+      CHECK(spun + slept > 0);
+    }
+    // More ranks than cores: every wait sleeps at once, leaving the cores to the ranks that compute.
+    const auto [spun, slept] = waits(cores + 1);
+    CHECK(spun == 0);
+    CHECK(slept >= (uint64_t)kRounds);
   }
 
   TEST_CASE("mesh.overlap reduces gradients during the backward: in flight while the rank computes, same bits") {

@@ -32,6 +32,8 @@ struct CommStats {
   std::map<std::string, double> seconds_by_kind;  // `seconds` by collective kind ("recv", "barrier" too)
   double in_flight_seconds = 0;
   uint64_t started = 0;  // collectives started without waiting
+  // In process: waits for peers that ended while the rank spun, and that slept (in_process.cc).
+  uint64_t waits_spun = 0, waits_slept = 0;
   std::chrono::steady_clock::time_point in_flight_until{};  // the latest completion counted in in_flight_seconds
   // Counts a started collective's [start, end) in in_flight_seconds, less what earlier ones covered.
   void add_in_flight(std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end) {

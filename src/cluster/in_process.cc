@@ -80,7 +80,9 @@ struct Hub {
   std::map<std::pair<uint64_t, int>, std::shared_ptr<Hub>> children;  // (split number, color)
   bool aborted = false;  // a rank failed: every wait gives up instead of hanging
 
-  void wait_all() {
+  // How a rank's wait for its peers ended.
+  enum class Waited { kLast, kSpun, kSlept };
+  Waited wait_all() {
     uint64_t g = 0;
     {
       std::lock_guard<std::mutex> lk(mu);
@@ -90,7 +92,7 @@ struct Hub {
         arrived = 0;
         generation.store(g + 1, std::memory_order_release);
         cv.notify_all();
-        return;
+        return Waited::kLast;
       }
     }
     // Peers on other cores arrive within microseconds, and waking from the
@@ -98,12 +100,13 @@ struct Hub {
     // can have a core of its own.
     if (spins())
       for (int n = 0; n < kSpins; ++n) {
-        if (generation.load(std::memory_order_acquire) != g) return;
+        if (generation.load(std::memory_order_acquire) != g) return Waited::kSpun;
         std::this_thread::yield();
       }
     std::unique_lock<std::mutex> lk(mu);
     cv.wait(lk, [&] { return generation.load(std::memory_order_acquire) != g || aborted; });
     if (generation.load(std::memory_order_acquire) == g) throw std::runtime_error("another rank failed");
+    return Waited::kSlept;
   }
 
   // Whether a waiting rank spins before it sleeps: where every rank of the
@@ -256,14 +259,14 @@ class InProcessComm : public Communicator {
   void barrier() override {
     const CommStats::Timer timed(&stats, "barrier");
     jitter();
-    hub_->wait_all();
+    wait_peers();
   }
 
   void broadcast(void* buf, size_t bytes, int root, const char* kind = "broadcast") override {
     const CommStats::Timer timed = stats.add(kind, rank_ == root ? bytes * (size() - 1) : 0);
     post(buf, bytes);
     if (rank_ != root) copy_bytes(buf, hub_->posted[root], bytes);
-    hub_->wait_all();
+    wait_peers();
   }
 
   void all_reduce_sum(float* buf, size_t count) override {
@@ -271,7 +274,7 @@ class InProcessComm : public Communicator {
     const CommStats::Timer timed = stats.add("all_reduce", all_reduce_bytes_sent(count, 4, size()));
     post(buf, count * 4);
     const std::vector<float>& out = tree_over_ranks(0, count);
-    hub_->wait_all();
+    wait_peers();
     copy_bytes(buf, out.data(), count * 4);
   }
 
@@ -283,7 +286,7 @@ class InProcessComm : public Communicator {
       const int64_t* p = (const int64_t*)hub_->posted[r];
       for (size_t i = 0; i < count; ++i) out[i] += p[i];  // integers: order is irrelevant
     }
-    hub_->wait_all();
+    wait_peers();
     copy_bytes(buf, out.data(), count * 8);
   }
 
@@ -296,7 +299,7 @@ class InProcessComm : public Communicator {
     const CommStats::Timer timed = stats.add("reduce_scatter", reduce_scatter_bytes_sent(counts, rank_));
     post(send, total * 4);
     const std::vector<float>& out = tree_over_ranks(offset, counts[rank_]);
-    hub_->wait_all();
+    wait_peers();
     copy_bytes(recv, out.data(), counts[rank_] * 4);
   }
 
@@ -308,7 +311,7 @@ class InProcessComm : public Communicator {
       copy_bytes((char*)recv + off, hub_->posted[r], bytes[r]);
       off += bytes[r];
     }
-    hub_->wait_all();
+    wait_peers();
   }
 
   void all_to_all(const void* send, const std::vector<size_t>& send_bytes, void* recv,
@@ -331,7 +334,7 @@ class InProcessComm : public Communicator {
       copy_bytes((char*)recv + off, p->base + p->offsets[rank_], n);
       off += n;
     }
-    hub_->wait_all();
+    wait_peers();
   }
 
   void send(const void* buf, size_t bytes, int dst, const char* kind = "send") override {
@@ -352,12 +355,14 @@ class InProcessComm : public Communicator {
     std::unique_lock<std::mutex> lk(hub_->mu);
     auto& box = hub_->mail[{src, rank_}];
     // As wait_all: spin a while (until any message arrives, then look) before sleeping.
+    const bool waits = box.empty();
     for (int n = 0; box.empty() && !hub_->aborted && n < kSpins && hub_->spins();) {
       const uint64_t seen = hub_->mail_sent.load(std::memory_order_relaxed);
       lk.unlock();
       while (hub_->mail_sent.load(std::memory_order_acquire) == seen && ++n < kSpins) std::this_thread::yield();
       lk.lock();
     }
+    if (waits) ++(box.empty() ? stats.waits_slept : stats.waits_spun);
     hub_->cv.wait(lk, [&] { return !box.empty() || hub_->aborted; });
     if (box.empty()) throw std::runtime_error("another rank failed");
     if (box.front().size() != bytes) throw std::logic_error("recv: message size differs from the expected size");
@@ -396,9 +401,9 @@ class InProcessComm : public Communicator {
     std::shared_ptr<HeapRegion> made;
     if (rank_ == 0) made = std::make_shared<HeapRegion>(bytes);
     post(&made, 0);
-    hub_->wait_all();
+    wait_peers();
     auto mine = std::make_unique<InProcessRegion>(*(const std::shared_ptr<HeapRegion>*)hub_->posted[0], hub_);
-    hub_->wait_all();  // rank 0's `made` may go now
+    wait_peers();  // rank 0's `made` may go now
     return mine;
   }
 
@@ -421,7 +426,7 @@ class InProcessComm : public Communicator {
       child = slot;
     }
     ++splits_;
-    hub_->wait_all();
+    wait_peers();
     return std::make_unique<InProcessComm>(child, new_rank, jitter_ ? jitter_ + 1000003ull * (splits_ + 1) : 0);
   }
 
@@ -435,6 +440,14 @@ class InProcessComm : public Communicator {
       stats = saved;
     }
     return std::make_unique<LanePending>(&stats, kind, lane_->submit(std::move(run)), hub_);
+  }
+  // Every rank here; counted in `stats` by how the wait ended.
+  void wait_peers() {
+    switch (hub_->wait_all()) {
+      case Hub::Waited::kLast: break;
+      case Hub::Waited::kSpun: ++stats.waits_spun; break;
+      case Hub::Waited::kSlept: ++stats.waits_slept; break;
+    }
   }
   void jitter() {
     if (!jitter_) return;
@@ -452,7 +465,7 @@ class InProcessComm : public Communicator {
       if ((int)hub_->arrivals.size() == size()) hub_->arrivals.clear();
       hub_->arrivals.push_back(rank_);
     }
-    hub_->wait_all();
+    wait_peers();
   }
   // Elements [offset, offset+count) of the posted buffers, summed over ranks
   // by the canonical tree; at numerics.level=local, as an ordinary trainer
