@@ -146,13 +146,20 @@ TEST_SUITE("harness") {
       CHECK(r.err.find("--fault " + c.fault + ": can never fire") != std::string::npos);
       CHECK(r.err.find(c.needle) != std::string::npos);
     }
-    // --steps shortens the run below the fault: named as such.
-    auto r = run_cli("run " + sc.string() + sets + " --fault process_kill@5 --steps 4");
-    CHECK(r.rc == 2);
-    CHECK(r.err.find("(--steps 4 sets train.steps)") != std::string::npos);
+    // --steps stops the run before the fault: named as such, and train.steps
+    // (whose schedule the run keeps) is not said to change, supervised or not.
+    for (const char* supervise : {"", " --supervise"}) {
+      CAPTURE(supervise);
+      const auto r = run_cli("run " + sc.string() + sets + " --fault process_kill@5 --steps 4" + supervise);
+      CAPTURE(r.err);
+      CHECK(r.rc == 2);
+      CHECK(r.err.find("--fault process_kill@5: can never fire: its step 5 comes after step 4, where --steps 4 stops "
+                       "the run (train.steps = 6 keeps the schedule)") != std::string::npos);
+      CHECK(r.err.find("sets train.steps") == std::string::npos);
+    }
     // A byte threshold the checkpoint never reaches: it runs, then fails naming the fault.
     fs::remove_all(ck);
-    r = run_cli("run " + sc.string() + sets + " --json --fault 'upload_crash@4:phase=ckpt_upload,after_bytes=999999999'");
+    const auto r = run_cli("run " + sc.string() + sets + " --json --fault 'upload_crash@4:phase=ckpt_upload,after_bytes=999999999'");
     CAPTURE(r.err);
     CHECK(r.rc == 1);
     CHECK(r.err.find("planned fault(s) never fired: upload_crash@4") != std::string::npos);

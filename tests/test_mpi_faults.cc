@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "background_run.h"
 #include "mpi_run.h"
 #include "supervisor_signals.h"
 #include "runner/supervisor.h"
@@ -63,7 +64,7 @@ TEST_SUITE("mpi") {
     CHECK(restarts[1]["events"][0].get<std::string>().find("before uploading step-00000009/rank-00003") !=
           std::string::npos);
     CHECK(restarts[1]["restore_step"] == 6);  // step 9 was never committed: rank 3's object is missing
-    CHECK(restarts[2]["failure"] == "exit 137");
+    CHECK(restarts[2]["failure"] == "exit 137 (a rank process was killed by signal 9)");
     CHECK(restarts[2]["restore_step"] == 9);
     for (const auto& ev : restarts) CHECK(ev["processes"] == 4);
     CHECK(r.summary["faults_fired"].size() == 3);
@@ -130,8 +131,64 @@ TEST_SUITE("mpi") {
     CHECK(j["final_state_hash"] == whole.hash);
     REQUIRE(j["restarts"].size() == 1);
     const std::string failure = j["restarts"][0]["failure"];
-    CHECK(failure == "exit 137");  // mpirun's exit for a rank killed by SIGKILL
+    CHECK(failure == "exit 137 (a rank process was killed by signal 9)");  // mpirun's exit for a rank killed by SIGKILL
     CHECK(j["restarts"][0]["restore_step"].get<int>() >= 20);
+    CHECK(ls::live_processes_matching(dir.string()).empty());
+  }
+
+  TEST_CASE("rank 0 SIGKILLed during checkpoint I/O on an FSDP mesh: the restart record names the step and its replays") {
+    if (!ls::mpi_available()) return;
+    // The default shape (a checkpoint takes some milliseconds to write), FSDP
+    // over 2 processes, a synchronous save every 25 steps.
+    const std::string sc = std::string(LOCKSTEP_SOURCE_DIR) + "/scenarios/top2.json";
+    const std::string sets = " --set train.steps=120 --set mesh.dp=2 --set mesh.fsdp=true";
+    const lstest::CliResult whole = lstest::run_cli("run " + sc + " --json --quiet --threads 1" + sets);
+    REQUIRE(whole.rc == 0);
+    const fs::path dir = fresh_dir("mpi-fsdp-kill");
+    lstest::BackgroundRun job = lstest::BackgroundRun::start(
+        {"run", sc, "--launcher", "mpi", "--supervise", "--json", "--quiet", "--threads", "1", "--set",
+         "train.steps=120", "--set", "mesh.dp=2", "--set", "mesh.fsdp=true", "--set", "ckpt.every=25", "--set",
+         "ckpt.async=false", "--set", "ckpt.url=" + dir.string()},
+        "fsdp-kill");
+    // Rank 0's process, killed once step 100's first shard object is written.
+    const fs::path step100 = dir / "step-00000100";
+    auto rank0 = [&] {
+      for (int pid : rank_processes(dir.string()))
+        if (lstest::slurp("/proc/" + std::to_string(pid) + "/environ").find(std::string("OMPI_COMM_WORLD_RANK=0") +
+                                                                              '\0') != std::string::npos)
+          return pid;
+      return -1;
+    };
+    std::error_code ec;
+    REQUIRE(lstest::wait_until([&] { return !fs::is_empty(step100, ec) && !ec; }, 120));
+    const int victim = rank0();
+    REQUIRE(victim > 0);
+    REQUIRE(kill(victim, SIGKILL) == 0);
+    const bool during_io = !fs::exists(step100 / "manifest.json");
+    REQUIRE(job.wait(300) == 0);
+    const std::string err = job.stderr_text();
+    CAPTURE(err);
+    const nlohmann::json j = lstest::last_json(job.stdout_text());
+    CHECK(j["final_state_hash"] == lstest::last_json(whole.out)["final_state_hash"]);
+    REQUIRE(j["restarts"].size() == 1);
+    const nlohmann::json& t = j["restarts"][0];
+    CAPTURE(t.dump());
+    // Every step run beyond the job's 120 is a replay, and the record says so.
+    CHECK(t["steps_replayed"].get<int64_t>() == j["steps_run"].get<int64_t>() - 120);
+    if (during_io) {  // the save of step 100 never committed: step 100 is the failed one, 76-100 replayed
+      CHECK(t["failed_at_step"] == 100);
+      CHECK(t["restore_step"] == 75);
+      CHECK(t["steps_replayed"] == 25);
+    } else {
+      MESSAGE("the kill landed after step 100's manifest: the record is checked against steps_run only");
+      CHECK(t["failed_at_step"].get<int>() >= 100);
+    }
+    CHECK(t["failure"] == "exit 137 (a rank process was killed by signal 9)");
+    // Without --progress the restart is still one line, and mpirun's banner is labelled, not raw.
+    CHECK(err.find("supervisor: exit 137 (a rank process was killed by signal 9) at step ") != std::string::npos);
+    CHECK(err.find("; restarting from checkpoint ") != std::string::npos);
+    CHECK(err.find("mpirun: mpirun noticed that process rank 0") != std::string::npos);
+    CHECK(err.find("\n-----") == std::string::npos);
     CHECK(ls::live_processes_matching(dir.string()).empty());
   }
 

@@ -1,10 +1,13 @@
 #include "ckpt/lease.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
+#include <fstream>
 #include <cstdio>
 #include <random>
 #include <thread>
@@ -38,6 +41,12 @@ int64_t generation_of_key(const std::string& key) {
   return std::stoll(digits);
 }
 
+// A holder on this host whose process is gone: it can renew nothing more.
+// A pid reused by another process reads as alive, which only waits longer.
+bool holder_gone(const LeaseRecord& r) {
+  return r.pid > 0 && !r.host_id.empty() && r.host_id == this_host_id() && ::kill(r.pid, 0) != 0 && errno == ESRCH;
+}
+
 std::string seconds_text(double s) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f s", s);
@@ -47,8 +56,9 @@ std::string seconds_text(double s) {
 }  // namespace
 
 nlohmann::json LeaseRecord::to_json() const {
-  return {{"generation", generation}, {"job", job}, {"host", host}, {"pid", pid},
-          {"expires_unix", expires_unix}, {"ttl_seconds", ttl_seconds}, {"released", released}};
+  return {{"generation", generation}, {"job", job},         {"host", host},
+          {"pid", pid},               {"host_id", host_id}, {"expires_unix", expires_unix},
+          {"ttl_seconds", ttl_seconds}, {"released", released}};
 }
 
 LeaseRecord LeaseRecord::from_json(const std::vector<uint8_t>& bytes, const std::string& origin) {
@@ -61,6 +71,7 @@ LeaseRecord LeaseRecord::from_json(const std::vector<uint8_t>& bytes, const std:
     r.job = j.at("job").get<std::string>();
     r.host = j.at("host").get<std::string>();
     r.pid = j.at("pid").get<int>();
+    r.host_id = j.value("host_id", std::string());
     r.expires_unix = j.at("expires_unix").get<double>();
     r.ttl_seconds = j.at("ttl_seconds").get<double>();
     r.released = j.at("released").get<bool>();
@@ -72,6 +83,18 @@ LeaseRecord LeaseRecord::from_json(const std::vector<uint8_t>& bytes, const std:
 
 std::string LeaseRecord::holder() const {
   return "job " + job + " (pid " + std::to_string(pid) + " on " + host + ")";
+}
+
+std::string this_host_id() {
+  static const std::string id = [] {
+    std::string boot;
+    std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+    char ns[128] = {};
+    const ssize_t n = ::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+    if (boot.empty() || n <= 0) return std::string();  // unknown: never judged by pid
+    return boot + "/" + std::string(ns, (size_t)n);
+  }();
+  return id;
 }
 
 std::string new_job_id() {
@@ -113,8 +136,12 @@ std::unique_ptr<CheckpointLease> CheckpointLease::acquire(std::shared_ptr<Object
   for (;;) {
     const LeaseRecord cur = read_current_lease(*store);
     const double now = unix_now();
-    const bool free = cur.generation == 0 || cur.released || cur.job == job ||
-                      now > cur.expires_unix + kLeaseClockGraceSeconds;
+    const bool expired = now > cur.expires_unix + kLeaseClockGraceSeconds;
+    const bool gone = cur.generation != 0 && !cur.released && cur.job != job && !expired && holder_gone(cur);
+    if (gone && say)
+      say("ckpt.url " + store->url() + ": the lease of " + cur.holder() + " is free at once: its process is no " +
+          "longer running on this host");
+    const bool free = cur.generation == 0 || cur.released || cur.job == job || expired || gone;
     if (!free) {
       const std::string held = "ckpt.url " + store->url() + ": " + cur.holder() + " holds this checkpoint prefix (lease " +
                                lease_key(cur.generation) + ", expires in " +
@@ -137,6 +164,7 @@ std::unique_ptr<CheckpointLease> CheckpointLease::acquire(std::shared_ptr<Object
     mine.job = job;
     mine.host = host_name();
     mine.pid = ::getpid();
+    mine.host_id = this_host_id();
     mine.ttl_seconds = ttl;
     mine.expires_unix = unix_now() + ttl;
     const std::string text = mine.to_json().dump();
@@ -220,8 +248,7 @@ void CheckpointLease::start_renewing() {
 }
 
 void CheckpointLease::release() {
-  if (!owner_) return;
-  owner_ = false;  // once
+  if (!owner_.exchange(false)) return;  // once
   {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;

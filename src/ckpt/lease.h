@@ -7,8 +7,9 @@
 //  - Taking: create generation G+1 with put_if_absent (If-None-Match: * on
 //    S3, link(2) on files), so two jobs can never both create it. Allowed
 //    when the prefix has no lease, when generation G was released, when it
-//    expired more than kLeaseClockGraceSeconds ago, or when G is the same
-//    job's (a supervised job restarting its children).
+//    expired more than kLeaseClockGraceSeconds ago, when G is the same
+//    job's (a supervised job restarting its children), or when G's holder
+//    ran on this host (same boot, same pid namespace) and its pid is gone.
 //  - Renewing: the holder rewrites its own generation with a later expiry,
 //    every ttl/3, on a thread of its own.
 //  - Checking: before every commit and every deletion the holder reads the
@@ -54,6 +55,10 @@ struct LeaseRecord {
   std::string job;          // the holder's job id
   std::string host;         // where it ran, for messages
   int pid = 0;              // the process that took it (the supervisor, or the run)
+  // This machine and pid namespace (boot id and namespace inode): a holder
+  // whose host_id is this process's can be looked up by pid, and a dead one
+  // frees the lease at once. Empty in leases older than the field.
+  std::string host_id;
   double expires_unix = 0;  // wall clock, seconds
   double ttl_seconds = 0;
   bool released = false;
@@ -64,6 +69,8 @@ struct LeaseRecord {
   std::string holder() const;
 };
 
+// This process's LeaseRecord::host_id.
+std::string this_host_id();
 // A job id unique to this process and moment: "HOST-PID-XXXXXXXX".
 std::string new_job_id();
 // The key of generation g: "lease/000000000012.json".
@@ -95,8 +102,10 @@ class CheckpointLease {
   bool known_lost() const { return lost_.load(); }
   // Stops renewing and marks the generation released, if it is still this
   // job's (best effort: a failure leaves it to expire). Only a lease this
-  // process took; once.
+  // process took; once, whichever thread calls it first.
   void release();
+  // Whether this process took the lease (and so renews and releases it).
+  bool owned() const { return owner_.load(); }
   int64_t generation() const { return gen_; }
   const std::string& job() const { return job_; }
   double ttl_seconds() const { return ttl_; }
@@ -111,7 +120,9 @@ class CheckpointLease {
   std::string job_;
   int64_t gen_ = 0;
   double ttl_ = 0;
-  bool owner_ = false;  // took it (renews and releases it), as opposed to attached
+  // Took it (renews and releases it), as opposed to attached. Atomic: a stop
+  // signal's thread may release it while the run finishes (runner/stop_guard.h).
+  std::atomic<bool> owner_{false};
   std::atomic<bool> lost_{false};
   std::mutex mu_;
   std::condition_variable cv_;

@@ -6,10 +6,17 @@
 #include "cli/bisect.h"
 #include "cli/self_exe.h"
 
+#include <fcntl.h>
+#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
+#include <cctype>
+#include <cerrno>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -18,9 +25,12 @@
 #include <tuple>
 
 #include "common/error.h"
+#include "common/stop_signals.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
 #include "trace/diff.h"
+
+extern char** environ;
 
 namespace fs = std::filesystem;
 
@@ -36,14 +46,9 @@ struct Side {
   std::string mesh_fault;  // debug only: --debug-mesh-fault (dropped on one rank)
 };
 
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
 struct Child {
-  int rc = -1;
+  int rc = -1;      // the exit code; -1 when killed by a signal
+  int signal = 0;   // the signal that killed it, if one did
   nlohmann::json summary;  // the --json line
   std::string err;
 };
@@ -60,23 +65,25 @@ class Runner {
   Runner(const Runner&) = delete;
   Runner& operator=(const Runner&) = delete;
 
-  // Runs `side` for `steps`; trace written to `trace` when non-empty.
+  // Runs `side` for `steps`; trace written to `trace` when non-empty. A stop
+  // signal (Ctrl-C, kill) while it runs is passed on to it and ends the
+  // bisect: Interrupted.
   Child run(const Side& side, int steps, const std::string& trace = "", const std::string& dump = "") {
     const fs::path sc = dir_ / ("scenario-" + std::to_string(n_) + ".json");
     const fs::path out = dir_ / "child.out", err = dir_ / "child.err";
     ++n_;
     std::ofstream(sc) << side.resolved.dump(2);
-    std::string cmd = quote(side.binary) + " run " + quote(sc.string()) + " --json --quiet --steps " +
-                      std::to_string(steps) + " --backend " + side.backend;
-    if (side.threads > 0) cmd += " --threads " + std::to_string(side.threads);
-    if (!side.mesh_fault.empty()) cmd += " --debug-mesh-fault " + quote(side.mesh_fault);
-    if (!trace.empty()) cmd += " --trace " + quote(trace);
-    if (!dump.empty()) cmd += " --trace-dump " + quote(dump);
-    cmd += " >" + quote(out.string()) + " 2>" + quote(err.string());
-    const int status = std::system(cmd.c_str());
+    std::vector<std::string> args = {side.binary, "run", sc.string(), "--json", "--quiet", "--steps",
+                                     std::to_string(steps), "--backend", side.backend};
+    if (side.threads > 0) args.insert(args.end(), {"--threads", std::to_string(side.threads)});
+    if (!side.mesh_fault.empty()) args.insert(args.end(), {"--debug-mesh-fault", side.mesh_fault});
+    if (!trace.empty()) args.insert(args.end(), {"--trace", trace});
+    if (!dump.empty()) args.insert(args.end(), {"--trace-dump", dump});
+    const int status = wait_for(spawn(args, out, err));
     ++runs_;
     Child c;
     c.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    c.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
     std::ifstream eo(err);
     std::stringstream es;
     es << eo.rdbuf();
@@ -94,8 +101,47 @@ class Runner {
   const fs::path& dir() const { return dir_; }
 
  private:
+  static pid_t spawn(const std::vector<std::string>& args, const fs::path& out, const fs::path& err) {
+    std::vector<char*> argv;
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    pid_t pid = -1;
+    const int rc = posix_spawnp(&pid, argv[0], &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) throw UserError("bisect: cannot start " + args[0] + ": " + std::strerror(rc));
+    return pid;
+  }
+  // The child's wait status. A stop signal to this process is passed on to
+  // the child (a terminal's Ctrl-C reaches both already), and once the child
+  // is gone, the bisect ends: Interrupted, so the temporary directory goes.
+  int wait_for(pid_t pid) const {
+    // Polled: a signal that lands before a blocking waitpid() starts (while
+    // posix_spawn returns, say) would not interrupt it.
+    int status = 0;
+    bool passed_on = false;
+    for (;;) {
+      const pid_t done = ::waitpid(pid, &status, WNOHANG);
+      if (done == pid) break;
+      if (done < 0 && errno != EINTR) throw UserError(std::string("bisect: waiting for a run: ") + std::strerror(errno));
+      if (const int sig = stop_signal(); sig && !passed_on) {
+        ::kill(pid, sig);
+        passed_on = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (const int sig = stop_signal())
+      throw Interrupted(sig, "bisect: " + stop_signal_name(sig) + ": stopped during its run " +
+                                 std::to_string(runs_ + 1) + "; nothing was concluded");
+    return status;
+  }
+
   fs::path dir_;
   int n_ = 0, runs_ = 0;
+  StopSignals stop_signals_;  // while the bisect runs
 };
 
 void flatten(const nlohmann::json& j, const std::string& prefix, std::map<std::string, nlohmann::json>& out) {
@@ -137,8 +183,12 @@ bool same_bits(const Child& a, const Child& b) {
 Child must(Runner& r, const Side& side, int steps, const std::string& label, const std::string& trace = "",
            const std::string& dump = "") {
   Child c = r.run(side, steps, trace, dump);
-  if (c.rc != 0) throw UserError("bisect: run " + label + " failed (exit " + std::to_string(c.rc) + "): " + c.err);
-  return c;
+  if (c.rc == 0) return c;
+  const std::string how = c.signal ? "killed by signal " + std::to_string(c.signal) : "exit " + std::to_string(c.rc);
+  std::string err = c.err;
+  while (!err.empty() && std::isspace((unsigned char)err.back())) err.pop_back();
+  throw UserError("bisect: run " + label + " failed (" + how + "): " +
+                  (err.empty() ? side.binary + " wrote nothing on stderr" : err));
 }
 
 // Zeller's ddmin: a 1-minimal subset of `changes` for which `fails` holds.

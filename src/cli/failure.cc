@@ -4,6 +4,7 @@
 
 #include "ckpt/lease.h"
 #include "common/error.h"
+#include "common/stop_signals.h"
 #include "store/store.h"
 
 namespace ls {
@@ -11,6 +12,8 @@ namespace ls {
 Failure describe_failure(std::exception_ptr error) {
   try {
     std::rethrow_exception(error);
+  } catch (const Interrupted& e) {
+    return {128 + e.signal(), std::string("lockstep: ") + e.what(), e.signal()};
   } catch (const LeaseLost& e) {
     return {kExitLeaseLost, std::string("lockstep: error: ") + e.what()};
   } catch (const UserError& e) {

@@ -146,6 +146,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
     so.threads = a.threads;
     so.launcher = a.launcher;
     so.progress = false;
+    so.announce_restarts = false;  // every trial restarts by design; its row says how it ended
     const fs::path child_log = dir / "children.log";
     so.child_stderr = child_log.string();
     so.heartbeat_timeout = 60;

@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -29,6 +30,7 @@
 #include "cluster/mpi.h"
 #include "contract.h"
 #include "common/error.h"
+#include "common/stop_signals.h"
 #include "common/json_input.h"
 #include "common/text.h"
 #include "ckpt/checkpointer.h"
@@ -78,6 +80,12 @@ void check_output_dir(const std::string& dir) {
   if (!f) throw UserError("--out " + dir + ": cannot write there: " + std::strerror(errno));
   std::fclose(f);
   fs::remove(probe, ec);
+}
+
+std::string format_g(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
 }
 
 // How the mesh's ranks ran, for the summaries: "threads" (every rank a thread
@@ -192,11 +200,6 @@ struct RunArgs {
 // The command line as given, for --launcher mpi to hand to mpirun.
 std::vector<std::string> g_args;
 
-// SIGINT, SIGTERM and SIGHUP while --launcher mpi waits for its mpirun:
-// recorded here, handed on to the job by launch_under_mpirun.
-volatile sig_atomic_t g_launcher_signal = 0;
-extern "C" void on_launcher_signal(int sig) { g_launcher_signal = sig; }
-
 // --launcher mpi: runs `mpirun -np <world> lockstep ...` with the same
 // arguments (less --launcher), one rank per process, and ends as it ends.
 // mpirun stopped by a signal exits 1 without a word, and 1 means "found a
@@ -221,14 +224,7 @@ extern "C" void on_launcher_signal(int sig) { g_launcher_signal = sig; }
   argv.push_back(nullptr);
   // Installed before the fork: a signal that comes while mpirun starts is
   // not lost. One the caller ignores (nohup) stays ignored.
-  constexpr int kStopSignals[3] = {SIGINT, SIGTERM, SIGHUP};
-  for (int sig : kStopSignals) {
-    struct sigaction sa {}, old {};
-    sa.sa_handler = on_launcher_signal;  // no SA_RESTART: waitpid returns to look
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(sig, nullptr, &old);
-    if (old.sa_handler != SIG_IGN) ::sigaction(sig, &sa, nullptr);
-  }
+  const StopSignals stop_signals;
   std::fflush(nullptr);
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
@@ -240,7 +236,7 @@ extern "C" void on_launcher_signal(int sig) { g_launcher_signal = sig; }
     // Nothing reads stdin; mpirun would forward it to rank 0, from a terminal it no longer owns.
     const int null = ::open("/dev/null", O_RDONLY);
     if (null >= 0) ::dup2(null, 0);
-    for (int sig : kStopSignals) ::signal(sig, SIG_DFL);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::signal(sig, SIG_DFL);
     ::execvp(argv[0], argv.data());
     const std::string m = std::string("lockstep: error: --launcher mpi: cannot start mpirun: ") + std::strerror(errno) + "\n";
     (void)!::write(2, m.data(), m.size());
@@ -249,8 +245,8 @@ extern "C" void on_launcher_signal(int sig) { g_launcher_signal = sig; }
   int status = 0;
   while (::waitpid(pid, &status, 0) != pid) {
     if (errno != EINTR) throw UserError(std::string("--launcher mpi: waiting for mpirun: ") + std::strerror(errno));
-    if (!g_launcher_signal) continue;
-    const int sig = g_launcher_signal;
+    const int sig = stop_signal();
+    if (!sig) continue;
     const std::vector<int> procs = session_processes(pid);
     for (int p : procs) ::kill(p, sig);
     // The job gets 5 s to end, then whatever is left of it is killed.
@@ -264,14 +260,11 @@ extern "C" void on_launcher_signal(int sig) { g_launcher_signal = sig; }
       ::kill(pid, SIGKILL);
       ::waitpid(pid, &status, 0);
     }
-    std::fprintf(stderr, "lockstep: %s: stopped the mpirun job (%zu process%s)%s\n",
-                 sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP", procs.size(),
+    std::fprintf(stderr, "lockstep: %s: stopped the mpirun job (%zu process%s)%s\n", stop_signal_name(sig).c_str(),
+                 procs.size(),
                  procs.size() == 1 ? "" : "es",
                  s.ckpt.url.empty() ? "" : ("; committed checkpoints in " + s.ckpt.url + " are intact (continue with --resume " + s.ckpt.url + ")").c_str());
-    std::fflush(nullptr);
-    ::signal(sig, SIG_DFL);
-    ::raise(sig);
-    std::_Exit(128 + sig);
+    die_of_signal(sig);
   }
   std::fflush(nullptr);
   if (WIFSIGNALED(status)) std::_Exit(128 + WTERMSIG(status));
@@ -324,6 +317,11 @@ int cmd_run(const RunArgs& a, const char* self) {
     throw UserError("--steps " + std::to_string(a.steps) + ": above train.steps = " + std::to_string(s.steps) +
                     " (--steps stops a run early, on train.steps' learning-rate schedule); set train.steps (--set "
                     "train.steps=" + std::to_string(a.steps) + ") to train longer");
+  // The supervisor's settings, refused at once when they cannot mean anything:
+  // a timeout of 0 or less would call every attempt hung.
+  if (!(a.heartbeat_timeout > 0) || !std::isfinite(a.heartbeat_timeout))
+    throw UserError("--heartbeat-timeout: must be a number of seconds above 0, got " + format_g(a.heartbeat_timeout));
+  if (a.max_restarts < 0) throw UserError("--max-restarts: must be 0 or more, got " + std::to_string(a.max_restarts));
   const std::vector<FaultSpec> faults = planned_faults(s, a.faults, a.steps);
   const bool child = !a.fault_state.empty();
   const bool supervised = !child && (a.supervise || !faults.empty());
@@ -701,6 +699,7 @@ int cmd_check(const CheckArgs& a) {
       so.threads = a.threads;
       so.progress = false;
       so.child_stderr = std::string(tmpl) + "/children.log";
+      so.announce_restarts = false;  // a fault scenario restarts by design; its line says how it ended
       // --launcher mpi: each attempt one process per rank, under mpirun.
       const bool processes = a.launcher == "mpi" && s.mesh.world() > 1;
       if (processes) so.launcher = "mpi";
@@ -1181,6 +1180,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception&) {
     const Failure f = describe_failure(std::current_exception());
     if (!quiet_rank_refusal(f)) std::fprintf(stderr, "%s\n", f.message.c_str());
+    if (f.signal) die_of_signal(f.signal);  // as an interrupted command ends: 128 + signal in a shell
     return f.exit_code;
   }
   return 0;

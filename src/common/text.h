@@ -2,6 +2,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -21,6 +23,15 @@ inline size_t edit_distance(const std::string& a, const std::string& b) {
         d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
     }
   return d[a.size()][b.size()];
+}
+
+// A duration for progress lines: "42s", "3m05s", "1.5h".
+inline std::string fmt_duration(double s) {
+  char buf[32];
+  if (s < 90) std::snprintf(buf, sizeof buf, "%.0fs", s);
+  else if (s < 5400) std::snprintf(buf, sizeof buf, "%.0fm%02.0fs", std::floor(s / 60), std::fmod(s, 60));
+  else std::snprintf(buf, sizeof buf, "%.1fh", s / 3600);
+  return buf;
 }
 
 }  // namespace ls

@@ -122,17 +122,26 @@ Row faults_row() {
 std::vector<FaultSpec> planned_faults(const Scenario& s, const std::vector<std::string>& specs, int steps) {
   Scenario all = s;
   for (const std::string& t : specs) all.faults.push_back(parse_fault(t));
-  if (steps > 0) all.steps = steps;
+  // Where each fault came from: the scenario's entry i, or the --fault that gave it.
+  auto origin = [&](size_t i) {
+    return i >= s.faults.size() ? "--fault " + quote_for_message(specs[i - s.faults.size()], 120)
+                                : s.name + ": faults[" + std::to_string(i) + "]";
+  };
   if (std::string e = scenario_table::check_faults(all); !e.empty()) {
     // "faults[i].step: ..." -> the scenario's entry, or the --fault that gave it.
     const size_t i = std::stoul(e.substr(7));
     const std::string rest = e.substr(e.find("]") + 2);
-    const std::string steps_note = steps > 0 ? " (--steps " + std::to_string(steps) + " sets train.steps)" : "";
-    if (i >= s.faults.size())
-      throw UserError("--fault " + quote_for_message(specs[i - s.faults.size()], 120) + ": can never fire: " + rest +
-                      steps_note);
-    throw UserError(s.name + ": faults[" + std::to_string(i) + "]." + rest + steps_note);
+    if (i >= s.faults.size()) throw UserError(origin(i) + ": can never fire: " + rest);
+    throw UserError(origin(i) + "." + rest);
   }
+  // --steps N stops the run after step N, on train.steps' schedule: a fault
+  // after step N never fires in this run.
+  if (steps > 0)
+    for (size_t i = 0; i < all.faults.size(); ++i)
+      if (all.faults[i].step > steps)
+        throw UserError(origin(i) + ": can never fire: its step " + std::to_string(all.faults[i].step) +
+                        " comes after step " + std::to_string(steps) + ", where --steps " + std::to_string(steps) +
+                        " stops the run (train.steps = " + std::to_string(s.steps) + " keeps the schedule)");
   return all.faults;
 }
 

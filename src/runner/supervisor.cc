@@ -24,9 +24,11 @@
 #include "ckpt/lease.h"
 #include "cluster/mpi.h"
 #include "common/error.h"
+#include "common/stop_signals.h"
 #include "contract.h"
 #include "faults/injector.h"
 #include "runner/lifeline.h"
+#include "runner/mpirun_stderr.h"
 #include "runner/scenario.h"
 #include "store/store.h"
 
@@ -60,9 +62,27 @@ std::vector<std::string> new_lines(const std::string& path, size_t& seen) {
   return out;
 }
 
-std::string describe(int status) {
+// The highest step of the step log's "step N ..." records after byte
+// `from` (one attempt's); 0 when it has none.
+int last_step_logged_since(const std::string& log, size_t from) {
+  std::ifstream in(log);
+  in.seekg((std::streamoff)from);
+  int last = 0;
+  std::string kind;
+  int step = 0;
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream l(line);
+    if (l >> kind >> step && kind == "step") last = std::max(last, step);
+  }
+  return last;
+}
+
+// mpi: the child is mpirun, which exits 128 + N when it saw a rank die of signal N.
+std::string describe(int status, bool mpi) {
   if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
   const int code = WEXITSTATUS(status);
+  if (mpi && code > 128 && code < 128 + 65)
+    return "exit " + std::to_string(code) + " (a rank process was killed by signal " + std::to_string(code - 128) + ")";
   if (code == kExitRankCrash) return "exit " + std::to_string(code) + " (a rank crashed)";
   if (code == kExitMeshChange) return "exit " + std::to_string(code) + " (the mesh changed: shrink/grow)";
   if (code == kExitLeaseLost) return "exit " + std::to_string(code) + " (another job took the checkpoint lease)";
@@ -146,38 +166,10 @@ int kill_session(int sid) {
   return found;
 }
 
-// SIGINT, SIGTERM and SIGHUP while a supervisor runs: recorded here, acted
-// on by its loop (a handler may do nothing else safely).
-volatile sig_atomic_t g_stop_signal = 0;
-extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
-
-// Installs on_stop_signal for the supervisor's lifetime; a signal the
-// caller ignores (nohup, a background job of a shell) stays ignored.
-class StopSignals {
- public:
-  StopSignals() {
-    g_stop_signal = 0;
-    for (size_t i = 0; i < 3; ++i) {
-      struct sigaction sa {};
-      sa.sa_handler = on_stop_signal;
-      sigemptyset(&sa.sa_mask);
-      ::sigaction(kSignals[i], nullptr, &old_[i]);
-      if (old_[i].sa_handler != SIG_IGN) ::sigaction(kSignals[i], &sa, nullptr);
-    }
-  }
-  ~StopSignals() {
-    for (size_t i = 0; i < 3; ++i) ::sigaction(kSignals[i], &old_[i], nullptr);
-  }
-
- private:
-  static constexpr int kSignals[3] = {SIGINT, SIGTERM, SIGHUP};
-  struct sigaction old_[3];
-};
-
 // Sleeps `seconds`, returning early once a stop signal arrived.
 void sleep_unless_stopped(double seconds) {
   const double until = now() + seconds;
-  while (!g_stop_signal && now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  while (!stop_signal() && now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
 }
 
 }  // namespace
@@ -201,10 +193,6 @@ int stop_job(pid_t pid, bool mpi, int sig) {
   ::kill(pid, SIGKILL);
   if (!reaped) ::waitpid(pid, &status, 0);
   return (int)procs.size();
-}
-
-const char* signal_name(int sig) {
-  return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : sig == SIGHUP ? "SIGHUP" : "a signal";
 }
 
 }  // namespace
@@ -231,7 +219,7 @@ class Supervision {
     fs::remove_all(dir_, ec);  // however supervise() returns or throws
   }
   std::vector<std::string> child_command();
-  pid_t spawn(std::vector<std::string> args) const;
+  pid_t spawn(std::vector<std::string> args);
   AttemptEnd watch(pid_t pid);
   // The job finished: its summary, stitched over every attempt.
   SuperviseResult finished(int attempt);
@@ -247,6 +235,10 @@ class Supervision {
  private:
   void say(const std::string& m) const {
     if (opt_.progress) std::fprintf(stderr, "supervisor: %s\n", m.c_str());
+  }
+  // What a user must see even without progress lines: a restart.
+  void announce(const std::string& m) const {
+    if (opt_.progress || opt_.announce_restarts) std::fprintf(stderr, "supervisor: %s\n", m.c_str());
   }
   void note_resumed_existing(nlohmann::json& summary) const {
     if (opt_.resume.empty() && existing_ >= 0) summary["resumed_existing_checkpoint"] = {{"url", s_.ckpt.url}, {"step", existing_}};
@@ -266,9 +258,11 @@ class Supervision {
   nlohmann::json timeline_ = nlohmann::json::array();
   nlohmann::json pending_;  // the restart whose child has not shown a heartbeat yet
   size_t seen_ = 0;         // fault-state lines already read
+  size_t attempt_log_from_ = 0;  // the step log's size when the current attempt started
   int new_dp_ = 0;          // the mesh.dp a shrink/grow fault asked for
   int processes_ = 0;       // ranks of the current attempt
   std::optional<StopSignals> stop_signals_;
+  std::unique_ptr<MpirunStderr> mpirun_stderr_;  // the current attempt's, under mpi without child_stderr
   double fail_time_ = 0;
 };
 
@@ -344,8 +338,11 @@ std::vector<std::string> Supervision::child_command() {
   return args;
 }
 
-pid_t Supervision::spawn(std::vector<std::string> args) const {
+pid_t Supervision::spawn(std::vector<std::string> args) {
   ::unlink(hb_.c_str());
+  std::error_code ec;
+  const uintmax_t logged = fs::file_size(step_log_, ec);
+  attempt_log_from_ = ec ? 0 : (size_t)logged;  // this attempt's step records start here
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -354,6 +351,10 @@ pid_t Supervision::spawn(std::vector<std::string> args) const {
   posix_spawn_file_actions_addopen(&fa, 1, out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (!opt_.child_stderr.empty())
     posix_spawn_file_actions_addopen(&fa, 2, opt_.child_stderr.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  else if (mpi_) {  // mpirun's banners labelled on the way to the user's terminal
+    mpirun_stderr_ = std::make_unique<MpirunStderr>();
+    posix_spawn_file_actions_adddup2(&fa, mpirun_stderr_->child_end(), 2);
+  }
   // The job in a session of its own: mpirun puts each rank in its own
   // process group, but they all stay in the session, so the session is
   // what the teardown kills.
@@ -365,6 +366,7 @@ pid_t Supervision::spawn(std::vector<std::string> args) const {
   posix_spawn_file_actions_destroy(&fa);
   posix_spawnattr_destroy(&attr);
   if (rc != 0) throw UserError(std::string("supervisor: cannot start ") + argv[0] + ": " + std::strerror(rc));
+  if (mpirun_stderr_) mpirun_stderr_->start();
   return pid;
 }
 
@@ -373,10 +375,9 @@ AttemptEnd Supervision::watch(pid_t pid) {
   end.started = end.last_beat = now();
   int beat_step = -1;
   for (;;) {
-    if (g_stop_signal) {
+    if (const int sig = stop_signal()) {
       // Ctrl-C, kill, a closed terminal: the job goes down with its
       // supervisor, before it exits, and commits nothing more.
-      const int sig = g_stop_signal;
       const int n = stop_job(pid, mpi_, sig);
       die_of_signal(sig, "stopped the job (" + std::to_string(n) + " process" + (n == 1 ? "" : "es") + ") at step " +
                              std::to_string(beat_step));
@@ -403,6 +404,7 @@ AttemptEnd Supervision::watch(pid_t pid) {
   // Whatever way the job ended, no rank process of it may live on into the
   // next attempt (or past the supervisor).
   end.orphans_killed = mpi_ ? kill_session(pid) : 0;
+  mpirun_stderr_.reset();  // every process of the job is gone: its last lines are out
   // A resumed child that began a step, though it ended before a poll saw its
   // heartbeat (a short run on a busy machine), resumed: seen now. Without a
   // heartbeat it died before its first step.
@@ -478,9 +480,15 @@ SuperviseResult Supervision::finished(int attempt) {
 std::optional<SuperviseResult> Supervision::stop_or_plan_restart(const AttemptEnd& end, int attempt) {
   const std::vector<std::string> events = new_lines(state_, seen_);
   const std::string failure =
-      end.hung ? "hang (no heartbeat for " + std::to_string((int)opt_.heartbeat_timeout) + " s)" : describe(end.status);
+      end.hung ? "hang (no heartbeat for " + std::to_string((int)opt_.heartbeat_timeout) + " s)" : describe(end.status, mpi_);
+  // The step the job was in when it failed (its heartbeat, written at each
+  // step's start), and the last step it finished (its step log, written
+  // before the step's checkpoint): a kill during a checkpoint's I/O fails
+  // "at" the step that finished, whose checkpoint did not commit.
   int failed_step = 0;
   std::ifstream(hb_) >> failed_step;
+  const int last_done = last_step_logged_since(step_log_, attempt_log_from_);
+  failed_step = std::max(failed_step, last_done);
   const int code = end.exit_code();
   SuperviseResult res;
   if (code == 2 || code == 3 || code == kExitLeaseLost || code == kExitInternalError) {
@@ -515,13 +523,13 @@ std::optional<SuperviseResult> Supervision::stop_or_plan_restart(const AttemptEn
               {"failed_at_step", failed_step},
               {"detection_seconds", end.detected - std::max(end.last_beat, end.started)},
               {"restore_step", restore_step},
-              {"steps_replayed", std::max<int64_t>(0, failed_step - 1 - restore_step)},
+              {"steps_replayed", std::max<int64_t>(0, last_done - restore_step)},
               {"mesh_dp_after", new_dp_ > 0 ? new_dp_ : s_.mesh.dp}};
   if (mpi_) {
     pending_["processes"] = processes_;
     pending_["orphans_killed"] = end.orphans_killed;
   }
-  say(failure + " at step " + std::to_string(failed_step) + "; restarting from " +
+  announce(failure + " at step " + std::to_string(failed_step) + "; restarting from " +
       (restore_step ? "checkpoint " + std::to_string(restore_step) : std::string("scratch")) +
       (new_dp_ > 0 ? " on mesh.dp=" + std::to_string(new_dp_) : std::string()));
   fail_time_ = end.detected;
@@ -532,7 +540,7 @@ void Supervision::back_off(int attempt) {
   const double backoff = opt_.backoff_seconds * std::pow(2.0, std::min(attempt, 6)) *
                          (0.5 + 0.5 * std::uniform_real_distribution<double>(0, 1)(rng_));
   sleep_unless_stopped(backoff);
-  if (g_stop_signal) die_of_signal(g_stop_signal, "stopped between attempts");
+  if (const int sig = stop_signal()) die_of_signal(sig, "stopped between attempts");
 }
 
 // After a stop signal, once no process of the job is left: clean up, say
@@ -542,11 +550,8 @@ void Supervision::die_of_signal(int sig, const std::string& what) {
   fs::remove_all(dir_, ec);
   lease_->release();
   std::fprintf(stderr, "supervisor: %s: %s; committed checkpoints in %s are intact (continue with --resume %s)\n",
-               signal_name(sig), what.c_str(), s_.ckpt.url.c_str(), s_.ckpt.url.c_str());
-  std::fflush(nullptr);
-  ::signal(sig, SIG_DFL);
-  ::raise(sig);
-  std::_Exit(128 + sig);
+               stop_signal_name(sig).c_str(), what.c_str(), s_.ckpt.url.c_str(), s_.ckpt.url.c_str());
+  ls::die_of_signal(sig);
 }
 
 }  // namespace

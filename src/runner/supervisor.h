@@ -23,6 +23,7 @@ struct SuperviseOptions {
   double heartbeat_timeout = 120;      // seconds without a new step: a hang
   double backoff_seconds = 0.05;       // base of the exponential backoff (with jitter)
   bool progress = true;                // the timeline on stderr
+  bool announce_restarts = true;       // one line on stderr per restart, even without progress
   std::vector<std::string> extra_args; // passed to every child (e.g. --steps)
   std::string resume;                  // --resume URL[@STEP]: where the job starts (restarts use ckpt.url)
   bool child_progress = false;         // children print their progress lines (stderr inherited)

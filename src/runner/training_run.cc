@@ -16,6 +16,7 @@
 #include "common/json_input.h"
 #include "common/numerics_level.h"
 #include "common/op_profile.h"
+#include "common/text.h"
 #include "contract.h"
 #include "data/corpus.h"
 #include "faults/injector.h"
@@ -25,6 +26,7 @@
 #include "runner/lifeline.h"
 #include "runner/memory_plan.h"
 #include "runner/pipeline.h"
+#include "runner/stop_guard.h"
 #include "store/store.h"
 
 namespace ls {
@@ -37,14 +39,6 @@ void append_step_log(const std::string& path, const std::string& line) {
     std::fprintf(f, "%s\n", line.c_str());
     std::fclose(f);
   }
-}
-
-std::string fmt_duration(double s) {
-  char buf[32];
-  if (s < 90) std::snprintf(buf, sizeof buf, "%.0fs", s);
-  else if (s < 5400) std::snprintf(buf, sizeof buf, "%.0fm%02.0fs", std::floor(s / 60), std::fmod(s, 60));
-  else std::snprintf(buf, sizeof buf, "%.1fh", s / 3600);
-  return buf;
 }
 
 // The run's lease on ckpt.url: its supervisor's ("JOB:GENERATION"), checked
@@ -105,6 +99,7 @@ class TrainingRun {
   std::unique_ptr<TraceSink> follower_sink_;  // MPI, other processes: traced, written by process 0
   std::vector<uint8_t> batch_;
   std::unique_ptr<CheckpointLease> lease_;
+  std::unique_ptr<LeaseStopGuard> stop_guard_;  // a lease this process took: released on SIGINT/SIGTERM
   std::unique_ptr<CheckpointWriter> writer_;
   int start_ = 0;
   double train_seconds_ = 0, steady_seconds_ = 0;
@@ -247,6 +242,7 @@ void TrainingRun::take_lease() {
     if (procs_) share_error(*procs_, 0, refused, "");
     else if (refused) std::rethrow_exception(refused);
     if (lease_) r_.lease = {{"job", lease_->job()}, {"generation", lease_->generation()}};
+    if (lease_ && lease_->owned()) stop_guard_ = std::make_unique<LeaseStopGuard>(*lease_, s_.ckpt.url);
   }
 }
 
@@ -430,11 +426,14 @@ void TrainingRun::train() {
 void TrainingRun::run_step(int step) {
   if (lease_ && lease_->known_lost()) lease_->check();  // throws LeaseLost: stop now, not at the next save
   const int done = step + 1;
+  if (stop_guard_) stop_guard_->at_step(done);
   if (!opt_.heartbeat.empty() && lead_) {
-    // The supervisor's liveness signal: the step being run.
-    if (FILE* hb = std::fopen(opt_.heartbeat.c_str(), "w")) {
+    // The supervisor's liveness signal: the step being run. Renamed into
+    // place, so that a kill mid-write never leaves it empty.
+    const std::string tmp = opt_.heartbeat + ".tmp";
+    if (FILE* hb = std::fopen(tmp.c_str(), "w")) {
       std::fprintf(hb, "%d\n", done);
-      std::fclose(hb);
+      if (std::fclose(hb) == 0) std::rename(tmp.c_str(), opt_.heartbeat.c_str());
     }
   }
   // A straggler's delay (at step start) is part of the step's time, as a
