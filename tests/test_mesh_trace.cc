@@ -212,4 +212,46 @@ TEST_SUITE("mesh_trace") {
       CHECK(r.out.find("this is a determinism bug") != std::string::npos);
     }
   }
+
+  // A fault planted on purpose must not pass for the mesh's doing: the summaries, the trace and its diff say so.
+  TEST_CASE("a planted --debug-mesh-fault shows in the summary, --json, the trace header, diff and report") {
+    const fs::path dir = lstest::fresh_dir("planted-shown");
+    fs::create_directories(dir);
+    const fs::path sc = kRoot / "scenarios" / "top2.json", one = dir / "one.jsonl", mesh = dir / "mesh.jsonl";
+    const std::string base = "run " + sc.string() + " --steps 1 --quiet ";
+    const std::string planted = base + "--set mesh.tp=2 --debug-mesh-fault tp_chain ";
+    lstest::CliResult r = lstest::run_cli(base + "--json --trace " + one.string());
+    REQUIRE(r.rc == 0);
+    CHECK_FALSE(lstest::last_json(r.out).contains("debug_mesh_fault"));  // the control: nothing planted
+    r = lstest::run_cli(planted + "--json --trace " + mesh.string());
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(lstest::last_json(r.out).at("debug_mesh_fault") == "tp_chain");
+    r = lstest::run_cli(planted);
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("debug fault     tp_chain (--debug-mesh-fault): one bit flipped once a step") !=
+          std::string::npos);
+    CHECK(lstest::run_cli(base).out.find("debug fault") == std::string::npos);
+    CHECK(ls::read_trace(mesh.string()).header.at("debug_mesh_fault") == "tp_chain");
+    CHECK_FALSE(ls::read_trace(one.string()).header.contains("debug_mesh_fault"));
+
+    r = lstest::run_cli("diff " + one.string() + " " + mesh.string());
+    CAPTURE(r.out);
+    CHECK(r.rc == 1);
+    CHECK(r.out.find("  mesh.tp: 1 -> 2\n") != std::string::npos);
+    CHECK(r.out.find("  (run) debug_mesh_fault: (none) -> \"tp_chain\"\n") != std::string::npos);
+    CHECK(r.out.find("(trace B planted --debug-mesh-fault tp_chain: a bit flipped on purpose") != std::string::npos);
+    r = lstest::run_cli("diff --json " + one.string() + " " + mesh.string());
+    bool listed = false;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    for (const auto& c : j.at("config_changes"))
+      listed = listed || (c.at("key") == "(run) debug_mesh_fault" && c.at("a").is_null() && c.at("b") == "tp_chain");
+    CHECK(listed);
+    const fs::path page = dir / "report.html";
+    REQUIRE(lstest::run_cli("report " + one.string() + " " + mesh.string() + " -o " + page.string()).rc == 0);
+    const std::string html = lstest::slurp(page);
+    CHECK(html.find("<td class=\"mono\">(run) debug_mesh_fault</td><td class=\"mono\">(none)</td>"
+                    "<td class=\"mono\">&quot;tp_chain&quot;</td>") != std::string::npos);
+    CHECK(html.find("<th>debug mesh fault</th>") != std::string::npos);
+  }
 }

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -192,5 +193,49 @@ TEST_SUITE("report") {
     CHECK(fs::file_size(png) > 10 * 1024);
     CHECK(slurp(png).substr(1, 3) == "PNG");
     MESSAGE("screenshot: " << png.string());
+  }
+
+  TEST_CASE("a resumed trace: identical over the steps both hold, and the page says which steps and from where") {
+    make_traces();
+    const ls::Trace a = ls::read_trace((tmp() / "a.jsonl").string());
+    ls::Trace b = a;  // as if resumed from the checkpoint of step 3: steps 4-6 only
+    b.first_step = 4;
+    b.header["first_step"] = 4;
+    b.header["resumed_from"] = {{"url", "ck<dir>"}, {"step", 3}};
+    auto drop_before = [](std::vector<nlohmann::json>& records, int step) {
+      records.erase(std::remove_if(records.begin(), records.end(),
+                                   [step](const nlohmann::json& r) { return r.at("step").get<int>() < step; }),
+                    records.end());
+    };
+    drop_before(b.tensors, 4);
+    drop_before(b.steps, 4);
+    REQUIRE(b.steps.size() == 3);
+    const ls::TraceDiff d = ls::diff_traces(a, b);
+    CHECK(d.identical);
+    CHECK(d.compared == nlohmann::json{{"first", 4}, {"last", 6}});
+    CHECK(ls::verdict_text(d) == "identical over steps 4-6");
+    std::string html = ls::render_report(a, b, d, "resumed");
+    CHECK(html.find("verdict same") != std::string::npos);
+    CHECK(html.find("Identical over steps 4-6: every traced tensor") != std::string::npos);
+    CHECK(html.find("Compared: steps 4-6, the steps both traces hold (A: steps 1-6; B: steps 4-6, resumed from the "
+                    "checkpoint of step 3 in ck&lt;dir&gt;).") != std::string::npos);
+    CHECK(html.find("<th>steps held</th><td>1–6</td><td>4–6</td>") != std::string::npos);
+    CHECK(html.find("<th>resumed from</th><td class=\"mono\">(not resumed)</td><td class=\"mono\">step 3 of "
+                    "ck&lt;dir&gt;</td>") != std::string::npos);
+    CHECK(html.find("verdict diverged") == std::string::npos);
+    // The same, stopped after step 5 without its end record: identical until it ends, over steps 4-5.
+    b.steps.pop_back();
+    b.end = nullptr;
+    const ls::TraceDiff p = ls::diff_traces(a, b);
+    CHECK(p.identical_until_truncation());
+    html = ls::render_report(a, b, p, "resumed, cut");
+    CHECK(html.find("verdict partial") != std::string::npos);
+    CHECK(html.find("Trace B ends at step 5 (no end record); steps 4-5 are identical in both.") != std::string::npos);
+    // A real difference inside them is found: the loss of step 5.
+    ls::Trace c = a;
+    c.steps[4]["loss_bits"] = c.steps[4]["loss_bits"] == "3f800000" ? "3f800001" : "3f800000";
+    const ls::TraceDiff e = ls::diff_traces(c, b);
+    CHECK_FALSE(e.identical);
+    CHECK(e.first_loss_step == 5);
   }
 }

@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/error.h"
 #include "trace/diff.h"
 #include "trace/writer.h"
 
@@ -276,5 +277,179 @@ TEST_SUITE("trace") {
     const fs::path dir = fs::path(given).parent_path();
     CHECK(dir.filename().string().rfind("lockstep-bisect-", 0) == 0);
     CHECK_FALSE(fs::exists(dir));
+  }
+}
+
+namespace {
+
+std::string slurp_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+bool has(const std::string& text, const std::string& what) { return text.find(what) != std::string::npos; }
+
+}  // namespace
+
+TEST_SUITE("trace") {
+  // A resumed run's trace covers the steps after its checkpoint: diff and
+  // report compare the steps both traces hold, and call equal bits identical.
+  TEST_CASE("a resumed run's trace is identical to the full run's over the steps it holds; a divergence there is "
+            "found") {
+    const fs::path ck = tmp() / "resume-ck", full = tmp() / "full8.jsonl", res = tmp() / "res.jsonl";
+    fs::remove_all(ck);
+    const std::string run = "run " + scenario().string() + " --quiet --set train.steps=8 ";
+    REQUIRE(lockstep(run + "--trace " + full.string()) == 0);
+    REQUIRE(lockstep(run + "--steps 4 --set ckpt.url=" + ck.string() + " --set ckpt.every=2") == 0);
+    // Resumed runs save nothing: each restores step 4, the latest checkpoint.
+    const std::string resume = run + "--resume " + ck.string();
+    REQUIRE(lockstep(resume + " --trace " + res.string()) == 0);
+    // The header says where the trace starts; a fresh run's starts at step 1.
+    const ls::Trace tr = ls::read_trace(res.string()), tf = ls::read_trace(full.string());
+    CHECK(tr.first_step == 5);
+    CHECK(tr.header.at("first_step") == 5);
+    CHECK(tr.header.at("resumed_from").at("step") == 4);
+    CHECK(tr.header.at("resumed_from").at("url") == ck.string());
+    CHECK(tr.steps.front().at("step") == 5);
+    CHECK(tf.header.at("first_step") == 1);
+    CHECK(tf.header.at("resumed_from").is_null());
+
+    std::string out;
+    CHECK(lockstep("diff " + full.string() + " " + res.string(), &out) == 0);
+    CAPTURE(out);
+    CHECK(has(out, "trace B starts at step 5 (resumed from the checkpoint of step 4 in " + ck.string() +
+                       "); trace A holds steps 1-8, of which steps 1-4 are not compared"));
+    CHECK(has(out, "traces identical over steps 5-8: every traced tensor, loss and state hash has the same bits"));
+    CHECK_FALSE(has(out, "missing from"));
+    CHECK(lockstep("diff " + res.string() + " " + full.string(), &out) == 0);
+    CHECK(has(out, "trace A starts at step 5 (resumed from the checkpoint of step 4"));
+    CHECK(lockstep("diff --json " + full.string() + " " + res.string(), &out) == 0);
+    nlohmann::json j = nlohmann::json::parse(out);
+    CHECK(j.at("identical") == true);
+    CHECK(j.at("compared") == nlohmann::json{{"first", 5}, {"last", 8}});
+    CHECK(j.at("held").at("A").at("first") == 1);
+    CHECK(j.at("held").at("B").at("first") == 5);
+    CHECK(j.at("held").at("B").at("resumed_from").at("step") == 4);
+    const fs::path page = tmp() / "resumed.html";
+    CHECK(lockstep("report " + full.string() + " " + res.string() + " -o " + page.string(), &out) == 0);
+    CHECK(has(out, "(identical over steps 5-8)"));
+    const std::string html = slurp_text(page);
+    CHECK(has(html, "verdict same"));
+    CHECK(has(html, "Identical over steps 5-8"));
+    CHECK(has(html, "Compared: steps 5-8, the steps both traces hold (A: steps 1-8; B: steps 5-8, resumed from the "
+                    "checkpoint of step 4 in " + ck.string() + ")"));
+    CHECK_FALSE(has(html, "verdict diverged"));
+
+    // A real divergence inside the steps both hold is still found: one ulp at step 6.
+    const fs::path bumped = tmp() / "res-bumped.jsonl";
+    REQUIRE(lockstep(resume + " --debug-bump 'layers.1.wo[5]@6' --trace " + bumped.string()) == 0);
+    CHECK(lockstep("diff " + full.string() + " " + bumped.string(), &out) == 1);
+    CHECK(has(out, "compared: steps 5-8, which both traces hold"));
+    CHECK(has(out, "first divergence: step 6, params, op param, tensor layers.1.wo"));
+    CHECK(has(out, "(run) debug_bumps: (none) -> [\"layers.1.wo[5]@6\"]"));
+    CHECK(lockstep("report " + full.string() + " " + bumped.string() + " -o " + page.string(), &out) == 0);
+    CHECK(has(out, "(diverged)"));
+    CHECK(has(slurp_text(page), "The runs diverge at step 6."));
+    // At the first step both hold, the weights entering it differ: said so, not blamed on earlier steps.
+    REQUIRE(lockstep(resume + " --debug-bump 'layers.1.wo[5]@5' --trace " + bumped.string()) == 0);
+    CHECK(lockstep("diff " + full.string() + " " + bumped.string(), &out) == 1);
+    CHECK(has(out, "first divergence: step 5, params, op param, tensor layers.1.wo"));
+    CHECK(has(out, "(the weights entering step 5, the first step both traces hold, differ: the runs started it from "
+                   "different weights; trace B resumed from the checkpoint of step 4 in " + ck.string() + ")"));
+    CHECK_FALSE(has(out, "every activation of the steps before agreed"));
+    // A resumed run stopped early: the truncation rule holds on the steps both hold.
+    const fs::path short_res = tmp() / "res6.jsonl";
+    REQUIRE(lockstep(resume + " --steps 6 --trace " + short_res.string()) == 0);
+    CHECK(lockstep("diff " + full.string() + " " + short_res.string(), &out) == 4);
+    CHECK(has(out, "trace B ends at step 6 with its end record (the run finished there); trace A goes on to step 8\n"));
+    CHECK(has(out, "steps 5-6 are identical"));
+  }
+
+  // Which of the two traces has an end record: every variant of the message is true.
+  TEST_CASE("a trace that ends early: the message says which trace has an end record, in every combination") {
+    const fs::path full = tmp() / "full4.jsonl", two = tmp() / "two.jsonl";
+    REQUIRE(lockstep("run " + scenario().string() + " --quiet --trace " + full.string()) == 0);
+    REQUIRE(lockstep("run " + scenario().string() + " --quiet --steps 2 --trace " + two.string()) == 0);
+    const std::string text = slurp_text(full), text2 = slurp_text(two);
+    const size_t end4 = text.rfind('\n', text.rfind("\"kind\":\"end\"")) + 1;  // the end record's line
+    REQUIRE(text.find("\"kind\":\"end\"", end4) != std::string::npos);
+    auto write = [](const std::string& name, const std::string& bytes) {
+      const fs::path p = tmp() / name;
+      std::ofstream(p, std::ios::binary) << bytes;
+      return p.string();
+    };
+    const std::string full_s = full.string(), two_s = two.string();
+    const std::string no_end = write("no-end.jsonl", text.substr(0, end4));  // steps 1-4, no end
+    const size_t end2 = text2.rfind('\n', text2.rfind("\"kind\":\"end\"")) + 1;
+    const std::string two_no_end = write("two-no-end.jsonl", text2.substr(0, end2));  // steps 1-2, no end
+    REQUIRE(ls::read_trace(two_no_end).end.is_null());
+    REQUIRE_FALSE(ls::read_trace(two_s).end.is_null());
+    struct Variant {
+      std::string a, b, line;
+    };
+    const std::vector<Variant> variants = {
+        {two_no_end, full_s,
+         "trace A ends at step 2 (no end record: the run stopped early); trace B goes on to step 4\n"},
+        {two_no_end, no_end,
+         "trace A ends at step 2 (no end record: the run stopped early); trace B goes on to step 4 (no end record "
+         "either)\n"},
+        {two_s, full_s,
+         "trace A ends at step 2 with its end record (the run finished there); trace B goes on to step 4\n"},
+        {full_s, two_s,
+         "trace B ends at step 2 with its end record (the run finished there); trace A goes on to step 4\n"},
+        {two_s, no_end,
+         "trace A ends at step 2 with its end record (the run finished there); trace B goes on to step 4 (no end "
+         "record: that run stopped early)\n"},
+        {no_end, full_s,
+         "trace A ends at step 4 (no end record: the run stopped early); trace B also holds step 4 and its end "
+         "record\n"},
+    };
+    for (const Variant& v : variants) {
+      std::string out;
+      CHECK(lockstep("diff " + v.a + " " + v.b, &out) == 4);
+      CAPTURE(out);
+      CHECK(has(out, v.line));
+      const bool a_has_end = !ls::read_trace(v.a).end.is_null(), b_has_end = !ls::read_trace(v.b).end.is_null();
+      CHECK(has(out, "either") == (!a_has_end && !b_has_end));  // "either" only when neither has one
+    }
+  }
+
+  TEST_CASE("diff --json leaves out dumped tensors' base64 unless --with-dumps") {
+    traced_diff("", "--debug-bump layers.1.wo[5]@3", "3:param");
+    const std::string a = (tmp() / "a.jsonl").string(), b = (tmp() / "b.jsonl").string();
+    std::string lean, full;
+    CHECK(lockstep("diff --json " + a + " " + b, &lean) == 1);
+    CHECK(lockstep("diff --json --with-dumps " + a + " " + b, &full) == 1);
+    const nlohmann::json jl = nlohmann::json::parse(lean), jf = nlohmann::json::parse(full);
+    CHECK(jl.at("dumps_omitted") == true);
+    CHECK_FALSE(jl.at("first").at("a").contains("data"));
+    CHECK_FALSE(jl.at("first").at("b").contains("data"));
+    CHECK(jl.at("first").at("a").at("hash") == jf.at("first").at("a").at("hash"));
+    CHECK(jl.at("elements") == jf.at("elements"));  // the differing elements stay
+    CHECK(jl.at("elements").at("first").at(0).at("flat") == 5);
+    CHECK(jf.at("dumps_omitted") == false);
+    const std::string data = jf.at("first").at("a").at("data");
+    CHECK(ls::base64_decode(data).size() == 4 * jf.at("first").at("a").at("shape")[0].get<size_t>() *
+                                                 jf.at("first").at("a").at("shape")[1].get<size_t>());
+    CHECK(lean.size() + 2 * data.size() <= full.size() + 64);
+    CHECK(lockstep("diff --with-dumps " + a + " " + b) == 2);  // only with --json
+    std::string help;
+    CHECK(lockstep("diff --help", &help) == 0);
+    CHECK(has(help, "--with-dumps"));
+  }
+
+  TEST_CASE("a trace's records must not come before its header's first_step") {
+    const fs::path full = tmp() / "early.jsonl";
+    REQUIRE(lockstep("run " + scenario().string() + " --quiet --steps 1 --trace " + full.string()) == 0);
+    std::string text = slurp_text(full);
+    const std::string from = "\"first_step\":1", to = "\"first_step\":2";
+    REQUIRE(has(text, from));
+    text.replace(text.find(from), from.size(), to);
+    const fs::path bad = tmp() / "early-bad.jsonl";
+    std::ofstream(bad, std::ios::binary) << text;
+    CHECK_THROWS_WITH_AS(ls::read_trace(bad.string()), doctest::Contains("before the header's first_step 2"),
+                         ls::UserError);
   }
 }

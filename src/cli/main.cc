@@ -121,6 +121,10 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
   if (s.mesh.multi_rank(s.microbatches))
     std::printf("mesh            %s\n", s.mesh.describe(s.microbatches).c_str());
   std::printf("launcher        %s\n", launcher_line(launcher, processes, s.mesh.world()).c_str());
+  if (!r.debug_mesh_fault.empty())
+    std::printf("debug fault     %s (--debug-mesh-fault): one bit flipped once a step in the mesh's machinery; "
+                "the bits are wrong by design\n",
+                r.debug_mesh_fault.c_str());
   if (s.data.path.empty())
     std::printf("data            synthetic corpus, %llu bytes\n", (unsigned long long)s.data.synthetic_bytes);
   else
@@ -1031,13 +1035,15 @@ int main(int argc, char** argv) {
                     "first differing step and field");
 
   std::string diff_a, diff_b;
-  bool diff_json_out = false;
+  bool diff_json_out = false, diff_with_dumps = false;
   auto* diff = app.add_subcommand("diff", "compare two traces: first divergent step/op/tensor/element and its spread "
                                           "(exit 0 identical, 1 different, 4 one trace ends early and "
                                           "the steps both hold are identical)");
   diff->add_option("a", diff_a, "first trace (from run --trace)")->required();
   diff->add_option("b", diff_b, "second trace")->required();
-  diff->add_flag("--json", diff_json_out, "print the comparison as one JSON object");
+  diff->add_flag("--json", diff_json_out, "print the comparison as one JSON object (dumped tensors' base64 "
+                                          "data left out: the differing elements are in 'elements')");
+  diff->add_flag("--with-dumps", diff_with_dumps, "with --json: keep the dumped tensors' base64 data (megabytes)");
 
   std::string report_a, report_b, report_out, report_title;
   auto* report = app.add_subcommand("report", "compare two traces as one self-contained HTML page (loss curves, "
@@ -1157,13 +1163,13 @@ int main(int argc, char** argv) {
       if (report_title.empty())
         report_title = fs::path(report_a).filename().string() + " vs " + fs::path(report_b).filename().string();
       write_file_atomic(report_out, render_report(ta, tb, d, report_title));
-      std::printf("wrote %s (%s)\n", report_out.c_str(),
-                  d.identical ? "identical" : d.identical_until_truncation() ? "identical until one trace ends" : "diverged");
+      std::printf("wrote %s (%s)\n", report_out.c_str(), verdict_text(d).c_str());
       return 0;
     }
     if (*diff) {
+      if (diff_with_dumps && !diff_json_out) throw UserError("--with-dumps: only with --json (the text shows no dump)");
       TraceDiff d = diff_traces(read_trace(diff_a), read_trace(diff_b));
-      if (diff_json_out) std::printf("%s\n", diff_json(d).dump().c_str());
+      if (diff_json_out) std::printf("%s\n", diff_json(d, diff_with_dumps).dump().c_str());
       else std::printf("%s", format_diff(d).c_str());
       return d.identical ? 0 : d.identical_until_truncation() ? 4 : 1;
     }

@@ -93,6 +93,8 @@ nlohmann::json result_json(const RunResult& r) {
   if (!r.device.empty()) j["device"] = r.device;
   j["level"] = r.level;
   if (!r.local_gemm.empty()) j["local_gemm"] = r.local_gemm;
+  // A planted fault changes the bits by design: a reader of the summary must see it.
+  if (!r.debug_mesh_fault.empty()) j["debug_mesh_fault"] = r.debug_mesh_fault;
   j["threads"] = r.threads;
   j["steps"] = r.steps;
   j["final_state_hash"] = r.final_state_hash;

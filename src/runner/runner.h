@@ -90,6 +90,7 @@ struct RunResult {
   std::string device;                    // --backend cuda: the GPU it ran on
   std::string level = "portable";        // numerics.level of the run
   std::string local_gemm;                // level local: the library its GEMMs call (ops/local.h)
+  std::string debug_mesh_fault;          // --debug-mesh-fault KIND planted in the run ("" for none)
   int threads = 1;
   int steps = 0;
   std::vector<float> losses;             // mean cross-entropy (nats/byte) of each step's batch, before its update

@@ -153,6 +153,7 @@ void TrainingRun::make_trainer() {
   r_.train_flops_per_token = trainer_->train_flops_per_token();
   if (opt.debug_reorder_moe_norm) trainer_->set_debug_reorder_moe_norm(true);
   if (!opt.debug_mesh_fault.empty()) plant_mesh_fault();
+  r_.debug_mesh_fault = opt.debug_mesh_fault;
 }
 
 // --debug-mesh-fault KIND: on a mesh with the axis it perturbs.
@@ -200,6 +201,8 @@ void TrainingRun::make_injector_and_tracer() {
                              {"resolved", s.resolved}, {"threads", r_.threads}};
     if (opt.debug_reorder_moe_norm) header["debug_reorder"] = "moe_norm";
     if (!opt.debug_mesh_fault.empty()) header["debug_mesh_fault"] = opt.debug_mesh_fault;
+    for (const RunOptions::Bump& b : opt.debug_bumps)
+      header["debug_bumps"].push_back(b.param + "[" + std::to_string(b.index) + "]@" + std::to_string(b.step));
     if (lead_) {
       tracer_ = std::make_unique<TraceWriter>(opt.trace_path, header, opt.trace_dump);
       trainer_->set_trace(tracer_.get());
@@ -319,6 +322,8 @@ bool TrainingRun::resume() {
   }
   start_ = restored ? (int)m.step : 0;
   r_.resumed_from = start_;
+  // The trace says where it starts, so that diff compares the steps both traces hold.
+  if (tracer_ && restored) tracer_->resumed_from(start_ + 1, {{"url", url}, {"step", m.step}});
   if (!restored) rep.saved_mesh = "null";
   r_.restore = {{"step", rep.step}, {"url", rep.url}, {"mode", rep.mode}, {"store_bytes_read", rep.store_bytes_read},
                 {"checkpoint_bytes", rep.checkpoint_bytes}, {"seconds", rep.seconds},
@@ -372,7 +377,10 @@ void TrainingRun::finish_already_complete(const Manifest& m, const std::string& 
                  "resume: the checkpoint of step %lld in %s is the final step (read back, %llu bytes, checksums "
                  "match): nothing left to run\n",
                  (long long)m.step, url.c_str(), (unsigned long long)rep.store_bytes_read);
-  if (tracer_) tracer_->finish(r_.final_state_hash, r_.steps);
+  if (tracer_) {
+    tracer_->resumed_from(r_.steps + 1, {{"url", url}, {"step", m.step}});
+    tracer_->finish(r_.final_state_hash, r_.steps);
+  }
   r_.peak_rss_bytes = peak_rss_bytes();
 }
 

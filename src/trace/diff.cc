@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "common/error.h"
 #include "common/json_input.h"
@@ -61,6 +62,12 @@ std::string check_record(const nlohmann::json& r, const std::string& kind) {
     if (r.contains("resolved") && !r["resolved"].is_object()) first(bad_field("resolved", "must be an object"));
     first(check_str(r, "backend", false));
     first(check_str(r, "binary", false));
+    if (r.contains("first_step")) first(check_int(r, "first_step", 1, kMaxTraceStep));
+    if (r.contains("resumed_from") && !r["resumed_from"].is_null()) {
+      const nlohmann::json& f = r["resumed_from"];
+      if (!f.is_object() || check_str(f, "url") != "" || check_int(f, "step", 0, kMaxTraceStep) != "")
+        first(bad_field("resumed_from", "must be null or {\"url\": string, \"step\": integer}"));
+    }
   } else if (kind == "tensor") {
     first(check_int(r, "step", 0, kMaxTraceStep));
     first(check_int(r, "layer", -1, 1 << 20));
@@ -187,6 +194,16 @@ Trace read_trace(const std::string& path) {
   if (t.header.is_null() || t.header.value("format", "") != "lockstep-trace-1")
     throw UserError(path + ": not a lockstep trace (no lockstep-trace-1 header)");
   t.ranks = read_trace_ranks(path);
+  if (t.header.contains("first_step")) {
+    t.first_step = t.header["first_step"].get<int>();
+    for (const auto* records : {&t.steps, &t.tensors})
+      for (const auto& r : *records)
+        if (r["step"].get<int64_t>() < t.first_step)
+          throw UserError(path + ": a record of step " + std::to_string(r["step"].get<int64_t>()) +
+                          ", before the header's first_step " + std::to_string(t.first_step));
+  } else if (!t.steps.empty()) {
+    t.first_step = std::max(1, t.steps.front()["step"].get<int>());  // an older trace: its first step record's
+  }
   return t;
 }
 
@@ -292,13 +309,19 @@ int last_step(const Trace& t) {
   return last;
 }
 
-TraceDiff diff_traces(const Trace& a, const Trace& b) {
-  TraceDiff d;
-  if (a.torn_last_line) d.torn["A"] = a.torn_last_line;
-  if (b.torn_last_line) d.torn["B"] = b.torn_last_line;
-  // Compare only the steps both traces reached.
+namespace {
+
+// The steps each trace holds, the steps both hold (d.compared: from the later
+// first step to the earlier last) and, when one ends before the other, which
+// (d.truncated).
+void set_ranges(TraceDiff& d, const Trace& a, const Trace& b) {
   const int last_a = last_step(a), last_b = last_step(b);
-  const int common = std::min(last_a, last_b);
+  const int lo = std::max(a.first_step, b.first_step), hi = std::min(last_a, last_b);
+  for (auto [side, t, last] : {std::tuple{"A", &a, last_a}, std::tuple{"B", &b, last_b}})
+    d.held[side] = {{"first", t->first_step}, {"last", std::max(last, t->first_step - 1)},
+                    {"has_end", !t->end.is_null()},
+                    {"resumed_from", t->header.value("resumed_from", nlohmann::json())}};
+  if (hi >= lo) d.compared = {{"first", lo}, {"last", hi}};
   if (last_a != last_b || a.end.is_null() != b.end.is_null()) {
     const bool a_short = last_a < last_b || (last_a == last_b && a.end.is_null());
     d.truncated = {{"short", a_short ? "A" : "B"},
@@ -307,21 +330,81 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
                    {"other_ends_at", a_short ? last_b : last_a},
                    {"other_has_end", a_short ? !b.end.is_null() : !a.end.is_null()}};
   }
-  // Config keys that differ between the two runs.
+}
+
+// Resolved config keys that differ, then the run's own rows ("(run) KEY").
+nlohmann::json config_changes_of(const Trace& a, const Trace& b) {
+  nlohmann::json changes = nlohmann::json::array();
   std::map<std::string, nlohmann::json> ca, cb;
   flatten(a.header.value("resolved", nlohmann::json::object()), "", ca);
   flatten(b.header.value("resolved", nlohmann::json::object()), "", cb);
   for (auto& [k, v] : ca)
-    if (!cb.count(k) || cb[k] != v) d.config_changes.push_back({{"key", k}, {"a", v}, {"b", cb.count(k) ? cb[k] : nullptr}});
+    if (!cb.count(k) || cb[k] != v) changes.push_back({{"key", k}, {"a", v}, {"b", cb.count(k) ? cb[k] : nullptr}});
   for (auto& [k, v] : cb)
-    if (!ca.count(k)) d.config_changes.push_back({{"key", k}, {"a", nullptr}, {"b", v}});
+    if (!ca.count(k)) changes.push_back({{"key", k}, {"a", nullptr}, {"b", v}});
   for (const char* k : {"backend", "binary"})
     if (a.header.value(k, "") != b.header.value(k, ""))
-      d.config_changes.push_back({{"key", std::string("(run) ") + k}, {"a", a.header.value(k, "")}, {"b", b.header.value(k, "")}});
+      changes.push_back(
+          {{"key", std::string("(run) ") + k}, {"a", a.header.value(k, "")}, {"b", b.header.value(k, "")}});
+  // What a run planted on purpose changes its bits: shown beside the keys, so
+  // that no reader blames the mesh for a --debug-mesh-fault. null: none.
+  for (const char* k : {"debug_mesh_fault", "debug_reorder", "debug_bumps"})
+    if (a.header.value(k, nlohmann::json()) != b.header.value(k, nlohmann::json()))
+      changes.push_back({{"key", std::string("(run) ") + k}, {"a", a.header.value(k, nlohmann::json())},
+                         {"b", b.header.value(k, nlohmann::json())}});
+  return changes;
+}
 
-  for (size_t i = 0; i < std::min(a.steps.size(), b.steps.size()); ++i)
-    if (a.steps[i]["loss_bits"] != b.steps[i]["loss_bits"]) {
-      d.first_loss_step = a.steps[i]["step"];
+// The differing elements of the first divergent record pair {a, b}, both dumped whole.
+nlohmann::json element_differences(const nlohmann::json& pair) {
+  if (pair.is_null() || !pair["a"].is_object() || !pair["b"].is_object() || pair.contains("shapes_differ") ||
+      !pair["a"].contains("data") || !pair["b"].contains("data"))
+    return nullptr;
+  const std::vector<float> x = decode_floats(pair["a"]["data"]), y = decode_floats(pair["b"]["data"]);
+  const std::vector<int64_t> shape = pair["a"]["shape"];
+  nlohmann::json first = nlohmann::json::array();
+  int64_t count = 0;
+  double max_abs = 0, max_rel = 0;
+  uint64_t max_ulp = 0;
+  for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) {
+    if (bits(x[i]) == bits(y[i])) continue;
+    ++count;
+    const double ad = std::fabs((double)x[i] - (double)y[i]);
+    max_abs = std::max(max_abs, ad);
+    const double den = std::max(std::fabs((double)x[i]), std::fabs((double)y[i]));
+    if (den > 0) max_rel = std::max(max_rel, ad / den);
+    max_ulp = std::max(max_ulp, ulp_distance(x[i], y[i]));
+    if (first.size() < 5)
+      first.push_back({{"index", index_string((int64_t)i, shape)}, {"flat", i}, {"a", x[i]}, {"b", y[i]},
+                       {"a_bits", hex_bits(x[i])}, {"b_bits", hex_bits(y[i])}, {"ulp", ulp_distance(x[i], y[i])}});
+  }
+  return {{"first", first}, {"differing", count}, {"total", x.size()}, {"max_abs", max_abs},
+          {"max_rel", max_rel}, {"max_ulp", max_ulp}};
+}
+
+}  // namespace
+
+TraceDiff diff_traces(const Trace& a, const Trace& b) {
+  TraceDiff d;
+  if (a.torn_last_line) d.torn["A"] = a.torn_last_line;
+  if (b.torn_last_line) d.torn["B"] = b.torn_last_line;
+  // Compare only the steps both traces hold: from the later first step (a
+  // resumed run's trace starts after its checkpoint) to the earlier last.
+  set_ranges(d, a, b);
+  const int lo = d.compared.is_null() ? 1 : d.compared["first"].get<int>();
+  const int hi = d.compared.is_null() ? 0 : d.compared["last"].get<int>();
+  auto compared = [lo, hi](int step) { return step >= lo && step <= hi; };
+  d.config_changes = config_changes_of(a, b);
+  // Step records paired by step number: the traces may start at different steps.
+  std::map<int, const nlohmann::json*> bsteps;
+  for (const auto& r : b.steps) bsteps[r["step"].get<int>()] = &r;
+  std::vector<std::pair<const nlohmann::json*, const nlohmann::json*>> step_pairs;
+  for (const auto& r : a.steps)
+    if (auto it = bsteps.find(r["step"].get<int>()); compared(r["step"].get<int>()) && it != bsteps.end())
+      step_pairs.push_back({&r, it->second});
+  for (auto [sa, sb] : step_pairs)
+    if ((*sa)["loss_bits"] != (*sb)["loss_bits"]) {
+      d.first_loss_step = (*sa)["step"];
       break;
     }
 
@@ -329,7 +412,7 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
   size_t b_common = 0;  // B's tensor records in the steps both traces hold
   for (const auto& r : b.tensors) {
     bidx[key_of(r)] = &r;
-    if (r.value("step", 0) <= common) ++b_common;
+    if (compared(r.value("step", 0))) ++b_common;
   }
   size_t a_common = 0;
   std::map<int, std::pair<int, int>> per_step;  // step -> (differing, total)
@@ -337,7 +420,7 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
   std::map<std::pair<int, int>, int64_t> heat;
   for (const auto& ra : a.tensors) {
     const int step = ra["step"];
-    if (step > common) continue;  // B never got this far
+    if (!compared(step)) continue;  // a step B does not hold
     ++a_common;
     auto it = bidx.find(key_of(ra));
     per_step[step].second++;
@@ -368,25 +451,20 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
                 (a.end.is_null() || b.end.is_null() || a.end["final_state_hash"] == b.end["final_state_hash"]);
   if (d.first.is_null() && d.first_loss_step == 0 && d.truncated.is_null() && a_common != b_common) {
     // B traced tensors A did not (the other way round is caught above).
-    for (const auto& rb : b.tensors) {
-      if (rb.value("step", 0) > common) continue;
-      bool in_a = false;
-      for (const auto& ra : a.tensors)
-        if (key_of(ra) == key_of(rb)) {
-          in_a = true;
-          break;
-        }
-      if (!in_a) {
+    std::set<std::string> in_a;
+    for (const auto& ra : a.tensors)
+      if (compared(ra.value("step", 0))) in_a.insert(key_of(ra));
+    for (const auto& rb : b.tensors)
+      if (compared(rb.value("step", 0)) && !in_a.count(key_of(rb))) {
         d.first = {{"a", rb}, {"b", nullptr}, {"missing_from", "A"}};
         break;
       }
-    }
   }
   if (d.first.is_null() && !d.identical && a.tensors.empty()) {
     // Step-level traces only: the first differing step record.
-    for (size_t i = 0; i < std::min(a.steps.size(), b.steps.size()); ++i)
-      if (a.steps[i]["state_hash"] != b.steps[i]["state_hash"] || a.steps[i]["loss_bits"] != b.steps[i]["loss_bits"]) {
-        d.first = {{"a", a.steps[i]}, {"b", b.steps[i]}};
+    for (auto [sa, sb] : step_pairs)
+      if ((*sa)["state_hash"] != (*sb)["state_hash"] || (*sa)["loss_bits"] != (*sb)["loss_bits"]) {
+        d.first = {{"a", *sa}, {"b", *sb}};
         break;
       }
   }
@@ -399,29 +477,7 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
   for (auto& [k, v] : heat) d.heat.push_back({{"step", k.first}, {"layer", k.second}, {"max_ulp", v}});
 
   // Element level, when both sides kept the first divergent tensor whole.
-  if (!d.first.is_null() && d.first["a"].is_object() && d.first["b"].is_object() && !d.first.contains("shapes_differ") &&
-      d.first["a"].contains("data") && d.first["b"].contains("data")) {
-    const std::vector<float> x = decode_floats(d.first["a"]["data"]), y = decode_floats(d.first["b"]["data"]);
-    const std::vector<int64_t> shape = d.first["a"]["shape"];
-    nlohmann::json first = nlohmann::json::array();
-    int64_t count = 0;
-    double max_abs = 0, max_rel = 0;
-    uint64_t max_ulp = 0;
-    for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) {
-      if (bits(x[i]) == bits(y[i])) continue;
-      ++count;
-      const double ad = std::fabs((double)x[i] - (double)y[i]);
-      max_abs = std::max(max_abs, ad);
-      const double den = std::max(std::fabs((double)x[i]), std::fabs((double)y[i]));
-      if (den > 0) max_rel = std::max(max_rel, ad / den);
-      max_ulp = std::max(max_ulp, ulp_distance(x[i], y[i]));
-      if (first.size() < 5)
-        first.push_back({{"index", index_string((int64_t)i, shape)}, {"flat", i}, {"a", x[i]}, {"b", y[i]},
-                         {"a_bits", hex_bits(x[i])}, {"b_bits", hex_bits(y[i])}, {"ulp", ulp_distance(x[i], y[i])}});
-    }
-    d.elements = {{"first", first}, {"differing", count}, {"total", x.size()}, {"max_abs", max_abs},
-                  {"max_rel", max_rel}, {"max_ulp", max_ulp}};
-  }
+  d.elements = element_differences(d.first);
   if (!d.first.is_null() && d.first["a"].is_object() && d.first["a"].value("kind", "") == "tensor" &&
       d.first["b"].is_object() && !d.first.contains("shapes_differ"))
     for (auto [side, t] : {std::pair{"A", &a}, std::pair{"B", &b}})
@@ -429,44 +485,138 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
   return d;
 }
 
+std::string steps_text(int first, int last) {
+  if (last < first) return "no step";
+  if (first == last) return "step " + std::to_string(first);
+  return "steps " + std::to_string(first) + "-" + std::to_string(last);
+}
+
+std::string verdict_text(const TraceDiff& d) {
+  const std::string compared =
+      d.compared.is_null() ? "no step" : steps_text(d.compared["first"].get<int>(), d.compared["last"].get<int>());
+  if (d.identical) return "identical over " + compared;
+  if (d.identical_until_truncation()) return "identical until one trace ends (" + compared + " compared)";
+  return "diverged";
+}
+
+namespace {
+
+// "the checkpoint of step 8 in URL" for a trace that resumed; "" for one that did not.
+std::string resumed_text(const nlohmann::json& held) {
+  const nlohmann::json f = held.value("resumed_from", nlohmann::json());
+  if (!f.is_object()) return "";
+  return "the checkpoint of step " + std::to_string(f.value("step", (int64_t)0)) + " in " + f.value("url", "?");
+}
+
+// When one trace starts later than the other (a resumed run): which, from
+// where, and what the other holds that is not compared. "" otherwise.
+std::string starts_text(const TraceDiff& d) {
+  if (!d.held.contains("A") || !d.held.contains("B")) return "";
+  const nlohmann::json &A = d.held["A"], &B = d.held["B"];
+  const int fa = A.value("first", 1), fb = B.value("first", 1);
+  if (fa == fb) return "";
+  const bool a_later = fa > fb;
+  const nlohmann::json &later = a_later ? A : B, &other = a_later ? B : A;
+  const std::string from = resumed_text(later);
+  const int first = later.value("first", 1), other_first = other.value("first", 1);
+  return std::string("trace ") + (a_later ? "A" : "B") + " starts at step " + std::to_string(first) +
+         (from.empty() ? " (its header names no checkpoint)" : " (resumed from " + from + ")") + "; trace " +
+         (a_later ? "B" : "A") + " holds " + steps_text(other_first, other.value("last", 0)) + ", of which " +
+         steps_text(other_first, first - 1) + " are not compared\n";
+}
+
+// The line for a trace that ends before the other, true of both traces'
+// end records in every combination.
+std::string truncation_text(const nlohmann::json& t) {
+  const int end = t["ends_at"], other_end = t["other_ends_at"];
+  const bool has_end = t["has_end"], other_has_end = t["other_has_end"];
+  const std::string other = t["short"] == "A" ? "B" : "A";
+  std::string s = "trace " + t["short"].get<std::string>();
+  if (end == 0 && has_end) s += " holds no step, only its end record (a resumed run that had no step left to run)";
+  else if (end == 0) s += " ends before its first step completes (no end record: the run stopped early)";
+  else s += " ends at step " + std::to_string(end) +
+            (has_end ? " with its end record (the run finished there)" : " (no end record: the run stopped early)");
+  if (other_end == end)  // the same last step: only the shorter one lacks its end record
+    return s + "; trace " + other + " also holds step " + std::to_string(end) + " and its end record\n";
+  s += "; trace " + other + " goes on to step " + std::to_string(other_end);
+  if (!other_has_end) s += has_end ? " (no end record: that run stopped early)" : " (no end record either)";
+  return s + "\n";
+}
+
+// A config change's value as the text shows it: null is the side without it.
+std::string change_value(const nlohmann::json& v) { return v.is_null() ? "(none)" : v.dump(); }
+
+// The config keys that differ, and what a planted --debug-mesh-fault means.
+std::string config_text(const TraceDiff& d) {
+  if (d.config_changes.empty()) return "";
+  std::ostringstream o;
+  o << "config keys that differ:\n";
+  for (const auto& c : d.config_changes)
+    o << "  " << c["key"].get<std::string>() << ": " << change_value(c["a"]) << " -> " << change_value(c["b"]) << "\n";
+  for (const auto& c : d.config_changes)
+    if (c["key"] == "(run) debug_mesh_fault")
+      for (const char* side : {"a", "b"})
+        if (c[side].is_string())
+          o << "  (trace " << (side[0] == 'a' ? "A" : "B") << " planted --debug-mesh-fault "
+            << c[side].get<std::string>() << ": a bit flipped on purpose, so its bits differ whatever the mesh)\n";
+  return o.str();
+}
+
+// When the first divergence is a step's weights (params), where they parted:
+// at the first step both traces hold, they entered it different (a resumed
+// run's checkpoint); later, the previous step's update.
+std::string params_note(const TraceDiff& d) {
+  const nlohmann::json& a = d.first["a"];
+  const int step = a.value("step", 0);
+  if (a.value("phase", "") != "params" || step <= 1) return "";
+  if (!d.compared.is_null() && step == d.compared["first"]) {
+    std::string from;
+    for (const char* side : {"A", "B"})
+      if (const std::string r = resumed_text(d.held.value(side, nlohmann::json::object())); !r.empty())
+        from += std::string("; trace ") + side + " resumed from " + r;
+    return "  (the weights entering step " + std::to_string(step) + ", the first step both traces hold, differ: " +
+           "the runs started it from different weights" + from + ")\n";
+  }
+  return "  (the weights entering step " + std::to_string(step) + " differ: the optimizer update of step " +
+         std::to_string(step - 1) + " or its gradients parted; every activation of the steps before agreed)\n";
+}
+
+}  // namespace
+
 std::string format_diff(const TraceDiff& d) {
   std::ostringstream o;
   for (auto& [which, line] : d.torn.items())
     o << "trace " << which << ": line " << line.get<int64_t>()
       << " was cut off mid-record (a killed run) and is ignored\n";
+  const std::string starts = starts_text(d);
+  o << starts;
+  const std::string compared =
+      d.compared.is_null() ? "no step" : steps_text(d.compared["first"].get<int>(), d.compared["last"].get<int>());
   if (d.identical) {
-    o << "traces identical: every traced tensor, loss and state hash has the same bits\n";
+    if (d.compared.is_null()) o << "traces identical: every traced tensor, loss and state hash has the same bits\n";
+    else o << "traces identical over " << compared << ": every traced tensor, loss and state hash has the same bits\n";
     return o.str();
   }
   if (!d.truncated.is_null()) {
-    const auto& t = d.truncated;
-    const int end = t["ends_at"];
-    o << "trace " << t["short"].get<std::string>()
-      << (end == 0 ? std::string(" ends before its first step completes") : " ends at step " + std::to_string(end))
-      << (t["has_end"].get<bool>() ? "" : " (no end record: the run stopped early)") << "; trace "
-      << (t["short"] == "A" ? "B" : "A") << " goes on to step " << t["other_ends_at"].get<int>()
-      << (t["other_has_end"].get<bool>() ? "" : " (no end record either)") << "\n";
-    const std::string held = end == 0 ? "no complete step" : end == 1 ? "step 1" : "steps 1-" + std::to_string(end);
+    o << truncation_text(d.truncated);
     if (d.identical_until_truncation()) {
-      o << (end == 0 ? "nothing to compare: the shorter trace holds no complete step\n"
-                     : held + (end == 1 ? " is" : " are") +
-                           " identical: every traced tensor and loss both traces hold has the same bits\n");
+      if (d.compared.is_null())
+        o << (d.truncated["ends_at"] == 0 ? "nothing to compare: the shorter trace holds no complete step\n"
+                                          : "nothing to compare: the traces hold no step in common\n");
+      else
+        o << compared << (d.compared["first"] == d.compared["last"] ? " is" : " are")
+          << " identical: every traced tensor and loss both traces hold has the same bits\n";
       return o.str();
     }
-    o << "compared: " << held << ", which both traces hold\n";
   }
-  if (!d.config_changes.empty()) {
-    o << "config keys that differ:\n";
-    for (const auto& c : d.config_changes) o << "  " << c["key"].get<std::string>() << ": " << c["a"].dump() << " -> " << c["b"].dump() << "\n";
-  }
+  if (!d.truncated.is_null() || !starts.empty()) o << "compared: " << compared << ", which both traces hold\n";
+  o << config_text(d);
   if (!d.first.is_null()) {
     const auto& a = d.first["a"];
     o << "first divergence: " << (a.value("kind", "") == "step" ? "step " + std::to_string(a.value("step", 0)) + " state"
                                                                : record_name(a))
       << "\n";
-    if (a.value("phase", "") == "params" && a.value("step", 0) > 1)
-      o << "  (the weights entering step " << a["step"] << " differ: the optimizer update of step "
-        << a["step"].get<int>() - 1 << " or its gradients parted; every activation of the steps before agreed)\n";
+    o << params_note(d);
     if (d.first["b"].is_null()) {
       o << "  (missing from the " << (d.first.value("missing_from", "B") == "B" ? "second" : "first")
         << " trace: the runs traced different tensors)\n";
@@ -522,11 +672,21 @@ std::string format_diff(const TraceDiff& d) {
   return o.str();
 }
 
-nlohmann::json diff_json(const TraceDiff& d) {
+nlohmann::json diff_json(const TraceDiff& d, bool with_dumps) {
+  nlohmann::json first = d.first;
+  bool omitted = false;
+  if (!with_dumps && first.is_object())
+    for (const char* side : {"a", "b"})
+      if (first.contains(side) && first[side].is_object() && first[side].contains("data")) {
+        first[side].erase("data");
+        omitted = true;
+      }
   return {{"identical", d.identical}, {"truncated", d.truncated}, {"torn", d.torn},
           {"identical_until_truncation", d.identical_until_truncation()},
+          {"held", d.held}, {"compared", d.compared},
           {"config_changes", d.config_changes}, {"first_loss_step", d.first_loss_step},
-          {"first", d.first}, {"elements", d.elements}, {"ranks", d.ranks}, {"spread", d.spread}, {"heat", d.heat}};
+          {"first", first}, {"dumps_omitted", omitted}, {"elements", d.elements}, {"ranks", d.ranks},
+          {"spread", d.spread}, {"heat", d.heat}};
 }
 
 }  // namespace ls

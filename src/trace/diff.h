@@ -21,6 +21,9 @@ struct Trace {
   // run killed while writing it), which is ignored; 0 when there is none.
   int64_t torn_last_line = 0;
   TraceRanks ranks;  // a mesh's trace: FILE.ranks, which rank holds what; empty for one rank
+  // The first step the trace covers: its header's "first_step" (a resumed
+  // run's trace starts after its checkpoint), else its first step record's.
+  int first_step = 1;
 };
 // Throws UserError naming the file and line; a torn last line is not an error.
 Trace read_trace(const std::string& path);
@@ -44,6 +47,13 @@ struct TraceDiff {
   // the steps both reached are compared. {short: "A"|"B", ends_at, has_end,
   // other_ends_at, other_has_end}; null when both reach the same step.
   nlohmann::json truncated;
+  // The steps each trace holds whole and where it resumed from:
+  // {"A": {first, last, has_end, resumed_from}, "B": ...} (last < first: no
+  // complete step); and the steps compared, those both hold: {first, last},
+  // null when they share none. A trace that starts later (a resumed run) is
+  // compared on the steps it holds: identical there is identical.
+  nlohmann::json held = nlohmann::json::object();
+  nlohmann::json compared;
   // Per trace ("A", "B") whose last line was cut mid-record: that line's
   // number (ignored when reading). An empty object when neither was.
   nlohmann::json torn = nlohmann::json::object();
@@ -58,7 +68,16 @@ struct TraceDiff {
 TraceDiff diff_traces(const Trace& a, const Trace& b);
 
 std::string format_diff(const TraceDiff& d);  // the human report
-nlohmann::json diff_json(const TraceDiff& d);
+// The comparison as JSON. Dumped tensors' base64 "data" (megabytes) is left
+// out of the records unless with_dumps; "elements" holds their differences.
+nlohmann::json diff_json(const TraceDiff& d, bool with_dumps = false);
+
+// One phrase: "identical over steps 9-16", "identical until one trace ends
+// (steps 1-5 compared)" or "diverged".
+std::string verdict_text(const TraceDiff& d);
+
+// "step 5", "steps 9-16", or "no step" (last < first).
+std::string steps_text(int first, int last);
 
 // The (phase, layer, op, tensor) of a record as one readable name.
 std::string record_name(const nlohmann::json& r);

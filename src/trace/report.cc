@@ -391,7 +391,27 @@ std::string run_label(const Trace& t) {
   return s;
 }
 
-std::string runs_table(const Trace& a, const Trace& b) {
+// The steps a trace holds whole, "1–16" (a resumed run's starts later).
+json held_text(const TraceDiff& d, const char* side) {
+  if (!d.held.contains(side)) return json();
+  const int first = d.held[side].value("first", 1), last = d.held[side].value("last", 0);
+  if (last < first) return json("none");
+  return json(first == last ? std::to_string(first) : std::to_string(first) + "–" + std::to_string(last));
+}
+
+// "steps 9-16, resumed from the checkpoint of step 8 in URL".
+std::string held_phrase(const TraceDiff& d, const char* side) {
+  if (!d.held.contains(side)) return "?";
+  const json& h = d.held[side];
+  std::string s = steps_text(h.value("first", 1), h.value("last", 0));
+  const json f = h.value("resumed_from", json());
+  if (f.is_object())
+    s += ", resumed from the checkpoint of step " + text_of(f.value("step", json())) + " in " +
+         text_of(f.value("url", json()));
+  return s;
+}
+
+std::string runs_table(const Trace& a, const Trace& b, const TraceDiff& d) {
   auto end_field = [](const Trace& t, const char* k) { return t.end.is_object() && t.end.contains(k) ? t.end[k] : json(); };
   struct Row {
     const char* name;
@@ -404,11 +424,23 @@ std::string runs_table(const Trace& a, const Trace& b) {
       {"threads", a.header.value("threads", json()), b.header.value("threads", json()), false},
       {"fingerprint", a.header.value("fingerprint", json()), b.header.value("fingerprint", json()), true},
       {"steps traced", json(a.steps.size()), json(b.steps.size()), false},
+      {"steps held", held_text(d, "A"), held_text(d, "B"), false},
       {"tensor records", json(a.tensors.size()), json(b.tensors.size()), false},
       {"final state hash", end_field(a, "final_state_hash"), end_field(b, "final_state_hash"), true},
   };
   if (a.header.contains("binary") || b.header.contains("binary"))
     rows.push_back({"binary", a.header.value("binary", json()), b.header.value("binary", json()), true});
+  // Where a trace resumed, and a fault planted on purpose: what explains a difference before any key does.
+  auto resumed = [](const Trace& t) {
+    const json f = t.header.value("resumed_from", json());
+    return f.is_object() ? json("step " + text_of(f.value("step", json())) + " of " + text_of(f.value("url", json())))
+                         : json("(not resumed)");
+  };
+  if (!a.header.value("resumed_from", json()).is_null() || !b.header.value("resumed_from", json()).is_null())
+    rows.push_back({"resumed from", resumed(a), resumed(b), true});
+  if (a.header.contains("debug_mesh_fault") || b.header.contains("debug_mesh_fault"))
+    rows.push_back({"debug mesh fault", a.header.value("debug_mesh_fault", json("(none)")),
+                    b.header.value("debug_mesh_fault", json("(none)")), true});
   std::string o = "<table class=\"runs\"><thead><tr><th></th><th><span class=\"swatch\" style=\"border-color:" +
                   std::string(kColorA) + "\"></span>A</th><th><span class=\"swatch dashed\" style=\"border-color:" +
                   kColorB + "\"></span>B</th></tr></thead><tbody>\n";
@@ -421,12 +453,16 @@ std::string runs_table(const Trace& a, const Trace& b) {
   return o + "</tbody></table>\n";
 }
 
+// null is the side without the key (or without a planted fault).
+std::string change_value(const json& v) { return v.is_null() ? "(none)" : v.dump(); }
+
 std::string config_table(const TraceDiff& d) {
   if (d.config_changes.empty()) return "<p class=\"muted\">No configuration key differs.</p>\n";
   std::string o = "<table><thead><tr><th>key</th><th>A</th><th>B</th></tr></thead><tbody>\n";
   for (const json& c : d.config_changes)
     o += "<tr><td class=\"mono\">" + esc(text_of(c.value("key", json()))) + "</td><td class=\"mono\">" +
-         esc(c.value("a", json()).dump()) + "</td><td class=\"mono\">" + esc(c.value("b", json()).dump()) + "</td></tr>\n";
+         esc(change_value(c.value("a", json()))) + "</td><td class=\"mono\">" +
+         esc(change_value(c.value("b", json()))) + "</td></tr>\n";
   return o + "</tbody></table>\n";
 }
 
@@ -605,13 +641,19 @@ std::string render_report(const Trace& a, const Trace& b, const TraceDiff& d, co
   o += d.identical ? "<span class=\"verdict same\">identical</span>"
        : partial   ? "<span class=\"verdict partial\">ends early</span>"
                    : "<span class=\"verdict diverged\">diverged</span>";
+  const std::string compared =
+      d.compared.is_null() ? "no step" : steps_text(d.compared["first"].get<int>(), d.compared["last"].get<int>());
   if (d.identical) {
-    o += "Every traced tensor, loss and state hash has the same bits.";
+    o += d.compared.is_null() ? "Every traced tensor, loss and state hash has the same bits."
+                              : "Identical over " + compared + ": every traced tensor, loss and state hash has the "
+                                "same bits.";
   } else if (partial) {
     o += "Trace " + esc(d.truncated["short"].get<std::string>()) + " ends at step " +
          std::to_string(d.truncated["ends_at"].get<int>()) +
-         (d.truncated["has_end"].get<bool>() ? "" : " (no end record)") + "; steps 1-" +
-         std::to_string(d.truncated["ends_at"].get<int>()) + " are identical in both.";
+         (d.truncated["has_end"].get<bool>() ? "" : " (no end record)") + "; " +
+         (d.compared.is_null() ? "the traces hold no step in common."
+                               : compared + (d.compared["first"] == d.compared["last"] ? " is" : " are") +
+                                     " identical in both.");
   } else if (mark_step) {
     o += "The runs diverge at step " + std::to_string(mark_step) + ".";
   } else {
@@ -621,7 +663,10 @@ std::string render_report(const Trace& a, const Trace& b, const TraceDiff& d, co
   for (auto& [which, line] : d.torn.items())
     o += "<p>Trace " + esc(which) + ": line " + std::to_string(line.get<int64_t>()) +
          " was cut off mid-record (a killed run) and is ignored.</p>\n";
-  o += "<div class=\"grid\">\n<div>\n<h3>Runs</h3>\n" + runs_table(a, b) + "</div>\n<div>\n<h3>Config keys that "
+  if (d.held.contains("A") && d.held.contains("B"))
+    o += "<p class=\"compared\">Compared: " + esc(compared) + ", the steps both traces hold (A: " +
+       esc(held_phrase(d, "A")) + "; B: " + esc(held_phrase(d, "B")) + ").</p>\n";
+  o += "<div class=\"grid\">\n<div>\n<h3>Runs</h3>\n" + runs_table(a, b, d) + "</div>\n<div>\n<h3>Config keys that "
        "differ</h3>\n" + config_table(d) + "</div>\n</div>\n</section>\n";
 
   o += "<section id=\"loss\">\n<h2>Loss</h2>\n" + loss_chart(la, lb, ax, mark_step, run_label(a), run_label(b)) +

@@ -7,10 +7,13 @@
 #include <immintrin.h>
 #endif
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 
 #include <algorithm>
+#include <stdexcept>
 
 #include "common/error.h"
 #include "common/json_input.h"
@@ -53,17 +56,32 @@ TraceWriter::TraceWriter(const std::string& path, const nlohmann::json& header, 
     : path_(path), dump_(std::move(dump)) {
   f_ = std::fopen(path.c_str(), "w");
   if (!f_) throw UserError("--trace: cannot write '" + path + "': " + std::strerror(errno));
-  nlohmann::json h = header;
-  h["kind"] = "header";
-  h["format"] = "lockstep-trace-1";
-  write(h);
+  header_ = header;
+  header_["kind"] = "header";
+  header_["format"] = "lockstep-trace-1";
+  header_["first_step"] = 1;
+  header_["resumed_from"] = nullptr;
+  write(header_, true);
+  std::fflush(f_);
+}
+
+void TraceWriter::resumed_from(int first_step, const nlohmann::json& from) {
+  if (records_) throw std::logic_error("TraceWriter::resumed_from after the first record");
+  header_["first_step"] = first_step;
+  header_["resumed_from"] = from;
+  std::fflush(f_);
+  if (ftruncate(fileno(f_), 0) != 0 || std::fseek(f_, 0, SEEK_SET) != 0)
+    throw UserError("--trace: cannot rewrite the header of '" + path_ + "': " + std::strerror(errno));
+  write(header_, true);
+  std::fflush(f_);
 }
 
 TraceWriter::~TraceWriter() {
   if (f_) std::fclose(f_);
 }
 
-void TraceWriter::write(const nlohmann::json& j) {
+void TraceWriter::write(const nlohmann::json& j, bool header) {
+  records_ = records_ || !header;
   const std::string line = j.dump() + "\n";
   std::fwrite(line.data(), 1, line.size(), f_);
 }

@@ -31,8 +31,15 @@ struct DumpSpec {
 class TraceWriter : public TraceSink {
  public:
   // Writes the header record; throws UserError naming the path if it cannot.
+  // The header says which steps the trace starts at: "first_step" 1 and
+  // "resumed_from" null until resumed_from() says otherwise.
   TraceWriter(const std::string& path, const nlohmann::json& header, DumpSpec dump);
   ~TraceWriter() override;
+
+  // A resumed run: its first traced step is first_step, restored from the
+  // checkpoint `from` ({url, step}). Rewrites the header; only before the
+  // first record (the trace is opened before the checkpoint is read).
+  void resumed_from(int first_step, const nlohmann::json& from);
 
   void begin_step(int step) { step_ = step; }  // 1-based
   void tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
@@ -42,9 +49,11 @@ class TraceWriter : public TraceSink {
   const std::string& path() const { return path_; }
 
  private:
-  void write(const nlohmann::json& j);
+  void write(const nlohmann::json& j, bool header = false);
   std::string path_;
   FILE* f_ = nullptr;
+  nlohmann::json header_;
+  bool records_ = false;  // a record follows the header: it can no longer change
   DumpSpec dump_;
   int step_ = 0;
 };
