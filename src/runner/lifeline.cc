@@ -109,4 +109,21 @@ void require_supervisor() {
   if (fd >= 0 ? pidfd_ended(fd, 0) : !process_exists(pid)) supervisor_gone(pid, g_cleanup_dir);
 }
 
+void write_heartbeat(const std::string& path, int step) {
+  if (path.empty()) return;
+  const std::string tmp = path + ".tmp";
+  if (FILE* hb = std::fopen(tmp.c_str(), "w")) {
+    std::fprintf(hb, "%d\n", step);
+    if (std::fclose(hb) == 0) std::rename(tmp.c_str(), path.c_str());
+  }
+}
+
+void append_step_log(const std::string& path, const std::string& line) {
+  if (path.empty()) return;
+  if (FILE* f = std::fopen(path.c_str(), "a")) {
+    std::fprintf(f, "%s\n", line.c_str());
+    std::fclose(f);
+  }
+}
+
 }  // namespace ls

@@ -6,6 +6,8 @@
 // user who relaunches never races an orphan for the same checkpoint prefix.
 #pragma once
 
+#include <string>
+
 namespace ls {
 
 // Exit code of a child that found its supervisor gone.
@@ -28,5 +30,14 @@ void watch_supervisor(int supervisor_pid, const char* cleanup_dir);
 // job never exits through an error path with the scratch directory half
 // removed.
 void require_supervisor();
+
+// What a supervised child tells its supervisor (rank 0's process alone):
+// the heartbeat, the step being run, written at each step's start and
+// renamed into place so that a kill mid-write never leaves it empty; and
+// the step log, one line per finished step or evaluation, appended and
+// closed at once so that a child killed right after leaves it in the log.
+// An empty path: not supervised, nothing written.
+void write_heartbeat(const std::string& path, int step);
+void append_step_log(const std::string& path, const std::string& line);
 
 }  // namespace ls

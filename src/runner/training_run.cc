@@ -32,15 +32,6 @@
 namespace ls {
 namespace {
 
-// One line, flushed, so that a child killed right after survives in the log.
-void append_step_log(const std::string& path, const std::string& line) {
-  if (path.empty()) return;
-  if (FILE* f = std::fopen(path.c_str(), "a")) {
-    std::fprintf(f, "%s\n", line.c_str());
-    std::fclose(f);
-  }
-}
-
 // The run's lease on ckpt.url: its supervisor's ("JOB:GENERATION"), checked
 // to be current, or one of its own (its own store: injected storage faults
 // are for the checkpoints).
@@ -435,15 +426,7 @@ void TrainingRun::run_step(int step) {
   if (lease_ && lease_->known_lost()) lease_->check();  // throws LeaseLost: stop now, not at the next save
   const int done = step + 1;
   if (stop_guard_) stop_guard_->at_step(done);
-  if (!opt_.heartbeat.empty() && lead_) {
-    // The supervisor's liveness signal: the step being run. Renamed into
-    // place, so that a kill mid-write never leaves it empty.
-    const std::string tmp = opt_.heartbeat + ".tmp";
-    if (FILE* hb = std::fopen(tmp.c_str(), "w")) {
-      std::fprintf(hb, "%d\n", done);
-      if (std::fclose(hb) == 0) std::rename(tmp.c_str(), opt_.heartbeat.c_str());
-    }
-  }
+  if (lead_) write_heartbeat(opt_.heartbeat, done);
   // A straggler's delay (at step start) is part of the step's time, as a
   // slow rank's would be: it is timed with the step below.
   double fault_seconds = 0;
