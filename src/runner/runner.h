@@ -39,6 +39,14 @@ struct RunOptions {
   int steps = -1;             // -1: scenario's train.steps
   std::vector<int> hash_at;   // steps (1-based, after the update) whose state hash to record
   bool progress = false;      // progress lines on stderr
+  // For a log, not a terminal (stderr not a TTY; neither --progress nor
+  // --quiet): step lines only, the first once log_first seconds have passed,
+  // then at most one per log_every, and the last step's if one came before.
+  // A short run prints nothing.
+  struct ProgressLog {
+    bool on = false;
+    double first = 5, every = 30;
+  } progress_log;
   bool eval = true;           // held-out BPB at eval steps
   uint64_t jitter_seed = 0;   // multi-rank: random delays in every collective (tests)
   // Under mpirun: this process's MPI world; one mesh rank per process
