@@ -110,7 +110,8 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
   std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
               s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
               s.batch);
-  std::printf("mesh            %s\n", s.mesh.describe(s.microbatches).c_str());  // "one rank" too (README)
+  if (s.mesh.multi_rank(s.microbatches))
+    std::printf("mesh            %s\n", s.mesh.describe(s.microbatches).c_str());
   std::printf("launcher        %s\n", launcher_line(launcher, processes, s.mesh.world()).c_str());
   if (s.data.path.empty())
     std::printf("data            synthetic corpus, %llu bytes\n", (unsigned long long)s.data.synthetic_bytes);
@@ -407,7 +408,8 @@ int cmd_run(const RunArgs& a, const char* self) {
       std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
                   s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k,
                   s.model.seq_len, s.batch);
-      std::printf("mesh            %s\n", r.summary.value("mesh_text", s.mesh.describe(s.microbatches)).c_str());
+      if (r.summary.value("mesh_text", "one rank") != "one rank")  // as unsupervised: none on one rank
+        std::printf("mesh            %s\n", r.summary.value("mesh_text", "").c_str());
       std::printf("launcher        %s\n",
                   launcher_line(r.summary.value("launcher", "threads"), r.summary.value("processes", 1),
                                 mesh_from_json(r.summary.value("mesh", mesh_json(s.mesh, s.microbatches))).world())
