@@ -649,6 +649,17 @@ TEST_SUITE("cli") {
     const nlohmann::json j = lstest::last_json(r.out).at("results")[0];
     CHECK(j.at("ulp_distance") == 1);
     CHECK(j.at("next").get<std::string>().rfind("tools/bisect-commits ", 0) == 0);
+    // A mesh variant held to the same golden file: bisect it against its twin.
+    nlohmann::json v = nlohmann::json::parse(kTiny);
+    v["name"] = "i50-ulp";
+    v["mesh"] = {{"dp", 2}};
+    const fs::path variant = write("i50-ulp-dp2.json", v.dump());
+    r = run("check " + variant.string() + " --golden-dir " + gd.string() + " --threads 1");
+    CAPTURE(r.out);
+    CHECK(r.rc == 1);
+    CHECK(r.out.find(", 1 ulp apart (golden ") != std::string::npos);
+    CHECK(r.out.find("\n      next: lockstep bisect " + sc.string() + " " + variant.string() + "\n") !=
+          std::string::npos);
   }
 
   TEST_CASE("stderr not a terminal: progress at a log's cadence (a line after FIRST s, then every EVERY s); none "

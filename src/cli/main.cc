@@ -652,8 +652,10 @@ NextStep next_step(GoldenMismatch& m, const nlohmann::json& g, const std::string
   if (m.field != "loss_bits" && m.field != "state_hash" && m.field != "final_state_hash") return n;
   const fs::path twin = g.value("scenario", "");
   if (!twin.empty() && twin.filename() != fs::path(spath).filename()) {
-    fs::path at = fs::absolute(golden_dir).parent_path() / twin;
-    n.command = "lockstep bisect " + (fs::exists(at) ? at.lexically_relative(fs::current_path()) : twin).string() +
+    // Recorded from the repository's root, read from the golden folder's parent (as check reads it).
+    const fs::path at = twin.is_absolute() ? twin : fs::absolute(golden_dir).parent_path() / twin;
+    n.command = "lockstep bisect " + (fs::exists(at) && !twin.is_absolute() ? at.lexically_relative(fs::current_path())
+                                                                             : twin).string() +
                 " " + spath;
   } else {
     n.command = "tools/bisect-commits $(git log -1 --format=%h -- " + gpath + ") HEAD " + spath;
