@@ -86,6 +86,11 @@ struct RunOptions {
   bool profile_ops = false;  // --profile-ops: seconds per kind of op (common/op_profile.h) in the summary
 };
 
+// Whether a step's progress line is due, `since` seconds into training, the
+// last line at `last` (< 0: none yet): with o.progress the first and last
+// step and at most four a second; with o.progress_log its cadence.
+bool progress_due(const RunOptions& o, double since, double last, bool first_step, bool last_step);
+
 struct EvalPoint {
   int step;    // evaluated after this many updates
   float bpb;   // held-out bits per byte

@@ -508,20 +508,10 @@ void TrainingRun::record_step(int step, float loss, double step_seconds) {
   progress_line(done, loss, mr);
 }
 
-// A few progress lines a second at most; the first and the last always.
-// For a log (RunOptions::progress_log), a line once it has been log.first
-// seconds, then one per log.every at most, and the last if any came before.
+// A few progress lines a second at most, or a log's few (progress_due).
 void TrainingRun::progress_line(int done, float loss, const MeshReport& mr) {
   const double since_start = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start_).count();
-  const RunOptions::ProgressLog& log = opt_.progress_log;
-  if (opt_.progress) {
-    if (!(done == start_ + 1 || done == r_.steps || since_start - last_progress_ >= 0.25)) return;
-  } else if (log.on) {
-    const bool due = last_progress_ < 0 ? since_start >= log.first : since_start - last_progress_ >= log.every;
-    if (!due && !(done == r_.steps && last_progress_ >= 0)) return;
-  } else {
-    return;
-  }
+  if (!progress_due(opt_, since_start, last_progress_, done == start_ + 1, done == r_.steps)) return;
   last_progress_ = since_start;
   const double tps = (double)(done - start_) * B_ * T_ / train_seconds_;
   const double eta = since_start / (done - start_) * (r_.steps - done);
