@@ -681,5 +681,17 @@ TEST_SUITE("cli") {
     r = run(run_sc + " --progress-log-seconds 0,0");
     CHECK(count(r.err, "step ") == 3);
     CHECK(run(run_sc + " --progress-log-seconds 0,0 --quiet").err.find("step ") == std::string::npos);
+    // --launcher mpi at a terminal: rank 0's stderr is mpirun's pipe, yet it
+    // shows progress as a threads run does (the launcher passes --progress on).
+    if (ls::mpi_available() && std::system("command -v script >/dev/null 2>&1") == 0) {
+      const fs::path log = temp_dir() / "i50-mpi-tty.txt";
+      const std::string cmd = "script -qec \"" + std::string(LOCKSTEP_BIN) + " " + run_sc +
+                              " --launcher mpi --set mesh.dp=2\" /dev/null > " + log.string() + " 2>&1";
+      CHECK(std::system(cmd.c_str()) == 0);
+      const std::string text = slurp(log);
+      CAPTURE(text);
+      CHECK(text.find("step 1/3 ") != std::string::npos);
+      CHECK(text.find("step 3/3 ") != std::string::npos);
+    }
   }
 }
