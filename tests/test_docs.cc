@@ -131,7 +131,8 @@ TEST_SUITE("docs") {
     CHECK(lstest::slurp(log).find("npm install") != std::string::npos);
     CHECK(lstest::slurp(log).find("s3rver@") != std::string::npos);
     // The scripts call it so: test.sh with --tests, the quickstart without.
-    const std::string quick = lstest::slurp(kRoot / "scripts/quickstart.sh"), test = lstest::slurp(kRoot / "scripts/test.sh");
+    const std::string quick = lstest::slurp(kRoot / "scripts/quickstart.sh"),
+                      test = lstest::slurp(kRoot / "scripts/test.sh");
     CHECK(quick.find("./scripts/install-deps.sh\n") != std::string::npos);
     CHECK(test.find("./scripts/install-deps.sh --tests") != std::string::npos);
     CHECK(shell(run + " --bogus").rc == 2);

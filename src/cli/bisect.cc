@@ -390,12 +390,14 @@ int cmd_bisect(const BisectArgs& a) {
     for (const std::string& k : mesh_keys) aside += (aside.empty() ? "" : ", ") + k;
     const std::string meshes = "A on " + mesh_text(A.resolved) + ", B on " + mesh_text(B.resolved);
     if (mesh_keys.empty())
-      std::fprintf(g_text, "mesh set aside: %s; both sides are traced on one rank (the mesh must not change the bits)\n",
-                  meshes.c_str());
+      std::fprintf(g_text,
+                   "mesh set aside: %s; both sides are traced on one rank (the mesh must not change the bits)\n",
+                   meshes.c_str());
     else
-      std::fprintf(g_text, "mesh keys set aside: %s (%s); both sides are compared on one rank (the mesh must not change "
-                  "the bits)\n",
-                  aside.c_str(), meshes.c_str());
+      std::fprintf(g_text,
+                   "mesh keys set aside: %s (%s); both sides are compared on one rank (the mesh must not change "
+                   "the bits)\n",
+                   aside.c_str(), meshes.c_str());
     const Side A1 = single_rank(A), B1 = single_rank(B);
     say("running both sides on one rank");
     // (A side already on one rank is its own twin.)
@@ -459,7 +461,8 @@ int cmd_bisect(const BisectArgs& a) {
   if (A.binary != B.binary) changes.push_back({"(run) binary", A.binary, B.binary});
   if (A.threads != B.threads) changes.push_back({"(run) threads", A.threads, B.threads});
   if (changes.empty()) {
-    std::fprintf(g_text, "the two sides have the same scenario, backend, binary and threads: the bits differ run to run\n");
+    std::fprintf(g_text,
+                 "the two sides have the same scenario, backend, binary and threads: the bits differ run to run\n");
     return finish(1, "run_to_run");
   }
   const std::string base_hash = ra.summary["final_state_hash"];
@@ -484,7 +487,8 @@ int cmd_bisect(const BisectArgs& a) {
   out["differences"] = changes.size();
   out["minimal"] = nlohmann::json::array();
   for (const Change& c : minimal)
-    out["minimal"].push_back({{"key", c.key.rfind("(run) ", 0) == 0 ? c.key.substr(6) : c.key}, {"a", c.a}, {"b", c.b}});
+    out["minimal"].push_back(
+        {{"key", c.key.rfind("(run) ", 0) == 0 ? c.key.substr(6) : c.key}, {"a", c.a}, {"b", c.b}});
   out["minimal_alone_changes_at"] = where_json(alone);
   if (!a.keep.empty()) {
     fs::create_directories(a.keep);

@@ -457,7 +457,10 @@ int cmd_run(const RunArgs& a, const char* self) {
   // a CI log's cadence, a line in the first seconds then at most every 30 s.
   opt.progress = report && !a.quiet && (a.progress || isatty(2));
   opt.progress_log.on = report && !a.quiet && !opt.progress;
-  if (a.progress_log.size() == 2) opt.progress_log.first = a.progress_log[0], opt.progress_log.every = a.progress_log[1];
+  if (a.progress_log.size() == 2) {
+    opt.progress_log.first = a.progress_log[0];
+    opt.progress_log.every = a.progress_log[1];
+  }
   opt.trace_path = a.trace;
   opt.resume = a.resume;
   opt.resume_fallback_to_start = a.resume_fallback_to_start;
@@ -838,7 +841,8 @@ int cmd_check(const CheckArgs& a) {
         ++failed;
         if (!a.json)
           std::printf("FAIL  %-*s %-*s %s (logs in %s)\n%s", name_w, w.name.c_str(), file_w, file.c_str(),
-                      m.message.c_str(), tmpl, next.command.empty() ? "" : ("      next: " + next.command + "\n").c_str());
+                      m.message.c_str(), tmpl,
+                      next.command.empty() ? "" : ("      next: " + next.command + "\n").c_str());
       }
       continue;
     }
@@ -922,7 +926,8 @@ int verify_checkpoint(ObjectStore& store, int64_t at) {
     } catch (const std::exception& e) {
       why = e.what();
     }
-    std::printf("%s  %s%s\n", why.empty() ? "ok  " : "BAD ", o.key.c_str(), why.empty() ? "" : ("  (" + why + ")").c_str());
+    std::printf("%s  %s%s\n", why.empty() ? "ok  " : "BAD ", o.key.c_str(),
+                why.empty() ? "" : ("  (" + why + ")").c_str());
     bad += !why.empty();
   }
   std::printf("verify: step %lld, %zu objects, %d bad\n", (long long)m.step, m.objects.size(), bad);
