@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # Installs Lockstep's build and test dependencies from Debian's packages.
 # Idempotent: skips apt entirely when every package is already present.
+# --tests (scripts/test.sh): also Node and the s3rver test server from the
+# npm registry, which only the store tests use; the quickstart needs neither.
 set -euo pipefail
+tests=0
+case "${1:-}" in
+  --tests) tests=1 ;;
+  "") ;;
+  *) echo "install-deps: unknown option '$1' (only --tests)" >&2; exit 2 ;;
+esac
 # libssl-dev: SigV4's SHA-256/HMAC (src/store/sigv4.cc). python3-botocore:
 # the signature-checking proxy in the S3 tests (tests/sigv4_proxy.py);
 # python3-boto3 and python3-xxhash: the independent client that reads a
@@ -20,8 +28,10 @@ for p in "${PKGS[@]}"; do
 done
 # The S3 test server runs on Node; a node from elsewhere (e.g. NodeSource,
 # which bundles npm) is fine, so Debian's packages only fill a gap.
-command -v node >/dev/null 2>&1 || missing+=(nodejs)
-command -v npm >/dev/null 2>&1 || missing+=(npm)
+if [ $tests -eq 1 ]; then
+  command -v node >/dev/null 2>&1 || missing+=(nodejs)
+  command -v npm >/dev/null 2>&1 || missing+=(npm)
+fi
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all packages present" >&2
 else
@@ -34,6 +44,7 @@ else
 fi
 
 # S3 test server for tests/test_store.cc, kept inside the repository (ignored by git).
+[ $tests -eq 1 ] || exit 0
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ ! -x "$REPO/.s3rver/node_modules/.bin/s3rver" ]; then
   echo "install-deps: installing s3rver@3.7.1 into $REPO/.s3rver" >&2

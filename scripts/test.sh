@@ -10,7 +10,8 @@
 # line: "N passed, N failed" (", N skipped" when a case could not run here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-./scripts/install-deps.sh || { echo "0 passed, 1 failed"; exit 1; }
+# --tests: also the s3rver test server (npm), which the quickstart does not install.
+./scripts/install-deps.sh --tests || { echo "0 passed, 1 failed"; exit 1; }
 
 build() {  # build DIR [meson options...]
   local dir=$1; shift

@@ -12,6 +12,11 @@
 #include <sstream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include "cli_run.h"
+#include "cluster/mpi.h"
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -162,5 +167,89 @@ TEST_SUITE("bisect") {
     CHECK(toy.bisect(toy.shas[6] + " main" + sc).rc == 2);
     CHECK(toy.state() == before);
     CHECK(fs::is_empty(toy.tmp));
+  }
+}
+
+// `lockstep bisect --json` and `--launcher mpi` (issue 50): for CI, one JSON
+// object on stdout; a multi-rank side's runs under mpirun.
+namespace {
+
+const char* kTinyBisect = R"({"model": {"d_model": 16, "n_heads": 2, "seq_len": 8, "d_ff": 8}, "moe": {"experts": 4},
+  "train": {"steps": 3, "batch": 4, "eval_every": 0, "eval_batches": 1}, "data": {"synthetic_bytes": 8192}})";
+
+size_t lines_of(const std::string& s) {
+  size_t n = 0;
+  for (char c : s) n += c == '\n';
+  return n;
+}
+
+}  // namespace
+
+TEST_SUITE("bisect") {
+  TEST_CASE("lockstep bisect --json: one object on stdout, the verdict, the first divergence and the minimal keys") {
+    const std::string sc = lstest::write_temp("bisect-json.json", kTinyBisect).string();
+    lstest::CliResult r = lstest::run_cli("bisect " + sc + " --json --threads-a 1 --threads-b 1");
+    CAPTURE(r.out);
+    CAPTURE(r.err);
+    CHECK(r.rc == 0);
+    REQUIRE(lines_of(r.out) == 1);
+    nlohmann::json j = lstest::last_json(r.out);
+    CHECK(j.at("agree") == true);
+    CHECK(j.at("verdict") == "agree");
+    CHECK(j.at("final_state_hash").get<std::string>().size() == 32);
+
+    r = lstest::run_cli("bisect " + sc + " --json --set-b moe.top_k=1 --set-b train.eval_batches=2");
+    CAPTURE(r.out);
+    CAPTURE(r.err);
+    CHECK(r.rc == 1);
+    REQUIRE(lines_of(r.out) == 1);  // the report's lines went to stderr
+    CHECK(r.err.find("alone changes the bits at") != std::string::npos);
+    j = lstest::last_json(r.out);
+    CHECK(j.at("agree") == false);
+    CHECK(j.at("verdict") == "changes");
+    CHECK(j.at("differences") == 2);
+    REQUIRE(j.at("minimal").size() == 1);
+    CHECK(j.at("minimal")[0].at("key") == "moe.top_k");
+    CHECK(j.at("minimal")[0].at("a") == 2);
+    CHECK(j.at("minimal")[0].at("b") == 1);
+    CHECK(j.at("first_loss_step") == 1);
+    CHECK(j.at("first_divergence").at("step") == 1);
+    CHECK(!j.at("first_divergence").at("text").get<std::string>().empty());
+    CHECK(j.at("runs").get<int>() > 4);
+
+    r = lstest::run_cli("bisect " + sc + " --launcher nope");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--launcher: 'threads'") != std::string::npos);
+  }
+
+  TEST_CASE("lockstep bisect --launcher mpi: a multi-rank side's runs go under mpirun, its one-rank twins do not") {
+    if (!ls::mpi_available()) return;
+    const std::string sc = lstest::write_temp("bisect-mpi.json", kTinyBisect).string();
+    // A wrapper that logs each run's arguments, then runs lockstep.
+    const fs::path log = lstest::fresh_dir("bisect-mpi-log"), wrap = lstest::cli_temp_dir() / "bisect-mpi-wrap.sh";
+    std::ofstream(wrap) << "#!/bin/sh\necho \"$*\" >>" << log.string() << "\nexec " << LOCKSTEP_BIN << " \"$@\"\n";
+    fs::permissions(wrap, fs::perms::owner_all);
+    const std::string sides = " --set-a mesh.dp=2 --set-b mesh.dp=2 --set-b moe.top_k=1 --bin-a " + wrap.string() +
+                              " --bin-b " + wrap.string() + " --json";
+    const lstest::CliResult m = lstest::run_cli("bisect " + sc + sides + " --launcher mpi");
+    CAPTURE(m.err);
+    CHECK(m.rc == 1);
+    const std::string calls = slurp(log);
+    CAPTURE(calls);
+    // A and B on their dp 2 mesh (two processes each); the rest on one rank, in one process.
+    size_t under_mpi = 0, in_all = lines_of(calls);
+    for (size_t at = calls.find("--launcher mpi"); at != std::string::npos; at = calls.find("--launcher mpi", at + 1))
+      ++under_mpi;
+    CHECK(under_mpi == 2);
+    CHECK(in_all > 4);
+    const nlohmann::json jm = lstest::last_json(m.out);
+    CHECK(jm.at("launcher") == "mpi");
+    CHECK(jm.at("mesh_keys_set_aside").empty());  // both sides on dp 2: no mesh key differs
+    // The same verdict as with ranks as threads.
+    const lstest::CliResult t = lstest::run_cli("bisect " + sc + sides);
+    REQUIRE(t.rc == 1);
+    const nlohmann::json jt = lstest::last_json(t.out);
+    CHECK(jm.at("minimal") == jt.at("minimal"));
+    CHECK(jm.at("first_divergence") == jt.at("first_divergence"));
   }
 }

@@ -486,3 +486,212 @@ TEST_SUITE("cli") {
     }
   }
 }
+
+// Issue 50: what a new user tripped over in the summaries, the warnings, the
+// small exit codes and the CI conveniences.
+TEST_SUITE("cli") {
+  TEST_CASE("the summary has the README's launcher line, and its mesh line on a mesh, under the supervisor too") {
+    fs::path sc = write("i50-tiny.json", kTiny);
+    Result r = run("run " + sc.string() + " --threads 1");
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("\nmesh ") == std::string::npos);  // one rank: no mesh line, as the README says
+    CHECK(r.out.find("\nlauncher        threads (1 process)\n") != std::string::npos);
+    const fs::path ck = lstest::fresh_dir("i50-sup-ck");
+    r = run("run " + sc.string() + " --threads 1 --set mesh.dp=2 --set ckpt.url=" + ck.string() +
+            " --set ckpt.every=1 --supervise");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("supervised      1 attempt, 0 restarts\n") != std::string::npos);
+    CHECK(r.out.find("\nscenario        i50-tiny (engine backend, 1 thread)\n") != std::string::npos);
+    CHECK(r.out.find("\nmodel           d_model 16, ") != std::string::npos);
+    CHECK(r.out.find("\nmesh            dp 2\n") != std::string::npos);
+    CHECK(r.out.find("\nlauncher        threads (1 process; the mesh's 2 ranks are threads of it)\n") !=
+          std::string::npos);
+  }
+
+  TEST_CASE("a setting that changes nothing on the mesh: one warning naming the key, the same bits") {
+    fs::path sc = write("i50-noop.json", kTiny);
+    const Result base = run("run " + sc.string() + " --json --threads 1");
+    const Result dp2 = run("run " + sc.string() + " --json --threads 1 --set mesh.dp=2");
+    REQUIRE(base.rc == 0);
+    REQUIRE(dp2.rc == 0);
+    CHECK(base.err.find("warning") == std::string::npos);
+    const std::string hash = lstest::last_json(base.out).at("final_state_hash");
+    REQUIRE(lstest::last_json(dp2.out).at("final_state_hash") == hash);
+    struct Case {
+      std::string sets, warning;
+    };
+    for (const Case& c : std::vector<Case>{
+             {"--set mesh.replicate=2 --set mesh.dp=2", "mesh.replicate = 2 has no effect without mesh.fsdp = true"},
+             {"--set mesh.fsdp=true", "mesh.fsdp = true has no effect at mesh.dp = 1"},
+             {"--set mesh.cp_layout=contiguous", "mesh.cp_layout = contiguous has no effect at mesh.cp = 1"},
+             {"--set mesh.pp_schedule=gpipe", "mesh.pp_schedule = gpipe has no effect without a pipeline"},
+             {"--set mesh.sp=true", "mesh.sp = true has no effect at mesh.tp = 1"},
+             {"--progress --quiet", "--progress has no effect with --quiet"}}) {
+      CAPTURE(c.sets);
+      const Result r = run("run " + sc.string() + " --json --threads 1 " + c.sets);
+      CAPTURE(r.err);
+      REQUIRE(r.rc == 0);
+      CHECK(count(r.err, "lockstep: warning: " + c.warning) == 1);
+      CHECK(count(r.err, "lockstep: warning:") == 1);
+      CHECK(lstest::last_json(r.out).at("final_state_hash") == hash);
+    }
+    // --quiet wins: no progress line, though --progress asked for them.
+    CHECK(run("run " + sc.string() + " --threads 1 --progress --quiet").err.find("step 1/3") == std::string::npos);
+    // The same keys where they do something: no warning.
+    const Result fsdp = run("run " + sc.string() + " --json --threads 1 --set mesh.dp=2 --set mesh.fsdp=true");
+    REQUIRE(fsdp.rc == 0);
+    CHECK(fsdp.err.find("warning") == std::string::npos);
+    // Under mpirun: said once (rank 0), not once per rank.
+    if (ls::mpi_available()) {
+      const Result m = run("run " + sc.string() + " --json --threads 1 --launcher mpi --set mesh.dp=2 "
+                           "--set mesh.replicate=2");
+      CAPTURE(m.err);
+      REQUIRE(m.rc == 0);
+      CHECK(count(m.err, "lockstep: warning: mesh.replicate = 2") == 1);
+    }
+  }
+
+  TEST_CASE("ckpt ls of no folder exits 2; ckpt verify finds a corrupt manifest and a corrupt shard alike (exit 1)") {
+    Result r = run("ckpt ls " + (temp_dir() / "i50-no-such-folder").string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("does not exist") != std::string::npos);
+    const fs::path empty = lstest::fresh_dir("i50-empty-store");
+    fs::create_directories(empty);
+    CHECK(run("ckpt ls " + empty.string()).rc == 0);  // an empty store: a listing of nothing
+
+    fs::path sc = write("i50-ckpt.json", kTiny);
+    const fs::path ck = lstest::fresh_dir("i50-verify");
+    REQUIRE(run("run " + sc.string() + " --threads 1 --set ckpt.url=" + ck.string() + " --set ckpt.every=3").rc == 0);
+    CHECK(run("ckpt verify " + ck.string()).rc == 0);
+    // One shard object with a flipped byte.
+    fs::path shard;
+    for (const auto& e : fs::recursive_directory_iterator(ck))
+      if (e.is_regular_file() && e.path().filename() != "manifest.json" && e.path().extension() == ".safetensors")
+        shard = e.path();
+    REQUIRE(!shard.empty());
+    std::string bytes = slurp(shard);
+    const std::string keep = bytes;
+    bytes[bytes.size() / 2] ^= 1;
+    std::ofstream(shard, std::ios::binary | std::ios::trunc) << bytes;
+    r = run("ckpt verify " + ck.string());
+    CHECK(r.rc == 1);
+    CHECK(r.out.find("BAD ") != std::string::npos);
+    std::ofstream(shard, std::ios::binary | std::ios::trunc) << keep;
+    // The manifest itself unreadable: the same verdict, naming it.
+    const fs::path manifest = ck / "step-00000003" / "manifest.json";
+    REQUIRE(fs::exists(manifest));
+    std::ofstream(manifest, std::ios::trunc) << "{not json";
+    r = run("ckpt verify " + ck.string());
+    CAPTURE(r.out);
+    CAPTURE(r.err);
+    CHECK(r.rc == 1);
+    CHECK(r.out.find("BAD   step-00000003/manifest.json") != std::string::npos);
+    CHECK(run("ckpt verify " + empty.string()).rc == 2);  // nothing to verify: bad input
+  }
+
+  TEST_CASE("check with no golden file says to run lockstep golden; --set 1e400 names the key; CLI11's errors "
+            "have the prefix") {
+    fs::path sc = write("i50-nogolden.json", kTiny);
+    const fs::path gd = lstest::fresh_dir("i50-golden-none");
+    fs::create_directories(gd);
+    Result r = run("check " + sc.string() + " --golden-dir " + gd.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("no golden file for " + sc.string()) != std::string::npos);
+    CHECK(r.err.find("`lockstep golden " + sc.string() + " --golden-dir " + gd.string() + "`") != std::string::npos);
+    r = run("run " + sc.string() + " --set train.lr=1e400");
+    CHECK(r.rc == 2);
+    CHECK(r.err == "lockstep: error: --set train.lr=1e400: train.lr: number 1e400 out of range for binary64\n");
+    for (const std::string& args : std::vector<std::string>{"run " + sc.string() + " --threads 0",
+                                                           "run " + sc.string() + " extra-argument", "run",
+                                                           "keys --no-such-flag"}) {
+      CAPTURE(args);
+      r = run(args);
+      CHECK(r.rc == 2);
+      CHECK(r.err.rfind("lockstep: error: ", 0) == 0);
+      CHECK(count(r.err, "\n") == 1);  // one line
+    }
+    CHECK(run("run --help").rc == 0);
+    CHECK(run("--version").rc == 0);
+  }
+
+  TEST_CASE("keys --json: one object with every key; check's FAIL line shows the ulps apart and what to run next") {
+    Result r = run("keys --json");
+    REQUIRE(r.rc == 0);
+    const nlohmann::json keys = lstest::last_json(r.out).at("keys");
+    const Result text = run("keys");
+    CHECK(keys.size() == count(text.out, "\n"));
+    bool dp = false;
+    for (const auto& k : keys)
+      if (k.at("key") == "mesh.dp") dp = k.at("type") == "integer" && k.at("default") == 1 && !k.at("doc").empty();
+    CHECK(dp);
+    CHECK(run("keys --json --markdown").rc == 2);
+
+    // A golden file whose step-2 loss is one ulp off what the run gives.
+    fs::path sc = write("i50-ulp.json", kTiny);
+    const fs::path gd = lstest::fresh_dir("i50-golden-ulp");
+    REQUIRE(run("golden " + sc.string() + " --golden-dir " + gd.string() + " --no-reference --threads 1").rc == 0);
+    const fs::path gpath = gd / "i50-ulp.json";
+    nlohmann::json g = nlohmann::json::parse(slurp(gpath));
+    const uint32_t bits = (uint32_t)std::stoul(g.at("loss_bits")[1].get<std::string>(), nullptr, 16);
+    char hex[9];
+    std::snprintf(hex, sizeof hex, "%08x", bits + 1);
+    g["loss_bits"][1] = hex;
+    std::ofstream(gpath, std::ios::trunc) << g.dump(2);
+    r = run("check " + sc.string() + " --golden-dir " + gd.string() + " --threads 1");
+    CAPTURE(r.out);
+    CHECK(r.rc == 1);
+    CHECK(r.out.find("step 2: loss_bits differ") != std::string::npos);
+    CHECK(r.out.find(", 1 ulp apart (golden ") != std::string::npos);
+    CHECK(r.out.find("\n      next: tools/bisect-commits $(git log -1 --format=%h -- " + gpath.string() + ") HEAD " +
+                     sc.string() + "\n") != std::string::npos);
+    r = run("check " + sc.string() + " --golden-dir " + gd.string() + " --threads 1 --json");
+    const nlohmann::json j = lstest::last_json(r.out).at("results")[0];
+    CHECK(j.at("ulp_distance") == 1);
+    CHECK(j.at("next").get<std::string>().rfind("tools/bisect-commits ", 0) == 0);
+    // A mesh variant held to the same golden file: bisect it against its twin.
+    nlohmann::json v = nlohmann::json::parse(kTiny);
+    v["name"] = "i50-ulp";
+    v["mesh"] = {{"dp", 2}};
+    const fs::path variant = write("i50-ulp-dp2.json", v.dump());
+    r = run("check " + variant.string() + " --golden-dir " + gd.string() + " --threads 1");
+    CAPTURE(r.out);
+    CHECK(r.rc == 1);
+    CHECK(r.out.find(", 1 ulp apart (golden ") != std::string::npos);
+    CHECK(r.out.find("\n      next: lockstep bisect " + sc.string() + " " + variant.string() + "\n") !=
+          std::string::npos);
+  }
+
+  TEST_CASE("stderr not a terminal: progress at a log's cadence (a line after FIRST s, then every EVERY s); none "
+            "with --quiet") {
+    fs::path sc = write("i50-progress.json", kTiny);
+    const std::string run_sc = "run " + sc.string() + " --threads 1";
+    // The default cadence (5 s, then 30 s): a run this short prints no step line.
+    CHECK(run(run_sc).err.find("step ") == std::string::npos);
+    // Due at once, then not for 1000 s: the first step's line and the last's.
+    Result r = run(run_sc + " --progress-log-seconds 0,1000");
+    CAPTURE(r.err);
+    CHECK(count(r.err, "step 1/3 ") == 1);
+    CHECK(count(r.err, "step 2/3 ") == 0);
+    CHECK(count(r.err, "step 3/3 ") == 1);
+    CHECK(r.err.find("eval ") == std::string::npos);  // step lines only
+    // Never due: nothing, not even the last line.
+    CHECK(run(run_sc + " --progress-log-seconds 1000,1000").err.find("step ") == std::string::npos);
+    // Every step due: every step's line.
+    r = run(run_sc + " --progress-log-seconds 0,0");
+    CHECK(count(r.err, "step ") == 3);
+    CHECK(run(run_sc + " --progress-log-seconds 0,0 --quiet").err.find("step ") == std::string::npos);
+    // --launcher mpi at a terminal: rank 0's stderr is mpirun's pipe, yet it
+    // shows progress as a threads run does (the launcher passes --progress on).
+    if (ls::mpi_available() && std::system("command -v script >/dev/null 2>&1") == 0) {
+      const fs::path log = temp_dir() / "i50-mpi-tty.txt";
+      const std::string cmd = "script -qec \"" + std::string(LOCKSTEP_BIN) + " " + run_sc +
+                              " --launcher mpi --set mesh.dp=2\" /dev/null > " + log.string() + " 2>&1";
+      CHECK(std::system(cmd.c_str()) == 0);
+      const std::string text = slurp(log);
+      CAPTURE(text);
+      CHECK(text.find("step 1/3 ") != std::string::npos);
+      CHECK(text.find("step 3/3 ") != std::string::npos);
+    }
+  }
+}

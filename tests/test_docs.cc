@@ -107,6 +107,37 @@ TEST_SUITE("docs") {
     CHECK(t.text.find("\nsrc/cli/lockstep: ") != std::string::npos);
   }
 
+  TEST_CASE("the quickstart installs no npm package; the test command installs s3rver (issue 50)") {
+    // install-deps.sh run from a copy, with every Debian package "installed"
+    // and npm, node and apt-get as stubs that log their calls.
+    const fs::path dir = lstest::fresh_dir("install-deps"), bin = dir / "bin", log = dir / "calls.log";
+    fs::create_directories(dir / "repo/scripts");
+    fs::create_directories(bin);
+    fs::copy_file(kRoot / "scripts/install-deps.sh", dir / "repo/scripts/install-deps.sh");
+    for (const char* tool : {"npm", "node", "apt-get", "sudo"}) {
+      std::ofstream(bin / tool) << "#!/bin/sh\necho \"" << tool << " $*\" >>" << log.string() << "\n";
+      fs::permissions(bin / tool, fs::perms::owner_all);
+    }
+    std::ofstream(bin / "dpkg-query") << "#!/bin/sh\nprintf 'install ok installed'\n";
+    fs::permissions(bin / "dpkg-query", fs::perms::owner_all);
+    const std::string run = "PATH=" + bin.string() + ":$PATH bash " + (dir / "repo/scripts/install-deps.sh").string();
+    Output o = shell(run);
+    CAPTURE(o.text);
+    CHECK(o.rc == 0);
+    CHECK(lstest::slurp(log).find("npm") == std::string::npos);  // the quickstart's call: no npm at all
+    o = shell(run + " --tests");
+    CAPTURE(o.text);
+    CHECK(o.rc == 0);
+    CHECK(lstest::slurp(log).find("npm install") != std::string::npos);
+    CHECK(lstest::slurp(log).find("s3rver@") != std::string::npos);
+    // The scripts call it so: test.sh with --tests, the quickstart without.
+    const std::string quick = lstest::slurp(kRoot / "scripts/quickstart.sh"),
+                      test = lstest::slurp(kRoot / "scripts/test.sh");
+    CHECK(quick.find("./scripts/install-deps.sh\n") != std::string::npos);
+    CHECK(test.find("./scripts/install-deps.sh --tests") != std::string::npos);
+    CHECK(shell(run + " --bogus").rc == 2);
+  }
+
   TEST_CASE("tools/bench-cluster --help: one usage line; --steps, --threads, --repeats say what they do and their default") {
     const Output o = shell("/usr/bin/python3 " + (kRoot / "tools/bench-cluster").string() + " --help");
     CAPTURE(o.text);

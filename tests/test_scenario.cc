@@ -571,3 +571,39 @@ TEST_SUITE("scenario") {
     CHECK_THROWS_AS(ls::parse_int_field("", 0, 10, "f"), ls::UserError);
   }
 }
+
+TEST_SUITE("scenario") {
+  TEST_CASE("settings that change nothing on the mesh are accepted and listed, each naming its key (issue 50)") {
+    auto notes = [](const std::vector<std::string>& sets) {
+      return ls::scenario_from_json(json::object(), "noop.json", sets).no_effect;
+    };
+    CHECK(notes({}).empty());
+    // Each no-op alone gives one note that names it.
+    for (const auto& [set, key] : std::vector<std::pair<std::string, std::string>>{
+             {"mesh.fsdp=true", "mesh.fsdp"},
+             {"mesh.cp_layout=contiguous", "mesh.cp_layout"},
+             {"mesh.pp_schedule=gpipe", "mesh.pp_schedule"},
+             {"mesh.sp=true", "mesh.sp"}}) {
+      CAPTURE(set);
+      const std::vector<std::string> n = notes({set});
+      REQUIRE(n.size() == 1);
+      CHECK(n[0].rfind(key + " = ", 0) == 0);
+      CHECK(n[0].find("has no effect") != std::string::npos);
+    }
+    const std::vector<std::string> rep = notes({"mesh.dp=2", "mesh.replicate=2"});
+    REQUIRE(rep.size() == 1);
+    CHECK(rep[0].rfind("mesh.replicate = 2 has no effect without mesh.fsdp = true", 0) == 0);
+    // Where they take effect: none.
+    CHECK(notes({"mesh.dp=2", "mesh.fsdp=true", "mesh.replicate=2"}).empty());
+    CHECK(notes({"mesh.cp=2", "mesh.cp_layout=contiguous"}).empty());
+    CHECK(notes({"mesh.pp=2", "mesh.pp_schedule=gpipe"}).empty());
+    CHECK(notes({"train.microbatches=2", "mesh.pp_schedule=gpipe"}).empty());  // one stage's microbatch order
+    CHECK(notes({"mesh.tp=2", "mesh.sp=true"}).empty());
+    // mesh.sp at mesh.tp = 1 is turned off, in the scenario and in what it resolves to.
+    const ls::Scenario sp = ls::scenario_from_json(json::object(), "noop.json", {"mesh.sp=true"});
+    CHECK(!sp.mesh.sp);
+    CHECK(sp.resolved.at("mesh").at("sp") == false);
+    // Two at once: two notes.
+    CHECK(notes({"mesh.fsdp=true", "mesh.cp_layout=contiguous"}).size() == 2);
+  }
+}

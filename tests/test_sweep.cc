@@ -3,6 +3,7 @@
 // runs), drop at a small factor must drop rows and change the hash, and
 // shrinking the capacity factor must trade memory for rounds.
 #include <doctest/doctest.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 
@@ -13,6 +14,8 @@
 #include <set>
 #include <sstream>
 #include <string>
+
+#include "background_run.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -193,5 +196,38 @@ TEST_SUITE("sweep") {
     CHECK(s.out.find("WARNING") != std::string::npos);
     CHECK(s.out.find("aaaaaaaaaaaa") != std::string::npos);
     CHECK(s.out.find("bbbbbbbbbbbb") != std::string::npos);
+  }
+}
+
+// `lockstep faults sweep` stopped by Ctrl-C (issue 50): its trials are its
+// own scratch, so it suggests no --resume of one, and leaves no folder.
+
+TEST_SUITE("sweep") {
+  TEST_CASE("faults sweep: SIGINT in a trial exits 130, suggests no --resume, leaves nothing in TMPDIR") {
+    const std::string sc = std::string(LOCKSTEP_SOURCE_DIR) + "/scenarios/sweep_tiny.json";
+    lstest::BackgroundRun r =
+        lstest::BackgroundRun::start({"faults", "sweep", sc, "--trials", "50", "--threads", "1"}, "sweep-sigint");
+    // A trial is running once its checkpoints appear under the sweep's scratch folder.
+    const bool in_trial = lstest::wait_until(
+        [&] {
+          std::error_code ec;
+          for (const auto& e : fs::recursive_directory_iterator(r.tmpdir, ec))
+            if (e.path().filename() == "trial-0") return true;
+          return false;
+        },
+        120);
+    REQUIRE(in_trial);
+    ::kill(r.pid, SIGINT);
+    const int rc = r.wait(60);
+    const std::string err = slurp(r.err);
+    CAPTURE(err);
+    CHECK(rc == 130);
+    CHECK(err.find("--resume") == std::string::npos);
+    CHECK(err.find("the faults sweep stopped in trial ") != std::string::npos);
+    CHECK(err.find(" was removed") != std::string::npos);
+    std::string left;
+    for (const auto& e : fs::directory_iterator(r.tmpdir)) left += e.path().string() + " ";
+    CAPTURE(left);
+    CHECK(left.empty());
   }
 }

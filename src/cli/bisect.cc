@@ -24,6 +24,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "cluster/mpi.h"
 #include "common/error.h"
 #include "common/stop_signals.h"
 #include "runner/runner.h"
@@ -44,7 +45,12 @@ struct Side {
   std::string backend = "engine";
   int threads = 0;
   std::string mesh_fault;  // debug only: --debug-mesh-fault (dropped on one rank)
+  std::string launcher = "threads";  // mpi: runs on more than one rank go under mpirun
 };
+
+// The report's lines: stdout, or stderr under --json (stdout then holds one
+// JSON object, as every --json of this binary).
+FILE* g_text = stdout;
 
 struct Child {
   int rc = -1;      // the exit code; -1 when killed by a signal
@@ -77,6 +83,8 @@ class Runner {
                                      std::to_string(steps), "--backend", side.backend};
     if (side.threads > 0) args.insert(args.end(), {"--threads", std::to_string(side.threads)});
     if (!side.mesh_fault.empty()) args.insert(args.end(), {"--debug-mesh-fault", side.mesh_fault});
+    if (side.launcher == "mpi" && mesh_from_json(side.resolved.value("mesh", nlohmann::json::object())).world() > 1)
+      args.insert(args.end(), {"--launcher", "mpi"});  // `run` starts mpirun, one process per rank
     if (!trace.empty()) args.insert(args.end(), {"--trace", trace});
     if (!dump.empty()) args.insert(args.end(), {"--trace-dump", dump});
     const int status = wait_for(spawn(args, out, err));
@@ -239,6 +247,16 @@ std::string where(const TraceDiff& d) {
   return s + ", op " + r.value("op", "") + " (tensor " + r.value("tensor", "") + ")";
 }
 
+// The first divergent record's place, for --json: step, phase, layer, op, tensor.
+nlohmann::json where_json(const TraceDiff& d) {
+  if (d.first.is_null()) return nullptr;
+  nlohmann::json w = nlohmann::json::object();
+  for (const char* k : {"step", "phase", "layer", "op", "tensor", "kind"})
+    if (d.first["a"].contains(k)) w[k] = d.first["a"][k];
+  w["text"] = where(d);
+  return w;
+}
+
 bool is_mesh_key(const std::string& k) { return k.rfind("mesh.", 0) == 0 || k == "train.microbatches"; }
 
 // A side's mesh and microbatches, from its resolved scenario.
@@ -335,7 +353,7 @@ std::string locate_mesh_divergence(Runner& r, const char* name, const Side& side
   if (!d.found) return "no traced tensor (only the state hash)";
   TraceDiff& fine = d.fine;
   fine.config_changes = nlohmann::json::array();  // only the mesh keys: said above
-  std::printf("%s on %s against one rank (trace A: one rank, trace B: the mesh):\n%s", name,
+  std::fprintf(g_text, "%s on %s against one rank (trace A: one rank, trace B: the mesh):\n%s", name,
               mesh_text(side.resolved).c_str(), format_diff(fine).c_str());
   std::string at = where(fine);
   if (fine.ranks.contains("B") && !fine.ranks["B"]["elements"].empty()) {
@@ -365,6 +383,12 @@ int cmd_bisect(const BisectArgs& a) {
   A.threads = a.threads_a;
   B.threads = a.threads_b;
   B.mesh_fault = a.debug_mesh_fault_b;
+  if (a.launcher != "threads" && a.launcher != "mpi")
+    throw UserError("--launcher: 'threads' (ranks as threads of each run's process) or 'mpi' (a multi-rank side's "
+                    "runs under mpirun, one process per rank), got '" + a.launcher + "'");
+  if (a.launcher == "mpi") require_mpi("bisect --launcher mpi");
+  A.launcher = B.launcher = a.launcher;
+  g_text = a.json ? stderr : stdout;
   // At most the shorter side's train.steps: a run refuses --steps above its own.
   const int steps = std::min(a.steps > 0 ? a.steps : sa.steps, std::min(sa.steps, sb.steps));
 
@@ -373,14 +397,29 @@ int cmd_bisect(const BisectArgs& a) {
   if (!made) throw UserError("bisect: cannot create a temporary directory");
   Runner r{fs::path(made)};
   auto say = [&](const std::string& s) { std::fprintf(stderr, "bisect: %s\n", s.c_str()); };
+  // --json: what the lines say, as one object on stdout when the bisect ends.
+  nlohmann::json out = {{"scenario_a", a.scenario_a},
+                        {"scenario_b", a.scenario_b.empty() ? a.scenario_a : a.scenario_b},
+                        {"steps", steps},
+                        {"launcher", a.launcher},
+                        {"mesh_keys_set_aside", nlohmann::json::array()},
+                        {"mesh_bugs", nlohmann::json::array()}};
+  auto finish = [&](int rc, const char* verdict) {
+    out["agree"] = rc == 0;
+    out["verdict"] = verdict;
+    out["runs"] = r.runs();
+    if (a.json) std::printf("%s\n", out.dump().c_str());
+    return rc;
+  };
 
   // 1. Untraced, to the end (or --steps): do the runs disagree, and from which loss on?
   say("running both sides for " + std::to_string(steps) + " steps");
   Child ca = must(r, A, steps, "A"), cb = must(r, B, steps, "B");
   if (same_bits(ca, cb)) {
-    std::printf("the runs agree: same loss bits at every step and final_state_hash %s\n",
+    std::fprintf(g_text, "the runs agree: same loss bits at every step and final_state_hash %s\n",
                 ca.summary["final_state_hash"].get<std::string>().c_str());
-    return 0;
+    out["final_state_hash"] = ca.summary["final_state_hash"];
+    return finish(0, "agree");
   }
 
   // 1b. A trace holds one rank, and the mesh must not change the bits: the
@@ -394,17 +433,21 @@ int cmd_bisect(const BisectArgs& a) {
     for (auto& [k, v] : fb)
       if (is_mesh_key(k) && (!fa.count(k) || fa[k] != v)) mesh_keys.push_back(k + "=" + v.dump());
   }
+  out["mesh_keys_set_aside"] = mesh_keys;
+  out["first_loss_step"] = first_loss_step(ca, cb);
   if (!mesh_keys.empty() || multi_rank(A.resolved) || multi_rank(B.resolved)) {
     std::string aside;
     for (const std::string& k : mesh_keys) aside += (aside.empty() ? "" : ", ") + k;
     const std::string meshes = "A on " + mesh_text(A.resolved) + ", B on " + mesh_text(B.resolved);
     if (mesh_keys.empty())
-      std::printf("mesh set aside: %s; both sides are traced on one rank (the mesh must not change the bits)\n",
-                  meshes.c_str());
+      std::fprintf(g_text,
+                   "mesh set aside: %s; both sides are traced on one rank (the mesh must not change the bits)\n",
+                   meshes.c_str());
     else
-      std::printf("mesh keys set aside: %s (%s); both sides are compared on one rank (the mesh must not change "
-                  "the bits)\n",
-                  aside.c_str(), meshes.c_str());
+      std::fprintf(g_text,
+                   "mesh keys set aside: %s (%s); both sides are compared on one rank (the mesh must not change "
+                   "the bits)\n",
+                   aside.c_str(), meshes.c_str());
     const Side A1 = single_rank(A), B1 = single_rank(B);
     say("running both sides on one rank");
     // (A side already on one rank is its own twin.)
@@ -417,7 +460,7 @@ int cmd_bisect(const BisectArgs& a) {
          {std::tuple{"A", &A, &A1, &ca, &ca1}, std::tuple{"B", &B, &B1, &cb, &cb1}})
       if (multi_rank(side->resolved) && !same_bits(*full, *one)) {
         mesh_bug = true;
-        std::printf("determinism bug: %s on %s ends on final_state_hash %s, on one rank on %s (%s): its mesh "
+        std::fprintf(g_text, "determinism bug: %s on %s ends on final_state_hash %s, on one rank on %s (%s): its mesh "
                     "changed the bits\n",
                     name, mesh_text(side->resolved).c_str(), full->summary["final_state_hash"].get<std::string>().c_str(),
                     one->summary["final_state_hash"].get<std::string>().c_str(),
@@ -425,18 +468,21 @@ int cmd_bisect(const BisectArgs& a) {
         say(std::string("tracing ") + name + " on its mesh and on one rank");
         const std::string at =
             locate_mesh_divergence(r, name, *side, *side1, steps, first_loss_step(*full, *one), say);
-        std::printf("%s's mesh first changes the bits at %s\n", name, at.c_str());
+        std::fprintf(g_text, "%s's mesh first changes the bits at %s\n", name, at.c_str());
+        out["mesh_bugs"].push_back({{"side", name}, {"mesh", mesh_text(side->resolved)},
+                                    {"final_state_hash", full->summary["final_state_hash"]},
+                                    {"one_rank_final_state_hash", one->summary["final_state_hash"]}, {"where", at}});
       }
     if (same_bits(ca1, cb1)) {
-      std::printf("%s: on one rank both sides end on final_state_hash %s, but A ends on %s and B on %s (%s)\n",
+      std::fprintf(g_text, "%s: on one rank both sides end on final_state_hash %s, but A ends on %s and B on %s (%s)\n",
                   mesh_keys.empty() ? "the mesh alone makes the runs differ"
                                     : ("only the mesh keys (" + aside + ") make the runs differ").c_str(),
                   ca1.summary["final_state_hash"].get<std::string>().c_str(),
                   ca.summary["final_state_hash"].get<std::string>().c_str(),
                   cb.summary["final_state_hash"].get<std::string>().c_str(), first_loss_text(first_loss_step(ca, cb)).c_str());
-      std::printf("the mesh must not change the bits: this is a determinism bug%s\n",
+      std::fprintf(g_text, "the mesh must not change the bits: this is a determinism bug%s\n",
                   mesh_bug ? " (the side named above)" : "");
-      return 1;
+      return finish(1, "mesh");
     }
     A = A1;
     B = B1;
@@ -451,7 +497,8 @@ int cmd_bisect(const BisectArgs& a) {
   const Child& ra = traced.a_dump;
   const int step = traced.step;
   const std::string& dump = traced.dump;
-  std::printf("%s", format_diff(traced.fine).c_str());
+  std::fprintf(g_text, "%s", format_diff(traced.fine).c_str());
+  out["first_divergence"] = where_json(traced.fine);
 
   // 4. Delta debugging over the differences between the sides.
   std::vector<Change> changes;
@@ -464,8 +511,9 @@ int cmd_bisect(const BisectArgs& a) {
   if (A.binary != B.binary) changes.push_back({"(run) binary", A.binary, B.binary});
   if (A.threads != B.threads) changes.push_back({"(run) threads", A.threads, B.threads});
   if (changes.empty()) {
-    std::printf("the two sides have the same scenario, backend, binary and threads: the bits differ run to run\n");
-    return 1;
+    std::fprintf(g_text,
+                 "the two sides have the same scenario, backend, binary and threads: the bits differ run to run\n");
+    return finish(1, "run_to_run");
   }
   const std::string base_hash = ra.summary["final_state_hash"];
   auto fails = [&](const std::vector<Change>& subset) {
@@ -483,16 +531,22 @@ int cmd_bisect(const BisectArgs& a) {
   const std::string ma = (r.dir() / "min.jsonl").string();
   must(r, with_changes(A, minimal), step, "A + minimal change", ma, dump);
   TraceDiff alone = diff_traces(read_trace(traced.a_dump_path), read_trace(ma));
-  std::printf("%s %s the bits at %s (%zu of %zu differences%s; %d runs)\n", names.c_str(),
+  std::fprintf(g_text, "%s %s the bits at %s (%zu of %zu differences%s; %d runs)\n", names.c_str(),
               minimal.size() == 1 ? "alone changes" : "together change", where(alone).c_str(), minimal.size(),
               changes.size(), mesh_keys.empty() ? "" : ", mesh keys set aside", r.runs());
+  out["differences"] = changes.size();
+  out["minimal"] = nlohmann::json::array();
+  for (const Change& c : minimal)
+    out["minimal"].push_back(
+        {{"key", c.key.rfind("(run) ", 0) == 0 ? c.key.substr(6) : c.key}, {"a", c.a}, {"b", c.b}});
+  out["minimal_alone_changes_at"] = where_json(alone);
   if (!a.keep.empty()) {
     fs::create_directories(a.keep);
     for (const char* f : {"a.jsonl", "b.jsonl", "a-dump.jsonl", "b-dump.jsonl", "min.jsonl"})
       fs::copy_file(r.dir() / f, fs::path(a.keep) / f, fs::copy_options::overwrite_existing);
-    std::printf("traces kept in %s\n", a.keep.c_str());
+    std::fprintf(g_text, "traces kept in %s\n", a.keep.c_str());
   }
-  return 1;
+  return finish(1, "changes");
 }
 
 }  // namespace ls

@@ -16,9 +16,12 @@ struct BisectArgs {
   int steps = 0;                       // 0: the scenario's train.steps
   std::string keep;                    // copy the traces here
   std::string debug_mesh_fault_b;      // debug only: run B plants this mesh fault (lockstep run --debug-mesh-fault)
+  bool json = false;                   // stdout: one JSON object (the report's lines go to stderr)
+  std::string launcher = "threads";    // mpi: a multi-rank side's runs under mpirun, one process per rank
 };
 
-// Prints the report; returns 0 when the runs agree, 1 when they differ.
+// Prints the report (--json: one object on stdout); returns 0 when the runs
+// agree, 1 when they differ.
 int cmd_bisect(const BisectArgs& a);
 
 }  // namespace ls

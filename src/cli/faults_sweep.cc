@@ -5,6 +5,7 @@
 #include "cli/self_exe.h"
 #include "cli/junit.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -43,6 +44,29 @@ std::string tail_since(const fs::path& path, std::uintmax_t from, int max_lines)
   return out;
 }
 
+// SIGINT, SIGTERM and SIGHUP between trials (during one, the supervisor
+// has them): recorded, acted on after the trial.
+volatile sig_atomic_t g_sweep_signal = 0;
+extern "C" void on_sweep_signal(int sig) { g_sweep_signal = sig; }
+
+// A stopped sweep leaves nothing behind: its trials' checkpoints are its own
+// scratch, nothing a user could resume. What it says in place of --resume.
+std::string remove_scratch(const fs::path& dir, int trial, int trials) {
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  return "the faults sweep stopped in trial " + std::to_string(trial + 1) + " of " + std::to_string(trials) +
+         "; its scratch folder " + dir.string() + " was removed (its trials are not resumable: run the sweep again)";
+}
+
+[[noreturn]] void die_of_signal(int sig, const fs::path& dir, int trial, int trials) {
+  std::fprintf(stderr, "faults sweep: %s: %s\n", sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP",
+               remove_scratch(dir, trial, trials).c_str());
+  std::fflush(nullptr);
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+  std::_Exit(128 + sig);
+}
+
 }  // namespace
 
 int cmd_faults_sweep(const SweepArgs& a) {
@@ -65,10 +89,6 @@ int cmd_faults_sweep(const SweepArgs& a) {
   const bool mpi = a.launcher == "mpi";
   if (a.launcher != "threads" && !mpi) throw UserError("--launcher: 'threads' or 'mpi', got '" + a.launcher + "'");
   const int every = s.ckpt.every > 0 ? s.ckpt.every : std::max(1, s.steps / 4);
-  char tmpl[] = "/tmp/lockstep-sweep-XXXXXX";
-  if (!mkdtemp(tmpl)) throw UserError("faults sweep: cannot create a temporary directory");
-  const fs::path dir = tmpl;
-  const std::string base_url = s.ckpt.url.empty() ? (dir / "ckpt").string() : s.ckpt.url;
 
   // The golden: the same scenario without faults, in process.
   RunOptions plain;
@@ -79,6 +99,18 @@ int cmd_faults_sweep(const SweepArgs& a) {
   clean.ckpt.every = 0;  // the golden run saves nothing
   const RunResult golden_run = run_scenario(clean, plain);
   const std::string golden = golden_run.final_state_hash;
+  // The scratch folder, made after the golden run (a Ctrl-C during it leaves nothing), under $TMPDIR.
+  std::string tmpl = (fs::temp_directory_path() / "lockstep-sweep-XXXXXX").string();
+  if (!mkdtemp(tmpl.data())) throw UserError("faults sweep: cannot create a temporary directory");
+  const fs::path dir = tmpl;
+  const std::string base_url = s.ckpt.url.empty() ? (dir / "ckpt").string() : s.ckpt.url;
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction sa {}, old {};
+    sa.sa_handler = on_sweep_signal;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(sig, nullptr, &old);
+    if (old.sa_handler != SIG_IGN) ::sigaction(sig, &sa, nullptr);  // nohup stays nohup
+  }
   std::fprintf(stderr, "faults sweep: %d trials of %s (%d steps, checkpoint every %d%s), golden %s\n", a.trials,
                s.name.c_str(), s.steps, every, mpi ? ", one process per rank under mpirun" : "", golden.c_str());
 
@@ -93,6 +125,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
   std::vector<int> ckpt_steps;
   for (int k = every; k <= s.steps; k += every) ckpt_steps.push_back(k);
   for (int trial = 0; trial < a.trials; ++trial) {
+    if (g_sweep_signal) die_of_signal(g_sweep_signal, dir, trial, a.trials);
     const std::string url = base_url + "/trial-" + std::to_string(trial);
     // Where to kill: half the time in checkpoint I/O.
     std::uniform_real_distribution<double> u(0, 1);
@@ -150,6 +183,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
     const fs::path child_log = dir / "children.log";
     so.child_stderr = child_log.string();
     so.heartbeat_timeout = 60;
+    so.on_stop = [&] { return remove_scratch(dir, trial, a.trials); };
     std::error_code no_log;  // before the first trial's children write it
     const std::uintmax_t log_size = fs::file_size(child_log, no_log), log_start = no_log ? 0 : log_size;
     const auto t0 = std::chrono::steady_clock::now();
@@ -240,6 +274,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
     else if ((trial + 1) % 50 == 0 || trial + 1 == a.trials)
       std::fprintf(stderr, "faults sweep: %d/%d trials, %d mismatches\n", trial + 1, a.trials, mismatches);
   }
+  if (g_sweep_signal) die_of_signal(g_sweep_signal, dir, a.trials - 1, a.trials);
   if (!a.junit.empty()) write_junit(a.junit, "lockstep faults sweep", cases);
   if (!a.keep) fs::remove_all(dir);
   const int rc = mismatches || failed || deleted_early || survivors ? 1 : 0;

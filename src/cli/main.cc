@@ -199,6 +199,7 @@ struct RunArgs {
   std::string debug_mesh_fault;
   std::string launcher = "threads";
   std::vector<int> hash_at;  // (lockstep check --launcher mpi: the golden file's state-hash steps)
+  std::vector<double> progress_log;  // (tests: FIRST,EVERY seconds of the not-a-terminal cadence)
 };
 
 // The command line as given, for --launcher mpi to hand to mpirun.
@@ -223,6 +224,11 @@ std::vector<std::string> g_args;
     if (g_args[i].rfind("--launcher=", 0) == 0) continue;
     cmd.push_back(g_args[i]);
   }
+  // A rank's stderr is mpirun's pipe, not this terminal: rank 0 would keep
+  // to a log's cadence. At a terminal it shows progress as a threads run does.
+  if (isatty(2) && std::find(g_args.begin(), g_args.end(), "--quiet") == g_args.end() &&
+      std::find(g_args.begin(), g_args.end(), "--progress") == g_args.end())
+    cmd.push_back("--progress");
   std::vector<char*> argv;
   for (std::string& c : cmd) argv.push_back(c.data());
   argv.push_back(nullptr);
@@ -303,6 +309,16 @@ int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
   return available && e.total_bytes > available ? kExitDoesNotFit : 0;
 }
 
+// Settings that change nothing (Scenario::no_effect, and --progress beside
+// --quiet): one warning each, from one process: rank 0 under mpirun.
+void warn_no_effect(const Scenario& s, const RunArgs& a) {
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  if (launched_by_mpirun() && rank && std::string(rank) != "0") return;
+  std::vector<std::string> notes = s.no_effect;
+  if (a.progress && a.quiet) notes.push_back("--progress has no effect with --quiet (no progress lines)");
+  for (const std::string& n : notes) std::fprintf(stderr, "lockstep: warning: %s\n", n.c_str());
+}
+
 int cmd_run(const RunArgs& a, const char* self) {
   // A supervised child (every rank of one) ends the moment its supervisor
   // does, however the supervisor ends; its scratch directory goes with it.
@@ -333,7 +349,9 @@ int cmd_run(const RunArgs& a, const char* self) {
     throw UserError("--supervise / --fault under mpirun: the supervisor must stand outside the job to restart it; "
                     "run `lockstep run ... --launcher mpi --supervise` (it starts mpirun itself)");
   // --launcher mpi: this process becomes mpirun, or (supervised) the supervisor starts it per attempt.
-  if (a.launcher == "mpi" && !launched_by_mpirun() && !a.dry_run && !supervised) launch_under_mpirun(s, self);
+  const bool starts_mpirun = a.launcher == "mpi" && !launched_by_mpirun() && !a.dry_run && !supervised;
+  if (!child && !starts_mpirun) warn_no_effect(s, a);  // its ranks say it (rank 0), or this process
+  if (starts_mpirun) launch_under_mpirun(s, self);
   if (a.dry_run) {
     RunOptions po;
     po.backend = parse_backend(a.backend);
@@ -361,7 +379,7 @@ int cmd_run(const RunArgs& a, const char* self) {
     so.threads = a.threads;
     so.max_restarts = a.max_restarts;
     so.heartbeat_timeout = a.heartbeat_timeout;
-    so.progress = a.progress || (!a.quiet && isatty(2));
+    so.progress = !a.quiet && (a.progress || isatty(2));
     so.child_progress = so.progress;
     so.resume = a.resume;
     so.launcher = a.launcher;
@@ -385,11 +403,19 @@ int cmd_run(const RunArgs& a, const char* self) {
       const nlohmann::json& losses = r.summary["losses"];
       std::printf("supervised      %d attempt%s, %zu restart%s\n", r.summary.value("attempts", 1),
                   r.summary.value("attempts", 1) == 1 ? "" : "s", n, n == 1 ? "" : "s");
-      if (r.summary.contains("launcher"))  // the last attempt's
-        std::printf("launcher        %s\n",
-                    launcher_line(r.summary.value("launcher", ""), r.summary.value("processes", 1),
-                                  mesh_from_json(r.summary.value("mesh", mesh_json(s.mesh, s.microbatches))).world())
-                        .c_str());
+      // What ran, as an unsupervised summary says it: the last attempt's mesh and launcher.
+      const int threads = r.summary.value("threads", 1);
+      std::printf("scenario        %s (%s backend, %d thread%s)\n", r.summary.value("scenario", s.name).c_str(),
+                  r.summary.value("backend", "engine").c_str(), threads, threads == 1 ? "" : "s");
+      std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
+                  s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k,
+                  s.model.seq_len, s.batch);
+      if (r.summary.value("mesh_text", "one rank") != "one rank")  // as unsupervised: none on one rank
+        std::printf("mesh            %s\n", r.summary.value("mesh_text", "").c_str());
+      std::printf("launcher        %s\n",
+                  launcher_line(r.summary.value("launcher", "threads"), r.summary.value("processes", 1),
+                                mesh_from_json(r.summary.value("mesh", mesh_json(s.mesh, s.microbatches))).world())
+                      .c_str());
       if (!losses.empty())
         std::printf("loss            %.4f -> %.4f nats/byte over steps %d-%d\n", losses.front().get<double>(),
                     losses.back().get<double>(), r.summary.value("losses_first_step", 1),
@@ -429,7 +455,14 @@ int cmd_run(const RunArgs& a, const char* self) {
                  opt.mpi ? " (--threads is per process; mpirun binds each to its cores)" : "", omp_get_num_procs());
   opt.steps = a.steps;
   opt.hash_at = a.hash_at;
-  opt.progress = report && (a.progress || (!a.quiet && isatty(2)));
+  // --quiet wins over --progress (warn_no_effect says so). Not a terminal:
+  // a CI log's cadence, a line in the first seconds then at most every 30 s.
+  opt.progress = report && !a.quiet && (a.progress || isatty(2));
+  opt.progress_log.on = report && !a.quiet && !opt.progress;
+  if (a.progress_log.size() == 2) {
+    opt.progress_log.first = a.progress_log[0];
+    opt.progress_log.every = a.progress_log[1];
+  }
   opt.trace_path = a.trace;
   opt.resume = a.resume;
   opt.resume_fallback_to_start = a.resume_fallback_to_start;
@@ -593,6 +626,48 @@ RunResult run_under_mpirun(const std::string& spath, const Scenario& s, int thre
   return r;
 }
 
+// Units in the last place between two fp32 values written as their hex
+// bits ("409aaa3f"): the size of a change the decimals may not show. -1
+// when either is not such a value.
+int64_t ulp_distance(const std::string& a, const std::string& b) {
+  auto ordered = [](const std::string& hex) -> int64_t {  // monotonic in the value
+    if (hex.size() != 8 || hex.find_first_not_of("0123456789abcdef") != std::string::npos) return INT64_MIN;
+    const uint32_t u = (uint32_t)std::stoul(hex, nullptr, 16);
+    return (u & 0x80000000u) ? -(int64_t)(u & 0x7fffffffu) : (int64_t)u;
+  };
+  const int64_t x = ordered(a), y = ordered(b);
+  return x == INT64_MIN || y == INT64_MIN ? -1 : std::llabs(x - y);
+}
+
+// A failing check's next step: how far apart the bits are (added to the
+// message) and the command that finds out why. A mesh variant against its
+// twin: bisect (which of the two moved the bits, and where); the golden
+// scenario itself: the commit since the golden file was written.
+struct NextStep {
+  int64_t ulps = -1;
+  std::string command;  // empty: none to suggest (the run failed, the fingerprint moved, ...)
+  nlohmann::json json_ulps() const { return ulps >= 0 ? nlohmann::json(ulps) : nlohmann::json(nullptr); }
+  nlohmann::json json_command() const { return command.empty() ? nlohmann::json(nullptr) : nlohmann::json(command); }
+};
+NextStep next_step(GoldenMismatch& m, const nlohmann::json& g, const std::string& spath, const std::string& gpath,
+                   const std::string& golden_dir) {
+  NextStep n;
+  if (m.field == "loss_bits" && (n.ulps = ulp_distance(m.golden, m.now)) >= 0)
+    m.message += ", " + std::to_string(n.ulps) + " ulp" + (n.ulps == 1 ? "" : "s") + " apart";
+  if (m.field != "loss_bits" && m.field != "state_hash" && m.field != "final_state_hash") return n;
+  const fs::path twin = g.value("scenario", "");
+  if (!twin.empty() && twin.filename() != fs::path(spath).filename()) {
+    // Recorded from the repository's root, read from the golden folder's parent (as check reads it).
+    const fs::path at = twin.is_absolute() ? twin : fs::absolute(golden_dir).parent_path() / twin;
+    n.command = "lockstep bisect " + (fs::exists(at) && !twin.is_absolute() ? at.lexically_relative(fs::current_path())
+                                                                             : twin).string() +
+                " " + spath;
+  } else {
+    n.command = "tools/bisect-commits $(git log -1 --format=%h -- " + gpath + ") HEAD " + spath;
+  }
+  return n;
+}
+
 int cmd_check(const CheckArgs& a) {
   if (a.launcher != "threads" && a.launcher != "mpi")
     throw UserError("--launcher: 'threads' or 'mpi', got '" + a.launcher + "'");
@@ -659,7 +734,13 @@ int cmd_check(const CheckArgs& a) {
                       "files' scenarios are); the files given are the scenarios");
     for (auto& sc : a.scenarios) {
       Scenario s = load_scenario(sc, {});
-      work.push_back({(fs::path(a.golden_dir) / (s.name + ".json")).string(), sc, s.name});
+      const std::string gpath = (fs::path(a.golden_dir) / (s.name + ".json")).string();
+      if (!fs::exists(gpath))  // what to run instead, not only what is missing
+        throw UserError(gpath + ": no golden file for " + sc + " (scenario name '" + s.name +
+                        "'); write one with `lockstep golden " + sc +
+                        (a.golden_dir == "golden" ? std::string() : " --golden-dir " + a.golden_dir) +
+                        "`, which checks the engine against the scalar reference first");
+      work.push_back({gpath, sc, s.name});
     }
   }
   if (!a.junit.empty()) check_junit_path(a.junit);
@@ -747,10 +828,12 @@ int cmd_check(const CheckArgs& a) {
           break;
         }
       }
+      const NextStep next = next_step(m, g, spath, gpath, a.golden_dir);
       outcome.add(s, spath, gpath, seconds_since(t0), m,
                   {{"kind", "faults"}, {"launcher", processes ? "mpi" : "threads"},
                    {"processes", processes ? s.mesh.world() : 1}, {"restarts", restarts}, {"final_state_hash", got},
-                   {"logs", m.differs() ? nlohmann::json(tmpl) : nlohmann::json(nullptr)}});
+                   {"logs", m.differs() ? nlohmann::json(tmpl) : nlohmann::json(nullptr)},
+                   {"ulp_distance", next.json_ulps()}, {"next", next.json_command()}});
       if (!m.differs()) {
         if (!a.json)
           std::printf("ok    %-*s %-*s %zu restart%s%s, final_state_hash %s\n", name_w, w.name.c_str(), file_w,
@@ -760,8 +843,9 @@ int cmd_check(const CheckArgs& a) {
       } else {
         ++failed;
         if (!a.json)
-          std::printf("FAIL  %-*s %-*s %s (logs in %s)\n", name_w, w.name.c_str(), file_w, file.c_str(),
-                      m.message.c_str(), tmpl);
+          std::printf("FAIL  %-*s %-*s %s (logs in %s)\n%s", name_w, w.name.c_str(), file_w, file.c_str(),
+                      m.message.c_str(), tmpl,
+                      next.command.empty() ? "" : ("      next: " + next.command + "\n").c_str());
       }
       continue;
     }
@@ -782,10 +866,12 @@ int cmd_check(const CheckArgs& a) {
       m.field = "run";  // one failing variant, reported; the others still run
       m.message = e.what();
     }
+    const NextStep next = next_step(m, g, spath, gpath, a.golden_dir);
     outcome.add(s, spath, gpath, seconds_since(t0), m,
                 {{"kind", "golden"}, {"launcher", processes ? "mpi" : "threads"},
                  {"processes", processes ? s.mesh.world() : 1}, {"threads", r.threads}, {"steps", r.steps},
-                 {"final_state_hash", r.final_state_hash}});
+                 {"final_state_hash", r.final_state_hash}, {"ulp_distance", next.json_ulps()},
+                 {"next", next.json_command()}});
     if (!m.differs()) {
       if (!a.json)
         std::printf("ok    %-*s %-*s %d steps, %s, final_state_hash %s\n", name_w, w.name.c_str(), file_w,
@@ -796,8 +882,9 @@ int cmd_check(const CheckArgs& a) {
     } else {
       ++failed;
       if (!a.json)
-        std::printf("FAIL  %-*s %-*s %s (golden %s)\n", name_w, w.name.c_str(), file_w, file.c_str(),
-                    m.message.c_str(), gpath.c_str());
+        std::printf("FAIL  %-*s %-*s %s (golden %s)\n%s", name_w, w.name.c_str(), file_w, file.c_str(),
+                    m.message.c_str(), gpath.c_str(),
+                    next.command.empty() ? "" : ("      next: " + next.command + "\n").c_str());
     }
   }
   if (a.json)
@@ -817,11 +904,49 @@ std::string saved_mesh_text(const Manifest& m) {
   return mesh.describe(mb);
 }
 
+// ckpt verify: every object of the checkpoint read back against its
+// manifest. What it finds corrupt, the manifest included, is its finding
+// (exit 1, as check's); no checkpoint there at all is bad input (exit 2).
+int verify_checkpoint(ObjectStore& store, int64_t at) {
+  const std::vector<int64_t> steps = committed_steps(store);
+  Manifest m;
+  try {
+    m = read_manifest(store, at);
+  } catch (const UserError& e) {
+    const int64_t step = at < 0 && !steps.empty() ? steps.back() : at;
+    if (std::find(steps.begin(), steps.end(), step) == steps.end()) throw;  // nothing to verify
+    std::printf("BAD   %s  (%s)\n", manifest_key(step).c_str(), e.what());
+    std::printf("verify: step %lld, manifest unreadable, 1 bad\n", (long long)step);
+    return 1;
+  }
+  int bad = 0;
+  for (const ManifestObject& o : m.objects) {
+    std::string why;
+    try {
+      const std::vector<uint8_t> b = store.get(o.key);
+      if (b.size() != o.size) why = "size " + std::to_string(b.size()) + ", manifest says " + std::to_string(o.size);
+      else if (xxh128_hex(b.data(), b.size()) != o.xxh128) why = "checksum mismatch";
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    std::printf("%s  %s%s\n", why.empty() ? "ok  " : "BAD ", o.key.c_str(),
+                why.empty() ? "" : ("  (" + why + ")").c_str());
+    bad += !why.empty();
+  }
+  std::printf("verify: step %lld, %zu objects, %d bad\n", (long long)m.step, m.objects.size(), bad);
+  return bad ? 1 : 0;
+}
+
 int cmd_ckpt(const std::string& verb, const std::string& target, const std::string& endpoint, bool as_json) {
   const auto [url, at] = split_checkpoint_url(target);
   std::unique_ptr<ObjectStore> store = open_store(url, StoreOptions{endpoint});
   if (verb == "ls") {
     const std::vector<int64_t> steps = committed_steps(*store);
+    // No folder there is a wrong path (exit 2, as inspect and verify say it);
+    // an empty store is a listing of nothing.
+    std::error_code ec;
+    if (steps.empty() && store->url().rfind("file://", 0) == 0 && !fs::exists(store->url().substr(7), ec))
+      throw UserError(no_checkpoint_in(*store));
     if (steps.empty()) std::printf("%s\n", no_checkpoint_in(*store).c_str());
     for (int64_t s : steps) {
       const Manifest m = read_manifest(*store, s);
@@ -832,6 +957,7 @@ int cmd_ckpt(const std::string& verb, const std::string& target, const std::stri
     }
     return 0;
   }
+  if (verb == "verify") return verify_checkpoint(*store, at);
   const Manifest m = read_manifest(*store, at);
   if (verb == "inspect") {
     if (as_json) {
@@ -854,24 +980,8 @@ int cmd_ckpt(const std::string& verb, const std::string& target, const std::stri
       std::printf("  %-40s [%s] in %zu piece%s\n", t.name.c_str(), shape.c_str(), t.pieces.size(),
                   t.pieces.size() == 1 ? "" : "s");
     }
-    return 0;
   }
-  // verify
-  int bad = 0;
-  for (const ManifestObject& o : m.objects) {
-    std::string why;
-    try {
-      const std::vector<uint8_t> b = store->get(o.key);
-      if (b.size() != o.size) why = "size " + std::to_string(b.size()) + ", manifest says " + std::to_string(o.size);
-      else if (xxh128_hex(b.data(), b.size()) != o.xxh128) why = "checksum mismatch";
-    } catch (const std::exception& e) {
-      why = e.what();
-    }
-    std::printf("%s  %s%s\n", why.empty() ? "ok  " : "BAD ", o.key.c_str(), why.empty() ? "" : ("  (" + why + ")").c_str());
-    bad += !why.empty();
-  }
-  std::printf("verify: step %lld, %zu objects, %d bad\n", (long long)m.step, m.objects.size(), bad);
-  return bad ? 1 : 0;
+  return 0;
 }
 
 // ckpt gc: objects of torn checkpoints (docs in ckpt/gc.h); a dry run unless do_delete.
@@ -952,6 +1062,11 @@ int main(int argc, char** argv) {
                   "an emulation of CUDA: slow, for checking the kernels' bits) or cuda (the kernels on a GPU)");
   run->add_option("--hash-at", ra.hash_at, "(set by lockstep check: record the state hash after these steps)")
       ->delimiter(',')
+      ->group("");
+  run->add_option("--progress-log-seconds", ra.progress_log,
+                  "(tests: FIRST,EVERY seconds of the progress lines when stderr is not a terminal; default 5,30)")
+      ->delimiter(',')
+      ->expected(2)
       ->group("");
   run->add_option("--launcher", ra.launcher,
                   "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp x mesh.tp x mesh.pp "
@@ -1072,6 +1187,12 @@ int main(int argc, char** argv) {
   bisect->add_option("--threads-b", ba.threads_b, "threads for run B")->check(CLI::Range(1, 1024));
   bisect->add_option("--steps", ba.steps, "compare at most this many steps")->check(CLI::Range(1, 1000000));
   bisect->add_option("--keep", ba.keep, "keep the traces in this directory");
+  bisect->add_flag("--json", ba.json,
+                   "print one JSON object on stdout (agree, verdict, first divergence, the minimal differences, mesh "
+                   "bugs); the report's lines go to stderr");
+  bisect->add_option("--launcher", ba.launcher,
+                     "threads (default) or mpi: a side's runs on more than one rank go under mpirun, one process per "
+                     "rank, as run --launcher mpi (its one-rank twins stay in one process)");
   bisect->add_option("--debug-mesh-fault-b", ba.debug_mesh_fault_b,
                      "debug only: run B plants a mesh fault (run --debug-mesh-fault) for bisect to locate")
       ->group("Debug");
@@ -1118,6 +1239,9 @@ int main(int argc, char** argv) {
   bool keys_md = false;
   auto* keys = app.add_subcommand("keys", "list every scenario key with its type, default and meaning");
   keys->add_flag("--markdown", keys_md, "as the Markdown table of docs/SCENARIOS.md");
+  bool keys_json = false;
+  keys->add_flag("--json", keys_json,
+                 "one JSON object: {\"keys\": [{key, type, default, doc, constraint}, ...]} in table order");
 
   // An unknown command gets the closest one, as unknown scenario keys do.
   if (argc > 1 && argv[1][0] != '-') {
@@ -1142,8 +1266,15 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    // As every other refusal says it: one line, the prefix, exit 2.
+    std::string where = "lockstep";
+    for (const CLI::App* sub = &app; sub && !sub->get_subcommands().empty();) {
+      sub = sub->get_subcommands().front();
+      where += " " + sub->get_name();
+    }
+    std::fprintf(stderr, "lockstep: error: %s (%s --help)\n", e.what(), where.c_str());
+    return 2;
   }
   try {
     if (*run) return cmd_run(ra, self_executable().c_str());
@@ -1174,8 +1305,15 @@ int main(int argc, char** argv) {
       return d.identical ? 0 : d.identical_until_truncation() ? 4 : 1;
     }
     if (*keys) {
+      if (keys_md && keys_json) throw UserError("keys: --markdown or --json, not both");
       if (keys_md) {
         std::printf("%s", scenario_keys_markdown().c_str());
+      } else if (keys_json) {
+        nlohmann::json all = nlohmann::json::array();
+        for (const ScenarioKey& k : scenario_keys())
+          all.push_back({{"key", k.key}, {"type", k.type}, {"default", k.default_value}, {"doc", k.doc},
+                         {"constraint", k.constraint}});
+        std::printf("%s\n", nlohmann::json{{"keys", all}}.dump().c_str());
       } else {
         for (const ScenarioKey& k : scenario_keys())
           std::printf("%-24s %-8s %-12s %s\n", k.key.c_str(), k.type.c_str(), k.default_value.dump().c_str(),

@@ -173,4 +173,10 @@ nlohmann::json result_json(const RunResult& r) {
   return j;
 }
 
+bool progress_due(const RunOptions& o, double since, double last, bool first_step, bool last_step) {
+  if (o.progress) return first_step || last_step || since - last >= 0.25;
+  const RunOptions::ProgressLog& log = o.progress_log;  // a short run prints nothing; a long one, its last step too
+  return log.on && (last < 0 ? since >= log.first : last_step || since - last >= log.every);
+}
+
 }  // namespace ls

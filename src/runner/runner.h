@@ -39,6 +39,14 @@ struct RunOptions {
   int steps = -1;             // -1: scenario's train.steps
   std::vector<int> hash_at;   // steps (1-based, after the update) whose state hash to record
   bool progress = false;      // progress lines on stderr
+  // For a log, not a terminal (stderr not a TTY; neither --progress nor
+  // --quiet): step lines only, the first once log_first seconds have passed,
+  // then at most one per log_every, and the last step's if one came before.
+  // A short run prints nothing.
+  struct ProgressLog {
+    bool on = false;
+    double first = 5, every = 30;
+  } progress_log;
   bool eval = true;           // held-out BPB at eval steps
   uint64_t jitter_seed = 0;   // multi-rank: random delays in every collective (tests)
   // Under mpirun: this process's MPI world; one mesh rank per process
@@ -77,6 +85,11 @@ struct RunOptions {
   bool memory_check = true;  // refuse a scenario whose memory estimate exceeds the available memory
   bool profile_ops = false;  // --profile-ops: seconds per kind of op (common/op_profile.h) in the summary
 };
+
+// Whether a step's progress line is due, `since` seconds into training, the
+// last line at `last` (< 0: none yet): with o.progress the first and last
+// step and at most four a second; with o.progress_log its cadence.
+bool progress_due(const RunOptions& o, double since, double last, bool first_step, bool last_step);
 
 struct EvalPoint {
   int step;    // evaluated after this many updates

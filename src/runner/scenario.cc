@@ -83,6 +83,33 @@ std::string unknown_key(const std::string& key) {
 
 // ---------------------------------------------------------------- loading ---
 
+
+// The rule for a setting that changes nothing on this mesh: it is accepted
+// and named in a warning, never refused, since a mesh that shrinks along an
+// axis (a resume or a supervisor's restart on mesh.dp = 1, `--set mesh.cp=1`
+// to compare with one rank) leaves its qualifiers behind. mesh.sp at
+// mesh.tp = 1 is also turned off, so that no tensor-parallel code runs.
+std::vector<std::string> no_effect_settings(Scenario& s) {
+  std::vector<std::string> out;
+  const MeshConfig def;
+  if (s.mesh.sp && s.mesh.tp < 2) {
+    out.push_back("mesh.sp = true has no effect at mesh.tp = 1 (sequence parallel splits tokens across "
+                  "tensor-parallel ranks); ignored");
+    s.mesh.sp = false;
+  }
+  if (s.mesh.fsdp && s.mesh.dp == 1)
+    out.push_back("mesh.fsdp = true has no effect at mesh.dp = 1 (FSDP shards across data-parallel ranks)");
+  if (s.mesh.replicate > 1 && !s.mesh.fsdp)
+    out.push_back("mesh.replicate = " + std::to_string(s.mesh.replicate) +
+                  " has no effect without mesh.fsdp = true (replica groups of sharded data parallel)");
+  if (s.mesh.cp_layout != def.cp_layout && s.mesh.cp == 1)
+    out.push_back("mesh.cp_layout = " + s.mesh.cp_layout + " has no effect at mesh.cp = 1 (no context-parallel ranks)");
+  if (s.mesh.pp_schedule != def.pp_schedule && !s.mesh.pipelined(s.microbatches))
+    out.push_back("mesh.pp_schedule = " + s.mesh.pp_schedule +
+                  " has no effect without a pipeline (mesh.pp = 1 and train.microbatches = 1)");
+  return out;
+}
+
 struct Loader {
   std::string origin;
   std::map<std::string, std::string> set_text;  // key -> "--set key=value" that set it
@@ -125,8 +152,9 @@ struct Loader {
     } catch (const json::parse_error&) {
       value = raw;  // not JSON: a bare string
     } catch (const json::exception&) {
-      // A number beyond binary64 (1e400): not a bare string either.
-      throw UserError(who + ": number out of range");
+      // A number beyond binary64 (1e400): not a bare string either. Named
+      // as a decoded value's range error is ("train.lr: number ... out of range").
+      throw UserError(who + ": " + key + ": number " + quote_for_message(raw, 40) + " out of range for binary64");
     }
     // For a string key the text is the value (name=123 means "123") unless
     // it was written as a quoted JSON string.
@@ -178,6 +206,7 @@ struct Loader {
     if (s.name.empty()) s.name = std::filesystem::path(origin).stem().string();
     for (const Row& r : rows())
       if (std::string e = r.check(s); !e.empty()) fail(r.info.key, e);
+    s.no_effect = no_effect_settings(s);
 
     s.resolved = json::object();
     for (const Row& r : rows()) {

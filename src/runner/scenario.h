@@ -41,6 +41,10 @@ struct Scenario {
   CheckpointConfig ckpt;     // ckpt.*
   std::vector<FaultSpec> faults;  // key "faults": faults to inject (docs/FAULTS.md)
   nlohmann::json resolved;   // every key with its effective value, nested as in the file
+  // Settings that change nothing on this mesh ("mesh.replicate = 2 has no
+  // effect without mesh.fsdp=true"): accepted, and each said once as a
+  // warning by the command the user ran (one rule for all of them).
+  std::vector<std::string> no_effect;
 };
 
 // One row of the schema, as documented.

@@ -384,12 +384,9 @@ std::vector<Row> tensor_parallel_rows() {
             "Sequence parallel (with mesh.tp > 1): the norms, residual adds, router and head run on tokens split "
             "across the tensor-parallel ranks, gathered before the column-parallel GEMMs; the chained folds after "
             "the row-parallel ones land scattered.",
-            {{"needs mesh.tp > 1 and a power-of-two number of leaves per tensor-parallel rank",
+            {{"a power-of-two number of leaves per tensor-parallel rank (at mesh.tp = 1: no effect, a warning)",
               [](const S& s, bool v) {
-                if (!v) return std::string();
-                if (s.mesh.tp < 2)
-                  return std::string("is true but mesh.tp = 1: sequence parallel splits tokens across tensor-parallel "
-                                     "ranks; set mesh.tp >= 2");
+                if (!v || s.mesh.tp < 2) return std::string();  // no effect: a warning (scenario.cc)
                 const int per = s.batch / std::max(1, s.mesh.dp);
                 const int leaves = s.leaf_samples > 0 ? per / s.leaf_samples : 0;
                 if (leaves % s.mesh.tp != 0 || ((leaves / s.mesh.tp) & (leaves / s.mesh.tp - 1)))

@@ -549,8 +549,10 @@ void Supervision::die_of_signal(int sig, const std::string& what) {
   std::error_code ec;
   fs::remove_all(dir_, ec);
   lease_->release();
-  std::fprintf(stderr, "supervisor: %s: %s; committed checkpoints in %s are intact (continue with --resume %s)\n",
-               stop_signal_name(sig).c_str(), what.c_str(), s_.ckpt.url.c_str(), s_.ckpt.url.c_str());
+  const std::string next = opt_.on_stop ? opt_.on_stop()
+                                        : "committed checkpoints in " + s_.ckpt.url +
+                                              " are intact (continue with --resume " + s_.ckpt.url + ")";
+  std::fprintf(stderr, "supervisor: %s: %s; %s\n", stop_signal_name(sig).c_str(), what.c_str(), next.c_str());
   ls::die_of_signal(sig);
 }
 

@@ -4,6 +4,7 @@
 // The role Ray plays in the large-lab reports this follows.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,10 @@ struct SuperviseOptions {
   // process, started in a session of its own; whatever way it ends, every
   // process left in that session is killed before the next attempt.
   std::string launcher = "threads";
+  // A caller whose job's checkpoints are its own scratch (faults sweep):
+  // called on a stop signal, once the job is down; it cleans up and returns
+  // what to say instead of "continue with --resume URL".
+  std::function<std::string()> on_stop;
 };
 
 struct SuperviseResult {

@@ -498,10 +498,10 @@ void TrainingRun::record_step(int step, float loss, double step_seconds) {
   progress_line(done, loss, mr);
 }
 
-// A few progress lines a second at most; the first and the last always.
+// A few progress lines a second at most, or a log's few (progress_due).
 void TrainingRun::progress_line(int done, float loss, const MeshReport& mr) {
   const double since_start = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start_).count();
-  if (!opt_.progress || !(done == start_ + 1 || done == r_.steps || since_start - last_progress_ >= 0.25)) return;
+  if (!progress_due(opt_, since_start, last_progress_, done == start_ + 1, done == r_.steps)) return;
   last_progress_ = since_start;
   const double tps = (double)(done - start_) * B_ * T_ / train_seconds_;
   const double eta = since_start / (done - start_) * (r_.steps - done);
