@@ -88,6 +88,7 @@ class TrainingRun {
   void record_step(int step, float loss, double step_seconds);
   void progress_line(int done, float loss, const MeshReport& mr);
   void finish_checkpoints();
+  void measure_peak_rss();
 
   const Scenario& s_;
   const RunOptions& opt_;
@@ -377,7 +378,7 @@ void TrainingRun::finish_already_complete(const Manifest& m, const std::string& 
                  "match): nothing left to run\n",
                  (long long)m.step, url.c_str(), (unsigned long long)rep.store_bytes_read);
   if (tracer_) tracer_->finish(r_.final_state_hash, r_.steps);
-  r_.peak_rss_bytes = peak_rss_bytes();
+  measure_peak_rss();
 }
 
 void TrainingRun::open_writer() {
@@ -568,7 +569,17 @@ void TrainingRun::finish() {
   r_.comm_in_flight_seconds_per_step = ran > 0 ? train_in_flight_seconds_ / ran : 0;
   for (auto& [k, t] : train_comm_by_kind_)
     if (t > 0) r_.comm_seconds_by_kind_per_step[k] = ran > 0 ? t / ran : 0;
+  measure_peak_rss();
+}
+
+// The peak RSS the estimate is held to: this process's; under MPI the largest
+// of every process's (each holds one rank), gathered, with the list.
+void TrainingRun::measure_peak_rss() {
   r_.peak_rss_bytes = peak_rss_bytes();
+  if (!procs_) return;
+  r_.peak_rss_per_process.assign((size_t)procs_->size(), 0);
+  all_gather_equal(*procs_, &r_.peak_rss_bytes, r_.peak_rss_per_process.data(), sizeof(uint64_t));
+  r_.peak_rss_bytes = *std::max_element(r_.peak_rss_per_process.begin(), r_.peak_rss_per_process.end());
 }
 
 }  // namespace
