@@ -64,6 +64,14 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes, bool one_stage = 
   // scratch; 1F1B keeps pp - s in flight on stage s unless the aux loss over
   // the batch makes every stage hold all m (runner/pipeline.h); GPipe and interleaved: m.
   WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes / m, ep);
+  if (ep > 1) {
+    // An expert-parallel owner keeps the rows its experts were sent, and its
+    // buffers grow to the busiest layer and step that routing gives it, not
+    // the mean estimate_workspace counts: measured 1.5-2x the mean on top2
+    // and the memory test's meshes (dp 2-8, ep 2-4). Counted at 2x.
+    const int64_t NK = (int64_t)(s.batch / dp / lanes / m) * c.seq_len * c.top_k;
+    w.expert_buffers += (int64_t)c.n_layers * NK * ((c.d_model + 3 * c.d_ff / std::max(1, s.mesh.tp)) * f + 8);
+  }
   if (s.mesh.pipelined(s.microbatches)) {
     int64_t slots = 0, most = 0;
     for (int st = 0; st < pp; ++st) {
