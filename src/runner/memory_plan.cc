@@ -393,8 +393,10 @@ void check_run_memory(const Scenario& s, const RunOptions& opt) {
                   (e.processes > 1 ? std::to_string(e.processes) + " processes of " + mib(e.total_bytes) + "; " : "") +
                   largest +
                   "), more than the " + mib(available) +
-                  " available; shrink model.*, train.batch or data.synthetic_bytes (every rank of the simulated mesh "
-                  "lives in this process; see `lockstep plan`; LOCKSTEP_SKIP_MEMORY_CHECK=1 runs it anyway)");
+                  " available; shrink model.*, train.batch or data.synthetic_bytes (" +
+                  (e.processes > 1 ? "every process of --launcher mpi runs on this host"
+                                   : "every rank of the simulated mesh lives in this process") +
+                  "; see `lockstep plan`; LOCKSTEP_SKIP_MEMORY_CHECK=1 runs it anyway)");
 }
 
 uint64_t peak_rss_bytes() {
