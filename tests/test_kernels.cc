@@ -7,12 +7,14 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "bits.h"
@@ -740,5 +742,48 @@ TEST_SUITE("kernels") {
     unsetenv("LOCKSTEP_CUDA_BACKEND");
     CHECK(wrong.rc == 2);
     CHECK(wrong.err.find("libm.so.6") != std::string::npos);
+  }
+
+  // A device run carries at most 64 MiB with the working tree (about 5 MB):
+  // the pack of binaries and libraries (70 MB unpacked, OpenBLAS 36 MB of
+  // it) must travel compressed, well under that, and unpack there whole.
+  TEST_CASE("tools/gpu-pack makes one file of at most 40 MB that tools/gpu-check --pack unpacks and starts") {
+    namespace fs = std::filesystem;
+    const fs::path build = fs::path(LOCKSTEP_BIN).parent_path().parent_path().parent_path();
+    const fs::path root = LOCKSTEP_SOURCE_DIR;
+    if (!fs::exists(build / "kernels/liblockstep-cuda.so") || !fs::exists(build / "tools/lockstep-gpu-check")) {
+      std::printf("lockstep-skip: kernels: gpu-pack needs the nvcc outputs (kernels/liblockstep-cuda.so, "
+                  "tools/lockstep-gpu-check) in %s: built without nvcc\n", build.c_str());
+      return;
+    }
+    const fs::path dir = lstest::fresh_dir("gpu-carry");
+    const auto sh = [](const std::string& cmd) {
+      const fs::path out = lstest::cli_temp_dir() / "sh.out";
+      const int status = std::system((cmd + " >" + out.string() + " 2>&1").c_str());
+      return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), lstest::slurp(out));
+    };
+    const auto [rc, out] = sh((root / "tools/gpu-pack").string() + " --build " + build.string() + " " + dir.string());
+    CAPTURE(out);
+    REQUIRE(rc == 0);
+    // One file, and nothing else to carry.
+    std::vector<fs::path> files;
+    for (const auto& e : fs::directory_iterator(dir)) files.push_back(e.path());
+    REQUIRE(files.size() == 1);
+    CHECK(files[0].filename() == "lockstep-gpu-pack.tar.gz");
+    const uintmax_t bytes = fs::file_size(files[0]);
+    CAPTURE(bytes);
+    CHECK(bytes <= 40000000u);
+    CHECK(bytes > 5000000u);  // the libraries are in it, not left out
+    CHECK(out.find(std::to_string(bytes) + " bytes in ") != std::string::npos);
+    // Unpacked as the device would: the three binaries, OpenBLAS, and lockstep starts on the packed libraries.
+    const auto [urc, uout] = sh((root / "tools/gpu-check").string() + " --pack " + dir.string() + " --unpack-only");
+    CAPTURE(uout);
+    CHECK(urc == 0);
+    CHECK(uout.find("lockstep 0.1.0") != std::string::npos);
+    for (const char* f : {"bin/lockstep", "bin/liblockstep-cuda.so", "bin/lockstep-gpu-check", "lib/libopenblas.so.0"}) {
+      CAPTURE(f);
+      CHECK(fs::exists(dir / f));
+    }
+    fs::remove_all(dir);
   }
 }

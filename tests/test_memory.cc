@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_run.h"
+#include "cluster/mpi.h"
 
 namespace fs = std::filesystem;
 
@@ -23,6 +24,26 @@ const char* kMedium = R"({"model": {"d_model": 128, "n_layers": 4, "n_heads": 4,
   "moe": {"experts": 16, "top_k": 2}, "train": {"steps": 2, "batch": 16, "eval_every": 0, "eval_batches": 1},
   "data": {"synthetic_bytes": 1048576}})";
 
+
+// Runs `lockstep run SCENARIO ARGS --json --quiet` and returns its memory
+// object, after requiring that it succeeded.
+nlohmann::json run_memory(const std::string& scenario, const std::string& args) {
+  const lstest::CliResult r = lstest::run_cli("run " + scenario + " " + args + " --json --quiet");
+  CAPTURE(r.err);
+  REQUIRE(r.rc == 0);
+  return lstest::last_json(r.out).at("memory");
+}
+
+// The estimate within 25 % of the measured peak RSS, both ways.
+void check_within_25_percent(const nlohmann::json& m) {
+  const double est = m.at("estimated_total_bytes").get<double>(), rss = m.at("peak_rss_bytes").get<double>();
+  CAPTURE(est);
+  CAPTURE(rss);
+  CHECK(rss / est >= 0.75);
+  CHECK(rss / est <= 1.25);
+}
+
+const std::string kTop2 = std::string(LOCKSTEP_SOURCE_DIR) + "/scenarios/top2.json";
 
 }  // namespace
 
@@ -53,6 +74,103 @@ TEST_SUITE("memory") {
       CHECK(rss / est >= 0.75);
       CHECK(rss / est <= 1.25);
     }
+  }
+
+  // The golden top2 scenario (1.8 MiB of weights), where the runtime and the
+  // collectives' allowances weigh as much as the model: issue 50 found the
+  // estimate twice the peak on these meshes.
+  TEST_CASE("the estimate is within 25% of the measured peak RSS on small dp, EP and FSDP meshes") {
+    for (const std::string& args : std::vector<std::string>{"--threads 2 --set mesh.dp=2",
+                                                            "--threads 2 --set mesh.dp=8 --set mesh.ep=4",
+                                                            "--threads 2 --set mesh.dp=4 --set mesh.fsdp=true",
+                                                            "--threads 1 --set mesh.dp=2 --set mesh.overlap=false"}) {
+      CAPTURE(args);
+      const nlohmann::json m = run_memory(kTop2, args);  // the whole run: routing grows the EP buffers to step 16
+      check_within_25_percent(m);
+      CHECK(m.at("scope").get<std::string>().find("the one process") == 0);
+    }
+    // The collectives' allowance is what they allocate: next to the weights,
+    // not fifty times them (97.8 MiB beside 1.8 MiB before).
+    const lstest::CliResult r = lstest::run_cli("plan " + kTop2 + " --set mesh.dp=8 --set mesh.ep=4 --json");
+    REQUIRE(r.rc == 0);
+    const nlohmann::json parts = lstest::last_json(r.out).at("estimated_parts_bytes");
+    CHECK(parts.at("collective_buffers").get<uint64_t>() > 0);
+    CHECK(parts.at("collective_buffers").get<uint64_t>() < parts.at("weights").get<uint64_t>());
+  }
+
+  TEST_CASE("under --launcher mpi the estimate and peak_rss_bytes are per process, the largest") {
+    // plan --launcher mpi: one process's estimate, the host's sum beside it; no MPI needed to plan.
+    lstest::CliResult r = lstest::run_cli("plan " + kTop2 + " --set mesh.dp=4 --set mesh.fsdp=true --json");
+    REQUIRE(r.rc == 0);
+    const nlohmann::json threads = lstest::last_json(r.out);
+    CHECK(threads.at("processes") == 1);
+    CHECK(threads.at("launcher") == "threads");
+    r = lstest::run_cli("plan " + kTop2 + " --set mesh.dp=4 --set mesh.fsdp=true --json --launcher mpi");
+    REQUIRE(r.rc == 0);
+    const nlohmann::json mpi = lstest::last_json(r.out);
+    CHECK(mpi.at("launcher") == "mpi");
+    CHECK(mpi.at("processes") == 4);
+    CHECK(mpi.at("scope") == "per process: the largest of 4 processes (one rank each)");
+    const uint64_t one = mpi.at("estimated_total_bytes").get<uint64_t>();
+    CHECK(mpi.at("estimated_all_processes_bytes").get<uint64_t>() == 4 * one);
+    CHECK(one < threads.at("estimated_total_bytes").get<uint64_t>());  // one rank, not four
+    CHECK(mpi.at("estimated_parts_bytes").contains("state_hash_gather"));
+    r = lstest::run_cli("plan " + kTop2 + " --set mesh.dp=4 --set mesh.fsdp=true --launcher mpi");
+    REQUIRE(r.rc == 0);
+    CAPTURE(r.out);
+    CHECK(r.out.find("per process: each of the 4 processes of --launcher mpi holds one rank") != std::string::npos);
+    CHECK(r.out.find("  all processes ") != std::string::npos);
+    r = lstest::run_cli("plan " + kTop2 + " --launcher slurm");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--launcher") != std::string::npos);
+    if (!ls::mpi_available()) {
+      std::printf("lockstep-skip: memory: built without MPI, so no --launcher mpi run is measured\n");
+      return;
+    }
+    // The run: each process's peak, the largest as peak_rss_bytes, held to one process's estimate.
+    for (const std::string mesh : {"--set mesh.dp=2", "--set mesh.dp=4 --set mesh.fsdp=true"}) {
+      CAPTURE(mesh);
+      const nlohmann::json m = run_memory(kTop2, mesh + " --threads 1 --steps 4 --launcher mpi");
+      CHECK(m.at("scope").get<std::string>().find("per process: the largest of ") == 0);
+      const auto each = m.at("peak_rss_bytes_per_process").get<std::vector<uint64_t>>();
+      REQUIRE(each.size() == (mesh == "--set mesh.dp=2" ? 2u : 4u));
+      CHECK(m.at("peak_rss_bytes").get<uint64_t>() == *std::max_element(each.begin(), each.end()));
+      for (uint64_t b : each) CHECK(b > 0);
+      check_within_25_percent(m);
+    }
+    // The text summary says the same.
+    r = lstest::run_cli("run " + kTop2 + " --set mesh.dp=2 --threads 1 --steps 2 --quiet --launcher mpi");
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("memory          peak RSS ") != std::string::npos);
+    CHECK(r.out.find("per process: the largest of 2 processes (one rank each)") != std::string::npos);
+  }
+
+  TEST_CASE("plan --resume needs a committed checkpoint there, as run --resume does") {
+    const fs::path missing = lstest::cli_temp_dir() / "no-such-checkpoints";
+    fs::remove_all(missing);
+    lstest::CliResult r = lstest::run_cli("plan " + kTop2 + " --resume " + missing.string());
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("--resume") != std::string::npos);
+    CHECK(r.err.find(missing.string()) != std::string::npos);
+    CHECK(r.err.find("does not exist") != std::string::npos);
+    fs::create_directories(missing);  // a folder, but no manifest in it
+    r = lstest::run_cli("plan " + kTop2 + " --resume " + missing.string() + " --json");
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("no committed checkpoint") != std::string::npos);
+    r = lstest::run_cli("run " + kTop2 + " --dry-run --resume " + missing.string());
+    CHECK(r.rc == 2);
+    // A real one: planned, with its restore buffers.
+    const fs::path ck = lstest::cli_temp_dir() / "plan-resume-ckpt";
+    fs::remove_all(ck);
+    r = lstest::run_cli("run " + kTop2 + " --steps 2 --quiet --set ckpt.url=" + ck.string() + " --set ckpt.every=2");
+    REQUIRE(r.rc == 0);
+    r = lstest::run_cli("plan " + kTop2 + " --resume " + ck.string() + " --json");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(lstest::last_json(r.out).at("estimated_parts_bytes").at("restore").get<uint64_t>() > 0);
+    r = lstest::run_cli("plan " + kTop2 + " --resume " + ck.string() + "@1");  // no checkpoint of step 1
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("step 1") != std::string::npos);
   }
 
   TEST_CASE("plan and run --dry-run print the estimate per part and train nothing") {

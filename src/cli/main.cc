@@ -161,6 +161,11 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
   if (!r.already_complete)
     std::printf("speed           %.0f tokens/s (%.2f GFLOP/s model)\n", r.tokens_per_second,
                 r.tokens_per_second * r.train_flops_per_token * 1e-9);
+  // The measured peak and the estimate it is held to, and what they cover
+  // (--launcher mpi: one process each, the largest).
+  std::printf("memory          peak RSS %.1f MiB, estimated %.1f MiB: %s\n", r.peak_rss_bytes / 1048576.0,
+              r.memory_estimate_bytes / 1048576.0,
+              memory_scope_text(s.mesh.world(), std::max<int>(1, (int)r.peak_rss_per_process.size())).c_str());
   for (size_t st = 0; st < r.pipeline.size(); ++st) {  // measured, per step after a warm-up step
     const MeshReport::Stage& p = r.pipeline[st];
     std::printf("%s stage %zu: busy %.1f of %.1f ms, bubble %.2f (formula %.2f), %d microbatches held, %.1f MiB "
@@ -286,15 +291,27 @@ std::vector<std::string> g_args;
 // script (or CI) can gate on it; 2 stays for bad input.
 constexpr int kExitDoesNotFit = 5;
 
-int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
-  const MemoryEstimate e = estimate_run_memory(s, opt);
+int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json, bool mpi) {
+  // A resume's checkpoint must be there, as run --resume requires: a plan of
+  // a mistyped path would count restore buffers for nothing.
+  if (!opt.resume.empty()) {
+    const auto [url, at] = split_checkpoint_url(opt.resume);
+    try {
+      read_manifest(*open_store(url, StoreOptions{s.ckpt.s3_endpoint}), at);
+    } catch (const UserError& e) {
+      throw UserError(std::string("--resume: ") + e.what());
+    }
+  }
+  const MemoryEstimate e = estimate_run_memory(s, opt, mpi);  // mpi: one process's (the largest rank's)
   const uint64_t available = available_memory_bytes();
+  const bool fits = !available || e.total_bytes * (uint64_t)e.processes <= available;
   if (as_json) {
     nlohmann::json j = memory_estimate_json(e, available);
     j["scenario"] = s.name;
     j["mesh"] = mesh_json(s.mesh, s.microbatches);
     j["mesh_text"] = s.mesh.describe(s.microbatches);
-    j["fits"] = !available || e.total_bytes <= available;
+    j["launcher"] = mpi ? "mpi" : "threads";
+    j["fits"] = fits;
     std::printf("%s\n", j.dump().c_str());
   } else {
     // The mesh as every tool prints it (MeshConfig::describe), and its world.
@@ -303,10 +320,9 @@ int cmd_plan(const Scenario& s, const RunOptions& opt, bool as_json) {
                 s.model.seq_len, s.mesh.describe(s.microbatches).c_str(),
                 s.mesh.world() > 1 ? (" (" + std::to_string(s.mesh.world()) + " ranks)").c_str() : "");
     std::printf("%s", format_memory_estimate(e, available).c_str());
-    if (available && e.total_bytes > available)
-      std::printf("does not fit: `lockstep run` would refuse it (plan exits %d)\n", kExitDoesNotFit);
+    if (!fits) std::printf("does not fit: `lockstep run` would refuse it (plan exits %d)\n", kExitDoesNotFit);
   }
-  return available && e.total_bytes > available ? kExitDoesNotFit : 0;
+  return fits ? 0 : kExitDoesNotFit;
 }
 
 // Settings that change nothing (Scenario::no_effect, and --progress beside
@@ -357,7 +373,7 @@ int cmd_run(const RunArgs& a, const char* self) {
     po.backend = parse_backend(a.backend);
     po.threads = a.threads;
     po.resume = a.resume;
-    return cmd_plan(s, po, a.json);
+    return cmd_plan(s, po, a.json, a.launcher == "mpi");
   }
   if (supervised) {
     // The supervisor: this process runs the job as children and restarts them.
@@ -1120,7 +1136,11 @@ int main(int argc, char** argv) {
   plan->add_option("--set", pa.sets, "override a scenario key: dotted.key=value (repeatable)");
   plan->add_option("--threads", pa.threads, "worker threads the run would use")->check(CLI::Range(1, 1024));
   plan->add_option("--backend", pa.backend, "engine, reference, cuda-emulated or cuda");
-  plan->add_option("--resume", pa.resume, "count the restore buffers of a resumed run");
+  plan->add_option("--resume", pa.resume,
+                   "count the restore buffers of a resumed run (URL or URL@STEP; none committed there: exit 2)");
+  plan->add_option("--launcher", pa.launcher,
+                   "threads (default: one process holds every rank) or mpi (one process per rank: the estimate is "
+                   "per process, the largest rank's, and the host needs the processes' sum)");
   plan->add_flag("--json", pa.json, "one JSON object");
 
   GoldenArgs ga;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "contract.h"
 #include "model/context_parallel.h"
 #include "model/model.h"
 #include "ops/attention.h"
@@ -50,8 +51,10 @@ uint64_t corpus_bytes(const DataConfig& d) {
 // The workspace of one copy of the model (a rank, or a data lane) running its
 // s.batch / mesh.dp / lanes samples: estimate_workspace's figure for one
 // pass, grown by the microbatches a pipeline stage holds in flight, and with
-// attention's P cut to a context-parallel rank's query ranges.
-WorkspaceEstimate copy_workspace(const Scenario& s, int lanes) {
+// attention's P cut to a context-parallel rank's query ranges. A pipeline's
+// figure is its stages' together, or with `one_stage` the largest stage's
+// (under MPI, one process's).
+WorkspaceEstimate copy_workspace(const Scenario& s, int lanes, bool one_stage = false) {
   const ModelConfig& c = s.model;
   const int dp = s.mesh.dp, ep = s.mesh.ep, cp = std::max(1, s.mesh.cp);
   const int pp = std::max(1, s.mesh.pp), m = std::max(1, s.microbatches);
@@ -61,18 +64,32 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes) {
   // scratch; 1F1B keeps pp - s in flight on stage s unless the aux loss over
   // the batch makes every stage hold all m (runner/pipeline.h); GPipe and interleaved: m.
   WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes / m, ep);
+  if (ep > 1) {
+    // An expert-parallel owner keeps the rows its experts were sent, and its
+    // buffers grow to the busiest layer and step that routing gives it, not
+    // the mean estimate_workspace counts: measured 1.5-2x the mean on top2
+    // and the memory test's meshes (dp 2-8, ep 2-4). Counted at 2x.
+    const int64_t NK = (int64_t)(s.batch / dp / lanes / m) * c.seq_len * c.top_k;
+    w.expert_buffers += (int64_t)c.n_layers * NK * ((c.d_model + 3 * c.d_ff / std::max(1, s.mesh.tp)) * f + 8);
+  }
   if (s.mesh.pipelined(s.microbatches)) {
-    int64_t slots = 0;
-    for (int st = 0; st < pp; ++st)
-      slots += s.mesh.schedule() == PipelineSchedule::k1f1b && (c.aux_loss_weight == 0 || c.aux_scope == AuxScope::kSequence)
-                   ? std::min(pp - st, m)
-                   : m;
-    const double share = (double)slots / pp;  // workspaces per stage, on average
+    int64_t slots = 0, most = 0;
+    for (int st = 0; st < pp; ++st) {
+      const int64_t held =
+          s.mesh.schedule() == PipelineSchedule::k1f1b && (c.aux_loss_weight == 0 || c.aux_scope == AuxScope::kSequence)
+              ? std::min(pp - st, m)
+              : m;
+      slots += held;
+      most = std::max(most, held);
+    }
+    const double share = one_stage ? (double)most : (double)slots / pp;  // workspaces per stage
+    const int stages = one_stage ? 1 : pp;
     // The backward scratch travels with the workspace in use: one set per stage.
     w.activations =
-        ((int64_t)(share * (c.n_layers * w.per_layer / pp + w.scratch - w.backward_scratch)) + w.backward_scratch) * pp;
+        ((int64_t)(share * (c.n_layers * w.per_layer / pp + w.scratch - w.backward_scratch)) + w.backward_scratch) *
+        stages;
     w.expert_buffers = (int64_t)(share * w.expert_buffers);
-    w.dispatch_buffers = w.dispatch_buffers * pp;
+    w.dispatch_buffers = w.dispatch_buffers * stages;
   }
   if (cp > 1) {
     // Per CP rank: P of its query ranges instead of the whole sequence's (a
@@ -120,35 +137,43 @@ std::string held_weights_text(const std::vector<uint64_t>& per_stage, uint64_t r
          std::to_string(rank_weights) + ")";
 }
 
-// One rank's buffers for its gradient collectives: the reduced gradient
-// shards (ClusterTrainer::reduced_shard, shard_floats of them) and, with
-// mesh.overlap, a result buffer as large as the largest tensor for each
-// group with started collectives, and an allowance of 4 MiB (its stack and
-// allocator arena) for the thread that runs them in process, three groups a
-// rank at most (data or shard, expert data).
+// One rank's buffers for its gradient collectives, as they allocate them: the
+// reduced gradient shards (ClusterTrainer::reduced_shard, shard_floats of
+// them), and for each group it reduces over (data or shard; expert data) the
+// communicator's result buffer, kept between calls and as large as the
+// largest tensor it sums (InProcessComm::tree_over_ranks). A started
+// collective (mesh.overlap) runs on the group's twin, whose thread touches
+// little of its stack, hence the small allowance: overlap on or off
+// measures the same peak RSS.
 uint64_t collective_buffer_bytes(const Scenario& s, uint64_t shard_floats) {
-  uint64_t bytes = shard_floats * sizeof(float);
-  if (!s.mesh.overlap || s.mesh.pipelined(s.microbatches)) return bytes;
   int64_t largest = 0;
   for (const ParamInfo& p : MoeTransformer::layout(s.model, s.mesh.ep, 0, std::max(1, s.mesh.tp), 0))
     largest = std::max(largest, p.size);
-  return bytes + 3 * ((uint64_t)largest * sizeof(float) + 4 * kMiB);
+  const int groups = s.mesh.ep > 1 ? 2 : 1;
+  const bool lanes = s.mesh.overlap && !s.mesh.pipelined(s.microbatches);
+  return shard_floats * sizeof(float) + groups * ((uint64_t)largest * sizeof(float) + (lanes ? kMiB / 4 : 0));
 }
 
-}  // namespace
-
-MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
+// Expert parallelism: an expert whose rows arrive in several rounds folds its
+// three weight gradients by a leaf tree over the rank's leaves times mesh.ep
+// sources (ExpertWeightGrads::begin), a state of LeafTree::levels_for(those)
+// gradients each, kept from layer to layer. Routing decides which experts
+// span rounds: counted as if every local expert did.
+uint64_t expert_grad_state_bytes(const Scenario& s) {
   const ModelConfig& c = s.model;
-  const int dp = s.mesh.dp, ep = s.mesh.ep, cp = std::max(1, s.mesh.cp), tp = std::max(1, s.mesh.tp);
-  const int m = std::max(1, s.microbatches);
-  const bool multi = s.mesh.multi_rank(s.microbatches);
-  // Copies of a data rank's state: each context-parallel rank holds a whole
-  // one (only attention's P is split, docs/CLUSTER.md); each tensor-parallel
-  // rank its part of the split tensors and the rest whole. Pipeline stages
-  // split the tensors between them: together they hold one copy.
-  const int copies_of_state = dp * cp * tp;
+  const int ep = s.mesh.ep, tp = std::max(1, s.mesh.tp);
+  if (ep <= 1) return 0;
+  const int64_t leaves = (int64_t)s.batch / s.mesh.dp / std::max(1, s.microbatches) / std::max(1, s.leaf_samples);
+  const int64_t levels = s.level == "local" ? 1 : LeafTree::levels_for(std::max<int64_t>(1, leaves) * ep);
+  return (uint64_t)(c.experts / ep) * 3 * c.d_model * (c.d_ff / tp) * levels * sizeof(float);
+}
+
+// The parts that hold the model's state, per (data, context, tensor) copy
+// times `copies`: weights, gradients, moments and a pipeline's gradient trees.
+void add_state_parts(MemoryEstimate& e, const Scenario& s, double copies, int lanes, const std::string& ranks) {
+  const ModelConfig& c = s.model;
+  const int ep = s.mesh.ep, tp = std::max(1, s.mesh.tp), m = std::max(1, s.microbatches);
   const uint64_t f = sizeof(float);
-  const uint64_t global_weights = (uint64_t)count_weights(c, 1);
   const uint64_t rank_weights = (uint64_t)count_weights(c, ep, tp);
   const uint64_t expert_weights = (uint64_t)c.n_layers * c.experts * 3 * c.d_model * c.d_ff / tp;
   // FSDP (and mesh.shard_optimizer) shards every tensor but the expert slices of an expert-parallel mesh.
@@ -156,44 +181,103 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
   const uint64_t sharded = !shards ? 0 : ep > 1 ? rank_weights - expert_weights / ep : rank_weights;
   const int group = shards ? s.mesh.shard_group() : 1;
   const uint64_t owned = rank_weights - sharded + sharded / std::max(1, group);
+  auto add = [&](std::string name, double bytes, std::string detail) {
+    e.parts.push_back({std::move(name), (uint64_t)bytes, std::move(detail)});
+  };
+  const std::string held = held_weights_text(e.weights_per_stage, rank_weights, ranks);
+  const char* shard_kind = s.mesh.fsdp ? "FSDP shards" : "optimizer shards (mesh.shard_optimizer)";
+  add("weights", copies * (rank_weights + sharded / group) * f,
+      held + (shards ? std::string(", plus the ") + shard_kind : ""));
+  add("gradients", (copies + lanes - 1) * rank_weights * f,
+      lanes > 1 ? "one per data lane (" + std::to_string(lanes) + " lanes)" : "one per weight" + ranks);
+  add("adamw_moments", copies * 2 * owned * f,
+      shards ? std::string("m and v of each rank's ") + shard_kind : "m and v" + ranks);
+  if (m > 1) {
+    // A stage folds each chunk's microbatch gradients by the leaf tree over microbatch index.
+    const int levels = gradient_tree_buffers(m);
+    add("pipeline_gradient_trees", copies * levels * rank_weights * f,
+        std::to_string(levels) + " buffers of each stage's tensors: the tree over " + std::to_string(m) +
+            " microbatches");
+  }
+}
 
+// The parts of a run around the model: collective buffers, checkpoint
+// staging, an MPI process's state-hash gather, and a resume's restore.
+void add_run_parts(MemoryEstimate& e, const Scenario& s, const RunOptions& opt, double copies, uint64_t global_bytes,
+                   bool per_process) {
+  const ModelConfig& c = s.model;
+  const int ep = s.mesh.ep, tp = std::max(1, s.mesh.tp);
+  auto add = [&](std::string name, uint64_t bytes, std::string detail) {
+    e.parts.push_back({std::move(name), bytes, std::move(detail)});
+  };
+  if (s.mesh.multi_rank(s.microbatches) && s.mesh.dp > 1) {
+    const uint64_t rank_weights = (uint64_t)count_weights(c, ep, tp);
+    const uint64_t expert_weights = (uint64_t)c.n_layers * c.experts * 3 * c.d_model * c.d_ff / tp;
+    const uint64_t sharded = !s.mesh.shards_state() ? 0 : ep > 1 ? rank_weights - expert_weights / ep : rank_weights;
+    const uint64_t bytes = collective_buffer_bytes(s, sharded / (s.mesh.shards_state() ? s.mesh.shard_group() : 1));
+    add("collective_buffers", (uint64_t)(copies * bytes),
+        "reduced gradient shards, and each reducing group's result buffer (the largest tensor)" +
+            std::string(s.mesh.overlap ? " and its overlap thread" : ""));
+  }
+  // Every global element is staged once, split between the ranks: a process
+  // stages its share.
+  if (!s.ckpt.url.empty() && s.ckpt.every > 0)
+    add("checkpoint_staging", 3 * global_bytes * (1 + std::max(1, s.ckpt.max_inflight)) / e.processes,
+        "weights and moments staged in DRAM, plus encoded shards of the uploads in flight" +
+            std::string(per_process ? " (this process's share)" : ""));
+  // MPI processes gather every piece of the weights and moments to hash the
+  // state (ClusterTrainer::state_hash); in process, one tensor at a time.
+  if (per_process) add("state_hash_gather", 3 * global_bytes, "weights and moments, gathered to hash the state");
+  if (!opt.resume.empty())
+    add("restore", 2 * 3 * global_bytes, "objects read and the pieces they fill (before the first step, freed after)");
+}
+
+}  // namespace
+
+MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt, bool one_rank_per_process) {
+  const ModelConfig& c = s.model;
+  const int dp = s.mesh.dp, cp = std::max(1, s.mesh.cp), tp = std::max(1, s.mesh.tp);
+  const int m = std::max(1, s.microbatches);
+  const bool multi = s.mesh.multi_rank(s.microbatches);
+  // --launcher mpi: one rank a process, and the estimate is one process's.
+  const bool per_process = multi && (one_rank_per_process || opt.mpi);
+  const uint64_t f = sizeof(float);
+  const uint64_t global_weights = (uint64_t)count_weights(c, 1);
   const int threads = opt.backend == Backend::kReference ? 1 : opt.threads > 0 ? opt.threads : omp_get_max_threads();
   int lanes = 1;
   if (!multi && opt.backend == Backend::kEngine &&
-      DataLanes::applicable(c, s.leaf_samples, (int64_t)rank_weights, s.batch, threads))
+      DataLanes::applicable(c, s.leaf_samples, count_weights(c, s.mesh.ep, tp), s.batch, threads))
     lanes = threads;
 
   MemoryEstimate e;
   auto add = [&](std::string name, uint64_t bytes, std::string detail) {
     e.parts.push_back({std::move(name), bytes, std::move(detail)});
   };
-  // Every rank of the world holds state: with pipeline stages, each its
-  // stage's tensors (about 1/pp of them), so the bytes above stay one copy
-  // per (data, context, tensor) index while the ranks are pp times as many.
   e.ranks = s.mesh.world();
+  e.processes = per_process ? e.ranks : 1;
   e.weights_per_stage = stage_weights(s);
+  // Copies of a data rank's state: each context-parallel rank holds a whole
+  // one (only attention's P is split, docs/CLUSTER.md); each tensor-parallel
+  // rank its part of the split tensors and the rest whole. Pipeline stages
+  // split the tensors between them: together they hold one copy. One process
+  // of an MPI run holds one rank: the largest stage's share of one copy.
+  uint64_t stages_sum = 0, stage_most = 0;
+  for (uint64_t w : e.weights_per_stage) stages_sum += w, stage_most = std::max(stage_most, w);
+  const double copies_of_state = per_process ? (double)stage_most / std::max<uint64_t>(1, stages_sum) : dp * cp * tp;
   const std::string ranks =
       e.ranks > 1 ? " on each of " + std::to_string(e.ranks) + " ranks" : std::string();
-  const std::string held = held_weights_text(e.weights_per_stage, rank_weights, ranks);
-  add("runtime", 24 * kMiB + (uint64_t)threads * 2 * kMiB,
-      "an allowance for code, libraries, thread stacks and per-thread scratch");
+  // Measured: about 17 MiB for the binary, its libraries and the corpus
+  // loader's scratch, and under 1 MiB per worker thread; an MPI process
+  // about 8 MiB more (Open MPI's libraries and shared-memory transport).
+  add("runtime", (per_process ? 28 : 20) * kMiB + (uint64_t)threads * kMiB,
+      "an allowance for code, libraries, thread stacks and per-thread scratch" +
+          std::string(per_process ? " (each process's own)" : ""));
   add("corpus", corpus_bytes(s.data), s.data.path.empty() ? "the synthetic corpus" : "data.path, read whole");
-  const char* shard_kind = s.mesh.fsdp ? "FSDP shards" : "optimizer shards (mesh.shard_optimizer)";
-  add("weights", copies_of_state * rank_weights * f + (shards ? copies_of_state * sharded / group * f : 0),
-      held + (shards ? std::string(", plus the ") + shard_kind : ""));
-  add("gradients", (copies_of_state + lanes - 1) * rank_weights * f,
-      lanes > 1 ? "one per data lane (" + std::to_string(lanes) + " lanes)" : "one per weight" + ranks);
-  add("adamw_moments", copies_of_state * 2 * owned * f, shards ? std::string("m and v of each rank's ") + shard_kind : "m and v" + ranks);
-  if (m > 1) {
-    // A stage folds each chunk's microbatch gradients by the leaf tree over microbatch index.
-    const int levels = gradient_tree_buffers(m);
-    add("pipeline_gradient_trees", copies_of_state * levels * rank_weights * f,
-        std::to_string(levels) + " buffers of each stage's tensors: the tree over " + std::to_string(m) + " microbatches");
-  }
-  const WorkspaceEstimate w = copy_workspace(s, lanes);
+  add_state_parts(e, s, copies_of_state, lanes, ranks);
+  const WorkspaceEstimate w = copy_workspace(s, lanes, per_process);
   // A pipeline's stages are in w already (copy_workspace): copies count the
   // other axes, the text the world's ranks.
-  const uint64_t copies = (uint64_t)dp * lanes * cp * tp;
+  const uint64_t copies = per_process ? 1 : (uint64_t)dp * lanes * cp * tp;
   const int samples = s.batch / dp / lanes;
   const std::string per =
       std::to_string(samples) + " samples x " + std::to_string(c.seq_len) + " tokens" +
@@ -208,31 +292,26 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt) {
       "slots of d_model + 4 d_ff floats (4 d_model + 4 d_ff with mesh.ep > 1), " + per);
   if (w.dispatch_buffers)
     add("moe_dispatch_buffers", copies * w.dispatch_buffers, "one round's all-to-all rows out and in");
-  if (multi && dp > 1) {
-    const uint64_t bytes = collective_buffer_bytes(s, sharded / group);
-    if (bytes > 0)
-      add("collective_buffers", copies_of_state * bytes,
-          "reduced gradient shards; with mesh.overlap a result buffer per group with started collectives, and an "
-          "allowance for the threads that run them in process");
-  }
-  if (!s.ckpt.url.empty() && s.ckpt.every > 0)
-    add("checkpoint_staging", 3 * global_weights * f * (1 + std::max(1, s.ckpt.max_inflight)),
-        "weights and moments staged in DRAM, plus encoded shards of the uploads in flight");
-  // MPI processes gather every piece of the weights and moments to hash the
-  // state (ClusterTrainer::state_hash); in process, one tensor at a time.
-  if (multi && opt.mpi) add("state_hash_gather", 3 * global_weights * f, "weights and moments, gathered to hash the state");
-  uint64_t restore = 0;
-  if (!opt.resume.empty()) {
-    restore = 2 * 3 * global_weights * f;
-    add("restore", restore, "objects read and the pieces they fill (before the first step, freed after)");
-  }
+  if (const uint64_t g = expert_grad_state_bytes(s))
+    add("moe_expert_grad_state", (uint64_t)(copies_of_state * g),
+        "leaf-tree state of the local experts' weight gradients whose rows span all-to-all rounds (at most every "
+        "expert's)");
+  add_run_parts(e, s, opt, copies_of_state, global_weights * f, per_process);
   // Restore buffers are freed before the first step allocates activations.
+  uint64_t restore = 0;
   for (const MemoryPart& p : e.parts)
-    if (p.name != "restore" && p.name != "activations" && p.name != "moe_expert_buffers" &&
-        p.name != "moe_dispatch_buffers")
+    if (p.name == "restore") restore = p.bytes;
+    else if (p.name != "activations" && p.name != "moe_expert_buffers" && p.name != "moe_dispatch_buffers")
       e.total_bytes += p.bytes;
   e.total_bytes += std::max<uint64_t>(restore, copies * (w.activations + w.expert_buffers + w.dispatch_buffers));
   return e;
+}
+
+std::string memory_scope_text(int ranks, int processes) {
+  if (processes <= 1)
+    return ranks > 1 ? "the one process (the mesh's " + std::to_string(ranks) + " ranks are threads of it)"
+                     : "the one process";
+  return "per process: the largest of " + std::to_string(processes) + " processes (one rank each)";
 }
 
 uint64_t available_memory_bytes() {
@@ -256,7 +335,11 @@ uint64_t available_memory_bytes() {
 }
 
 std::string format_memory_estimate(const MemoryEstimate& e, uint64_t available) {
-  std::string o = "memory estimate (a formula over the scenario, not a measurement):\n";
+  std::string o = "memory estimate (a formula over the scenario, not a measurement)";
+  if (e.processes > 1)
+    o += ", per process: each of the " + std::to_string(e.processes) +
+         " processes of --launcher mpi holds one rank; this is the largest rank's process";
+  o += ":\n";
   for (const MemoryPart& p : e.parts) {
     char buf[64];
     std::snprintf(buf, sizeof buf, "  %-23s %12s  ", p.name.c_str(), mib(p.bytes).c_str());
@@ -266,6 +349,11 @@ std::string format_memory_estimate(const MemoryEstimate& e, uint64_t available) 
   std::snprintf(buf, sizeof buf, "  %-23s %12s  (peak: restore buffers and activations are not held at once)\n",
                 "total", mib(e.total_bytes).c_str());
   o += buf;
+  if (e.processes > 1) {
+    std::snprintf(buf, sizeof buf, "  %-23s %12s  (%d processes of at most the total above, on this host)\n",
+                  "all processes", mib(e.total_bytes * (uint64_t)e.processes).c_str(), e.processes);
+    o += buf;
+  }
   if (available) {
     std::snprintf(buf, sizeof buf, "  %-23s %12s  (MemAvailable, or the cgroup limit minus its usage)\n", "available",
                   mib(available).c_str());
@@ -280,8 +368,12 @@ nlohmann::json memory_estimate_json(const MemoryEstimate& e, uint64_t available)
   // ranks: the world; weights_per_rank: the most any rank holds (its stage's).
   const uint64_t most =
       e.weights_per_stage.empty() ? 0 : *std::max_element(e.weights_per_stage.begin(), e.weights_per_stage.end());
+  // processes > 1 (--launcher mpi): the parts and total are one process's,
+  // the largest rank's; estimated_all_processes_bytes is what the host needs.
   return {{"estimated_total_bytes", e.total_bytes}, {"estimated_parts_bytes", parts}, {"available_bytes", available},
-          {"ranks", e.ranks}, {"weights_per_rank", most}, {"weights_per_stage", e.weights_per_stage}};
+          {"ranks", e.ranks}, {"weights_per_rank", most}, {"weights_per_stage", e.weights_per_stage},
+          {"processes", e.processes}, {"estimated_all_processes_bytes", e.total_bytes * (uint64_t)e.processes},
+          {"scope", memory_scope_text(e.ranks, e.processes)}};
 }
 
 void check_run_memory(const Scenario& s, const RunOptions& opt) {
@@ -290,16 +382,21 @@ void check_run_memory(const Scenario& s, const RunOptions& opt) {
   const uint64_t available = available_memory_bytes();
   if (!available) return;  // unknown: nothing to hold the estimate to
   const MemoryEstimate e = estimate_run_memory(s, opt);
-  if (e.total_bytes <= available) return;
+  const uint64_t host = e.total_bytes * (uint64_t)e.processes;  // --launcher mpi starts every process here
+  if (host <= available) return;
   std::vector<MemoryPart> parts = e.parts;
   std::sort(parts.begin(), parts.end(), [](const MemoryPart& a, const MemoryPart& b) { return a.bytes > b.bytes; });
   std::string largest;
   for (size_t i = 0; i < parts.size() && i < 3; ++i)
     largest += (i ? ", " : "") + parts[i].name + " " + mib(parts[i].bytes);
-  throw UserError(s.name + ": the scenario needs an estimated " + mib(e.total_bytes) + " of memory (" + largest +
+  throw UserError(s.name + ": the scenario needs an estimated " + mib(host) + " of memory (" +
+                  (e.processes > 1 ? std::to_string(e.processes) + " processes of " + mib(e.total_bytes) + "; " : "") +
+                  largest +
                   "), more than the " + mib(available) +
-                  " available; shrink model.*, train.batch or data.synthetic_bytes (every rank of the simulated mesh "
-                  "lives in this process; see `lockstep plan`; LOCKSTEP_SKIP_MEMORY_CHECK=1 runs it anyway)");
+                  " available; shrink model.*, train.batch or data.synthetic_bytes (" +
+                  (e.processes > 1 ? "every process of --launcher mpi runs on this host"
+                                   : "every rank of the simulated mesh lives in this process") +
+                  "; see `lockstep plan`; LOCKSTEP_SKIP_MEMORY_CHECK=1 runs it anyway)");
 }
 
 uint64_t peak_rss_bytes() {

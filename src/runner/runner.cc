@@ -9,6 +9,7 @@
 #include "contract.h"
 #include "runner/cluster_trainer.h"
 #include "runner/engine_trainer.h"
+#include "runner/memory_plan.h"
 #include "runner/reference_trainer.h"
 
 namespace ls {
@@ -166,10 +167,15 @@ nlohmann::json result_json(const RunResult& r) {
   if (!r.restore.is_null()) j["restore"] = r.restore;
   if (!r.lease.is_null()) j["lease"] = r.lease;
   if (!r.op_seconds.empty()) j["op_seconds"] = r.op_seconds;
+  // What both cover: the one process, or under MPI one process each (the
+  // estimate the largest rank's, the peak the largest of every process's).
+  const size_t procs = r.peak_rss_per_process.size();
   j["memory"] = {{"estimated_total_bytes", r.memory_estimate_bytes},
                  {"peak_rss_bytes", r.peak_rss_bytes},
+                 {"scope", memory_scope_text(r.mesh.world(), std::max<int>(1, (int)procs))},
                  {"workspace_bytes_per_rank", r.workspace_bytes},
                  {"weight_bytes_per_rank", r.weight_bytes}};
+  if (procs > 1) j["memory"]["peak_rss_bytes_per_process"] = r.peak_rss_per_process;
   return j;
 }
 

@@ -151,7 +151,9 @@ struct RunResult {
   nlohmann::json restarts;                    // supervised runs: the failure/restore timeline
   nlohmann::json lease;                       // the checkpoint lease it wrote under: job, generation
   uint64_t memory_estimate_bytes = 0;         // runner/memory_plan.h: a formula, checked before the run
-  uint64_t peak_rss_bytes = 0;                // measured: the process's peak resident set at the end
+  uint64_t peak_rss_bytes = 0;                // measured: the process's peak resident set at the end; under
+                                              // MPI the largest process's (each holds one rank)
+  std::vector<uint64_t> peak_rss_per_process; // under MPI: every process's, by rank; else empty
   std::map<std::string, double> op_seconds;   // --profile-ops: thread-seconds per kind of op over the training steps
 };
 

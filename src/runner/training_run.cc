@@ -73,6 +73,7 @@ class TrainingRun {
   void record_step(int step, float loss, double step_seconds);
   void progress_line(int done, float loss, const MeshReport& mr);
   void finish_checkpoints();
+  void measure_peak_rss();
 
   const Scenario& s_;
   const RunOptions& opt_;
@@ -372,7 +373,7 @@ void TrainingRun::finish_already_complete(const Manifest& m, const std::string& 
     tracer_->resumed_from(r_.steps + 1, {{"url", url}, {"step", m.step}});
     tracer_->finish(r_.final_state_hash, r_.steps);
   }
-  r_.peak_rss_bytes = peak_rss_bytes();
+  measure_peak_rss();
 }
 
 void TrainingRun::open_writer() {
@@ -381,9 +382,8 @@ void TrainingRun::open_writer() {
     throw UserError("ckpt.every: checkpoints are saved by the engine (or cuda-emulated) backend");
   std::shared_ptr<ObjectStore> to = open_store(s_.ckpt.url, StoreOptions{s_.ckpt.s3_endpoint});
   if (injector_) to = injector_->wrap(to);
-  writer_ = std::make_unique<CheckpointWriter>(
-      s_.ckpt, to, s_.resolved, r_.fingerprint,
-      mesh_json(s_.mesh, s_.microbatches), procs_);
+  writer_ = std::make_unique<CheckpointWriter>(s_.ckpt, to, s_.resolved, r_.fingerprint,
+                                               mesh_json(s_.mesh, s_.microbatches), procs_);
   if (injector_) writer_->set_commit_hook([this](int64_t step) { injector_->after_commit(step); });
   // Nothing is committed or deleted by a job that no longer holds the
   // prefix, or whose supervisor is gone (its lifeline ends it, here or an instant later).
@@ -558,7 +558,17 @@ void TrainingRun::finish() {
   r_.comm_in_flight_seconds_per_step = ran > 0 ? train_in_flight_seconds_ / ran : 0;
   for (auto& [k, t] : train_comm_by_kind_)
     if (t > 0) r_.comm_seconds_by_kind_per_step[k] = ran > 0 ? t / ran : 0;
+  measure_peak_rss();
+}
+
+// The peak RSS the estimate is held to: this process's; under MPI the largest
+// of every process's (each holds one rank), gathered, with the list.
+void TrainingRun::measure_peak_rss() {
   r_.peak_rss_bytes = peak_rss_bytes();
+  if (!procs_) return;
+  r_.peak_rss_per_process.assign((size_t)procs_->size(), 0);
+  all_gather_equal(*procs_, &r_.peak_rss_bytes, r_.peak_rss_per_process.data(), sizeof(uint64_t));
+  r_.peak_rss_bytes = *std::max_element(r_.peak_rss_per_process.begin(), r_.peak_rss_per_process.end());
 }
 
 }  // namespace
