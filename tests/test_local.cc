@@ -317,6 +317,21 @@ TEST_SUITE("local") {
     CHECK(slowed.final_state_hash == one_rank_hash);
   }
 
+  // What the key's help and the summary say must be what the tests above hold.
+  TEST_CASE("the key's help and the summary's numerics line name OpenBLAS and claim only what holds") {
+    const lstest::CliResult keys = lstest::run_cli("keys");
+    REQUIRE(keys.rc == 0);
+    CHECK(keys.out.find("Eigen GEMMs") == std::string::npos);
+    CHECK(keys.out.find("(OpenBLAS sgemm, or Eigen in a build without OpenBLAS;") != std::string::npos);
+    CHECK(keys.out.find("the same bits run to run at a fixed thread count and mesh in one process") !=
+          std::string::npos);
+    const auto sc = lstest::write_temp("local_summary.json", R"({"numerics": {"level": "local"}, "train": {"steps": 2}})");
+    const lstest::CliResult run = lstest::run_cli("run " + sc.string() + " --threads 2");
+    REQUIRE(run.rc == 0);
+    CHECK(run.out.find("numerics        local: the same bits run to run at this thread count and mesh only; GEMMs by "
+                       + ls::ops::local::gemm_library()) != std::string::npos);
+  }
+
   TEST_CASE("--profile-ops times every kind of op and changes no bit") {
     ls::Scenario s = ls::load_scenario((kRoot / "scenarios/top2.json").string(), {"train.steps=4"});
     ls::RunOptions opt;
