@@ -251,7 +251,8 @@ TEST_SUITE("local") {
                         c = train("local", 6, 2, dp8, "", jittered(3));
     CHECK(a.final_state_hash == b.final_state_hash);
     CHECK(a.final_state_hash == c.final_state_hash);
-    const ls::RunResult t1 = train("local", 6, 2, tp2, "", jittered(4)), t2 = train("local", 6, 2, tp2, "", jittered(5));
+    const ls::RunResult t1 = train("local", 6, 2, tp2, "", jittered(4)),
+                        t2 = train("local", 6, 2, tp2, "", jittered(5));
     CHECK(t1.final_state_hash == t2.final_state_hash);
     const ls::RunResult four1 = train("local", 6, 4), four2 = train("local", 6, 4);
     CHECK(four1.final_state_hash == four2.final_state_hash);
@@ -275,7 +276,8 @@ TEST_SUITE("local") {
       CAPTURE(mesh.size());
       const fs::path path = dir / ("mesh" + std::to_string(mesh.size()) + ".jsonl");
       const ls::RunResult plain = train("local", 4, 2, mesh);
-      const ls::RunResult traced = train("local", 4, 2, mesh, "", [&](ls::RunOptions& o) { o.trace_path = path.string(); });
+      const ls::RunResult traced =
+          train("local", 4, 2, mesh, "", [&](ls::RunOptions& o) { o.trace_path = path.string(); });
       CHECK(traced.final_state_hash == plain.final_state_hash);
       REQUIRE(traced.losses.size() == 4);
       REQUIRE(plain.losses.size() == 4);
@@ -325,7 +327,8 @@ TEST_SUITE("local") {
     CHECK(keys.out.find("(OpenBLAS sgemm, or Eigen in a build without OpenBLAS;") != std::string::npos);
     CHECK(keys.out.find("the same bits run to run at a fixed thread count and mesh in one process") !=
           std::string::npos);
-    const auto sc = lstest::write_temp("local_summary.json", R"({"numerics": {"level": "local"}, "train": {"steps": 2}})");
+    const auto sc =
+        lstest::write_temp("local_summary.json", R"({"numerics": {"level": "local"}, "train": {"steps": 2}})");
     const lstest::CliResult run = lstest::run_cli("run " + sc.string() + " --threads 2");
     REQUIRE(run.rc == 0);
     CHECK(run.out.find("numerics        local: the same bits run to run at this thread count and mesh only; GEMMs by "

@@ -375,7 +375,8 @@ int cmd_bisect(const BisectArgs& a) {
         by_design = true;
         std::printf("%s on %s ends on final_state_hash %s, on one rank on %s (%s against its one-rank twin: %s): at "
                     "numerics.level=local the bits move with the mesh by design (docs/NUMERICS.md section 8)\n",
-                    name, mesh_text(side->resolved).c_str(), full->summary["final_state_hash"].get<std::string>().c_str(),
+                    name, mesh_text(side->resolved).c_str(),
+                    full->summary["final_state_hash"].get<std::string>().c_str(),
                     one->summary["final_state_hash"].get<std::string>().c_str(), name,
                     first_loss_text(first_loss_step(*full, *one)).c_str());
       } else if (multi_rank(side->resolved) && !same_bits(*full, *one)) {
