@@ -168,6 +168,41 @@ TEST_SUITE("bisect") {
     CHECK(toy.state() == before);
     CHECK(fs::is_empty(toy.tmp));
   }
+
+  // lockstep bisect (not tools/bisect-commits): at numerics.level=local the
+  // mesh moves the bits by design (docs/NUMERICS.md section 8), so a local
+  // mesh against one rank is no determinism bug, and each comparison names
+  // the pair it compares, so no two lines contradict each other.
+  TEST_CASE("lockstep bisect: a local side on a mesh differs by design, not by a determinism bug") {
+    const std::string sc = std::string(LOCKSTEP_SOURCE_DIR) + "/scenarios/top2.json";
+    const lstest::CliResult r = lstest::run_cli("bisect " + sc + " --set-a numerics.level=local --set-b "
+                                                "numerics.level=local --set-b mesh.tp=2 --steps 4");
+    CAPTURE(r.out);
+    CAPTURE(r.err);
+    CHECK(r.rc == 1);  // the runs do differ
+    CHECK(r.out.find("B on mesh tp 2 ends on final_state_hash") != std::string::npos);
+    CHECK(r.out.find("(B against its one-rank twin: ") != std::string::npos);
+    CHECK(r.out.find("at numerics.level=local the bits move with the mesh by design (docs/NUMERICS.md section 8)") !=
+          std::string::npos);
+    CHECK(r.out.find("not a determinism bug") != std::string::npos);
+    CHECK(r.out.find("only the mesh keys (mesh.tp=2) make the runs differ") != std::string::npos);
+    CHECK(r.out.find("(A against B: ") != std::string::npos);
+    CHECK(r.out.find("determinism bug:") == std::string::npos);
+    CHECK(r.out.find("this is a determinism bug") == std::string::npos);
+    CHECK(r.out.find("(the mesh must not change the bits)") == std::string::npos);  // said only of portable
+    CHECK(r.out.find("(at numerics.level=portable the mesh must not change the bits)") != std::string::npos);
+    // One rank's loss bits equal B's twin's and A's (same scenario on one rank): both comparisons agree.
+    const bool none = r.out.find("no loss differs") != std::string::npos,
+               some = r.out.find("first loss that differs") != std::string::npos;
+    CHECK(none != some);
+    // --json names the verdict apart from a determinism bug's.
+    const lstest::CliResult j = lstest::run_cli("bisect " + sc + " --set-a numerics.level=local --set-b "
+                                                "numerics.level=local --set-b mesh.tp=2 --steps 4 --json");
+    CAPTURE(j.err);
+    CHECK(j.rc == 1);
+    CHECK(lstest::last_json(j.out).at("verdict") == "mesh_by_design");
+    CHECK(lstest::last_json(j.out).at("mesh_bugs").empty());
+  }
 }
 
 // `lockstep bisect --json` and `--launcher mpi` (issue 50): for CI, one JSON

@@ -1,6 +1,7 @@
 // The `local` numerics level (docs/NUMERICS.md section 8): an ordinary fast
 // trainer's numerics, held to `portable` by tolerance, bitwise only run to
-// run at a fixed thread count and mesh, refused by the golden gate.
+// run at a fixed thread count and mesh (tracing it changes no bit), refused
+// by the golden gate.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -18,11 +20,14 @@
 #include "common/error.h"
 #include "common/numerics_level.h"
 #include "contract.h"
+#include "faults/fault_spec.h"
 #include "ops/local.h"
+#include "runner/data_lanes.h"
 #include "runner/golden.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
 #include "store/store.h"
+#include "trace/diff.h"
 
 namespace fs = std::filesystem;
 
@@ -31,7 +36,7 @@ namespace {
 const fs::path kRoot = LOCKSTEP_SOURCE_DIR;
 
 ls::RunResult train(const std::string& level, int steps, int threads, std::vector<std::string> sets = {},
-                    const std::string& ckpt = "") {
+                    const std::string& ckpt = "", const std::function<void(ls::RunOptions&)>& options = {}) {
   sets.push_back("numerics.level=" + level);
   sets.push_back("train.steps=" + std::to_string(steps));
   if (!ckpt.empty()) {
@@ -43,7 +48,15 @@ ls::RunResult train(const std::string& level, int steps, int threads, std::vecto
   ls::RunOptions opt;
   opt.threads = threads;
   opt.eval = false;
+  if (options) options(opt);
   return ls::run_scenario(s, opt);
+}
+
+// "40b1040c": a loss's bits as the trace and the summary write them.
+std::string hex_bits(float v) {
+  char b[9];
+  std::snprintf(b, sizeof b, "%08x", (unsigned)ls::bits(v));
+  return b;
 }
 
 // Every step's loss within the stated bound of portable's (docs/NUMERICS.md section 8).
@@ -219,12 +232,107 @@ TEST_SUITE("local") {
     const ls::RunResult a = train("local", 8, 2), b = train("local", 8, 2);
     CHECK(a.final_state_hash == b.final_state_hash);
     const ls::RunResult c = train("local", 8, 2, {"mesh.dp=2"}), d = train("local", 8, 2, {"mesh.dp=2"});
-    CHECK(c.final_state_hash == d.final_state_hash);  // two ranks: a sum in either arrival order is the same
+    CHECK(c.final_state_hash == d.final_state_hash);  // two ranks
     const ls::RunResult one = train("local", 8, 1);
     CHECK(one.final_state_hash != a.final_state_hash);  // the reductions follow the thread count
     // Portable, for contrast: one hash at every thread count and mesh.
     const ls::RunResult p1 = train("portable", 8, 1), p2 = train("portable", 8, 2, {"mesh.dp=2"});
     CHECK(p1.final_state_hash == p2.final_state_hash);
+  }
+
+  // The ranks' partials are added left to right in rank order, never in the
+  // order they arrive (random delays in every collective reorder arrivals
+  // here): three ranks or more are as reproducible as two. The gradient
+  // norm's threads likewise add in thread order.
+  TEST_CASE("local is bitwise run to run on dp 8 and tp 2 in one process, and at 4 threads; the mesh moves it") {
+    auto jittered = [](uint64_t seed) { return [seed](ls::RunOptions& o) { o.jitter_seed = seed; }; };
+    const std::vector<std::string> dp8 = {"mesh.dp=8"}, tp2 = {"mesh.tp=2"};
+    const ls::RunResult a = train("local", 6, 2, dp8, "", jittered(1)), b = train("local", 6, 2, dp8, "", jittered(2)),
+                        c = train("local", 6, 2, dp8, "", jittered(3));
+    CHECK(a.final_state_hash == b.final_state_hash);
+    CHECK(a.final_state_hash == c.final_state_hash);
+    const ls::RunResult t1 = train("local", 6, 2, tp2, "", jittered(4)),
+                        t2 = train("local", 6, 2, tp2, "", jittered(5));
+    CHECK(t1.final_state_hash == t2.final_state_hash);
+    const ls::RunResult four1 = train("local", 6, 4), four2 = train("local", 6, 4);
+    CHECK(four1.final_state_hash == four2.final_state_hash);
+    // Another mesh is another order: local's bits move with it (portable's do not).
+    const ls::RunResult dp4 = train("local", 6, 2, {"mesh.dp=4"}, "", jittered(6));
+    CHECK(dp4.final_state_hash != a.final_state_hash);
+    CHECK(t1.final_state_hash != a.final_state_hash);
+    CHECK(train("portable", 6, 2, dp8, "", jittered(7)).final_state_hash ==
+          train("portable", 6, 2, {"mesh.dp=4"}, "", jittered(8)).final_state_hash);
+  }
+
+  // A trace must describe the run it watches: at 2 threads one rank runs in
+  // data lanes (runner/data_lanes.h), and a traced run did not, which at this
+  // level is another computation. Likewise a fault's phase hook.
+  TEST_CASE("tracing a local run changes no bit, on one rank (data lanes) and on tp 2 x dp 2; nor does a fault hook") {
+    const fs::path dir = lstest::cli_temp_dir() / "local-traced";
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    std::string one_rank_hash;
+    for (const std::vector<std::string>& mesh : {std::vector<std::string>{}, {"mesh.tp=2", "mesh.dp=2"}}) {
+      CAPTURE(mesh.size());
+      const fs::path path = dir / ("mesh" + std::to_string(mesh.size()) + ".jsonl");
+      const ls::RunResult plain = train("local", 4, 2, mesh);
+      const ls::RunResult traced =
+          train("local", 4, 2, mesh, "", [&](ls::RunOptions& o) { o.trace_path = path.string(); });
+      CHECK(traced.final_state_hash == plain.final_state_hash);
+      REQUIRE(traced.losses.size() == 4);
+      REQUIRE(plain.losses.size() == 4);
+      // The trace was written and holds this run: every step's tensors, loss bits and the final hash.
+      REQUIRE(fs::exists(path));
+      const ls::Trace t = ls::read_trace(path.string());
+      REQUIRE(t.steps.size() == 4);
+      CHECK(t.end.value("final_state_hash", "") == plain.final_state_hash);
+      for (int i = 0; i < 4; ++i) {
+        CAPTURE(i);
+        CHECK(hex_bits(traced.losses[i]) == hex_bits(plain.losses[i]));
+        CHECK(t.steps[i].value("loss_bits", "") == hex_bits(plain.losses[i]));
+        int grads = 0, forward = 0;
+        for (const nlohmann::json& r : t.tensors) {
+          if (r.value("step", 0) != i + 1) continue;
+          grads += r.value("phase", "") == "grad";
+          forward += r.value("phase", "") == "fwd";
+        }
+        CHECK(grads > 0);
+        CHECK(forward > 0);
+      }
+      if (mesh.empty()) one_rank_hash = plain.final_state_hash;
+    }
+    // The other way of using the threads (one model, each op split) really is other bits here:
+    // a trace that took it would not describe the run.
+    struct LanesOff {
+      LanesOff() { ls::set_data_lanes_enabled(false); }
+      ~LanesOff() { ls::set_data_lanes_enabled(true); }
+    };
+    std::string one_model_hash;
+    {
+      LanesOff off;
+      one_model_hash = train("local", 4, 2).final_state_hash;
+    }
+    CHECK(one_model_hash != one_rank_hash);
+    // A planted fault (a straggler: it slows, never changes a bit) installs the phase hook; the bits stay.
+    const ls::RunResult slowed =
+        train("local", 4, 2, {}, "", [](ls::RunOptions& o) { o.faults = {ls::parse_fault("straggler@2:slow=0.001")}; });
+    CHECK(slowed.final_state_hash == one_rank_hash);
+  }
+
+  // What the key's help and the summary say must be what the tests above hold.
+  TEST_CASE("the key's help and the summary's numerics line name OpenBLAS and claim only what holds") {
+    const lstest::CliResult keys = lstest::run_cli("keys");
+    REQUIRE(keys.rc == 0);
+    CHECK(keys.out.find("Eigen GEMMs") == std::string::npos);
+    CHECK(keys.out.find("(OpenBLAS sgemm, or Eigen in a build without OpenBLAS;") != std::string::npos);
+    CHECK(keys.out.find("the same bits run to run at a fixed thread count and mesh in one process") !=
+          std::string::npos);
+    const auto sc =
+        lstest::write_temp("local_summary.json", R"({"numerics": {"level": "local"}, "train": {"steps": 2}})");
+    const lstest::CliResult run = lstest::run_cli("run " + sc.string() + " --threads 2");
+    REQUIRE(run.rc == 0);
+    CHECK(run.out.find("numerics        local: the same bits run to run at this thread count and mesh only; GEMMs by "
+                       + ls::ops::local::gemm_library()) != std::string::npos);
   }
 
   TEST_CASE("--profile-ops times every kind of op and changes no bit") {

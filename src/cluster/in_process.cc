@@ -2,8 +2,9 @@
 // A collective has every rank post its buffer, wait for all, compute its own
 // result from the posted buffers in rank order (the canonical tree for sums),
 // and wait again before anyone may reuse a buffer. Arrival order never
-// enters a result (except at numerics.level=local, where float sums follow it
-// on purpose, to show what that costs in reproducibility).
+// enters a result. (At numerics.level=local float sums go left to right in
+// rank order, as a plain reduction would: fixed run to run, but not the
+// contract's tree, so they move with the number of ranks.)
 #include <sched.h>
 
 #include <algorithm>
@@ -75,7 +76,6 @@ struct Hub {
   std::atomic<uint64_t> mail_sent{0};     // messages ever sent here (under mu), for a spinning receiver
   std::vector<const void*> posted;
   std::vector<size_t> posted_bytes;
-  std::vector<int> arrivals;  // ranks in the order they posted to the current collective
   std::map<std::pair<int, int>, std::deque<std::vector<char>>> mail;  // (src, dst) -> messages
   std::map<std::pair<uint64_t, int>, std::shared_ptr<Hub>> children;  // (split number, color)
   bool aborted = false;  // a rank failed: every wait gives up instead of hanging
@@ -458,28 +458,22 @@ class InProcessComm : public Communicator {
     jitter();
     hub_->posted[rank_] = p;
     hub_->posted_bytes[rank_] = bytes;
-    {
-      // A collective's posts all happen after the last one's final wait: the
-      // first post of a new collective starts a new arrival list.
-      std::lock_guard<std::mutex> lk(hub_->mu);
-      if ((int)hub_->arrivals.size() == size()) hub_->arrivals.clear();
-      hub_->arrivals.push_back(rank_);
-    }
     wait_peers();
   }
   // Elements [offset, offset+count) of the posted buffers, summed over ranks
-  // by the canonical tree; at numerics.level=local, as an ordinary trainer
-  // might: left to right in the order the ranks arrived.
+  // by the canonical tree; at numerics.level=local, as a plain reduction
+  // does: left to right in rank order (the same bits run to run at a fixed
+  // mesh; each rank computes it alike, so all get one result).
   // (In out_, kept between calls: no fresh pages each collective.)
   const std::vector<float>& tree_over_ranks(size_t offset, size_t count) {
     std::vector<const float*> parts(size());
     for (int r = 0; r < size(); ++r) parts[r] = (const float*)hub_->posted[r];
     std::vector<float>& out = out_;
     out.resize(count);
-    if (local_numerics()) {
-      std::memcpy(out.data(), parts[hub_->arrivals[0]] + offset, count * sizeof(float));
+    if (local_numerics() && count > 0) {
+      std::memcpy(out.data(), parts[0] + offset, count * sizeof(float));
       for (int k = 1; k < size(); ++k) {
-        const float* part = parts[hub_->arrivals[k]] + offset;
+        const float* part = parts[k] + offset;
         for (size_t i = 0; i < count; ++i) out[i] += part[i];
       }
       return out;

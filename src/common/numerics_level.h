@@ -1,8 +1,8 @@
 // The numerics level a run declares (docs/NUMERICS.md §8). `portable` obeys
 // the contract: bits depend on the math only. `local` computes the same model
-// the way an ordinary fast trainer does (Eigen GEMMs over all tokens at once,
-// the C library's exp, reductions in the order that is fastest for the
-// threads, data-parallel sums in arrival order): bitwise run to run only at a
+// the way an ordinary fast trainer does (OpenBLAS GEMMs over all tokens at
+// once, the C library's exp, reductions in a fixed order per thread count,
+// ranks' sums left to right in rank order): bitwise run to run only at a
 // fixed thread count and mesh, held to `portable` by tolerance.
 //
 // Process-wide: the ranks of an in-process mesh are threads of one run.

@@ -175,9 +175,26 @@ void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_
 }
 
 float param_sumsq(const float* v, int64_t n) {
+  // OpenMP's reduction(+) would add the threads' partials as they finish
+  // (libgomp: in arrival order, which varies run to run from 3 threads on);
+  // like ATen's parallel_reduce, each thread sums a fixed range into its
+  // slot and the slots are added in thread order.
+  auto range = [v](int64_t lo, int64_t hi) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = lo; i < hi; ++i) s += v[i] * v[i];
+    return s;
+  };
+  const int threads = n >= (1 << 16) && !omp_in_parallel() && !in_pool_job() ? omp_get_max_threads() : 1;
+  if (threads == 1) return range(0, n);
+  std::vector<float> part((size_t)threads, 0.0f);
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), team = omp_get_num_threads();
+    part[(size_t)t] = range(n * t / team, n * (t + 1) / team);
+  }
   float s = 0.0f;
-#pragma omp parallel for simd reduction(+ : s) schedule(static) if (n >= (1 << 16) && !omp_in_parallel() && !in_pool_job())
-  for (int64_t i = 0; i < n; ++i) s += v[i] * v[i];
+  for (float x : part) s += x;  // in thread order
   return s;
 }
 

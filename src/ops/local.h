@@ -2,7 +2,8 @@
 // math as the contract ops, computed the way an ordinary fast trainer does.
 // OpenBLAS's (or Eigen's) GEMM, weight gradients over all tokens at once, the C library's
 // expf, reductions vectorised and split over threads in whatever order is
-// fastest. This translation unit alone is compiled with contraction allowed
+// fastest for that thread count (fixed for it: never the order threads finish).
+// This translation unit alone is compiled with contraction allowed
 // (-ffp-contract=fast). The portable ops call these when the level is local;
 // nothing here obeys docs/NUMERICS.md.
 #pragma once
@@ -35,7 +36,8 @@ void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int 
 // As ops::rmsnorm_weight_grad: per-thread partials over token ranges, added
 // in thread order. Reduces over the token index.
 void rmsnorm_weight_grad(const float* x, const float* r, const float* dy, int64_t N, int D, float* dw);
-// Sum of squares: an OpenMP reduction (its order depends on the thread count).
+// Sum of squares: per-thread partials over fixed ranges, added in thread
+// order (the order depends on the thread count, not on timing).
 float param_sumsq(const float* v, int64_t n);
 // Sum over tokens, vectorised. Reduces over the token index.
 float token_sum(const float* v, int64_t N);

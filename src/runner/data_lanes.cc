@@ -11,6 +11,7 @@
 #include "cluster/communicator.h"
 #include "common/error.h"
 #include "common/thread_pool.h"
+#include "runner/mesh_trace.h"
 
 namespace ls {
 namespace {
@@ -121,7 +122,7 @@ void DataLanes::barrier() {
   }
 }
 
-StepLosses DataLanes::forward_backward(MoeTransformer& main, const uint8_t* tokens, int batch) {
+StepLosses DataLanes::forward_backward(MoeTransformer& main, const uint8_t* tokens, int batch, TraceSink* trace) {
   const int per = batch / lanes_;
   const int64_t sample_bytes = main.config().seq_len + 1, weights = main.num_weights();
   arrived_.store(0);
@@ -131,6 +132,18 @@ StepLosses DataLanes::forward_backward(MoeTransformer& main, const uint8_t* toke
   for (auto& m : models_) {
     m->set_debug_reorder_moe_norm(main.debug_reorder_moe_norm());
     lane_models.push_back(m.get());
+  }
+  // Traced: each lane's pieces (a data-parallel rank's rows) assembled into
+  // the one-rank records; the weights and the combined gradients are lane 0's.
+  std::unique_ptr<MeshTrace> traced;
+  if (trace) {
+    std::vector<std::string> names;
+    for (const ParamInfo& p : main.params()) names.push_back(p.name);
+    traced = std::make_unique<MeshTrace>(trace, "", main.config().n_layers, std::move(names),
+                                         std::vector<MeshConfig::RankCoords>((size_t)lanes_));
+    for (int lane = 0; lane < lanes_; ++lane) lane_models[(size_t)lane]->set_trace(traced->rank_sink(lane), false);
+    for (const ParamInfo& p : main.params())
+      traced->rank_sink(0)->tensor("params", -1, "param", p.name.c_str(), main.weights() + p.offset, p.shape);
   }
   std::vector<const float*> grads;
   for (MoeTransformer* m : lane_models) grads.push_back(m->grads());
@@ -153,8 +166,13 @@ StepLosses DataLanes::forward_backward(MoeTransformer& main, const uint8_t* toke
       failed_.store(true, std::memory_order_release);
     }
   });
-  for (MoeTransformer* m : lane_models) m->set_mesh(nullptr);
+  for (MoeTransformer* m : lane_models) m->set_mesh(nullptr), m->set_trace(nullptr);
   if (error_) std::rethrow_exception(error_);
+  if (traced) {
+    for (const ParamInfo& p : main.params())
+      traced->rank_sink(0)->tensor("grad", -1, "param", p.name.c_str(), main.grads() + p.offset, p.shape);
+    traced->flush();
+  }
   std::vector<const MoeStats*> stats;
   for (MoeTransformer* m : lane_models) stats.push_back(&m->moe_stats());
   main.set_moe_stats_from_lanes(stats);

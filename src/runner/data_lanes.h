@@ -10,7 +10,10 @@
 //
 // The bits equal one model running the whole batch when each lane holds a
 // power-of-two number of leaves (the rule mesh.dp follows) and the `drop`
-// policy is off (its capacity counts the tokens one model sees).
+// policy is off (its capacity counts the tokens one model sees). At
+// numerics.level=local they do not (each lane's GEMMs see its own rows), so
+// a traced step runs in lanes as an untraced one does: the lanes trace their
+// pieces and the step is written in the one-rank format, as a mesh's is.
 #pragma once
 
 #include <atomic>
@@ -21,6 +24,7 @@
 #include <vector>
 
 #include "model/model.h"
+#include "trace/sink.h"
 
 namespace ls {
 
@@ -44,7 +48,9 @@ class DataLanes {
   // Forward and backward of the whole batch: main runs lane 0; main.grads()
   // gets the batch's gradient and main.moe_stats() the batch's routing
   // statistics, as main.forward_backward(tokens, batch) would leave them.
-  StepLosses forward_backward(MoeTransformer& main, const uint8_t* tokens, int batch);
+  // trace: where the step's records go, the weights and gradients included
+  // (nullptr: untraced); main's own sink must be unset meanwhile.
+  StepLosses forward_backward(MoeTransformer& main, const uint8_t* tokens, int batch, TraceSink* trace = nullptr);
 
  private:
   class LaneGroup;

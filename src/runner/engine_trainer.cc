@@ -25,13 +25,21 @@ class EngineTrainer : public Trainer {
   float train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) override {
     // With several threads, whole lanes of samples side by side when that
     // keeps the bits (runner/data_lanes.h); else every op split over threads.
-    // Traced and hooked steps run as one model: sinks and hooks see one rank.
+    // Neither tracing nor a fault's phase hook picks the way (at
+    // numerics.level=local the two ways give different bits): a traced step
+    // in lanes writes the lanes' pieces as one rank's records, and the hook
+    // fires in lane 0, the model it is set on.
     const int threads = omp_get_max_threads();
     StepLosses l;
-    if (!traced_ && !phase_hook_ &&
-        DataLanes::applicable(model_.config(), leaf_samples_, model_.num_weights(), batch, threads)) {
+    if (DataLanes::applicable(model_.config(), leaf_samples_, model_.num_weights(), batch, threads)) {
       if (!lanes_ || lanes_->lanes() != threads) lanes_ = std::make_unique<DataLanes>(model_, threads);
-      l = lanes_->forward_backward(model_, tokens, batch);
+      model_.set_trace(nullptr);  // the lanes trace instead
+      struct Retrace {
+        MoeTransformer& model;
+        TraceSink* sink;
+        ~Retrace() { model.set_trace(sink); }
+      } retrace{model_, trace_};
+      l = lanes_->forward_backward(model_, tokens, batch, trace_);
     } else {
       l = model_.forward_backward(tokens, batch);
     }
@@ -63,7 +71,7 @@ class EngineTrainer : public Trainer {
   }
   void set_trace(TraceSink* sink) override {
     model_.set_trace(sink);
-    traced_ = sink != nullptr;
+    trace_ = sink;
   }
   void debug_bump_weight(const std::string& param, int64_t index) override {
     bool known = false;
@@ -114,7 +122,7 @@ class EngineTrainer : public Trainer {
   AdamW opt_;
   int leaf_samples_;
   std::unique_ptr<DataLanes> lanes_;
-  bool traced_ = false;
+  TraceSink* trace_ = nullptr;
   std::function<void(TrainPhase, int)> phase_hook_;
 };
 

@@ -272,8 +272,11 @@ std::vector<Row> numerics_rows() {
             {at_least(1)}),
       field("numerics.level", [](S& s) -> std::string& { return s.level; },
             "portable: the numerics contract, the same bits on every mesh, thread count and backend; local: an "
-            "ordinary fast trainer's numerics (Eigen GEMMs, the C library's exp, reductions in the fastest order), "
-            "bitwise only run to run at a fixed thread count and mesh (docs/NUMERICS.md section 8).",
+            "ordinary fast trainer's numerics (OpenBLAS sgemm, or Eigen in a build without OpenBLAS; the C "
+            "library's exp; reductions in fixed orders that are not the contract's, e.g. the ranks' partials added "
+            "left to right): the same bits run to run at a fixed thread count and mesh in one process (under "
+            "--launcher mpi the ranks' sums are the MPI library's, in its order); another thread count or mesh may "
+            "change them (docs/NUMERICS.md section 8).",
             {one_of({"portable", "local"})}),
   };
 }
