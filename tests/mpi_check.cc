@@ -1,7 +1,8 @@
 // Run under mpirun (tests/test_mpi.cc starts it): every collective of the
 // MPI communicator against its definition, on every rank, bit for bit. The
 // float sums must equal contract.h's canonical tree over rank index, which
-// the in-process communicator also computes. Exit 0 when every check held.
+// the in-process communicator also computes; at numerics.level=local, the
+// rank-order sum. Exit 0 when every check held.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "cluster/mpi.h"
+#include "common/numerics_level.h"
 #include "contract.h"
 
 namespace {
@@ -134,6 +136,43 @@ void run_checks(ls::Communicator& c, const std::string& name) {
   c.barrier();
 }
 
+// numerics.level=local: the same exchanges, each block's parts added left
+// to right in rank order (not the tree: from 4 ranks on they differ),
+// blocking and started alike.
+void run_local_checks(ls::Communicator& c, const std::string& name) {
+  ls::numerics_level_slot().store((int)ls::NumericsLevel::kLocal);
+  const int R = c.size(), me = c.rank();
+  const size_t n = 70001;
+  std::vector<std::vector<float>> vals(R);
+  for (int r = 0; r < R; ++r) vals[r] = rank_values(r, n);
+  std::vector<float> want = vals[0];
+  int off_tree = 0;
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<float> col(R);
+    for (int r = 1; r < R; ++r) want[i] += vals[r][i];
+    for (int r = 0; r < R; ++r) col[r] = vals[r][i];
+    off_tree += want[i] != ls::tree_sum(col.data(), R);
+  }
+  if (R >= 4) expect(off_tree > 0, me, name + " local: rank order is not the tree here");
+  std::vector<size_t> counts(R);
+  size_t off = 0;
+  for (int r = 0; r < R; ++r) counts[r] = n * (r + 1) / R - n * r / R;
+  for (int r = 0; r < me; ++r) off += counts[r];
+  std::vector<float> all = vals[me], started = vals[me], mine(counts[me]), mine_started(counts[me]);
+  c.all_reduce_sum(all.data(), n);
+  c.reduce_scatter_sum(vals[me].data(), mine.data(), counts);
+  ls::Pending a = c.start_all_reduce_sum(started.data(), n);
+  ls::Pending s = c.start_reduce_scatter_sum(vals[me].data(), mine_started.data(), counts);
+  s->wait();
+  a->wait();
+  expect(all == want, me, name + " local all_reduce");
+  expect(started == want, me, name + " local started all_reduce");
+  expect(std::memcmp(mine.data(), want.data() + off, counts[me] * 4) == 0, me, name + " local reduce_scatter");
+  expect(std::memcmp(mine_started.data(), want.data() + off, counts[me] * 4) == 0, me,
+         name + " local started reduce_scatter");
+  ls::numerics_level_slot().store((int)ls::NumericsLevel::kPortable);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -152,6 +191,7 @@ int main(int argc, char** argv) {
     expect(half->rank() == (world.rank() < world.size() / 2 ? world.rank() : world.rank() - world.size() / 2),
            world.rank(), "split order by parent rank");
     run_checks(*parity, "parity");
+    run_local_checks(world, "world");
     std::vector<int64_t> total = {failures, checks};
     world.all_reduce_sum(total.data(), 2);
     if (world.rank() == 0)

@@ -321,6 +321,44 @@ TEST_SUITE("cluster") {
     }
   }
 
+  // numerics.level=local is the baseline the price of the bits is measured against (tools/bench-cluster): on a
+  // shard group that shares a host's memory it must use that memory as the invariant run does, not messages,
+  // and fold each block as its peers finish it, during the backward.
+  TEST_CASE("mesh.shared_memory at numerics.level=local: the twin folds in place too, during the backward") {
+    const std::vector<std::string> wide = {"model.d_model=64", "model.d_ff=128", "train.steps=4",
+                                           "numerics.level=local", "mesh.dp=2"};
+    auto with = [&](const std::vector<std::string>& more) {  // (more after wide: it may override)
+      std::vector<std::string> sets = wide;
+      sets.insert(sets.end(), more.begin(), more.end());
+      return run(sets);
+    };
+    const Outcome shared = with({});
+    const Outcome messages = with({"mesh.shared_memory=false"});
+    CHECK(shared.result.level == "local");
+    const auto& in_place = shared.result.bytes_sent_per_step;
+    const auto& sent = messages.result.bytes_sent_per_step;
+    // Messages: the gradients reduce-scattered (started during the backward), the weights all-gathered.
+    REQUIRE(sent.count("reduce_scatter") == 1);
+    CHECK(sent.at("reduce_scatter") > 1000);
+    CHECK(sent.count("shared_fold") == 0);
+    CHECK(messages.result.comm_in_flight_seconds_per_step > 0);
+    // Shared memory: no gradient or weight sent; the bytes a reduce-scatter would have received read in place
+    // (two ranks: the same figure), some of them while the backward still ran; the shards published once.
+    CHECK(in_place.count("reduce_scatter") == 0);
+    CHECK(in_place.at("shared_fold") == sent.at("reduce_scatter"));
+    CHECK(in_place.at("shared_fold_in_backward") > 0);
+    CHECK(in_place.at("shared_fold_in_backward") <= in_place.at("shared_fold"));
+    CHECK(in_place.at("shared_publish") > 0);
+    CHECK(in_place.at("all_gather") < sent.at("all_gather") - sent.at("reduce_scatter") / 2);
+    // Two addends commute: the same sums, moved another way. (Local's bits still move with the mesh.)
+    CHECK(shared.hash == messages.hash);
+    CHECK(shared.hash != with({"mesh.dp=1"}).hash);
+    // Portable, the same transport: folds during the backward too.
+    const Outcome portable = with({"numerics.level=portable"});
+    CHECK(portable.result.bytes_sent_per_step.at("shared_fold") == in_place.at("shared_fold"));
+    CHECK(portable.result.bytes_sent_per_step.at("shared_fold_in_backward") > 0);
+  }
+
   TEST_CASE("the summary splits exposed communication by kind, and times the copies for collectives") {
     // As messages: through shared memory a chain's waits are timed only when a rank really waited.
     ls::Scenario s = ls::scenario_from_json(nlohmann::json::parse(kTiny), "tiny.json",

@@ -284,11 +284,42 @@ TEST_SUITE("mpi") {
     }
   }
 
+  // numerics.level=local on a data-parallel mesh of processes on one node:
+  // the local twin (tools/bench-cluster's baseline) shares the node's memory
+  // as the invariant run does, its ranks' gradients added in rank order,
+  // each block folded as the peers finish it during the backward.
+  TEST_CASE("local data parallel as processes on one node: folded in place during the backward, not sent") {
+    if (!ls::mpi_available()) return;
+    const std::string mesh = "--set mesh.dp=2 --set numerics.level=local";
+    const std::string wide = " --set model.d_model=64 --set model.d_ff=256 --set train.steps=4";
+    const Run shared = run_lockstep(2, mesh + wide);
+    const Run messages = run_lockstep(2, mesh + wide + " --set mesh.shared_memory=false");
+    const Run threads = run_lockstep(0, mesh + wide);
+    CAPTURE(shared.err);
+    REQUIRE(shared.rc == 0);
+    REQUIRE(messages.rc == 0);
+    REQUIRE(threads.rc == 0);
+    CHECK(shared.summary["processes"] == 2);
+    CHECK(shared.summary["level"] == "local");
+    // Two addends commute: processes or threads, shared memory or messages, the same sums.
+    CHECK(shared.hash == messages.hash);
+    CHECK(shared.hash == threads.hash);
+    const nlohmann::json& in_place = shared.summary["bytes_sent_per_rank_per_step"];
+    const nlohmann::json& sent = messages.summary["bytes_sent_per_rank_per_step"];
+    CHECK(sent["reduce_scatter"].get<double>() > 0);
+    CHECK(!in_place.contains("reduce_scatter"));
+    CHECK(in_place["shared_fold"].get<double>() == sent["reduce_scatter"].get<double>());
+    CHECK(in_place["shared_fold_in_backward"].get<double>() > 0);
+    CHECK(in_place["all_gather"].get<double>() * 100 < sent["all_gather"].get<double>());
+    // As messages (as across hosts) the reduce-scatters are started during the backward.
+    CHECK(messages.summary["comm_in_flight_seconds_per_rank_per_step"].get<double>() > 0);
+  }
+
   // numerics.level=local on a tensor-parallel mesh as processes: the partial
-  // folds summed by MPI_Allreduce, not chained. Two addends commute, so the
-  // processes and the threads agree here; the bits are not the one-rank
-  // run's, and the chain's sends are gone.
-  TEST_CASE("local tensor parallel as processes: partials summed by the library, no chain") {
+  // folds summed by an all-reduce (its blocks added in rank order), not
+  // chained. Two addends commute, so the processes and the threads agree
+  // here; the bits are not the one-rank run's, and the chain's sends are gone.
+  TEST_CASE("local tensor parallel as processes: partials summed by an all-reduce, no chain") {
     if (!ls::mpi_available()) return;
     const Run one = run_lockstep(0, "--set numerics.level=local");
     const Run mpi = run_lockstep(2, "--set mesh.tp=2 --set numerics.level=local");

@@ -139,6 +139,11 @@ inline bool flag_at_least(const int64_t* flag, int64_t value) {
 // LeafTree, in rank order) of parts[r][offset + i], for i < n. out may be one
 // of the parts' own elements (it is written only after every part is read).
 void tree_over_ranks(const float* const* parts, int count, size_t offset, size_t n, float* out);
+// numerics.level=local's sum over ranks (the usual way, a fixed order that
+// is not the contract's): out[i] = parts[0][offset + i] + parts[1][offset +
+// i] + ... left to right in rank order (two ranks: the tree's sum). out may
+// be parts[0]'s or parts[1]'s own elements, not a later part's.
+void sum_in_rank_order(const float* const* parts, int count, size_t offset, size_t n, float* out);
 
 class Communicator {
  public:

@@ -193,14 +193,14 @@ class MpiComm : public Communicator {
 
   // Block r of every rank's buffer goes to rank r (all-to-all), which sums
   // it by the canonical tree over ranks; the sums are all-gathered. Each
-  // rank sends 2 n (R-1)/R bytes, as a ring all-reduce would.
+  // rank sends 2 n (R-1)/R bytes, as a ring all-reduce would. At
+  // numerics.level=local the same exchange, each block's parts added in
+  // rank order (start_reduce_blocks): the usual way at its best. (Open
+  // MPI's MPI_Ireduce_scatter reduces the whole buffer to rank 0, then
+  // scatters it: twice the bytes, in rounds that move only inside MPI calls.)
   void all_reduce_sum(float* buf, size_t count) override {
     const CommStats::Timer timed = stats.add("all_reduce", all_reduce_bytes_sent(count, 4, size_));
     if (size_ == 1) return;
-    if (local_numerics()) {  // the usual way: the library's reduction, in whatever order it picks
-      check(MPI_Allreduce(MPI_IN_PLACE, buf, as_count(count, "all_reduce"), MPI_FLOAT, MPI_SUM, comm_), "all_reduce");
-      return;
-    }
     const std::vector<size_t> counts = all_reduce_blocks(count);
     std::vector<float> mine(counts[rank_]);
     reduce_blocks(buf, counts, mine.data());
@@ -224,12 +224,6 @@ class MpiComm : public Communicator {
 
   void reduce_scatter_sum(const float* send, float* recv, const std::vector<size_t>& counts) override {
     const CommStats::Timer timed = stats.add("reduce_scatter", reduce_scatter_bytes_sent(counts, rank_));
-    if (local_numerics() && size_ > 1) {  // the library's reduction, as all_reduce_sum
-      std::vector<int> n(size_);
-      for (int r = 0; r < size_; ++r) n[r] = as_count(counts[r], "reduce_scatter");
-      check(MPI_Reduce_scatter(send, recv, n.data(), MPI_FLOAT, MPI_SUM, comm_), "reduce_scatter");
-      return;
-    }
     reduce_blocks(send, counts, recv);
   }
 
@@ -277,12 +271,6 @@ class MpiComm : public Communicator {
     if (size_ == 1) return Communicator::start_all_reduce_sum(buf, count);
     stats.count("all_reduce", all_reduce_bytes_sent(count, 4, size_));
     auto p = std::make_unique<MpiPending>(&stats, "all_reduce", pool_);
-    if (local_numerics()) {
-      p->requests.resize(1);
-      check(MPI_Iallreduce(MPI_IN_PLACE, buf, as_count(count, "all_reduce"), MPI_FLOAT, MPI_SUM, comm_,
-                           &p->requests[0]), "all_reduce");
-      return p;
-    }
     // Block rank() of the sum, then the all-gather of the blocks into buf.
     const std::vector<size_t> counts = all_reduce_blocks(count);
     MpiPending* raw = p.get();
@@ -303,14 +291,6 @@ class MpiComm : public Communicator {
     if (size_ == 1) return Communicator::start_reduce_scatter_sum(send, recv, counts);
     stats.count("reduce_scatter", reduce_scatter_bytes_sent(counts, rank_));
     auto p = std::make_unique<MpiPending>(&stats, "reduce_scatter", pool_);
-    if (local_numerics()) {
-      p->counts.resize(size_);
-      for (int r = 0; r < size_; ++r) p->counts[r] = as_count(counts[r], "reduce_scatter");
-      p->requests.resize(1);
-      check(MPI_Ireduce_scatter(send, recv, p->counts.data(), MPI_FLOAT, MPI_SUM, comm_, &p->requests[0]),
-            "reduce_scatter");
-      return p;
-    }
     start_reduce_blocks(*p, send, counts, recv, nullptr);
     return p;
   }
@@ -449,7 +429,8 @@ class MpiComm : public Communicator {
     p.then = [this, in, mine, my_offset, out, scratch, after = std::move(after)] {
       std::vector<const float*> parts(size_);
       for (int r = 0; r < size_; ++r) parts[r] = r == rank_ ? in + my_offset : scratch + (size_t)r * mine;
-      tree_over_ranks(parts.data(), size_, 0, mine, out);
+      if (local_numerics()) sum_in_rank_order(parts.data(), size_, 0, mine, out);
+      else tree_over_ranks(parts.data(), size_, 0, mine, out);
       if (after) after();
     };
   }

@@ -11,6 +11,12 @@
 // is copied and when changes. A rank's flag per block says which training
 // pass last finished it (release store); its peers read it (acquire load).
 //
+// At numerics.level=local the group shares memory the same way (the usual
+// way's transport on one host is the same memory) and each rank adds the
+// ranks' gradients for its share left to right in rank order instead of by
+// the tree: its folds still run as the peers finish each block, during the
+// backward, as PyTorch DDP's buckets reduce.
+//
 // Why it is safe without more barriers: a rank folds a block only after
 // every rank's backward finished it, and a rank reaches its next pass (where
 // its gradients are overwritten and the shards republished) only after the
@@ -29,7 +35,7 @@ bool ClusterTrainer::may_share_memory(const Rank& r) const {
   if (!m.shared_memory || m.shard_group() < 2 || m.dp / m.shard_group() != 1) return false;
   // Not where a tensor needs another collective first (SP's TP partials), a
   // pipeline reduces per microbatch, or a kernel backend holds the buffers.
-  if (m.sp || r.stage || ops::installed_kernels() || local_numerics()) return false;
+  if (m.sp || r.stage || ops::installed_kernels()) return false;
   for (const ParamInfo& p : r.model->params())
     if (!placement_.sharded(p)) return false;  // expert-parallel slices: all-reduced over their own group
   return true;
@@ -107,17 +113,21 @@ float* ClusterTrainer::master_shard(const Rank& r, size_t t) const {
 }
 
 // This rank's backward finished `block` (its gradients written): say so,
-// then fold whatever every rank has finished.
+// then fold whatever every rank has finished (while blocks below are still
+// to compute: in the backward).
 void ClusterTrainer::node_block_done(Rank& r, int block) {
   NodeShare& node = *r.node;
   publish_flag(node.flag(node.me, block), node.pass);
-  fold_ready_blocks(r, /*wait=*/false);
+  fold_ready_blocks(r, /*wait=*/false, /*in_backward=*/block > 0);
 }
 
 // Folds this rank's share of each block every rank has finished, in the
 // order the backward finishes them (last block first); wait: all of them,
-// waiting for the peers (exposed time, as a reduce-scatter's wait).
-void ClusterTrainer::fold_ready_blocks(Rank& r, bool wait) {
+// waiting for the peers (exposed time, as a reduce-scatter's wait). Counts
+// the bytes read from the peers as `shared_fold` (a reduce-scatter would
+// have received them), and as `shared_fold_in_backward` too when the
+// backward still has blocks to run.
+void ClusterTrainer::fold_ready_blocks(Rank& r, bool wait, bool in_backward) {
   NodeShare& node = *r.node;
   const auto& infos = r.model->params();
   std::vector<const float*> parts((size_t)node.ranks);
@@ -137,7 +147,11 @@ void ClusterTrainer::fold_ready_blocks(Rank& r, bool wait) {
     for (size_t t : r.block_tensors[(size_t)b]) {
       const auto [lo, hi] = range(r, t);
       for (int q = 0; q < node.ranks; ++q) parts[(size_t)q] = node.grads_of(q) + infos[t].offset + lo;
-      tree_over_ranks(parts.data(), node.ranks, 0, (size_t)(hi - lo), reduced_shard(r, t));
+      if (local_numerics()) sum_in_rank_order(parts.data(), node.ranks, 0, (size_t)(hi - lo), reduced_shard(r, t));
+      else tree_over_ranks(parts.data(), node.ranks, 0, (size_t)(hi - lo), reduced_shard(r, t));
+      const uint64_t peers = sizeof(float) * (uint64_t)(hi - lo) * (uint64_t)(node.ranks - 1);
+      r.comm.count("shared_fold", peers);
+      if (in_backward) r.comm.count("shared_fold_in_backward", peers);
     }
     node.folded[(size_t)b] = 1;
   }

@@ -432,7 +432,7 @@ MeshReport ClusterTrainer::mesh_report() const {
     const MoeStats& st = me.model->moe_stats();
     static const char* kKinds[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
                                    "broadcast",  "send",           "shared_send", "shared_final", "shared_gather",
-                                   "shared_publish", "norm_chain"};
+                                   "shared_publish", "norm_chain", "shared_fold", "shared_fold_in_backward"};
     constexpr size_t kFirstKind = 12, kKindCount = sizeof kKinds / sizeof *kKinds, kComm = kFirstKind + kKindCount;
     std::vector<int64_t> rec = {st.rounds, st.borrowed, st.dropped, st.expert_gemm_calls, st.all_to_all_calls,
                                 st.all_to_all_bytes, st.peak_expert_bytes, st.peak_dispatch_bytes,

@@ -94,7 +94,8 @@ class ClusterTrainer : public Trainer {
   void node_block_done(Rank& r, int block);
   // The tensor group's shared hand-off region for the chain (cluster/shared_chain.h), made once.
   void attach_shared_chain(Rank& r, Mesh& mesh);
-  void fold_ready_blocks(Rank& r, bool wait);
+  // in_backward: called between the backward's blocks, with more to run (counted as such).
+  void fold_ready_blocks(Rank& r, bool wait, bool in_backward = false);
   // What a rank left in flight, dropped (an exception on the way out).
   static void abandon_in_flight(Rank& r);
   // last_tp_rank_only: may return a sum only the TP group's last rank holds (split_tensor_sumsq's chain).

@@ -353,7 +353,8 @@ std::vector<Row> data_parallel_rows() {
             "each rank's gradient share from the ranks' buffers: no all-gather or reduce-scatter messages (not "
             "with a pipeline, sequence parallel or expert parallel). A tensor group hands its chain's partial and "
             "finished outputs over through a shared buffer instead of sends and broadcasts. The same folds in the "
-            "same order, so the same bits; false sends messages. CPU engine only."),
+            "same order, so the same bits; false sends messages. At numerics.level=local a shard group shares "
+            "memory too, its folds adding the ranks' gradients in rank order. CPU engine only."),
       field("mesh.ep", [](S& s) -> int& { return s.mesh.ep; },
             "Expert-parallel group size: experts are split over this many consecutive "
             "data-parallel ranks, tokens travel by all-to-all.",
