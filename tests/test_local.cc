@@ -17,6 +17,7 @@
 #include "ckpt/checkpointer.h"
 #include "ckpt/safetensors.h"
 #include "cli_run.h"
+#include "cluster/mpi.h"
 #include "common/error.h"
 #include "common/numerics_level.h"
 #include "contract.h"
@@ -28,6 +29,7 @@
 #include "runner/scenario.h"
 #include "store/store.h"
 #include "trace/diff.h"
+#include "tiny_scenario.h"
 
 namespace fs = std::filesystem;
 
@@ -319,14 +321,37 @@ TEST_SUITE("local") {
     CHECK(slowed.final_state_hash == one_rank_hash);
   }
 
+  // Under mpirun the ranks' sums are Lockstep's own exchange (each block's
+  // parts added in rank order), through shared memory or as messages: fixed
+  // run to run at a mesh, as in one process.
+  TEST_CASE("local under --launcher mpi is bitwise run to run at a fixed mesh, shared memory or messages") {
+    if (!ls::mpi_available()) return;
+    const fs::path sc = lstest::write_temp("local-mpi.json", lstest::tiny_scenario());
+    auto hash = [&](const std::string& sets) {
+      const lstest::CliResult r = lstest::run_cli("run " + sc.string() + " --launcher mpi --json --quiet --threads 1 "
+                                                  "--set numerics.level=local --set mesh.dp=4 " + sets);
+      CAPTURE(r.err);
+      REQUIRE(r.rc == 0);
+      CHECK(lstest::last_json(r.out).at("processes") == 4);
+      return lstest::last_json(r.out).at("final_state_hash").get<std::string>();
+    };
+    const std::string shared = hash(""), messages = hash("--set mesh.shared_memory=false");
+    CHECK(hash("") == shared);
+    CHECK(hash("--set mesh.shared_memory=false") == messages);
+    const lstest::CliResult dp2 = lstest::run_cli("run " + sc.string() + " --launcher mpi --json --quiet --threads 1 "
+                                                  "--set numerics.level=local --set mesh.dp=2");
+    REQUIRE(dp2.rc == 0);
+    CHECK(lstest::last_json(dp2.out).at("final_state_hash") != shared);  // another mesh, another order
+  }
+
   // What the key's help and the summary say must be what the tests above hold.
   TEST_CASE("the key's help and the summary's numerics line name OpenBLAS and claim only what holds") {
     const lstest::CliResult keys = lstest::run_cli("keys");
     REQUIRE(keys.rc == 0);
     CHECK(keys.out.find("Eigen GEMMs") == std::string::npos);
     CHECK(keys.out.find("(OpenBLAS sgemm, or Eigen in a build without OpenBLAS;") != std::string::npos);
-    CHECK(keys.out.find("the same bits run to run at a fixed thread count and mesh in one process") !=
-          std::string::npos);
+    CHECK(keys.out.find("the same bits run to run at a fixed thread count and mesh, in one process or under "
+                        "--launcher mpi") != std::string::npos);
     const auto sc =
         lstest::write_temp("local_summary.json", R"({"numerics": {"level": "local"}, "train": {"steps": 2}})");
     const lstest::CliResult run = lstest::run_cli("run " + sc.string() + " --threads 2");

@@ -470,15 +470,8 @@ class InProcessComm : public Communicator {
     for (int r = 0; r < size(); ++r) parts[r] = (const float*)hub_->posted[r];
     std::vector<float>& out = out_;
     out.resize(count);
-    if (local_numerics() && count > 0) {
-      std::memcpy(out.data(), parts[0] + offset, count * sizeof(float));
-      for (int k = 1; k < size(); ++k) {
-        const float* part = parts[k] + offset;
-        for (size_t i = 0; i < count; ++i) out[i] += part[i];
-      }
-      return out;
-    }
-    ls::tree_over_ranks(parts.data(), size(), offset, count, out.data());
+    if (local_numerics()) ls::sum_in_rank_order(parts.data(), size(), offset, count, out.data());
+    else ls::tree_over_ranks(parts.data(), size(), offset, count, out.data());
     return out;
   }
 
