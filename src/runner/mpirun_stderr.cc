@@ -1,10 +1,11 @@
 #include "runner/mpirun_stderr.h"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -13,9 +14,66 @@
 namespace ls {
 namespace {
 
-// Open MPI draws a banner between two rules of dashes.
-bool is_rule(const std::string& line) {
-  return line.size() >= 20 && line.find_first_not_of('-') == std::string::npos;
+// The relay runs in a child forked from a process with threads: only
+// async-signal-safe calls (read, write, _exit), no allocation.
+void write_all(const char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(2, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return;  // stderr gone: drop the rest
+    p += w;
+    n -= (size_t)w;
+  }
+}
+
+struct Relay {
+  char line[8192];
+  size_t len = 0;
+  bool in_banner = false;  // between two of Open MPI's rules
+
+  // Open MPI draws a banner between two rules of dashes.
+  bool is_rule() const {
+    if (len < 20) return false;
+    for (size_t i = 0; i < len; ++i)
+      if (line[i] != '-') return false;
+    return true;
+  }
+  void end_line() {
+    if (is_rule()) {
+      in_banner = !in_banner;
+    } else if (!(in_banner && len == 0)) {
+      if (in_banner) write_all("mpirun: ", 8);
+      write_all(line, len);
+      write_all("\n", 1);
+    }
+    len = 0;
+  }
+  void take(const char* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+      if (p[i] == '\n') {
+        end_line();
+      } else {
+        if (len == sizeof line) {  // an overlong line goes out in pieces, as it is
+          write_all(line, len);
+          len = 0;
+        }
+        line[len++] = p[i];
+      }
+    }
+  }
+};
+
+[[noreturn]] void relay(int in) {
+  static Relay r;
+  static char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(in, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    r.take(buf, (size_t)n);
+  }
+  if (r.len > 0) r.end_line();
+  ::_exit(0);
 }
 
 }  // namespace
@@ -25,36 +83,24 @@ MpirunStderr::MpirunStderr() {
 }
 
 MpirunStderr::~MpirunStderr() {
-  if (fds_[1] >= 0) ::close(fds_[1]);
-  if (relay_.joinable()) relay_.join();
-  else if (fds_[0] >= 0) ::close(fds_[0]);
+  for (int& fd : fds_)
+    if (fd >= 0) ::close(fd);
+  if (relay_ > 0)
+    while (::waitpid(relay_, nullptr, 0) < 0 && errno == EINTR) {
+    }
 }
 
 void MpirunStderr::start() {
+  relay_ = ::fork();
+  if (relay_ == 0) {
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::signal(sig, SIG_IGN);  // it ends at the job's end, not before
+    ::close(fds_[1]);
+    relay(fds_[0]);
+  }
+  ::close(fds_[0]);
   ::close(fds_[1]);
-  fds_[1] = -1;
-  relay_ = std::thread([fd = fds_[0]] {
-    FILE* in = ::fdopen(fd, "r");
-    if (!in) {
-      ::close(fd);
-      return;
-    }
-    bool in_banner = false;
-    char* line = nullptr;
-    size_t cap = 0;
-    for (ssize_t n; (n = ::getline(&line, &cap, in)) > 0;) {
-      std::string text(line, (size_t)n);
-      while (!text.empty() && text.back() == '\n') text.pop_back();
-      if (is_rule(text)) {
-        in_banner = !in_banner;
-        continue;
-      }
-      if (in_banner && text.empty()) continue;
-      std::fprintf(stderr, "%s%s\n", in_banner ? "mpirun: " : "", text.c_str());
-    }
-    std::free(line);
-    std::fclose(in);
-  });
+  fds_[0] = fds_[1] = -1;
+  if (relay_ < 0) throw UserError(std::string("supervisor: cannot start the stderr relay: ") + std::strerror(errno));
 }
 
 }  // namespace ls
