@@ -1109,8 +1109,10 @@ int main(int argc, char** argv) {
   run->add_option("--fault", ra.faults,
                   "inject a fault: KIND@STEP[:key=value,...] (docs/FAULTS.md); runs supervised (repeatable)");
   run->add_flag("--supervise", ra.supervise, "run as a supervised child process, restarted from checkpoints on failure");
-  run->add_option("--max-restarts", ra.max_restarts, "supervisor: restart budget (default 8)");
-  run->add_option("--heartbeat-timeout", ra.heartbeat_timeout, "supervisor: seconds without progress that count as a hang");
+  run->add_option("--max-restarts", ra.max_restarts,
+                  "supervisor: restart budget, 0 or more (default 8; exhausted: exit 1)");
+  run->add_option("--heartbeat-timeout", ra.heartbeat_timeout,
+                  "supervisor: seconds above 0 without a new step that count as a hang (default 120)");
   run->add_option("--fault-state", ra.fault_state, "(set by the supervisor for its child)")->group("");
   run->add_option("--heartbeat", ra.heartbeat, "(set by the supervisor for its child)")->group("");
   run->add_option("--step-log", ra.step_log, "(set by the supervisor for its child)")->group("");
