@@ -693,5 +693,17 @@ TEST_SUITE("cli") {
       CHECK(text.find("step 1/3 ") != std::string::npos);
       CHECK(text.find("step 3/3 ") != std::string::npos);
     }
+    // A supervised job's children keep the same rule: with stderr not a
+    // terminal they print at a log's cadence, not nothing; --quiet, nothing.
+    const fs::path ck = temp_dir() / "i50-progress-sup";
+    fs::remove_all(ck);
+    const std::string sup = run_sc + " --supervise --set ckpt.url=" + ck.string() + " --set ckpt.every=1";
+    r = run(sup + " --progress-log-seconds 0,0");
+    CAPTURE(r.err);
+    CHECK(r.rc == 0);
+    CHECK(count(r.err, "step ") == 3);
+    fs::remove_all(ck);
+    CHECK(run(sup + " --progress-log-seconds 0,0 --quiet").err.find("step ") == std::string::npos);
+    fs::remove_all(ck);
   }
 }

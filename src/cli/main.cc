@@ -399,9 +399,13 @@ int cmd_run(const RunArgs& a, const char* self) {
     so.heartbeat_timeout = a.heartbeat_timeout;
     so.progress = !a.quiet && (a.progress || isatty(2));
     so.child_progress = so.progress;
+    so.child_quiet = a.quiet;  // otherwise, on no terminal, progress at a log's cadence (from rank 0 under mpi)
     so.resume = a.resume;
     so.launcher = a.launcher;
     if (a.steps > 0) so.extra_args = {"--steps", std::to_string(a.steps)};
+    if (a.progress_log.size() == 2)
+      so.extra_args.insert(so.extra_args.end(), {"--progress-log-seconds", std::to_string(a.progress_log[0]) + "," +
+                                                                              std::to_string(a.progress_log[1])});
     if (!a.backend.empty() && a.backend != "engine") {
       // The children train on it; the reference saves no checkpoint to restart from.
       if (parse_backend(a.backend) == Backend::kReference)

@@ -306,10 +306,12 @@ Supervision::Supervision(const SuperviseOptions& opt)
 std::vector<std::string> Supervision::child_command() {
   const std::vector<int64_t> committed = committed_steps(*store());
   std::vector<std::string> args = {opt_.binary, "run", opt_.scenario, "--json",
-                                   opt_.child_progress ? "--progress" : "--quiet",
                                    "--fault-state", state_, "--heartbeat", hb_, "--step-log", step_log_,
                                    "--supervisor-pid", std::to_string(::getpid()),
                                    "--lease", lease_->job() + ":" + std::to_string(lease_->generation())};
+  // Neither flag: the child's own rule (a log's cadence when its stderr is not a terminal).
+  if (opt_.child_progress) args.push_back("--progress");
+  else if (opt_.child_quiet) args.push_back("--quiet");
   for (const std::string& x : opt_.sets) args.insert(args.end(), {"--set", x});
   for (const std::string& f : opt_.faults) args.insert(args.end(), {"--fault", f});
   if (new_dp_ > 0) {

@@ -28,6 +28,7 @@ struct SuperviseOptions {
   std::vector<std::string> extra_args; // passed to every child (e.g. --steps)
   std::string resume;                  // --resume URL[@STEP]: where the job starts (restarts use ckpt.url)
   bool child_progress = false;         // children print their progress lines (stderr inherited)
+  bool child_quiet = true;             // else children print none; neither: as an unsupervised run would
   std::string child_stderr;            // append the children's stderr here (empty: inherit)
   // "mpi": each attempt is `mpirun -np mesh.dp lockstep run ...`, one rank per
   // process, started in a session of its own; whatever way it ends, every
