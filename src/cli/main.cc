@@ -699,6 +699,8 @@ int cmd_check(const CheckArgs& a) {
   struct Work {
     std::string gpath, spath, name;
   };
+  // Options first: a path that cannot be written is refused before any file is read.
+  if (!a.junit.empty()) check_junit_path(a.junit);
   std::vector<Work> work;
   if (a.scenarios.empty()) {
     if (!fs::is_directory(a.golden_dir)) throw UserError(a.golden_dir + ": no golden directory");
@@ -765,7 +767,6 @@ int cmd_check(const CheckArgs& a) {
       work.push_back({gpath, sc, s.name});
     }
   }
-  if (!a.junit.empty()) check_junit_path(a.junit);
   CheckOutcome outcome;
   int failed = 0;
   const bool tty = isatty(2);  // a long check shows which scenario runs
