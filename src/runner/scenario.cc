@@ -83,7 +83,6 @@ std::string unknown_key(const std::string& key) {
 
 // ---------------------------------------------------------------- loading ---
 
-
 // The rule for a setting that changes nothing on this mesh: it is accepted
 // and named in a warning, never refused, since a mesh that shrinks along an
 // axis (a resume or a supervisor's restart on mesh.dp = 1, `--set mesh.cp=1`
