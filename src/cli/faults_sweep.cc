@@ -5,7 +5,6 @@
 #include "cli/self_exe.h"
 #include "cli/junit.h"
 
-#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -17,6 +16,7 @@
 #include "ckpt/checkpointer.h"
 #include "ckpt/gc.h"
 #include "common/error.h"
+#include "common/stop_signals.h"
 #include "contract.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
@@ -44,11 +44,6 @@ std::string tail_since(const fs::path& path, std::uintmax_t from, int max_lines)
   return out;
 }
 
-// SIGINT, SIGTERM and SIGHUP between trials (during one, the supervisor
-// has them): recorded, acted on after the trial.
-volatile sig_atomic_t g_sweep_signal = 0;
-extern "C" void on_sweep_signal(int sig) { g_sweep_signal = sig; }
-
 // A stopped sweep leaves nothing behind: its trials' checkpoints are its own
 // scratch, nothing a user could resume. What it says in place of --resume.
 std::string remove_scratch(const fs::path& dir, int trial, int trials) {
@@ -58,13 +53,12 @@ std::string remove_scratch(const fs::path& dir, int trial, int trials) {
          "; its scratch folder " + dir.string() + " was removed (its trials are not resumable: run the sweep again)";
 }
 
-[[noreturn]] void die_of_signal(int sig, const fs::path& dir, int trial, int trials) {
-  std::fprintf(stderr, "faults sweep: %s: %s\n", sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP",
+// A stop signal between trials (during one, the trial's supervisor has
+// them and calls on_stop): the scratch goes, and the sweep dies of it.
+[[noreturn]] void stop_sweep(int sig, const fs::path& dir, int trial, int trials) {
+  std::fprintf(stderr, "faults sweep: %s: %s\n", stop_signal_name(sig).c_str(),
                remove_scratch(dir, trial, trials).c_str());
-  std::fflush(nullptr);
-  ::signal(sig, SIG_DFL);
-  ::raise(sig);
-  std::_Exit(128 + sig);
+  die_of_signal(sig);
 }
 
 }  // namespace
@@ -104,13 +98,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
   if (!mkdtemp(tmpl.data())) throw UserError("faults sweep: cannot create a temporary directory");
   const fs::path dir = tmpl;
   const std::string base_url = s.ckpt.url.empty() ? (dir / "ckpt").string() : s.ckpt.url;
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
-    struct sigaction sa {}, old {};
-    sa.sa_handler = on_sweep_signal;
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(sig, nullptr, &old);
-    if (old.sa_handler != SIG_IGN) ::sigaction(sig, &sa, nullptr);  // nohup stays nohup
-  }
+  const StopSignals stop_signals;  // nohup stays nohup
   std::fprintf(stderr, "faults sweep: %d trials of %s (%d steps, checkpoint every %d%s), golden %s\n", a.trials,
                s.name.c_str(), s.steps, every, mpi ? ", one process per rank under mpirun" : "", golden.c_str());
 
@@ -125,7 +113,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
   std::vector<int> ckpt_steps;
   for (int k = every; k <= s.steps; k += every) ckpt_steps.push_back(k);
   for (int trial = 0; trial < a.trials; ++trial) {
-    if (g_sweep_signal) die_of_signal(g_sweep_signal, dir, trial, a.trials);
+    if (const int sig = stop_signal()) stop_sweep(sig, dir, trial, a.trials);
     const std::string url = base_url + "/trial-" + std::to_string(trial);
     // Where to kill: half the time in checkpoint I/O.
     std::uniform_real_distribution<double> u(0, 1);
@@ -274,7 +262,7 @@ int cmd_faults_sweep(const SweepArgs& a) {
     else if ((trial + 1) % 50 == 0 || trial + 1 == a.trials)
       std::fprintf(stderr, "faults sweep: %d/%d trials, %d mismatches\n", trial + 1, a.trials, mismatches);
   }
-  if (g_sweep_signal) die_of_signal(g_sweep_signal, dir, a.trials - 1, a.trials);
+  if (const int sig = stop_signal()) stop_sweep(sig, dir, a.trials - 1, a.trials);
   if (!a.junit.empty()) write_junit(a.junit, "lockstep faults sweep", cases);
   if (!a.keep) fs::remove_all(dir);
   const int rc = mismatches || failed || deleted_early || survivors ? 1 : 0;

@@ -8,12 +8,13 @@ namespace {
 
 constexpr int kStopSignals[3] = {SIGINT, SIGTERM, SIGHUP};
 volatile sig_atomic_t g_stop_signal = 0;
+int g_depth = 0;  // StopSignals alive; only the outermost starts from no signal
 extern "C" void record_stop_signal(int sig) { g_stop_signal = sig; }
 
 }  // namespace
 
 StopSignals::StopSignals(bool restart_calls) {
-  g_stop_signal = 0;
+  if (g_depth++ == 0) g_stop_signal = 0;  // an inner one keeps what the outer one recorded
   for (int i = 0; i < 3; ++i) {
     struct sigaction sa {};
     sa.sa_handler = record_stop_signal;
@@ -26,6 +27,7 @@ StopSignals::StopSignals(bool restart_calls) {
 
 StopSignals::~StopSignals() {
   for (int i = 0; i < 3; ++i) ::sigaction(kStopSignals[i], &old_[i], nullptr);
+  --g_depth;
 }
 
 int stop_signal() { return g_stop_signal; }

@@ -14,7 +14,9 @@ namespace ls {
 // While one lives, the three stop signals are recorded (stop_signal())
 // instead of killing the process; the handlers before it come back when it
 // goes. A signal the caller ignores (nohup, a shell's background job) stays
-// ignored. Not nested across threads: one owner at a time.
+// ignored. They nest within one thread (a faults sweep around each trial's
+// supervisor): an inner one keeps a signal recorded before it, so none is
+// lost between the two. Not shared across threads: one owner at a time.
 class StopSignals {
  public:
   // restart_calls: system calls a signal interrupts resume (SA_RESTART), for
