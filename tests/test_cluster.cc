@@ -225,6 +225,33 @@ TEST_SUITE("cluster") {
     CHECK(sharded.result.bytes_sent_per_step.count("all_gather") == 1);
   }
 
+  // The placement plan's reduction of a tensor can take two steps (HSDP: the shard group's reduce-scatter, then
+  // the replicas'; mesh.dp_node: a node's all-reduce, then across nodes). Overlapped, the first is started as the
+  // backward finishes the block and the second runs once it is in: they compose, the tree is unchanged.
+  TEST_CASE("mesh.overlap starts the first step of two-step reductions (HSDP, dp_node): in flight, same bits") {
+    const std::vector<std::string> wide = {"model.d_model=64", "model.d_ff=128", "train.steps=4"};
+    auto with = [&](std::vector<std::string> more) {
+      more.insert(more.end(), wide.begin(), wide.end());
+      return run(more);
+    };
+    const Outcome one = with({});
+    for (std::vector<std::string> mesh : {std::vector<std::string>{"mesh.fsdp=true", "mesh.replicate=2"},
+                                          std::vector<std::string>{"mesh.dp_node=2", "mesh.shard_optimizer=false"}}) {
+      CAPTURE(mesh[0]);
+      mesh.insert(mesh.end(), {"mesh.dp=4", "mesh.shared_memory=false"});
+      std::vector<std::string> blocking_sets = mesh;
+      blocking_sets.push_back("mesh.overlap=false");
+      const Outcome blocking = with(blocking_sets);
+      const Outcome overlapped = with(mesh);
+      CHECK(blocking.hash == one.hash);
+      CHECK(overlapped.hash == one.hash);
+      CHECK(overlapped.loss_bits == one.loss_bits);
+      CHECK(blocking.result.comm_in_flight_seconds_per_step == 0);
+      CHECK(overlapped.result.comm_in_flight_seconds_per_step > 0);  // the first steps were started
+      CHECK(overlapped.result.bytes_sent_per_step == blocking.result.bytes_sent_per_step);
+    }
+  }
+
   TEST_CASE("mesh.overlap hides the expert exchanges behind the shared expert: started, finished later, same bits") {
     // Per layer and step, the forward's last round goes back to the sources while the combine computes the
     // shared expert, and the backward's first round of gradients goes out during the shared expert's backward.

@@ -102,7 +102,7 @@ TEST_SUITE("pipeline") {
         CHECK(chunks[k].first < chunks[k].second);
         std::vector<int> blocks;
         for (int b = chunks[k].first; b < chunks[k].second; ++b) blocks.push_back(b);
-        const ls::MoeTransformer stage(s.model, s.leaf_samples, s.seed, 1, 0, 1, 0, blocks);
+        const ls::MoeTransformer stage(s.model, s.leaf_samples, s.seed, {}, blocks);
         held += stage.num_weights();
         for (const ls::ParamInfo& p : stage.params()) {
           const int b = ls::MoeTransformer::block_of(s.model, p.name);

@@ -52,6 +52,18 @@ void on_tensor_group(int ranks, const std::function<void(ls::Communicator&, ls::
   });
 }
 
+// A mesh of tp tensor-parallel ranks, and its rank `rank`'s tensors (ls::place_params).
+ls::MeshConfig tp_mesh(int tp) {
+  ls::MeshConfig m;
+  m.tp = tp;
+  return m;
+}
+std::vector<ls::ParamInfo> tp_layout(const ls::Scenario& s, int tp, int rank) {
+  ls::MeshConfig::RankCoords at;
+  at.tensor = rank;
+  return ls::place_params(s.model, tp_mesh(tp), at);
+}
+
 using lstest::kSplitScenario;
 using lstest::loss_bits;
 using lstest::run_split;
@@ -145,7 +157,7 @@ TEST_SUITE("tensor_parallel") {
     CHECK(four.workspace_bytes < two.workspace_bytes);
     // Weights and gradients: exactly what the rank's slices hold.
     const ls::Scenario s = split_scenario({});
-    CHECK(two.weight_bytes == 2 * 4 * ls::count_weights(s.model, 1, 2));
+    CHECK(two.weight_bytes == 2 * 4 * ls::count_weights(s.model, tp_mesh(2)));
   }
 
   TEST_CASE("the CUDA kernels, emulated, give the same bits on a tensor-parallel mesh") {
@@ -286,8 +298,8 @@ TEST_SUITE("tensor_parallel") {
       CAPTURE(tp);
       int64_t held = 0;
       for (int rank = 0; rank < tp; ++rank) {
-        const ls::MoeTransformer part(s.model, s.leaf_samples, s.seed, 1, 0, tp, rank);
-        CHECK(part.num_weights() == ls::count_weights(s.model, 1, tp));
+        const ls::MoeTransformer part(s.model, s.leaf_samples, s.seed, tp_layout(s, tp, rank));
+        CHECK(part.num_weights() == ls::count_weights(s.model, tp_mesh(tp)));
         CHECK(part.num_weights() < whole.num_weights());
         const ls::ParamInfo& wqkv = part.param("layers.0.wqkv");
         CHECK(wqkv.shape == std::vector<int64_t>{32, 3 * 32 / tp});
@@ -297,14 +309,14 @@ TEST_SUITE("tensor_parallel") {
           const float* w = part.weights() + p.offset;
           const float* g = whole.weights() + whole.param(p.name).offset;
           for (int64_t i = 0; i < p.size; i += 7) REQUIRE(ls::hex_bits(w[i]) == ls::hex_bits(g[p.global_index(i)]));
-          if (p.tp_mid > 0) held += p.size;
+          if (p.split_over(ls::Axis::kTensor)) held += p.size;
         }
       }
       // The split tensors' parts cover them once: the whole model's split tensors have as many elements.
       int64_t split = 0;
-      const ls::MoeTransformer probe(s.model, s.leaf_samples, s.seed, 1, 0, tp, 0);
+      const ls::MoeTransformer probe(s.model, s.leaf_samples, s.seed, tp_layout(s, tp, 0));
       for (const ls::ParamInfo& p : probe.params())
-        if (p.tp_mid > 0) split += whole.param(p.name).size;
+        if (p.split_over(ls::Axis::kTensor)) split += whole.param(p.name).size;
       CHECK(held == split);
     }
   }
@@ -495,8 +507,8 @@ TEST_SUITE("tensor_parallel") {
       ls::run_in_process(tp, [&](ls::Communicator& world) {
         const size_t me = (size_t)world.rank();
         auto value = [](int64_t g) { return (float)((g * 2654435761u) % 2003) / 1001.0f - 1.0f; };
-        for (const ls::ParamInfo& p : ls::MoeTransformer::layout(s.model, 1, 0, tp, (int)me)) {
-          if (p.tp_mid == 0) continue;
+        for (const ls::ParamInfo& p : tp_layout(s, tp, (int)me)) {
+          if (!p.split_over(ls::Axis::kTensor)) continue;
           std::vector<float> part((size_t)p.size), whole((size_t)(p.size * tp));
           for (int64_t i = 0; i < p.size; ++i) part[(size_t)i] = value(p.global_index(i) - p.global_offset);
           for (int64_t g = 0; g < p.size * tp; ++g) whole[(size_t)g] = value(g);
@@ -540,8 +552,8 @@ TEST_SUITE("tensor_parallel") {
       std::vector<int64_t> wrong((size_t)tp, 0);
       ls::run_in_process(tp, [&](ls::Communicator& world) {
         const size_t me = (size_t)world.rank();
-        for (const ls::ParamInfo& p : ls::MoeTransformer::layout(s.model, 1, 0, tp, (int)me)) {
-          if (p.tp_mid == 0) continue;
+        for (const ls::ParamInfo& p : tp_layout(s, tp, (int)me)) {
+          if (!p.split_over(ls::Axis::kTensor)) continue;
           std::vector<float> part((size_t)p.size);  // each element: its index in the whole tensor
           for (int64_t i = 0; i < p.size; ++i) part[(size_t)i] = (float)(p.global_index(i) - p.global_offset);
           const int64_t total = p.size * tp;
@@ -568,8 +580,8 @@ TEST_SUITE("tensor_parallel") {
     // A run that saves every step: staging adds all-to-all bytes, at most each of a rank's parameter and
     // moment elements once, and gathers nothing; the checkpointed run ends on the same hash.
     int64_t part = 0;
-    for (const ls::ParamInfo& p : ls::MoeTransformer::layout(s.model, 1, 0, 2, 0))
-      if (p.tp_mid > 0) part += p.size;
+    for (const ls::ParamInfo& p : tp_layout(s, 2, 0))
+      if (p.split_over(ls::Axis::kTensor)) part += p.size;
     const ls::RunResult plain = run_split({"mesh.tp=2"});
     const std::string url = "file://" + lstest::fresh_dir("tp-staging").string();
     const ls::RunResult saving = run_split({"mesh.tp=2", "ckpt.url=" + url, "ckpt.every=1", "ckpt.async=false"});
@@ -588,8 +600,8 @@ TEST_SUITE("tensor_parallel") {
     const ls::RunResult one = with({});
     int64_t part_floats = 0;  // a TP rank's part of every split tensor
     const ls::Scenario s = split_scenario({});
-    for (const ls::ParamInfo& p : ls::MoeTransformer::layout(s.model, 1, 0, 2, 0))
-      if (p.tp_mid > 0) part_floats += p.size;
+    for (const ls::ParamInfo& p : tp_layout(s, 2, 0))
+      if (p.split_over(ls::Axis::kTensor)) part_floats += p.size;
     REQUIRE(part_floats > 0);
     for (int tp : {2, 4}) {
       CAPTURE(tp);

@@ -31,6 +31,23 @@ int MeshConfig::size(Axis a) const {
   }
 }
 
+int MeshConfig::rank_along(Axis a, const RankCoords& c) const {
+  switch (a) {
+    case Axis::kPipeline: return c.stage;
+    case Axis::kData: return c.data;
+    case Axis::kContext: return c.context;
+    case Axis::kTensor: return c.tensor;
+    case Axis::kExpert: return c.data % ep;
+    case Axis::kExpertData: return c.data / ep;
+    case Axis::kShard: return c.data % shard_group();
+    case Axis::kReplica: return c.data / shard_group();
+    case Axis::kStage: return c.data * tp + c.tensor;
+    case Axis::kNode: return c.data % dp_node;
+    case Axis::kAcrossNodes: return c.data / dp_node;
+  }
+  return 0;
+}
+
 int MeshConfig::world() const {
   int n = 1;
   for (const AxisRow& a : kRankAxes) n *= this->*a.size;

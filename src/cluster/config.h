@@ -109,6 +109,9 @@ struct MeshConfig {
     int stage = 0, data = 0, context = 0, tensor = 0;
   };
   RankCoords rank_coords(int r) const;
+  // The place of the rank at `c` in its group along axis a (cluster/mesh.h
+  // orders every group by world rank).
+  int rank_along(Axis a, const RankCoords& c) const;
   int ranks_per_stage() const { return dp * cp * tp; }
   // Ranks that split each tensor's AdamW state and update: an FSDP shard
   // group, or the data axis under shard_optimizer (but not with the

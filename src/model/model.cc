@@ -21,99 +21,7 @@ namespace ls {
 
 namespace {
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> shapes_for(const ModelConfig& c) {
-  const int64_t V = c.vocab, D = c.d_model, F = c.d_ff, E = c.experts, T = c.seq_len;
-  std::vector<std::pair<std::string, std::vector<int64_t>>> out = {
-      {"tok_emb", {V, D}}, {"pos_emb", {T, D}}, {"final_norm", {D}}, {"lm_head", {D, V}}};
-  for (int l = 0; l < c.n_layers; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
-    out.push_back({p + "attn_norm", {D}});
-    out.push_back({p + "wqkv", {D, 3 * D}});
-    out.push_back({p + "wo", {D, D}});
-    out.push_back({p + "moe_norm", {D}});
-    out.push_back({p + "router", {D, E}});
-    out.push_back({p + "experts.w1", {E, D, F}});
-    out.push_back({p + "experts.w3", {E, D, F}});
-    out.push_back({p + "experts.w2", {E, F, D}});
-    if (c.shared_expert) {
-      out.push_back({p + "shared.w1", {D, F}});
-      out.push_back({p + "shared.w3", {D, F}});
-      out.push_back({p + "shared.w2", {F, D}});
-    }
-  }
-  std::sort(out.begin(), out.end());  // canonical (bytewise) name order
-  return out;
-}
-
-bool ends_with(const std::string& s, const char* tail) {
-  const size_t n = std::strlen(tail);
-  return s.size() >= n && s.compare(s.size() - n, n, tail) == 0;
-}
-
-// How tensor parallelism cuts a tensor (ParamInfo::tp_*): QKV by head
-// columns in each of q, k, v; the output projection by head rows; the
-// experts' and the shared expert's w1, w3 by hidden columns and w2 by hidden
-// rows. `held_experts`: the experts of the tensor's expert-parallel slice.
-void set_tp_split(ParamInfo& p, const ModelConfig& c, int64_t held_experts) {
-  const int64_t D = c.d_model, F = c.d_ff;
-  if (ends_with(p.name, ".wqkv")) p.tp_outer = D * 3, p.tp_mid = D, p.tp_inner = 1;
-  else if (ends_with(p.name, ".wo")) p.tp_outer = 1, p.tp_mid = D, p.tp_inner = D;
-  else if (ends_with(p.name, "experts.w1") || ends_with(p.name, "experts.w3")) p.tp_outer = held_experts * D, p.tp_mid = F, p.tp_inner = 1;
-  else if (ends_with(p.name, "experts.w2")) p.tp_outer = held_experts, p.tp_mid = F, p.tp_inner = D;
-  else if (ends_with(p.name, "shared.w1") || ends_with(p.name, "shared.w3")) p.tp_outer = D, p.tp_mid = F, p.tp_inner = 1;
-  else if (ends_with(p.name, "shared.w2")) p.tp_outer = 1, p.tp_mid = F, p.tp_inner = D;
-}
-
 }  // namespace
-
-int64_t ParamInfo::tp_held() const { return tp_mid == 0 ? 0 : size / (tp_outer * tp_inner); }
-
-int64_t ParamInfo::global_index(int64_t i) const {
-  if (tp_mid == 0) return global_offset + i;
-  const int64_t held = tp_held();
-  const int64_t outer = i / (held * tp_inner), rest = i % (held * tp_inner);
-  return global_offset + (outer * tp_mid + tp_first + rest / tp_inner) * tp_inner + rest % tp_inner;
-}
-
-std::vector<ParamInfo> MoeTransformer::layout(const ModelConfig& cfg, int ep_size, int ep_rank, int tp_size,
-                                              int tp_rank) {
-  if (ep_size < 1 || cfg.experts % ep_size != 0)
-    throw std::invalid_argument("engine: expert parallel size must divide the expert count");
-  if (tp_size < 1 || cfg.n_heads % tp_size != 0 || cfg.d_ff % tp_size != 0)
-    throw std::invalid_argument("engine: tensor parallel size must divide the heads and the hidden width");
-  const int64_t local_experts = cfg.experts / ep_size;
-  std::vector<ParamInfo> infos;
-  int64_t off = 0;
-  for (auto& [name, shape] : shapes_for(cfg)) {
-    ParamInfo p;
-    p.name = name;
-    p.index = (int)infos.size();
-    p.global_shape = shape;
-    p.shape = shape;
-    p.expert = name.find(".experts.") != std::string::npos;
-    int64_t global_size = 1;
-    for (int64_t d : shape) global_size *= d;
-    if (p.expert) {
-      p.shape[0] = local_experts;
-      p.global_offset = global_size / cfg.experts * local_experts * ep_rank;
-    }
-    if (tp_size > 1) {
-      set_tp_split(p, cfg, local_experts);
-      if (p.tp_mid > 0) {
-        p.tp_first = p.tp_mid / tp_size * tp_rank;
-        // The held shape: the split dimension (columns: the last; rows: the one before the inner width).
-        p.shape[p.tp_inner == 1 ? p.shape.size() - 1 : p.shape.size() - 2] /= tp_size;
-      }
-    }
-    p.size = 1;
-    for (int64_t d : p.shape) p.size *= d;
-    p.offset = off;
-    p.decay = shape.size() > 1;
-    off += p.size;
-    infos.push_back(p);
-  }
-  return infos;
-}
 
 int MoeTransformer::block_of(const ModelConfig& cfg, const std::string& param) {
   if (param == "tok_emb" || param == "pos_emb") return 0;
@@ -127,13 +35,13 @@ int MoeTransformer::block_of(const ModelConfig& cfg, const std::string& param) {
   return layer_block(layer, LayerPart::kCombine);  // shared.*: the combine block runs the shared expert
 }
 
-MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size, int ep_rank,
-                               int tp_size, int tp_rank, const std::vector<int>& held_blocks)
-    : cfg_(cfg), leaf_samples_(leaf_samples), blocks_(make_blocks(cfg)), ep_size_(ep_size), ep_rank_(ep_rank),
-      tp_size_(tp_size), tp_rank_(tp_rank) {
+MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, std::vector<ParamInfo> placed,
+                               const std::vector<int>& held_blocks)
+    : cfg_(cfg), leaf_samples_(leaf_samples), blocks_(make_blocks(cfg)) {
   use_workspace(0);
+  if (placed.empty()) placed = place_params(cfg, MeshConfig{}, MeshConfig::RankCoords{});
   int64_t off = 0;
-  for (ParamInfo& p : layout(cfg, ep_size, ep_rank, tp_size, tp_rank)) {
+  for (ParamInfo& p : placed) {
     if (!held_blocks.empty() &&
         std::find(held_blocks.begin(), held_blocks.end(), block_of(cfg, p.name)) == held_blocks.end())
       continue;  // a pipeline stage holds only its blocks' tensors
@@ -156,8 +64,7 @@ MoeTransformer::MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_
 }
 
 MoeTransformer::MoeTransformer(const MoeTransformer& main, LaneTag)
-    : cfg_(main.cfg_), leaf_samples_(main.leaf_samples_), infos_(main.infos_), blocks_(make_blocks(main.cfg_)),
-      ep_size_(main.ep_size_), ep_rank_(main.ep_rank_), tp_size_(main.tp_size_), tp_rank_(main.tp_rank_) {
+    : cfg_(main.cfg_), leaf_samples_(main.leaf_samples_), infos_(main.infos_), blocks_(make_blocks(main.cfg_)) {
   use_workspace(0);
   n_weights_ = main.n_weights_;
   g_.assign((size_t)n_weights_, 0.0f);
@@ -266,20 +173,6 @@ const ParamInfo& MoeTransformer::param(const std::string& name) const {
   throw std::out_of_range("engine: no parameter '" + name + "'");
 }
 
-int64_t count_weights(const ModelConfig& c, int ep_size, int tp_size) {
-  int64_t n = 0;
-  for (auto& [name, shape] : shapes_for(c)) {
-    ParamInfo p;
-    p.name = name;
-    set_tp_split(p, c, c.experts);
-    int64_t size = 1;
-    for (int64_t d : shape) size *= d;
-    if (name.find(".experts.") != std::string::npos) size /= ep_size;
-    n += p.tp_mid > 0 ? size / tp_size : size;
-  }
-  return n;
-}
-
 // Keep in step with LayerActs, StepWorkspace (model/step_context.h) and the
 // resize calls of the blocks and experts.cc; the memory test (tests/test_memory.cc) holds the sum to the
 // measured peak RSS.
@@ -374,9 +267,8 @@ void flip_bit(float* x, int bit) {
 StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool training) {
   const ModelConfig& c = cfg_;
   const int dp = mesh_->size(Axis::kData), ep = mesh_->size(Axis::kExpert);
-  if (ep != ep_size_) throw InternalError("engine: the mesh disagrees with the model's expert parallel size");
-  if (mesh_->size(Axis::kTensor) != tp_size_ || mesh_->rank(Axis::kTensor) != tp_rank_)
-    throw InternalError("engine: the mesh disagrees with the model's tensor parallel slice");
+  const int tp = mesh_->size(Axis::kTensor), tp_rank = mesh_->rank(Axis::kTensor);
+  check_placement();
   if (batch % leaf_samples_ != 0)
     throw std::invalid_argument("engine: batch " + std::to_string(batch) + " is not a multiple of numerics.leaf_samples");
   StepContext ctx{c, *ws_, stats_, infos_, wsrc_ ? wsrc_ : weights(), grads(), tokens};
@@ -386,11 +278,11 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   ctx.leaves = ctx.tokens / ctx.leaf_tokens;
   ctx.mesh = mesh_;
   ctx.local_experts = c.experts / ep;
-  ctx.sp = tp_size_ > 1 && mesh_->sequence_parallel();
-  ctx.stream_tokens = ctx.sp ? ctx.tokens / tp_size_ : ctx.tokens;
-  ctx.stream_first = ctx.sp ? ctx.stream_tokens * tp_rank_ : 0;
-  ctx.stream_leaves = ctx.sp ? ctx.leaves / tp_size_ : ctx.leaves;
-  if (ctx.sp && (ctx.leaves % tp_size_ != 0))
+  ctx.sp = tp > 1 && mesh_->sequence_parallel();
+  ctx.stream_tokens = ctx.sp ? ctx.tokens / tp : ctx.tokens;
+  ctx.stream_first = ctx.sp ? ctx.stream_tokens * tp_rank : 0;
+  ctx.stream_leaves = ctx.sp ? ctx.leaves / tp : ctx.leaves;
+  if (ctx.sp && (ctx.leaves % tp != 0))
     throw std::invalid_argument("engine: sequence parallel needs whole leaves per tensor-parallel rank");
   ctx.microbatches = ws_->microbatches;
   ctx.microbatch = ws_->microbatch;
@@ -403,6 +295,20 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   ctx.debug_reorder_moe_norm = debug_reorder_moe_norm_;
   ctx.debug_fault = &debug_fault_;
   return ctx;
+}
+
+// The mesh a step runs on must be the one the tensors were placed on: each
+// split's axis makes its parts, and this rank holds its own.
+void MoeTransformer::check_placement() const {
+  // An axis that does not split a tensor must not be split by the mesh either (the tensor would be whole).
+  const bool experts_held = std::any_of(infos_.begin(), infos_.end(), [](const ParamInfo& p) { return p.expert; });
+  if (experts_held && mesh_->size(Axis::kExpert) > 1 &&
+      !std::any_of(infos_.begin(), infos_.end(), [](const ParamInfo& p) { return p.split_over(Axis::kExpert); }))
+    throw InternalError("engine: the mesh splits the experts but the model holds them whole");
+  for (const ParamInfo& p : infos_)
+    for (const TensorSplit& s : p.splits)
+      if (mesh_->size(s.axis) != s.parts || s.first != s.held() * mesh_->rank(s.axis))
+        throw InternalError("engine: the mesh disagrees with where tensor " + p.name + " was placed");
 }
 
 void MoeTransformer::check_range(int first, int last) const {

@@ -16,42 +16,12 @@
 #include "cluster/mesh.h"
 #include "model/config.h"
 #include "model/experts.h"
+#include "model/param_layout.h"
 #include "ops/device_memory.h"
 #include "model/debug_fault.h"
 #include "trace/sink.h"
 
 namespace ls {
-
-// One named parameter tensor inside the flat parameter array.
-struct ParamInfo {
-  std::string name;
-  int index = 0;                      // in the canonical order of all the model's tensors (a pipeline stage holds some)
-  std::vector<int64_t> shape;         // as held here (an expert-parallel rank holds a slice)
-  std::vector<int64_t> global_shape;  // the whole tensor
-  int64_t global_offset = 0;          // first element of the held slice inside the whole tensor
-  int64_t offset = 0;                 // into the flat arrays
-  int64_t size = 0;
-  bool decay = true;                  // AdamW weight decay applies (matrices, not norms)
-  bool expert = false;                // a routed-expert tensor (sliced by expert parallelism)
-  // Tensor parallel: the tensor (its expert-parallel slice) viewed as
-  // [tp_outer, tp_mid, tp_inner]; this rank holds indices [tp_first,
-  // tp_first + tp_mid / tp) of the middle one. tp_mid = 0: not split.
-  int64_t tp_outer = 1, tp_mid = 0, tp_inner = 1, tp_first = 0;
-  int64_t tp_held() const;  // the middle indices held: tp_mid / tp
-  // The element of the whole tensor that held element `i` is.
-  int64_t global_index(int64_t i) const;
-  // Held elements [first, first + n) as runs contiguous in both: fn(global
-  // element, offset from `first`, count), in held order.
-  template <class Fn>
-  void for_each_global_run(int64_t first, int64_t n, Fn fn) const {
-    const int64_t block = tp_mid == 0 ? n : tp_held() * tp_inner;  // held elements contiguous in the whole
-    for (int64_t i = 0; i < n;) {
-      const int64_t count = tp_mid == 0 ? n : std::min(n - i, block - (first + i) % block);
-      fn(global_index(first + i), i, count);
-      i += count;
-    }
-  }
-};
 
 // The passes of a training step, as a phase hook sees them (fault
 // injection triggers on them).
@@ -142,10 +112,6 @@ struct WorkspaceEstimate {
   int64_t dispatch_buffers = 0;  // expert parallel: one round's send and receive buffers
 };
 WorkspaceEstimate estimate_workspace(const ModelConfig& cfg, int batch, int ep_size);
-// Weights one rank holds (an expert-parallel rank holds E / ep_size experts;
-// a tensor-parallel rank 1/tp_size of the split tensors).
-int64_t count_weights(const ModelConfig& cfg, int ep_size, int tp_size = 1);
-
 // Model FLOPs per token of one training step (forward + backward ~ 3x the
 // forward), counting the k routed experts evaluated and causal attention.
 double train_flops_per_token(const ModelConfig& cfg);
@@ -180,23 +146,18 @@ class MoeTransformer {
  public:
   // Parameters drawn by the contract init (Philox, purpose kInit), the same
   // values the reference draws. leaf_samples fixes the token-reduction tree.
-  // ep_size/ep_rank: hold only experts [ep_rank * E/ep_size, ...) (expert parallel).
-  // tp_size/tp_rank: hold only that slice of the heads and hidden features
-  // (tensor parallel: ParamInfo::tp_*).
-  // held_blocks: a pipeline stage's blocks; only their parameters are held
-  // (empty: every block's).
-  MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, int ep_size = 1, int ep_rank = 0,
-                 int tp_size = 1, int tp_rank = 0, const std::vector<int>& held_blocks = {});
-  // Every tensor of such a model, in canonical order, as that rank would hold it, offsets as if it held all.
-  static std::vector<ParamInfo> layout(const ModelConfig& cfg, int ep_size = 1, int ep_rank = 0, int tp_size = 1,
-                                       int tp_rank = 0);
+  // placed: its tensors as a rank holds them (place_params; empty: the
+  // whole model, one rank). held_blocks: a pipeline stage's blocks; only
+  // their parameters are held (empty: every block's).
+  MoeTransformer(const ModelConfig& cfg, int leaf_samples, uint64_t seed, std::vector<ParamInfo> placed = {},
+                 const std::vector<int>& held_blocks = {});
   // The block that reads parameter `param` (an index into block_names()).
   static int block_of(const ModelConfig& cfg, const std::string& param);
   // A model that reads `main`'s weights (no copy, no init) and has gradients
   // and a workspace of its own: a data-parallel lane (runner/data_lanes.h).
   static std::unique_ptr<MoeTransformer> lane_of(const MoeTransformer& main);
-  // This rank's groups (cluster/mesh.h); nullptr: one rank. Its expert and
-  // tensor groups must match ep_size and tp_size.
+  // This rank's groups (cluster/mesh.h); nullptr: one rank. Its groups must
+  // be the mesh the model was placed on.
   void set_mesh(const Mesh* mesh) { mesh_ = mesh ? mesh : &one_rank_; }
   ~MoeTransformer();
   MoeTransformer(const MoeTransformer&) = delete;
@@ -297,6 +258,7 @@ class MoeTransformer {
   // The step's context for blocks; tokens: nullptr in a backward.
   StepContext step_context(const uint8_t* tokens, int batch, bool training);
   void check_range(int first, int last) const;
+  void check_placement() const;
   int64_t storage_bytes() const;
 
   ModelConfig cfg_;
@@ -315,8 +277,6 @@ class MoeTransformer {
   bool trace_state_ = true;
   Mesh one_rank_;  // the mesh of a model on its own
   const Mesh* mesh_ = &one_rank_;
-  int ep_size_ = 1, ep_rank_ = 0;
-  int tp_size_ = 1, tp_rank_ = 0;
   bool debug_reorder_moe_norm_ = false;
   DebugFault debug_fault_;
   std::function<void(TrainPhase)> phase_hook_;

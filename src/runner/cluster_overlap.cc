@@ -1,8 +1,9 @@
 // mesh.overlap: a step's collectives started while the rank computes. The
 // shards' all-gathers (FSDP, the sharded optimizer) start before the forward
-// and are waited for as the forward enters each block; each tensor's
-// gradient reduction starts as the backward finishes its block and is
-// waited for before the norm. The collectives, their trees over ranks and
+// and are waited for as the forward enters each block; the first step of
+// each tensor's gradient reduction (PlacementPlan) starts as the backward
+// finishes its block and is waited for before the norm, its later steps
+// (HSDP's replicas, dp_node's nodes) run then. The collectives, their trees over ranks and
 // their order are the blocking path's, so the bits are too; only when they
 // run changes (CommStats: exposed against in-flight time).
 
@@ -19,14 +20,13 @@ constexpr int64_t kOverlapMinElements = 1 << 16;
 
 bool ClusterTrainer::overlaps(const Rank& r) const { return s_.mesh.overlap && !r.stage; }
 
-// One collective finishes p's reduction: not sequence parallel's TP partials
-// first, HSDP's replicas after or the two levels of dp_node.
+// p's first reduction step can run while the backward goes on: a group of
+// the data axis, which the blocks never use (the tensor, expert and context
+// groups carry their own exchanges during the backward).
 bool ClusterTrainer::overlappable(const ParamInfo& p) const {
   if (p.size < kOverlapMinElements) return false;
-  if (s_.mesh.sp && p.tp_mid == 0) return false;
-  if (p.expert && s_.mesh.ep > 1) return true;
-  if (placement_.sharded(p)) return s_.mesh.dp / s_.mesh.shard_group() == 1;
-  return s_.mesh.dp_node <= 1;
+  const Axis first = placement_.of(p).reduce.front().axis;
+  return first == Axis::kData || first == Axis::kExpertData || first == Axis::kShard || first == Axis::kNode;
 }
 
 void ClusterTrainer::start_weight_gathers(RankCtx& c) {
@@ -75,12 +75,10 @@ Pending ClusterTrainer::start_reduction(RankCtx& c, size_t t) {
   Rank& rank = c.rank;
   const ParamInfo& p = rank.model->params()[t];
   float* gp = rank.model->grads() + p.offset;
-  if (p.expert && s_.mesh.ep > 1) return c.group(Axis::kExpertData).start_all_reduce_sum(gp, p.size);
-  if (placement_.sharded(p)) {
-    Communicator& shard = c.group(Axis::kShard);
-    return shard.start_reduce_scatter_sum(gp, reduced_shard(rank, t), ParamPlacement::shard_elems(p.size, shard.size()));
-  }
-  return c.group(Axis::kData).start_all_reduce_sum(gp, p.size);
+  const ReduceStep& step = placement_.of(p).reduce.front();
+  Communicator& group = c.group(step.axis);
+  if (step.op == Collective::kAllReduce) return group.start_all_reduce_sum(gp, p.size);
+  return group.start_reduce_scatter_sum(gp, reduced_shard(rank, t), PlacementPlan::shard_elems(p.size, group.size()));
 }
 
 // Under MPI a started collective moves only inside the library's calls:
@@ -95,6 +93,7 @@ void ClusterTrainer::finish_reduction(RankCtx& c, size_t t) {
   Rank& rank = c.rank;
   rank.reducing[t]->wait();
   rank.reducing[t].reset();
+  run_reduce_steps(c, t, 1);
 }
 
 void ClusterTrainer::abandon_in_flight(Rank& r) {

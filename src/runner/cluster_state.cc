@@ -46,7 +46,7 @@ std::string hash_pieces(const std::vector<ParamInfo>& all, const std::vector<Clu
         }
         ParamInfo q = all[t];  // the part's view of the tensor
         q.global_offset = p->start;
-        q.tp_first = p->tp_first;
+        q.feature_split()->first = p->tp_first;
         q.for_each_global_run(p->held_first, p->n, [&](int64_t g, int64_t i, int64_t count) {
           std::copy(from + i, from + i + count, tensor.begin() + g);
         });
@@ -59,7 +59,7 @@ std::string hash_pieces(const std::vector<ParamInfo>& all, const std::vector<Clu
 
 }  // namespace
 
-// The pieces of rank r that count in the state (ParamPlacement::counts_in_state).
+// The pieces of rank r that count in the state (PlacementPlan::counts_in_state).
 // gradients: w points at the reduced gradients instead (reduced_gradient).
 std::vector<ClusterTrainer::StatePart> ClusterTrainer::state_parts(const Rank& rk, bool gradients) const {
   std::vector<StatePart> out;
@@ -71,8 +71,8 @@ std::vector<ClusterTrainer::StatePart> ClusterTrainer::state_parts(const Rank& r
     const bool sharded = placement_.sharded(q);
     const float* w = gradients ? (sharded ? rk.reduced.data() + rk.sharded_off[t] : rk.model->grads() + q.offset + lo)
                                : (sharded ? master_shard(rk, t) : rk.model->weights() + q.offset + lo);
-    const bool split = q.tp_mid > 0;
-    out.push_back({(int64_t)q.index, q.global_offset + (split ? 0 : lo), hi - lo, split ? q.tp_first : -1,
+    const TensorSplit* split = q.feature_split();
+    out.push_back({(int64_t)q.index, q.global_offset + (split ? 0 : lo), hi - lo, split ? split->first : -1,
                    split ? lo : 0, w, rk.m.data() + rk.shard_off[t], rk.v.data() + rk.shard_off[t]});
   }
   return out;
@@ -89,7 +89,7 @@ void ClusterTrainer::trace_state(const Rank& rk, const char* phase) const {
     } else {
       ParamInfo q = whole;  // the part's view of the tensor, as hash_pieces places it
       q.global_offset = p.start;
-      q.tp_first = p.tp_first;
+      q.feature_split()->first = p.tp_first;
       q.for_each_global_run(p.held_first, p.n,
                             [&](int64_t g, int64_t i, int64_t count) { piece.rows.push_back({g, i, count}); });
     }
@@ -167,7 +167,8 @@ std::vector<StatePiece> ClusterTrainer::state_needs(int rank) const {
       const ParamInfo& p = infos[t];
       const auto [lo, hi] = range(r, t);
       if (hi <= lo) continue;
-      const int64_t end = p.tp_mid > 0 ? p.global_offset + p.size * s_.mesh.tp : p.global_offset + hi;
+      const TensorSplit* split = p.feature_split();
+      const int64_t end = split ? p.global_offset + p.size * split->parts : p.global_offset + hi;
       out.push_back({kind + p.name, p.global_shape, p.global_offset + lo, end, {}});
     }
   return out;
@@ -199,7 +200,7 @@ void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
         const auto [lo, hi] = range(rank, t);
         const float* from = storage(rank, t, kind);
         StatePiece piece{std::string(kind) + "/" + p.name, p.global_shape, p.global_offset + lo, p.global_offset + hi, {}};
-        if (p.tp_mid > 0) {  // collectives: every writing rank of the groups takes part, whatever it holds
+        if (p.feature_split()) {  // collectives: every writing rank of the groups takes part, whatever it holds
           const bool sharded = placement_.sharded(p);
           Communicator& tensor = c.group(Axis::kTensor);
           Communicator& shard = c.group(Axis::kShard);
@@ -243,7 +244,7 @@ void ClusterTrainer::load_piece(int rank, const StatePiece& need, const float* d
   const ParamInfo& p = infos[t];
   float* to = storage(r, t, kind);
   if (r.node) r.node->stale = true;
-  if (p.tp_mid == 0) {
+  if (!p.feature_split()) {
     std::copy(data, data + (need.global_end - need.global_begin), to);
     return;
   }

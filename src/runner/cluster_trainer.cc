@@ -27,7 +27,7 @@
 
 namespace ls {
 
-ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), placement_(s.mesh), mpi_(mpi) {
+ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), mpi_(mpi) {
   const MeshConfig& m = s.mesh;
   if (mpi && mpi->size() != m.world())
     throw std::logic_error("ClusterTrainer: the MPI world is not " + m.world_formula() + " (run_scenario checks)");
@@ -38,8 +38,8 @@ ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), pl
                       " ranks must be a power of two to keep the reduction tree");
   }
   decay_steps_ = decay_steps(s.optim, s.steps);
-  all_tensors_ = MoeTransformer::layout(s.model, m.ep, 0, m.tp, 0);
-  const int ep = m.ep;
+  all_tensors_ = place_params(s.model, m, MeshConfig::RankCoords{});
+  placement_ = PlacementPlan(m, all_tensors_, pipelined());
   for (int r = 0; r < m.world(); ++r) {
     if (mpi && r != mpi->rank()) {  // held by another process
       ranks_.push_back(nullptr);
@@ -55,8 +55,7 @@ ClusterTrainer::ClusterTrainer(const Scenario& s, Communicator* mpi) : s_(s), pl
                                                     s.microbatches, rank->at.stage);
       blocks = rank->stage->held_blocks();
     }
-    rank->model = std::make_unique<MoeTransformer>(s.model, s.leaf_samples, s.seed, ep, rank->at.data % ep, m.tp,
-                                                   rank->at.tensor, blocks);
+    rank->model = std::make_unique<MoeTransformer>(s.model, s.leaf_samples, s.seed, place_params(s.model, m, at), blocks);
     const auto& infos = rank->model->params();
     // m and v cover every tensor's range; the master shards (and the reduced
     // gradients) only the sharded tensors': the others update in place.
@@ -225,38 +224,36 @@ float* ClusterTrainer::reduced_gradient(Rank& r, size_t t) {
 }
 
 // Each rank's partials are subtrees; they are combined by the canonical
-// tree over ranks: an all-reduce, or a reduce-scatter for FSDP shards.
+// tree over ranks: the placement plan's steps, each an all-reduce or a
+// reduce-scatter into this rank's shard (FSDP, the sharded optimizer).
 void ClusterTrainer::reduce_gradients(RankCtx& c) {
   Rank& rank = c.rank;
   if (rank.node) return fold_ready_blocks(rank, /*wait=*/true);
-  const auto& infos = rank.model->params();
-  float* g = rank.model->grads();
-  for (size_t t = 0; t < infos.size(); ++t) {
-    const ParamInfo& p = infos[t];
-    float* gp = g + p.offset;
-    // Sequence parallel: a tensor the stream's tokens reduce into (embeddings, norms, router, head) has a
-    // partial per TP rank; the TP group's leaves are consecutive aligned blocks (tp a power of two wherever
-    // dp > 1), so its tree over TP ranks is this data-parallel rank's subtree, combined below as without SP.
-    // (A pipeline did this per microbatch, before its tree over microbatches.)
-    if (t < rank.reducing.size() && rank.reducing[t]) {  // started during the backward (mesh.overlap)
+  for (size_t t = 0; t < rank.model->params().size(); ++t) {
+    if (t < rank.reducing.size() && rank.reducing[t]) {  // its first step started during the backward (mesh.overlap)
       finish_reduction(c, t);
       continue;
     }
-    if (s_.mesh.sp && p.tp_mid == 0 && !rank.stage) c.group(Axis::kTensor).all_reduce_sum(gp, p.size);
-    if (p.expert && s_.mesh.ep > 1) {
-      c.group(Axis::kExpertData).all_reduce_sum(gp, p.size);  // the replicas of these experts, one per EP group
-    } else if (placement_.sharded(p)) {
-      Communicator& shard = c.group(Axis::kShard);
-      float* mine = reduced_shard(rank, t);
-      shard.reduce_scatter_sum(gp, mine, ParamPlacement::shard_elems(p.size, shard.size()));
-      const auto [lo, hi] = range(rank, t);
-      c.group(Axis::kReplica).all_reduce_sum(mine, (size_t)(hi - lo));  // HSDP (one rank: nothing)
-    } else if (s_.mesh.dp_node > 1) {  // a node's aligned subtree, then the tree over nodes: the same tree
-      c.group(Axis::kNode).all_reduce_sum(gp, p.size);
-      c.group(Axis::kAcrossNodes).all_reduce_sum(gp, p.size);
-    } else {
-      c.group(Axis::kData).all_reduce_sum(gp, p.size);
+    run_reduce_steps(c, t, 0);
+  }
+}
+
+void ClusterTrainer::run_reduce_steps(RankCtx& c, size_t t, size_t first) {
+  Rank& rank = c.rank;
+  const ParamInfo& p = rank.model->params()[t];
+  const std::vector<ReduceStep>& steps = placement_.of(p).reduce;
+  float* sum = rank.model->grads() + p.offset;
+  size_t n = (size_t)p.size;
+  for (size_t k = 0; k < steps.size(); ++k) {
+    Communicator& group = c.group(steps[k].axis);
+    if (steps[k].op == Collective::kAllReduce) {
+      if (k >= first) group.all_reduce_sum(sum, n);
+      continue;
     }
+    float* mine = reduced_shard(rank, t);  // the later steps sum this rank's shard
+    if (k >= first) group.reduce_scatter_sum(sum, mine, PlacementPlan::shard_elems(p.size, group.size()));
+    const auto [lo, hi] = range(rank, t);
+    sum = mine, n = (size_t)(hi - lo);
   }
 }
 
@@ -278,30 +275,31 @@ float ClusterTrainer::gradient_sumsq(RankCtx& c, size_t t, bool* last_tp_rank_on
   Rank& rank = c.rank;
   const ParamInfo& p = rank.model->params()[t];
   const float* gp = rank.model->grads() + p.offset;
-  const bool ep_slice = p.expert && s_.mesh.ep > 1;
-  // A split tensor's blocks chained through the TP group, or a share per TP rank, each element sent at most once.
-  if (p.tp_mid > 0 && !ep_slice && !placement_.sharded(p))
-    return split_tensor_sumsq(p, c.group(Axis::kTensor), gp, rank.norm_buffers, last_tp_rank_only);
-  if (p.tp_mid > 0 || ep_slice) {
-    // The whole tensor: the TP group's parts put in place, then the EP group's slices in rank order.
-    ops::DeviceVector<float> slice, held, parts;
-    if (p.tp_mid > 0) {  // (with FSDP, the reduced shard of the held part)
-      const bool sharded = placement_.sharded(p);
-      gather_tp_tensor(p, sharded, c.group(Axis::kShard), c.group(Axis::kTensor),
-                       sharded ? reduced_gradient(rank, t) : gp, held, parts, slice);
-    } else {
-      slice.assign(gp, gp + p.size);
-    }
-    Communicator& expert = c.group(Axis::kExpert);
-    ops::DeviceVector<float> whole(slice.size() * (ep_slice ? expert.size() : 1));
-    if (ep_slice) all_gather_equal(expert, slice.data(), whole.data(), slice.size() * sizeof(float));
-    else whole = std::move(slice);
-    return ops::param_sumsq(whole.data(), (int64_t)whole.size());
+  switch (placement_.of(p).norm) {
+    case NormFold::kHeld: return ops::param_sumsq(gp, p.size);
+    case NormFold::kShardBlocks:  // this rank's blocks' folds, all-gathered, then the tree over every block
+      return shared_blocks_sumsq(c.group(Axis::kShard), p.size, reduced_gradient(rank, t), rank.norm_buffers.own,
+                                 rank.norm_buffers.sums);
+    case NormFold::kSplitChain:  // each element sent at most once
+      return split_tensor_sumsq(p, c.group(Axis::kTensor), gp, rank.norm_buffers, last_tp_rank_only);
+    case NormFold::kGatherWhole: break;
   }
-  if (!placement_.sharded(p)) return ops::param_sumsq(gp, p.size);
-  // An FSDP shard: this rank's blocks' folds, all-gathered, then the tree over every block.
-  return shared_blocks_sumsq(c.group(Axis::kShard), p.size, reduced_gradient(rank, t), rank.norm_buffers.own,
-                             rank.norm_buffers.sums);
+  // The whole tensor: the TP group's parts put in place (with FSDP, the reduced shards of the held part), then
+  // the EP group's slices in rank order.
+  const bool ep_slice = p.split_over(Axis::kExpert);
+  ops::DeviceVector<float> slice, held, parts;
+  if (p.split_over(Axis::kTensor)) {
+    const bool sharded = placement_.sharded(p);
+    gather_tp_tensor(p, sharded, c.group(Axis::kShard), c.group(Axis::kTensor),
+                     sharded ? reduced_gradient(rank, t) : gp, held, parts, slice);
+  } else {
+    slice.assign(gp, gp + p.size);
+  }
+  Communicator& expert = c.group(Axis::kExpert);
+  ops::DeviceVector<float> whole(slice.size() * (ep_slice ? expert.size() : 1));
+  if (ep_slice) all_gather_equal(expert, slice.data(), whole.data(), slice.size() * sizeof(float));
+  else whole = std::move(slice);
+  return ops::param_sumsq(whole.data(), (int64_t)whole.size());
 }
 
 // The global norm, as AdamW::global_norm: per tensor its sum of squares,

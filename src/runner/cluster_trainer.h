@@ -68,11 +68,14 @@ class ClusterTrainer : public Trainer {
   void gather_sharded_weights(RankCtx& c);
   StepLosses forward_backward(RankCtx& c, const uint8_t* samples, int count);
   void reduce_gradients(RankCtx& c);
+  // Tensor t's reduction steps (PlacementPlan) from step `first` on: 1 once the first ran overlapped.
+  void run_reduce_steps(RankCtx& c, size_t t, size_t first);
   void plant_fsdp_fault(RankCtx& c);
   // mesh.overlap (cluster_overlap.cc): the shards' all-gathers started before
   // the forward and waited for block by block; each tensor's gradient
-  // reduction started as the backward finishes its block, when it is one
-  // collective (overlappable), and waited for in reduce_gradients.
+  // reduction's first step started as the backward finishes its block, on a
+  // group the blocks do not use (overlappable), and waited for, its other
+  // steps run after, in reduce_gradients.
   bool overlaps(const Rank& r) const;
   bool overlappable(const ParamInfo& p) const;
   void start_weight_gathers(RankCtx& c);
@@ -115,7 +118,7 @@ class ClusterTrainer : public Trainer {
   bool pipelined() const { return s_.mesh.pp > 1 || s_.microbatches > 1; }
 
   Scenario s_;
-  ParamPlacement placement_;
+  PlacementPlan placement_;
   int decay_steps_ = 0;
   std::vector<ParamInfo> all_tensors_;  // every tensor of the model, canonical order, as TP and EP rank 0 hold it
   int threads_ = 0;

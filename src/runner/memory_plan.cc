@@ -17,6 +17,7 @@
 #include "ops/attention.h"
 #include "runner/data_lanes.h"
 #include "runner/pipeline.h"
+#include "runner/placement.h"
 
 namespace ls {
 
@@ -108,10 +109,10 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes, bool one_stage = 
 // The fp32 weights one rank of each pipeline stage holds: the tensors of
 // its blocks (its chunks of pipeline_chunks, the cut the trainer makes), in
 // the expert- and tensor-parallel parts it keeps. One entry without mesh.pp;
-// together the stages hold count_weights(c, ep, tp).
+// together the stages hold what the first rank of the mesh does.
 std::vector<uint64_t> stage_weights(const Scenario& s) {
   const int pp = std::max(1, s.mesh.pp), chunks = std::max(1, s.mesh.pp_virtual);
-  const std::vector<ParamInfo> params = MoeTransformer::layout(s.model, s.mesh.ep, 0, s.mesh.tp, 0);
+  const std::vector<ParamInfo> params = place_params(s.model, s.mesh, MeshConfig::RankCoords{});
   std::vector<uint64_t> held((size_t)pp, 0);
   if (pp == 1) {
     for (const ParamInfo& p : params) held[0] += (uint64_t)p.size;
@@ -145,10 +146,7 @@ std::string held_weights_text(const std::vector<uint64_t>& per_stage, uint64_t r
 // collective (mesh.overlap) runs on the group's twin, whose thread touches
 // little of its stack, hence the small allowance: overlap on or off
 // measures the same peak RSS.
-uint64_t collective_buffer_bytes(const Scenario& s, uint64_t shard_floats) {
-  int64_t largest = 0;
-  for (const ParamInfo& p : MoeTransformer::layout(s.model, s.mesh.ep, 0, std::max(1, s.mesh.tp), 0))
-    largest = std::max(largest, p.size);
+uint64_t collective_buffer_bytes(const Scenario& s, uint64_t shard_floats, uint64_t largest) {
   const int groups = s.mesh.ep > 1 ? 2 : 1;
   const bool lanes = s.mesh.overlap && !s.mesh.pipelined(s.microbatches);
   return shard_floats * sizeof(float) + groups * ((uint64_t)largest * sizeof(float) + (lanes ? kMiB / 4 : 0));
@@ -168,25 +166,42 @@ uint64_t expert_grad_state_bytes(const Scenario& s) {
   return (uint64_t)(c.experts / ep) * 3 * c.d_model * (c.d_ff / tp) * levels * sizeof(float);
 }
 
+// What the first rank of the mesh holds, from the placement plan: its
+// weights, of them the ones whose state is sharded (FSDP, the sharded
+// optimizer) and its shard of those, and its largest tensor.
+struct PlannedState {
+  uint64_t weights = 0, sharded = 0, shard = 0, largest = 0;
+};
+PlannedState planned_state(const Scenario& s) {
+  const std::vector<ParamInfo> params = place_params(s.model, s.mesh, MeshConfig::RankCoords{});
+  const PlacementPlan plan(s.mesh, params, s.mesh.pipelined(s.microbatches));
+  PlannedState out;
+  for (const ParamInfo& p : params) {
+    out.weights += (uint64_t)p.size;
+    out.largest = std::max(out.largest, (uint64_t)p.size);
+    if (!plan.sharded(p)) continue;
+    const auto [lo, hi] = elements_of(plan.shard(p, 0), p.size);
+    out.sharded += (uint64_t)p.size;
+    out.shard += (uint64_t)(hi - lo);
+  }
+  return out;
+}
+
 // The parts that hold the model's state, per (data, context, tensor) copy
 // times `copies`: weights, gradients, moments and a pipeline's gradient trees.
 void add_state_parts(MemoryEstimate& e, const Scenario& s, double copies, int lanes, const std::string& ranks) {
-  const ModelConfig& c = s.model;
-  const int ep = s.mesh.ep, tp = std::max(1, s.mesh.tp), m = std::max(1, s.microbatches);
+  const int m = std::max(1, s.microbatches);
   const uint64_t f = sizeof(float);
-  const uint64_t rank_weights = (uint64_t)count_weights(c, ep, tp);
-  const uint64_t expert_weights = (uint64_t)c.n_layers * c.experts * 3 * c.d_model * c.d_ff / tp;
-  // FSDP (and mesh.shard_optimizer) shards every tensor but the expert slices of an expert-parallel mesh.
-  const bool shards = s.mesh.shards_state();
-  const uint64_t sharded = !shards ? 0 : ep > 1 ? rank_weights - expert_weights / ep : rank_weights;
-  const int group = shards ? s.mesh.shard_group() : 1;
-  const uint64_t owned = rank_weights - sharded + sharded / std::max(1, group);
+  const PlannedState state = planned_state(s);
+  const uint64_t rank_weights = state.weights;
+  const bool shards = state.sharded > 0;
+  const uint64_t owned = rank_weights - state.sharded + state.shard;
   auto add = [&](std::string name, double bytes, std::string detail) {
     e.parts.push_back({std::move(name), (uint64_t)bytes, std::move(detail)});
   };
   const std::string held = held_weights_text(e.weights_per_stage, rank_weights, ranks);
   const char* shard_kind = s.mesh.fsdp ? "FSDP shards" : "optimizer shards (mesh.shard_optimizer)";
-  add("weights", copies * (rank_weights + sharded / group) * f,
+  add("weights", copies * (rank_weights + state.shard) * f,
       held + (shards ? std::string(", plus the ") + shard_kind : ""));
   add("gradients", (copies + lanes - 1) * rank_weights * f,
       lanes > 1 ? "one per data lane (" + std::to_string(lanes) + " lanes)" : "one per weight" + ranks);
@@ -205,16 +220,12 @@ void add_state_parts(MemoryEstimate& e, const Scenario& s, double copies, int la
 // staging, an MPI process's state-hash gather, and a resume's restore.
 void add_run_parts(MemoryEstimate& e, const Scenario& s, const RunOptions& opt, double copies, uint64_t global_bytes,
                    bool per_process) {
-  const ModelConfig& c = s.model;
-  const int ep = s.mesh.ep, tp = std::max(1, s.mesh.tp);
   auto add = [&](std::string name, uint64_t bytes, std::string detail) {
     e.parts.push_back({std::move(name), bytes, std::move(detail)});
   };
   if (s.mesh.multi_rank(s.microbatches) && s.mesh.dp > 1) {
-    const uint64_t rank_weights = (uint64_t)count_weights(c, ep, tp);
-    const uint64_t expert_weights = (uint64_t)c.n_layers * c.experts * 3 * c.d_model * c.d_ff / tp;
-    const uint64_t sharded = !s.mesh.shards_state() ? 0 : ep > 1 ? rank_weights - expert_weights / ep : rank_weights;
-    const uint64_t bytes = collective_buffer_bytes(s, sharded / (s.mesh.shards_state() ? s.mesh.shard_group() : 1));
+    const PlannedState state = planned_state(s);
+    const uint64_t bytes = collective_buffer_bytes(s, state.shard, state.largest);
     add("collective_buffers", (uint64_t)(copies * bytes),
         "reduced gradient shards, and each reducing group's result buffer (the largest tensor)" +
             std::string(s.mesh.overlap ? " and its overlap thread" : ""));
@@ -242,11 +253,11 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt, boo
   // --launcher mpi: one rank a process, and the estimate is one process's.
   const bool per_process = multi && (one_rank_per_process || opt.mpi);
   const uint64_t f = sizeof(float);
-  const uint64_t global_weights = (uint64_t)count_weights(c, 1);
+  const uint64_t global_weights = (uint64_t)count_weights(c, MeshConfig{});
   const int threads = opt.backend == Backend::kReference ? 1 : opt.threads > 0 ? opt.threads : omp_get_max_threads();
   int lanes = 1;
   if (!multi && opt.backend == Backend::kEngine &&
-      DataLanes::applicable(c, s.leaf_samples, count_weights(c, s.mesh.ep, tp), s.batch, threads))
+      DataLanes::applicable(c, s.leaf_samples, count_weights(c, s.mesh), s.batch, threads))
     lanes = threads;
 
   MemoryEstimate e;

@@ -268,7 +268,7 @@ PipelineStage::Step::Chunk PipelineStage::Step::make_chunk(int k) const {
   for (size_t t = 0; t < infos_.size(); ++t) {
     const int b = MoeTransformer::block_of(cfg_, infos_[t].name);
     // Expert-parallel slices: the model keeps their trees per source rank over the microbatches itself.
-    if (infos_[t].expert && sizes_.ep > 1) continue;
+    if (infos_[t].split_over(Axis::kExpert)) continue;
     if (b >= ch.first && b < ch.last) ch.params.push_back(t), ch.width += infos_[t].size;
   }
   if (m_ > 1) {
@@ -408,7 +408,7 @@ void PipelineStage::Step::backward(const PipelineAction& a) {
   // the tree over TP ranks comes before the tree over microbatches.
   if (sizes_.sp)
     for (size_t t : ch.params)
-      if (infos_[t].tp_mid == 0)
+      if (!infos_[t].split_over(Axis::kTensor))
         mesh_.group(Axis::kTensor).all_reduce_sum(model_.grads() + infos_[t].offset, (size_t)infos_[t].size);
   if (m_ > 1) push_gradient_leaf(k);
   busy += seconds_since(busy0);

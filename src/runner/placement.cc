@@ -1,6 +1,7 @@
 #include "runner/placement.h"
 
 #include <algorithm>
+#include <stdexcept>
 
 #include "contract.h"
 #include "ops/ops.h"
@@ -35,14 +36,60 @@ float shared_blocks_sumsq(Communicator& group, int64_t n, const float* mine, std
   return tree_sum(sums.data(), nb);
 }
 
-Shard ParamPlacement::shard(const ParamInfo& p, int data) const {
+namespace {
+
+// The one place a tensor's reduction, state sharding and norm are decided.
+TensorPlacement place(const MeshConfig& m, const ParamInfo& p, bool pipelined) {
+  TensorPlacement t;
+  const bool expert_slice = p.split_over(Axis::kExpert), tensor_split = p.split_over(Axis::kTensor);
+  t.sharded = m.shards_state() && !expert_slice;
+  // Sequence parallel: a tensor the stream's tokens reduce into (embeddings, norms, router, head) has a
+  // partial per TP rank; the TP group's leaves are consecutive aligned blocks (tp a power of two wherever
+  // dp > 1), so its tree over TP ranks is this data-parallel rank's subtree, combined below as without SP.
+  // (A pipeline does this per microbatch, before its tree over microbatches.)
+  if (m.sp && !tensor_split && !pipelined) t.reduce.push_back({Axis::kTensor, Collective::kAllReduce});
+  if (expert_slice) {  // the replicas of these experts, one per expert-parallel group
+    t.reduce.push_back({Axis::kExpertData, Collective::kAllReduce});
+    t.copies.push_back(Axis::kExpertData);
+  } else if (t.sharded) {  // each shard's sum, then HSDP's replicas (one rank without)
+    t.reduce.push_back({Axis::kShard, Collective::kReduceScatter});
+    t.reduce.push_back({Axis::kReplica, Collective::kAllReduce});
+    t.copies.push_back(Axis::kReplica);
+  } else if (m.dp_node > 1) {  // a node's aligned subtree, then the tree over nodes: the same tree
+    t.reduce.push_back({Axis::kNode, Collective::kAllReduce});
+    t.reduce.push_back({Axis::kAcrossNodes, Collective::kAllReduce});
+    t.copies.push_back(Axis::kData);
+  } else {
+    t.reduce.push_back({Axis::kData, Collective::kAllReduce});
+    t.copies.push_back(Axis::kData);
+  }
+  // Context-parallel ranks keep copies, and so do tensor-parallel ranks of what they do not split.
+  t.copies.push_back(Axis::kContext);
+  if (!tensor_split) t.copies.push_back(Axis::kTensor);
+  if (tensor_split && !expert_slice && !t.sharded) t.norm = NormFold::kSplitChain;
+  else if (tensor_split || expert_slice) t.norm = NormFold::kGatherWhole;
+  else if (t.sharded) t.norm = NormFold::kShardBlocks;
+  return t;
+}
+
+}  // namespace
+
+PlacementPlan::PlacementPlan(const MeshConfig& mesh, const std::vector<ParamInfo>& tensors, bool pipelined)
+    : mesh_(mesh) {
+  for (const ParamInfo& p : tensors) {
+    if ((size_t)p.index != tensors_.size()) throw std::logic_error("PlacementPlan: tensors not in canonical order");
+    tensors_.push_back(place(mesh, p, pipelined));
+  }
+}
+
+Shard PlacementPlan::shard(const ParamInfo& p, int data) const {
   const int64_t nb = blocks_of(p.size);
   if (!sharded(p)) return {0, nb};
   const int group = mesh_.shard_group();
   return block_share(nb, data % group, group);
 }
 
-std::vector<size_t> ParamPlacement::shard_elems(int64_t n, int g) {
+std::vector<size_t> PlacementPlan::shard_elems(int64_t n, int g) {
   std::vector<size_t> out(g);
   for (int q = 0; q < g; ++q) {
     const auto [lo, hi] = elements_of(block_share(blocks_of(n), q, g), n);
@@ -51,25 +98,21 @@ std::vector<size_t> ParamPlacement::shard_elems(int64_t n, int g) {
   return out;
 }
 
-bool ParamPlacement::counts_in_state(int rank, const ParamInfo& p) const {
+bool PlacementPlan::counts_in_state(int rank, const ParamInfo& p) const {
   const MeshConfig::RankCoords at = mesh_.rank_coords(rank);
-  if (!first_of_context_and_tensor(at, p)) return false;
-  if (p.expert && mesh_.ep > 1) return at.data < mesh_.ep;  // the first expert-parallel group's slices
-  if (sharded(p)) return at.data < mesh_.shard_group();    // the first replica's shards
-  return at.data == 0;
+  for (Axis a : of(p).copies)
+    if (mesh_.rank_along(a, at) != 0) return false;
+  return true;
 }
 
-bool ParamPlacement::writes_checkpoint(int rank, size_t t, const ParamInfo& p) const {
-  const MeshConfig::RankCoords at = mesh_.rank_coords(rank);
-  if (!first_of_context_and_tensor(at, p)) return false;
-  if ((p.expert && mesh_.ep > 1) || sharded(p) || p.tp_mid > 0) return counts_in_state(rank, p);
+bool PlacementPlan::writes_checkpoint(int rank, size_t t, const ParamInfo& p) const {
+  const TensorPlacement& tp = of(p);
+  if (tp.copies.front() != Axis::kData || p.split_over(Axis::kTensor)) return counts_in_state(rank, p);
   // Replicated over the data-parallel ranks: any copy will do; spread the writers by tensor.
+  const MeshConfig::RankCoords at = mesh_.rank_coords(rank);
+  for (Axis a : tp.copies)
+    if (a != Axis::kData && mesh_.rank_along(a, at) != 0) return false;
   return at.data == (int)(t % mesh_.dp);
-}
-
-bool ParamPlacement::first_of_context_and_tensor(const MeshConfig::RankCoords& at, const ParamInfo& p) {
-  // Context-parallel ranks keep copies, and so do tensor-parallel ranks of what they do not split.
-  return at.context == 0 && (at.tensor == 0 || p.tp_mid > 0);
 }
 
 void gather_tp_tensor(const ParamInfo& p, bool sharded, Communicator& shard, Communicator& tensor, const float* mine,
@@ -95,7 +138,8 @@ namespace {
 // so its runs are held x inner elements long.
 template <class Fn>
 void for_each_run(const ParamInfo& p, int64_t lo, int64_t hi, Fn&& fn) {
-  const int64_t inner = p.tp_inner, held = p.tp_held(), row = p.tp_mid * inner, span = held * inner;
+  const TensorSplit& s = *p.feature_split();
+  const int64_t inner = s.inner, held = s.held(), row = s.mid * inner, span = held * inner;
   for (int64_t g = lo; g < hi;) {
     const int64_t o = g / row, within = g - o * row;
     const int holder = (int)(within / span);
@@ -209,7 +253,7 @@ float split_tensor_sumsq(const ParamInfo& p, Communicator& tensor, const float* 
 
 namespace {
 std::vector<size_t> shard_bytes(int64_t n, int g) {
-  std::vector<size_t> bytes = ParamPlacement::shard_elems(n, g);
+  std::vector<size_t> bytes = PlacementPlan::shard_elems(n, g);
   for (size_t& b : bytes) b *= sizeof(float);
   return bytes;
 }

@@ -36,33 +36,62 @@ Shard block_share(int64_t nb, int q, int g);
 float shared_blocks_sumsq(Communicator& group, int64_t n, const float* mine, std::vector<float>& own,
                           std::vector<float>& sums);
 
-class ParamPlacement {
- public:
-  explicit ParamPlacement(const MeshConfig& mesh) : mesh_(mesh) {}
+// One collective of a gradient's reduction: a sum over one axis's group.
+enum class Collective { kAllReduce, kReduceScatter };
+struct ReduceStep {
+  Axis axis = Axis::kData;
+  Collective op = Collective::kAllReduce;
+};
 
-  // FSDP (or the sharded optimizer of mesh.shard_optimizer) shards this
-  // tensor: all but the expert slices of an expert-parallel mesh.
-  bool sharded(const ParamInfo& p) const { return mesh_.shards_state() && !(p.expert && mesh_.ep > 1); }
+// How the gradient norm folds a tensor's reduced gradient, as
+// AdamW::global_norm folds the whole tensor (blocks of kParamBlock, the
+// canonical tree over blocks).
+enum class NormFold {
+  kHeld,         // held whole here: folded here
+  kShardBlocks,  // block shares of the shard group: their block folds all-gathered (shared_blocks_sumsq)
+  kSplitChain,   // parts of the tensor group: the blocks' folds chained through it (split_tensor_sumsq)
+  kGatherWhole,  // the pieces gathered (the tensor group's parts, then the expert slices) and folded whole
+};
+
+// One tensor's placement on the mesh, per axis (DTensor-style): the splits
+// of ParamInfo::splits, the axis its state is sharded over, and what
+// follows from them.
+struct TensorPlacement {
+  bool sharded = false;            // state in block shares over kShard (FSDP, the sharded optimizer), copies over kReplica
+  std::vector<ReduceStep> reduce;  // the gradient's partial sums, combined in this order
+  std::vector<Axis> copies;        // the axes along which ranks hold copies of the same piece of state
+  NormFold norm = NormFold::kHeld;
+};
+
+// The placement plan: built once from the mesh and the model's tensors (as
+// its first rank holds them), and the one answer for the training step's
+// reductions (blocking and overlapped), the gradient norm, the weight
+// gathers, the state hash, checkpoint staging and restore, and the memory plan.
+class PlacementPlan {
+ public:
+  PlacementPlan() = default;
+  // pipelined: a pipeline's stages sum sequence-parallel partials per microbatch themselves.
+  PlacementPlan(const MeshConfig& mesh, const std::vector<ParamInfo>& tensors, bool pipelined);
+
+  const TensorPlacement& of(const ParamInfo& p) const { return tensors_[(size_t)p.index]; }
+  bool sharded(const ParamInfo& p) const { return of(p).sharded; }
   // The blocks of p that the rank at data-parallel index `data` keeps: its
-  // FSDP shard group position's range, or all of them.
+  // shard group position's range, or all of them.
   Shard shard(const ParamInfo& p, int data) const;
   // Elements each rank of a shard group of g ranks keeps of an n-element tensor.
   static std::vector<size_t> shard_elems(int64_t n, int g);
 
   // World rank `rank`'s piece of p is the one the state counts: of the
-  // copies the other axes keep, the first (data-parallel rank 0, or the first
-  // expert-parallel group, or the first replica of the FSDP shards; context
-  // rank 0; tensor rank 0 unless the tensor is split by tensor parallelism).
+  // copies, the first along every axis that keeps them (TensorPlacement::copies).
   bool counts_in_state(int rank, const ParamInfo& p) const;
   // World rank `rank` writes its piece of tensor t (canonical index t in its
-  // stage) to a checkpoint: one writer per element, replicated tensors'
-  // writers spread over the data-parallel ranks.
+  // stage) to a checkpoint: one writer per element, tensors replicated over
+  // the data axis spread their writers over its ranks.
   bool writes_checkpoint(int rank, size_t t, const ParamInfo& p) const;
 
  private:
-  // Context rank 0, and tensor rank 0 unless p is split by tensor parallelism.
-  static bool first_of_context_and_tensor(const MeshConfig::RankCoords& at, const ParamInfo& p);
   MeshConfig mesh_;
+  std::vector<TensorPlacement> tensors_;  // by canonical index
 };
 
 // whole = the tensor a tensor-parallel split tensor's parts make (its
