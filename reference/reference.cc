@@ -167,10 +167,9 @@ T Model<T>::learning_rate(int step) const {
 }
 
 template <class T>
-T Model<T>::optimizer_step(int step) {
-  const Config& c = cfg;
-  // Global gradient norm: per tensor a parameter-index reduction (blocks of
-  // kParamBlock, canonical tree), tensors summed in canonical name order.
+T Model<T>::grad_norm() const {
+  // Per tensor a parameter-index reduction (blocks of kParamBlock, canonical
+  // tree), tensors summed in canonical name order.
   T total = 0;
   for (auto& p : params) {
     if constexpr (sizeof(T) == 4) {
@@ -181,12 +180,15 @@ T Model<T>::optimizer_step(int step) {
       total = total + s;
     }
   }
-  T norm = SQRT(total);
-  if (c.grad_clip > 0 && norm > T(c.grad_clip)) {
-    T scale = T(c.grad_clip) / norm;
-    for (auto& p : params)
-      for (T& x : p.g) x = x * scale;
-  }
+  return SQRT(total);
+}
+
+template <class T>
+void Model<T>::adamw_step(int step, T norm) {
+  const Config& c = cfg;
+  // The one clipping rule, decided here as in the engine's adamw_step.
+  const bool clip = c.grad_clip > 0 && norm > T(c.grad_clip);
+  const T scale = clip ? T(c.grad_clip) / norm : T(1);
   const T lr = learning_rate(step);
   const T b1 = T(c.beta1), b2 = T(c.beta2), omb1 = T(1) - b1, omb2 = T(1) - b2;
   T p1 = 1, p2 = 1;  // beta^t by repeated multiplication, t = step + 1
@@ -197,6 +199,7 @@ T Model<T>::optimizer_step(int step) {
   const T bc1 = T(1) - p1, bc2 = T(1) - p2;
   for (auto& p : params)
     for (int64_t i = 0; i < p.size(); ++i) {
+      if (clip) p.g[i] = p.g[i] * scale;
       T g = p.g[i];
       p.m[i] = b1 * p.m[i] + omb1 * g;
       p.v[i] = b2 * p.v[i] + omb2 * (g * g);
@@ -205,6 +208,12 @@ T Model<T>::optimizer_step(int step) {
       if (p.decay) upd = upd + T(c.weight_decay) * p.w[i];
       p.w[i] = p.w[i] - lr * upd;
     }
+}
+
+template <class T>
+T Model<T>::optimizer_step(int step) {
+  const T norm = grad_norm();
+  adamw_step(step, norm);
   return norm;
 }
 

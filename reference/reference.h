@@ -68,8 +68,16 @@ class Model {
   Losses<T> forward_range(const uint8_t* tokens, int batch, bool training, int first, int last, const T* stream_in,
                           T* stream_out, Losses<T> carried);
   void backward_range(int first, int last, const T* grad_out, T* grad_in);
-  // Global-norm clip then AdamW at 0-based `step`. Returns the pre-clip norm.
+  // One optimizer step at 0-based `step`: grad_norm(), then adamw_step.
+  // Returns the pre-clip norm.
   T optimizer_step(int step);
+  // The global gradient norm of Param::g (pre-clip).
+  T grad_norm() const;
+  // AdamW at 0-based `step` given the pre-clip global norm; it decides
+  // clipping (grad_clip > 0 and norm > grad_clip: each gradient scaled by
+  // grad_clip / norm, and stored back) as the engine's ls::adamw_step does,
+  // written here on its own.
+  void adamw_step(int step, T norm);
   T learning_rate(int step) const;
   std::string state_hash() const;  // float only: contract state hash
 

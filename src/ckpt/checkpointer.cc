@@ -160,7 +160,7 @@ CheckpointWriter::~CheckpointWriter() {
   }
 }
 
-void CheckpointWriter::save(int64_t step, Trainer& trainer) {
+void CheckpointWriter::save(int64_t step, Checkpointable& state) {
   const double t0 = now();
   // Two data flows stay apart: across processes the commit is a collective
   // on this thread (settle_oldest, at poll and here); alone, each upload's
@@ -186,7 +186,7 @@ void CheckpointWriter::save(int64_t step, Trainer& trainer) {
       spare_.pop_back();
     }
   }
-  trainer.stage_state(job->staged);  // the copy to DRAM: the blocking part
+  state.stage_state(job->staged);  // the copy to DRAM: the blocking part
   {
     std::lock_guard<std::mutex> lk(mu_);
     job->record = records_.size();

@@ -1,11 +1,12 @@
 // Saving and restoring training state through an object store.
 //
-// Save (checkpointer.cc): the trainer stages its state into DRAM (the only
-// part that blocks training); a background job encodes each rank's pieces as
-// one safetensors object, uploads them, then commits by writing the manifest
-// last, and only then deletes checkpoints beyond keep_last. An upload error
-// surfaces at the next save() or at finish(), never lost in a thread, and
-// never leaves a manifest pointing at missing objects.
+// Save (checkpointer.cc): the trainer (a Checkpointable, checkpointable.h)
+// stages its state into DRAM (the only part that blocks training); a
+// background job encodes each rank's pieces as one safetensors object,
+// uploads them, then commits by writing the manifest last, and only then
+// deletes checkpoints beyond keep_last. An upload error surfaces at the next
+// save() or at finish(), never lost in a thread, and never leaves a manifest
+// pointing at missing objects.
 //
 // Restore (restore.cc): read the manifest(s), then every object exactly
 // once, by a reader rank chosen round-robin, and broadcast its bytes to the
@@ -38,7 +39,7 @@
 
 #include "ckpt/config.h"
 #include "ckpt/manifest.h"
-#include "ckpt/trainer.h"
+#include "ckpt/checkpointable.h"
 #include "store/store.h"
 
 namespace ls {
@@ -65,9 +66,9 @@ class CheckpointWriter {
                    std::string fingerprint, nlohmann::json mesh, Communicator* mpi = nullptr);
   ~CheckpointWriter();  // waits for uploads; errors then are reported on stderr
 
-  // Stages the trainer's state and starts the upload (or uploads now when not
+  // Stages the state and starts the upload (or uploads now when not
   // async). Rethrows the error of an earlier failed upload.
-  void save(int64_t step, Trainer& trainer);
+  void save(int64_t step, Checkpointable& state);
   // Waits for every upload; rethrows the first error.
   void finish();
   // Under MPI: commits every pending checkpoint whose objects all ranks have
@@ -165,11 +166,11 @@ void share_error(Communicator& comm, int root, std::exception_ptr error, const s
 // the step, unless a local folder of that whole name exists.
 std::pair<std::string, int64_t> split_checkpoint_url(const std::string& text);
 
-// Loads the manifest's state into every rank of the trainer. mpi: the
-// trainer holds this process's rank only; objects travel between processes
+// Loads the manifest's state into every rank of `state`. mpi: `state`
+// holds this process's rank only; objects travel between processes
 // and store_bytes_read counts every process's reads. A failure is agreed:
 // every process throws, and no rank loads anything.
-RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode,
+RestoreReport restore_state(Checkpointable& state, ObjectStore& store, const Manifest& m, const std::string& mode,
                             Communicator* mpi = nullptr, const std::optional<RetryPolicy>& retry = std::nullopt);
 
 }  // namespace ls

@@ -32,13 +32,13 @@ struct PieceHome {
   int64_t global_begin = 0, global_end = 0;
 };
 
-// One restore of a manifest's state into the ranks of a trainer that this
+// One restore of a manifest's state into the ranks of a Checkpointable that this
 // process holds: what each rank needs, and the buffers its parts land in.
 class Restore {
  public:
   // processes: those that agree on the outcome (the MPI job, or this process alone).
-  Restore(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode, Communicator& processes,
-          const std::optional<RetryPolicy>& retry);
+  Restore(Checkpointable& state, ObjectStore& store, const Manifest& m, const std::string& mode,
+          Communicator& processes, const std::optional<RetryPolicy>& retry);
   // Every rank reads its parts: the ranks are processes under MPI (mpi), threads
   // of this one otherwise. A failure is agreed: every process throws.
   void read(Communicator* mpi);
@@ -56,7 +56,7 @@ class Restore {
   bool holds_any(int r, const ManifestObject& o) const;
   std::string uncovered_here() const;  // the first need of this process not filled, if any
 
-  Trainer& trainer_;
+  Checkpointable& state_;
   ObjectStore& store_;
   const Manifest& m_;
   const std::string& mode_;
@@ -71,15 +71,15 @@ class Restore {
   std::vector<std::vector<int64_t>> filled_;
 };
 
-Restore::Restore(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode,
+Restore::Restore(Checkpointable& state, ObjectStore& store, const Manifest& m, const std::string& mode,
                  Communicator& processes, const std::optional<RetryPolicy>& retry)
-    : trainer_(trainer), store_(store), m_(m), mode_(mode), processes_(processes), retry_(retry),
-      world_(trainer.world()), needs_(world_), buffers_(world_), filled_(world_) {
+    : state_(state), store_(store), m_(m), mode_(mode), processes_(processes), retry_(retry),
+      world_(state.world()), needs_(world_), buffers_(world_), filled_(world_) {
   for (const ManifestTensor& t : m.tensors)
     for (const ManifestPiece& p : t.pieces) where_[p.object][p.stored_name] = {t.name, p.global_begin, p.global_end};
   for (int r = 0; r < world_; ++r) {
     if (!holds_rank(processes, world_, r)) continue;  // held by another process
-    needs_[r] = trainer.state_needs(r);
+    needs_[r] = state.state_needs(r);
     for (const StatePiece& n : needs_[r]) buffers_[r].emplace_back(n.global_end - n.global_begin);
     filled_[r].assign(needs_[r].size(), 0);
   }
@@ -222,12 +222,12 @@ void Restore::check_covered() {
 
 void Restore::load() {
   for (int r = 0; r < world_; ++r)
-    for (size_t i = 0; i < needs_[r].size(); ++i) trainer_.load_piece(r, needs_[r][i], buffers_[r][i].data());
+    for (size_t i = 0; i < needs_[r].size(); ++i) state_.load_piece(r, needs_[r][i], buffers_[r][i].data());
 }
 
 }  // namespace
 
-RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest& m, const std::string& mode,
+RestoreReport restore_state(Checkpointable& state, ObjectStore& store, const Manifest& m, const std::string& mode,
                             Communicator* mpi, const std::optional<RetryPolicy>& retry) {
   if (mode != "broadcast" && mode != "naive")
     throw UserError("ckpt.restore: must be broadcast or naive, got \"" + mode + "\"");
@@ -241,7 +241,7 @@ RestoreReport restore_state(Trainer& trainer, ObjectStore& store, const Manifest
   rep.mode = mode;
   rep.saved_mesh = m.mesh.dump();
   for (const ManifestObject& o : m.objects) rep.checkpoint_bytes += o.size;
-  Restore restore(trainer, store, m, mode, processes, retry);
+  Restore restore(state, store, m, mode, processes, retry);
   restore.read(mpi);
   restore.check_covered();
   restore.load();

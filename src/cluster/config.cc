@@ -24,7 +24,7 @@ int MeshConfig::size(Axis a) const {
     case Axis::kExpertData: return dp / ep;
     case Axis::kShard: return shard_group();
     case Axis::kReplica: return dp / shard_group();
-    case Axis::kStage: return dp * tp;
+    case Axis::kDataTensor: return dp * tp;
     case Axis::kNode: return dp_node;
     case Axis::kAcrossNodes: return dp / dp_node;
     default: return this->*kRankAxes[(size_t)a].size;

@@ -34,10 +34,11 @@ enum class Axis {
   kExpertData,  // the data-parallel ranks holding the same experts, one per expert group
   kShard,       // an FSDP shard group: mesh.dp / mesh.replicate consecutive data-parallel ranks
   kReplica,     // HSDP: the ranks holding the same shard, one per shard group
-  kStage,       // every data and tensor-parallel rank of one stage and context index: what a sum over
-                // sequence-parallel stream tokens spans
-  kNode,        // mesh.dp_node consecutive data-parallel ranks: one node's
-  kAcrossNodes, // the data-parallel ranks at the same place in every node
+  kDataTensor,  // the data x tensor-parallel ranks of one (stage, context) index: under sequence
+                // parallel, what a sum over the stream's tokens spans (Mesh::stream_group)
+  kNode,        // mesh.dp_node consecutive data-parallel ranks: the ranks of one node, whose
+                // gradients meet first (the inner level of the two-level all-reduce)
+  kAcrossNodes, // the data-parallel ranks at the same place in every node: the outer level
 };
 constexpr int kRankAxisCount = 4;
 constexpr int kAxisCount = 11;

@@ -24,7 +24,7 @@ int Mesh::group_color(const MeshConfig& cfg, Axis a, const MeshConfig::RankCoord
     case Axis::kExpertData: fixed.data = c.data % ep; break;
     case Axis::kShard: fixed.data = c.data / shard * shard; break;
     case Axis::kReplica: fixed.data = c.data % shard; break;
-    case Axis::kStage: fixed.data = 0, fixed.tensor = 0; break;
+    case Axis::kDataTensor: fixed.data = 0, fixed.tensor = 0; break;
     case Axis::kNode: fixed.data = c.data / cfg.dp_node * cfg.dp_node; break;
     case Axis::kAcrossNodes: fixed.data = c.data % cfg.dp_node; break;
   }

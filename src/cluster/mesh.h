@@ -29,9 +29,9 @@ class Mesh {
   int size(Axis a) const { return group(a).size(); }
   int rank(Axis a) const { return group(a).rank(); }
   // Sequence parallel: the stream's tokens are split across the tensor
-  // group, so a sum over them spans group(Axis::kStage), else group(kData).
+  // group, so a sum over them spans group(Axis::kDataTensor), else group(kData).
   bool sequence_parallel() const { return sp_; }
-  Communicator& stream_group() const { return group(sp_ ? Axis::kStage : Axis::kData); }
+  Communicator& stream_group() const { return group(sp_ ? Axis::kDataTensor : Axis::kData); }
   CpLayout cp_layout() const { return cp_layout_; }
   // mesh.overlap: collectives may be started and waited for later.
   bool overlap() const { return overlap_; }

@@ -33,8 +33,11 @@ struct AdamWSlice {
 void adamw_update(const OptimConfig& cfg, float lr, int step, bool clip, float clip_scale,
                   const std::vector<AdamWSlice>& slices);
 // One optimizer step given the pre-clip global norm: clipping by
-// cfg.grad_clip (the one place it is decided), the learning rate of the
-// schedule, then adamw_update. Every trainer calls this.
+// cfg.grad_clip (the engine's one place it is decided: grad_clip > 0 and
+// norm > grad_clip scales every gradient by grad_clip / norm), the learning
+// rate of the schedule, then adamw_update. Every engine trainer (one rank,
+// data lanes, a mesh, the kernel backends) calls this; the reference states
+// the same rule in its own ref::Model::adamw_step, sharing no code with it.
 void adamw_step(const OptimConfig& cfg, int decay_steps, int step, float norm, const std::vector<AdamWSlice>& slices);
 
 class AdamW {

@@ -7,7 +7,7 @@
 
 #include <memory>
 
-#include "ckpt/trainer.h"
+#include "runner/trainer.h"
 #include "runner/scenario.h"
 
 namespace ls {

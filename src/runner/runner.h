@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/trainer.h"
+#include "runner/trainer.h"
 #include "model/model.h"
 #include "ops/device_memory.h"
 #include "runner/scenario.h"

@@ -450,7 +450,7 @@ std::vector<Row> context_parallel_rows() {
             "each runs the attention block (QKV, attention, output projection) for its share of every "
             "sample's positions (mesh.cp_layout), K and V all-gathered, the dK and dV folds passed from rank "
             "to rank in ascending query order; the routed experts split by expert, the shared expert by "
-            "position; the norms, router and head run on every rank of the group.",
+            "position; the norms, router, combine and head on each rank's own positions.",
             {in_range(1, 64),
              {"divides model.seq_len into equal shares (2 x mesh.cp chunks under zigzag)", [](const S& s, int v) {
                 if (v == 1) return std::string();

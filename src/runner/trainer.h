@@ -1,9 +1,8 @@
-// The training backend as the checkpointer sees it: the Trainer interface
-// (model + optimizer, one or many ranks) and the StatePiece a save stages
-// and a restore delivers. The runner implements Trainer
-// (runner/engine_trainer.h, reference_trainer.h, cluster_trainer.h); ckpt
-// saves from it and restores into it. It lives here, below runner, so that
-// ckpt needs nothing from runner.
+// One training backend as the runner drives it: the Trainer interface
+// (model + optimizer, one or many ranks; runner/engine_trainer.h,
+// reference_trainer.h, cluster_trainer.h) and the MeshReport of its last
+// step. A Trainer is Checkpointable (ckpt/checkpointable.h): that part is
+// all the checkpointer sees of it.
 #pragma once
 
 #include <algorithm>
@@ -14,8 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/checkpointable.h"
 #include "model/model.h"
-#include "ops/device_memory.h"
 #include "trace/sink.h"
 
 namespace ls {
@@ -111,19 +110,9 @@ struct MeshReport {
   std::map<std::string, double> comm_seconds_by_kind_max;
 };
 
-// A piece of training state: elements [global_begin, global_end) of the
-// flattened global tensor `name` ("param/<p>", "adam_m/<p>" or "adam_v/<p>").
-struct StatePiece {
-  std::string name;
-  std::vector<int64_t> global_shape;
-  int64_t global_begin = 0, global_end = 0;
-  ops::StagingVector<float> data;  // the staged copy (empty for a restore need); page-locked on the GPU
-};
-
 // One training backend: model + optimizer behind one interface.
-class Trainer {
+class Trainer : public Checkpointable {
  public:
-  virtual ~Trainer() = default;
   virtual float train_step(const uint8_t* tokens, int batch, int step, float* grad_norm) = 0;
   virtual float eval_loss(const uint8_t* tokens, int batch) = 0;
   virtual std::string state_hash() const = 0;
@@ -134,17 +123,6 @@ class Trainer {
   virtual void debug_bump_weight(const std::string& param, int64_t index) = 0;
   virtual void set_debug_reorder_moe_norm(bool on) = 0;
   virtual MeshReport mesh_report() const { return {}; }
-  // Checkpoints. Ranks of the (simulated) job; a single-rank trainer has one.
-  virtual int world() const { return 1; }
-  // Copies the state into per-rank pieces (the part of a save that blocks
-  // training); every global element is staged by exactly one rank. `out`
-  // may hold the buffers of an earlier save: they are reused, so a save
-  // touches no fresh memory.
-  virtual void stage_state(std::vector<std::vector<StatePiece>>& out) = 0;
-  // The global ranges rank `rank` holds (data empty): what a restore must
-  // deliver to it, whatever mesh the checkpoint was saved on.
-  virtual std::vector<StatePiece> state_needs(int rank) const = 0;
-  virtual void load_piece(int rank, const StatePiece& need, const float* data) = 0;
   // Called with (phase, rank) as a training step enters its forward,
   // backward and optimizer on a rank (fault injection triggers on it).
   virtual void set_phase_hook(std::function<void(TrainPhase, int)> hook) { (void)hook; }
