@@ -41,7 +41,7 @@ int MeshConfig::rank_along(Axis a, const RankCoords& c) const {
     case Axis::kExpertData: return c.data / ep;
     case Axis::kShard: return c.data % shard_group();
     case Axis::kReplica: return c.data / shard_group();
-    case Axis::kStage: return c.data * tp + c.tensor;
+    case Axis::kDataTensor: return c.data * tp + c.tensor;
     case Axis::kNode: return c.data % dp_node;
     case Axis::kAcrossNodes: return c.data / dp_node;
   }
