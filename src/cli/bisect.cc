@@ -4,6 +4,7 @@
 // changes the bits. Every run is a child `lockstep run` process, so the two
 // sides may be different binaries.
 #include "cli/bisect.h"
+#include "cli/commands.h"
 #include "cli/self_exe.h"
 
 #include <fcntl.h>
@@ -11,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <thread>
@@ -21,6 +23,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <tuple>
 
@@ -567,6 +570,36 @@ int cmd_bisect(const BisectArgs& a) {
     std::fprintf(g_text, "traces kept in %s\n", a.keep.c_str());
   }
   return finish(1, "changes");
+}
+
+Command bisect_command(CLI::App& cmd) {
+  auto args = std::make_shared<BisectArgs>();
+  BisectArgs& ba = *args;
+  CLI::App* bisect = &cmd;
+  bisect->add_option("scenario_a", ba.scenario_a, "scenario of run A")->required();
+  bisect->add_option("scenario_b", ba.scenario_b, "scenario of run B (default: the same)");
+  bisect->add_option("--set-a", ba.sets_a, "override for run A: dotted.key=value (repeatable)");
+  bisect->add_option("--set-b", ba.sets_b, "override for run B (repeatable)");
+  // Each side is a child `lockstep run --backend X`: every backend run takes.
+  bisect->add_option("--backend-a", ba.backend_a,
+                     "backend of run A: engine (default), reference, cuda-emulated or cuda, as run --backend");
+  bisect->add_option("--backend-b", ba.backend_b, "backend of run B: engine (default), reference, cuda-emulated or cuda");
+  bisect->add_option("--bin-a", ba.bin_a, "lockstep binary for run A (default: this one)");
+  bisect->add_option("--bin-b", ba.bin_b, "lockstep binary for run B");
+  bisect->add_option("--threads-a", ba.threads_a, "threads for run A")->check(CLI::Range(1, 1024));
+  bisect->add_option("--threads-b", ba.threads_b, "threads for run B")->check(CLI::Range(1, 1024));
+  bisect->add_option("--steps", ba.steps, "compare at most this many steps")->check(CLI::Range(1, 1000000));
+  bisect->add_option("--keep", ba.keep, "keep the traces in this directory");
+  bisect->add_flag("--json", ba.json,
+                   "print one JSON object on stdout (agree, verdict, first divergence, the minimal differences, mesh "
+                   "bugs); the report's lines go to stderr");
+  bisect->add_option("--launcher", ba.launcher,
+                     "threads (default) or mpi: a side's runs on more than one rank go under mpirun, one process per "
+                     "rank, as run --launcher mpi (its one-rank twins stay in one process)");
+  bisect->add_option("--debug-mesh-fault-b", ba.debug_mesh_fault_b,
+                     "debug only: run B plants a mesh fault (run --debug-mesh-fault) for bisect to locate")
+      ->group("Debug");
+  return [args] { return cmd_bisect(*args); };
 }
 
 }  // namespace ls
