@@ -63,7 +63,9 @@ void flatten(const nlohmann::json& j, const std::string& prefix, std::map<std::s
 struct Change {
   std::string key;      // dotted config key, or "(run) backend" / "(run) binary" / "(run) threads"
   nlohmann::json a, b;  // values on each side
-  std::string text() const { return key.rfind("(run) ", 0) == 0 ? key.substr(6) + "=" + b.dump() : key + "=" + b.dump(); }
+  std::string text() const {
+    return key.rfind("(run) ", 0) == 0 ? key.substr(6) + "=" + b.dump() : key + "=" + b.dump();
+  }
 };
 
 std::string pointer(const std::string& dotted) {
@@ -84,7 +86,8 @@ Side with_changes(const Side& a, const std::vector<Change>& changes) {
 }
 
 bool same_bits(const Child& a, const Child& b) {
-  return a.summary["final_state_hash"] == b.summary["final_state_hash"] && a.summary["loss_bits"] == b.summary["loss_bits"];
+  return a.summary["final_state_hash"] == b.summary["final_state_hash"] &&
+         a.summary["loss_bits"] == b.summary["loss_bits"];
 }
 
 Child must(Runner& r, const Side& side, int steps, const std::string& label, const std::string& trace = "",
@@ -527,7 +530,8 @@ Command bisect_command(CLI::App& cmd) {
   // Each side is a child `lockstep run --backend X`: every backend run takes.
   bisect->add_option("--backend-a", ba.backend_a,
                      "backend of run A: engine (default), reference, cuda-emulated or cuda, as run --backend");
-  bisect->add_option("--backend-b", ba.backend_b, "backend of run B: engine (default), reference, cuda-emulated or cuda");
+  bisect->add_option("--backend-b", ba.backend_b,
+                     "backend of run B: engine (default), reference, cuda-emulated or cuda");
   bisect->add_option("--bin-a", ba.bin_a, "lockstep binary for run A (default: this one)");
   bisect->add_option("--bin-b", ba.bin_b, "lockstep binary for run B");
   bisect->add_option("--threads-a", ba.threads_a, "threads for run A")->check(CLI::Range(1, 1024));

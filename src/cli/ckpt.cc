@@ -79,7 +79,8 @@ int cmd_ckpt(const std::string& verb, const std::string& target, const std::stri
       uint64_t bytes = 0;
       for (const ManifestObject& o : m.objects) bytes += o.size;
       std::printf("step %-8lld %3zu objects %12llu bytes  mesh %s  state_hash %s\n", (long long)s, m.objects.size(),
-                  (unsigned long long)bytes, saved_mesh_text(m).c_str(), m.state_hash.empty() ? "-" : m.state_hash.c_str());
+                  (unsigned long long)bytes, saved_mesh_text(m).c_str(),
+                  m.state_hash.empty() ? "-" : m.state_hash.c_str());
     }
     return 0;
   }
@@ -129,7 +130,8 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
     std::printf("kept: step %s torn but newer than every commit (possibly in progress)\n",
                 steps(r.newest_in_progress).c_str());
   if (!r.unreadable_steps.empty())
-    std::printf("kept: step %s committed, manifest unreadable (directory left alone)\n", steps(r.unreadable_steps).c_str());
+    std::printf("kept: step %s committed, manifest unreadable (directory left alone)\n",
+                steps(r.unreadable_steps).c_str());
   const std::string kept =
       r.newest_in_progress.empty() ? "" : "; kept, possibly in progress: " + steps(r.newest_in_progress);
   std::printf("gc: %zu orphan object%s, %llu bytes (torn steps collected: %s%s; committed: %s) %s\n",
@@ -137,7 +139,8 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
               steps(r.torn_steps).c_str(), kept.c_str(), steps(r.committed_steps).c_str(),
               r.deleted ? "deleted" : "would be deleted (dry run; --delete to delete)");
   if (!r.stale_temps.empty())
-    std::printf("gc: %zu stale temp file%s, %llu bytes %s\n", r.stale_temps.size(), r.stale_temps.size() == 1 ? "" : "s",
+    std::printf("gc: %zu stale temp file%s, %llu bytes %s\n", r.stale_temps.size(),
+                r.stale_temps.size() == 1 ? "" : "s",
                 (unsigned long long)r.stale_temp_bytes, r.deleted ? "deleted" : "would be deleted");
   for (const auto& u : r.stale_uploads)
     std::printf("%s %-44s upload %s, begun %s (incomplete multipart upload)\n", r.deleted ? "aborted " : "stale   ",
@@ -146,7 +149,8 @@ int cmd_ckpt_gc(const std::string& url, const std::string& endpoint, bool do_del
     std::printf("kept     %-44s upload %s, begun %s (newer than every commit: possibly in progress)\n", u.key.c_str(),
                 u.upload_id.c_str(), u.initiated.c_str());
   if (!r.uploads_listed)
-    std::printf("gc: incomplete multipart uploads not checked: this server does not list them (ListMultipartUploads)\n");
+    std::printf("gc: incomplete multipart uploads not checked: this server does not list them "
+                "(ListMultipartUploads)\n");
   if (!r.stale_uploads.empty() || !r.uploads_in_progress.empty())
     std::printf("gc: %zu incomplete multipart upload%s %s; %zu possibly in progress kept\n", r.stale_uploads.size(),
                 r.stale_uploads.size() == 1 ? "" : "s", r.deleted ? "aborted" : "would be aborted",

@@ -75,7 +75,8 @@ namespace ls {
     if (null >= 0) ::dup2(null, 0);
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::signal(sig, SIG_DFL);
     ::execvp(argv[0], argv.data());
-    const std::string m = std::string("lockstep: error: --launcher mpi: cannot start mpirun: ") + std::strerror(errno) + "\n";
+    const std::string m =
+        std::string("lockstep: error: --launcher mpi: cannot start mpirun: ") + std::strerror(errno) + "\n";
     (void)!::write(2, m.data(), m.size());
     ::_exit(2);
   }
@@ -100,7 +101,10 @@ namespace ls {
     std::fprintf(stderr, "lockstep: %s: stopped the mpirun job (%zu process%s)%s\n", stop_signal_name(sig).c_str(),
                  procs.size(),
                  procs.size() == 1 ? "" : "es",
-                 s.ckpt.url.empty() ? "" : ("; committed checkpoints in " + s.ckpt.url + " are intact (continue with --resume " + s.ckpt.url + ")").c_str());
+                 s.ckpt.url.empty() ? ""
+                                    : ("; committed checkpoints in " + s.ckpt.url +
+                                       " are intact (continue with --resume " + s.ckpt.url + ")")
+                                          .c_str());
     die_of_signal(sig);
   }
   std::fflush(nullptr);

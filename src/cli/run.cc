@@ -38,7 +38,8 @@ namespace {
 // plain file or a read-only folder is refused at once, with the OS's reason.
 void check_output_dir(const std::string& dir) {
   std::error_code ec;
-  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) throw UserError("--out " + dir + ": exists and is not a folder");
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+    throw UserError("--out " + dir + ": exists and is not a folder");
   fs::create_directories(dir, ec);
   if (ec) throw UserError("--out " + dir + ": cannot create the folder: " + ec.message());
   const fs::path probe = fs::path(dir) / ".lockstep-write-test";
@@ -67,7 +68,8 @@ std::string launcher_line(const std::string& launcher, int processes, int ranks)
 // "saved on one rank, resharded onto dp 2" when the checkpoint resumed was
 // saved on another mesh than this run's; else nothing.
 std::string resharded(const RunResult& r, const Scenario& s) {
-  const nlohmann::json saved = r.restore.is_object() ? r.restore.value("saved_mesh", nlohmann::json()) : nlohmann::json();
+  const nlohmann::json saved =
+      r.restore.is_object() ? r.restore.value("saved_mesh", nlohmann::json()) : nlohmann::json();
   if (!saved.is_object() || saved.empty()) return "";
   int mb = 1;
   const std::string was = mesh_from_json(saved, &mb).describe(mb), now = s.mesh.describe(s.microbatches);
@@ -387,7 +389,10 @@ Command run_command(CLI::App& cmd) {
   CLI::App* run = &cmd;
   run->add_option("scenario", ra.scenario, "scenario JSON file")->required();
   run->add_option("--set", ra.sets, "override a scenario key: dotted.key=value (repeatable)");
-  run->add_option("--threads", ra.threads, "worker threads (default: all cores); the engine runs them as data lanes of whole samples where the bits allow, else splits each op (README, Speed)")->check(CLI::Range(1, 1024));
+  run->add_option("--threads", ra.threads,
+                  "worker threads (default: all cores); the engine runs them as data lanes of whole samples where "
+                  "the bits allow, else splits each op (README, Speed)")
+      ->check(CLI::Range(1, 1024));
   run->add_option("--backend", ra.backend,
                   "engine (fast), reference (scalar spec), cuda-emulated (the CUDA kernels run on the CPU through "
                   "an emulation of CUDA: slow, for checking the kernels' bits) or cuda (the kernels on a GPU)");
@@ -400,11 +405,12 @@ Command run_command(CLI::App& cmd) {
       ->expected(2)
       ->group("");
   run->add_option("--launcher", ra.launcher,
-                  "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp x mesh.tp x mesh.pp "
-                  "x mesh.cp, one process per rank; docs/CLUSTER.md)");
+                  "threads (default: every rank a thread of this process) or mpi (starts mpirun -np mesh.dp x "
+                  "mesh.tp x mesh.pp x mesh.cp, one process per rank; docs/CLUSTER.md)");
   run->add_option("--steps", ra.steps,
-                  "stop after this many steps (at most train.steps); the learning-rate schedule stays train.steps' (so a run stopped "
-                  "early matches the full run's first N steps bit for bit, and its checkpoints resume it)");
+                  "stop after this many steps (at most train.steps); the learning-rate schedule stays train.steps' "
+                  "(so a run stopped early matches the full run's first N steps bit for bit, and its checkpoints "
+                  "resume it)");
   run->add_option("--out", ra.out_dir, "write summary.json and scenario.resolved.json here");
   run->add_flag("--json", ra.json, "print the summary as one JSON object on the last line of stdout");
   run->add_flag("--progress", ra.progress, "progress lines on stderr even when it is not a terminal");
@@ -421,7 +427,8 @@ Command run_command(CLI::App& cmd) {
                   "0); already at the final step: exit 0, nothing left to run");
   run->add_option("--fault", ra.faults,
                   "inject a fault: KIND@STEP[:key=value,...] (docs/FAULTS.md); runs supervised (repeatable)");
-  run->add_flag("--supervise", ra.supervise, "run as a supervised child process, restarted from checkpoints on failure");
+  run->add_flag("--supervise", ra.supervise,
+                "run as a supervised child process, restarted from checkpoints on failure");
   run->add_option("--max-restarts", ra.max_restarts,
                   "supervisor: restart budget, 0 or more (default 8; exhausted: exit 1)");
   run->add_option("--heartbeat-timeout", ra.heartbeat_timeout,
