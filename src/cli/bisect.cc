@@ -3,154 +3,53 @@
 // between the runs -- config keys, backend, binary, threads -- that alone
 // changes the bits. Every run is a child `lockstep run` process, so the two
 // sides may be different binaries.
-#include "cli/bisect.h"
-#include "cli/self_exe.h"
-
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
-#include <chrono>
-#include <thread>
 #include <cctype>
-#include <cerrno>
-#include <cstring>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
-#include <fstream>
+#include <functional>
 #include <map>
-#include <sstream>
-#include <tuple>
+#include <memory>
+#include <utility>
 
+#include "cli/bisect_runner.h"
+#include "cli/commands.h"
+#include "cli/self_exe.h"
 #include "cluster/mpi.h"
 #include "common/error.h"
-#include "common/stop_signals.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
 #include "trace/diff.h"
-
-extern char** environ;
 
 namespace fs = std::filesystem;
 
 namespace ls {
 namespace {
 
-// One side of the comparison.
-struct Side {
-  std::string binary;
-  nlohmann::json resolved;  // the full scenario
-  std::string backend = "engine";
-  int threads = 0;
-  std::string mesh_fault;  // debug only: --debug-mesh-fault (dropped on one rank)
-  std::string launcher = "threads";  // mpi: runs on more than one rank go under mpirun
+using bisect::Child;
+using bisect::Runner;
+using bisect::Side;
+
+struct BisectArgs {
+  std::string scenario_a, scenario_b;  // b empty: the same scenario
+  std::vector<std::string> sets_a, sets_b;
+  std::string backend_a = "engine", backend_b = "engine";
+  std::string bin_a, bin_b;            // empty: this binary
+  int threads_a = 0, threads_b = 0;
+  int steps = 0;                       // 0: the scenario's train.steps
+  std::string keep;                    // copy the traces here
+  std::string debug_mesh_fault_b;      // debug only: run B plants this mesh fault (lockstep run --debug-mesh-fault)
+  bool json = false;                   // stdout: one JSON object (the report's lines go to stderr)
+  std::string launcher = "threads";    // mpi: a multi-rank side's runs under mpirun, one process per rank
 };
 
 // The report's lines: stdout, or stderr under --json (stdout then holds one
 // JSON object, as every --json of this binary).
 FILE* g_text = stdout;
-
-struct Child {
-  int rc = -1;      // the exit code; -1 when killed by a signal
-  int signal = 0;   // the signal that killed it, if one did
-  nlohmann::json summary;  // the --json line
-  std::string err;
-};
-
-// Runs the children in a temporary directory, which goes when the bisect
-// ends, however it ends (a side that fails throws out of cmd_bisect).
-class Runner {
- public:
-  explicit Runner(fs::path dir) : dir_(std::move(dir)) {}
-  ~Runner() {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  Runner(const Runner&) = delete;
-  Runner& operator=(const Runner&) = delete;
-
-  // Runs `side` for `steps`; trace written to `trace` when non-empty. A stop
-  // signal (Ctrl-C, kill) while it runs is passed on to it and ends the
-  // bisect: Interrupted.
-  Child run(const Side& side, int steps, const std::string& trace = "", const std::string& dump = "") {
-    const fs::path sc = dir_ / ("scenario-" + std::to_string(n_) + ".json");
-    const fs::path out = dir_ / "child.out", err = dir_ / "child.err";
-    ++n_;
-    std::ofstream(sc) << side.resolved.dump(2);
-    std::vector<std::string> args = {side.binary, "run", sc.string(), "--json", "--quiet", "--steps",
-                                     std::to_string(steps), "--backend", side.backend};
-    if (side.threads > 0) args.insert(args.end(), {"--threads", std::to_string(side.threads)});
-    if (!side.mesh_fault.empty()) args.insert(args.end(), {"--debug-mesh-fault", side.mesh_fault});
-    if (side.launcher == "mpi" && mesh_from_json(side.resolved.value("mesh", nlohmann::json::object())).world() > 1)
-      args.insert(args.end(), {"--launcher", "mpi"});  // `run` starts mpirun, one process per rank
-    if (!trace.empty()) args.insert(args.end(), {"--trace", trace});
-    if (!dump.empty()) args.insert(args.end(), {"--trace-dump", dump});
-    const int status = wait_for(spawn(args, out, err));
-    ++runs_;
-    Child c;
-    c.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    c.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-    std::ifstream eo(err);
-    std::stringstream es;
-    es << eo.rdbuf();
-    c.err = es.str();
-    if (c.rc == 0) {
-      std::ifstream o(out);
-      std::string line, last;
-      while (std::getline(o, line))
-        if (!line.empty()) last = line;
-      c.summary = nlohmann::json::parse(last);
-    }
-    return c;
-  }
-  int runs() const { return runs_; }
-  const fs::path& dir() const { return dir_; }
-
- private:
-  static pid_t spawn(const std::vector<std::string>& args, const fs::path& out, const fs::path& err) {
-    std::vector<char*> argv;
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    pid_t pid = -1;
-    const int rc = posix_spawnp(&pid, argv[0], &fa, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    if (rc != 0) throw UserError("bisect: cannot start " + args[0] + ": " + std::strerror(rc));
-    return pid;
-  }
-  // The child's wait status. A stop signal to this process is passed on to
-  // the child (a terminal's Ctrl-C reaches both already), and once the child
-  // is gone, the bisect ends: Interrupted, so the temporary directory goes.
-  int wait_for(pid_t pid) const {
-    // Polled: a signal that lands before a blocking waitpid() starts (while
-    // posix_spawn returns, say) would not interrupt it.
-    int status = 0;
-    bool passed_on = false;
-    for (;;) {
-      const pid_t done = ::waitpid(pid, &status, WNOHANG);
-      if (done == pid) break;
-      if (done < 0 && errno != EINTR) throw UserError(std::string("bisect: waiting for a run: ") + std::strerror(errno));
-      if (const int sig = stop_signal(); sig && !passed_on) {
-        ::kill(pid, sig);
-        passed_on = true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    if (const int sig = stop_signal())
-      throw Interrupted(sig, "bisect: " + stop_signal_name(sig) + ": stopped during its run " +
-                                 std::to_string(runs_ + 1) + "; nothing was concluded");
-    return status;
-  }
-
-  fs::path dir_;
-  int n_ = 0, runs_ = 0;
-  StopSignals stop_signals_;  // while the bisect runs
-};
 
 void flatten(const nlohmann::json& j, const std::string& prefix, std::map<std::string, nlohmann::json>& out) {
   if (j.is_object()) {
@@ -164,7 +63,9 @@ void flatten(const nlohmann::json& j, const std::string& prefix, std::map<std::s
 struct Change {
   std::string key;      // dotted config key, or "(run) backend" / "(run) binary" / "(run) threads"
   nlohmann::json a, b;  // values on each side
-  std::string text() const { return key.rfind("(run) ", 0) == 0 ? key.substr(6) + "=" + b.dump() : key + "=" + b.dump(); }
+  std::string text() const {
+    return key.rfind("(run) ", 0) == 0 ? key.substr(6) + "=" + b.dump() : key + "=" + b.dump();
+  }
 };
 
 std::string pointer(const std::string& dotted) {
@@ -185,7 +86,8 @@ Side with_changes(const Side& a, const std::vector<Change>& changes) {
 }
 
 bool same_bits(const Child& a, const Child& b) {
-  return a.summary["final_state_hash"] == b.summary["final_state_hash"] && a.summary["loss_bits"] == b.summary["loss_bits"];
+  return a.summary["final_state_hash"] == b.summary["final_state_hash"] &&
+         a.summary["loss_bits"] == b.summary["loss_bits"];
 }
 
 Child must(Runner& r, const Side& side, int steps, const std::string& label, const std::string& trace = "",
@@ -371,9 +273,27 @@ std::string locate_mesh_divergence(Runner& r, const char* name, const Side& side
   return at;
 }
 
-}  // namespace
+void say(const std::string& s) { std::fprintf(stderr, "bisect: %s\n", s.c_str()); }
 
-int cmd_bisect(const BisectArgs& a) {
+// What the bisect found, kept for --json: one object on stdout when it
+// ends (the report's lines then go to stderr).
+struct Findings {
+  nlohmann::json out;
+  bool json = false;
+
+  // The bisect's end: its verdict and exit code.
+  int finish(const Runner& r, int rc, const char* verdict) {
+    out["agree"] = rc == 0;
+    out["verdict"] = verdict;
+    out["runs"] = r.runs();
+    if (json) std::printf("%s\n", out.dump().c_str());
+    return rc;
+  }
+};
+
+// The two sides as the options give them; refused before anything runs
+// when a binary is not executable or the launcher is unknown.
+std::pair<Side, Side> sides_of(const BisectArgs& a, int* steps) {
   Side A, B;
   A.binary = a.bin_a.empty() ? self_executable() : a.bin_a;
   B.binary = a.bin_b.empty() ? self_executable() : a.bin_b;
@@ -393,134 +313,119 @@ int cmd_bisect(const BisectArgs& a) {
                     "runs under mpirun, one process per rank), got '" + a.launcher + "'");
   if (a.launcher == "mpi") require_mpi("bisect --launcher mpi");
   A.launcher = B.launcher = a.launcher;
-  g_text = a.json ? stderr : stdout;
   // At most the shorter side's train.steps: a run refuses --steps above its own.
-  const int steps = std::min(a.steps > 0 ? a.steps : sa.steps, std::min(sa.steps, sb.steps));
+  *steps = std::min(a.steps > 0 ? a.steps : sa.steps, std::min(sa.steps, sb.steps));
+  return {A, B};
+}
 
-  char tmpl[] = "/tmp/lockstep-bisect-XXXXXX";
-  const char* made = mkdtemp(tmpl);
-  if (!made) throw UserError("bisect: cannot create a temporary directory");
-  Runner r{fs::path(made)};
-  auto say = [&](const std::string& s) { std::fprintf(stderr, "bisect: %s\n", s.c_str()); };
-  // --json: what the lines say, as one object on stdout when the bisect ends.
-  nlohmann::json out = {{"scenario_a", a.scenario_a},
-                        {"scenario_b", a.scenario_b.empty() ? a.scenario_a : a.scenario_b},
-                        {"steps", steps},
-                        {"launcher", a.launcher},
-                        {"mesh_keys_set_aside", nlohmann::json::array()},
-                        {"mesh_bugs", nlohmann::json::array()}};
-  auto finish = [&](int rc, const char* verdict) {
-    out["agree"] = rc == 0;
-    out["verdict"] = verdict;
-    out["runs"] = r.runs();
-    if (a.json) std::printf("%s\n", out.dump().c_str());
-    return rc;
-  };
+// The mesh keys B sets otherwise than A: "mesh.dp=2" (B's values).
+std::vector<std::string> mesh_keys_between(const Side& A, const Side& B) {
+  std::vector<std::string> mesh_keys;
+  std::map<std::string, nlohmann::json> fa, fb;
+  flatten(A.resolved, "", fa);
+  flatten(B.resolved, "", fb);
+  for (auto& [k, v] : fb)
+    if (is_mesh_key(k) && (!fa.count(k) || fa[k] != v)) mesh_keys.push_back(k + "=" + v.dump());
+  return mesh_keys;
+}
 
-  // 1. Untraced, to the end (or --steps): do the runs disagree, and from which loss on?
-  say("running both sides for " + std::to_string(steps) + " steps");
-  Child ca = must(r, A, steps, "A"), cb = must(r, B, steps, "B");
-  if (same_bits(ca, cb)) {
-    std::fprintf(g_text, "the runs agree: same loss bits at every step and final_state_hash %s\n",
-                ca.summary["final_state_hash"].get<std::string>().c_str());
-    out["final_state_hash"] = ca.summary["final_state_hash"];
-    return finish(0, "agree");
+// Whether a mesh changed a side's bits: by design (numerics.level=local),
+// or a determinism bug.
+struct MeshVerdict {
+  bool bug = false, by_design = false;
+};
+
+// A side on a mesh against its one-rank twin (full, one: their runs): the
+// mesh must keep the bits. Where it does not, at numerics.level=local that
+// is by design (said); else it is a determinism bug, traced on the side's
+// mesh and located (--json: mesh_bugs).
+void judge_side_mesh(Runner& r, const char* name, const Side& side, const Side& side1, const Child& full,
+                     const Child& one, int steps, Findings& f, MeshVerdict& v) {
+  if (!multi_rank(side.resolved) || same_bits(full, one)) return;
+  if (local_level(side.resolved)) {
+    v.by_design = true;
+    std::fprintf(g_text,
+                 "%s on %s ends on final_state_hash %s, on one rank on %s (%s against its one-rank twin: %s): at "
+                 "numerics.level=local the bits move with the mesh by design (docs/NUMERICS.md section 8)\n",
+                 name, mesh_text(side.resolved).c_str(), full.summary["final_state_hash"].get<std::string>().c_str(),
+                 one.summary["final_state_hash"].get<std::string>().c_str(), name,
+                 first_loss_text(first_loss_step(full, one)).c_str());
+    return;
   }
+  v.bug = true;
+  std::fprintf(g_text, "determinism bug: %s on %s ends on final_state_hash %s, on one rank on %s (%s): its mesh "
+               "changed the bits\n",
+               name, mesh_text(side.resolved).c_str(), full.summary["final_state_hash"].get<std::string>().c_str(),
+               one.summary["final_state_hash"].get<std::string>().c_str(),
+               first_loss_text(first_loss_step(full, one)).c_str());
+  say(std::string("tracing ") + name + " on its mesh and on one rank");
+  const std::string at = locate_mesh_divergence(r, name, side, side1, steps, first_loss_step(full, one), say);
+  std::fprintf(g_text, "%s's mesh first changes the bits at %s\n", name, at.c_str());
+  f.out["mesh_bugs"].push_back({{"side", name}, {"mesh", mesh_text(side.resolved)},
+                                {"final_state_hash", full.summary["final_state_hash"]},
+                                {"one_rank_final_state_hash", one.summary["final_state_hash"]}, {"where", at}});
+}
 
-  // 1b. A trace holds one rank, and the mesh must not change the bits: the
-  // mesh keys are set aside and both sides traced on one rank. If the sides
-  // then agree, only the mesh made them differ, which is a determinism bug.
-  std::vector<std::string> mesh_keys;  // "mesh.dp=2" (B's values)
-  {
-    std::map<std::string, nlohmann::json> fa, fb;
-    flatten(A.resolved, "", fa);
-    flatten(B.resolved, "", fb);
-    for (auto& [k, v] : fb)
-      if (is_mesh_key(k) && (!fa.count(k) || fa[k] != v)) mesh_keys.push_back(k + "=" + v.dump());
-  }
-  out["mesh_keys_set_aside"] = mesh_keys;
-  out["first_loss_step"] = first_loss_step(ca, cb);
-  if (!mesh_keys.empty() || multi_rank(A.resolved) || multi_rank(B.resolved)) {
-    std::string aside;
-    for (const std::string& k : mesh_keys) aside += (aside.empty() ? "" : ", ") + k;
-    const std::string meshes = "A on " + mesh_text(A.resolved) + ", B on " + mesh_text(B.resolved);
-    const char* why = local_level(A.resolved) || local_level(B.resolved)
-                          ? "at numerics.level=portable the mesh must not change the bits"
-                          : "the mesh must not change the bits";
-    if (mesh_keys.empty())
-      std::fprintf(g_text, "mesh set aside: %s; both sides are traced on one rank (%s)\n", meshes.c_str(), why);
-    else
-      std::fprintf(g_text, "mesh keys set aside: %s (%s); both sides are compared on one rank (%s)\n", aside.c_str(),
-                   meshes.c_str(), why);
-    const Side A1 = single_rank(A), B1 = single_rank(B);
-    say("running both sides on one rank");
-    // (A side already on one rank is its own twin.)
-    const Child ca1 = multi_rank(A.resolved) ? must(r, A1, steps, "A (one rank)") : ca,
-                cb1 = multi_rank(B.resolved) ? must(r, B1, steps, "B (one rank)") : cb;
-    // Each side against its own single-rank twin: the mesh must keep the
-    // bits. Where it does not, the side is traced on its mesh and located.
-    bool mesh_bug = false, by_design = false;
-    for (auto [name, side, side1, full, one] :
-         {std::tuple{"A", &A, &A1, &ca, &ca1}, std::tuple{"B", &B, &B1, &cb, &cb1}})
-      if (multi_rank(side->resolved) && !same_bits(*full, *one) && local_level(side->resolved)) {
-        by_design = true;
-        std::fprintf(g_text,
-                     "%s on %s ends on final_state_hash %s, on one rank on %s (%s against its one-rank twin: %s): at "
-                     "numerics.level=local the bits move with the mesh by design (docs/NUMERICS.md section 8)\n",
-                    name, mesh_text(side->resolved).c_str(),
-                    full->summary["final_state_hash"].get<std::string>().c_str(),
-                    one->summary["final_state_hash"].get<std::string>().c_str(), name,
-                    first_loss_text(first_loss_step(*full, *one)).c_str());
-      } else if (multi_rank(side->resolved) && !same_bits(*full, *one)) {
-        mesh_bug = true;
-        std::fprintf(g_text, "determinism bug: %s on %s ends on final_state_hash %s, on one rank on %s (%s): its mesh "
-                    "changed the bits\n",
-                    name, mesh_text(side->resolved).c_str(), full->summary["final_state_hash"].get<std::string>().c_str(),
-                    one->summary["final_state_hash"].get<std::string>().c_str(),
-                    first_loss_text(first_loss_step(*full, *one)).c_str());
-        say(std::string("tracing ") + name + " on its mesh and on one rank");
-        const std::string at =
-            locate_mesh_divergence(r, name, *side, *side1, steps, first_loss_step(*full, *one), say);
-        std::fprintf(g_text, "%s's mesh first changes the bits at %s\n", name, at.c_str());
-        out["mesh_bugs"].push_back({{"side", name}, {"mesh", mesh_text(side->resolved)},
-                                    {"final_state_hash", full->summary["final_state_hash"]},
-                                    {"one_rank_final_state_hash", one->summary["final_state_hash"]}, {"where", at}});
-      }
-    if (same_bits(ca1, cb1)) {
-      std::fprintf(g_text,
-                   "%s: on one rank both sides end on final_state_hash %s, but A ends on %s and B on %s (A against B: "
-                   "%s)\n",
-                  mesh_keys.empty() ? "the mesh alone makes the runs differ"
-                                    : ("only the mesh keys (" + aside + ") make the runs differ").c_str(),
-                  ca1.summary["final_state_hash"].get<std::string>().c_str(),
-                  ca.summary["final_state_hash"].get<std::string>().c_str(),
-                  cb.summary["final_state_hash"].get<std::string>().c_str(), first_loss_text(first_loss_step(ca, cb)).c_str());
-      if (by_design && !mesh_bug) {
-        std::fprintf(g_text, "at numerics.level=local the bits move with the mesh by design (docs/NUMERICS.md section "
-                             "8): not a determinism bug; at numerics.level=portable they must not\n");
-        return finish(1, "mesh_by_design");
-      }
-      std::fprintf(g_text, "the mesh must not change the bits: this is a determinism bug%s\n",
-                   mesh_bug ? " (the side named above)" : "");
-      return finish(1, "mesh");
+// Step 1b. A trace holds one rank, and the mesh must not change the bits:
+// the mesh keys are set aside and both sides traced on one rank. If the
+// sides then agree, only the mesh made them differ: the bisect ends there
+// (its exit code). Else -1, with the sides and their runs (ca, cb) moved
+// onto one rank for the steps after.
+int set_mesh_aside(Runner& r, Side& A, Side& B, Child& ca, Child& cb, const std::vector<std::string>& mesh_keys,
+                   int steps, Findings& f) {
+  std::string aside;
+  for (const std::string& k : mesh_keys) aside += (aside.empty() ? "" : ", ") + k;
+  const std::string meshes = "A on " + mesh_text(A.resolved) + ", B on " + mesh_text(B.resolved);
+  const char* why = local_level(A.resolved) || local_level(B.resolved)
+                        ? "at numerics.level=portable the mesh must not change the bits"
+                        : "the mesh must not change the bits";
+  if (mesh_keys.empty())
+    std::fprintf(g_text, "mesh set aside: %s; both sides are traced on one rank (%s)\n", meshes.c_str(), why);
+  else
+    std::fprintf(g_text, "mesh keys set aside: %s (%s); both sides are compared on one rank (%s)\n", aside.c_str(),
+                 meshes.c_str(), why);
+  const Side A1 = single_rank(A), B1 = single_rank(B);
+  say("running both sides on one rank");
+  // (A side already on one rank is its own twin.)
+  const Child ca1 = multi_rank(A.resolved) ? must(r, A1, steps, "A (one rank)") : ca,
+              cb1 = multi_rank(B.resolved) ? must(r, B1, steps, "B (one rank)") : cb;
+  // Each side against its own single-rank twin: the mesh must keep the
+  // bits. Where it does not, the side is traced on its mesh and located.
+  MeshVerdict v;
+  judge_side_mesh(r, "A", A, A1, ca, ca1, steps, f, v);
+  judge_side_mesh(r, "B", B, B1, cb, cb1, steps, f, v);
+  if (same_bits(ca1, cb1)) {
+    std::fprintf(g_text,
+                 "%s: on one rank both sides end on final_state_hash %s, but A ends on %s and B on %s (A against B: "
+                 "%s)\n",
+                 mesh_keys.empty() ? "the mesh alone makes the runs differ"
+                                   : ("only the mesh keys (" + aside + ") make the runs differ").c_str(),
+                 ca1.summary["final_state_hash"].get<std::string>().c_str(),
+                 ca.summary["final_state_hash"].get<std::string>().c_str(),
+                 cb.summary["final_state_hash"].get<std::string>().c_str(),
+                 first_loss_text(first_loss_step(ca, cb)).c_str());
+    if (v.by_design && !v.bug) {
+      std::fprintf(g_text, "at numerics.level=local the bits move with the mesh by design (docs/NUMERICS.md section "
+                           "8): not a determinism bug; at numerics.level=portable they must not\n");
+      return f.finish(r, 1, "mesh_by_design");
     }
-    A = A1;
-    B = B1;
-    ca = ca1;
-    cb = cb1;
+    std::fprintf(g_text, "the mesh must not change the bits: this is a determinism bug%s\n",
+                 v.bug ? " (the side named above)" : "");
+    return f.finish(r, 1, "mesh");
   }
-  int limit = steps;
-  if (const int first = first_loss_step(ca, cb)) limit = first;
-  // 2. Traced, only as far as the first loss that differs; 3. that step
-  // again, keeping the divergent op's tensors whole.
-  Divergence traced = trace_divergence(r, A, B, limit, "a", "b", "A", "B", say);
-  const Child& ra = traced.a_dump;
-  const int step = traced.step;
-  const std::string& dump = traced.dump;
-  std::fprintf(g_text, "%s", format_diff(traced.fine).c_str());
-  out["first_divergence"] = where_json(traced.fine);
+  A = A1;
+  B = B1;
+  ca = ca1;
+  cb = cb1;
+  return -1;
+}
 
-  // 4. Delta debugging over the differences between the sides.
+// Step 4. Delta debugging over the differences between the sides (config
+// keys, backend, binary, threads): the smallest set that alone changes the
+// bits of the divergent step, and where it first shows. --keep copies the
+// traces out.
+int minimize_differences(Runner& r, const Side& A, const Side& B, const Divergence& traced, bool mesh_set_aside,
+                         const BisectArgs& a, Findings& f) {
   std::vector<Change> changes;
   std::map<std::string, nlohmann::json> fa, fb;
   flatten(A.resolved, "", fa);
@@ -533,11 +438,11 @@ int cmd_bisect(const BisectArgs& a) {
   if (changes.empty()) {
     std::fprintf(g_text,
                  "the two sides have the same scenario, backend, binary and threads: the bits differ run to run\n");
-    return finish(1, "run_to_run");
+    return f.finish(r, 1, "run_to_run");
   }
-  const std::string base_hash = ra.summary["final_state_hash"];
+  const std::string base_hash = traced.a_dump.summary["final_state_hash"];
   auto fails = [&](const std::vector<Change>& subset) {
-    Child c = r.run(with_changes(A, subset), step);
+    Child c = r.run(with_changes(A, subset), traced.step);
     return c.rc == 0 && c.summary["final_state_hash"] != base_hash;
   };
   std::vector<Change> minimal = changes;
@@ -549,24 +454,100 @@ int cmd_bisect(const BisectArgs& a) {
   for (const Change& c : minimal) names += (names.empty() ? "" : ", ") + c.text();
   // Where does the minimal change alone first show?
   const std::string ma = (r.dir() / "min.jsonl").string();
-  must(r, with_changes(A, minimal), step, "A + minimal change", ma, dump);
+  must(r, with_changes(A, minimal), traced.step, "A + minimal change", ma, traced.dump);
   TraceDiff alone = diff_traces(read_trace(traced.a_dump_path), read_trace(ma));
   std::fprintf(g_text, "%s %s the bits at %s (%zu of %zu differences%s; %d runs)\n", names.c_str(),
-              minimal.size() == 1 ? "alone changes" : "together change", where(alone).c_str(), minimal.size(),
-              changes.size(), mesh_keys.empty() ? "" : ", mesh keys set aside", r.runs());
-  out["differences"] = changes.size();
-  out["minimal"] = nlohmann::json::array();
+               minimal.size() == 1 ? "alone changes" : "together change", where(alone).c_str(), minimal.size(),
+               changes.size(), mesh_set_aside ? ", mesh keys set aside" : "", r.runs());
+  f.out["differences"] = changes.size();
+  f.out["minimal"] = nlohmann::json::array();
   for (const Change& c : minimal)
-    out["minimal"].push_back(
+    f.out["minimal"].push_back(
         {{"key", c.key.rfind("(run) ", 0) == 0 ? c.key.substr(6) : c.key}, {"a", c.a}, {"b", c.b}});
-  out["minimal_alone_changes_at"] = where_json(alone);
+  f.out["minimal_alone_changes_at"] = where_json(alone);
   if (!a.keep.empty()) {
     fs::create_directories(a.keep);
-    for (const char* f : {"a.jsonl", "b.jsonl", "a-dump.jsonl", "b-dump.jsonl", "min.jsonl"})
-      fs::copy_file(r.dir() / f, fs::path(a.keep) / f, fs::copy_options::overwrite_existing);
+    for (const char* file : {"a.jsonl", "b.jsonl", "a-dump.jsonl", "b-dump.jsonl", "min.jsonl"})
+      fs::copy_file(r.dir() / file, fs::path(a.keep) / file, fs::copy_options::overwrite_existing);
     std::fprintf(g_text, "traces kept in %s\n", a.keep.c_str());
   }
-  return finish(1, "changes");
+  return f.finish(r, 1, "changes");
+}
+
+int cmd_bisect(const BisectArgs& a) {
+  int steps = 0;
+  auto [A, B] = sides_of(a, &steps);
+  g_text = a.json ? stderr : stdout;
+  char tmpl[] = "/tmp/lockstep-bisect-XXXXXX";
+  const char* made = mkdtemp(tmpl);
+  if (!made) throw UserError("bisect: cannot create a temporary directory");
+  Runner r{fs::path(made)};
+  Findings f;
+  f.json = a.json;
+  f.out = {{"scenario_a", a.scenario_a},
+           {"scenario_b", a.scenario_b.empty() ? a.scenario_a : a.scenario_b},
+           {"steps", steps},
+           {"launcher", a.launcher},
+           {"mesh_keys_set_aside", nlohmann::json::array()},
+           {"mesh_bugs", nlohmann::json::array()}};
+
+  // 1. Untraced, to the end (or --steps): do the runs disagree, and from which loss on?
+  say("running both sides for " + std::to_string(steps) + " steps");
+  Child ca = must(r, A, steps, "A"), cb = must(r, B, steps, "B");
+  if (same_bits(ca, cb)) {
+    std::fprintf(g_text, "the runs agree: same loss bits at every step and final_state_hash %s\n",
+                 ca.summary["final_state_hash"].get<std::string>().c_str());
+    f.out["final_state_hash"] = ca.summary["final_state_hash"];
+    return f.finish(r, 0, "agree");
+  }
+  // 1b. The mesh set aside (set_mesh_aside).
+  const std::vector<std::string> mesh_keys = mesh_keys_between(A, B);
+  f.out["mesh_keys_set_aside"] = mesh_keys;
+  f.out["first_loss_step"] = first_loss_step(ca, cb);
+  if (!mesh_keys.empty() || multi_rank(A.resolved) || multi_rank(B.resolved))
+    if (const int rc = set_mesh_aside(r, A, B, ca, cb, mesh_keys, steps, f); rc >= 0) return rc;
+  int limit = steps;
+  if (const int first = first_loss_step(ca, cb)) limit = first;
+  // 2. Traced, only as far as the first loss that differs; 3. that step
+  // again, keeping the divergent op's tensors whole.
+  const Divergence traced = trace_divergence(r, A, B, limit, "a", "b", "A", "B", say);
+  std::fprintf(g_text, "%s", format_diff(traced.fine).c_str());
+  f.out["first_divergence"] = where_json(traced.fine);
+  // 4. Delta debugging over the differences between the sides.
+  return minimize_differences(r, A, B, traced, !mesh_keys.empty(), a, f);
+}
+
+}  // namespace
+
+Command bisect_command(CLI::App& cmd) {
+  auto args = std::make_shared<BisectArgs>();
+  BisectArgs& ba = *args;
+  CLI::App* bisect = &cmd;
+  bisect->add_option("scenario_a", ba.scenario_a, "scenario of run A")->required();
+  bisect->add_option("scenario_b", ba.scenario_b, "scenario of run B (default: the same)");
+  bisect->add_option("--set-a", ba.sets_a, "override for run A: dotted.key=value (repeatable)");
+  bisect->add_option("--set-b", ba.sets_b, "override for run B (repeatable)");
+  // Each side is a child `lockstep run --backend X`: every backend run takes.
+  bisect->add_option("--backend-a", ba.backend_a,
+                     "backend of run A: engine (default), reference, cuda-emulated or cuda, as run --backend");
+  bisect->add_option("--backend-b", ba.backend_b,
+                     "backend of run B: engine (default), reference, cuda-emulated or cuda");
+  bisect->add_option("--bin-a", ba.bin_a, "lockstep binary for run A (default: this one)");
+  bisect->add_option("--bin-b", ba.bin_b, "lockstep binary for run B");
+  bisect->add_option("--threads-a", ba.threads_a, "threads for run A")->check(CLI::Range(1, 1024));
+  bisect->add_option("--threads-b", ba.threads_b, "threads for run B")->check(CLI::Range(1, 1024));
+  bisect->add_option("--steps", ba.steps, "compare at most this many steps")->check(CLI::Range(1, 1000000));
+  bisect->add_option("--keep", ba.keep, "keep the traces in this directory");
+  bisect->add_flag("--json", ba.json,
+                   "print one JSON object on stdout (agree, verdict, first divergence, the minimal differences, mesh "
+                   "bugs); the report's lines go to stderr");
+  bisect->add_option("--launcher", ba.launcher,
+                     "threads (default) or mpi: a side's runs on more than one rank go under mpirun, one process per "
+                     "rank, as run --launcher mpi (its one-rank twins stay in one process)");
+  bisect->add_option("--debug-mesh-fault-b", ba.debug_mesh_fault_b,
+                     "debug only: run B plants a mesh fault (run --debug-mesh-fault) for bisect to locate")
+      ->group("Debug");
+  return [args] { return cmd_bisect(*args); };
 }
 
 }  // namespace ls
