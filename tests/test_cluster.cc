@@ -538,3 +538,73 @@ TEST_SUITE("cluster") {
     CHECK(b.at("all_to_all") > 0);
   }
 }
+
+// --debug-mesh-fault's hook (cluster/faulty_communicator.h): one bit of the
+// first matching message once armed, nothing else touched.
+#include <cstring>
+
+#include "cluster/faulty_communicator.h"
+#include "cluster/message_label.h"
+
+namespace {
+
+uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+}  // namespace
+
+TEST_SUITE("cluster") {
+  TEST_CASE("FaultyCommunicator flips one bit of the first matching message each time it is armed") {
+    ls::run_in_process(2, [&](ls::Communicator& c) {
+      bool armed = true;
+      ls::FaultyCommunicator tap(c, {ls::MessageFault::kSend, nullptr, 0}, &armed);
+      std::vector<float> buf = {1.5f, 2.5f};
+      if (c.rank() == 1) {
+        tap.send(buf.data(), sizeof(float) * 2, 0);  // flipped in transit
+        CHECK_FALSE(armed);
+        CHECK(buf[0] == 1.5f);  // the sender's own buffer is left alone
+        tap.send(buf.data(), sizeof(float) * 2, 0);  // taken: goes as it is
+        armed = true;
+        tap.send(buf.data(), sizeof(float) * 2, 0);  // armed again: flipped again
+      } else {
+        std::vector<float> got(2);
+        for (int i = 0; i < 3; ++i) {
+          tap.recv(got.data(), sizeof(float) * 2, 1);  // a recv does not match a send rule
+          CAPTURE(i);
+          CHECK(bits_of(got[0]) == (bits_of(1.5f) ^ (i == 1 ? 0u : 1u)));
+          CHECK(got[1] == 2.5f);
+        }
+        CHECK(armed);
+      }
+    });
+  }
+
+  TEST_CASE("FaultyCommunicator: an all-to-all rule flips the first block from another rank, under its label only") {
+    ls::run_in_process(2, [&](ls::Communicator& c) {
+      bool armed = true;
+      ls::FaultyCommunicator tap(c, {ls::MessageFault::kAllToAll, "rows", 22}, &armed);
+      const int me = c.rank();
+      // Rank r sends 10 + r to rank 0 and 20 + r to rank 1: block d of this rank's recv is base + d.
+      std::vector<float> send = {10.0f + me, 20.0f + me}, recv(2);
+      const float base = me == 0 ? 10.0f : 20.0f, other = base + (float)(1 - me), own = base + (float)me;
+      const std::vector<size_t> bytes(2, sizeof(float));
+      tap.all_to_all(send.data(), bytes, recv.data(), bytes);  // no label: untouched
+      CHECK(recv[1 - me] == other);
+      {
+        const ls::MessageLabel counts("counts");
+        tap.all_to_all(send.data(), bytes, recv.data(), bytes);  // another label: untouched
+      }
+      CHECK(recv[1 - me] == other);
+      CHECK(armed);
+      const ls::MessageLabel rows("rows");
+      ls::Pending p = tap.start_all_to_all(send.data(), bytes, recv.data(), bytes);
+      p->wait();  // flipped as its owner waits: the other rank's block, bit 22
+      CHECK(bits_of(recv[1 - me]) == (bits_of(other) ^ (1u << 22)));
+      CHECK(recv[me] == own);  // its own block is not a message
+      CHECK_FALSE(armed);
+    });
+  }
+}

@@ -394,3 +394,95 @@ TEST_SUITE("faults") {
     fs::remove_all(dir, ec);
   }
 }
+
+// ------------------------------------------------------------ the kind table ---
+
+namespace {
+
+// One row of docs/FAULTS.md's "Kinds" table, rendered from the code's row.
+std::string doc_row(const ls::FaultKindRow& k) {
+  auto join = [](const std::vector<std::string>& parts, const char* sep, const char* none) {
+    std::string s;
+    for (const auto& p : parts) s += (s.empty() ? "" : sep) + p;
+    return s.empty() ? std::string(none) : s;
+  };
+  std::vector<std::string> options, needs, fires;
+  for (unsigned bit = 1; bit <= ls::kOptSlow; bit <<= 1) {
+    if (!(k.options & bit)) continue;
+    // A kind that fires only in checkpoint I/O cannot keep the default phase.
+    const bool required = (k.required & bit) || (bit == ls::kOptPhase && k.fires == ls::kFiresInUpload);
+    const std::string name = std::string("`") + ls::fault_option_name(bit) + "`";
+    options.push_back(required ? "**" + name + "**" : name);
+  }
+  if (k.needs & ls::kNeedsCheckpoints) needs.push_back("checkpoints");
+  if (k.needs & ls::kNeedsCommitted) needs.push_back("its step's checkpoint and an older one");
+  if (k.needs & ls::kNeedsRank) needs.push_back("a rank of the world");
+  if (k.needs & ls::kNeedsMeshDp) needs.push_back("a valid `mesh.dp`");
+  if (k.fires & ls::kFiresAtPhase) fires.push_back("at its step and phase");
+  if (k.fires & ls::kFiresInUpload)
+    fires.push_back("in its step's checkpoint upload (`ckpt_upload`, `manifest_write`)");
+  if (k.fires & ls::kFiresOnCommit) fires.push_back("when its step's checkpoint commits");
+  if (k.fires & ls::kFiresEveryStep) fires.push_back("every step from its step on");
+  const char* sweep = k.sweep == ls::SweepDraw::kKill ? "a kill" : k.sweep == ls::SweepDraw::kStoreFault
+                                                                       ? "with `--store-faults`" : "no";
+  return std::string("| `") + k.name + "` | " + k.what + " | " + join(options, ", ", "none") + " | " +
+         join(needs, ", ", "nothing more") + " | " + join(fires, "; ", "") + " | " + sweep + " |";
+}
+
+}  // namespace
+
+TEST_SUITE("faults") {
+  TEST_CASE("the kind table: one row per kind, in order, and what each column says holds") {
+    const auto& rows = ls::fault_kind_rows();
+    REQUIRE(rows.size() == 9);
+    std::set<std::string> names, drawn;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const ls::FaultKindRow& k = rows[i];
+      CAPTURE(std::string(k.name));
+      CHECK((size_t)k.kind == i);
+      CHECK(&ls::fault_kind_row(k.kind) == &k);
+      CHECK(names.insert(k.name).second);
+      CHECK((k.required & ~k.options) == 0u);
+      CHECK(k.fires != 0u);
+      if (k.sweep != ls::SweepDraw::kNever) drawn.insert(k.name);
+      const std::string spec = std::string(k.name) + "@8";
+      // An option it does not take is refused, naming it; a required one missing too.
+      for (unsigned bit = 1; bit <= ls::kOptSlow; bit <<= 1) {
+        const std::string opt = ls::fault_option_name(bit);
+        const std::string value = bit == ls::kOptPhase ? "forward" : "1";
+        if (!(k.options & bit))
+          CHECK(has(text_error(spec + ":" + opt + "=" + value), opt + ": does not apply to " + k.name));
+        if (k.required & bit) CHECK(has(text_error(spec), opt + ": missing; " + k.name + " needs " + opt));
+      }
+      // Needs: checkpoints, a rank of the world.
+      const char* no_ckpt = R"({"train": {"steps": 20, "batch": 16}, "mesh": {"dp": 4}})";
+      json f = ls::fault_to_json(ls::parse_fault(rows[i].kind == ls::FaultKind::kUploadCrash
+                                                     ? spec + ":phase=manifest_write"
+                                                     : spec + (k.required & ls::kOptCalls ? ":calls=1" : "") +
+                                                           (k.required & ls::kOptDp ? ":dp=2" : "") +
+                                                           (k.required & ls::kOptSlow ? ":slow=0.1" : "")));
+      const std::string needs_ckpt = scenario_error("[" + f.dump() + "]", no_ckpt);
+      CHECK(has(needs_ckpt, "needs checkpoints") == ((k.needs & ls::kNeedsCheckpoints) != 0 ||
+                                                     k.fires == ls::kFiresInUpload));
+      if (k.options & ls::kOptRank) {
+        f["rank"] = 4;
+        CHECK(has(scenario_error("[" + f.dump() + "]"), "rank: must be < mesh.dp = 4") ==
+              ((k.needs & ls::kNeedsRank) != 0));
+      }
+    }
+    CHECK(drawn == std::set<std::string>{"rank_crash", "process_kill", "store_transient", "bitrot"});
+  }
+
+  TEST_CASE("docs/FAULTS.md's Kinds table is the code's kind table") {
+    std::ifstream in(std::string(LOCKSTEP_SOURCE_DIR) + "/docs/FAULTS.md");
+    REQUIRE(in.good());
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::string doc = ss.str();
+    std::string want = "| kind | what happens | options (required in **bold**) | needs | fires | a sweep draws it |\n"
+                       "| --- | --- | --- | --- | --- | --- |\n";
+    for (const ls::FaultKindRow& k : ls::fault_kind_rows()) want += doc_row(k) + "\n";
+    const std::string should = "the table the page should show:\n" + want;
+    CHECK_MESSAGE(has(doc, "## Kinds\n\n" + want + "\n"), should);
+  }
+}

@@ -46,6 +46,9 @@ std::vector<Communicator*> Mesh::communicators() const {
   std::vector<Communicator*> out;
   for (Communicator* c : groups_)
     if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+  // A group set in place of its own (a wrapper, data lanes): its own still counts what goes through it.
+  for (const auto& c : owned_)
+    if (c && std::find(out.begin(), out.end(), c.get()) == out.end()) out.push_back(c.get());
   return out;
 }
 

@@ -35,7 +35,8 @@ class Mesh {
   CpLayout cp_layout() const { return cp_layout_; }
   // mesh.overlap: collectives may be started and waited for later.
   bool overlap() const { return overlap_; }
-  // Every distinct communicator, for traffic counts.
+  // Every distinct communicator, for traffic counts (a group's own too,
+  // where set_group put another in its place).
   std::vector<Communicator*> communicators() const;
 
   // Puts `comm` (not owned; it outlives this mesh) on axis a: data lanes

@@ -22,49 +22,58 @@ namespace {
 
 using json = nlohmann::json;
 
-const FaultKind kKinds[] = {FaultKind::kRankCrash,      FaultKind::kProcessKill, FaultKind::kUploadCrash,
-                            FaultKind::kStoreTransient, FaultKind::kStoreDown,   FaultKind::kBitrot,
-                            FaultKind::kShrink,         FaultKind::kGrow,        FaultKind::kStraggler};
 const FaultPhase kPhases[] = {FaultPhase::kStepStart,   FaultPhase::kForward,    FaultPhase::kBackward,
                               FaultPhase::kOptimizer,   FaultPhase::kCkptStaging, FaultPhase::kCkptUpload,
                               FaultPhase::kManifestWrite, FaultPhase::kAny};
 
-// The options after KIND@STEP, one bit each, in canonical (text()) order.
-enum Opt : unsigned {
-  kOptPhase = 1u << 0,
-  kOptRank = 1u << 1,
-  kOptAfterObjects = 1u << 2,
-  kOptAfterBytes = 1u << 3,
-  kOptCalls = 1u << 4,
-  kOptLatency = 1u << 5,
-  kOptDp = 1u << 6,
-  kOptSlow = 1u << 7,
+// The kinds. Phase is left out where the fault is not tied to a point
+// inside a step: bitrot acts on the store between steps, a straggler slows
+// every step from `step` on.
+const std::vector<FaultKindRow> kKindRows = {
+    {FaultKind::kRankCrash, "rank_crash", "one rank dies; the job fails and is restarted", kOptPhase | kOptRank, 0,
+     kNeedsRank, kFiresAtPhase | kFiresInUpload, FaultEffect::kRankExit, SweepDraw::kKill},
+    {FaultKind::kProcessKill, "process_kill", "the whole job is killed (SIGKILL, no cleanup)",
+     kOptPhase | kOptAfterObjects | kOptAfterBytes, 0, 0, kFiresAtPhase | kFiresInUpload, FaultEffect::kKill,
+     SweepDraw::kKill},
+    {FaultKind::kUploadCrash, "upload_crash", "the job dies part way through saving a checkpoint",
+     kOptPhase | kOptAfterObjects | kOptAfterBytes, 0, kNeedsCheckpoints, kFiresInUpload, FaultEffect::kKill,
+     SweepDraw::kNever},
+    {FaultKind::kStoreTransient, "store_transient",
+     "the next `calls` store calls fail with a retryable error, each after `latency` seconds",
+     kOptPhase | kOptCalls | kOptLatency, kOptCalls, kNeedsCheckpoints, kFiresAtPhase, FaultEffect::kStoreFails,
+     SweepDraw::kStoreFault},
+    {FaultKind::kStoreDown, "store_down", "every store call fails", kOptPhase, 0, kNeedsCheckpoints, kFiresAtPhase,
+     FaultEffect::kStoreDown, SweepDraw::kNever},
+    {FaultKind::kBitrot, "bitrot",
+     "the checkpoint of its step is corrupted in the store (one object, at rest) right after it commits; "
+     "restore must notice",
+     0, 0, kNeedsCheckpoints | kNeedsCommitted, kFiresOnCommit, FaultEffect::kRot, SweepDraw::kStoreFault},
+    {FaultKind::kShrink, "shrink", "the job stops and restarts on fewer data-parallel ranks", kOptPhase | kOptDp,
+     kOptDp, kNeedsMeshDp, kFiresAtPhase, FaultEffect::kMeshExit, SweepDraw::kNever},
+    {FaultKind::kGrow, "grow", "the job stops and restarts on more data-parallel ranks", kOptPhase | kOptDp, kOptDp,
+     kNeedsMeshDp, kFiresAtPhase, FaultEffect::kMeshExit, SweepDraw::kNever},
+    {FaultKind::kStraggler, "straggler",
+     "one rank is slowed by `slow` seconds per step from `step` on (counted in the steps' time, as a slow rank's "
+     "would be)",
+     kOptRank | kOptSlow, kOptSlow, kNeedsRank, kFiresEveryStep, FaultEffect::kSlow, SweepDraw::kNever},
 };
-struct OptName {
-  Opt bit;
-  const char* name;
-};
-const OptName kOpts[] = {{kOptPhase, "phase"},   {kOptRank, "rank"},       {kOptAfterObjects, "after_objects"},
-                         {kOptAfterBytes, "after_bytes"}, {kOptCalls, "calls"}, {kOptLatency, "latency"},
-                         {kOptDp, "dp"},         {kOptSlow, "slow"}};
 
-// Which options a kind takes. Phase is left out where the fault is not tied
-// to a point inside a step: bitrot acts on the store between steps, a
-// straggler slows every step from `step` on.
-unsigned options_of(FaultKind k) {
-  switch (k) {
-    case FaultKind::kRankCrash: return kOptPhase | kOptRank;
-    case FaultKind::kProcessKill:
-    case FaultKind::kUploadCrash: return kOptPhase | kOptAfterObjects | kOptAfterBytes;
-    case FaultKind::kStoreTransient: return kOptPhase | kOptCalls | kOptLatency;
-    case FaultKind::kStoreDown: return kOptPhase;
-    case FaultKind::kBitrot: return 0;
-    case FaultKind::kShrink:
-    case FaultKind::kGrow: return kOptPhase | kOptDp;
-    case FaultKind::kStraggler: return kOptRank | kOptSlow;
-  }
-  return 0;
-}
+struct OptName {
+  FaultOption bit;
+  const char* name;
+  const char* need;  // a required option's range and meaning, for "missing; KIND needs ..."
+};
+const OptName kOpts[] = {{kOptPhase, "phase", ""},
+                         {kOptRank, "rank", ""},
+                         {kOptAfterObjects, "after_objects", ""},
+                         {kOptAfterBytes, "after_bytes", ""},
+                         {kOptCalls, "calls", "calls >= 1 (store calls that fail)"},
+                         {kOptLatency, "latency", ""},
+                         {kOptDp, "dp", "dp >= 1 (the mesh.dp to restart on)"},
+                         {kOptSlow, "slow", "slow > 0 (seconds of delay per step)"}};
+
+// A kind that fires only while a checkpoint is written: its phase must be one of the put hook's.
+bool only_in_upload(const FaultKindRow& k) { return k.fires == kFiresInUpload; }
 
 // The options whose value differs from the default: what a FaultSpec built
 // in code "sets", for text() and fault_to_json().
@@ -128,7 +137,7 @@ std::string suggest(const std::string& bad, const std::vector<std::string>& name
 
 std::vector<std::string> kind_names() {
   std::vector<std::string> v;
-  for (FaultKind k : kKinds) v.push_back(fault_kind_name(k));
+  for (const FaultKindRow& k : kKindRows) v.push_back(k.name);
   return v;
 }
 std::vector<std::string> phase_names() {
@@ -152,8 +161,8 @@ std::string list_options(unsigned mask) {
 }
 
 bool lookup_kind(const std::string& name, FaultKind* out) {
-  for (FaultKind k : kKinds)
-    if (name == fault_kind_name(k)) return *out = k, true;
+  for (const FaultKindRow& k : kKindRows)
+    if (name == k.name) return *out = k.kind, true;
   return false;
 }
 bool lookup_phase(const std::string& name, FaultPhase* out) {
@@ -186,7 +195,8 @@ bool check(const FaultSpec& f, unsigned given, Problem* p) {
   };
   const char* kind = fault_kind_name(f.kind);
   if (f.step < 1) return bad("step", "must be an integer >= 1, got " + std::to_string(f.step));
-  const unsigned takes = options_of(f.kind);
+  const FaultKindRow& row = fault_kind_row(f.kind);
+  const unsigned takes = row.options;
   for (const auto& o : kOpts)
     if ((given & o.bit) && !(takes & o.bit))
       return bad(o.name, std::string("does not apply to ") + kind + " (it takes " + list_options(takes) + ")");
@@ -200,31 +210,26 @@ bool check(const FaultSpec& f, unsigned given, Problem* p) {
     return bad("latency", "must be a number of seconds >= 0, got " + show(f.latency));
 
   // Required options, then their ranges.
-  if (f.kind == FaultKind::kStoreTransient) {
-    if (!(given & kOptCalls)) return bad("calls", "missing; store_transient needs calls >= 1 (store calls that fail)");
-    if (f.calls < 1) return bad("calls", "must be >= 1, got " + std::to_string(f.calls));
-  }
-  if (f.kind == FaultKind::kShrink || f.kind == FaultKind::kGrow) {
-    if (!(given & kOptDp)) return bad("dp", std::string("missing; ") + kind + " needs dp >= 1 (the mesh.dp to restart on)");
-    if (f.dp < 1) return bad("dp", "must be >= 1, got " + std::to_string(f.dp));
-  }
-  if (f.kind == FaultKind::kStraggler) {
-    if (!(given & kOptSlow)) return bad("slow", "missing; straggler needs slow > 0 (seconds of delay per step)");
-    if (!(f.slow > 0 && std::isfinite(f.slow))) return bad("slow", "must be a number of seconds > 0, got " + show(f.slow));
-  }
+  for (const auto& o : kOpts)
+    if ((row.required & o.bit) && !(given & o.bit))
+      return bad(o.name, std::string("missing; ") + kind + " needs " + o.need);
+  if ((row.required & kOptCalls) && f.calls < 1) return bad("calls", "must be >= 1, got " + std::to_string(f.calls));
+  if ((row.required & kOptDp) && f.dp < 1) return bad("dp", "must be >= 1, got " + std::to_string(f.dp));
+  if ((row.required & kOptSlow) && !(f.slow > 0 && std::isfinite(f.slow)))
+    return bad("slow", "must be a number of seconds > 0, got " + show(f.slow));
 
   // Upload position: only meaningful while objects are being uploaded.
   const bool after_o = given & kOptAfterObjects, after_b = given & kOptAfterBytes;
-  if (f.kind == FaultKind::kUploadCrash && f.phase != FaultPhase::kCkptUpload &&
-      f.phase != FaultPhase::kManifestWrite)
+  if (only_in_upload(row) && f.phase != FaultPhase::kCkptUpload && f.phase != FaultPhase::kManifestWrite)
     return bad("phase", std::string("must be ckpt_upload or manifest_write for upload_crash, got ") +
                             fault_phase_name(f.phase));
   if ((after_o || after_b) && f.phase != FaultPhase::kCkptUpload)
     return bad(after_o ? "after_objects" : "after_bytes",
                std::string("applies only at phase ckpt_upload, got phase ") + fault_phase_name(f.phase));
   if (after_o && after_b) return bad("after_bytes", "conflicts with after_objects; set one of them");
-  if (f.kind == FaultKind::kUploadCrash && f.phase == FaultPhase::kCkptUpload && !after_o && !after_b)
-    return bad("after_objects", "missing; upload_crash at phase ckpt_upload needs after_objects or after_bytes");
+  if (only_in_upload(row) && f.phase == FaultPhase::kCkptUpload && !after_o && !after_b)
+    return bad("after_objects",
+               std::string("missing; ") + kind + " at phase ckpt_upload needs after_objects or after_bytes");
   return true;
 }
 
@@ -253,7 +258,7 @@ bool parse_number(const std::string& s, double* out) {
 }
 
 // Sets one option of `f` from its text; "" or the complaint.
-std::string set_from_text(FaultSpec& f, Opt bit, const std::string& v) {
+std::string set_from_text(FaultSpec& f, FaultOption bit, const std::string& v) {
   int64_t i = 0;
   double d = 0;
   const std::string got = ", got '" + v + "'";
@@ -312,7 +317,7 @@ std::string json_int(const json& v, int64_t lo, int64_t hi, int64_t* out) {
   return "";
 }
 
-std::string set_from_json(FaultSpec& f, Opt bit, const json& v) {
+std::string set_from_json(FaultSpec& f, FaultOption bit, const json& v) {
   int64_t i = 0;
   switch (bit) {
     case kOptPhase: {
@@ -344,20 +349,22 @@ std::string set_from_json(FaultSpec& f, Opt bit, const json& v) {
 
 }  // namespace
 
-const char* fault_kind_name(FaultKind k) {
-  switch (k) {
-    case FaultKind::kRankCrash: return "rank_crash";
-    case FaultKind::kProcessKill: return "process_kill";
-    case FaultKind::kUploadCrash: return "upload_crash";
-    case FaultKind::kStoreTransient: return "store_transient";
-    case FaultKind::kStoreDown: return "store_down";
-    case FaultKind::kBitrot: return "bitrot";
-    case FaultKind::kShrink: return "shrink";
-    case FaultKind::kGrow: return "grow";
-    case FaultKind::kStraggler: return "straggler";
-  }
+const std::vector<FaultKindRow>& fault_kind_rows() { return kKindRows; }
+
+const FaultKindRow& fault_kind_row(FaultKind k) {
+  const size_t i = static_cast<size_t>(k);
+  if (i >= kKindRows.size() || kKindRows[i].kind != k)
+    throw InternalError("fault kind table: no row for kind " + std::to_string(i));
+  return kKindRows[i];
+}
+
+const char* fault_option_name(unsigned bit) {
+  for (const auto& o : kOpts)
+    if (o.bit == bit) return o.name;
   return "?";
 }
+
+const char* fault_kind_name(FaultKind k) { return fault_kind_row(k).name; }
 
 const char* fault_phase_name(FaultPhase p) {
   switch (p) {
@@ -488,7 +495,7 @@ FaultSpec fault_from_json(const nlohmann::json& j, const std::string& where) {
 nlohmann::json fault_to_json(const FaultSpec& f) {
   // Options the kind takes, except an unset upload position; plus anything
   // set that the kind does not take, so nothing is silently dropped.
-  unsigned out = (options_of(f.kind) & ~(kOptAfterObjects | kOptAfterBytes)) | non_default(f);
+  unsigned out = (fault_kind_row(f.kind).options & ~(kOptAfterObjects | kOptAfterBytes)) | non_default(f);
   json j = {{"kind", fault_kind_name(f.kind)}, {"step", f.step}};
   if (out & kOptPhase) j["phase"] = fault_phase_name(f.phase);
   if (out & kOptRank) j["rank"] = f.rank;

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -74,6 +75,79 @@ FaultSpec fault_from_json(const nlohmann::json& j, const std::string& where);
 // defaults; after_objects/after_bytes only when set). fault_from_json reads
 // it back equal.
 nlohmann::json fault_to_json(const FaultSpec& f);
+
+// ------------------------------------------------------------ kinds ---
+// Every property of a kind is a column of one table (fault_kind_rows()):
+// the parser, the scenario's checks, the injector and the sweep ask it
+// instead of testing kinds by name. docs/FAULTS.md's "Kinds" table is this
+// one, rendered (the `faults` suite holds the page to it).
+
+// The options after KIND@STEP, one bit each, in canonical (text()) order.
+enum FaultOption : unsigned {
+  kOptPhase = 1u << 0,
+  kOptRank = 1u << 1,
+  kOptAfterObjects = 1u << 2,
+  kOptAfterBytes = 1u << 3,
+  kOptCalls = 1u << 4,
+  kOptLatency = 1u << 5,
+  kOptDp = 1u << 6,
+  kOptSlow = 1u << 7,
+};
+
+// What a kind needs from the scenario before it can fire (checked by the
+// scenario's `faults` row). Every fault also needs the supervisor, which
+// any fault turns on.
+enum FaultNeeds : unsigned {
+  kNeedsCheckpoints = 1u << 0,  // ckpt.url and ckpt.every >= 1 (whatever its phase)
+  kNeedsCommitted = 1u << 1,    // the checkpoint of its step, and an older one: step a multiple of ckpt.every, > it
+  kNeedsRank = 1u << 2,         // its `rank` is a rank of the world: the one it hits, its home process under MPI
+  kNeedsMeshDp = 1u << 3,       // its `dp` is a valid mesh.dp: the job restarts on it
+};
+
+// Where the injector fires it (FaultInjector), one bit per trigger point.
+enum FaultFires : unsigned {
+  kFiresAtPhase = 1u << 0,    // FaultInjector::at(): its step and phase (but ckpt_upload, manifest_write)
+  kFiresInUpload = 1u << 1,   // the checkpoint store's put hook: at phase ckpt_upload or manifest_write
+  kFiresOnCommit = 1u << 2,   // after_commit(): when its step's checkpoint commits
+  kFiresEveryStep = 1u << 3,  // at the start of every step from its step on, on its rank
+};
+
+// What it does once fired.
+enum class FaultEffect {
+  kRankExit,    // exit kExitRankCrash: a rank died
+  kKill,        // SIGKILL: the whole job, no cleanup
+  kStoreFails,  // the next `calls` store calls fail
+  kStoreDown,   // every store call fails
+  kRot,         // a committed checkpoint object is corrupted
+  kMeshExit,    // exit kExitMeshChange: restart on mesh.dp = `dp`
+  kSlow,        // its rank sleeps `slow` seconds a step
+};
+
+// Whether `lockstep faults sweep` may draw it.
+enum class SweepDraw {
+  kNever,
+  kKill,        // a trial's kill (at a random step and phase, or in checkpoint I/O)
+  kStoreFault,  // added to some trials by --store-faults
+};
+
+struct FaultKindRow {
+  FaultKind kind;
+  const char* name;
+  const char* what;   // what happens, in words (the docs' table)
+  unsigned options;   // FaultOption bits it takes
+  unsigned required;  // those of them it cannot do without
+  unsigned needs;     // FaultNeeds bits
+  unsigned fires;     // FaultFires bits
+  FaultEffect effect;
+  SweepDraw sweep;
+};
+
+// One row per kind, in FaultKind order.
+const std::vector<FaultKindRow>& fault_kind_rows();
+const FaultKindRow& fault_kind_row(FaultKind k);
+inline const FaultKindRow& row_of(const FaultSpec& f) { return fault_kind_row(f.kind); }
+// An option's name ("after_objects"), for one FaultOption bit.
+const char* fault_option_name(unsigned bit);
 
 const char* fault_kind_name(FaultKind k);    // "rank_crash", ...
 const char* fault_phase_name(FaultPhase p);  // "step_start", ...

@@ -44,7 +44,7 @@ void FaultInjector::fire(int index, const std::string& detail, int step) {
   const FaultSpec& f = faults_[index];
   // Record first, durably: the process may be gone a microsecond later.
   std::string line = "fired " + std::to_string(index) + " " + f.text() + " step=" + std::to_string(step >= 0 ? step : step_);
-  if (f.kind == FaultKind::kShrink || f.kind == FaultKind::kGrow) line += " dp=" + std::to_string(f.dp);
+  if (row_of(f).needs & kNeedsMeshDp) line += " dp=" + std::to_string(f.dp);  // the mesh the job restarts on
   line += " " + detail + "\n";
   if (!state_path_.empty()) {
     const int fd = ::open(state_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -56,23 +56,22 @@ void FaultInjector::fire(int index, const std::string& detail, int step) {
   }
   std::fprintf(stderr, "fault: %s", line.c_str() + 6);
   std::fflush(stderr);
-  switch (f.kind) {
-    case FaultKind::kRankCrash:
+  switch (row_of(f).effect) {
+    case FaultEffect::kRankExit:
       ::_exit(kExitRankCrash);
-    case FaultKind::kProcessKill:
-    case FaultKind::kUploadCrash:
+    case FaultEffect::kKill:
       ::raise(SIGKILL);
       ::_exit(137);
-    case FaultKind::kShrink:
-    case FaultKind::kGrow:
+    case FaultEffect::kMeshExit:
       ::_exit(kExitMeshChange);
-    case FaultKind::kStoreTransient:
+    case FaultEffect::kStoreFails:
       if (store_) store_->fail_next(f.calls, f.latency);
       break;
-    case FaultKind::kStoreDown:
+    case FaultEffect::kStoreDown:
       if (store_) store_->set_down(true);
       break;
-    default:
+    case FaultEffect::kRot:   // rot() corrupted the object before recording
+    case FaultEffect::kSlow:  // at() sleeps, every step
       break;
   }
 }
@@ -82,7 +81,7 @@ bool FaultInjector::pending(int index) const {
   const FaultSpec& f = faults_[index];
   if (process_rank_ < 0) return true;
   if (f.phase == FaultPhase::kCkptUpload && f.after_objects >= 0) return f.after_objects == process_rank_;
-  const int home = f.kind == FaultKind::kRankCrash || f.kind == FaultKind::kStraggler ? f.rank : 0;
+  const int home = row_of(f).needs & kNeedsRank ? f.rank : 0;
   return home == process_rank_;
 }
 
@@ -92,7 +91,8 @@ void FaultInjector::at(int step, FaultPhase phase, int rank) {
   else step_ = step;
   for (size_t i = 0; i < faults_.size(); ++i) {
     const FaultSpec& f = faults_[i];
-    if (f.kind == FaultKind::kStraggler) {
+    const FaultKindRow& row = row_of(f);
+    if (row.fires & kFiresEveryStep) {
       // Slows its rank from its step on; shows in timing, never in bits.
       if (step >= f.step && rank == f.rank && phase == FaultPhase::kStepStart) {
         if (pending((int)i)) fire((int)i, "slowing rank " + std::to_string(f.rank));
@@ -101,10 +101,10 @@ void FaultInjector::at(int step, FaultPhase phase, int rank) {
       continue;
     }
     if (!pending((int)i) || f.step != step) continue;
-    if (f.kind == FaultKind::kUploadCrash || f.kind == FaultKind::kBitrot) continue;  // fire elsewhere
+    if (!(row.fires & kFiresAtPhase)) continue;  // fires elsewhere
     if (f.phase == FaultPhase::kCkptUpload || f.phase == FaultPhase::kManifestWrite) continue;  // the put hook
     const bool phase_ok = f.phase == phase || (f.phase == FaultPhase::kAny && phase == FaultPhase::kStepStart);
-    const bool rank_ok = f.kind != FaultKind::kRankCrash || f.rank == rank;
+    const bool rank_ok = !(row.needs & kNeedsRank) || f.rank == rank;
     if (phase_ok && rank_ok) fire((int)i, std::string("at ") + fault_phase_name(phase));
   }
 }
@@ -125,8 +125,7 @@ std::shared_ptr<ObjectStore> FaultInjector::wrap(std::shared_ptr<ObjectStore> st
     for (size_t i = 0; i < faults_.size(); ++i) {
       const FaultSpec& f = faults_[i];
       if (!pending((int)i) || step_ < f.step) continue;
-      if (f.kind != FaultKind::kUploadCrash && f.kind != FaultKind::kProcessKill && f.kind != FaultKind::kRankCrash)
-        continue;
+      if (!(row_of(f).fires & kFiresInUpload)) continue;
       if (f.phase == FaultPhase::kManifestWrite && manifest)
         fire((int)i, "before writing " + key);
       // Under MPI this process writes one object: rank K's is the job's K-th.
@@ -149,7 +148,7 @@ void FaultInjector::after_commit(int64_t step) {
     // bitrot@S rots the checkpoint of step S (the scenario check makes S a
     // checkpoint step), as soon as it commits -- with async saves, while a
     // later step trains; the record names step S.
-    if (f.kind != FaultKind::kBitrot || !pending((int)i) || step != f.step || !inner_) continue;
+    if (!(row_of(f).fires & kFiresOnCommit) || !pending((int)i) || step != f.step || !inner_) continue;
     rot((int)i, *inner_);
   }
 }
@@ -158,7 +157,8 @@ void FaultInjector::rot_committed(ObjectStore& store) {
   std::lock_guard<std::mutex> lk(mu_);
   for (size_t i = 0; i < faults_.size(); ++i) {
     const FaultSpec& f = faults_[i];
-    if (f.kind == FaultKind::kBitrot && pending((int)i) && store.exists(manifest_key(f.step))) rot((int)i, store);
+    if ((row_of(f).fires & kFiresOnCommit) && pending((int)i) && store.exists(manifest_key(f.step)))
+      rot((int)i, store);
   }
 }
 

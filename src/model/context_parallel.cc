@@ -354,7 +354,6 @@ void chain_whole_links(StepContext& ctx, const float* qkv, int heads, int hd, fl
         link.resize((size_t)end * 2 * Dh);
         float* out = link.data();
         pack_rows(dqkv, ld, row0, end, Dh, 2 * Dh, out);
-        if (ctx.cp_rank() == 0 && ctx.take_debug_fault(MeshFault::kCpHandoff)) flip_bit(link.data());
         ctx.group(Axis::kContext).send(link.data(), sizeof(float) * (link.size()), l.to);
         ctx.stats.cp_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
         ctx.stats.cp_kv_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
@@ -413,7 +412,6 @@ void chain_key_blocks(StepContext& ctx, const float* qkv, int heads, int hd, flo
             float* out = link.data();
             pack_rows(dqkv, ld, row0 + u0, u1 - u0, Dh + h0 * hd, w, out);
             pack_rows(dqkv, ld, row0 + u0, u1 - u0, 2 * Dh + h0 * hd, w, out);
-            if (ctx.cp_rank() == 0 && ctx.take_debug_fault(MeshFault::kCpHandoff)) flip_bit(link.data());
             ctx.group(Axis::kContext).send(link.data(), sizeof(float) * link.size(), l.to);
             ctx.stats.cp_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);
             ctx.stats.cp_kv_bytes_sent += (int64_t)link.size() * (int64_t)sizeof(float);

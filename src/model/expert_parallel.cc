@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cluster/message_label.h"
 #include "common/op_profile.h"
 #include "model/context_parallel.h"
 #include "ops/ops.h"
@@ -288,16 +289,7 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
   }
   ops::synchronize();  // the packed rows, read by the host's all-to-all
   // What arrives, into place (the index lists stay in ws until the next exchange).
-  auto unpack = [&ctx, &ws, recv_bytes, to_owner, width, slot_buf, keep, disp_out, ep, me] {
-    if (ctx.debug_fault && ctx.debug_fault->planted == MeshFault::kEpRow && ctx.ep_rank() == 1 && to_owner) {
-      // --debug-mesh-fault ep_row: the first row another rank sent
-      size_t at = 0;
-      for (int d = 0; d < ep; at += recv_bytes[(size_t)d], ++d)
-        if (d != me && recv_bytes[(size_t)d] > 0) {
-          if (ctx.take_debug_fault(MeshFault::kEpRow)) flip_bit(ws.recv.data() + at / sizeof(float));
-          break;
-        }
-    }
+  auto unpack = [&ws, to_owner, width, slot_buf, keep, disp_out] {
     const OpTimer unpacking(OpKind::kMoeDispatch);
     const int64_t arrived = (int64_t)ws.to_row.size();
     if (to_owner) {
@@ -307,6 +299,8 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
       ops::copy_rows(ws.recv.data(), nullptr, disp_out, ws.to_row.data(), arrived, width);
     }
   };
+  // What these messages are (cluster/message_label.h): the group's other all-to-alls carry routing, not rows.
+  const MessageLabel rows_of(to_owner ? "ep_dispatch" : "ep_return");
   if (!start) {
     ep_all_to_all(ctx, ws.send.data(), send_bytes, ws.recv.data(), recv_bytes);
     return unpack();

@@ -257,13 +257,6 @@ std::vector<std::string> MoeTransformer::block_names() const {
   return names;
 }
 
-void flip_bit(float* x, int bit) {
-  uint32_t u;
-  std::memcpy(&u, x, sizeof u);
-  u ^= 1u << bit;
-  std::memcpy(x, &u, sizeof u);
-}
-
 StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool training) {
   const ModelConfig& c = cfg_;
   const int dp = mesh_->size(Axis::kData), ep = mesh_->size(Axis::kExpert);
@@ -293,7 +286,6 @@ StepContext MoeTransformer::step_context(const uint8_t* tokens, int batch, bool 
   ctx.global_assignments = (float)(ctx.tokens * c.top_k * dp * mb);
   ctx.trace = training ? trace_ : nullptr;  // evaluation passes are not traced
   ctx.debug_reorder_moe_norm = debug_reorder_moe_norm_;
-  ctx.debug_fault = &debug_fault_;
   return ctx;
 }
 

@@ -18,7 +18,6 @@
 #include "model/experts.h"
 #include "model/param_layout.h"
 #include "ops/device_memory.h"
-#include "model/debug_fault.h"
 #include "trace/sink.h"
 
 namespace ls {
@@ -235,8 +234,6 @@ class MoeTransformer {
   // order, a deliberate contract violation that drift tools must locate.
   void set_debug_reorder_moe_norm(bool on) { debug_reorder_moe_norm_ = on; }
   bool debug_reorder_moe_norm() const { return debug_reorder_moe_norm_; }
-  // Debug only: the mesh fault planted in this rank's machinery (step_context.h).
-  DebugFault& debug_fault() { return debug_fault_; }
   // Called with kForward and kBackward as a training pass enters each
   // (fault injection triggers on it); empty: none.
   void set_phase_hook(std::function<void(TrainPhase)> hook) { phase_hook_ = std::move(hook); }
@@ -278,7 +275,6 @@ class MoeTransformer {
   Mesh one_rank_;  // the mesh of a model on its own
   const Mesh* mesh_ = &one_rank_;
   bool debug_reorder_moe_norm_ = false;
-  DebugFault debug_fault_;
   std::function<void(TrainPhase)> phase_hook_;
   BlockHooks block_hooks_;
 };

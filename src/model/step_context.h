@@ -13,7 +13,6 @@
 #include "model/experts.h"
 #include "model/model.h"
 #include "ops/device_memory.h"
-#include "model/debug_fault.h"
 #include "trace/sink.h"
 
 namespace ls {
@@ -156,8 +155,6 @@ struct StepContext {
   const Mesh* mesh = nullptr;    // this rank's groups (one-rank groups on one rank)
   TraceSink* trace = nullptr;    // nullptr: not traced (evaluation passes never are)
   bool debug_reorder_moe_norm = false;
-  DebugFault* debug_fault = nullptr;  // the model's (--debug-mesh-fault)
-  bool take_debug_fault(MeshFault f) const { return debug_fault && debug_fault->take(f); }
 
   const float* weight(const std::string& name) const { return weights + param(name).offset; }
   float* grad(const std::string& name) const { return grads + param(name).offset; }

@@ -188,8 +188,6 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
       } else if (links.shared()) {  // the finished block, out at once
         ops::synchronize();
         pack_part(out, b, part);
-        if (b == 0 && (out.data || out.scatter) && ctx.take_debug_fault(MeshFault::kTpChain))
-          flip_bit(part);  // the chain's first output (with SP: rank 0's rows), on its way
         links.finish(b, part, begin[(size_t)b], floats);
       }
     }
@@ -213,7 +211,6 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
     const int64_t each = out.floats / tp;
     if (me == tp - 1) {
       ops::synchronize();
-      if (ctx.take_debug_fault(MeshFault::kTpChain)) flip_bit(buffer);  // rank 0's rows, on their way
       for (int t = 0; t < tp - 1; ++t) group.send(buffer + t * each, sizeof(float) * each, t);
     } else {
       group.recv(buffer + me * each, sizeof(float) * each, tp - 1);
@@ -223,7 +220,6 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
   if (me == tp - 1) {
     ops::synchronize();
     pack_parts(out, buffer);
-    if (out.data && ctx.take_debug_fault(MeshFault::kTpChain)) flip_bit(buffer);  // the chain's output, in place
   }
   group.broadcast(buffer, sizeof(float) * out.floats, tp - 1);
   if (me != tp - 1) unpack_parts(out, buffer);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cluster/communicator.h"
+#include "cluster/faulty_communicator.h"
 #include "cluster/shared_chain.h"
 #include "model/model.h"
 #include "ops/device_memory.h"
@@ -66,6 +67,8 @@ struct ClusterTrainer::Rank {
   bool node_tried = false;          // share_node_memory ran (once: a collective)
   std::unique_ptr<SharedChain> chain;  // mesh.shared_memory at tp > 1, once made (null: messages)
   bool chain_tried = false;
+  std::unique_ptr<FaultyCommunicator> fault_tap;  // --debug-mesh-fault on this rank (runner/mesh_fault.h), or null
+  bool fault_armed = false;                       // set at each step's start; the flipped message clears it
 };
 
 }  // namespace ls

@@ -33,6 +33,7 @@ namespace ls {
 bool ClusterTrainer::may_share_memory(const Rank& r) const {
   const MeshConfig& m = s_.mesh;
   if (!m.shared_memory || m.shard_group() < 2 || m.dp / m.shard_group() != 1) return false;
+  if (mesh_fault_ == MeshFault::kFsdpBlock) return false;  // the fault flips a message (runner/mesh_fault.h)
   // Not where a tensor needs another collective first (SP's TP partials), a
   // pipeline reduces per microbatch, or a kernel backend holds the buffers.
   if (m.sp || r.stage || ops::installed_kernels()) return false;
@@ -47,7 +48,9 @@ void ClusterTrainer::attach_shared_chain(Rank& r, Mesh& mesh) {
   if (!r.chain_tried) {
     r.chain_tried = true;
     const MeshConfig& m = s_.mesh;
-    if (m.shared_memory && m.tp > 1 && !ops::installed_kernels() && !local_numerics()) {
+    // Not where --debug-mesh-fault flips one of the chain's messages (runner/mesh_fault.h).
+    if (m.shared_memory && m.tp > 1 && !ops::installed_kernels() && !local_numerics() &&
+        mesh_fault_ != MeshFault::kTpChain) {
       const int64_t tokens = (int64_t)s_.batch / m.dp * s_.model.seq_len;
       const int64_t floats = tokens * s_.model.d_model * (s_.model.top_k + 2);
       if (auto region = mesh.group(Axis::kTensor).share_memory(SharedChain::bytes_for(floats)))

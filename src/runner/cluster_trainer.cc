@@ -119,11 +119,6 @@ void ClusterTrainer::debug_bump_weight(const std::string&, int64_t) {
   throw UserError("--debug-bump: only on one rank (mesh.* at 1 and train.microbatches=1)");
 }
 
-void ClusterTrainer::set_debug_mesh_fault(MeshFault f) {
-  for (auto& r : ranks_)
-    if (r) r->model->debug_fault().planted = f;
-}
-
 void ClusterTrainer::set_debug_reorder_moe_norm(bool on) {
   for (auto& r : ranks_)
     if (r) r->model->set_debug_reorder_moe_norm(on);
@@ -132,6 +127,7 @@ void ClusterTrainer::set_debug_reorder_moe_norm(bool on) {
 void ClusterTrainer::run_rank(Communicator& world, Mesh& mesh, const std::function<void(RankCtx&)>& body) {
   Rank& rank = *ranks_[world.rank()];
   attach_shared_chain(rank, mesh);
+  tap_mesh_fault(mesh_fault_, mesh, &rank.fault_armed, &rank.fault_tap);
   std::vector<Communicator*> all = mesh.communicators();
   all.push_back(&world);
   // The communicators may outlive this call (MPI): count only what it sent.
@@ -257,17 +253,6 @@ void ClusterTrainer::run_reduce_steps(RankCtx& c, size_t t, size_t first) {
   }
 }
 
-// --debug-mesh-fault fsdp_block: shard rank 1's first reduce-scattered block, its top mantissa bit flipped.
-void ClusterTrainer::plant_fsdp_fault(RankCtx& c) {
-  if (c.group(Axis::kShard).rank() != 1) return;
-  const auto& infos = c.rank.model->params();
-  for (size_t t = 0; t < infos.size(); ++t)
-    if (placement_.sharded(infos[t]) && range(c.rank, t).second > range(c.rank, t).first) {
-      if (c.rank.model->debug_fault().take(MeshFault::kFsdpBlock)) flip_bit(reduced_gradient(c.rank, t), 22);
-      return;
-    }
-}
-
 // The sum of squares of tensor t's reduced gradient, as AdamW::global_norm
 // folds it: the fma fold in blocks of kParamBlock of the whole tensor, the
 // blocks by the canonical tree.
@@ -349,7 +334,7 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
     for (const auto& r : ranks_)
       if (r) trace_state(*r, "params");
   for (const auto& r : ranks_)
-    if (r) r->model->debug_fault().armed = true;
+    if (r) r->fault_armed = true;
   each_rank([&](RankCtx& c) {
     // Left by an exception, what is in flight is dropped (its peers released) on the way out.
     struct InFlight {
@@ -373,7 +358,6 @@ float ClusterTrainer::train_step(const uint8_t* tokens, int batch, int step, flo
     if (overlap) c.rank.model->set_block_hooks({});
     if (phase_hook_) phase_hook_(TrainPhase::kOptimizer, c.rank.index);
     reduce_gradients(c);
-    plant_fsdp_fault(c);
     if (mesh_trace_) trace_state(c.rank, "grad");
     const float norm = gradient_norm(c);
     update(c, step, norm);

@@ -13,6 +13,7 @@
 #include "cluster/communicator.h"
 #include "cluster/mesh.h"
 #include "model/model.h"
+#include "runner/mesh_fault.h"
 #include "runner/mesh_trace.h"
 #include "runner/placement.h"
 #include "runner/runner.h"
@@ -35,7 +36,7 @@ class ClusterTrainer : public Trainer {
   void set_trace(TraceSink* sink) override;
   void debug_bump_weight(const std::string& param, int64_t index) override;
   void set_debug_reorder_moe_norm(bool on) override;
-  void set_debug_mesh_fault(MeshFault f);  // --debug-mesh-fault (model/step_context.h)
+  void set_debug_mesh_fault(MeshFault f) { mesh_fault_ = f; }  // --debug-mesh-fault (runner/mesh_fault.h)
 
   void set_threads(int threads) { threads_ = threads; }
   // Nonzero: every collective sleeps a random few microseconds per rank.
@@ -70,7 +71,6 @@ class ClusterTrainer : public Trainer {
   void reduce_gradients(RankCtx& c);
   // Tensor t's reduction steps (PlacementPlan) from step `first` on: 1 once the first ran overlapped.
   void run_reduce_steps(RankCtx& c, size_t t, size_t first);
-  void plant_fsdp_fault(RankCtx& c);
   // mesh.overlap (cluster_overlap.cc): the shards' all-gathers started before
   // the forward and waited for block by block; each tensor's gradient
   // reduction's first step started as the backward finishes its block, on a
@@ -125,6 +125,7 @@ class ClusterTrainer : public Trainer {
   uint64_t jitter_seed_ = 0;
   std::vector<std::unique_ptr<Rank>> ranks_;  // under MPI only this process's rank is non-null
   Communicator* mpi_ = nullptr;
+  MeshFault mesh_fault_ = MeshFault::kNone;  // --debug-mesh-fault
   std::unique_ptr<Mesh> mpi_mesh_;  // under MPI: this process's groups, split once
   std::function<void(TrainPhase, int)> phase_hook_;
   std::unique_ptr<MeshTrace> mesh_trace_;  // --trace: the ranks' pieces, assembled step by step

@@ -328,7 +328,6 @@ void PipelineStage::Step::forward(const PipelineAction& a) {
   if (from_stage) {
     stream_in_.resize(stream_bytes_ / sizeof(float));
     pipe_.recv(stream_in_.data(), stream_bytes_, stage_.stage_of(ch.model_chunk - 1));
-    if (stage_.stage_ == 1 && model_.debug_fault().take(MeshFault::kPpActivation)) flip_bit(stream_in_.data());
   }
   if (to_stage) stream_out_.resize(stream_bytes_ / sizeof(float));
   const Clock::time_point busy0 = Clock::now();

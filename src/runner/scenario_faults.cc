@@ -34,13 +34,13 @@ std::string check_faults(const Scenario& s) {
   std::unique_ptr<Scenario> next;
   for (size_t i : order) {
     const FaultSpec& f = s.faults[i];
+    const FaultKindRow& row = row_of(f);
     const std::string at = "faults[" + std::to_string(i) + "].";
     const std::string kind = fault_kind_name(f.kind);
     if (f.step > s.steps)
       return at + "step: must be <= train.steps = " + show(s.steps) + ", got " + show(f.step);
     const bool ckpt_phase = is_checkpoint_phase(f.phase);
-    if (ckpt_phase || f.kind == FaultKind::kUploadCrash || f.kind == FaultKind::kBitrot ||
-        f.kind == FaultKind::kStoreTransient || f.kind == FaultKind::kStoreDown) {
+    if (ckpt_phase || (row.needs & kNeedsCheckpoints)) {
       if (s.ckpt.url.empty() || s.ckpt.every < 1)
         return at + (ckpt_phase ? "phase: " + std::string(fault_phase_name(f.phase)) : "kind: " + kind) +
                " needs checkpoints; set ckpt.url and ckpt.every >= 1";
@@ -48,10 +48,10 @@ std::string check_faults(const Scenario& s) {
         return at + "step: no checkpoint is saved after step " + show(f.step) + " (ckpt.every = " +
                show(s.ckpt.every) + "); a fault at phase " + fault_phase_name(f.phase) +
                " fires while its step's checkpoint is saved";
-      if (f.kind == FaultKind::kBitrot && f.step % s.ckpt.every != 0)
-        return at + "step: bitrot corrupts the checkpoint saved after its step, and none is saved after step " +
+      if ((row.needs & kNeedsCommitted) && f.step % s.ckpt.every != 0)
+        return at + "step: " + kind + " corrupts the checkpoint saved after its step, and none is saved after step " +
                show(f.step) + " (ckpt.every = " + show(s.ckpt.every) + "); use a multiple of ckpt.every";
-      if (f.kind == FaultKind::kBitrot && f.step <= s.ckpt.every)
+      if ((row.needs & kNeedsCommitted) && f.step <= s.ckpt.every)
         return at + "step: must be > ckpt.every = " + show(s.ckpt.every) +
                " so that a checkpoint exists to corrupt, got " + show(f.step);
     }
@@ -64,9 +64,9 @@ std::string check_faults(const Scenario& s) {
       return at + "after_objects: a checkpoint uploads " + show(ranks) + " shard object" + (ranks == 1 ? "" : "s") +
              " (one per rank of " + ranks_from + "), so after_objects must be < " + show(ranks) + ", got " +
              show(f.after_objects);
-    if ((f.kind == FaultKind::kRankCrash || f.kind == FaultKind::kStraggler) && f.rank >= ranks)
+    if ((row.needs & kNeedsRank) && f.rank >= ranks)
       return at + "rank: must be < " + ranks_from + ", got " + show(f.rank);
-    if (f.kind == FaultKind::kShrink || f.kind == FaultKind::kGrow) {
+    if (row.needs & kNeedsMeshDp) {
       // (No direction check: after the restart, the child's mesh.dp already
       // is the new size while the fired fault is still listed.)
       // The new mesh must keep the bits, as mesh.dp itself must.
