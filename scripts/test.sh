@@ -5,8 +5,9 @@
 # tests again under ASan+UBSan, the libFuzzer targets (fuzz/README.md):
 # every past finding replayed, then each target fuzzed briefly, and the
 # include layering of src/, reference/ and kernels/ (tools/check-layering,
-# counted as one test) and the size limits of the engine's core folders
-# (tools/longest-functions --check, one test). Ends with one
+# counted as one test) and the size limits of functions and files in src/,
+# reference/, kernels/ and tools/ (tools/longest-functions --check, one
+# test). Ends with one
 # line: "N passed, N failed" (", N skipped" when a case could not run here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +62,7 @@ tools/fuzz --seconds 10 --fresh --no-build --json build-fuzz/fuzz-ci.json || sta
 # Includes go down the layers (the rule is in the script): one test.
 layering_rc=0
 python3 tools/check-layering || layering_rc=1
-# Functions and files of the engine's core stay small (the rule is in the script): one test.
+# Functions and files of src/, reference/, kernels/ and tools/ stay small (the rule is in the script): one test.
 limits_rc=0
 python3 tools/longest-functions --check || limits_rc=1
 

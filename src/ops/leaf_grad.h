@@ -1,4 +1,4 @@
-// The weight-gradient kernel, written once over a vector type: ops.cc
+// The weight-gradient kernel, written once over a vector type: linear.cc
 // instantiates it with AVX2 (8 lanes), weight_grad_avx512.cc with AVX-512 (16
 // lanes). Include only from those two files.
 //
