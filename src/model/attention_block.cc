@@ -51,7 +51,7 @@ class AttentionBlock : public LayerBlock {
     // Reduces over the attention features, this rank's heads' range of them.
     const float* wo = ctx.layer_weight(layer_, "wo");
     chained_fold(ctx, 1, stream_output(ctx, ws.dtmp.data()), [&](int, int, bool accumulate, RowBlock block) {
-      held_rows(ctx, block, [&](int64_t row, int count) {
+      rows_held(ctx, block, [&](int64_t row, int count) {
         ops::linear_strided(acts.attn_out.data() + row * Dh, Dh, count, Dh, wo, D, D, ws.dtmp.data() + row * D, D,
                             accumulate);
       });
@@ -77,25 +77,25 @@ class AttentionBlock : public LayerBlock {
     // Sequence parallel: the projection's gradients need every token's d(mid).
     const float* wo = ctx.layer_weight(layer_, "wo");
     ws.dattn_out.resize(N * Dh);
-    gather_stream_held(ctx, ws.dh.data(), D);  // context parallel: every token's d(mid), for wo's gradient
+    gather_stream_rows_held(ctx, ws.dh.data(), D);  // context parallel: every token's d(mid), for wo's gradient
     const auto dattn_rows = [&](const float* d, int64_t row, int count) {
       ops::linear_input_grad(d, count, D, wo, Dh, ws.dattn_out.data() + row * Dh, false);
     };
-    const float* dmid = held_stream_rows(ctx, ws.dh.data(), ws.sp_dh, true, dattn_rows);
+    const float* dmid = rows_held_of_stream(ctx, ws.dh.data(), ws.sp_dh, true, dattn_rows);
     // Context parallel: every token's attention output, for wo's gradient.
-    gather_held_rows(ctx, acts.attn_out.data(), Dh);
+    gather_rows_held(ctx, acts.attn_out.data(), Dh);
     token_weight_grad(ctx, acts.attn_out.data(), Dh, dmid, D, Dh, D, ctx.layer_grad(layer_, "wo"));
     ws.dqkv.resize(N * 3 * Dh);
     attention_backward_held(ctx, acts, ws.dattn_out.data(), ws.dqkv.data());
     ctx.trace_tensor("bwd", layer_, "attention", "dqkv", ws.dqkv.data(), {N, 3 * D}, {TraceRows::kHeld, 3});
-    gather_stream_held(ctx, acts.attn_in.data(), D);  // context parallel: every token's, for wqkv's gradient
+    gather_stream_rows_held(ctx, acts.attn_in.data(), D);  // context parallel: every token's, for wqkv's gradient
     token_weight_grad(ctx, every_token(ctx, acts.attn_in.data(), ws.sp_gathered), D, ws.dqkv.data(), 3 * Dh, D, 3 * Dh,
                 ctx.layer_grad(layer_, "wqkv"));
     ws.dtmp.resize(N * D);
     // Reduces over the qkv features: q's, then k's, then v's, each split by heads.
     const float* wqkv = ctx.layer_weight(layer_, "wqkv");
     chained_fold(ctx, 3, stream_output(ctx, ws.dtmp.data()), [&](int first, int count, bool accumulate, RowBlock block) {
-      held_rows(ctx, block, [&](int64_t row, int rows) {
+      rows_held(ctx, block, [&](int64_t row, int rows) {
         ops::linear_input_grad_strided(ws.dqkv.data() + row * 3 * Dh + first * Dh, 3 * Dh, rows, count * Dh,
                                        wqkv + first * Dh, 3 * Dh, D, ws.dtmp.data() + row * D, D, accumulate);
       });
@@ -109,9 +109,9 @@ class AttentionBlock : public LayerBlock {
                             ws.dh.data() + s * D, count, D, true);
     });
     // The norm's weight gradient folds over every token: their rows from every rank.
-    gather_stream_held(ctx, acts.x.data(), D);
-    gather_stream_held(ctx, acts.attn_inv_rms.data(), 1);
-    gather_stream_held(ctx, dattn_in, D);
+    gather_stream_rows_held(ctx, acts.x.data(), D);
+    gather_stream_rows_held(ctx, acts.attn_inv_rms.data(), 1);
+    gather_stream_rows_held(ctx, dattn_in, D);
     stream_rmsnorm_weight_grad(ctx, acts.x.data(), acts.attn_inv_rms.data(), dattn_in,
                                ctx.layer_grad(layer_, "attn_norm"));
     ctx.trace_tensor("bwd", layer_, "attn_norm", "dh", ws.dh.data(), {N, D}, {TraceRows::kStream});

@@ -61,43 +61,43 @@ void cp_for_each_held(const StepContext& ctx, int first_sample, int samples,
     for (const QueryRange& r : mine) fn((int64_t)b * S + r.first, r.count);
 }
 
-void cp_rows_held(const StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
+void rows_held_untimed(const StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
   if (ctx.cp() == 1) return fn(0, (int)ctx.tokens);
   cp_for_each_held(ctx, 0, ctx.batch, fn);
 }
 
-void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
-  held_rows(ctx, RowBlock{0, ctx.tokens}, fn);
+void rows_held(StepContext& ctx, const std::function<void(int64_t row, int count)>& fn) {
+  rows_held(ctx, RowBlock{0, ctx.tokens}, fn);
 }
 
-void cp_rows_held(const StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn) {
+void rows_held_untimed(const StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn) {
   const int64_t end = block.first + block.count;
-  cp_rows_held(ctx, [&](int64_t row, int count) {
+  rows_held_untimed(ctx, [&](int64_t row, int count) {
     const int64_t lo = std::max(row, block.first), hi = std::min(row + count, end);
     if (lo < hi) fn(lo, (int)(hi - lo));
   });
 }
 
-void held_rows(StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn) {
+void rows_held(StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn) {
   if (ctx.cp() == 1) return fn(block.first, (int)block.count);
   CpBusy busy(ctx);
-  cp_rows_held(ctx, block, fn);
+  rows_held_untimed(ctx, block, fn);
 }
 
-const float* held_stream_rows(StepContext& ctx, const float* stream, ops::DeviceVector<float>& gathered, bool busy,
-                              const HeldRowsOf& fn) {
+const float* rows_held_of_stream(StepContext& ctx, const float* stream, ops::DeviceVector<float>& gathered,
+                                 bool busy, const RowsHeldOf& fn) {
   if (ctx.cp() == 1)
     return every_token_rows(ctx, stream, gathered,
                             [&](const float* x, int64_t first, int64_t count) { fn(x, first, (int)count); });
   const float* all = every_token(ctx, stream, gathered);
   const int64_t D = ctx.cfg.d_model;
   const auto rows = [&](int64_t row, int count) { fn(all + row * D, row, count); };
-  if (busy) held_rows(ctx, rows);
-  else cp_rows_held(ctx, rows);
+  if (busy) rows_held(ctx, rows);
+  else rows_held_untimed(ctx, rows);
   return all;
 }
 
-void gather_held_rows(StepContext& ctx, float* m, int64_t ld) {
+void gather_rows_held(StepContext& ctx, float* m, int64_t ld) {
   if (ctx.cp() > 1) cp_gather_rows(ctx, m, ld, 0, (int)ld, 0, ctx.batch);
 }
 
@@ -111,7 +111,7 @@ void cp_project_qkv(StepContext& ctx, const float* attn_in, const float* wqkv, L
   const int D = ctx.cfg.d_model, Dh = ctx.width_held();
   float* qkv = acts.qkv.data();
   if (!ctx.mesh->overlap()) {
-    held_stream_rows(ctx, attn_in, ctx.ws.sp_gathered, true, [&](const float* x, int64_t row, int count) {
+    rows_held_of_stream(ctx, attn_in, ctx.ws.sp_gathered, true, [&](const float* x, int64_t row, int count) {
       ops::linear(x, count, D, wqkv, 3 * Dh, qkv + row * 3 * Dh);
     });
     return cp_gather_rows(ctx, qkv, 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true);
@@ -119,10 +119,10 @@ void cp_project_qkv(StepContext& ctx, const float* attn_in, const float* wqkv, L
   const auto project_kv = [&](const float* x, int64_t row, int count) {
     ops::linear_strided(x, D, count, D, wqkv + Dh, 3 * Dh, 2 * Dh, qkv + row * 3 * Dh + Dh, 3 * Dh, false);
   };
-  const float* x_all = held_stream_rows(ctx, attn_in, ctx.ws.sp_gathered, true, project_kv);
+  const float* x_all = rows_held_of_stream(ctx, attn_in, ctx.ws.sp_gathered, true, project_kv);
   // Q in pieces of at most 256 rows, the gather progressed between them (MPI moves data only inside its calls).
   cp_gather_rows(ctx, qkv, 3 * Dh, Dh, 2 * Dh, 0, ctx.batch, /*kv=*/true, [&](const std::function<void()>& progress) {
-    held_rows(ctx, [&](int64_t row, int count) {
+    rows_held(ctx, [&](int64_t row, int count) {
       for (int at = 0; at < count; at += 256) {
         const int rows = std::min(256, count - at);
         ops::linear_strided(x_all + (row + at) * D, D, rows, D, wqkv, 3 * Dh, Dh, qkv + (row + at) * 3 * Dh, 3 * Dh,
@@ -148,7 +148,7 @@ void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, c
     ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D}, {TraceRows::kHeld, 1});
     return;
   }
-  held_stream_rows(ctx, attn_in, ctx.ws.sp_gathered, true, [&](const float* x, int64_t row, int count) {
+  rows_held_of_stream(ctx, attn_in, ctx.ws.sp_gathered, true, [&](const float* x, int64_t row, int count) {
     ops::linear(x, count, D, wqkv, 3 * Dh, acts.qkv.data() + row * 3 * Dh);
   });
   ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D}, {TraceRows::kTokens, 3});

@@ -32,35 +32,16 @@
 #include <vector>
 
 #include "model/step_context.h"
+#include "model/rows.h"
 #include "model/tensor_parallel.h"
 
 namespace ls {
 
 // ---- What the blocks call: each does the one-rank thing at cp 1. ----
-
-// fn(row, count) over the rows this rank computes: every token in one call
-// at cp 1, else its positions' ranges of every sample (their compute
-// counted as the rank's busy time).
-void held_rows(StepContext& ctx, const std::function<void(int64_t row, int count)>& fn);
-// The same inside the rows of `block` (a pipelined chain's link).
-void held_rows(StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn);
-
-// held_rows (busy: counted as held_rows counts) or cp_rows_held over a
-// stream tensor [stream_tokens, D] that a column-parallel GEMM reads for
-// every token: fn(x, row, count), x pointing at row `row`'s data. It starts
-// on the rows at hand (every_token_rows: sequence parallel's own rows while
-// the others arrive); at cp > 1 after the gather, on this rank's positions.
-// Returns every token's rows (every_token).
-using HeldRowsOf = std::function<void(const float* x, int64_t row, int count)>;
-const float* held_stream_rows(StepContext& ctx, const float* stream, ops::DeviceVector<float>& gathered, bool busy,
-                              const HeldRowsOf& fn);
-
-// An [N, ld] matrix whose rows each rank wrote for its positions made
-// whole on every rank (an all-gather; nothing at cp 1).
-void gather_held_rows(StepContext& ctx, float* m, int64_t ld);
+// (The row helpers they use are model/rows.h.)
 
 // The attention of a layer on this rank's rows: qkv [N, 3*Dh] = its rows of
-// attn_in (the stream's rows held here, gathered through held_stream_rows)
+// attn_in (the stream's rows held here, gathered through rows_held_of_stream)
 // times wqkv (at cp > 1 every token's K and V gathered), P
 // and attn_out [N, Dh] for its queries. Reduces over keys, one query's on one rank.
 void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, const float* wqkv, LayerActs& acts);
@@ -72,27 +53,8 @@ void attention_backward_held(StepContext& ctx, const LayerActs& acts, const floa
 // slots' d_ff-wide buffers at that plan's slots (ExpertSlots::hidden_base).
 const RoundPlan& computed_expert_plan(const StepContext& ctx, const LayerActs& acts, RoundPlan& scratch);
 
-// ---- The residual stream: every per-token op on this rank's positions. ----
-
-// fn(row, count) over the stream's rows this rank computes, `row` a token's
-// index in the step (a stream buffer holds it at row - stream_first): all of
-// [stream_first, stream_first + stream_tokens) in one call at cp 1, else this
-// rank's positions of those samples. Adds the rows to stats.stream_rows[op].
-void stream_rows(StepContext& ctx, StreamOp op, const std::function<void(int64_t row, int count)>& fn);
-
-// A stream buffer [stream_tokens, ld] (its row 0 the token stream_first)
-// whose rows each CP rank wrote for its positions, made whole on every rank
-// of the group where a fold over tokens reads them (an all-gather; nothing
-// at cp 1). Ints travel as their bytes.
-void gather_stream_held(StepContext& ctx, float* m, int64_t ld);
-void gather_stream_held(StepContext& ctx, int* m, int64_t ld);
-
-// Expert rows [N * top_k, width] (acts.row_of's rows) that each CP rank
-// wrote for its positions' slots, made whole on every rank (nothing at cp 1).
-void gather_held_slot_rows(StepContext& ctx, const LayerActs& acts, float* rows, int64_t width);
-
 // The stream's weight gradients, each a fold over the stream's tokens (its
-// leaves): at cp > 1 over rows gathered first (gather_stream_held), split by
+// leaves): at cp > 1 over rows gathered first (gather_stream_rows_held), split by
 // output column across the group (cp_weight_grad), so no rank folds another's
 // columns. stream_weight_grad: dW [in, out] = X^T dY (ops::weight_grad);
 // Reduces over the token index.
@@ -136,10 +98,6 @@ int64_t cp_probs_floats(int S, int cp, int rank, bool zigzag);
 void cp_for_each_held(const StepContext& ctx, int first_sample, int samples,
                       const std::function<void(int64_t row, int count)>& fn);
 
-// fn(0, N) for every token at cp 1; else cp_for_each_held over every sample.
-void cp_rows_held(const StepContext& ctx, const std::function<void(int64_t row, int count)>& fn);
-// The same inside the rows of `block`.
-void cp_rows_held(const StepContext& ctx, RowBlock block, const std::function<void(int64_t row, int count)>& fn);
 
 // Columns [col, col + width) of an [N, ld] token-row matrix, samples
 // [first_sample, first_sample + samples): every rank's held rows made whole

@@ -34,7 +34,7 @@ void stream_rows(StepContext& ctx, StreamOp op, const std::function<void(int64_t
   });
 }
 
-void gather_stream_held(StepContext& ctx, float* m, int64_t ld) {
+void gather_stream_rows_held(StepContext& ctx, float* m, int64_t ld) {
   if (ctx.cp() == 1) return;
   const int S = ctx.cfg.seq_len, D = ctx.cfg.d_model;
   // At most d_model columns at a time (the logits' gradient is vocab wide): the gather's buffers stay row-sized.
@@ -43,12 +43,12 @@ void gather_stream_held(StepContext& ctx, float* m, int64_t ld) {
                    (int)(ctx.stream_tokens / S), false, nullptr, ctx.stream_first);
 }
 
-void gather_stream_held(StepContext& ctx, int* m, int64_t ld) {
+void gather_stream_rows_held(StepContext& ctx, int* m, int64_t ld) {
   static_assert(sizeof(int) == sizeof(float), "ints travel as floats' bytes");
-  gather_stream_held(ctx, reinterpret_cast<float*>(m), ld);  // only copied (memcpy), never read as floats
+  gather_stream_rows_held(ctx, reinterpret_cast<float*>(m), ld);  // only copied (memcpy), never read as floats
 }
 
-void gather_held_slot_rows(StepContext& ctx, const LayerActs& acts, float* rows, int64_t width) {
+void gather_slot_rows_held(StepContext& ctx, const LayerActs& acts, float* rows, int64_t width) {
   const int cp = ctx.cp(), S = ctx.cfg.seq_len, K = ctx.cfg.top_k;
   if (cp == 1) return;
   ops::synchronize();

@@ -36,7 +36,7 @@ class EmbeddingBlock : public Block {
 
   // Context parallel: every token's dh gathered, the gradients split by feature.
   void backward(StepContext& ctx) override {
-    gather_stream_held(ctx, ctx.ws.dh.data(), ctx.cfg.d_model);
+    gather_stream_rows_held(ctx, ctx.ws.dh.data(), ctx.cfg.d_model);
     stream_embedding_grad(ctx, ctx.ws.tok_id.data(), ctx.ws.dh.data(), ctx.grad("tok_emb"), ctx.grad("pos_emb"));
   }
 };

@@ -75,7 +75,7 @@ void hold_moe_buffers(StepContext& ctx, LayerActs& acts) {
   const size_t hidden_slots = ctx.cp() > 1 ? (size_t)(in_slots.end - in_slots.first) : slots;
   for (ops::DeviceVector<float>* v : {&ws.slots.act, &ws.slots.dact, &ws.slots.du, &ws.slots.dv})
     grow(*v, hidden_slots * F);
-  const size_t held_rows = (size_t)acts.rows.off[ctx.local_experts];
+  const size_t rows_held = (size_t)acts.rows.off[ctx.local_experts];
   // u, v and sg for the rows this rank computes: all held, or with context parallel its expert block's.
   const CpShare block = cp_expert_block(ctx, acts, ctx.ep_rank(), ctx.cp_rank());
   acts.rows.hidden_base = acts.rows.off[(size_t)block.first];
@@ -85,7 +85,7 @@ void hold_moe_buffers(StepContext& ctx, LayerActs& acts) {
   if (ctx.ep() > 1) {  // a pair moves at most the destination's slots per round
     size_t all_slots = 0;
     for (const RoundPlan& p : acts.plans) all_slots += (size_t)p.slots;
-    grow(acts.rows.x, held_rows * D);
+    grow(acts.rows.x, rows_held * D);
     grow(ws.send, all_slots * D);
     grow(ws.recv, all_slots * D);
   }
@@ -110,12 +110,12 @@ void exchange_leaf_ids(StepContext& ctx, LayerActs& acts) {
   const int E = ctx.cfg.experts, El = ctx.local_experts, ep = ctx.ep(), me = ctx.ep_rank();
   const int64_t NK = ctx.tokens * ctx.cfg.top_k;
   ExpertRows& rows = acts.rows;
-  const int64_t held_rows = rows.off[El];
-  rows.leaf.resize(held_rows);
+  const int64_t rows_held = rows.off[El];
+  rows.leaf.resize(rows_held);
   if (ep == 1) {
     for (int64_t row = 0; row < NK; ++row) rows.leaf[row] = acts.row_token[row] / ctx.leaf_tokens;
   } else {  // leaf ids in the EP group travel with the counts' layout: per destination, its experts' rows
-    std::vector<int64_t> leaf_of(NK), leaf_in(held_rows);
+    std::vector<int64_t> leaf_of(NK), leaf_in(rows_held);
     // Over several microbatches the owner keeps a tree per source over its whole step (ExpertGradsBySource).
     const int64_t source_leaves = ctx.grads_by_source() ? ctx.leaves * ctx.microbatches : ctx.leaves;
     const int64_t first_leaf = (int64_t)me * source_leaves + (ctx.grads_by_source() ? ctx.microbatch * ctx.leaves : 0);
@@ -324,6 +324,66 @@ void count_moe_memory(StepContext& ctx) {
   st.peak_dispatch_bytes = std::max(st.peak_dispatch_bytes, held(ws.send) + held(ws.recv));
   st.peak_routed_bytes = std::max(st.peak_routed_bytes, routed);
   st.peak_grad_state_bytes = std::max(st.peak_grad_state_bytes, state);
+}
+
+namespace {
+
+struct ExpertGrads {
+  float *w1, *w3, *w2;
+};
+ExpertGrads expert_grads_of(const StepContext& ctx, int layer) {
+  return {ctx.layer_grad(layer, "experts.w1"), ctx.layer_grad(layer, "experts.w3"),
+          ctx.layer_grad(layer, "experts.w2")};
+}
+
+}  // namespace
+
+void begin_expert_grads(StepContext& ctx, int layer, const RoundPlan& own, const ExpertRows& rows) {
+  const int D = ctx.cfg.d_model, F = ctx.d_ff_held(), ep = ctx.ep();  // ep: sources of an expert's rows
+  if (!ctx.grads_by_source())
+    ctx.ws.expert_grads.begin(own, rows, ctx.leaves * ep, D, F, &ctx.ws.grad_state);
+  else if (ctx.microbatch == 0)
+    (*ctx.source_grads)[(size_t)layer].begin(ctx.local_experts, ep, ctx.leaves * ctx.microbatches, D, F);
+}
+
+void add_expert_grads(StepContext& ctx, int layer, const RoundPlan& own, int r, const ExpertRows& rows, RowPlace dy) {
+  const ExpertSlots& slots = ctx.ws.slots;
+  if (ctx.grads_by_source()) return (*ctx.source_grads)[(size_t)layer].add_round(own, r, slots, rows, dy);
+  const ExpertGrads g = expert_grads_of(ctx, layer);
+  ctx.ws.expert_grads.add_round(own, r, slots, rows, dy, g.w1, g.w3, g.w2);
+}
+
+void finish_expert_grads(StepContext& ctx, int layer, const LayerActs& acts) {
+  const ExpertGrads g = expert_grads_of(ctx, layer);
+  if (!ctx.grads_by_source()) {
+    ctx.ws.expert_grads.finish(g.w1, g.w3, g.w2);
+    ctx.stats.expert_gemm_calls += ctx.ws.expert_grads.calls();
+  } else if (ctx.microbatch == ctx.microbatches - 1) {  // the step's gradients, once every microbatch is in
+    ExpertGradsBySource& by_source = (*ctx.source_grads)[(size_t)layer];
+    by_source.finish(g.w1, g.w3, g.w2);
+    ctx.stats.expert_gemm_calls += by_source.calls();
+    ctx.stats.peak_grad_state_bytes = std::max(ctx.stats.peak_grad_state_bytes, by_source.state_bytes());
+  } else {
+    return;
+  }
+  // Context parallel: each block's gradients folded whole on its rank, gathered.
+  const int64_t per_expert = (int64_t)ctx.cfg.d_model * ctx.d_ff_held();
+  for (float* grad : {g.w1, g.w3, g.w2}) gather_expert_grads(ctx, acts, grad, per_expert);
+}
+
+void plan_owner_rounds(StepContext& ctx, LayerActs& acts) {
+  const ModelConfig& c = ctx.cfg;
+  const int E = c.experts, El = ctx.local_experts, ep = ctx.ep();
+  acts.plans.resize(ep);
+  for (int d = 0; d < ep; ++d) {
+    std::vector<int64_t> load(El, 0);
+    for (int src = 0; src < ep; ++src)
+      for (int e = 0; e < El; ++e) load[e] += acts.counts[(size_t)src * E + d * El + e];
+    acts.plans[d] = plan_rounds(c, load, ctx.tokens * (int64_t)ep);
+  }
+  const RoundPlan& own = ctx.own_plan(acts);
+  acts.rows.off.assign(El + 1, 0);
+  for (int e = 0; e < El; ++e) acts.rows.off[e + 1] = acts.rows.off[e] + own.load[e];
 }
 
 }  // namespace ls

@@ -62,6 +62,22 @@ bool finish_round_exchange(StepContext& ctx);
 // the rows kept at ep > 1, else from the tokens' moe_in.
 void refill_round_inputs(StepContext& ctx, const LayerActs& acts, const RoundPlan& plan, int r);
 
+// The routed experts' weight gradients of a layer, folded round by round
+// into their leaf trees (ExpertWeightGrads, over the leaves of every source
+// rank). Where a pipeline's microbatches each bring an expert's rows from
+// every EP rank, they are kept per source across the step instead
+// (ExpertGradsBySource) and finished at its last microbatch. Reduces over
+// the token index.
+void begin_expert_grads(StepContext& ctx, int layer, const RoundPlan& own, const ExpertRows& rows);
+void add_expert_grads(StepContext& ctx, int layer, const RoundPlan& own, int r, const ExpertRows& rows, RowPlace dy);
+// After the last round: the step's gradients into the layer's experts.w1,
+// w3, w2 (at cp > 1 each rank's experts gathered) if this pass finishes them.
+void finish_expert_grads(StepContext& ctx, int layer, const LayerActs& acts);
+
+// Owner rank d's round plan for every d (acts.plans), from the exchanged
+// counts, and the rows of the experts held here (acts.rows.off).
+void plan_owner_rounds(StepContext& ctx, LayerActs& acts);
+
 // ---- The pieces. ----
 
 // An all-to-all in the expert-parallel group, counted in ctx.stats: done

@@ -3,44 +3,20 @@
 // rank's leaf subtree, then the canonical tree over ranks); then the
 // step's total loss. Matches ref::Head.
 //
-// Tensor parallel without sequence parallel: every TP rank holds the whole
-// stream, and the head is replicated work (at the quickstart's shape a
-// tenth of the GEMM FLOPs and the vocab-wide softmax). So each TP rank runs
-// it on its share of the tokens, whole leaves, as sequence parallel would:
-// the losses' sum and the head's weight gradients are then partial folds
-// over aligned leaf subtrees, combined over the TP group by the canonical
-// tree (the contract's tree over this rank's leaves), and the input
-// gradient's rows are all-gathered.
+// With tensor parallel alone each TP rank runs the head on its share of
+// the tokens (head_rows, model/tensor_parallel.h); the folds over them are
+// then joined over the TP group.
 #include <string>
 
 #include "model/blocks.h"
 #include "model/context_parallel.h"
+#include "model/step_sums.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
 namespace ls {
 
 namespace {
-
-// Whether the head runs on a TP rank's share of the tokens: tensor parallel
-// without sequence parallel, context parallel or a pipeline's microbatches,
-// and a power-of-two number of whole leaves a rank (its subtree).
-bool splits_head(const StepContext& ctx) {
-  const int tp = ctx.tp();
-  if (tp == 1 || ctx.sp || ctx.cp() > 1 || ctx.microbatches > 0 || ctx.leaves % tp != 0) return false;
-  const int64_t each = ctx.leaves / tp;
-  return (each & (each - 1)) == 0;
-}
-
-// The head's view of the step: split, this TP rank's tokens as its stream.
-StepContext head_view(const StepContext& ctx) {
-  StepContext view = ctx;
-  if (!splits_head(ctx)) return view;
-  view.stream_tokens = ctx.tokens / ctx.tp();
-  view.stream_first = view.stream_tokens * ctx.tp_rank();
-  view.stream_leaves = ctx.leaves / ctx.tp();
-  return view;
-}
 
 // Where the head's first row sits in the stream buffers (ws.h, ws.dh): its
 // own first token's row when split, else row 0 (they hold its rows only).
@@ -57,8 +33,7 @@ class HeadBlock : public Block {
   // Context parallel: every op on this rank's positions; the per-token
   // losses gathered for the fold over tokens.
   void forward(StepContext& whole, StepLosses& losses) override {
-    StepContext ctx = head_view(whole);
-    const bool split = ctx.stream_tokens != whole.stream_tokens;
+    StepContext ctx = head_rows(whole);
     const ModelConfig& c = ctx.cfg;
     const int S = c.seq_len, D = c.d_model, V = c.vocab;
     const int64_t N = ctx.stream_tokens, first = ctx.stream_first;  // the stream's tokens held here
@@ -90,14 +65,10 @@ class HeadBlock : public Block {
     });
     ctx.trace_tensor("fwd", -1, "lm_head", "logits", ws.logits.data(), {N, V}, {TraceRows::kStream});
     ctx.trace_tensor("fwd", -1, "loss", "per_token", ws.loss.data(), {N}, {TraceRows::kStream});
-    gather_stream_held(ctx, ws.loss.data(), 1);
+    gather_stream_rows_held(ctx, ws.loss.data(), 1);
     float ce_sum = ops::token_sum(ws.loss.data(), N, ctx.leaf_tokens);  // this rank's subtree
-    if (ctx.microbatches > 0) {  // a pipeline combines the microbatches' sums
-      ws.ce_partial = ce_sum;
-      return;
-    }
-    if (split) ctx.group(Axis::kTensor).all_reduce_sum(&ce_sum, 1);  // the TP ranks' subtrees
-    ctx.mesh->stream_group().all_reduce_sum(&ce_sum, 1);
+    join_head_sums(whole, ctx, &ce_sum, 1);
+    if (!sum_over_step(ctx, &ce_sum, 1, ws.ce_partial)) return;
     losses.ce = ce_sum / ctx.global_tokens;
     losses.total = total_loss(c, losses);
   }
@@ -106,8 +77,7 @@ class HeadBlock : public Block {
   // parallel: the weight gradients over every token's rows, gathered, a
   // share of the columns per rank.
   void backward(StepContext& whole) override {
-    StepContext ctx = head_view(whole);
-    const bool split = ctx.stream_tokens != whole.stream_tokens;
+    StepContext ctx = head_rows(whole);
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, V = c.vocab;
     const int64_t N = ctx.stream_tokens, first = ctx.stream_first;
@@ -125,8 +95,8 @@ class HeadBlock : public Block {
                               ws.dlogits.data() + s * V);
     });
     ctx.trace_tensor("bwd", -1, "lm_head", "dlogits", ws.dlogits.data(), {N, V}, {TraceRows::kStream});
-    gather_stream_held(ctx, ws.final_out.data(), D);
-    gather_stream_held(ctx, ws.dlogits.data(), V);
+    gather_stream_rows_held(ctx, ws.final_out.data(), D);
+    gather_stream_rows_held(ctx, ws.dlogits.data(), V);
     stream_weight_grad(ctx, ws.final_out.data(), D, ws.dlogits.data(), V, D, V, ctx.grad("lm_head"));
     const float* norm = ctx.weight("final_norm");
     stream_rows(ctx, StreamOp::kFinalNorm, [&](int64_t row, int count) {
@@ -135,16 +105,13 @@ class HeadBlock : public Block {
       ops::rmsnorm_backward(h + s * D, norm, ws.final_inv_rms.data() + s, ws.dtmp.data() + s * D, dh + s * D, count,
                             D, false);
     });
-    gather_stream_held(ctx, ws.h.data(), D);
-    gather_stream_held(ctx, ws.final_inv_rms.data(), 1);
-    gather_stream_held(ctx, ws.dtmp.data(), D);
+    gather_stream_rows_held(ctx, ws.h.data(), D);
+    gather_stream_rows_held(ctx, ws.final_inv_rms.data(), 1);
+    gather_stream_rows_held(ctx, ws.dtmp.data(), D);
     stream_rmsnorm_weight_grad(ctx, h, ws.final_inv_rms.data(), ws.dtmp.data(), ctx.grad("final_norm"));
-    if (split) {  // the TP ranks' subtrees, combined; every rank's rows of dh
-      ops::synchronize();
-      ctx.group(Axis::kTensor).all_reduce_sum(ctx.grad("lm_head"), (size_t)V * D);
-      ctx.group(Axis::kTensor).all_reduce_sum(ctx.grad("final_norm"), (size_t)D);
-      gather_tp_rows(ctx, ws.dh.data(), N, D);
-    }
+    join_head_sums(whole, ctx, ctx.grad("lm_head"), (size_t)V * D);
+    join_head_sums(whole, ctx, ctx.grad("final_norm"), (size_t)D);
+    join_head_rows(whole, ctx, ws.dh.data(), D);
     whole.trace_tensor("bwd", -1, "final_norm", "dh", ws.dh.data(), {whole.stream_tokens, D}, {TraceRows::kStream});
   }
 };

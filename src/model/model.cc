@@ -103,7 +103,7 @@ int64_t MoeTransformer::workspace_bytes() const {
   return n;
 }
 
-float MoeTransformer::ce_partial() const { return ws_->ce_partial; }
+float MoeTransformer::ce_partial() const { return ws_->ce_partial.empty() ? 0.0f : ws_->ce_partial[0]; }
 
 const std::vector<float>& MoeTransformer::router_partial(int layer) const {
   return ws_->layers.at((size_t)layer).router_partial;

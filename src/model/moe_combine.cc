@@ -9,6 +9,7 @@
 #include "model/blocks.h"
 #include "model/context_parallel.h"
 #include "model/expert_parallel.h"
+#include "model/step_sums.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
@@ -37,7 +38,7 @@ class MoeCombine : public LayerBlock {
       const float* w1 = ctx.layer_weight(layer_, "shared.w1");
       const float* w3 = ctx.layer_weight(layer_, "shared.w3");
       // Context parallel: this rank's positions' rows (rows are independent), gathered after.
-      cp_rows_held(ctx, [&](int64_t row, int count) {
+      rows_held_untimed(ctx, [&](int64_t row, int count) {
         ops::linear(acts.moe_in.data() + row * D, count, D, w1, F, acts.shared_u.data() + row * F);
         ops::linear(acts.moe_in.data() + row * D, count, D, w3, F, acts.shared_v.data() + row * F);
         ops::swiglu(acts.shared_u.data() + row * F, acts.shared_v.data() + row * F, acts.shared_gate.data() + row * F,
@@ -47,7 +48,7 @@ class MoeCombine : public LayerBlock {
       // Reduces over the hidden feature (tensor parallel: chained across the group's ranges of it).
       const float* w2 = ctx.layer_weight(layer_, "shared.w2");
       chained_fold(ctx, 1, stream_output(ctx, acts.shared_out.data()), [&](int, int, bool accumulate, RowBlock block) {
-        cp_rows_held(ctx, block, [&](int64_t row, int count) {
+        rows_held_untimed(ctx, block, [&](int64_t row, int count) {
           ops::linear_strided(acts.shared_act.data() + row * F, F, count, F, w2, D, D, acts.shared_out.data() + row * D,
                               D, accumulate);
         });
@@ -69,19 +70,15 @@ class MoeCombine : public LayerBlock {
     const bool per_sample = c.aux_scope == AuxScope::kSequence;
     sums.resize(E + 1 + (per_sample ? 1 : 0));
     ops::router_stats(acts.gates.data(), acts.router_lse.data(), Ns, E, ctx.leaf_tokens, ctx.stream_leaves, sums.data());
-    ops::synchronize();  // read by the host (and the mesh's sum)
+    ops::synchronize();  // read by the host (and the sum over the step)
     // The stream's samples' balance losses, summed as the router sums are: a third token reduction.
     if (per_sample)
       sums[E + 1] = sequence_balance(acts.gates.data(), acts.sel.data() + first * K, Ns / c.seq_len, c.seq_len, E, K,
                                      ctx.leaf_tokens / c.seq_len, acts.sample_counts);
     acts.global_counts.resize(E);
     for (int e = 0; e < E; ++e) acts.global_counts[e] = acts.expert_off[e + 1] - acts.expert_off[e];
-    if (ctx.microbatches > 0) {  // a pipeline combines the microbatches' sums and counts
-      acts.router_partial.assign(sums.data(), sums.data() + sums.size());
-      return;
-    }
-    ctx.mesh->stream_group().all_reduce_sum(sums.data(), sums.size());
-    ctx.group(Axis::kData).all_reduce_sum(acts.global_counts.data(), E);
+    if (!sum_over_step(ctx, sums.data(), sums.size(), acts.router_partial)) return;
+    sum_counts_over_step(ctx, acts.global_counts.data(), E);
     const LayerBalance balance =
         layer_balance(c, sums.data(), acts.global_counts.data(), ctx.global_tokens, ctx.global_assignments);
     ws.aux_loss[layer_] = balance.aux;
@@ -110,10 +107,10 @@ class MoeCombine : public LayerBlock {
                                 acts.row_of.data() + row * K, acts.ye_rows, ws.dg.data() + s * E, ws.dye.data(), count,
                                 D);
     });
-    gather_held_slot_rows(ctx, acts, ws.dye.data(), D);  // context parallel: every slot's, for the experts
+    gather_slot_rows_held(ctx, acts, ws.dye.data(), D);  // context parallel: every slot's, for the experts
     gather_expert_output_grads(ctx, acts);
     if (!c.shared_expert) return;
-    gather_stream_held(ctx, ws.dh.data(), D);  // every token's, for the shared expert's w2 gradient
+    gather_stream_rows_held(ctx, ws.dh.data(), D);  // every token's, for the shared expert's w2 gradient
     // Expert parallel: the experts' first round of gradients leaves now, hidden behind the shared expert's backward.
     if (exchange_overlaps_shared_expert(ctx, acts)) start_round_output_grads(ctx, acts, 0);
     const float* w1 = ctx.layer_weight(layer_, "shared.w1");
@@ -130,19 +127,19 @@ class MoeCombine : public LayerBlock {
                            acts.shared_gate.data() + row * F, ws.shared_dact.data() + row * F,
                            ws.shared_du.data() + row * F, ws.shared_dv.data() + row * F, count * F);
     };
-    const float* dout = held_stream_rows(ctx, ws.dh.data(), ws.sp_dh, false, hidden_grads);
+    const float* dout = rows_held_of_stream(ctx, ws.dh.data(), ws.sp_dh, false, hidden_grads);
     progress_round_exchange(ctx);
     // Reduces over the hidden feature of u, then continues over that of v (tensor parallel: chained).
     chained_fold(ctx, 2, stream_output(ctx, ws.shared_dx.data()),
                  [&](int first_pass, int count, bool accumulate, RowBlock block) {
-      cp_rows_held(ctx, block, [&](int64_t row, int rows) {
+      rows_held_untimed(ctx, block, [&](int64_t row, int rows) {
         for (int pass = first_pass; pass < first_pass + count; ++pass)
           ops::linear_input_grad((pass == 0 ? ws.shared_du.data() : ws.shared_dv.data()) + row * F, rows, F,
                                  pass == 0 ? w1 : w3, D, ws.shared_dx.data() + row * D, accumulate || pass > first_pass);
       });
     });
     // Context parallel: every token's rows for the weight gradients.
-    for (float* m : {ws.shared_du.data(), ws.shared_dv.data(), acts.shared_act.data()}) gather_held_rows(ctx, m, F);
+    for (float* m : {ws.shared_du.data(), ws.shared_dv.data(), acts.shared_act.data()}) gather_rows_held(ctx, m, F);
     token_weight_grad(ctx, acts.moe_in.data(), D, ws.shared_du.data(), F, D, F, ctx.layer_grad(layer_, "shared.w1"));
     progress_round_exchange(ctx);
     token_weight_grad(ctx, acts.moe_in.data(), D, ws.shared_dv.data(), F, D, F, ctx.layer_grad(layer_, "shared.w3"));

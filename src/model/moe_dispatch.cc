@@ -22,14 +22,14 @@ class MoeDispatch : public LayerBlock {
 
   void forward(StepContext& ctx, StepLosses&) override {
     const ModelConfig& c = ctx.cfg;
-    const int E = c.experts, K = c.top_k, El = ctx.local_experts, ep = ctx.ep();
+    const int E = c.experts, K = c.top_k;
     const int64_t N = ctx.tokens, NK = N * K;
     LayerActs& acts = ctx.layer(layer_);
     // Rows grouped by expert, in token order inside each expert.
     acts.expert_off.assign(E + 1, 0);
     for (int64_t i = 0; i < NK; ++i) ++acts.expert_off[acts.sel[i] + 1];
     for (int e = 0; e < E; ++e) {
-      ctx.stats.tokens_per_expert[(size_t)layer_ * E + e] += acts.expert_off[e + 1];  // a pipeline's microbatches add up
+      ctx.stats.tokens_per_expert[(size_t)layer_ * E + e] += acts.expert_off[e + 1];  // every pass of the step adds up
       acts.expert_off[e + 1] += acts.expert_off[e];
     }
     acts.row_of.resize(NK);
@@ -48,18 +48,8 @@ class MoeDispatch : public LayerBlock {
     // then token: the global token order, as the source ranks hold
     // consecutive samples. Every rank learns every rank's counts, so sources
     // and owners derive the same round plans.
-    ExpertRows& rows = acts.rows;
     exchange_expert_counts(ctx, acts);
-    acts.plans.resize(ep);
-    for (int d = 0; d < ep; ++d) {
-      std::vector<int64_t> load(El, 0);
-      for (int src = 0; src < ep; ++src)
-        for (int e = 0; e < El; ++e) load[e] += acts.counts[(size_t)src * E + d * El + e];
-      acts.plans[d] = plan_rounds(c, load, N * (int64_t)ep);
-    }
-    const RoundPlan& own = ctx.own_plan(acts);
-    rows.off.assign(El + 1, 0);
-    for (int e = 0; e < El; ++e) rows.off[e + 1] = rows.off[e] + own.load[e];
+    plan_owner_rounds(ctx, acts);
     exchange_leaf_ids(ctx, acts);
     hold_moe_buffers(ctx, acts);
     if (c.moe_policy == MoePolicy::kDrop) ops::fill(acts.ye.data(), (int64_t)acts.ye.size(), 0.0f);  // skipped rows give 0

@@ -42,7 +42,7 @@ class MoeExperts : public LayerBlock {
         ctx.stats.expert_gemm_calls += experts_round_hidden(own, r, ws.slots, rows, w.w1, w.w3, D, F);
         // y reduces over the hidden feature (tensor parallel: chained across the group's ranges of it,
         // pipelined over pieces of the round's rows).
-        const std::vector<std::vector<Segment>> pieces = chain_pieces(ctx, own.round[r]);
+        const std::vector<std::vector<Segment>> pieces = chain_pieces(own.round[r]);
         chained_fold(ctx, 1, round_chain(own.round[r], pieces, rows, y, D), [&](int, int, bool accumulate, RowBlock b) {
           ctx.stats.expert_gemm_calls +=
               experts_round_output(segments_of(own.round[r], pieces, b), ws.slots, rows, y, w.w2, D, F, accumulate);
@@ -69,7 +69,7 @@ class MoeExperts : public LayerBlock {
   // the forward's rounds and slots; the weight-gradient leaf trees continue
   // from round to round.
   void backward(StepContext& ctx) override {
-    const int D = ctx.cfg.d_model, F = ctx.d_ff_held(), ep = ctx.ep();  // ep: sources of an expert's rows
+    const int D = ctx.cfg.d_model, F = ctx.d_ff_held();
     const int64_t NK = ctx.tokens * ctx.cfg.top_k;
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
@@ -77,15 +77,9 @@ class MoeExperts : public LayerBlock {
     RoundPlan cp_plan;
     const RoundPlan& own = computed_expert_plan(ctx, acts, cp_plan);
     const ExpertWeights w = weights(ctx);
-    float* grad_w1 = ctx.layer_grad(layer_, "experts.w1");
-    float* grad_w3 = ctx.layer_grad(layer_, "experts.w3");
-    float* grad_w2 = ctx.layer_grad(layer_, "experts.w2");
     ws.dxe.resize(NK * D);
     if (ctx.cfg.moe_policy == MoePolicy::kDrop) ops::fill(ws.dxe.data(), NK * D, 0.0f);  // skipped rows: no gradient
-    ExpertWeightGrads& grads = ws.expert_grads;  // kept: its buffers are reused layer to layer
-    ExpertGradsBySource& by_source = (*ctx.source_grads)[(size_t)layer_];
-    if (!ctx.grads_by_source()) grads.begin(own, rows, ctx.leaves * ep, D, F, &ws.grad_state);
-    else if (ctx.microbatch == 0) by_source.begin(ctx.local_experts, ep, ctx.leaves * ctx.microbatches, D, F);
+    begin_expert_grads(ctx, layer_, own, rows);
     count_moe_memory(ctx);
     // dy and dx in the slots (travelling to and from the owners), or in the dispatch rows (the experts' row order).
     const RowPlace dy = round_output_place(ctx, ws.slots.dy.data(), ws.dye.data());
@@ -97,31 +91,18 @@ class MoeExperts : public LayerBlock {
         refill_round_inputs(ctx, acts, own, r);  // the inputs again, into the same slots
         ctx.stats.expert_gemm_calls += experts_round_backward_hidden(own, r, ws.slots, rows, dy, w.w2, D, F);
         // dx reduces over the hidden feature of u, then of v (tensor parallel: chained).
-        const std::vector<std::vector<Segment>> pieces = chain_pieces(ctx, own.round[r]);
+        const std::vector<std::vector<Segment>> pieces = chain_pieces(own.round[r]);
         chained_fold(ctx, 2, round_chain(own.round[r], pieces, rows, dx, D),
                      [&](int first, int count, bool accumulate, RowBlock b) {
           ctx.stats.expert_gemm_calls += experts_round_input_grad(segments_of(own.round[r], pieces, b), ws.slots, rows,
                                                                   dx, w.w1, w.w3, D, F, first, count, accumulate);
         });
-        if (ctx.grads_by_source()) by_source.add_round(own, r, ws.slots, rows, dy);
-        else grads.add_round(own, r, ws.slots, rows, dy, grad_w1, grad_w3, grad_w2);
+        add_expert_grads(ctx, layer_, own, r, rows, dy);
       }
       return_round_rows(ctx, acts, r, ws.slots.dx.data(), ws.dxe.data());
     }
     gather_expert_rows(ctx, acts, ws.dxe.data(), D);
-    bool finished = false;
-    if (!ctx.grads_by_source()) {
-      grads.finish(grad_w1, grad_w3, grad_w2);
-      ctx.stats.expert_gemm_calls += grads.calls();
-      finished = true;
-    } else if (ctx.microbatch == ctx.microbatches - 1) {  // the step's gradients, once every microbatch is in
-      by_source.finish(grad_w1, grad_w3, grad_w2);
-      ctx.stats.expert_gemm_calls += by_source.calls();
-      ctx.stats.peak_grad_state_bytes = std::max(ctx.stats.peak_grad_state_bytes, by_source.state_bytes());
-      finished = true;
-    }
-    if (finished)  // context parallel: each block's gradients folded whole on its rank, gathered
-      for (float* g : {grad_w1, grad_w3, grad_w2}) gather_expert_grads(ctx, acts, g, (int64_t)D * F);
+    finish_expert_grads(ctx, layer_, acts);
     if (ctx.trace)
       ctx.trace_tensor("bwd", layer_, "moe.experts", "dx", ctx.token_slot_order(acts, ws.dxe.data(), D),
                        {ctx.tokens, ctx.cfg.top_k, D});
@@ -138,9 +119,10 @@ class MoeExperts : public LayerBlock {
                      {ctx.tokens, ctx.cfg.top_k, D});
   }
   // A round's segments cut for a tensor-parallel chain: pieces of near-equal
-  // rows (chain_blocks, as for token rows), one piece on one rank.
-  static std::vector<std::vector<Segment>> chain_pieces(const StepContext& ctx, const std::vector<Segment>& segs) {
-    return cut_segments(segs, ctx.tp() > 1 ? chain_blocks(segment_rows(segs)) : 1);
+  // rows (chain_blocks, as for token rows), one piece on one rank; on one
+  // rank the fold is whole and the pieces go unused.
+  static std::vector<std::vector<Segment>> chain_pieces(const std::vector<Segment>& segs) {
+    return cut_segments(segs, chain_blocks(segment_rows(segs)));
   }
   // The segments a chain link folds: its piece, or the whole round.
   static const std::vector<Segment>& segments_of(const std::vector<Segment>& round,

@@ -62,10 +62,10 @@ class MoeRouting : public LayerBlock {
       ops::route_topk(acts.gates.data() + s * E, count, E, K, sel + s * K);
     });
     // Context parallel: the rows a fold over tokens, the dispatch or the experts read, from every rank.
-    gather_stream_held(ctx, moe_in, D);
-    gather_stream_held(ctx, sel, K);
-    gather_stream_held(ctx, acts.gates.data(), E);
-    gather_stream_held(ctx, acts.router_lse.data(), 1);
+    gather_stream_rows_held(ctx, moe_in, D);
+    gather_stream_rows_held(ctx, sel, K);
+    gather_stream_rows_held(ctx, acts.gates.data(), E);
+    gather_stream_rows_held(ctx, acts.router_lse.data(), 1);
     // Every token's input row and choices, for the dispatch and the experts.
     gather_stream_rows(ctx, ws.sp_rows, acts.moe_in, D);
     gather_stream_rows(ctx, ws.sel_held, acts.sel, K);
@@ -115,7 +115,7 @@ class MoeRouting : public LayerBlock {
       ops::linear_input_grad(ws.dz.data() + s * E, count, E, router, D, ws.dtmp.data() + s * D, false);
     });
     ctx.trace_tensor("bwd", layer_, "router", "dz", ws.dz.data(), {N, E}, {TraceRows::kStream});
-    gather_stream_held(ctx, ws.dz.data(), E);
+    gather_stream_rows_held(ctx, ws.dz.data(), E);
     stream_weight_grad(ctx, moe_in, D, ws.dz.data(), E, D, E, ctx.layer_grad(layer_, "router"));
     const float* norm = ctx.layer_weight(layer_, "moe_norm");
     stream_rows(ctx, StreamOp::kMoeNorm, [&](int64_t row, int count) {
@@ -125,9 +125,9 @@ class MoeRouting : public LayerBlock {
                             ws.dh.data() + s * D, count, D, true);
     });
     // The norm's weight gradient folds over every token: their rows from every rank.
-    gather_stream_held(ctx, acts.mid.data(), D);
-    gather_stream_held(ctx, acts.moe_inv_rms.data(), 1);
-    gather_stream_held(ctx, ws.dmoe_in.data(), D);
+    gather_stream_rows_held(ctx, acts.mid.data(), D);
+    gather_stream_rows_held(ctx, acts.moe_inv_rms.data(), 1);
+    gather_stream_rows_held(ctx, ws.dmoe_in.data(), D);
     stream_rmsnorm_weight_grad(ctx, acts.mid.data(), acts.moe_inv_rms.data(), ws.dmoe_in.data(),
                                ctx.layer_grad(layer_, "moe_norm"));
     ctx.trace_tensor("bwd", layer_, "moe_norm", "dh", ws.dh.data(), {N, D}, {TraceRows::kStream});

@@ -63,7 +63,7 @@ struct StepWorkspace {
   int batch = -1;
   int microbatches = 0;                 // StageIo::microbatches of the forward that filled it
   int microbatch = 0;                   // and StageIo::microbatch
-  float ce_partial = 0;                 // pipelined: the cross-entropy sum over these tokens
+  std::vector<float> ce_partial;        // pipelined: [1] the cross-entropy sum over these tokens
   std::vector<LayerActs> layers;
   std::vector<float> aux_loss, z_loss;  // per layer, this step's
   ops::DeviceVector<float> h;           // [N, D] the stream after the last layer: the head's input
@@ -116,7 +116,7 @@ struct StepWorkspace {
 enum class TraceRows {
   kTokens,  // every token this rank runs (ctx.tokens), from row 0
   kStream,  // the residual stream's tokens held here: stream_first.., from row 0
-  kHeld,    // context parallel: this rank's positions of each sample (held_rows), at their rows
+  kHeld,    // context parallel: this rank's positions of each sample (rows_held), at their rows
 };
 struct TraceLayout {
   TraceRows rows = TraceRows::kTokens;

@@ -275,7 +275,7 @@ void gather_stream_parts(StepContext& ctx, const void* local, void* full, size_t
 
 }  // namespace
 
-void gather_stream(StepContext& ctx, const float* local, float* full, int64_t width) {
+void gather_stream_rows(StepContext& ctx, const float* local, float* full, int64_t width) {
   if (!ctx.sp) {
     ops::synchronize();  // the host reads what kernels wrote
     ops::copy_to_host(full, local, sizeof(float) * ctx.stream_tokens * width);
@@ -284,6 +284,11 @@ void gather_stream(StepContext& ctx, const float* local, float* full, int64_t wi
   gather_stream_parts(ctx, local, full, sizeof(float) * (size_t)width, nullptr, ctx.stream_tokens);
 }
 
+namespace {
+
+// Rows [t x rows, (t + 1) x rows) of full[tp x rows, width] are TP rank t's;
+// afterwards every rank holds them all (an all-gather in place, through the
+// shared slot where there is one).
 void gather_tp_rows(StepContext& ctx, float* full, int64_t rows, int64_t width) {
   if (ctx.tp() == 1) return;
   // The message path's all-gather reads its input apart from its output: this rank's rows, copied out first.
@@ -294,10 +299,39 @@ void gather_tp_rows(StepContext& ctx, float* full, int64_t rows, int64_t width) 
   gather_stream_parts(ctx, mine.data(), full, sizeof(float) * (size_t)width, nullptr, rows);
 }
 
+bool splits_head(const StepContext& ctx) {
+  const int tp = ctx.tp();
+  if (tp == 1 || ctx.sp || ctx.cp() > 1 || ctx.microbatches > 0 || ctx.leaves % tp != 0) return false;
+  const int64_t each = ctx.leaves / tp;
+  return (each & (each - 1)) == 0;
+}
+
+}  // namespace
+
+StepContext head_rows(const StepContext& ctx) {
+  StepContext view = ctx;
+  if (!splits_head(ctx)) return view;
+  view.stream_tokens = ctx.tokens / ctx.tp();
+  view.stream_first = view.stream_tokens * ctx.tp_rank();
+  view.stream_leaves = ctx.leaves / ctx.tp();
+  return view;
+}
+
+void join_head_sums(StepContext& ctx, const StepContext& head, float* sums, size_t n) {
+  if (head.stream_tokens == ctx.stream_tokens) return;
+  ops::synchronize();  // the sums, read by the group
+  ctx.group(Axis::kTensor).all_reduce_sum(sums, n);
+}
+
+void join_head_rows(StepContext& ctx, const StepContext& head, float* dh, int64_t width) {
+  if (head.stream_tokens == ctx.stream_tokens) return;
+  gather_tp_rows(ctx, dh, head.stream_tokens, width);
+}
+
 const float* every_token(StepContext& ctx, const float* held, ops::DeviceVector<float>& gathered) {
   if (!ctx.sp) return held;
   gathered.resize(ctx.tokens * ctx.cfg.d_model);
-  gather_stream(ctx, held, gathered.data(), ctx.cfg.d_model);
+  gather_stream_rows(ctx, held, gathered.data(), ctx.cfg.d_model);
   return gathered.data();
 }
 
@@ -333,7 +367,7 @@ void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts) {
 
 void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<float>& held, ops::DeviceVector<float>& whole,
                         int64_t width) {
-  if (ctx.sp) gather_stream(ctx, held.data(), whole.data(), width);
+  if (ctx.sp) gather_stream_rows(ctx, held.data(), whole.data(), width);
 }
 
 void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<int>& held, ops::DeviceVector<int>& whole,

@@ -14,17 +14,10 @@
 #include <functional>
 #include <vector>
 
+#include "model/rows.h"
 #include "model/step_context.h"
 
 namespace ls {
-
-// The block of outputs one link of a pipelined chain folds: output rows
-// [first, first + count) of contiguous outputs, or part `part` of packed
-// ones (part -1: every part, when the chain runs in one call).
-struct RowBlock {
-  int64_t first = 0, count = 0;
-  int part = -1;
-};
 
 // Where a chained fold's outputs live. A contiguous output is handed over
 // as is (pack/unpack empty); scattered rows (expert slots) are packed into
@@ -72,51 +65,27 @@ int chain_blocks(int64_t rows);
 using ChainStep = std::function<void(int first_pass, int count, bool accumulate, RowBlock block)>;
 void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const ChainStep& fold);
 
-// Sequence parallel: full[N, width] = every TP rank's stream rows
-// local[stream_tokens, width], in token order (an all-gather). Without
-// sequence parallel local is already the whole and is copied.
-void gather_stream(StepContext& ctx, const float* local, float* full, int64_t width);
-
-// Tensor parallel: rows [t x rows, (t + 1) x rows) of full[tp x rows,
-// width] are TP rank t's; afterwards every rank holds them all (an
-// all-gather in place, through the shared slot where there is one).
-void gather_tp_rows(StepContext& ctx, float* full, int64_t rows, int64_t width);
-
-// A stream tensor [stream_tokens, D] as every token's [N, D] (what a
-// column-parallel GEMM reads, or the stream's gradient a row-parallel one
-// needs): `held` itself, or with sequence parallel the TP group's rows
-// gathered into `gathered`.
-const float* every_token(StepContext& ctx, const float* held, ops::DeviceVector<float>& gathered);
-
-// every_token for a column-parallel GEMM that starts on the rows at hand:
-// at_hand(rows, first, count) is called on every token's rows [first, first
-// + count) in pieces -- with sequence parallel this rank's own stream rows
-// at once, then each other rank's as it arrives (shared memory) or once the
-// gather is done; without, every token in one call. Rows are independent,
-// so the order changes no bit. Returns what every_token returns.
-using RowsAtHand = std::function<void(const float* rows, int64_t first, int64_t count)>;
-const float* every_token_rows(StepContext& ctx, const float* held, ops::DeviceVector<float>& gathered,
-                              const RowsAtHand& at_hand);
+// The head's rows. With tensor parallel alone (no sequence or context
+// parallel, no pipeline's microbatches) every TP rank holds the whole
+// stream and the head would be replicated work, so each runs it on its
+// share of the tokens, whole leaves, as sequence parallel would: a view of
+// ctx whose stream is those tokens (a power-of-two number of leaves each,
+// an aligned subtree of this rank's leaves). Anywhere else: ctx itself.
+StepContext head_rows(const StepContext& ctx);
+// Folds over the head's rows (sums[0, n): the loss's sum, its weight
+// gradients) made the fold over the stream's: where head_rows split the
+// tokens, summed over the TP group by the canonical tree over its aligned
+// subtrees; else nothing. Reduces over the token index.
+void join_head_sums(StepContext& ctx, const StepContext& head, float* sums, size_t n);
+// dh [stream_tokens, width], of which the head wrote its own rows: every
+// TP rank's rows made whole on each (an all-gather) where head_rows split.
+void join_head_rows(StepContext& ctx, const StepContext& head, float* dh, int64_t width);
 
 // Sequence parallel: each TP rank wrote the expert-output gradients (ws.dye,
 // dispatch order) of its stream tokens' rows; the experts need every row's.
 // The rows of every token, in (token, slot) order, gathered over the group
 // and put back at their dispatch rows. Nothing without sequence parallel.
 void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts);
-
-// Sequence parallel: where a per-token op on this rank's stream tokens
-// writes rows that every token's reader needs (`held`, sized here), and the
-// gather that completes `whole` from them. Without sequence parallel the op
-// writes `whole` itself and the gather does nothing.
-template <class T>
-T* stream_rows_out(const StepContext& ctx, ops::DeviceVector<T>& whole, ops::DeviceVector<T>& held, int64_t width) {
-  held.resize(ctx.sp ? ctx.stream_tokens * width : 0);
-  return ctx.sp ? held.data() : whole.data();
-}
-void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<float>& held, ops::DeviceVector<float>& whole,
-                        int64_t width);
-void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<int>& held, ops::DeviceVector<int>& whole,
-                        int64_t width);
 
 // A chained fold's [N, D] output over every token: broadcast, or with
 // sequence parallel scattered to each rank's stream rows.
