@@ -80,7 +80,7 @@ const char* kFull = R"({
   "moe": {"experts": 64, "top_k": 4, "aux_loss_weight": 0.02, "aux_scope": "sequence", "z_loss_weight": 0.0,
           "policy": "peak", "capacity_factor": 0.5, "capacity": 12, "group_size": 8, "borrow": false,
           "router_skew": 1.5},
-  "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2, "shard_optimizer": false, "tp": 1, "sp": false, "pp": 2,
+  "mesh": {"dp": 4, "ep": 2, "fsdp": true, "replicate": 2, "shard_optimizer": false, "tp": 1, "etp": 1, "sp": false, "pp": 2,
            "pp_schedule": "gpipe", "pp_virtual": 1, "cp": 1, "cp_layout": "contiguous", "dp_node": 1,
            "overlap": false, "shared_memory": false},
   "ckpt": {"url": "s3://bucket/run", "every": 50, "async": false, "keep_last": 3, "max_inflight": 2,

@@ -27,6 +27,8 @@ int MeshConfig::size(Axis a) const {
     case Axis::kDataTensor: return dp * tp;
     case Axis::kNode: return dp_node;
     case Axis::kAcrossNodes: return dp / dp_node;
+    case Axis::kExpertTensor: return expert_tp();
+    case Axis::kExpertTensorReplica: return tp / expert_tp();
     default: return this->*kRankAxes[(size_t)a].size;
   }
 }
@@ -44,6 +46,8 @@ int MeshConfig::rank_along(Axis a, const RankCoords& c) const {
     case Axis::kDataTensor: return c.data * tp + c.tensor;
     case Axis::kNode: return c.data % dp_node;
     case Axis::kAcrossNodes: return c.data / dp_node;
+    case Axis::kExpertTensor: return c.tensor % expert_tp();
+    case Axis::kExpertTensorReplica: return c.tensor / expert_tp();
   }
   return 0;
 }
@@ -64,6 +68,7 @@ std::string MeshConfig::describe(int microbatches) const {
   if (dp > 1) add("dp " + std::to_string(dp) + (dp_node > 1 ? " in nodes of " + std::to_string(dp_node) : ""));
   if (ep > 1) add("ep " + std::to_string(ep));
   if (tp > 1) add("tp " + std::to_string(tp) + (sp ? " + sp" : ""));
+  if (expert_tp() != tp) add("etp " + std::to_string(expert_tp()));
   if (cp > 1) add("cp " + std::to_string(cp) + " " + cp_layout);
   if (pipelined(microbatches))
     add("pp " + std::to_string(pp) + " " + pp_schedule + (pp_virtual > 1 ? " x" + std::to_string(pp_virtual) : ""));

@@ -39,9 +39,12 @@ enum class Axis {
   kNode,        // mesh.dp_node consecutive data-parallel ranks: the ranks of one node, whose
                 // gradients meet first (the inner level of the two-level all-reduce)
   kAcrossNodes, // the data-parallel ranks at the same place in every node: the outer level
+  kExpertTensor,         // mesh.etp consecutive tensor-parallel ranks: the routed experts' hidden features
+                         // split over them (as Megatron-Core's expert tensor parallelism)
+  kExpertTensorReplica,  // the tensor-parallel ranks holding the same slice of the experts (mesh.tp / mesh.etp)
 };
 constexpr int kRankAxisCount = 4;
-constexpr int kAxisCount = 11;
+constexpr int kAxisCount = 13;
 
 struct MeshConfig {
   int dp = 1;          // data-parallel ranks: each holds batch/dp consecutive samples
@@ -53,6 +56,11 @@ struct MeshConfig {
   // weights all-gathered); the bits are the replicated update's.
   bool shard_optimizer = true;
   int tp = 1;          // tensor-parallel ranks per data-parallel rank (heads and hidden features split)
+  // Expert tensor parallelism: the routed experts' hidden features split
+  // over this many consecutive tensor-parallel ranks, apart from attention's
+  // mesh.tp (a divisor of it; 0: mesh.tp). The tensor ranks of one slice
+  // each compute it on every token.
+  int etp = 0;
   bool sp = false;     // sequence parallel: with tp, norms, residuals, router and head on tokens split across tp
   int pp = 1;          // pipeline stages: each holds a contiguous range of the model's blocks
   std::string pp_schedule = "1f1b";  // gpipe | 1f1b | interleaved: the order a stage runs its microbatches in
@@ -114,6 +122,11 @@ struct MeshConfig {
   // orders every group by world rank).
   int rank_along(Axis a, const RankCoords& c) const;
   int ranks_per_stage() const { return dp * cp * tp; }
+  // The routed experts' hidden split: mesh.etp, or mesh.tp when it is 0.
+  int expert_tp() const { return etp > 0 ? etp : tp; }
+  // The axis that splits the routed experts' hidden features: kTensor when
+  // it is attention's split too, else kExpertTensor.
+  Axis expert_tensor_axis() const { return expert_tp() == tp ? Axis::kTensor : Axis::kExpertTensor; }
   // Ranks that split each tensor's AdamW state and update: an FSDP shard
   // group, or the data axis under shard_optimizer (but not with the
   // two-level dp_node reduction); 1 when the state is replicated.

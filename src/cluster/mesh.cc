@@ -27,12 +27,15 @@ int Mesh::group_color(const MeshConfig& cfg, Axis a, const MeshConfig::RankCoord
     case Axis::kDataTensor: fixed.data = 0, fixed.tensor = 0; break;
     case Axis::kNode: fixed.data = c.data / cfg.dp_node * cfg.dp_node; break;
     case Axis::kAcrossNodes: fixed.data = c.data % cfg.dp_node; break;
+    case Axis::kExpertTensor: fixed.tensor = c.tensor / cfg.expert_tp() * cfg.expert_tp(); break;
+    case Axis::kExpertTensorReplica: fixed.tensor = c.tensor % cfg.expert_tp(); break;
   }
   return ((fixed.stage * cfg.dp + fixed.data) * cfg.cp + fixed.context) * cfg.tp + fixed.tensor;
 }
 
 Mesh::Mesh(const MeshConfig& cfg, Communicator& world)
-    : sp_(cfg.sp && cfg.tp > 1), overlap_(cfg.overlap), cp_layout_(cfg.layout()) {
+    : sp_(cfg.sp && cfg.tp > 1), overlap_(cfg.overlap), cp_layout_(cfg.layout()),
+      expert_tensor_axis_(cfg.expert_tensor_axis()) {
   const int me = world.rank();
   const MeshConfig::RankCoords at = cfg.rank_coords(me);
   // Ordered by world rank: along every group, by the varying coordinate.

@@ -33,6 +33,9 @@ class Mesh {
   bool sequence_parallel() const { return sp_; }
   Communicator& stream_group() const { return group(sp_ ? Axis::kDataTensor : Axis::kData); }
   CpLayout cp_layout() const { return cp_layout_; }
+  // The group the routed experts' hidden features are split over
+  // (MeshConfig::expert_tensor_axis): the tensor group, or its own.
+  Axis expert_tensor_axis() const { return expert_tensor_axis_; }
   // mesh.overlap: collectives may be started and waited for later.
   bool overlap() const { return overlap_; }
   // Every distinct communicator, for traffic counts (a group's own too,
@@ -58,6 +61,7 @@ class Mesh {
   bool sp_ = false;
   bool overlap_ = false;
   CpLayout cp_layout_ = CpLayout::kZigzag;
+  Axis expert_tensor_axis_ = Axis::kTensor;
 };
 
 }  // namespace ls

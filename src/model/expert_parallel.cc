@@ -63,7 +63,7 @@ void source_part(const StepContext& ctx, const LayerActs& acts, int src, int own
 // The buffers a layer's rounds need, grown to its plans and counted.
 void hold_moe_buffers(StepContext& ctx, LayerActs& acts) {
   StepWorkspace& ws = ctx.ws;
-  const int D = ctx.cfg.d_model, F = ctx.d_ff_held();
+  const int D = ctx.cfg.d_model, F = ctx.expert_d_ff_held();
   const size_t slots = (size_t)ctx.own_plan(acts).slots;
   // Without expert parallelism y, dy and dx live in the dispatch rows: no slots for them.
   grow(ws.slots.x, slots * D);
@@ -339,7 +339,7 @@ ExpertGrads expert_grads_of(const StepContext& ctx, int layer) {
 }  // namespace
 
 void begin_expert_grads(StepContext& ctx, int layer, const RoundPlan& own, const ExpertRows& rows) {
-  const int D = ctx.cfg.d_model, F = ctx.d_ff_held(), ep = ctx.ep();  // ep: sources of an expert's rows
+  const int D = ctx.cfg.d_model, F = ctx.expert_d_ff_held(), ep = ctx.ep();  // ep: sources of an expert's rows
   if (!ctx.grads_by_source())
     ctx.ws.expert_grads.begin(own, rows, ctx.leaves * ep, D, F, &ctx.ws.grad_state);
   else if (ctx.microbatch == 0)
@@ -367,7 +367,7 @@ void finish_expert_grads(StepContext& ctx, int layer, const LayerActs& acts) {
     return;
   }
   // Context parallel: each block's gradients folded whole on its rank, gathered.
-  const int64_t per_expert = (int64_t)ctx.cfg.d_model * ctx.d_ff_held();
+  const int64_t per_expert = (int64_t)ctx.cfg.d_model * ctx.expert_d_ff_held();
   for (float* grad : {g.w1, g.w3, g.w2}) gather_expert_grads(ctx, acts, grad, per_expert);
 }
 

@@ -24,7 +24,7 @@ class MoeExperts : public LayerBlock {
 
   // moe_in rows -> ye (dispatch order).
   void forward(StepContext& ctx, StepLosses&) override {
-    const int D = ctx.cfg.d_model, F = ctx.d_ff_held();
+    const int D = ctx.cfg.d_model, F = ctx.expert_d_ff_held();
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
     ExpertRows& rows = acts.rows;
@@ -69,7 +69,7 @@ class MoeExperts : public LayerBlock {
   // the forward's rounds and slots; the weight-gradient leaf trees continue
   // from round to round.
   void backward(StepContext& ctx) override {
-    const int D = ctx.cfg.d_model, F = ctx.d_ff_held();
+    const int D = ctx.cfg.d_model, F = ctx.expert_d_ff_held();
     const int64_t NK = ctx.tokens * ctx.cfg.top_k;
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
@@ -133,6 +133,7 @@ class MoeExperts : public LayerBlock {
   static ChainOutput round_chain(const std::vector<Segment>& round, const std::vector<std::vector<Segment>>& pieces,
                                  const ExpertRows& rows, RowPlace place, int D) {
     ChainOutput out;
+    out.expert_hidden = true;
     out.floats = segment_rows(round) * D;
     out.parts = (int)pieces.size();
     out.part_offset.push_back(0);

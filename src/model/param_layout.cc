@@ -85,11 +85,13 @@ int64_t ParamInfo::global_index(int64_t i) const {
 }
 
 std::vector<ParamInfo> place_params(const ModelConfig& cfg, const MeshConfig& mesh, const MeshConfig::RankCoords& at) {
-  const int ep = mesh.ep, tp = mesh.tp;
+  const int ep = mesh.ep, tp = mesh.tp, etp = mesh.expert_tp();
   if (ep < 1 || cfg.experts % ep != 0)
     throw std::invalid_argument("engine: expert parallel size must divide the expert count");
   if (tp < 1 || cfg.n_heads % tp != 0 || cfg.d_ff % tp != 0)
     throw std::invalid_argument("engine: tensor parallel size must divide the heads and the hidden width");
+  if (etp < 1 || tp % etp != 0 || cfg.d_ff % etp != 0)
+    throw std::invalid_argument("engine: expert tensor parallel size must divide mesh.tp and the hidden width");
   const int64_t local_experts = cfg.experts / ep;
   std::vector<ParamInfo> infos;
   int64_t off = 0;
@@ -101,18 +103,21 @@ std::vector<ParamInfo> place_params(const ModelConfig& cfg, const MeshConfig& me
     p.expert = d.expert;
     if (d.expert && ep > 1) {  // a contiguous range of experts
       const int64_t per_expert = product(d.shape) / cfg.experts;
-      const int64_t first = local_experts * (at.data % ep);
+      const int64_t first = local_experts * mesh.rank_along(Axis::kExpert, at);
       p.splits.push_back({Axis::kExpert, ep, 1, cfg.experts, per_expert, first});
       p.shape[0] = local_experts;
       p.global_offset = first * per_expert;
     }
-    if (d.style != Style::kReplicated && tp > 1) {
+    // Routed experts split their hidden features over their own axis (attention's when mesh.etp = mesh.tp).
+    const Axis axis = d.expert ? mesh.expert_tensor_axis() : Axis::kTensor;
+    const int parts = mesh.size(axis);
+    if (d.style != Style::kReplicated && parts > 1) {
       TensorSplit s = feature_view(cfg, d.style, local_experts);
-      s.axis = Axis::kTensor;
-      s.parts = tp;
-      s.first = s.held() * at.tensor;
+      s.axis = axis;
+      s.parts = parts;
+      s.first = s.held() * mesh.rank_along(axis, at);
       // The held shape: the split dimension (columns: the last; rows: the one before the inner width).
-      p.shape[s.inner == 1 ? p.shape.size() - 1 : p.shape.size() - 2] /= tp;
+      p.shape[s.inner == 1 ? p.shape.size() - 1 : p.shape.size() - 2] /= parts;
       p.splits.push_back(s);
     }
     p.size = product(p.shape);

@@ -41,7 +41,8 @@ struct ParamInfo {
   bool expert = false;                // a routed-expert tensor (sliced by expert parallelism)
   // The Shard placements, outermost first: the expert slice (kExpert, a
   // contiguous range of experts), then the split of heads or hidden features
-  // (kTensor). An axis absent here replicates the tensor.
+  // (kTensor; a routed expert's hidden features: kExpertTensor when mesh.etp
+  // differs from mesh.tp). An axis absent here replicates the tensor.
   std::vector<TensorSplit> splits;
 
   // The split of heads or hidden features, or nullptr: the held elements are
@@ -49,6 +50,11 @@ struct ParamInfo {
   const TensorSplit* feature_split() const;
   TensorSplit* feature_split() { return const_cast<TensorSplit*>(static_cast<const ParamInfo*>(this)->feature_split()); }
   bool split_over(Axis a) const;
+  // A fold over the stream's tokens lands in it whole on every tensor rank
+  // (embeddings, norms, router, head: neither split by the tensor group nor
+  // a routed expert's, which every tensor rank computes on every token), so
+  // under sequence parallel each TP rank holds a partial of it.
+  bool sums_stream_tokens() const { return !expert && !split_over(Axis::kTensor); }
   // The element of the whole tensor that held element `i` is.
   int64_t global_index(int64_t i) const;
   // Held elements [first, first + n) as runs contiguous in both: fn(global
@@ -68,7 +74,8 @@ struct ParamInfo {
 // Every tensor of the model in canonical (bytewise name) order, as the rank
 // at `at` of `mesh` holds it; offsets as if it held all of them. One rank:
 // MeshConfig{} and its coordinates. UserError when the mesh cannot split
-// the model (experts over mesh.ep, heads and hidden features over mesh.tp).
+// the model (experts over mesh.ep, heads and hidden features over mesh.tp,
+// the experts' hidden features over mesh.etp).
 std::vector<ParamInfo> place_params(const ModelConfig& cfg, const MeshConfig& mesh, const MeshConfig::RankCoords& at);
 
 // Weights one rank of `mesh` holds (an expert-parallel rank holds E / ep

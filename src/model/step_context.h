@@ -178,7 +178,11 @@ struct StepContext {
   // Tensor parallel: what this rank holds of the heads, their features and the hidden features.
   int heads_held() const { return cfg.n_heads / tp(); }
   int width_held() const { return cfg.d_model / tp(); }  // the model features of the heads held
-  int d_ff_held() const { return cfg.d_ff / tp(); }
+  int d_ff_held() const { return cfg.d_ff / tp(); }  // the shared expert's hidden features held
+  // The routed experts' hidden features held: split over their own group
+  // (Mesh::expert_tensor_axis: the tensor group, or mesh.etp's).
+  Axis expert_tensor_axis() const { return mesh->expert_tensor_axis(); }
+  int expert_d_ff_held() const { return cfg.d_ff / mesh->size(expert_tensor_axis()); }
 
   // The residual stream entering layer l; l == n_layers: the head's input.
   float* stream(int l) const { return l < cfg.n_layers ? ws.layers[(size_t)l].x.data() : ws.h.data(); }

@@ -31,6 +31,11 @@ void unpack_parts(const ChainOutput& out, const float* buffer) {
     for (int b = 0; b < out.parts; ++b) unpack_part(out, b, buffer + out.part_begin(b));
 }
 
+// The group a chain runs over.
+Axis chain_axis(const StepContext& ctx, const ChainOutput& out) {
+  return out.expert_hidden ? ctx.expert_tensor_axis() : Axis::kTensor;
+}
+
 // numerics.level=local, the usual way (Megatron's row-parallel GEMM): every
 // rank folds its own k-range from +0 with the level's GEMM, and the partial
 // outputs are summed by the communicator's all-reduce (with sequence
@@ -38,7 +43,7 @@ void unpack_parts(const ChainOutput& out, const float* buffer) {
 // it adds them. The bits then depend on mesh.tp: the baseline the chain's
 // price is measured against.
 void summed_fold(StepContext& ctx, int passes, const ChainOutput& out, const ChainStep& fold, RowBlock all) {
-  Communicator& group = ctx.group(Axis::kTensor);
+  Communicator& group = ctx.group(chain_axis(ctx, out));
   const int tp = group.size(), me = group.rank();
   fold(0, passes, false, all);
   ops::synchronize();
@@ -75,12 +80,12 @@ void copy_bytes(void* to, const void* from, size_t n) {
 // finished output, written once), not as messages.
 class ChainLinks {
  public:
-  ChainLinks(StepContext& ctx, int blocks, int64_t floats) : group_(ctx.group(Axis::kTensor)) {
+  ChainLinks(StepContext& ctx, Axis axis, int blocks, int64_t floats) : group_(ctx.group(axis)) {
     const int tp = group_.size(), me = group_.rank();
     next_ = (me + 1) % tp;
     previous_ = (me + tp - 1) % tp;
-    SharedChain* chain = ctx.mesh->shared_chain();
-    if (!chain) return;
+    SharedChain* chain = ctx.mesh->shared_chain();  // the tensor group's: no other group's chain goes through it
+    if (!chain || axis != Axis::kTensor) return;
     const SharedChain::Turn turn = chain->next_turn();  // on every rank, whichever way this chain goes
     if (floats > chain->capacity || blocks > SharedChain::kMaxBlocks) return;
     chain_ = chain;
@@ -134,14 +139,14 @@ class ChainLinks {
 int chain_blocks(int64_t rows) { return (int)std::max<int64_t>(1, std::min<int64_t>(8, rows / 64)); }
 
 void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const ChainStep& fold) {
-  const int tp = ctx.tp(), me = ctx.tp_rank();
+  Communicator& group = ctx.group(chain_axis(ctx, out));
+  const int tp = group.size(), me = group.rank();
   const RowBlock all{0, out.rows, -1};  // every row and part
   if (tp == 1) {
     fold(0, passes, false, all);
     return;
   }
   if (local_numerics()) return summed_fold(ctx, passes, out, fold, all);
-  Communicator& group = ctx.group(Axis::kTensor);
   // Kernels run asynchronously on a kernel backend: none may still touch the outputs the host is about to write.
   ops::synchronize();
   // A contiguous output travels itself, block by block; scattered outputs through the packed buffer, part by part.
@@ -164,7 +169,7 @@ void chained_fold(StepContext& ctx, int passes, const ChainOutput& out, const Ch
     }
   }
   begin[(size_t)blocks] = by_rows ? out.rows * width : out.part_begin(blocks);
-  ChainLinks links(ctx, blocks, out.floats);
+  ChainLinks links(ctx, chain_axis(ctx, out), blocks, out.floats);
   const int segments = passes * tp;
   // Segment p * tp + me of each block: the blocks of one pass go down the
   // chain one after another, so while this rank folds block b the next

@@ -41,6 +41,10 @@ struct ChainOutput {
   // fold is over k alone, so cutting the rows changes no bit). 0: one
   // block, or the packed outputs' parts.
   int64_t rows = 0;
+  // A fold over a routed expert's hidden features: chained over the group
+  // that splits them (StepContext::expert_tensor_axis: mesh.etp's ranks),
+  // not the tensor group.
+  bool expert_hidden = false;
 
   // Floats [part_begin(b), part_begin(b + 1)) of the packed buffer are part b.
   int64_t part_begin(int b) const { return part_offset.empty() ? (b == 0 ? 0 : floats) : part_offset[(size_t)b]; }

@@ -202,7 +202,7 @@ void ClusterTrainer::stage_state(std::vector<std::vector<StatePiece>>& out) {
         StatePiece piece{std::string(kind) + "/" + p.name, p.global_shape, p.global_offset + lo, p.global_offset + hi, {}};
         if (p.feature_split()) {  // collectives: every writing rank of the groups takes part, whatever it holds
           const bool sharded = placement_.sharded(p);
-          Communicator& tensor = c.group(Axis::kTensor);
+          Communicator& tensor = c.group(p.feature_split()->axis);  // the group that splits it
           Communicator& shard = c.group(Axis::kShard);
           if (sharded) {
             held.resize(p.size);

@@ -269,13 +269,13 @@ float ClusterTrainer::gradient_sumsq(RankCtx& c, size_t t, bool* last_tp_rank_on
       return split_tensor_sumsq(p, c.group(Axis::kTensor), gp, rank.norm_buffers, last_tp_rank_only);
     case NormFold::kGatherWhole: break;
   }
-  // The whole tensor: the TP group's parts put in place (with FSDP, the reduced shards of the held part), then
-  // the EP group's slices in rank order.
+  // The whole tensor: the parts of the group that splits it put in place (with FSDP, the reduced shards of
+  // the held part), then the EP group's slices in rank order.
   const bool ep_slice = p.split_over(Axis::kExpert);
   ops::DeviceVector<float> slice, held, parts;
-  if (p.split_over(Axis::kTensor)) {
+  if (const TensorSplit* split = p.feature_split()) {
     const bool sharded = placement_.sharded(p);
-    gather_tp_tensor(p, sharded, c.group(Axis::kShard), c.group(Axis::kTensor),
+    gather_tp_tensor(p, sharded, c.group(Axis::kShard), c.group(split->axis),
                      sharded ? reduced_gradient(rank, t) : gp, held, parts, slice);
   } else {
     slice.assign(gp, gp + p.size);

@@ -71,7 +71,7 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes, bool one_stage = 
     // the mean estimate_workspace counts: measured 1.5-2x the mean on top2
     // and the memory test's meshes (dp 2-8, ep 2-4). Counted at 2x.
     const int64_t NK = (int64_t)(s.batch / dp / lanes / m) * c.seq_len * c.top_k;
-    w.expert_buffers += (int64_t)c.n_layers * NK * ((c.d_model + 3 * c.d_ff / std::max(1, s.mesh.tp)) * f + 8);
+    w.expert_buffers += (int64_t)c.n_layers * NK * ((c.d_model + 3 * c.d_ff / std::max(1, s.mesh.expert_tp())) * f + 8);
   }
   if (s.mesh.pipelined(s.microbatches)) {
     int64_t slots = 0, most = 0;
@@ -159,11 +159,11 @@ uint64_t collective_buffer_bytes(const Scenario& s, uint64_t shard_floats, uint6
 // span rounds: counted as if every local expert did.
 uint64_t expert_grad_state_bytes(const Scenario& s) {
   const ModelConfig& c = s.model;
-  const int ep = s.mesh.ep, tp = std::max(1, s.mesh.tp);
+  const int ep = s.mesh.ep, etp = std::max(1, s.mesh.expert_tp());
   if (ep <= 1) return 0;
   const int64_t leaves = (int64_t)s.batch / s.mesh.dp / std::max(1, s.microbatches) / std::max(1, s.leaf_samples);
   const int64_t levels = s.level == "local" ? 1 : LeafTree::levels_for(std::max<int64_t>(1, leaves) * ep);
-  return (uint64_t)(c.experts / ep) * 3 * c.d_model * (c.d_ff / tp) * levels * sizeof(float);
+  return (uint64_t)(c.experts / ep) * 3 * c.d_model * (c.d_ff / etp) * levels * sizeof(float);
 }
 
 // What the first rank of the mesh holds, from the placement plan: its

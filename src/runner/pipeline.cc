@@ -407,7 +407,7 @@ void PipelineStage::Step::backward(const PipelineAction& a) {
   // the tree over TP ranks comes before the tree over microbatches.
   if (sizes_.sp)
     for (size_t t : ch.params)
-      if (!infos_[t].split_over(Axis::kTensor))
+      if (infos_[t].sums_stream_tokens())
         mesh_.group(Axis::kTensor).all_reduce_sum(model_.grads() + infos_[t].offset, (size_t)infos_[t].size);
   if (m_ > 1) push_gradient_leaf(k);
   busy += seconds_since(busy0);

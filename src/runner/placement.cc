@@ -42,12 +42,13 @@ namespace {
 TensorPlacement place(const MeshConfig& m, const ParamInfo& p, bool pipelined) {
   TensorPlacement t;
   const bool expert_slice = p.split_over(Axis::kExpert), tensor_split = p.split_over(Axis::kTensor);
+  const bool expert_tensor_split = p.split_over(Axis::kExpertTensor);
   t.sharded = m.shards_state() && !expert_slice;
   // Sequence parallel: a tensor the stream's tokens reduce into (embeddings, norms, router, head) has a
   // partial per TP rank; the TP group's leaves are consecutive aligned blocks (tp a power of two wherever
   // dp > 1), so its tree over TP ranks is this data-parallel rank's subtree, combined below as without SP.
   // (A pipeline does this per microbatch, before its tree over microbatches.)
-  if (m.sp && !tensor_split && !pipelined) t.reduce.push_back({Axis::kTensor, Collective::kAllReduce});
+  if (m.sp && p.sums_stream_tokens() && !pipelined) t.reduce.push_back({Axis::kTensor, Collective::kAllReduce});
   if (expert_slice) {  // the replicas of these experts, one per expert-parallel group
     t.reduce.push_back({Axis::kExpertData, Collective::kAllReduce});
     t.copies.push_back(Axis::kExpertData);
@@ -63,11 +64,13 @@ TensorPlacement place(const MeshConfig& m, const ParamInfo& p, bool pipelined) {
     t.reduce.push_back({Axis::kData, Collective::kAllReduce});
     t.copies.push_back(Axis::kData);
   }
-  // Context-parallel ranks keep copies, and so do tensor-parallel ranks of what they do not split.
+  // Context-parallel ranks keep copies, and so do tensor-parallel ranks of what they do not split (of the
+  // experts' slices under mesh.etp: the tensor ranks of the other slices' groups).
   t.copies.push_back(Axis::kContext);
-  if (!tensor_split) t.copies.push_back(Axis::kTensor);
+  if (expert_tensor_split) t.copies.push_back(Axis::kExpertTensorReplica);
+  else if (!tensor_split) t.copies.push_back(Axis::kTensor);
   if (tensor_split && !expert_slice && !t.sharded) t.norm = NormFold::kSplitChain;
-  else if (tensor_split || expert_slice) t.norm = NormFold::kGatherWhole;
+  else if (tensor_split || expert_tensor_split || expert_slice) t.norm = NormFold::kGatherWhole;
   else if (t.sharded) t.norm = NormFold::kShardBlocks;
   return t;
 }
@@ -107,7 +110,7 @@ bool PlacementPlan::counts_in_state(int rank, const ParamInfo& p) const {
 
 bool PlacementPlan::writes_checkpoint(int rank, size_t t, const ParamInfo& p) const {
   const TensorPlacement& tp = of(p);
-  if (tp.copies.front() != Axis::kData || p.split_over(Axis::kTensor)) return counts_in_state(rank, p);
+  if (tp.copies.front() != Axis::kData || p.feature_split()) return counts_in_state(rank, p);
   // Replicated over the data-parallel ranks: any copy will do; spread the writers by tensor.
   const MeshConfig::RankCoords at = mesh_.rank_coords(rank);
   for (Axis a : tp.copies)

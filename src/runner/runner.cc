@@ -55,6 +55,7 @@ MeshConfig mesh_from_json(const nlohmann::json& j, int* microbatches) {
   m.replicate = j.value("replicate", m.replicate);
   m.shard_optimizer = j.value("shard_optimizer", m.shard_optimizer);
   m.tp = j.value("tp", m.tp);
+  m.etp = j.value("etp", m.etp);
   m.sp = j.value("sp", m.sp);
   m.pp = j.value("pp", m.pp);
   m.pp_schedule = j.value("pp_schedule", m.pp_schedule);
@@ -69,11 +70,13 @@ MeshConfig mesh_from_json(const nlohmann::json& j, int* microbatches) {
 }
 
 nlohmann::json mesh_json(const MeshConfig& m, int microbatches) {
-  return {{"dp", m.dp}, {"ep", m.ep}, {"fsdp", m.fsdp}, {"replicate", m.replicate},
+  nlohmann::json j = {{"dp", m.dp}, {"ep", m.ep}, {"fsdp", m.fsdp}, {"replicate", m.replicate},
           {"shard_optimizer", m.shard_optimizer}, {"tp", m.tp}, {"sp", m.sp},
           {"pp", m.pp}, {"pp_schedule", m.pp_schedule}, {"pp_virtual", m.pp_virtual}, {"microbatches", microbatches},
           {"cp", m.cp}, {"cp_layout", m.cp_layout}, {"dp_node", m.dp_node},
           {"overlap", m.overlap}, {"shared_memory", m.shared_memory}};
+  if (m.etp > 0) j["etp"] = m.etp;  // only when set: the meshes written before it read the same
+  return j;
 }
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {

@@ -374,12 +374,25 @@ std::vector<Row> tensor_parallel_rows() {
   return {
       field("mesh.tp", [](S& s) -> int& { return s.mesh.tp; },
             "Tensor-parallel ranks per data-parallel rank (a factor of the world, mesh.dp x mesh.tp x mesh.pp x mesh.cp): attention heads and "
-            "the experts' hidden features are split across them; a fold over a split feature is chained "
+            "the experts' hidden features (the routed experts': over mesh.etp of them) are split across them; a fold over a split feature is chained "
             "from rank to rank in the contract's order (docs/NUMERICS.md), so the bits do not depend on it.",
             {in_range(1, 64),
              {"divides model.n_heads and model.d_ff", [](const S& s, int v) {
                 if (s.model.n_heads % v != 0)
                   return "must divide model.n_heads = " + show(s.model.n_heads) + ", got " + show(v);
+                if (s.model.d_ff % v != 0) return "must divide model.d_ff = " + show(s.model.d_ff) + ", got " + show(v);
+                return std::string();
+              }}}),
+      field("mesh.etp", [](S& s) -> int& { return s.mesh.etp; },
+            "Expert tensor parallelism: the routed experts' hidden features split over this many consecutive "
+            "tensor-parallel ranks, apart from attention's mesh.tp (0: mesh.tp). The ranks of one slice chain "
+            "its folds as mesh.tp does; the mesh.tp / mesh.etp slices' groups each compute it on every token.",
+            {in_range(0, 64),
+             {"0, or a divisor of mesh.tp and model.d_ff", [](const S& s, int v) {
+                if (v == 0) return std::string();
+                if (s.mesh.tp % v != 0)
+                  return "must divide mesh.tp = " + show(s.mesh.tp) + ", got " + show(v) +
+                         " (a split wider than attention's, over data-parallel ranks, is not built yet)";
                 if (s.model.d_ff % v != 0) return "must divide model.d_ff = " + show(s.model.d_ff) + ", got " + show(v);
                 return std::string();
               }}}),
