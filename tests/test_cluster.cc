@@ -312,9 +312,9 @@ TEST_SUITE("cluster") {
       CHECK(in_place.at("all_gather") < sent.at("all_gather") - sent.at("reduce_scatter") / 2);
       CHECK(shared.result.comm_in_flight_seconds_per_step == 0);
     }
-    // Where a tensor needs another group first (expert-parallel slices, HSDP's replicas), messages as before.
-    for (const std::vector<std::string>& mesh : {std::vector<std::string>{"mesh.dp=2", "mesh.ep=2"},
-                                                {"mesh.dp=4", "mesh.fsdp=true", "mesh.replicate=2"}}) {
+    // Where a tensor needs another group first (expert-parallel slices), messages as before. (HSDP's replicas
+    // and dp_node's nodes fold in place, then all-reduce across: the case after the next.)
+    for (const std::vector<std::string>& mesh : {std::vector<std::string>{"mesh.dp=2", "mesh.ep=2"}}) {
       CAPTURE(mesh);
       const Outcome fallback = with(mesh);
       CHECK(fallback.hash == one.hash);
@@ -351,6 +351,41 @@ TEST_SUITE("cluster") {
   // numerics.level=local is the baseline the price of the bits is measured against (tools/bench-cluster): on a
   // shard group that shares a host's memory it must use that memory as the invariant run does, not messages,
   // and fold each block as its peers finish it, during the backward.
+  // A shard group with copies across groups (HSDP's replicas; the sharded optimizer in nodes, mesh.dp_node): the
+  // group folds its gradients in place and shares its weights, and each rank's folded shard is then all-reduced
+  // with the other groups' as messages, the placement plan's next step: the node's subtree, then the tree over
+  // the groups, as without shared memory.
+  TEST_CASE("mesh.shared_memory composes with copies across shard groups (HSDP, dp_node): folds, then messages") {
+    const std::vector<std::string> wide = {"model.d_model=64", "model.d_ff=128", "train.steps=4"};
+    auto with = [&](std::vector<std::string> more, uint64_t jitter = 0) {
+      more.insert(more.end(), wide.begin(), wide.end());
+      return run(more, 2, ls::Backend::kEngine, jitter);
+    };
+    const Outcome one = with({});
+    for (std::vector<std::string> mesh : {std::vector<std::string>{"mesh.fsdp=true", "mesh.replicate=2"},
+                                          std::vector<std::string>{"mesh.dp_node=2"},
+                                          std::vector<std::string>{"mesh.dp_node=2", "mesh.overlap=false"}}) {
+      mesh.push_back("mesh.dp=4");
+      CAPTURE(mesh);
+      const Outcome shared = with(mesh, /*jitter=*/17);
+      mesh.push_back("mesh.shared_memory=false");
+      const Outcome messages = with(mesh);
+      CHECK(shared.hash == one.hash);
+      CHECK(shared.loss_bits == one.loss_bits);
+      CHECK(messages.hash == one.hash);
+      const auto& in_place = shared.result.bytes_sent_per_step;
+      const auto& sent = messages.result.bytes_sent_per_step;
+      // Inside the group: folded in place, not reduce-scattered (two ranks: the bytes a reduce-scatter sends).
+      REQUIRE(sent.count("reduce_scatter") == 1);
+      CHECK(in_place.count("reduce_scatter") == 0);
+      CHECK(in_place.at("shared_fold") == sent.at("reduce_scatter"));
+      CHECK(in_place.at("shared_publish") > 0);
+      // Across the groups: the same all-reduce of the shards, as messages.
+      CHECK(in_place.at("all_reduce") == sent.at("all_reduce"));
+      CHECK(in_place.at("all_reduce") > 1000);
+    }
+  }
+
   TEST_CASE("mesh.shared_memory at numerics.level=local: the twin folds in place too, during the backward") {
     const std::vector<std::string> wide = {"model.d_model=64", "model.d_ff=128", "train.steps=4",
                                            "numerics.level=local", "mesh.dp=2"};
@@ -448,7 +483,8 @@ TEST_SUITE("cluster") {
     const Outcome flat = run({"mesh.dp=8", "mesh.shard_optimizer=false"});  // one all-reduce, as the two levels
     for (int node : {2, 4}) {
       CAPTURE(node);
-      const Outcome two = run({"mesh.dp=8", "mesh.dp_node=" + std::to_string(node)});
+      // Replicated state: every tensor all-reduced in two levels (sharded, the next case).
+      const Outcome two = run({"mesh.dp=8", "mesh.dp_node=" + std::to_string(node), "mesh.shard_optimizer=false"});
       CHECK(two.hash == flat.hash);
       CHECK(two.loss_bits == flat.loss_bits);
       // A ring all-reduce over R ranks sends 2 (R-1)/R of the buffer: 14/8 flat, 2 (1/2 + 3/4) = 10/4 at nodes of
@@ -457,6 +493,62 @@ TEST_SUITE("cluster") {
     }
     CHECK(ls::scenario_from_json(nlohmann::json::parse(kTiny), "t.json", {"mesh.dp=8", "mesh.dp_node=2"})
               .mesh.describe(1) == "dp 8 in nodes of 2");
+  }
+
+  // mesh.dp_node with the sharded optimizer (issue 51): each tensor's AdamW state sharded over a node's ranks and
+  // replicated across nodes, as HSDP's: a reduce-scatter inside the node, then an all-reduce of the shards across
+  // nodes. The node's aligned subtree, then the tree over nodes: one rank's bits, with overlap, shared memory, EP.
+  TEST_CASE("mesh.dp_node composes with the sharded optimizer: sharded in each node, replicated across; same bits") {
+    const std::vector<std::string> wide = {"model.d_model=64", "model.d_ff=128", "train.steps=4"};
+    auto with = [&](std::vector<std::string> more) {
+      more.insert(more.end(), wide.begin(), wide.end());
+      return run(more);
+    };
+    const Outcome one = with({});
+    const std::vector<std::string> nodes = {"mesh.dp=4", "mesh.dp_node=2"};
+    auto sets = [&](std::vector<std::string> more) {
+      more.insert(more.begin(), nodes.begin(), nodes.end());
+      return more;
+    };
+    for (const char* ep : {"mesh.ep=1", "mesh.ep=2"})
+      for (const char* overlap : {"mesh.overlap=true", "mesh.overlap=false"})
+        for (const char* shared : {"mesh.shared_memory=true", "mesh.shared_memory=false"}) {
+          CAPTURE(ep);
+          CAPTURE(overlap);
+          CAPTURE(shared);
+          const Outcome o = with(sets({ep, overlap, shared}));
+          CHECK(o.hash == one.hash);
+          CHECK(o.loss_bits == one.loss_bits);
+          CHECK(o.result.mesh.shard_group() == 2);
+          const auto& b = o.result.bytes_sent_per_step;
+          // Sharded: the node's sums reduce-scattered (or folded in place), its shards all-gathered or shared.
+          const bool in_place = std::string(shared) == "mesh.shared_memory=true" && std::string(ep) == "mesh.ep=1";
+          CHECK(b.count(in_place ? "shared_fold" : "reduce_scatter") == 1);
+          CHECK(b.at(in_place ? "shared_fold" : "reduce_scatter") > 1000);
+          // The node's reduce-scatters started in the backward (the experts' tensors pass the size floor at ep=1).
+          if (std::string(overlap) == "mesh.overlap=true" && !in_place && std::string(ep) == "mesh.ep=1")
+            CHECK(o.result.comm_in_flight_seconds_per_step > 0);
+        }
+    // Against the replicated state on the same nodes: the all-reduce across nodes carries a node's shards, not
+    // whole tensors, and the sharded run gathers weights where the replicated one does not.
+    const Outcome sharded = with(sets({"mesh.shared_memory=false", "mesh.overlap=false"}));
+    const Outcome replicated = with(sets({"mesh.shared_memory=false", "mesh.overlap=false", "mesh.shard_optimizer=false"}));
+    CHECK(replicated.hash == one.hash);
+    CHECK(replicated.result.mesh.shard_group() == 1);
+    auto sent = [](const Outcome& o, const char* kind) {
+      const auto& b = o.result.bytes_sent_per_step;
+      return b.count(kind) ? b.at(kind) : 0.0;
+    };
+    CHECK(sent(replicated, "reduce_scatter") == 0);
+    CHECK(sent(sharded, "all_reduce") > 0);
+    CHECK(sent(sharded, "all_reduce") < sent(replicated, "all_reduce") / 2);
+    CHECK(sent(sharded, "all_gather") > sent(replicated, "all_gather"));
+    // And against the sharded optimizer over all four ranks: the node's reduce-scatter sends 1/2 of each tensor
+    // (two ranks), the flat one 3/4, and nothing is all-reduced across.
+    const Outcome flat = with({"mesh.dp=4", "mesh.shared_memory=false", "mesh.overlap=false"});
+    CHECK(flat.hash == one.hash);
+    CHECK(sent(sharded, "reduce_scatter") < sent(flat, "reduce_scatter"));
+    CHECK(sent(sharded, "all_reduce") > sent(flat, "all_reduce"));
   }
 
   TEST_CASE("every rounds/peak capacity and borrowing setting, and every thread count, gives the same bits") {

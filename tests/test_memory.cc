@@ -173,6 +173,37 @@ TEST_SUITE("memory") {
     CHECK(r.err.find("step 1") != std::string::npos);
   }
 
+  // mesh.dp_node with the sharded optimizer (issue 51): each rank keeps the moments of its node's block share,
+  // half of a replicated copy at nodes of two, twice the flat sharded optimizer's over four ranks.
+  TEST_CASE("plan shows the sharded optimizer in nodes (mesh.dp_node): moments per node share, and so does the run") {
+    const fs::path sc = lstest::write_temp("medium.json", kMedium);
+    auto moments = [&](const std::string& sets, std::string* text = nullptr) {
+      lstest::CliResult r = lstest::run_cli("plan " + sc.string() + " --set mesh.dp=4" + sets + " --json");
+      CAPTURE(sets);
+      REQUIRE(r.rc == 0);
+      if (text) *text = lstest::run_cli("plan " + sc.string() + " --set mesh.dp=4" + sets).out;
+      return (double)lstest::last_json(r.out).at("estimated_parts_bytes").at("adamw_moments").get<uint64_t>();
+    };
+    std::string text;
+    const double replicated = moments(" --set mesh.dp_node=2 --set mesh.shard_optimizer=false");
+    const double nodes = moments(" --set mesh.dp_node=2", &text);
+    const double flat = moments("");
+    CHECK(nodes >= 0.45 * replicated);
+    CHECK(nodes <= 0.55 * replicated);
+    CHECK(flat >= 0.45 * nodes);
+    CHECK(flat <= 0.55 * nodes);
+    CAPTURE(text);
+    CHECK(text.find("m and v of each rank's optimizer shards (mesh.shard_optimizer)") != std::string::npos);
+    CHECK(text.find("dp 4 in nodes of 2") != std::string::npos);
+    // The estimate holds for the run, folds in place and all-reduce across nodes included.
+    for (const std::string& args : std::vector<std::string>{"--threads 2 --set mesh.dp=4 --set mesh.dp_node=2",
+                                                            "--threads 2 --set mesh.dp=4 --set mesh.dp_node=2 "
+                                                            "--set mesh.shared_memory=false"}) {
+      CAPTURE(args);
+      check_within_25_percent(run_memory(sc.string(), args));
+    }
+  }
+
   TEST_CASE("plan and run --dry-run print the estimate per part and train nothing") {
     const fs::path sc = lstest::write_temp("medium.json", kMedium);
     lstest::CliResult r = lstest::run_cli("plan " + sc.string() + " --json");

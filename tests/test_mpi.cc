@@ -131,7 +131,9 @@ TEST_SUITE("mpi") {
         {4, "--set mesh.cp=4 --set mesh.cp_layout=contiguous"},
         {4, "--set mesh.dp=2 --set mesh.ep=2 --set mesh.cp=2"},  // the experts split over EP, then CP ranks
         {8, "--set mesh.cp=2 --set mesh.pp=2 --set mesh.dp=2 --set train.microbatches=2"},
-        // Nodes of data ranks: the all-reduce inside each node, then across (the toy axis).
+        // Nodes of data ranks: the all-reduce inside each node, then across (the toy axis); with the sharded
+        // optimizer (the default), the node's reduce-scatter (or folds in its shared memory), then across.
+        {4, "--set mesh.dp=4 --set mesh.dp_node=2 --set mesh.shard_optimizer=false"},
         {4, "--set mesh.dp=4 --set mesh.dp_node=2"},
     };
     for (const auto& [np, mesh] : meshes) {

@@ -593,7 +593,14 @@ TEST_SUITE("scenario") {
     const std::vector<std::string> rep = notes({"mesh.dp=2", "mesh.replicate=2"});
     REQUIRE(rep.size() == 1);
     CHECK(rep[0].rfind("mesh.replicate = 2 has no effect without mesh.fsdp = true", 0) == 0);
+    // FSDP's shard groups are mesh.replicate's: nodes change nothing there (the sharded optimizer's do).
+    const std::vector<std::string> node = notes({"mesh.dp=4", "mesh.dp_node=2", "mesh.fsdp=true"});
+    REQUIRE(node.size() == 1);
+    CHECK(node[0].rfind("mesh.dp_node = 2 has no effect with mesh.fsdp = true", 0) == 0);
+    CHECK(node[0].find("mesh.replicate = mesh.dp / mesh.dp_node") != std::string::npos);
     // Where they take effect: none.
+    CHECK(notes({"mesh.dp=4", "mesh.dp_node=2"}).empty());
+    CHECK(notes({"mesh.dp=4", "mesh.dp_node=2", "mesh.shard_optimizer=false"}).empty());
     CHECK(notes({"mesh.dp=2", "mesh.fsdp=true", "mesh.replicate=2"}).empty());
     CHECK(notes({"mesh.cp=2", "mesh.cp_layout=contiguous"}).empty());
     CHECK(notes({"mesh.pp=2", "mesh.pp_schedule=gpipe"}).empty());

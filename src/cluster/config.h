@@ -32,8 +32,9 @@ enum class Axis {
   kTensor,      // the tensor-parallel ranks of one data-parallel rank (mesh.tp)
   kExpert,      // consecutive data-parallel ranks sharing the experts (mesh.ep)
   kExpertData,  // the data-parallel ranks holding the same experts, one per expert group
-  kShard,       // an FSDP shard group: mesh.dp / mesh.replicate consecutive data-parallel ranks
-  kReplica,     // HSDP: the ranks holding the same shard, one per shard group
+  kShard,       // the ranks splitting the state (MeshConfig::shard_group): an FSDP shard group of mesh.dp /
+                // mesh.replicate consecutive data-parallel ranks, or the sharded optimizer's (a node's)
+  kReplica,     // the ranks holding the same shard, one per shard group (HSDP's replicas, dp_node's nodes)
   kDataTensor,  // the data x tensor-parallel ranks of one (stage, context) index: under sequence
                 // parallel, what a sum over the stream's tokens spans (Mesh::stream_group)
   kNode,        // mesh.dp_node consecutive data-parallel ranks: the ranks of one node, whose
@@ -128,9 +129,11 @@ struct MeshConfig {
   // it is attention's split too, else kExpertTensor.
   Axis expert_tensor_axis() const { return expert_tp() == tp ? Axis::kTensor : Axis::kExpertTensor; }
   // Ranks that split each tensor's AdamW state and update: an FSDP shard
-  // group, or the data axis under shard_optimizer (but not with the
-  // two-level dp_node reduction); 1 when the state is replicated.
-  int shard_group() const { return fsdp ? dp / replicate : shard_optimizer && dp_node <= 1 ? dp : 1; }
+  // group; under shard_optimizer the data axis, or with nodes (dp_node) a
+  // node's ranks, the state replicated across nodes as HSDP's across replicas
+  // (the node's aligned subtree, then the tree over nodes: the same tree);
+  // 1 when the state is replicated.
+  int shard_group() const { return fsdp ? dp / replicate : !shard_optimizer ? 1 : dp_node > 1 ? dp_node : dp; }
   // Some tensors' state is split by block shares (FSDP, or shard_optimizer at dp > 1).
   bool shards_state() const { return fsdp || shard_group() > 1; }
 };

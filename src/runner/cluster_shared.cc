@@ -1,14 +1,16 @@
-// mesh.shared_memory: a shard group (the sharded optimizer, or FSDP without
-// replicas) whose ranks share a host's memory, as threads of one process or
-// MPI processes of one node, keeps the weights once for the group and its
-// ranks' gradients side by side. Instead of messages:
+// mesh.shared_memory: a shard group (the sharded optimizer's, a node's under
+// mesh.dp_node, or FSDP's) whose ranks share a host's memory, as threads of
+// one process or MPI processes of one node, keeps the weights once for the
+// group and its ranks' gradients side by side. Instead of messages:
 //   - the reduce-scatter: once every rank's backward finished a block, each
 //     rank folds its share of the block's gradients straight from the
 //     ranks' buffers, by the same canonical tree over ranks;
 //   - the all-gather: each rank copies its updated shards into the shared
 //     weights, and a barrier makes them everyone's.
-// The trees and the order are the messages', so the bits are too; only what
-// is copied and when changes. A rank's flag per block says which training
+// Where the state has copies across shard groups (HSDP's replicas, dp_node's
+// nodes), each rank's folded shard is then all-reduced with them as messages,
+// as the placement plan's next step. The trees and the order are the
+// messages', so the bits are too; only what is copied and when changes. A rank's flag per block says which training
 // pass last finished it (release store); its peers read it (acquire load).
 //
 // At numerics.level=local the group shares memory the same way (the usual
@@ -32,7 +34,7 @@ namespace ls {
 
 bool ClusterTrainer::may_share_memory(const Rank& r) const {
   const MeshConfig& m = s_.mesh;
-  if (!m.shared_memory || m.shard_group() < 2 || m.dp / m.shard_group() != 1) return false;
+  if (!m.shared_memory || m.shard_group() < 2) return false;
   if (mesh_fault_ == MeshFault::kFsdpBlock) return false;  // the fault flips a message (runner/mesh_fault.h)
   // Not where a tensor needs another collective first (SP's TP partials), a
   // pipeline reduces per microbatch, or a kernel backend holds the buffers.

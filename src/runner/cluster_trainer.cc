@@ -224,7 +224,12 @@ float* ClusterTrainer::reduced_gradient(Rank& r, size_t t) {
 // reduce-scatter into this rank's shard (FSDP, the sharded optimizer).
 void ClusterTrainer::reduce_gradients(RankCtx& c) {
   Rank& rank = c.rank;
-  if (rank.node) return fold_ready_blocks(rank, /*wait=*/true);
+  if (rank.node) {  // mesh.shared_memory: the shard group's step folded in place (cluster_shared.cc)
+    fold_ready_blocks(rank, /*wait=*/true);
+    if (c.group(Axis::kReplica).size() > 1)  // then the later steps, across shard groups (HSDP's replicas, nodes)
+      for (size_t t = 0; t < rank.model->params().size(); ++t) run_reduce_steps(c, t, 1);
+    return;
+  }
   for (size_t t = 0; t < rank.model->params().size(); ++t) {
     if (t < rank.reducing.size() && rank.reducing[t]) {  // its first step started during the backward (mesh.overlap)
       finish_reduction(c, t);

@@ -52,11 +52,12 @@ TensorPlacement place(const MeshConfig& m, const ParamInfo& p, bool pipelined) {
   if (expert_slice) {  // the replicas of these experts, one per expert-parallel group
     t.reduce.push_back({Axis::kExpertData, Collective::kAllReduce});
     t.copies.push_back(Axis::kExpertData);
-  } else if (t.sharded) {  // each shard's sum, then HSDP's replicas (one rank without)
+  } else if (t.sharded) {  // each shard group's sum, then across the groups: HSDP's replicas, dp_node's nodes
+    // (a node's aligned subtree, then the tree over nodes); one rank where the group spans the data axis
     t.reduce.push_back({Axis::kShard, Collective::kReduceScatter});
     t.reduce.push_back({Axis::kReplica, Collective::kAllReduce});
     t.copies.push_back(Axis::kReplica);
-  } else if (m.dp_node > 1) {  // a node's aligned subtree, then the tree over nodes: the same tree
+  } else if (m.dp_node > 1) {  // replicated state: a node's aligned subtree, then the tree over nodes
     t.reduce.push_back({Axis::kNode, Collective::kAllReduce});
     t.reduce.push_back({Axis::kAcrossNodes, Collective::kAllReduce});
     t.copies.push_back(Axis::kData);

@@ -101,6 +101,10 @@ std::vector<std::string> no_effect_settings(Scenario& s) {
   if (s.mesh.replicate > 1 && !s.mesh.fsdp)
     out.push_back("mesh.replicate = " + std::to_string(s.mesh.replicate) +
                   " has no effect without mesh.fsdp = true (replica groups of sharded data parallel)");
+  if (s.mesh.dp_node > 1 && s.mesh.fsdp)
+    out.push_back("mesh.dp_node = " + std::to_string(s.mesh.dp_node) +
+                  " has no effect with mesh.fsdp = true (its shard groups are mesh.dp / mesh.replicate ranks; "
+                  "mesh.replicate = mesh.dp / mesh.dp_node shards inside each node)");
   if (s.mesh.cp_layout != def.cp_layout && s.mesh.cp == 1)
     out.push_back("mesh.cp_layout = " + s.mesh.cp_layout + " has no effect at mesh.cp = 1 (no context-parallel ranks)");
   if (s.mesh.pp_schedule != def.pp_schedule && !s.mesh.pipelined(s.microbatches))

@@ -335,9 +335,10 @@ std::vector<Row> data_parallel_rows() {
                 return std::string();
               }}}),
       field("mesh.dp_node", [](S& s) -> int& { return s.mesh.dp_node; },
-            "Data-parallel ranks per node: the gradient all-reduce runs inside each node's mesh.dp_node "
-            "consecutive ranks, then across the nodes; a power of two, so the two levels are the contract's "
-            "tree over ranks and the bits do not change.",
+            "Data-parallel ranks per node: each gradient is summed inside each node's mesh.dp_node "
+            "consecutive ranks (an all-reduce; with mesh.shard_optimizer a reduce-scatter, the node's ranks "
+            "sharing the AdamW state), then across the nodes; a power of two, so the two levels are the "
+            "contract's tree over ranks and the bits do not change.",
             {{"a power of two dividing mesh.dp", [](const S& s, int v) {
                 if (v < 1 || (v & (v - 1))) return "must be a power of two, got " + show(v);
                 return s.mesh.dp % v == 0 ? std::string() : "must divide mesh.dp = " + show(s.mesh.dp) + ", got " + show(v);
@@ -348,9 +349,10 @@ std::vector<Row> data_parallel_rows() {
             "before the forward. The same collectives, so the same bits; false runs them blocking."),
       field("mesh.shared_memory", [](S& s) -> bool& { return s.mesh.shared_memory; },
             "Ranks that share a host's memory (threads, or MPI processes of one node) hand data over in place. "
-            "A shard group (the sharded optimizer, or FSDP without replicas) shares one weights buffer and folds "
-            "each rank's gradient share from the ranks' buffers: no all-gather or reduce-scatter messages (not "
-            "with a pipeline, sequence parallel or expert parallel). A tensor group hands its chain's partial and "
+            "A shard group (the sharded optimizer's, a node's under mesh.dp_node, or FSDP's) shares one weights "
+            "buffer and folds each rank's gradient share from the ranks' buffers: no all-gather or reduce-scatter "
+            "messages; copies across shard groups (HSDP's replicas, nodes) then all-reduce the folded shards as "
+            "messages (not with a pipeline, sequence parallel or expert parallel). A tensor group hands its chain's partial and "
             "finished outputs over through a shared buffer instead of sends and broadcasts. The same folds in the "
             "same order, so the same bits; false sends messages. At numerics.level=local a shard group shares "
             "memory too, its folds adding the ranks' gradients in rank order. CPU engine only."),
@@ -539,7 +541,8 @@ std::vector<Row> fsdp_rows() {
       field("mesh.shard_optimizer", [](S& s) -> bool& { return s.mesh.shard_optimizer; },
             "Without mesh.fsdp, at mesh.dp > 1: each data-parallel rank keeps AdamW state for, and updates, "
             "only its share of every tensor (ZeRO-1: gradients reduce-scattered, weights all-gathered); "
-            "false keeps a whole copy on every rank. Same bits either way. Not with mesh.dp_node > 1."),
+            "with mesh.dp_node > 1 the share is of the node's ranks, the state replicated across nodes (as HSDP's "
+            "replicas); false keeps a whole copy on every rank. Same bits either way."),
       field("mesh.replicate", [](S& s) -> int& { return s.mesh.replicate; },
             "With mesh.fsdp: replica groups (HSDP); each shards over mesh.dp / mesh.replicate "
             "consecutive ranks and replicas all-reduce.",
