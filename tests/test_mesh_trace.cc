@@ -25,7 +25,8 @@ const fs::path kRoot = LOCKSTEP_SOURCE_DIR;
 // Every mesh key at one rank: the twin of a variant.
 const char* kOneRank =
     " --set mesh.dp=1 --set mesh.tp=1 --set mesh.pp=1 --set mesh.pp_virtual=1 --set mesh.cp=1 --set mesh.ep=1"
-    " --set mesh.sp=false --set mesh.fsdp=false --set mesh.replicate=1 --set train.microbatches=1";
+    " --set mesh.sp=false --set mesh.fsdp=false --set mesh.replicate=1 --set mesh.dp_node=1 --set mesh.etp=0"
+    " --set train.microbatches=1";
 
 std::vector<std::string> lines_of(const fs::path& p) {
   std::ifstream in(p);
