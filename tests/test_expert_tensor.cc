@@ -1,6 +1,7 @@
 // Expert tensor parallelism (mesh.etp): the routed experts' hidden features
-// split over their own group of tensor-parallel ranks, apart from
-// attention's mesh.tp. The bits equal one process's at every degree, while
+// split over their own group, apart from attention's mesh.tp: part of the
+// tensor group, or the tensor groups of several data-parallel ranks whose
+// tokens the experts take as one batch. The bits equal one process's at every degree, while
 // the runs differ in what each rank holds and which group chains the
 // experts' folds.
 #include <doctest/doctest.h>
@@ -79,6 +80,39 @@ TEST_SUITE("expert_tensor") {
     CHECK(std::find(w1.copies.begin(), w1.copies.end(), ls::Axis::kExpertTensorReplica) != w1.copies.end());
     CHECK(std::find(w1.copies.begin(), w1.copies.end(), ls::Axis::kTensor) == w1.copies.end());
     CHECK(w1.norm == ls::NormFold::kGatherWhole);
+    // Wider than tp: tp 1, etp 2 over dp 4 with ep 2. Data ranks 0-1 and 2-3 are token groups; the experts'
+    // group (slices) is a token group, their EP group the same place of two token groups.
+    ls::MeshConfig w;
+    w.dp = 4;
+    w.ep = 2;
+    w.etp = 2;
+    CHECK(w.expert_token_group() == 2);
+    CHECK(w.expert_tensor_axis() == ls::Axis::kExpertTensor);
+    for (int d = 0; d < 4; ++d) {
+      CAPTURE(d);
+      ls::MeshConfig::RankCoords at;
+      at.data = d;
+      CHECK(w.rank_along(ls::Axis::kExpertTokens, at) == d % 2);
+      CHECK(w.rank_along(ls::Axis::kExpertTensor, at) == d % 2);
+      CHECK(w.rank_along(ls::Axis::kExpert, at) == d / 2);
+      CHECK(w.size(ls::Axis::kExpertData) == 1);
+      const std::vector<ls::ParamInfo> held = ls::place_params(s.model, w, at);
+      const ls::ParamInfo& e = named(held, "layers.1.experts.w2");
+      CHECK(e.shape == std::vector<int64_t>{s.model.experts / 2, F / 2, D});
+      CHECK(e.global_offset == (int64_t)(d / 2) * (s.model.experts / 2) * F * D);
+      CHECK(e.feature_split()->first == (int64_t)(F / 2) * (d % 2));
+    }
+    {
+      ls::MeshConfig v;  // ep 1: the experts' gradients sum over the ranks holding the same slice, not all data ranks
+      v.dp = 4;
+      v.etp = 2;
+      const std::vector<ls::ParamInfo> held = ls::place_params(s.model, v, {});
+      const ls::PlacementPlan plan(v, held, false);
+      const ls::TensorPlacement& e = plan.of(named(held, "layers.0.experts.w1"));
+      REQUIRE(e.reduce.size() == 1);
+      CHECK(e.reduce[0].axis == ls::Axis::kExpertData);
+      CHECK(v.size(ls::Axis::kExpertData) == 2);
+    }
     // etp 1: every tensor rank holds the experts whole; mesh.etp = mesh.tp (or 0): attention's split, as before.
     m.etp = 1;
     CHECK(named(ls::place_params(s.model, m, {}), "layers.0.experts.w1").feature_split() == nullptr);
@@ -99,7 +133,11 @@ TEST_SUITE("expert_tensor") {
         {2, 1, 1, 1, {}},         {2, 1, 2, 2, {}},  {2, 1, 2, 1, {"mesh.sp=true"}}, {2, 1, 2, 1, {"mesh.fsdp=true"}},
         {4, 1, 1, 1, {}},         {4, 2, 1, 1, {}},  {4, 2, 2, 2, {}},               {4, 2, 2, 1, {"mesh.sp=true"}},
         {4, 2, 2, 1, {"mesh.fsdp=true"}}, {4, 4, 2, 2, {}}, {4, 2, 1, 1, {"mesh.shared_memory=false"}},
-        {4, 2, 1, 1, {"mesh.overlap=false"}}};
+        {4, 2, 1, 1, {"mesh.overlap=false"}},
+        // Wider than tp: the tensor groups of 2 or 4 data-parallel ranks.
+        {1, 2, 2, 1, {}}, {1, 2, 4, 2, {}}, {1, 4, 4, 1, {}}, {2, 4, 2, 1, {}}, {2, 4, 2, 1, {"mesh.sp=true"}},
+        {1, 2, 4, 1, {"mesh.fsdp=true"}}, {1, 2, 4, 2, {"mesh.shared_memory=false"}},
+        {1, 2, 4, 2, {"mesh.overlap=false"}}};
     for (const Mesh& m : meshes) {
       std::vector<std::string> sets = {"mesh.tp=" + std::to_string(m.tp), "mesh.etp=" + std::to_string(m.etp),
                                        "mesh.dp=" + std::to_string(m.dp), "mesh.ep=" + std::to_string(m.ep)};
@@ -130,21 +168,38 @@ TEST_SUITE("expert_tensor") {
     CHECK(sent(etp2, "send") == experts);       // the experts' chains: their own pairs, as messages
     CHECK(etp1.final_state_hash == whole.final_state_hash);
     CHECK(etp2.final_state_hash == whole.final_state_hash);
+    // Wider than tp (tp 1, etp 2 over dp 2): the two data ranks' tokens are one batch of all N tokens, their
+    // rows gathered (inputs, selections and output gradients: all-gathers), the experts' chains over the pair.
+    const ls::RunResult dp2 = run_split({"mesh.dp=2"});
+    const ls::RunResult wide = run_split({"mesh.dp=2", "mesh.etp=2"});
+    CHECK(sent(dp2, "send") == 0);
+    CHECK(sent(wide, "send") == experts);
+    CHECK(sent(wide, "all_gather") > sent(dp2, "all_gather") + L * N / 2 * D * 4);
+    CHECK(wide.final_state_hash == whole.final_state_hash);
   }
 
-  TEST_CASE("mesh.etp with a pipeline, context parallel and the emulated CUDA kernels, on the one-process hash") {
+  TEST_CASE("mesh.etp with pipelines of several microbatches, context parallel and the emulated CUDA kernels, on the one-process hash") {
     const ls::RunResult one = run_split({}, 1);
     for (const std::vector<std::string>& sets : std::vector<std::vector<std::string>>{
              {"mesh.tp=2", "mesh.etp=1", "mesh.pp=2", "train.microbatches=2"},
              {"mesh.tp=4", "mesh.etp=2", "mesh.pp=2", "train.microbatches=4", "mesh.dp=2", "mesh.ep=2"},
-             {"mesh.tp=2", "mesh.etp=1", "mesh.cp=2"}}) {
-      CAPTURE(sets.back());
+             {"mesh.tp=2", "mesh.etp=1", "mesh.cp=2"},
+             {"mesh.dp=2", "mesh.etp=2", "mesh.pp=2", "train.microbatches=4"},
+             {"mesh.dp=4", "mesh.etp=2", "mesh.ep=2", "mesh.pp=2", "mesh.pp_schedule=gpipe", "train.microbatches=2"},
+             {"mesh.dp=2", "mesh.tp=2", "mesh.etp=4", "mesh.sp=true", "mesh.pp=2", "train.microbatches=2"},
+             {"mesh.dp=2", "mesh.etp=2", "mesh.cp=2"},
+             {"mesh.dp=4", "mesh.etp=2", "mesh.ep=2", "mesh.cp=2"},
+             {"mesh.dp=2", "mesh.etp=2", "mesh.cp=2", "mesh.pp=2", "train.microbatches=2"}}) {
+      std::string all;
+      for (const std::string& k : sets) all += k + " ";
+      CAPTURE(all);
       const ls::RunResult r = run_split(sets);
       CHECK(r.final_state_hash == one.final_state_hash);
       CHECK(loss_bits(r) == loss_bits(one));
     }
-    const ls::RunResult cuda = run_split({"mesh.tp=4", "mesh.etp=2"}, 2, ls::Backend::kCudaEmulated);
-    CHECK(cuda.final_state_hash == run_split({}, 1, ls::Backend::kCudaEmulated).final_state_hash);
+    const std::string cuda_one = run_split({}, 1, ls::Backend::kCudaEmulated).final_state_hash;
+    CHECK(run_split({"mesh.tp=4", "mesh.etp=2"}, 2, ls::Backend::kCudaEmulated).final_state_hash == cuda_one);
+    CHECK(run_split({"mesh.dp=2", "mesh.etp=2"}, 2, ls::Backend::kCudaEmulated).final_state_hash == cuda_one);
   }
 
   TEST_CASE("a checkpoint saved at tp 4, etp 2 resumes at etp 1, at tp 2 and on one rank, on the uninterrupted hash") {
@@ -153,24 +208,35 @@ TEST_SUITE("expert_tensor") {
         sc, "--set mesh.tp=4 --set mesh.etp=2 --set mesh.dp=2 --set mesh.fsdp=true",
         {"--set mesh.tp=4 --set mesh.etp=1", "--set mesh.tp=2 --set mesh.dp=2 --set mesh.ep=2", "--set mesh.tp=1"},
         "etp-ckpt", [](const nlohmann::json& j) { CHECK(j.at("restore").at("saved_mesh").at("etp") == 2); });
+    // Saved with the experts split over two data ranks' tensor groups, resumed with them whole or split by tp.
+    lstest::check_resumes_on_hash(
+        sc, "--set mesh.tp=2 --set mesh.etp=4 --set mesh.dp=2",
+        {"--set mesh.dp=2", "--set mesh.tp=2", "--set mesh.dp=4 --set mesh.etp=2 --set mesh.ep=2"}, "etp-wide-ckpt",
+        [](const nlohmann::json& j) { CHECK(j.at("restore").at("saved_mesh").at("etp") == 4); });
   }
 
   TEST_CASE("under --launcher mpi, mesh.etp ends on the one-process hash") {
     const std::string sc = lstest::write_temp("etp-mpi.json", kSplitScenario).string();
     const auto one = lstest::run_cli("run " + sc + " --json --quiet");
     REQUIRE(one.rc == 0);
-    const auto mpi = lstest::run_cli("run " + sc +
-                                     " --json --quiet --launcher mpi --set mesh.tp=4 --set mesh.etp=2");
-    CAPTURE(mpi.err);
-    REQUIRE(mpi.rc == 0);
-    CHECK(lstest::last_json(mpi.out).at("final_state_hash") == lstest::last_json(one.out).at("final_state_hash"));
+    for (const char* mesh : {"--set mesh.tp=4 --set mesh.etp=2", "--set mesh.dp=2 --set mesh.tp=2 --set mesh.etp=4"}) {
+      CAPTURE(std::string(mesh));
+      const auto mpi = lstest::run_cli("run " + sc + " --json --quiet --launcher mpi " + mesh);
+      CAPTURE(mpi.err);
+      REQUIRE(mpi.rc == 0);
+      CHECK(lstest::last_json(mpi.out).at("final_state_hash") == lstest::last_json(one.out).at("final_state_hash"));
+    }
   }
 
   TEST_CASE("bad mesh.etp is refused with exit 2, naming the key") {
     const std::string sc = lstest::write_temp("etp-bad.json", kSplitScenario).string();
     lstest::check_refused(sc, {
-             {"--set mesh.tp=4 --set mesh.etp=3", "mesh.etp: must divide mesh.tp = 4, got 3"},
-             {"--set mesh.tp=2 --set mesh.etp=4", "not built yet"},
+             {"--set mesh.tp=4 --set mesh.etp=3", "mesh.etp: must divide model.d_ff = 16, got 3"},
+             {"--set mesh.tp=4 --set mesh.etp=6 --set model.d_ff=24",
+              "mesh.etp: must divide mesh.tp = 4 or be mesh.tp times a power of two, got 6"},
+             {"--set mesh.tp=2 --set mesh.etp=6", "mesh.etp: must divide model.d_ff = 16, got 6"},
+             {"--set mesh.tp=2 --set mesh.etp=4", "mesh.etp: spans 2 data-parallel ranks, which must divide mesh.dp"},
+
              {"--set mesh.etp=-1", "mesh.etp"}});
   }
 }

@@ -1,6 +1,8 @@
 // MeshConfig: every predicate over the axes, written once.
 #include "cluster/config.h"
 
+#include <algorithm>
+
 #include "common/error.h"
 
 namespace ls {
@@ -21,14 +23,15 @@ CpLayout parse_cp_layout(const std::string& name) {
 int MeshConfig::size(Axis a) const {
   switch (a) {
     case Axis::kExpert: return ep;
-    case Axis::kExpertData: return dp / ep;
+    case Axis::kExpertData: return dp / (ep * expert_token_group());
     case Axis::kShard: return shard_group();
     case Axis::kReplica: return dp / shard_group();
     case Axis::kDataTensor: return dp * tp;
     case Axis::kNode: return dp_node;
     case Axis::kAcrossNodes: return dp / dp_node;
     case Axis::kExpertTensor: return expert_tp();
-    case Axis::kExpertTensorReplica: return tp / expert_tp();
+    case Axis::kExpertTensorReplica: return std::max(1, tp / expert_tp());
+    case Axis::kExpertTokens: return expert_token_group();
     default: return this->*kRankAxes[(size_t)a].size;
   }
 }
@@ -39,15 +42,17 @@ int MeshConfig::rank_along(Axis a, const RankCoords& c) const {
     case Axis::kData: return c.data;
     case Axis::kContext: return c.context;
     case Axis::kTensor: return c.tensor;
-    case Axis::kExpert: return c.data % ep;
-    case Axis::kExpertData: return c.data / ep;
+    case Axis::kExpert: return c.data / expert_token_group() % ep;
+    case Axis::kExpertData: return c.data / (ep * expert_token_group());
     case Axis::kShard: return c.data % shard_group();
     case Axis::kReplica: return c.data / shard_group();
     case Axis::kDataTensor: return c.data * tp + c.tensor;
     case Axis::kNode: return c.data % dp_node;
     case Axis::kAcrossNodes: return c.data / dp_node;
-    case Axis::kExpertTensor: return c.tensor % expert_tp();
-    case Axis::kExpertTensorReplica: return c.tensor / expert_tp();
+    case Axis::kExpertTensor:
+      return expert_tp() <= tp ? c.tensor % expert_tp() : c.data % expert_token_group() * tp + c.tensor;
+    case Axis::kExpertTensorReplica: return expert_tp() <= tp ? c.tensor / expert_tp() : 0;
+    case Axis::kExpertTokens: return c.data % expert_token_group();
   }
   return 0;
 }

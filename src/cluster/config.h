@@ -30,8 +30,9 @@ enum class Axis {
   kData,        // the data-parallel ranks of one (stage, context, tensor) index (mesh.dp)
   kContext,     // the context-parallel ranks of one data-parallel rank (mesh.cp)
   kTensor,      // the tensor-parallel ranks of one data-parallel rank (mesh.tp)
-  kExpert,      // consecutive data-parallel ranks sharing the experts (mesh.ep)
-  kExpertData,  // the data-parallel ranks holding the same experts, one per expert group
+  kExpert,      // data-parallel ranks sharing the experts (mesh.ep): consecutive ones, or under a wider
+                // mesh.etp the same place of consecutive token groups (kExpertTokens)
+  kExpertData,  // the data-parallel ranks holding the same experts' same slice, one per expert group
   kShard,       // the ranks splitting the state (MeshConfig::shard_group): an FSDP shard group of mesh.dp /
                 // mesh.replicate consecutive data-parallel ranks, or the sharded optimizer's (a node's)
   kReplica,     // the ranks holding the same shard, one per shard group (HSDP's replicas, dp_node's nodes)
@@ -43,9 +44,11 @@ enum class Axis {
   kExpertTensor,         // mesh.etp consecutive tensor-parallel ranks: the routed experts' hidden features
                          // split over them (as Megatron-Core's expert tensor parallelism)
   kExpertTensorReplica,  // the tensor-parallel ranks holding the same slice of the experts (mesh.tp / mesh.etp)
+  kExpertTokens,  // mesh.etp wider than mesh.tp: the mesh.etp / mesh.tp consecutive data-parallel ranks whose
+                  // tokens the routed experts take as one batch (one rank otherwise)
 };
 constexpr int kRankAxisCount = 4;
-constexpr int kAxisCount = 13;
+constexpr int kAxisCount = 14;
 
 struct MeshConfig {
   int dp = 1;          // data-parallel ranks: each holds batch/dp consecutive samples
@@ -58,9 +61,11 @@ struct MeshConfig {
   bool shard_optimizer = true;
   int tp = 1;          // tensor-parallel ranks per data-parallel rank (heads and hidden features split)
   // Expert tensor parallelism: the routed experts' hidden features split
-  // over this many consecutive tensor-parallel ranks, apart from attention's
-  // mesh.tp (a divisor of it; 0: mesh.tp). The tensor ranks of one slice
-  // each compute it on every token.
+  // over this many ranks, apart from attention's mesh.tp (0: mesh.tp). A
+  // divisor of mesh.tp: consecutive tensor ranks, each group computing its
+  // slices on every token. A multiple: mesh.etp / mesh.tp consecutive
+  // data-parallel ranks' tensor groups, whose tokens the experts take as one
+  // batch (kExpertTokens).
   int etp = 0;
   bool sp = false;     // sequence parallel: with tp, norms, residuals, router and head on tokens split across tp
   int pp = 1;          // pipeline stages: each holds a contiguous range of the model's blocks
@@ -125,6 +130,9 @@ struct MeshConfig {
   int ranks_per_stage() const { return dp * cp * tp; }
   // The routed experts' hidden split: mesh.etp, or mesh.tp when it is 0.
   int expert_tp() const { return etp > 0 ? etp : tp; }
+  // The data-parallel ranks whose tokens the routed experts take as one
+  // batch: mesh.etp / mesh.tp where mesh.etp is wider, else 1.
+  int expert_token_group() const { return expert_tp() > tp ? expert_tp() / tp : 1; }
   // The axis that splits the routed experts' hidden features: kTensor when
   // it is attention's split too, else kExpertTensor.
   Axis expert_tensor_axis() const { return expert_tp() == tp ? Axis::kTensor : Axis::kExpertTensor; }

@@ -14,21 +14,27 @@ Mesh::Mesh() {
 
 int Mesh::group_color(const MeshConfig& cfg, Axis a, const MeshConfig::RankCoords& c) {
   MeshConfig::RankCoords fixed = c;
-  const int ep = cfg.ep, shard = cfg.shard_group();
+  const int ep = cfg.ep, shard = cfg.shard_group(), g = cfg.expert_token_group(), etp = cfg.expert_tp();
   switch (a) {
     case Axis::kPipeline: fixed.stage = 0; break;
     case Axis::kData: fixed.data = 0; break;
     case Axis::kContext: fixed.context = 0; break;
     case Axis::kTensor: fixed.tensor = 0; break;
-    case Axis::kExpert: fixed.data = c.data / ep * ep; break;  // consecutive data ranks
-    case Axis::kExpertData: fixed.data = c.data % ep; break;
+    case Axis::kExpert: fixed.data = c.data / (g * ep) * (g * ep) + c.data % g; break;  // g = 1: consecutive
+    case Axis::kExpertData: fixed.data = c.data / g % ep * g + c.data % g; break;
     case Axis::kShard: fixed.data = c.data / shard * shard; break;
     case Axis::kReplica: fixed.data = c.data % shard; break;
     case Axis::kDataTensor: fixed.data = 0, fixed.tensor = 0; break;
     case Axis::kNode: fixed.data = c.data / cfg.dp_node * cfg.dp_node; break;
     case Axis::kAcrossNodes: fixed.data = c.data % cfg.dp_node; break;
-    case Axis::kExpertTensor: fixed.tensor = c.tensor / cfg.expert_tp() * cfg.expert_tp(); break;
-    case Axis::kExpertTensorReplica: fixed.tensor = c.tensor % cfg.expert_tp(); break;
+    case Axis::kExpertTensor:
+      if (etp <= cfg.tp) fixed.tensor = c.tensor / etp * etp;
+      else fixed.data = c.data / g * g, fixed.tensor = 0;
+      break;
+    case Axis::kExpertTensorReplica:
+      if (etp <= cfg.tp) fixed.tensor = c.tensor % etp;
+      break;  // wider: every rank its own slice
+    case Axis::kExpertTokens: fixed.data = c.data / g * g; break;
   }
   return ((fixed.stage * cfg.dp + fixed.data) * cfg.cp + fixed.context) * cfg.tp + fixed.tensor;
 }

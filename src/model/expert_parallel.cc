@@ -112,14 +112,21 @@ void exchange_leaf_ids(StepContext& ctx, LayerActs& acts) {
   ExpertRows& rows = acts.rows;
   const int64_t rows_held = rows.off[El];
   rows.leaf.resize(rows_held);
+  // A row's leaf in the EP group's order. Over several microbatches the owner keeps a tree per source data
+  // rank over its whole step (ExpertGradsBySource): the source's leaves of every microbatch, consecutive.
+  const int g = ctx.group(Axis::kExpertTokens).size();  // data ranks in the experts' batch
+  const int64_t own_tokens = ctx.tokens / g, own_leaves = ctx.leaves / g;
+  const bool by_source = ctx.grads_by_source();
+  const auto leaf_of_token = [&](int64_t token) {
+    if (!by_source) return (int64_t)me * ctx.leaves + token / ctx.leaf_tokens;
+    const int64_t source = (int64_t)me * g + token / own_tokens;
+    return (source * ctx.microbatches + ctx.microbatch) * own_leaves + token % own_tokens / ctx.leaf_tokens;
+  };
   if (ep == 1) {
-    for (int64_t row = 0; row < NK; ++row) rows.leaf[row] = acts.row_token[row] / ctx.leaf_tokens;
+    for (int64_t row = 0; row < NK; ++row) rows.leaf[row] = leaf_of_token(acts.row_token[row]);
   } else {  // leaf ids in the EP group travel with the counts' layout: per destination, its experts' rows
     std::vector<int64_t> leaf_of(NK), leaf_in(rows_held);
-    // Over several microbatches the owner keeps a tree per source over its whole step (ExpertGradsBySource).
-    const int64_t source_leaves = ctx.grads_by_source() ? ctx.leaves * ctx.microbatches : ctx.leaves;
-    const int64_t first_leaf = (int64_t)me * source_leaves + (ctx.grads_by_source() ? ctx.microbatch * ctx.leaves : 0);
-    for (int64_t row = 0; row < NK; ++row) leaf_of[row] = first_leaf + acts.row_token[row] / ctx.leaf_tokens;
+    for (int64_t row = 0; row < NK; ++row) leaf_of[row] = leaf_of_token(acts.row_token[row]);
     std::vector<size_t> send_bytes(ep), recv_bytes(ep);
     for (int d = 0; d < ep; ++d) {
       send_bytes[d] = (size_t)(acts.expert_off[(d + 1) * El] - acts.expert_off[d * El]) * 8;
@@ -136,7 +143,7 @@ void exchange_leaf_ids(StepContext& ctx, LayerActs& acts) {
 }
 
 void send_round_inputs(StepContext& ctx, LayerActs& acts, int r) {
-  exchange_rows(ctx, acts, r, ctx.cfg.d_model, /*to_owner=*/true, acts.moe_in.data(),
+  exchange_rows(ctx, acts, r, ctx.cfg.d_model, /*to_owner=*/true, acts.batch_in,
                 [&](int64_t disp) { return acts.row_token[disp]; }, ctx.ws.slots.x.data(),
                 ctx.ep() > 1 ? acts.rows.x.data() : nullptr, nullptr);
 }
@@ -188,7 +195,7 @@ void refill_round_inputs(StepContext& ctx, const LayerActs& acts, const RoundPla
   StepWorkspace& ws = ctx.ws;
   const int D = ctx.cfg.d_model;
   if (ctx.ep() == 1) {
-    exchange_rows(ctx, acts, r, D, true, acts.moe_in.data(), [&](int64_t disp) { return acts.row_token[disp]; },
+    exchange_rows(ctx, acts, r, D, true, acts.batch_in, [&](int64_t disp) { return acts.row_token[disp]; },
                   ws.slots.x.data(), nullptr, nullptr);
     return;
   }
@@ -342,8 +349,9 @@ void begin_expert_grads(StepContext& ctx, int layer, const RoundPlan& own, const
   const int D = ctx.cfg.d_model, F = ctx.expert_d_ff_held(), ep = ctx.ep();  // ep: sources of an expert's rows
   if (!ctx.grads_by_source())
     ctx.ws.expert_grads.begin(own, rows, ctx.leaves * ep, D, F, &ctx.ws.grad_state);
-  else if (ctx.microbatch == 0)
-    (*ctx.source_grads)[(size_t)layer].begin(ctx.local_experts, ep, ctx.leaves * ctx.microbatches, D, F);
+  else if (ctx.microbatch == 0)  // a source data rank's leaves over the step
+    (*ctx.source_grads)[(size_t)layer].begin(ctx.local_experts, ctx.expert_sources(),
+                                             ctx.leaves / ctx.group(Axis::kExpertTokens).size() * ctx.microbatches, D, F);
 }
 
 void add_expert_grads(StepContext& ctx, int layer, const RoundPlan& own, int r, const ExpertRows& rows, RowPlace dy) {
@@ -384,6 +392,43 @@ void plan_owner_rounds(StepContext& ctx, LayerActs& acts) {
   const RoundPlan& own = ctx.own_plan(acts);
   acts.rows.off.assign(El + 1, 0);
   for (int e = 0; e < El; ++e) acts.rows.off[e + 1] = acts.rows.off[e] + own.load[e];
+}
+
+void gather_expert_batch(StepContext& ctx, LayerActs& acts) {
+  Communicator& group = ctx.group(Axis::kExpertTokens);
+  acts.batch_sel = acts.sel.data();
+  acts.batch_in = acts.moe_in.data();
+  if (group.size() == 1) return;
+  const int g = group.size(), K = ctx.cfg.top_k, D = ctx.cfg.d_model;
+  acts.batch_sel_all.resize(ctx.tokens * K * g);
+  acts.batch_in_all.resize(ctx.tokens * D * g);
+  ops::synchronize();  // the routing's outputs, read by the group
+  all_gather_equal(group, acts.sel.data(), acts.batch_sel_all.data(), sizeof(int) * (size_t)(ctx.tokens * K));
+  all_gather_equal(group, acts.moe_in.data(), acts.batch_in_all.data(), sizeof(float) * (size_t)(ctx.tokens * D));
+  acts.batch_sel = acts.batch_sel_all.data();
+  acts.batch_in = acts.batch_in_all.data();
+}
+
+StepContext& expert_batch(StepContext& ctx, std::optional<StepContext>& view) {
+  const int g = ctx.group(Axis::kExpertTokens).size();
+  if (g == 1) return ctx;
+  view.emplace(ctx);
+  view->tokens = ctx.tokens * g;
+  view->leaves = ctx.leaves * g;
+  view->batch = ctx.batch * g;
+  return *view;
+}
+
+ops::DeviceVector<int64_t>& batch_rows_of(const StepContext& ctx, LayerActs& acts) {
+  return ctx.group(Axis::kExpertTokens).size() == 1 ? acts.row_of : acts.batch_row_of_all;
+}
+
+void own_rows_of(const StepContext& ctx, LayerActs& acts) {
+  Communicator& group = ctx.group(Axis::kExpertTokens);
+  if (group.size() == 1) return;
+  const int64_t NK = ctx.tokens * ctx.cfg.top_k, first = group.rank() * NK;
+  acts.row_of.resize(NK);
+  std::copy(acts.batch_row_of_all.data() + first, acts.batch_row_of_all.data() + first + NK, acts.row_of.data());
 }
 
 }  // namespace ls

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "model/step_context.h"
@@ -18,6 +19,20 @@
 namespace ls {
 
 // ---- What the blocks call. ----
+
+// The tokens the routed experts take as one batch: this data-parallel
+// rank's, or under a mesh.etp wider than mesh.tp those of its token group
+// (Axis::kExpertTokens), this rank's from `first = its place x N`.
+// gather_expert_batch (the dispatch's forward) all-gathers the group's
+// selections and inputs (acts.batch_sel, acts.batch_in); expert_batch is
+// ctx itself on one data rank's tokens, else a view of it over the batch
+// (tokens, leaves, samples) kept in `view`. own_rows_of puts this rank's
+// tokens' rows (acts.row_of) out of the batch's (`all`, which is acts.row_of
+// itself on one data rank's tokens).
+void gather_expert_batch(StepContext& ctx, LayerActs& acts);
+StepContext& expert_batch(StepContext& ctx, std::optional<StepContext>& view);
+ops::DeviceVector<int64_t>& batch_rows_of(const StepContext& ctx, LayerActs& acts);
+void own_rows_of(const StepContext& ctx, LayerActs& acts);
 
 // acts.counts[src * E + e] = rows of EP rank src for expert e (at ep 1: the
 // loads), from every rank's acts.expert_off.

@@ -75,8 +75,6 @@ class MoeCombine : public LayerBlock {
     if (per_sample)
       sums[E + 1] = sequence_balance(acts.gates.data(), acts.sel.data() + first * K, Ns / c.seq_len, c.seq_len, E, K,
                                      ctx.leaf_tokens / c.seq_len, acts.sample_counts);
-    acts.global_counts.resize(E);
-    for (int e = 0; e < E; ++e) acts.global_counts[e] = acts.expert_off[e + 1] - acts.expert_off[e];
     if (!sum_over_step(ctx, sums.data(), sums.size(), acts.router_partial)) return;
     sum_counts_over_step(ctx, acts.global_counts.data(), E);
     const LayerBalance balance =
@@ -95,10 +93,10 @@ class MoeCombine : public LayerBlock {
   void backward(StepContext& ctx) override {
     const ModelConfig& c = ctx.cfg;
     const int D = c.d_model, F = ctx.d_ff_held(), E = c.experts, K = c.top_k;
-    const int64_t N = ctx.tokens, NK = N * K, Ns = ctx.stream_tokens, first = ctx.stream_first;
+    const int64_t N = ctx.tokens, Ns = ctx.stream_tokens, first = ctx.stream_first;
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
-    ws.dye.resize(NK * D);
+    ws.dye.resize((int64_t)acts.row_token.size() * D);  // every row of the experts' batch
     ws.dg.resize(Ns * E);
     ops::fill(ws.dg.data(), Ns * E, 0.0f);
     stream_rows(ctx, StreamOp::kCombine, [&](int64_t row, int count) {

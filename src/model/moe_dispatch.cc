@@ -4,6 +4,7 @@
 // (model/expert_parallel.h). Backward: the reference's dispatch adjoint, a
 // sum over each token's slots (ops::slot_sum). Matches ref::MoeDispatch.
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,35 +24,44 @@ class MoeDispatch : public LayerBlock {
   void forward(StepContext& ctx, StepLosses&) override {
     const ModelConfig& c = ctx.cfg;
     const int E = c.experts, K = c.top_k;
-    const int64_t N = ctx.tokens, NK = N * K;
     LayerActs& acts = ctx.layer(layer_);
+    // This rank's assignments per expert (the balance loss's counts, summed over the step by the combine).
+    acts.global_counts.assign(E, 0);
+    for (int64_t i = 0; i < ctx.tokens * K; ++i) ++acts.global_counts[acts.sel[i]];
+    for (int e = 0; e < E; ++e)
+      ctx.stats.tokens_per_expert[(size_t)layer_ * E + e] += acts.global_counts[e];  // every pass of the step adds up
+    // The experts' batch: these tokens, or their token group's (expert_parallel.h).
+    gather_expert_batch(ctx, acts);
+    std::optional<StepContext> view;
+    StepContext& batch = expert_batch(ctx, view);
+    const int64_t N = batch.tokens, NK = N * K;
+    const int* sel = acts.batch_sel;
     // Rows grouped by expert, in token order inside each expert.
     acts.expert_off.assign(E + 1, 0);
-    for (int64_t i = 0; i < NK; ++i) ++acts.expert_off[acts.sel[i] + 1];
-    for (int e = 0; e < E; ++e) {
-      ctx.stats.tokens_per_expert[(size_t)layer_ * E + e] += acts.expert_off[e + 1];  // every pass of the step adds up
-      acts.expert_off[e + 1] += acts.expert_off[e];
-    }
-    acts.row_of.resize(NK);
+    for (int64_t i = 0; i < NK; ++i) ++acts.expert_off[sel[i] + 1];
+    for (int e = 0; e < E; ++e) acts.expert_off[e + 1] += acts.expert_off[e];
+    ops::DeviceVector<int64_t>& row_of = batch_rows_of(ctx, acts);
+    row_of.resize(NK);
     acts.row_token.resize(NK);
     {
       std::vector<int64_t> fill(acts.expert_off.begin(), acts.expert_off.end() - 1);
       for (int64_t n = 0; n < N; ++n)
         for (int s = 0; s < K; ++s) {
-          const int64_t row = fill[acts.sel[n * K + s]]++;
-          acts.row_of[n * K + s] = row;
+          const int64_t row = fill[sel[n * K + s]]++;
+          row_of[n * K + s] = row;
           acts.row_token[row] = n;
         }
     }
+    own_rows_of(ctx, acts);
     // The rows of the experts held here (docs/MOE.md): local rows, or every
     // EP rank's rows for our experts, ordered by expert, then source rank,
     // then token: the global token order, as the source ranks hold
     // consecutive samples. Every rank learns every rank's counts, so sources
     // and owners derive the same round plans.
-    exchange_expert_counts(ctx, acts);
-    plan_owner_rounds(ctx, acts);
-    exchange_leaf_ids(ctx, acts);
-    hold_moe_buffers(ctx, acts);
+    exchange_expert_counts(batch, acts);
+    plan_owner_rounds(batch, acts);
+    exchange_leaf_ids(batch, acts);
+    hold_moe_buffers(batch, acts);
     if (c.moe_policy == MoePolicy::kDrop) ops::fill(acts.ye.data(), (int64_t)acts.ye.size(), 0.0f);  // skipped rows give 0
   }
 

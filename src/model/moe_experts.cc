@@ -5,6 +5,7 @@
 // parallel: each rank of the group computes a block of the experts over
 // all their rows, and the group gathers the results (context_parallel.h).
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,7 +24,9 @@ class MoeExperts : public LayerBlock {
   explicit MoeExperts(int layer) : LayerBlock(layer, "moe_experts") {}
 
   // moe_in rows -> ye (dispatch order).
-  void forward(StepContext& ctx, StepLosses&) override {
+  void forward(StepContext& mine, StepLosses&) override {
+    std::optional<StepContext> view;
+    StepContext& ctx = expert_batch(mine, view);  // the experts' batch (these tokens, or their token group's)
     const int D = ctx.cfg.d_model, F = ctx.expert_d_ff_held();
     StepWorkspace& ws = ctx.ws;
     LayerActs& acts = ctx.layer(layer_);
@@ -57,18 +60,20 @@ class MoeExperts : public LayerBlock {
     ctx.stats.borrowed += planned.borrowed;
     ctx.stats.dropped += planned.dropped;
     acts.ye_rows = acts.ye.data();
-    if (!hide_last) return trace_outputs(ctx);
+    if (!hide_last) return trace_outputs(mine);
     // The outputs are whole once the combine finished the exchange (in this range of blocks, on this ctx).
-    ws.exchange_in_flight.unpack = [unpack = std::move(ws.exchange_in_flight.unpack), this, &ctx] {
+    ws.exchange_in_flight.unpack = [unpack = std::move(ws.exchange_in_flight.unpack), this, &mine] {
       unpack();
-      trace_outputs(ctx);
+      trace_outputs(mine);
     };
   }
 
   // dye (dispatch order) -> dxe; the experts' weight gradients. Backward in
   // the forward's rounds and slots; the weight-gradient leaf trees continue
   // from round to round.
-  void backward(StepContext& ctx) override {
+  void backward(StepContext& mine) override {
+    std::optional<StepContext> view;
+    StepContext& ctx = expert_batch(mine, view);
     const int D = ctx.cfg.d_model, F = ctx.expert_d_ff_held();
     const int64_t NK = ctx.tokens * ctx.cfg.top_k;
     StepWorkspace& ws = ctx.ws;
@@ -103,9 +108,9 @@ class MoeExperts : public LayerBlock {
     }
     gather_expert_rows(ctx, acts, ws.dxe.data(), D);
     finish_expert_grads(ctx, layer_, acts);
-    if (ctx.trace)
-      ctx.trace_tensor("bwd", layer_, "moe.experts", "dx", ctx.token_slot_order(acts, ws.dxe.data(), D),
-                       {ctx.tokens, ctx.cfg.top_k, D});
+    if (mine.trace)  // this rank's tokens' rows
+      mine.trace_tensor("bwd", layer_, "moe.experts", "dx", mine.token_slot_order(acts, ws.dxe.data(), D),
+                        {mine.tokens, mine.cfg.top_k, D});
   }
 
 

@@ -90,8 +90,9 @@ std::vector<ParamInfo> place_params(const ModelConfig& cfg, const MeshConfig& me
     throw std::invalid_argument("engine: expert parallel size must divide the expert count");
   if (tp < 1 || cfg.n_heads % tp != 0 || cfg.d_ff % tp != 0)
     throw std::invalid_argument("engine: tensor parallel size must divide the heads and the hidden width");
-  if (etp < 1 || tp % etp != 0 || cfg.d_ff % etp != 0)
-    throw std::invalid_argument("engine: expert tensor parallel size must divide mesh.tp and the hidden width");
+  if (etp < 1 || (tp % etp != 0 && etp % tp != 0) || cfg.d_ff % etp != 0)
+    throw std::invalid_argument("engine: expert tensor parallel size must divide or be a multiple of mesh.tp, "
+                                "and divide the hidden width");
   const int64_t local_experts = cfg.experts / ep;
   std::vector<ParamInfo> infos;
   int64_t off = 0;

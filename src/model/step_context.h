@@ -38,8 +38,15 @@ struct LayerActs {
   ops::DeviceVector<int> sel;               // [N*K] expert of each (token, slot)
   // MoE dispatch.
   ops::DeviceVector<int64_t> row_of;        // [N*K] row of (token, slot) in the expert buffers
+  // The experts' batch (expert_parallel.h, expert_batch): under a mesh.etp wider than mesh.tp, the token
+  // group's selections, inputs and rows, gathered; batch_sel and batch_in point at them, or at sel and moe_in.
+  ops::DeviceVector<int> batch_sel_all;
+  ops::DeviceVector<float> batch_in_all;
+  ops::DeviceVector<int64_t> batch_row_of_all;
+  const int* batch_sel = nullptr;
+  const float* batch_in = nullptr;
   std::vector<int64_t> expert_off;          // [E+1] first row of each expert
-  std::vector<int64_t> row_token;           // [N*K] token of each expert row
+  std::vector<int64_t> row_token;           // [rows] token (in the experts' batch) of each expert row
   std::vector<int64_t> global_counts;       // [E] assignments per expert over every data-parallel rank
                                             // (pipelined: this microbatch's until the pipeline sets the step's)
   std::vector<float> router_partial;        // pipelined: this microbatch's router sums ([E] gates, lse^2,
@@ -149,7 +156,10 @@ struct StepContext {
   // Expert parallel over several microbatches: per layer, the experts'
   // weight gradients kept per source rank across the step's microbatches.
   std::vector<ExpertGradsBySource>* source_grads = nullptr;
-  bool grads_by_source() const { return microbatches > 1 && ep() > 1; }
+  bool grads_by_source() const { return microbatches > 1 && expert_sources() > 1; }
+  // The data-parallel ranks whose rows an expert's owner folds: the EP group's, each with its token group's
+  // (Axis::kExpertTokens, mesh.etp wider than mesh.tp).
+  int expert_sources() const { return ep() * mesh->size(Axis::kExpertTokens); }
   float global_tokens = 0;       // N over every data-parallel rank (and microbatch)
   float global_assignments = 0;  // N * K over every data-parallel rank
   const Mesh* mesh = nullptr;    // this rank's groups (one-rank groups on one rank)

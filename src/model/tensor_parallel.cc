@@ -352,8 +352,32 @@ const float* every_token_rows(StepContext& ctx, const float* held, ops::DeviceVe
   return gathered.data();
 }
 
+namespace {
+
+// The expert rows of this data-parallel rank's tokens (acts.row_of's) made every token group rank's, put at
+// their rows of the experts' batch (mesh.etp wider than mesh.tp; nothing otherwise).
+void gather_token_group_rows(StepContext& ctx, const LayerActs& acts, float* rows) {
+  Communicator& group = ctx.group(Axis::kExpertTokens);
+  if (group.size() == 1) return;
+  StepWorkspace& ws = ctx.ws;
+  const int D = ctx.cfg.d_model;
+  const int64_t NK = ctx.tokens * ctx.cfg.top_k, all = NK * group.size();
+  ws.sp_rows.resize(NK * D);
+  ws.sp_rows_all.resize(all * D);
+  {
+    const OpTimer copying(OpKind::kCopy);
+    ops::copy_rows(rows, acts.row_of.data(), ws.sp_rows.data(), nullptr, NK, D);
+    ops::synchronize();
+  }
+  all_gather_equal(group, ws.sp_rows.data(), ws.sp_rows_all.data(), sizeof(float) * (size_t)(NK * D));
+  const OpTimer copying(OpKind::kCopy);
+  ops::copy_rows(ws.sp_rows_all.data(), nullptr, rows, acts.batch_row_of_all.data(), all, D);
+}
+
+}  // namespace
+
 void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts) {
-  if (!ctx.sp) return;
+  if (!ctx.sp) return gather_token_group_rows(ctx, acts, ctx.ws.dye.data());
   StepWorkspace& ws = ctx.ws;
   const int D = ctx.cfg.d_model, K = ctx.cfg.top_k;
   const int64_t held = ctx.stream_tokens * K, all = ctx.tokens * K;
@@ -366,8 +390,11 @@ void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts) {
   }
   gather_stream_parts(ctx, ws.sp_rows.data(), ws.sp_rows_all.data(), sizeof(float) * (size_t)(K * D), nullptr,
                       ctx.stream_tokens);
-  const OpTimer copying(OpKind::kCopy);
-  ops::copy_rows(ws.sp_rows_all.data(), nullptr, ws.dye.data(), acts.row_of.data(), all, D);
+  {
+    const OpTimer copying(OpKind::kCopy);
+    ops::copy_rows(ws.sp_rows_all.data(), nullptr, ws.dye.data(), acts.row_of.data(), all, D);
+  }
+  gather_token_group_rows(ctx, acts, ws.dye.data());
 }
 
 void gather_stream_rows(StepContext& ctx, const ops::DeviceVector<float>& held, ops::DeviceVector<float>& whole,

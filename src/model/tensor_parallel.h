@@ -88,7 +88,9 @@ void join_head_rows(StepContext& ctx, const StepContext& head, float* dh, int64_
 // Sequence parallel: each TP rank wrote the expert-output gradients (ws.dye,
 // dispatch order) of its stream tokens' rows; the experts need every row's.
 // The rows of every token, in (token, slot) order, gathered over the group
-// and put back at their dispatch rows. Nothing without sequence parallel.
+// and put back at their dispatch rows. Under a mesh.etp wider than mesh.tp
+// the token group's rows are gathered too (the experts' batch,
+// expert_parallel.h). Nothing on one rank's tokens without sequence parallel.
 void gather_expert_output_grads(StepContext& ctx, const LayerActs& acts);
 
 // A chained fold's [N, D] output over every token: broadcast, or with

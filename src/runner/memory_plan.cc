@@ -73,6 +73,13 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes, bool one_stage = 
     const int64_t NK = (int64_t)(s.batch / dp / lanes / m) * c.seq_len * c.top_k;
     w.expert_buffers += (int64_t)c.n_layers * NK * ((c.d_model + 3 * c.d_ff / std::max(1, s.mesh.expert_tp())) * f + 8);
   }
+  if (const int g = s.mesh.expert_token_group(); g > 1) {
+    // mesh.etp wider than mesh.tp: the experts' batch is g ranks' tokens. Per layer the gathered inputs,
+    // selections and rows and the batch's expert outputs; once the output and input gradients' rows.
+    const int64_t N = (int64_t)(s.batch / dp / lanes / m) * c.seq_len, NK = N * c.top_k;
+    w.expert_buffers += (int64_t)c.n_layers * (g * N * c.d_model * f + g * NK * 12 + (g - 1) * NK * c.d_model * f) +
+                        2 * (g - 1) * NK * c.d_model * f;
+  }
   if (s.mesh.pipelined(s.microbatches)) {
     int64_t slots = 0, most = 0;
     for (int st = 0; st < pp; ++st) {
@@ -159,10 +166,10 @@ uint64_t collective_buffer_bytes(const Scenario& s, uint64_t shard_floats, uint6
 // span rounds: counted as if every local expert did.
 uint64_t expert_grad_state_bytes(const Scenario& s) {
   const ModelConfig& c = s.model;
-  const int ep = s.mesh.ep, etp = std::max(1, s.mesh.expert_tp());
-  if (ep <= 1) return 0;
+  const int ep = s.mesh.ep, sources = ep * s.mesh.expert_token_group(), etp = std::max(1, s.mesh.expert_tp());
+  if (sources <= 1) return 0;
   const int64_t leaves = (int64_t)s.batch / s.mesh.dp / std::max(1, s.microbatches) / std::max(1, s.leaf_samples);
-  const int64_t levels = s.level == "local" ? 1 : LeafTree::levels_for(std::max<int64_t>(1, leaves) * ep);
+  const int64_t levels = s.level == "local" ? 1 : LeafTree::levels_for(std::max<int64_t>(1, leaves) * sources);
   return (uint64_t)(c.experts / ep) * 3 * c.d_model * (c.d_ff / etp) * levels * sizeof(float);
 }
 

@@ -267,8 +267,9 @@ PipelineStage::Step::Chunk PipelineStage::Step::make_chunk(int k) const {
   ch.layers = layers_combined_in(cfg_, ch.first, ch.last);
   for (size_t t = 0; t < infos_.size(); ++t) {
     const int b = MoeTransformer::block_of(cfg_, infos_[t].name);
-    // Expert-parallel slices: the model keeps their trees per source rank over the microbatches itself.
-    if (infos_[t].split_over(Axis::kExpert)) continue;
+    // Expert slices (over mesh.ep, or over a token group's data ranks): the model keeps their trees per source
+    // rank over the microbatches itself (StepContext::grads_by_source).
+    if (infos_[t].split_over(Axis::kExpert) || (infos_[t].expert && mesh_.size(Axis::kExpertTokens) > 1)) continue;
     if (b >= ch.first && b < ch.last) ch.params.push_back(t), ch.width += infos_[t].size;
   }
   if (m_ > 1) {

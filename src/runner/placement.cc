@@ -41,7 +41,10 @@ namespace {
 // The one place a tensor's reduction, state sharding and norm are decided.
 TensorPlacement place(const MeshConfig& m, const ParamInfo& p, bool pipelined) {
   TensorPlacement t;
-  const bool expert_slice = p.split_over(Axis::kExpert), tensor_split = p.split_over(Axis::kTensor);
+  // A routed expert's tensor that only some data-parallel ranks hold (a slice of the experts, or under a
+  // wider mesh.etp a slice of their hidden features): reduced over the ranks holding the same piece.
+  const bool expert_slice = p.expert && (p.split_over(Axis::kExpert) || m.expert_token_group() > 1);
+  const bool tensor_split = p.split_over(Axis::kTensor);
   const bool expert_tensor_split = p.split_over(Axis::kExpertTensor);
   t.sharded = m.shards_state() && !expert_slice;
   // Sequence parallel: a tensor the stream's tokens reduce into (embeddings, norms, router, head) has a

@@ -38,6 +38,12 @@ bool is_section(const std::string& key);
 
 // The `faults` row (scenario_faults.cc): the list of faults to inject.
 Row faults_row();
+// The mesh.* sections, in table order (scenario_keys_mesh.cc).
+std::vector<Row> data_parallel_rows();
+std::vector<Row> tensor_parallel_rows();
+std::vector<Row> pipeline_rows();
+std::vector<Row> context_parallel_rows();
+std::vector<Row> fsdp_rows();
 
 // The shortest decimal that reads back as `f`, as a double, so the resolved
 // JSON shows 0.003 rather than 0.003000000026077032. Falls back to the exact
