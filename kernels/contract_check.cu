@@ -23,3 +23,8 @@ __global__ void leaf_tree_check(float* scratch, const float* leaves, int n, int 
   const float* sum = tree.finish();
   for (int i = 0; i < width; ++i) out[i] = sum[i];
 }
+// The bf16 fold (contract_bf16.h) too: the CUDA kernels of numerics.precision=bf16 will replay it.
+__global__ void bf16_fold_check(const unsigned short* a, const unsigned short* b, int K, float* out) {
+  out[0] = ls::bf16_dot(a, 1, b, 1, K, 0.0f);
+  out[1] = ls::from_bf16(ls::to_bf16(out[0]));
+}

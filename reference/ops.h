@@ -80,6 +80,25 @@ T dot_col(const T* x, const T* W, int64_t ld, int j, int n) {
   return acc;
 }
 
+// C[M x N] = A[M x K] · B[K x N], row-major, A and B bf16 (ls::to_bf16
+// bits): each output the contract's bf16 fold (docs/NUMERICS.md, "The bf16
+// fold"), from +0: k in pairs, the odd member's product first (an odd K's
+// last pair has a +0 odd member), each step ls::bf16_fold_step on flushed
+// inputs; a NaN result canonical.
+inline void matmul_bf16(const uint16_t* A, const uint16_t* B, float* C, int64_t M, int64_t N, int64_t K) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; k += 2) {
+        const bool odd = k + 1 < K;
+        acc = ls::bf16_fold_step(acc, odd ? ls::bf16_in(A[i * K + k + 1]) : 0.0f,
+                                 odd ? ls::bf16_in(B[(k + 1) * N + j]) : 0.0f);
+        acc = ls::bf16_fold_step(acc, ls::bf16_in(A[i * K + k]), ls::bf16_in(B[k * N + j]));
+      }
+      C[i * N + j] = ls::bf16_canonical_nan(acc);
+    }
+}
+
 // Softmax over n values, max-shifted: p_e = exp(z_e - m) / S, with S the
 // sequential sum over e. Returns log-sum-exp m + log(S).
 template <class T>

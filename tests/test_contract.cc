@@ -1,5 +1,5 @@
 // The numerics contract itself: compiler contraction is off, the canonical
-// tree, Philox known answers, bf16 rounding, the state hash serialization.
+// tree, Philox known answers, bf16 rounding and the bf16 fold, the state hash serialization.
 #include <doctest/doctest.h>
 #include <xxhash.h>
 
@@ -128,6 +128,108 @@ TEST_SUITE("contract") {
     CHECK(ls::to_bf16(1.0f + 0x1p-7f + 0x1p-8f) == 0x3f82);    // halfway, up to even
     CHECK(ls::to_bf16(1.0f + 0x1p-8f + 0x1p-20f) == 0x3f81);   // above halfway
     CHECK(ls::from_bf16(ls::to_bf16(-2.5f)) == -2.5f);
+    CHECK(ls::to_bf16(-(1.0f + 0x1p-8f)) == 0xbf80);           // negative tie, to even
+    CHECK(ls::to_bf16(-0.0f) == 0x8000);
+    CHECK(ls::to_bf16(ls::from_bits(0x7f800000u)) == 0x7f80);   // +inf
+    CHECK(ls::to_bf16(ls::from_bits(0xff800000u)) == 0xff80);   // -inf
+    CHECK(ls::to_bf16(ls::from_bits(0x7f7fffffu)) == 0x7f80);   // max float rounds up to inf
+    CHECK(ls::to_bf16(ls::from_bits(0x7f7f7fffu)) == 0x7f7f);   // below the tie: max bf16
+    CHECK(ls::to_bf16(ls::from_bits(0x00008000u)) == 0x0000);   // subnormal tie, to even (+0)
+    CHECK(ls::to_bf16(ls::from_bits(0x00018000u)) == 0x0002);   // subnormal tie, to even (up)
+    CHECK(ls::to_bf16(ls::from_bits(0x007fffffu)) == 0x0080);   // largest subnormal up to 2^-126
+    // NaN stays NaN and is quiet, sign and top payload kept; the rounding
+    // add would have carried a low-payload NaN into inf.
+    CHECK(ls::to_bf16(ls::from_bits(0x7f800001u)) == 0x7fc0);
+    CHECK(ls::to_bf16(ls::from_bits(0xff810000u)) == 0xffc1);
+    CHECK(ls::to_bf16(ls::from_bits(0x7fffffffu)) == 0x7fff);
+  }
+
+  // The bf16 fold by hand (contract_bf16.h; docs/NUMERICS.md "The bf16
+  // fold"): each expected value is worked out here from the rule, not from
+  // ls::bf16_dot. tests/test_gemm_bf16.cc holds the hardware and every GEMM
+  // path to bf16_dot.
+  TEST_CASE("bf16 fold: pair order, one rounding per step, +0 start, odd K padded with +0") {
+    auto h = [](float x) { return ls::to_bf16(x); };
+    const uint16_t one = h(1.0f), m1 = h(-1.0f), e24 = h(0x1p-24f), zero = 0, nzero = 0x8000;
+    const uint16_t ones[4] = {one, one, one, one};
+    // k = 0..3 products 1, 0, -1, 2^-24. Pair (0,1): 0 then +1 = 1. Pair
+    // (2,3): k = 3 first, 1 + 2^-24 is a tie and rounds to 1; then -1: +0.
+    // Ascending k (the fp32 fold's order) would give 1, 1, 0, 2^-24.
+    const uint16_t a[4] = {one, zero, m1, e24};
+    CHECK(ls::bits(ls::bf16_dot(a, 1, ones, 1, 4, 0.0f)) == 0u);
+    float asc = 0.0f;
+    for (int k = 0; k < 4; ++k) asc = ls::fma(ls::from_bf16(a[k]), 1.0f, asc);
+    CHECK(asc == 0x1p-24f);
+    // Each step rounds: 1 + 2^-24 + 2^-24 in two steps is 1 (two ties to
+    // even); one rounding of the exact sum would be 1 + 2^-23.
+    const uint16_t b[2] = {e24, e24};
+    CHECK(ls::bf16_dot(b, 1, ones, 1, 2, 1.0f) == 1.0f);
+    // Start +0; an odd K's padding step adds +0 first: a -0 start becomes +0
+    // before the last member's -0 product (-0 + -0 would have stayed -0).
+    const uint16_t nz[2] = {nzero, nzero};
+    CHECK(ls::bits(ls::bf16_dot(nz, 1, ones, 1, 1, -0.0f)) == 0u);
+    CHECK(ls::bits(ls::bf16_dot(nz, 1, ones, 1, 2, -0.0f)) == 0x80000000u);
+    CHECK(ls::bits(ls::bf16_dot(nz, 1, ones, 1, 2, 0.0f)) == 0u);
+    // K = 0: the start untouched (not flushed, NaN payload kept).
+    CHECK(ls::bits(ls::bf16_dot(a, 1, ones, 1, 0, ls::from_bits(0x7fc12345u))) == 0x7fc12345u);
+    // Stride: a column of a row-major 2 x 2.
+    const uint16_t w[4] = {h(3.0f), h(5.0f), h(2.0f), h(7.0f)}, x[2] = {h(0.5f), h(0.25f)};
+    CHECK(ls::bf16_dot(x, 1, w + 1, 2, 2, 0.0f) == 0.25f * 7.0f + 0.5f * 5.0f);
+  }
+
+  TEST_CASE("bf16 fold: denormals flushed in (DAZ) and out (FTZ), tininess after rounding") {
+    auto h = [](float x) { return ls::to_bf16(x); };
+    const uint16_t one = h(1.0f), zero = 0;
+    // DAZ on inputs: a bf16 subnormal (2^-133) times 2^100 counts as 0, not 2^-33.
+    const uint16_t den[1] = {0x0001}, big[1] = {h(0x1p100f)};
+    CHECK(ls::bits(ls::bf16_dot(den, 1, big, 1, 1, 0.0f)) == 0u);
+    // DAZ on the start: 2^-127 counts as +0, so + 2^-126 (the k = 1
+    // product, added first) gives 2^-126, not 1.5 * 2^-126.
+    const uint16_t p[2] = {zero, h(0x1p-63f)};
+    CHECK(ls::bf16_dot(p, 1, p, 1, 2, 0x1p-127f) == 0x1p-126f);
+    // FTZ: a subnormal product from +0 gives a zero of its sign.
+    const uint16_t t[1] = {h(-0x1p-100f)}, u[1] = {h(0x1p-30f)};
+    CHECK(ls::bits(ls::bf16_dot(t, 1, u, 1, 1, 0.0f)) == 0x80000000u);
+    // FTZ on a sum: 1.5 * 2^-126 - 2^-126 = 2^-127 is flushed to +0.
+    const uint16_t v[2] = {h(-0x1p-63f), zero}, vv[2] = {h(0x1p-63f), zero};
+    CHECK(ls::bits(ls::bf16_dot(v, 1, vv, 1, 2, 0x1.8p-126f)) == 0u);
+    // At the boundary, as vdpbf16ps does: 2^-126 - 2^-150 is a 24-bit value
+    // below 2^-126, so it flushes, although fma rounds it (on the subnormal
+    // grid, a tie) up to 2^-126. 2^-126 - 2^-151 rounds to 2^-126 at 24 bits.
+    const uint16_t a75[2] = {zero, h(0x1p-75f)}, n75[2] = {zero, h(-0x1p-75f)}, n76[2] = {zero, h(-0x1p-76f)};
+    CHECK(ls::fma(0x1p-75f, -0x1p-75f, 0x1p-126f) == 0x1p-126f);
+    CHECK(ls::bits(ls::bf16_dot(a75, 1, n75, 1, 2, 0x1p-126f)) == 0u);
+    // (in the even member, the pair's last step: after it in the odd one, +0 + -0 would give +0)
+    const uint16_t e75[2] = {h(0x1p-75f), zero};
+    CHECK(ls::bits(ls::bf16_dot(e75, 1, e75, 1, 2, -0x1p-126f)) == 0x80000000u);
+    CHECK(ls::bits(ls::bf16_dot(a75, 1, a75, 1, 2, -0x1p-126f)) == 0u);
+    CHECK(ls::bf16_dot(a75, 1, n76, 1, 2, 0x1p-126f) == 0x1p-126f);
+    // Between the two: 2^-126 - 2^-150 + 2^-158 rounds at 24 bits to
+    // 2^-126 - 2^-150 (tiny, flushed).
+    const uint16_t c63[2] = {zero, h(0x1p-63f)}, c88[2] = {zero, h(-0x1.fep-88f)};
+    CHECK(ls::bits(ls::bf16_dot(c63, 1, c88, 1, 2, 0x1p-126f)) == 0u);
+    // Not tiny: 2^-126 plus a product below its ulp stays 2^-126.
+    const uint16_t s[2] = {zero, h(-0x1p-125f)}, s2[2] = {zero, h(0x1p-125f)};
+    CHECK(ls::bf16_dot(s, 1, s2, 1, 2, 0x1p-126f) == 0x1p-126f);
+    (void)one;
+  }
+
+  TEST_CASE("bf16 fold: infinities, and every NaN result is 0x7fc00000") {
+    auto h = [](float x) { return ls::to_bf16(x); };
+    const uint16_t inf = 0x7f80, ninf = 0xff80, one = h(1.0f), zero = 0;
+    const uint16_t ones[2] = {one, one};
+    const uint16_t i1[2] = {inf, one};
+    CHECK(ls::bits(ls::bf16_dot(i1, 1, ones, 1, 2, 0.0f)) == 0x7f800000u);
+    const uint16_t ii[2] = {inf, ninf};  // inf - inf
+    CHECK(ls::bits(ls::bf16_dot(ii, 1, ones, 1, 2, 0.0f)) == 0x7fc00000u);
+    const uint16_t iz[1] = {ninf}, z[1] = {zero};  // -inf * 0
+    CHECK(ls::bits(ls::bf16_dot(iz, 1, z, 1, 1, 0.0f)) == 0x7fc00000u);
+    const uint16_t nan[2] = {0xffc1, one};  // an input NaN's sign and payload are not passed on
+    CHECK(ls::bits(ls::bf16_dot(nan, 1, ones, 1, 2, 0.0f)) == 0x7fc00000u);
+    CHECK(ls::bits(ls::bf16_dot(ones, 1, ones, 1, 2, ls::from_bits(0xffc12345u))) == 0x7fc00000u);
+    // Overflow: max bf16 squared is inf.
+    const uint16_t mx[1] = {0x7f7f};
+    CHECK(ls::bits(ls::bf16_dot(mx, 1, mx, 1, 1, 0.0f)) == 0x7f800000u);
   }
 
   TEST_CASE("state hash: XXH3-128 over the documented serialization") {

@@ -14,6 +14,8 @@
 //  4. Discrete choices break ties by the lowest index.
 //  5. Randomness: Philox4x32-10 keyed by (seed, purpose, logical index).
 //  6. State hash: XXH3-128 over the canonical serialization (StateHasher).
+//  7. bf16 (contract_bf16.h): ls::to_bf16 rounds to nearest even; the bf16
+//     fold over k is vdpbf16ps's pair order with its flushing, emulated.
 #pragma once
 
 #include <stdint.h>
@@ -62,15 +64,6 @@ LS_HD float sqrt(float x) {
   return __builtin_sqrtf(x);
 #endif
 }
-
-// bf16 is an explicit round-to-nearest-even of an fp32 value (NaN kept quiet).
-LS_HD uint16_t to_bf16(float x) {
-  uint32_t u = bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-  uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)((u + rounding) >> 16);
-}
-LS_HD float from_bf16(uint16_t h) { return from_bits((uint32_t)h << 16); }
 
 // ------------------------------------------------------- reduction tree ----
 // Contract constants.
@@ -270,6 +263,7 @@ LS_HD float init_uniform(uint64_t seed, uint32_t id, uint64_t i, float std) {
 }  // namespace ls
 
 #include "contract_math.h"
+#include "contract_bf16.h"  // ls::to_bf16 and the bf16 fold
 
 #if !defined(__CUDA_ARCH__)
 #include "contract_hash.h"

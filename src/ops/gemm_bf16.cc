@@ -1,0 +1,427 @@
+// Contract bf16 GEMM: the fp32 GEMM's blocking (gemm.cc) with both operands
+// packed, since every path wants them in another form than they lie in.
+//
+// Loop nest: k blocks of KC (an even count, so no pair straddles two
+// blocks; the last block of an odd K is padded with one +0 k, the fold's own
+// padding); B packed into column panels of NR, A into strips of MR rows per
+// row block of MC; a micro-kernel per MR x NR tile of C. Between k blocks
+// the fp32 partial sums are stored to C and reloaded: a flushed binary32
+// stored and reloaded is the same value, and a fold continued from an even
+// number of k is the one fold. Threads split output tiles only.
+//
+// Packed forms (kp = pairs in the block, padding rows, columns and k are +0):
+//   pairs (avx512_bf16): A strip uint32[kp][MR], B panel uint32[kp][NR], each
+//     uint32 the bf16 of k = 2j in its low half and of 2j+1 in its high half:
+//     what vdpbf16ps multiplies lane by lane;
+//   fp32 (scalar, avx2, avx512): A strip float[2kp][MR], B panel
+//     float[2kp][NR], every value ls::bf16_in (flushed): the kernels then
+//     run ls::bf16_fold_step on each lane, k = 2j+1 before 2j.
+#include "ops/gemm_bf16.h"
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <atomic>
+#include <new>
+
+#include "common/thread_pool.h"
+#include "numerics/contract.h"
+
+namespace ls {
+namespace ops {
+namespace internal {
+
+// A micro-kernel: the C tile (mr x nr, row stride ldc) gets the fold over kp
+// k pairs of a packed A strip and a packed B panel, from C (flushed) when
+// `load`, else from +0; NaNs stored canonical.
+using Bf16KernelFn = void (*)(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
+struct Bf16Kernel {
+  int mr;
+  int nr;
+  bool pairs;  // packed as bf16 pairs (else as flushed fp32)
+  Bf16KernelFn fn;
+};
+// gemm_bf16_avx512.cc (AVX-512 flags) and gemm_bf16_avx512bf16.cc (plus
+// -mavx512bf16): called only when the CPU has them.
+void gemm_bf16_ukernel_avx512_8x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
+void gemm_bf16_ukernel_dpbf16_8x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
+
+// The contract step out of line, for the lanes the SIMD emulations hand
+// back (a result of exactly +-2^-126), so no contract.h inline is compiled
+// with AVX-512 flags.
+float bf16_fold_step_out_of_line(float acc, float a, float b) { return ls::bf16_fold_step(acc, a, b); }
+
+}  // namespace internal
+
+namespace {
+
+using internal::Bf16Kernel;
+
+// ------------------------------------------------------------ kernels ----
+
+// Scalar: ls::bf16_fold_step per (row, column, k), k = 2j+1 then 2j.
+template <int MR, int NR>
+void ukernel_scalar(int64_t kp, const void* av, const void* bv, float* c, int64_t ldc, bool load) {
+  const float* a = static_cast<const float*>(av);
+  const float* b = static_cast<const float*>(bv);
+  float acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = load ? ls::bf16_flush(c[r * ldc + j]) : 0.0f;
+  for (int64_t k = 0; k < 2 * kp; k += 2) {
+    for (int odd = 1; odd >= 0; --odd) {
+      const float* ak = a + (k + odd) * MR;
+      const float* bk = b + (k + odd) * NR;
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NR; ++j) acc[r][j] = ls::bf16_fold_step(acc[r][j], ak[r], bk[j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) c[r * ldc + j] = ls::bf16_canonical_nan(acc[r][j]);
+}
+
+// AVX2 + FMA: one fold step on 8 lanes. The fma is the step; a result at or
+// below 2^-126 in magnitude (rare in real data: zeros, padding) is flushed
+// by a blend, and one of exactly 2^-126 redone by the contract's step.
+inline __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+
+__attribute__((noinline)) __m256 fix_tiny8(__m256 f, __m256 acc, __m256 a, __m256 b) {
+  const __m256 minnorm = _mm256_set1_ps(0x1p-126f);
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN));
+  const __m256 lt = _mm256_cmp_ps(abs8(f), minnorm, _CMP_LT_OQ);
+  const int eq = _mm256_movemask_ps(_mm256_cmp_ps(abs8(f), minnorm, _CMP_EQ_OQ));
+  f = _mm256_blendv_ps(f, _mm256_and_ps(f, sign), lt);
+  if (eq == 0) return f;
+  alignas(32) float fv[8], accv[8], avv[8], bvv[8];
+  _mm256_store_ps(fv, f);
+  _mm256_store_ps(accv, acc);
+  _mm256_store_ps(avv, a);
+  _mm256_store_ps(bvv, b);
+  for (int l = 0; l < 8; ++l)
+    if (eq >> l & 1) fv[l] = ls::bf16_fold_step(accv[l], avv[l], bvv[l]);
+  return _mm256_load_ps(fv);
+}
+
+inline __m256 step8(__m256 acc, __m256 a, __m256 b) {
+  const __m256 f = _mm256_fmadd_ps(a, b, acc);
+  if (_mm256_movemask_ps(_mm256_cmp_ps(abs8(f), _mm256_set1_ps(0x1p-126f), _CMP_LE_OQ)) == 0) return f;
+  return fix_tiny8(f, acc, a, b);
+}
+
+inline __m256 flush8(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(abs8(x), _mm256_set1_ps(0x1p-126f), _CMP_LT_OQ);
+  return _mm256_blendv_ps(x, _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))), tiny);
+}
+
+inline __m256 canonical8(__m256 x) {
+  return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// 6 x 16 in 12 ymm accumulators, as the fp32 AVX2 kernel.
+void ukernel_avx2(int64_t kp, const void* av, const void* bv, float* c, int64_t ldc, bool load) {
+  constexpr int MR = 6, NR = 16;
+  const float* a = static_cast<const float*>(av);
+  const float* b = static_cast<const float*>(bv);
+  __m256 acc[MR][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    acc[r][0] = load ? flush8(_mm256_loadu_ps(c + r * ldc)) : _mm256_setzero_ps();
+    acc[r][1] = load ? flush8(_mm256_loadu_ps(c + r * ldc + 8)) : _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < 2 * kp; k += 2) {
+#pragma GCC unroll 2
+    for (int odd = 1; odd >= 0; --odd) {
+      const float* ak = a + (k + odd) * MR;
+      const __m256 b0 = _mm256_loadu_ps(b + (k + odd) * NR), b1 = _mm256_loadu_ps(b + (k + odd) * NR + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 ar = _mm256_broadcast_ss(ak + r);
+        acc[r][0] = step8(acc[r][0], ar, b0);
+        acc[r][1] = step8(acc[r][1], ar, b1);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(c + r * ldc, canonical8(acc[r][0]));
+    _mm256_storeu_ps(c + r * ldc + 8, canonical8(acc[r][1]));
+  }
+}
+
+const Bf16Kernel kScalarKernel = {4, 8, false, ukernel_scalar<4, 8>};
+const Bf16Kernel kAvx2Kernel = {6, 16, false, ukernel_avx2};
+const Bf16Kernel kAvx512Kernel = {8, 32, false, internal::gemm_bf16_ukernel_avx512_8x32};
+const Bf16Kernel kDpbf16Kernel = {8, 32, true, internal::gemm_bf16_ukernel_dpbf16_8x32};
+
+// ------------------------------------------------------------ dispatch ----
+
+std::atomic<int> g_forced{static_cast<int>(Bf16Path::kAuto)};
+
+bool cpu_has(Bf16Path p) {
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  switch (p) {
+    case Bf16Path::kAuto:
+    case Bf16Path::kScalar:
+      return true;
+    case Bf16Path::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Bf16Path::kAvx512:
+      return avx512;
+    case Bf16Path::kAvx512Bf16:
+      return avx512 && __builtin_cpu_supports("avx512bf16");
+  }
+  return false;
+}
+
+Bf16Path best_path() {
+  static const Bf16Path best = cpu_has(Bf16Path::kAvx512Bf16) ? Bf16Path::kAvx512Bf16
+                               : cpu_has(Bf16Path::kAvx512)   ? Bf16Path::kAvx512
+                               : cpu_has(Bf16Path::kAvx2)     ? Bf16Path::kAvx2
+                                                              : Bf16Path::kScalar;
+  return best;
+}
+
+Bf16Path effective_path() {
+  Bf16Path p = static_cast<Bf16Path>(g_forced.load(std::memory_order_relaxed));
+  if (p != Bf16Path::kAuto && cpu_has(p)) return p;
+  return best_path();
+}
+
+const Bf16Kernel& kernel_for(Bf16Path p) {
+  switch (p) {
+    case Bf16Path::kAvx512Bf16:
+      return kDpbf16Kernel;
+    case Bf16Path::kAvx512:
+      return kAvx512Kernel;
+    case Bf16Path::kAvx2:
+      return kAvx2Kernel;
+    default:
+      return kScalarKernel;
+  }
+}
+
+// ------------------------------------------------------------- packing ----
+
+// Grow-only 64-byte aligned scratch of 4-byte words, one per thread.
+struct Scratch {
+  uint32_t* p = nullptr;
+  size_t n = 0;
+  ~Scratch() { free(p); }
+  uint32_t* get(size_t want) {
+    if (want > n) {
+      free(p);
+      n = std::max(want, n + n / 2);
+      p = static_cast<uint32_t*>(aligned_alloc(64, (n * 4 + 63) / 64 * 64));
+      if (!p) throw std::bad_alloc();
+    }
+    return p;
+  }
+};
+
+// Element (r, c) of a view, or +0 outside rows x cols.
+inline uint16_t at(const ConstMatBf16& m, int64_t r, int64_t c, int64_t rows, int64_t cols) {
+  return r < rows && c < cols ? m.p[r * m.rs + c * m.cs] : uint16_t(0);
+}
+
+// One operand tile into its packed form: `width` lines (rows of A, columns
+// of B) of kp pairs from k0; line l of the operand is its element (l0 + l, k)
+// through get(l, k), +0 past `lines` or past K.
+template <class Get>
+void pack_tile(bool pairs, int width, int64_t lines, int64_t kp, int64_t k0, int64_t K, Get get, uint32_t* dst) {
+  for (int64_t j = 0; j < kp; ++j) {
+    const int64_t k = k0 + 2 * j;
+    for (int l = 0; l < width; ++l) {
+      const uint16_t lo = l < lines && k < K ? get(l, k) : uint16_t(0);
+      const uint16_t hi = l < lines && k + 1 < K ? get(l, k + 1) : uint16_t(0);
+      if (pairs) {
+        dst[j * width + l] = uint32_t(lo) | uint32_t(hi) << 16;
+      } else {
+        float* f = reinterpret_cast<float*>(dst);
+        f[(2 * j) * width + l] = ls::bf16_in(lo);
+        f[(2 * j + 1) * width + l] = ls::bf16_in(hi);
+      }
+    }
+  }
+}
+
+// A pair of bf16 that lie side by side in memory, as one uint32.
+inline uint32_t load_pair(const uint16_t* p) {
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+// MR rows of A from row i0 (mv of them real), k block [k0, k0 + 2kp).
+void pack_a(const ConstMatBf16& A, int64_t i0, int64_t mv, const Bf16Kernel& uk, int64_t k0, int64_t kp,
+            int64_t K, uint32_t* dst) {
+  const uint16_t* base = A.p + i0 * A.rs;
+  if (A.cs == 1 && mv == uk.mr && k0 + 2 * kp <= K) {  // row-major, full strip: rows read 32 bits at a time
+    const int mr = uk.mr;
+    float* f = reinterpret_cast<float*>(dst);
+    for (int r = 0; r < mr; ++r) {
+      const uint16_t* row = base + r * A.rs + k0;
+      for (int64_t j = 0; j < kp; ++j) {
+        const uint32_t v = load_pair(row + 2 * j);
+        if (uk.pairs) {
+          dst[j * mr + r] = v;
+        } else {
+          f[(2 * j) * mr + r] = ls::bf16_in(static_cast<uint16_t>(v));
+          f[(2 * j + 1) * mr + r] = ls::bf16_in(static_cast<uint16_t>(v >> 16));
+        }
+      }
+    }
+    return;
+  }
+  pack_tile(uk.pairs, uk.mr, mv, kp, k0, K, [&](int l, int64_t k) { return base[l * A.rs + k * A.cs]; }, dst);
+}
+
+// NR columns of B from column j0 (nv of them real), k block [k0, k0 + 2kp).
+void pack_b(const ConstMatBf16& B, int64_t j0, int64_t nv, const Bf16Kernel& uk, int64_t k0, int64_t kp,
+            int64_t K, uint32_t* dst) {
+  const uint16_t* base = B.p + j0 * B.cs;
+  if (B.cs == 1 && nv == uk.nr && k0 + 2 * kp <= K) {  // row-major, full panel: two rows interleaved
+    const int nr = uk.nr;
+    float* f = reinterpret_cast<float*>(dst);
+    for (int64_t j = 0; j < kp; ++j) {
+      const uint16_t* lo = base + (k0 + 2 * j) * B.rs;
+      const uint16_t* hi = lo + B.rs;
+      for (int l = 0; l < nr; ++l) {
+        if (uk.pairs) {
+          dst[j * nr + l] = uint32_t(lo[l]) | uint32_t(hi[l]) << 16;
+        } else {
+          f[(2 * j) * nr + l] = ls::bf16_in(lo[l]);
+          f[(2 * j + 1) * nr + l] = ls::bf16_in(hi[l]);
+        }
+      }
+    }
+    return;
+  }
+  pack_tile(uk.pairs, uk.nr, nv, kp, k0, K, [&](int l, int64_t k) { return base[k * B.rs + l * B.cs]; }, dst);
+}
+
+// One micro-tile; partial tiles go through an MR x NR buffer so the kernel
+// always sees a full tile (padding lanes are computed and dropped).
+inline void run_tile(const Bf16Kernel& uk, int64_t kp, const uint32_t* a, const uint32_t* b, float* c,
+                     int64_t ldc, int64_t mv, int64_t nv, bool load) {
+  if (mv == uk.mr && nv == uk.nr) {
+    uk.fn(kp, a, b, c, ldc, load);
+    return;
+  }
+  alignas(64) float tile[16 * 64];  // >= every kernel's MR x NR
+  if (load)
+    for (int64_t r = 0; r < mv; ++r) memcpy(tile + r * uk.nr, c + r * ldc, sizeof(float) * nv);
+  uk.fn(kp, a, b, tile, uk.nr, load);
+  for (int64_t r = 0; r < mv; ++r) memcpy(c + r * ldc, tile + r * uk.nr, sizeof(float) * nv);
+}
+
+// k block (even): a packed B panel of 32 KB stays in L1, as the fp32 GEMM's
+// (256 k x 32 fp32): 512 k as bf16 pairs, 256 k as replayed fp32.
+constexpr int64_t kKCPairs = 512, kKCFp32 = 256;
+constexpr int64_t kMC = 192;  // rows per A block (rounded to MR)
+
+}  // namespace
+
+void set_gemm_bf16_path(Bf16Path path) { g_forced.store(static_cast<int>(path)); }
+Bf16Path gemm_bf16_path() { return effective_path(); }
+bool gemm_bf16_path_supported(Bf16Path path) { return cpu_has(path); }
+
+const char* bf16_path_name(Bf16Path p) {
+  switch (p) {
+    case Bf16Path::kAvx512Bf16:
+      return "avx512_bf16";
+    case Bf16Path::kAvx512:
+      return "avx512";
+    case Bf16Path::kAvx2:
+      return "avx2";
+    case Bf16Path::kScalar:
+      return "scalar";
+    default:
+      return "auto";
+  }
+}
+
+void gemm_bf16_naive(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C, int64_t ldc,
+                     bool accumulate) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      const float start = accumulate ? C[i * ldc + j] : 0.0f;
+      C[i * ldc + j] = ls::bf16_dot(A.p + i * A.rs, A.cs, B.p + j * B.cs, B.rs, K, start);
+    }
+}
+
+void gemm_bf16(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C, int64_t ldc,
+               bool accumulate, int threads) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) memset(C + i * ldc, 0, sizeof(float) * N);
+    return;
+  }
+  const Bf16Kernel& uk = kernel_for(effective_path());
+  const int MR = uk.mr, NR = uk.nr;
+  const int64_t KC = std::min((K + 1) / 2 * 2, uk.pairs ? kKCPairs : kKCFp32);  // even
+  const int64_t MC = std::max<int64_t>(MR, kMC / MR * MR);
+  const int64_t panels = (N + NR - 1) / NR;
+  const int64_t mblocks = (M + MC - 1) / MC;
+
+  int T = threads > 0 ? threads : (omp_in_parallel() || in_pool_job() ? 1 : omp_get_max_threads());
+  if (M * N * K < (int64_t(1) << 18)) T = 1;  // tiny products: not worth waking threads
+  // Tasks: A row blocks x groups of B panels; split N only when M is short.
+  int64_t groups = 1;
+  if (T > 1 && mblocks < 4 * T) groups = std::min(panels, (4 * T + mblocks - 1) / mblocks);
+  const int64_t per_group = (panels + groups - 1) / groups;
+  groups = (panels + per_group - 1) / per_group;
+  const int64_t tasks = mblocks * groups;
+  T = static_cast<int>(std::min<int64_t>(T, tasks));
+
+  // Words per packed k pair of one line: 1 (pairs) or 2 (two fp32).
+  const int64_t wpp = uk.pairs ? 1 : 2;
+  static thread_local Scratch b_scratch;
+  uint32_t* bpack = b_scratch.get(static_cast<size_t>(KC / 2 * wpp * panels * NR));
+  auto pack_panel = [&](int64_t p, int64_t k0, int64_t kp) {
+    pack_b(B, p * NR, std::min<int64_t>(NR, N - p * NR), uk, k0, kp, K, bpack + p * kp * wpp * NR);
+  };
+  // One task: its row block's A strips packed, then its panels' tiles.
+  auto run_task = [&](int64_t t, int64_t k0, int64_t kp, bool load, uint32_t* apack) {
+    const int64_t ib = t / groups, g = t % groups;
+    const int64_t i0 = ib * MC, mc = std::min(MC, M - i0);
+    const int64_t strips = (mc + MR - 1) / MR, strip_words = kp * wpp * MR;
+    for (int64_t s = 0; s < strips; ++s)
+      pack_a(A, i0 + s * MR, std::min<int64_t>(MR, mc - s * MR), uk, k0, kp, K, apack + s * strip_words);
+    const int64_t p_end = std::min(panels, (g + 1) * per_group);
+    for (int64_t p = g * per_group; p < p_end; ++p) {
+      const int64_t nv = std::min<int64_t>(NR, N - p * NR);
+      for (int64_t s = 0; s < strips; ++s) {
+        float* c = C + (i0 + s * MR) * ldc + p * NR;
+        run_tile(uk, kp, apack + s * strip_words, bpack + p * kp * wpp * NR, c, ldc,
+                 std::min<int64_t>(MR, mc - s * MR), nv, load);
+      }
+    }
+  };
+
+  static thread_local Scratch a_scratch;
+  const size_t a_words = static_cast<size_t>(KC / 2 * wpp * (MC + MR));
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kp = (std::min(KC, K - k0) + 1) / 2;
+    const bool load = accumulate || k0 > 0;
+    if (T == 1) {
+      uint32_t* apack = a_scratch.get(a_words);
+      for (int64_t p = 0; p < panels; ++p) pack_panel(p, k0, kp);
+      for (int64_t t = 0; t < tasks; ++t) run_task(t, k0, kp, load, apack);
+      continue;
+    }
+    run_on_threads(T, panels, [&](JobIndices& job) {
+      for (int64_t p; job.next(&p);) pack_panel(p, k0, kp);
+    });
+    run_on_threads(T, tasks, [&](JobIndices& job) {
+      uint32_t* apack = a_scratch.get(a_words);
+      for (int64_t t; job.next(&t);) run_task(t, k0, kp, load, apack);
+    });
+  }
+}
+
+}  // namespace ops
+}  // namespace ls

@@ -1,0 +1,46 @@
+// The contract's bf16 GEMM: C (fp32) = A (bf16) · B (bf16), or C += A·B,
+// where every output element is the contract's bf16 fold over k
+// (ls::bf16_dot, contract_bf16.h): k in pairs, the odd member first, each
+// product added with one rounding, denormals flushed in and out. Its bits
+// are those of the plain loop whatever the path, tiling or thread count.
+// The avx512_bf16 path is that fold in hardware (vdpbf16ps); the others
+// replay it. Not used by the model yet (numerics.precision=bf16 will).
+#pragma once
+
+#include <stdint.h>
+
+namespace ls {
+namespace ops {
+
+// A read-only strided bf16 matrix view (bf16 as its 16 bits, ls::to_bf16):
+// element (r, c) is p[r*rs + c*cs].
+struct ConstMatBf16 {
+  const uint16_t* p;
+  int64_t rs;
+  int64_t cs;
+};
+
+// C[i*ldc + j] = ls::bf16_dot over k = 0..K-1 of A(i,k), B(k,j), from
+// (accumulate ? C[i*ldc+j] : +0.0f). K = 0 leaves C (accumulate) or zeroes
+// it. A continued fold (accumulate) equals one fold over both ranges only when
+// the earlier K was even. threads as ops::gemm: 0 is omp_get_max_threads(),
+// or 1 inside a parallel region; parallel over output tiles, never over k.
+void gemm_bf16(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C, int64_t ldc,
+               bool accumulate, int threads = 0);
+
+// The plain loop over ls::bf16_dot: the definition gemm_bf16 must match, for tests.
+void gemm_bf16_naive(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C,
+                     int64_t ldc, bool accumulate);
+
+// Instruction-set path of gemm_bf16, process-wide, for tests and benchmarks.
+// kAuto picks the best the CPU supports (avx512_bf16, else avx512, avx2,
+// scalar); forcing a path the CPU lacks falls back to kAuto's choice.
+// Independent of set_gemm_path.
+enum class Bf16Path { kAuto, kScalar, kAvx2, kAvx512, kAvx512Bf16 };
+void set_gemm_bf16_path(Bf16Path path);
+Bf16Path gemm_bf16_path();              // the path in use
+const char* bf16_path_name(Bf16Path p);  // "scalar", "avx2", "avx512", "avx512_bf16" (kAuto: "auto")
+bool gemm_bf16_path_supported(Bf16Path path);
+
+}  // namespace ops
+}  // namespace ls

@@ -1,0 +1,318 @@
+// The contract's bf16 GEMM: every instruction-set path (avx512_bf16's
+// vdpbf16ps, and the avx512, avx2 and scalar replays) and the reference's
+// plain loop equal ls::bf16_dot bit for bit, on shapes, strides, thread
+// counts and edge values; the fold is not the fp32 one.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "bits.h"
+#include "numerics/contract.h"
+#include "ops.h"  // the reference's ops (reference/ops.h)
+#include "ops/gemm.h"
+#include "ops/gemm_bf16.h"
+
+using ls::ops::Bf16Path;
+using ls::ops::ConstMatBf16;
+
+namespace {
+
+// Restores kAuto when a test case ends, whatever it forced.
+struct PathGuard {
+  ~PathGuard() { ls::ops::set_gemm_bf16_path(Bf16Path::kAuto); }
+};
+
+std::vector<Bf16Path> paths_to_test() {
+  std::vector<Bf16Path> out = {Bf16Path::kScalar};
+  for (Bf16Path p : {Bf16Path::kAvx2, Bf16Path::kAvx512, Bf16Path::kAvx512Bf16}) {
+    if (ls::ops::gemm_bf16_path_supported(p)) {
+      out.push_back(p);
+    } else {
+      MESSAGE("CPU lacks " << ls::ops::bf16_path_name(p) << ": that path is not tested here");
+    }
+  }
+  return out;
+}
+
+// Value classes of the inputs.
+enum class Values {
+  kPlain,     // to_bf16 of uniform [-1, 1)
+  kSpecials,  // one in four: a bf16 subnormal, +-0, a tiny normal (subnormal
+              // products), an fp32 value at a bf16 rounding tie, rarely +-inf or NaN
+  kBoundary,  // exponents 2^-87..2^-48: products near 2^-126
+};
+
+uint16_t special_value(uint32_t u, uint16_t plain) {
+  switch (u % 32) {
+    case 0: return static_cast<uint16_t>(1 + (u >> 8) % 127);             // +subnormal
+    case 1: return static_cast<uint16_t>(0x8000 | (1 + (u >> 8) % 127));  // -subnormal
+    case 2: return 0x8000;                                                // -0
+    case 3: return 0;                                                     // +0
+    case 4:
+    case 5: {  // tiny normals: 2^-100..2^-60, products below 2^-126
+      const uint32_t e = 27 + (u >> 8) % 40;
+      return static_cast<uint16_t>((u & 0x8000) | (e << 7) | ((u >> 16) & 0x7f));
+    }
+    case 6:
+    case 7: {  // an fp32 value exactly halfway between two bf16: RNE picks the even one
+      const uint32_t hi = (static_cast<uint32_t>(plain) << 16) | 0x8000u;
+      return ls::to_bf16(ls::from_bits(hi));
+    }
+    case 8: return (u >> 8) % 16 == 0 ? 0x7f80 : plain;  // +inf, rarely
+    case 9: return (u >> 8) % 16 == 0 ? 0xff80 : plain;  // -inf, rarely
+    case 10: return (u >> 8) % 32 == 0 ? static_cast<uint16_t>(0x7fc0 | ((u >> 16) & 0x3f)) : plain;  // NaN
+    default: return plain;
+  }
+}
+
+void fill(std::vector<uint16_t>& v, uint64_t seed, Values kind) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    const uint32_t u = ls::random_u32(seed + 1000, ls::Purpose::kTest, i);
+    uint16_t x = ls::to_bf16(ls::random_symmetric(seed, ls::Purpose::kTest, i, 1.0f));
+    if (kind == Values::kSpecials) x = special_value(u, x);
+    if (kind == Values::kBoundary) x = static_cast<uint16_t>((u & 0x807f) | ((40 + (u >> 8) % 40) << 7));
+    v[i] = x;
+  }
+}
+
+// C's start values: plain, or near 2^-126 (the flush boundary).
+void fill_c(std::vector<float>& c, uint64_t seed, Values kind) {
+  for (size_t i = 0; i < c.size(); ++i) {
+    const uint32_t u = ls::random_u32(seed + 2000, ls::Purpose::kTest, i);
+    c[i] = ls::random_symmetric(seed + 7, ls::Purpose::kTest, i, 1.0f);
+    if (kind == Values::kBoundary)
+      c[i] = ls::from_bits((u & 0x80000000u) |
+                           (u % 4 == 0 ? 0x00800000u : ((u & 0x7fffffu) | ((1 + (u >> 23) % 3) << 23))));
+    if (kind == Values::kSpecials && u % 8 == 0) c[i] = ls::from_bits((u & 0x80000000u) | ((u >> 4) & 0x7fffffu));
+  }
+}
+
+// A stored with row stride / column stride chosen by layout:
+// 0 row-major, 1 transposed (column-major), 2 padded rows, 3 neither stride 1.
+struct View {
+  std::vector<uint16_t> store;
+  ConstMatBf16 m;
+};
+View make_view(int64_t rows, int64_t cols, int layout, uint64_t seed, Values kind) {
+  View v;
+  int64_t rs = cols, cs = 1, size = rows * cols;
+  if (layout == 1) { rs = 1; cs = rows; }
+  if (layout == 2) { rs = cols + 3; cs = 1; size = rows * rs; }
+  if (layout == 3) { rs = 2; cs = 2 * rows + 1; size = cols * cs + 2; }
+  v.store.assign(static_cast<size_t>(std::max<int64_t>(size, 1)), 0);
+  fill(v.store, seed, kind);
+  v.m = ConstMatBf16{v.store.data(), rs, cs};
+  return v;
+}
+
+// Runs gemm_bf16 on every path with the given thread counts and checks each
+// result against gemm_bf16_naive (ls::bf16_dot) on the same initial C.
+void check_case(int64_t M, int64_t N, int64_t K, int la, int lb, bool accumulate, const std::vector<int>& threads,
+                Values kind, uint64_t seed) {
+  View a = make_view(M, K, la, seed, kind);
+  View b = make_view(K, N, lb, seed + 1, kind);
+  const int64_t ldc = N + (seed % 3 == 0 ? 5 : 0);
+  std::vector<float> c0(static_cast<size_t>(std::max<int64_t>(M * ldc, 1)));
+  fill_c(c0, seed + 2, kind);
+  std::vector<float> want = c0;
+  ls::ops::gemm_bf16_naive(M, N, K, a.m, b.m, want.data(), ldc, accumulate);
+  for (Bf16Path p : paths_to_test()) {
+    ls::ops::set_gemm_bf16_path(p);
+    for (int t : threads) {
+      std::vector<float> got = c0;
+      ls::ops::gemm_bf16(M, N, K, a.m, b.m, got.data(), ldc, accumulate, t);
+      INFO("M=" << M << " N=" << N << " K=" << K << " layoutA=" << la << " layoutB=" << lb << " acc=" << accumulate
+                << " threads=" << t << " path=" << std::string(ls::ops::bf16_path_name(ls::ops::gemm_bf16_path())));
+      CHECK_SAME_BITS(got, want);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("gemm_bf16") {
+  TEST_CASE("paths: forcing selects the path, kAuto picks the best supported") {
+    PathGuard guard;
+    ls::ops::set_gemm_bf16_path(Bf16Path::kScalar);
+    CHECK(ls::ops::gemm_bf16_path() == Bf16Path::kScalar);
+    ls::ops::set_gemm_bf16_path(Bf16Path::kAvx512);
+    if (ls::ops::gemm_bf16_path_supported(Bf16Path::kAvx512)) CHECK(ls::ops::gemm_bf16_path() == Bf16Path::kAvx512);
+    ls::ops::set_gemm_bf16_path(Bf16Path::kAuto);
+    if (ls::ops::gemm_bf16_path_supported(Bf16Path::kAvx512Bf16)) {
+      CHECK(std::string(ls::ops::bf16_path_name(ls::ops::gemm_bf16_path())) == "avx512_bf16");
+    } else {
+      MESSAGE("CPU lacks AVX512_BF16; kAuto is " << ls::ops::bf16_path_name(ls::ops::gemm_bf16_path()));
+    }
+  }
+
+  TEST_CASE("shapes sweep: odd K, K across the k block, edge tiles; every path and thread count") {
+    PathGuard guard;
+    const int64_t dims[] = {1, 7, 9, 31, 33, 65};
+    const int64_t ks[] = {0, 1, 2, 3, 31, 255, 256, 257, 513};
+    uint64_t seed = 100;
+    for (int64_t M : dims)
+      for (int64_t N : dims)
+        for (int64_t K : ks) {
+          ++seed;
+          std::vector<int> threads = {1, 2 + static_cast<int>(seed % 3)};
+          check_case(M, N, K, 0, 0, seed % 2 == 0, threads, Values::kPlain, seed);
+        }
+    check_case(129, 200, 600, 0, 0, false, {1, 3}, Values::kPlain, 7);  // several row blocks and k blocks
+  }
+
+  TEST_CASE("strided and transposed views, accumulate on and off") {
+    PathGuard guard;
+    const int64_t shapes[][3] = {{33, 65, 17}, {64, 64, 300}, {9, 40, 1}, {130, 31, 70}};
+    uint64_t seed = 5000;
+    for (auto& s : shapes)
+      for (int la = 0; la < 4; ++la)
+        for (int lb = 0; lb < 4; ++lb)
+          for (int acc = 0; acc < 2; ++acc)
+            check_case(s[0], s[1], s[2], la, lb, acc == 1, {1, 3}, Values::kPlain, ++seed);
+  }
+
+  TEST_CASE("edge values: subnormals, signed zeros, infinities, NaN, rounding ties, the 2^-126 boundary") {
+    PathGuard guard;
+    uint64_t seed = 9000;
+    const int64_t shapes[][3] = {{17, 33, 9}, {40, 70, 301}, {8, 32, 64}, {65, 17, 1}, {8, 32, 2}};
+    for (auto& s : shapes)
+      for (int acc = 0; acc < 2; ++acc)
+        for (int la = 0; la < 2; ++la) {
+          check_case(s[0], s[1], s[2], la, 1 - la, acc == 1, {1, 4}, Values::kSpecials, ++seed);
+          check_case(s[0], s[1], s[2], la, 1 - la, acc == 1, {1}, Values::kBoundary, ++seed);
+        }
+  }
+
+  TEST_CASE("the boundary cases are really hit: fma-then-flush differs from the fold there") {
+    // The fold's FTZ judges tininess after rounding to 24 bits at an
+    // unbounded exponent (as vdpbf16ps does). A replay that flushed fma's
+    // result instead would differ on some of these lanes; every path must not.
+    PathGuard guard;
+    const int64_t M = 256, N = 256, K = 2;
+    View a = make_view(M, K, 0, 41, Values::kBoundary), b = make_view(K, N, 0, 42, Values::kBoundary);
+    std::vector<float> c0(M * N);
+    fill_c(c0, 43, Values::kBoundary);
+    std::vector<float> want = c0;
+    ls::ops::gemm_bf16_naive(M, N, K, a.m, b.m, want.data(), N, true);
+    int differ = 0;
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        float acc = ls::bf16_flush(c0[i * N + j]);
+        for (int k : {1, 0})
+          acc = ls::bf16_flush(ls::fma(ls::bf16_in(a.m.p[i * K + k]), ls::bf16_in(b.m.p[k * N + j]), acc));
+        differ += ls::bits(acc) != ls::bits(want[i * N + j]);
+      }
+    CHECK(differ > 0);
+    for (Bf16Path p : paths_to_test()) {
+      ls::ops::set_gemm_bf16_path(p);
+      std::vector<float> got = c0;
+      ls::ops::gemm_bf16(M, N, K, a.m, b.m, got.data(), N, true, 1);
+      INFO("path=" << std::string(ls::ops::bf16_path_name(p)));
+      CHECK_SAME_BITS(got, want);
+    }
+  }
+
+  TEST_CASE("signed zeros: the fold starts at +0; an odd K's padding turns a -0 start into +0") {
+    PathGuard guard;
+    const int64_t M = 8, N = 32;
+    std::vector<uint16_t> a(M * 41, 0x8000), b(41 * N, ls::to_bf16(1.0f));
+    for (Bf16Path p : paths_to_test()) {
+      ls::ops::set_gemm_bf16_path(p);
+      INFO("path=" << std::string(ls::ops::bf16_path_name(p)));
+      for (int64_t K : {40, 41}) {
+        const ConstMatBf16 A{a.data(), K, 1}, B{b.data(), N, 1};
+        std::vector<float> c(M * N, -0.0f);
+        ls::ops::gemm_bf16(M, N, K, A, B, c.data(), N, false, 1);  // from +0: +0 + -0 = +0
+        CHECK(ls::bits(c[0]) == 0u);
+        CHECK(ls::bits(c[M * N - 1]) == 0u);
+        std::fill(c.begin(), c.end(), -0.0f);
+        ls::ops::gemm_bf16(M, N, K, A, B, c.data(), N, true, 1);  // from -0: -0 stays, unless padded
+        CHECK(ls::bits(c[0]) == (K % 2 == 0 ? 0x80000000u : 0u));
+        CHECK(ls::bits(c[M * N - 1]) == (K % 2 == 0 ? 0x80000000u : 0u));
+      }
+    }
+  }
+
+  TEST_CASE("K = 0 zeroes C or leaves it; empty M or N touch nothing") {
+    PathGuard guard;
+    const uint16_t a = 0x3f80, b = 0x3f80;
+    std::vector<float> c(12, -3.0f);
+    ls::ops::gemm_bf16(3, 3, 0, ConstMatBf16{&a, 1, 1}, ConstMatBf16{&b, 1, 1}, c.data(), 4, true);
+    for (float x : c) CHECK(x == -3.0f);
+    ls::ops::gemm_bf16(3, 3, 0, ConstMatBf16{&a, 1, 1}, ConstMatBf16{&b, 1, 1}, c.data(), 4, false);
+    for (int i = 0; i < 3; ++i)
+      for (int j = 0; j < 4; ++j) CHECK(ls::bits(c[i * 4 + j]) == (j < 3 ? 0u : ls::bits(-3.0f)));
+    ls::ops::gemm_bf16(0, 3, 5, ConstMatBf16{&a, 1, 1}, ConstMatBf16{&b, 1, 1}, c.data(), 4, false);
+    ls::ops::gemm_bf16(3, 0, 5, ConstMatBf16{&a, 1, 1}, ConstMatBf16{&b, 1, 1}, c.data(), 4, false);
+    CHECK(c[3] == -3.0f);
+  }
+
+  TEST_CASE("the fold is not the fp32 fma fold, nor the other pair order") {
+    PathGuard guard;
+    // Hand case (worked in the contract suite): products 1, 0, -1, 2^-24.
+    const uint16_t a[4] = {0x3f80, 0, 0xbf80, ls::to_bf16(0x1p-24f)}, ones[4] = {0x3f80, 0x3f80, 0x3f80, 0x3f80};
+    float fp32[4] = {1.0f, 0.0f, -1.0f, 0x1p-24f}, fones[4] = {1, 1, 1, 1}, c32 = 0.0f;
+    ls::ops::gemm_naive(1, 1, 4, ls::ops::ConstMat{fp32, 4, 1}, ls::ops::ConstMat{fones, 1, 1}, &c32, 1, false);
+    CHECK(c32 == 0x1p-24f);
+    for (Bf16Path p : paths_to_test()) {
+      ls::ops::set_gemm_bf16_path(p);
+      float c = 5.0f;
+      ls::ops::gemm_bf16(1, 1, 4, ConstMatBf16{a, 4, 1}, ConstMatBf16{ones, 1, 1}, &c, 1, false, 1);
+      CHECK(ls::bits(c) == 0u);
+    }
+    // Random data: the same bf16 values through the fp32 GEMM (ascending k)
+    // and through an even-then-odd pair order differ somewhere.
+    ls::ops::set_gemm_bf16_path(Bf16Path::kAuto);
+    const int64_t M = 16, N = 32, K = 256;
+    View x = make_view(M, K, 0, 31, Values::kPlain), w = make_view(K, N, 0, 32, Values::kPlain);
+    std::vector<float> xf(M * K), wf(K * N), got(M * N), asc(M * N);
+    for (size_t i = 0; i < xf.size(); ++i) xf[i] = ls::from_bf16(x.store[i]);
+    for (size_t i = 0; i < wf.size(); ++i) wf[i] = ls::from_bf16(w.store[i]);
+    ls::ops::gemm_bf16(M, N, K, x.m, w.m, got.data(), N, false, 2);
+    ls::ops::gemm_naive(M, N, K, ls::ops::ConstMat{xf.data(), K, 1}, ls::ops::ConstMat{wf.data(), N, 1}, asc.data(), N,
+                        false);
+    int differ_asc = 0, differ_even_first = 0;
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        float e = 0.0f;
+        for (int64_t k = 0; k < K; k += 2)
+          for (int64_t kk : {k, k + 1}) e = ls::bf16_fold_step(e, xf[i * K + kk], wf[kk * N + j]);
+        differ_even_first += ls::bits(e) != ls::bits(got[i * N + j]);
+        differ_asc += ls::bits(asc[i * N + j]) != ls::bits(got[i * N + j]);
+      }
+    CHECK(differ_asc > 0);
+    CHECK(differ_even_first > 0);
+  }
+
+  TEST_CASE("continuing a fold: equal to one fold after an even K, not after an odd one") {
+    PathGuard guard;
+    const int64_t M = 16, N = 32, K = 100;
+    View a = make_view(M, K, 0, 51, Values::kPlain), b = make_view(K, N, 0, 52, Values::kPlain);
+    std::vector<float> whole(M * N);
+    ls::ops::gemm_bf16(M, N, K, a.m, b.m, whole.data(), N, false, 1);
+    for (int64_t k1 : {40, 41}) {
+      std::vector<float> split(M * N);
+      ls::ops::gemm_bf16(M, N, k1, a.m, b.m, split.data(), N, false, 1);
+      ls::ops::gemm_bf16(M, N, K - k1, ConstMatBf16{a.m.p + k1, K, 1}, ConstMatBf16{b.m.p + k1 * N, N, 1},
+                         split.data(), N, true, 1);
+      if (k1 % 2 == 0) {
+        CHECK_SAME_BITS(split, whole);
+      } else {
+        CHECK(!lstest::bits_differ(split, whole).empty());
+      }
+    }
+  }
+
+  TEST_CASE("the reference's plain loop equals the contract's fold") {
+    const int64_t M = 13, N = 21, K = 37;
+    for (Values kind : {Values::kPlain, Values::kSpecials, Values::kBoundary}) {
+      View a = make_view(M, K, 0, 61, kind), b = make_view(K, N, 0, 62, kind);
+      std::vector<float> want(M * N), got(M * N);
+      ls::ops::gemm_bf16_naive(M, N, K, a.m, b.m, want.data(), N, false);
+      ref::matmul_bf16(a.store.data(), b.store.data(), got.data(), M, N, K);
+      CHECK_SAME_BITS(got, want);
+    }
+  }
+}
