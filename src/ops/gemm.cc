@@ -25,6 +25,7 @@
 
 #include "common/thread_pool.h"
 #include "numerics/contract.h"
+#include "ops/aligned_scratch.h"
 #include "ops/transpose8.h"
 
 namespace ls {
@@ -137,20 +138,7 @@ const UKernelInfo& kernel_for(GemmPath p) {
 // ------------------------------------------------------------- packing ----
 
 // Grow-only 64-byte aligned scratch, one per thread.
-struct Scratch {
-  float* p = nullptr;
-  size_t n = 0;
-  ~Scratch() { free(p); }
-  float* get(size_t want) {
-    if (want > n) {
-      free(p);
-      n = std::max(want, n + n / 2);
-      p = static_cast<float*>(aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64));
-      if (!p) throw std::bad_alloc();
-    }
-    return p;
-  }
-};
+using Scratch = AlignedScratch<float>;
 
 // dst[k*MR + r] = A(i0 + r, k0 + k) for r < mv, 0 for the padding rows.
 // Only edge strips are packed; full strips are read in place.

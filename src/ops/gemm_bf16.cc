@@ -29,6 +29,7 @@
 
 #include "common/thread_pool.h"
 #include "numerics/contract.h"
+#include "ops/aligned_scratch.h"
 
 namespace ls {
 namespace ops {
@@ -205,21 +206,8 @@ const Bf16Kernel& kernel_for(Bf16Path p) {
 
 // ------------------------------------------------------------- packing ----
 
-// Grow-only 64-byte aligned scratch of 4-byte words, one per thread.
-struct Scratch {
-  uint32_t* p = nullptr;
-  size_t n = 0;
-  ~Scratch() { free(p); }
-  uint32_t* get(size_t want) {
-    if (want > n) {
-      free(p);
-      n = std::max(want, n + n / 2);
-      p = static_cast<uint32_t*>(aligned_alloc(64, (n * 4 + 63) / 64 * 64));
-      if (!p) throw std::bad_alloc();
-    }
-    return p;
-  }
-};
+// Grow-only 64-byte aligned scratch, one per thread.
+using Scratch = AlignedScratch<uint32_t>;
 
 // Element (r, c) of a view, or +0 outside rows x cols.
 inline uint16_t at(const ConstMatBf16& m, int64_t r, int64_t c, int64_t rows, int64_t cols) {
