@@ -32,14 +32,18 @@ std::vector<T>& layer_output(Step<T>& st, int l) {
 
 // Weight gradient: dW[i][j] = sum over tokens of X[n][i] * dY[n][j]
 // (reduces over the global token index: fma fold per leaf, canonical tree).
+// At bf16 the same fold over X and dY rounded to bf16, unless fp32 (the
+// router's).
 template <class T>
 void weight_grad(const Config& c, int64_t N, T* dW, const std::vector<T>& X, int64_t ldx, const std::vector<T>& dY,
-                 int64_t ldy, int rows, int cols) {
+                 int64_t ldy, int rows, int cols, bool fp32 = false) {
   const int64_t leaf = (int64_t)c.leaf_samples * c.seq_len;
+  const bool bf16 = c.bf16 && !fp32;
   for (int i = 0; i < rows; ++i)
     for (int j = 0; j < cols; ++j)
-      dW[(int64_t)i * cols + j] =
-          token_reduce<T>(N, leaf, [&](int64_t n, T acc) { return FMA(X[n * ldx + i], dY[n * ldy + j], acc); });
+      dW[(int64_t)i * cols + j] = token_reduce<T>(N, leaf, [&](int64_t n, T acc) {
+        return FMA(operand(bf16, X[n * ldx + i]), operand(bf16, dY[n * ldy + j]), acc);
+      });
 }
 
 // Norm weight gradient: dw_i = sum over tokens of dout_i * xhat_i (reduces over the token index).
@@ -145,7 +149,7 @@ void attention_forward(Model<T>& m, Step<T>& st, int l, Losses<T>&) {
   trace(m, st, "fwd", l, "attn_norm", "out", acts.a, {N, D});
   acts.qkv.resize(N * 3 * D);
   for (int64_t n = 0; n < N; ++n)
-    for (int j = 0; j < 3 * D; ++j) acts.qkv[n * 3 * D + j] = dot_col(&acts.a[n * D], wqkv, 3 * D, j, D);
+    for (int j = 0; j < 3 * D; ++j) acts.qkv[n * 3 * D + j] = dot_col(c.bf16, &acts.a[n * D], wqkv, 3 * D, j, D);
   trace(m, st, "fwd", l, "qkv", "out", acts.qkv, {N, 3 * D});
   acts.att.assign((size_t)B * H * S * S, T(0));
   acts.o.resize(N * D);
@@ -158,7 +162,7 @@ void attention_forward(Model<T>& m, Step<T>& st, int l, Losses<T>&) {
   trace(m, st, "fwd", l, "attention", "out", acts.o, {N, D});
   acts.xm.resize(N * D);
   for (int64_t n = 0; n < N; ++n)
-    for (int j = 0; j < D; ++j) acts.xm[n * D + j] = acts.x[n * D + j] + dot_col(&acts.o[n * D], wo, D, j, D);
+    for (int j = 0; j < D; ++j) acts.xm[n * D + j] = acts.x[n * D + j] + dot_col(c.bf16, &acts.o[n * D], wo, D, j, D);
   trace(m, st, "fwd", l, "attn_residual", "h", acts.xm, {N, D});
 }
 
@@ -177,9 +181,7 @@ void attention_backward(Model<T>& m, Step<T>& st, int l) {
   std::vector<T> dO(N * D), dqkv(N * 3 * D, T(0));
   for (int64_t n = 0; n < N; ++n)
     for (int i = 0; i < D; ++i) {
-      T acc = 0;  // reduces over the output feature j
-      for (int j = 0; j < D; ++j) acc = FMA(dh[n * D + j], wo[(int64_t)i * D + j], acc);
-      dO[n * D + i] = acc;
+      dO[n * D + i] = product_fold(c.bf16, &dh[n * D], 1, wo + (int64_t)i * D, 1, D);  // over the output feature j
     }
   for (int b = 0; b < B; ++b)
     for (int head = 0; head < H; ++head) {
@@ -194,9 +196,7 @@ void attention_backward(Model<T>& m, Step<T>& st, int l) {
   std::vector<T> da(N * D);
   for (int64_t n = 0; n < N; ++n)
     for (int i = 0; i < D; ++i) {
-      T acc = 0;  // reduces over the qkv feature j
-      for (int j = 0; j < 3 * D; ++j) acc = FMA(dqkv[n * 3 * D + j], wqkv[(int64_t)i * 3 * D + j], acc);
-      da[n * D + i] = acc;
+      da[n * D + i] = product_fold(c.bf16, &dqkv[n * 3 * D], 1, wqkv + (int64_t)i * 3 * D, 1, 3 * D);  // over qkv feature j
     }
   norm_grad(c, N, layer_param(m, l, "attn_norm").g.data(), acts.x, acts.r1, da);
   add_norm_backward(c, N, acts.x, attn_norm, acts.r1, da, dh);
@@ -220,7 +220,7 @@ void moe_routing_forward(Model<T>& m, Step<T>& st, int l, Losses<T>&) {
   acts.lse.resize(N);
   acts.sel.resize(N * K);
   for (int64_t n = 0; n < N; ++n) {
-    for (int e = 0; e < E; ++e) acts.z[n * E + e] = dot_col(&acts.a2[n * D], router, E, e, D);
+    for (int e = 0; e < E; ++e) acts.z[n * E + e] = dot_col(false, &acts.a2[n * D], router, E, e, D);
     // A fixed preference for the first max(1, E/4) experts (skewed routing).
     if (c.router_skew != 0)
       for (int e = 0; e < std::max(1, E / 4); ++e) acts.z[n * E + e] = acts.z[n * E + e] + T(c.router_skew);
@@ -266,7 +266,7 @@ void moe_routing_backward(Model<T>& m, Step<T>& st, int l) {
     for (int e = 0; e < E; ++e) dz[n * E + e] = dz[n * E + e] + zc * acts.g[n * E + e];
   }
   trace(m, st, "bwd", l, "router", "dz", dz, {N, E});
-  weight_grad(c, N, layer_param(m, l, "router").g.data(), acts.a2, D, dz, E, D, E);
+  weight_grad(c, N, layer_param(m, l, "router").g.data(), acts.a2, D, dz, E, D, E, true);  // the router: fp32
   std::vector<T>& da2 = st.da2;
   for (int64_t n = 0; n < N; ++n)
     for (int i = 0; i < D; ++i) {
@@ -319,7 +319,7 @@ void moe_experts_forward(Model<T>& m, Step<T>& st, int l, Losses<T>&) {
   acts.ye.resize(N * K * D);
   for (int64_t ns = 0; ns < N * K; ++ns) {
     const int e = acts.sel[ns];
-    expert_forward(&acts.xe[ns * D], &W1.w[(int64_t)e * D * F], &W3.w[(int64_t)e * D * F], &W2.w[(int64_t)e * F * D], D,
+    expert_forward(c.bf16, &acts.xe[ns * D], &W1.w[(int64_t)e * D * F], &W3.w[(int64_t)e * D * F], &W2.w[(int64_t)e * F * D], D,
                    F, &acts.u[ns * F], &acts.v[ns * F], &acts.act[ns * F], &acts.ye[ns * D]);
   }
   trace(m, st, "fwd", l, "moe.experts", "out", acts.ye, {N, K, D});
@@ -339,7 +339,7 @@ void moe_experts_backward(Model<T>& m, Step<T>& st, int l) {
   st.dxe.resize(N * K * D);
   for (int64_t ns = 0; ns < N * K; ++ns) {
     const int e = acts.sel[ns];
-    expert_backward(&acts.u[ns * F], &acts.v[ns * F], &W1.w[(int64_t)e * D * F], &W3.w[(int64_t)e * D * F],
+    expert_backward(c.bf16, &acts.u[ns * F], &acts.v[ns * F], &W1.w[(int64_t)e * D * F], &W3.w[(int64_t)e * D * F],
                     &W2.w[(int64_t)e * F * D], &st.dye[ns * D], D, F, &du[ns * F], &dv[ns * F], &st.dxe[ns * D]);
   }
   trace(m, st, "bwd", l, "moe.experts", "dx", st.dxe, {N, K, D});
@@ -358,14 +358,14 @@ void moe_experts_backward(Model<T>& m, Step<T>& st, int l) {
     for (int i = 0; i < D; ++i)
       for (int f = 0; f < F; ++f) {
         W1.g[((int64_t)e * D + i) * F + f] =
-            reduce_routed([&](int64_t ns, T acc) { return FMA(acts.xe[ns * D + i], du[ns * F + f], acc); });
+            reduce_routed([&](int64_t ns, T acc) { return FMA(operand(c.bf16, acts.xe[ns * D + i]), operand(c.bf16, du[ns * F + f]), acc); });
         W3.g[((int64_t)e * D + i) * F + f] =
-            reduce_routed([&](int64_t ns, T acc) { return FMA(acts.xe[ns * D + i], dv[ns * F + f], acc); });
+            reduce_routed([&](int64_t ns, T acc) { return FMA(operand(c.bf16, acts.xe[ns * D + i]), operand(c.bf16, dv[ns * F + f]), acc); });
       }
     for (int f = 0; f < F; ++f)
       for (int j = 0; j < D; ++j)
         W2.g[((int64_t)e * F + f) * D + j] =
-            reduce_routed([&](int64_t ns, T acc) { return FMA(acts.act[ns * F + f], st.dye[ns * D + j], acc); });
+            reduce_routed([&](int64_t ns, T acc) { return FMA(operand(c.bf16, acts.act[ns * F + f]), operand(c.bf16, st.dye[ns * D + j]), acc); });
   }
 }
 
@@ -384,7 +384,7 @@ void moe_combine_forward(Model<T>& m, Step<T>& st, int l, Losses<T>& losses) {
     const T *s1 = layer_param(m, l, "shared.w1").w.data(), *s3 = layer_param(m, l, "shared.w3").w.data(),
             *s2 = layer_param(m, l, "shared.w2").w.data();
     for (int64_t n = 0; n < N; ++n)
-      expert_forward(&acts.a2[n * D], s1, s3, s2, D, F, &acts.shared_u[n * F], &acts.shared_v[n * F], &acts.shared_act[n * F], &acts.shared_out[n * D]);
+      expert_forward(c.bf16, &acts.a2[n * D], s1, s3, s2, D, F, &acts.shared_u[n * F], &acts.shared_v[n * F], &acts.shared_act[n * F], &acts.shared_out[n * D]);
   }
   // out = fold over slots of fma(gate, y_slot, out) from +0, then + shared; h = residual + out.
   std::vector<T>& h = layer_output(st, l);
@@ -446,7 +446,7 @@ void moe_combine_backward(Model<T>& m, Step<T>& st, int l) {
   std::vector<T> shared_du(N * F), shared_dv(N * F);
   st.shared_dx.resize(N * D);
   for (int64_t n = 0; n < N; ++n)
-    expert_backward(&acts.shared_u[n * F], &acts.shared_v[n * F], layer_param(m, l, "shared.w1").w.data(),
+    expert_backward(c.bf16, &acts.shared_u[n * F], &acts.shared_v[n * F], layer_param(m, l, "shared.w1").w.data(),
                     layer_param(m, l, "shared.w3").w.data(), layer_param(m, l, "shared.w2").w.data(), &dh[n * D], D, F,
                     &shared_du[n * F], &shared_dv[n * F], &st.shared_dx[n * D]);
   weight_grad(c, N, layer_param(m, l, "shared.w1").g.data(), acts.a2, D, shared_du, F, D, F);
@@ -469,7 +469,7 @@ void head_forward(Model<T>& m, Step<T>& st, int, Losses<T>& losses) {
   for (int64_t n = 0; n < N; ++n) st.rf[n] = rmsnorm(&st.h[n * D], final_norm, &st.af[n * D], D, T(c.rms_eps));
   trace(m, st, "fwd", -1, "final_norm", "out", st.af, {N, D});
   for (int64_t n = 0; n < N; ++n)
-    for (int v = 0; v < V; ++v) st.logits[n * V + v] = dot_col(&st.af[n * D], lm_head, V, v, D);
+    for (int v = 0; v < V; ++v) st.logits[n * V + v] = dot_col(c.bf16, &st.af[n * D], lm_head, V, v, D);
   trace(m, st, "fwd", -1, "lm_head", "logits", st.logits, {N, V});
   for (int64_t n = 0; n < N; ++n) {
     const T lse = softmax(&st.logits[n * V], &st.prob[n * V], V);
@@ -496,11 +496,7 @@ void head_backward(Model<T>& m, Step<T>& st, int) {
   std::vector<T> daf(N * D);
   // daf[n][i] = sum_v dlogits[n][v] * lm_head[i][v]: reduces over the vocab index v.
   for (int64_t n = 0; n < N; ++n)
-    for (int i = 0; i < D; ++i) {
-      T acc = 0;
-      for (int v = 0; v < V; ++v) acc = FMA(dlogits[n * V + v], lm_head[(int64_t)i * V + v], acc);
-      daf[n * D + i] = acc;
-    }
+    for (int i = 0; i < D; ++i) daf[n * D + i] = product_fold(c.bf16, &dlogits[n * V], 1, lm_head + (int64_t)i * V, 1, V);
   norm_grad(c, N, m.param("final_norm").g.data(), st.h, st.rf, daf);
   st.dh.assign(N * D, T(0));
   for (int64_t n = 0; n < N; ++n) rmsnorm_backward(&st.h[n * D], final_norm, st.rf[n], &daf[n * D], &st.dh[n * D], D);

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "contract.h"
@@ -72,12 +73,45 @@ void rmsnorm_backward(const T* x, const T* w, T r, const T* dout, T* dx, int D) 
   for (int i = 0; i < D; ++i) dx[i] = r * (dout[i] * w[i] - (x[i] * r) * c);
 }
 
+// A bf16 run's matrix-product operand: x rounded to bf16 (ls::to_bf16), as
+// a float again; x itself when bf16 is false.
+template <class T>
+T operand(bool bf16, T x) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    if (bf16) return ls::from_bf16(ls::to_bf16(x));
+  }
+  return x;
+}
+
+// The feature fold of a matrix product: start + sum over i < n of
+// x[i*xs] * w[i*ws], reducing over the feature index i. fp32: the fma fold,
+// i ascending. bf16: the contract's bf16 fold (ls::bf16_dot: pairs, the odd
+// member first, denormals flushed) of both operands rounded to bf16.
+template <class T>
+T product_fold(bool bf16, const T* x, int64_t xs, const T* w, int64_t ws, int n, T start = T(0)) {
+  if (!bf16) {
+    T acc = start;
+    for (int i = 0; i < n; ++i) acc = FMA(x[i * xs], w[i * ws], acc);
+    return acc;
+  }
+  if constexpr (sizeof(T) == sizeof(float)) {
+    thread_local std::vector<uint16_t> a, b;
+    a.resize((size_t)n);
+    b.resize((size_t)n);
+    for (int i = 0; i < n; ++i) {
+      a[(size_t)i] = ls::to_bf16(x[i * xs]);
+      b[(size_t)i] = ls::to_bf16(w[i * ws]);
+    }
+    return ls::bf16_dot(a.data(), 1, b.data(), 1, n, start);
+  } else {
+    throw std::logic_error("ref: bf16 products are the float model's");
+  }
+}
+
 // y[j] = sum_i x[i] * W[i*ld + j]: reduces over the feature index i.
 template <class T>
-T dot_col(const T* x, const T* W, int64_t ld, int j, int n) {
-  T acc = 0;
-  for (int i = 0; i < n; ++i) acc = FMA(x[i], W[(int64_t)i * ld + j], acc);
-  return acc;
+T dot_col(bool bf16, const T* x, const T* W, int64_t ld, int j, int n) {
+  return product_fold(bf16, x, 1, W + j, ld, n);
 }
 
 // C[M x N] = A[M x K] · B[K x N], row-major, A and B bf16 (ls::to_bf16
@@ -134,33 +168,31 @@ T silu_grad(T u) {
 // One SwiGLU expert on one token: u = x W1, v = x W3, act = silu(u) * v,
 // y = act W2. u, v reduce over the model feature; y over the hidden feature.
 template <class T>
-void expert_forward(const T* x, const T* W1, const T* W3, const T* W2, int D, int F, T* u, T* v,
+void expert_forward(bool bf16, const T* x, const T* W1, const T* W3, const T* W2, int D, int F, T* u, T* v,
                     T* act, T* y) {
   for (int f = 0; f < F; ++f) {
-    u[f] = dot_col(x, W1, F, f, D);
-    v[f] = dot_col(x, W3, F, f, D);
+    u[f] = dot_col(bf16, x, W1, F, f, D);
+    v[f] = dot_col(bf16, x, W3, F, f, D);
     act[f] = silu(u[f]) * v[f];
   }
-  for (int j = 0; j < D; ++j) y[j] = dot_col(act, W2, D, j, F);
+  for (int j = 0; j < D; ++j) y[j] = dot_col(bf16, act, W2, D, j, F);
 }
 
 // Expert backward on one token, input side: from dy get du, dv (saved for the
 // weight gradients) and dx = du W1^T then dv W3^T, one fold over the
 // concatenated hidden index [u; v].
 template <class T>
-void expert_backward(const T* u, const T* v, const T* W1, const T* W3, const T* W2, const T* dy,
+void expert_backward(bool bf16, const T* u, const T* v, const T* W1, const T* W3, const T* W2, const T* dy,
                      int D, int F, T* du, T* dv, T* dx) {
   for (int f = 0; f < F; ++f) {
-    T dact = 0;  // reduces over the model feature j
-    for (int j = 0; j < D; ++j) dact = FMA(dy[j], W2[(int64_t)f * D + j], dact);
+    const T dact = product_fold(bf16, dy, 1, W2 + (int64_t)f * D, 1, D);  // reduces over the model feature j
     dv[f] = dact * silu(u[f]);
     du[f] = (dact * v[f]) * silu_grad(u[f]);
   }
   for (int i = 0; i < D; ++i) {
-    T acc = 0;  // reduces over the hidden index (u part, then v part)
-    for (int f = 0; f < F; ++f) acc = FMA(du[f], W1[(int64_t)i * F + f], acc);
-    for (int f = 0; f < F; ++f) acc = FMA(dv[f], W3[(int64_t)i * F + f], acc);
-    dx[i] = acc;
+    // Reduces over the hidden index: the u part, then the v part continuing its fold.
+    const T acc = product_fold(bf16, du, 1, W1 + (int64_t)i * F, 1, F);
+    dx[i] = product_fold(bf16, dv, 1, W3 + (int64_t)i * F, 1, F, acc);
   }
 }
 

@@ -21,6 +21,9 @@ struct Config {
   float router_skew = 0.0f;  // added to the router logits of experts [0, max(1, E/4))
   bool aux_per_sample = false;  // the load-balancing loss per sample, averaged (moe.aux_scope=sequence)
   int batch = 16, leaf_samples = 1;
+  // numerics.precision=bf16: the matrix products' operands rounded to bf16
+  // (docs/NUMERICS.md section 10); the float model only.
+  bool bf16 = false;
   // AdamW and schedule.
   float lr = 3e-3f, min_lr_ratio = 0.1f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   float weight_decay = 0.1f, grad_clip = 1.0f;

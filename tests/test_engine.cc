@@ -16,6 +16,7 @@
 #include "ops/gemm.h"
 #include "ops/ops.h"
 #include "runner/data_lanes.h"
+#include "runner/execution_target.h"
 #include "runner/runner.h"
 #include "runner/scenario.h"
 
@@ -44,6 +45,9 @@ struct Trace {
 
 Trace train(const ls::Scenario& s, ls::Backend backend, int threads) {
   omp_set_num_threads(threads);
+  // The run's precision, process-wide for the engine's ops, as run_scenario installs it.
+  const ls::ops::ScopedExecutionTarget installed(ls::execution_target(
+      backend, ls::NumericsLevel::kPortable, ls::precision_of(s.precision)));
   ls::Corpus corpus = ls::load_corpus(s.data, s.seed, s.model.seq_len);
   auto trainer = ls::make_trainer(s, backend);
   std::vector<uint8_t> batch((size_t)s.batch * (s.model.seq_len + 1));
@@ -505,6 +509,25 @@ TEST_SUITE("engine") {
   TEST_CASE("training steps equal the reference: grad clipping active, no aux losses") {
     check_engine_matches_reference(tiny_scenario(
         R"({"moe": {"aux_loss_weight": 0, "z_loss_weight": 0}, "train": {"grad_clip": 0.01, "lr": 0.01}})"));
+  }
+
+  TEST_CASE("bf16 training steps equal the reference, and are not fp32's: top-2, top-1, shared expert, leaves of 3") {
+    for (const char* shape : {"{}", R"({"moe": {"experts": 8, "top_k": 1}})",
+                              R"({"moe": {"experts": 3, "top_k": 3}, "model": {"shared_expert": true}})",
+                              R"({"model": {"d_model": 24, "n_heads": 3, "seq_len": 7, "d_ff": 6}, "train": {"batch": 6},
+                                  "numerics": {"leaf_samples": 3}})"}) {
+      CAPTURE(shape);
+      nlohmann::json j = nlohmann::json::parse(shape);
+      const ls::Scenario fp32 = tiny_scenario(j.dump());
+      j["numerics"]["precision"] = "bf16";
+      const ls::Scenario bf16 = tiny_scenario(j.dump());
+      check_engine_matches_reference(bf16);
+      // Not the fp32 run: the engine and the reference both took the bf16 products.
+      const Trace a = train(fp32, ls::Backend::kEngine, 1), b = train(bf16, ls::Backend::kEngine, 1),
+                  r = train(bf16, ls::Backend::kReference, 1);
+      CHECK(a.hashes.back() != b.hashes.back());
+      CHECK(r.hashes.back() == b.hashes.back());
+    }
   }
 
   TEST_CASE("data lanes: one model's bits and routing statistics, at 2 and 4 lanes") {

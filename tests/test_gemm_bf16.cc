@@ -315,4 +315,55 @@ TEST_SUITE("gemm_bf16") {
       CHECK_SAME_BITS(got, want);
     }
   }
+
+  TEST_CASE("gemm_bf16_rounded: gemm_bf16's bits on the operands rounded first, every path, strided views") {
+    PathGuard guard;
+    uint64_t seed = 77000;
+    const int64_t shapes[][3] = {{33, 65, 17}, {64, 64, 300}, {9, 40, 1}, {130, 31, 70}, {8, 32, 600}};
+    for (auto& sh : shapes)
+      for (int transposed = 0; transposed < 2; ++transposed)
+        for (int acc = 0; acc < 2; ++acc) {
+          const int64_t M = sh[0], N = sh[1], K = sh[2];
+          ++seed;
+          // fp32 operands: exact ties, subnormals, ordinary values (no inf or NaN: see the edge-value case).
+          std::vector<float> a(static_cast<size_t>(M * K)), b(static_cast<size_t>(K * N));
+          uint64_t x = seed;
+          for (std::vector<float>* v : {&a, &b})
+            for (float& f : *v) {
+              x = x * 6364136223846793005ull + 1442695040888963407ull;
+              uint32_t u = static_cast<uint32_t>(x >> 32);
+              if ((x >> 20) % 7 == 0) u = (u & 0xffff0000u) | 0x8000u;        // an exact tie
+              if ((x >> 20) % 11 == 0) u &= 0x807fffffu;                     // a subnormal
+              if ((x >> 20) % 13 == 0) u = (u & 0x3fffffffu) | 0x3c000000u;  // an ordinary value
+              f = ls::from_bits((u & 0x7f800000u) == 0x7f800000u ? (u & 0x3fffffffu) : u);
+            }
+          std::vector<uint16_t> a16(a.size()), b16(b.size());
+          for (size_t i = 0; i < a.size(); ++i) a16[i] = ls::to_bf16(a[i]);
+          for (size_t i = 0; i < b.size(); ++i) b16[i] = ls::to_bf16(b[i]);
+          // A as stored or transposed (K x M, read with swapped strides).
+          const int64_t ars = transposed ? 1 : K, acs = transposed ? M : 1;
+          std::vector<float> at(a.size());
+          std::vector<uint16_t> at16(a.size());
+          for (int64_t i = 0; i < M; ++i)
+            for (int64_t k = 0; k < K; ++k) {
+              at[static_cast<size_t>(i * ars + k * acs)] = a[static_cast<size_t>(i * K + k)];
+              at16[static_cast<size_t>(i * ars + k * acs)] = a16[static_cast<size_t>(i * K + k)];
+            }
+          std::vector<float> c0(static_cast<size_t>(M * N), 0.25f);
+          std::vector<float> want = c0;
+          ls::ops::gemm_bf16_naive(M, N, K, ConstMatBf16{at16.data(), ars, acs}, ConstMatBf16{b16.data(), N, 1},
+                                   want.data(), N, acc == 1);
+          for (Bf16Path p : paths_to_test()) {
+            ls::ops::set_gemm_bf16_path(p);
+            for (int t : {1, 3}) {
+              std::vector<float> got = c0;
+              ls::ops::gemm_bf16_rounded(M, N, K, ls::ops::ConstMat{at.data(), ars, acs},
+                                         ls::ops::ConstMat{b.data(), N, 1}, got.data(), N, acc == 1, t);
+              INFO("M=" << M << " N=" << N << " K=" << K << " transposed=" << transposed << " threads=" << t
+                        << " path=" << ls::ops::bf16_path_name(ls::ops::gemm_bf16_path()));
+              CHECK_SAME_BITS(got, want);
+            }
+          }
+        }
+  }
 }

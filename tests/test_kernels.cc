@@ -424,7 +424,7 @@ TEST_SUITE("kernels") {
       ls::kernels::contract_gemm(N, V, D, ls::kernels::Mat{x.data(), D, 1}, ls::kernels::Mat{W.data(), V, 1}, y.data(), V, false);
     }, 1, true);
     for (int64_t n = 0; n < N; ++n)
-      for (int j = 0; j < V; ++j) want[n * V + j] = ref::dot_col(&x[n * D], W.data(), V, j, D);
+      for (int j = 0; j < V; ++j) want[n * V + j] = ref::dot_col(false, &x[n * D], W.data(), V, j, D);
     CHECK_SAME_BITS(y, want);
     // RMSNorm and its backward, token by token.
     std::vector<float> yn(N * D), r(N), dx(N * D), yref(N * D), rref(N), dxref(N * D);

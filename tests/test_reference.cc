@@ -206,11 +206,11 @@ TEST_CASE("op fd: SwiGLU expert dx, du, dv, dW1, dW3, dW2 (rel.err <= 1e-7)") {
   std::vector<double> u(F), v(F), act(F), y(D), du(F), dv(F), dx(D);
   auto loss = [&] {
     std::vector<double> u_(F), v_(F), a_(F), y_(D);
-    ref::expert_forward(x.data(), W1.data(), W3.data(), W2.data(), D, F, u_.data(), v_.data(), a_.data(), y_.data());
+    ref::expert_forward(false, x.data(), W1.data(), W3.data(), W2.data(), D, F, u_.data(), v_.data(), a_.data(), y_.data());
     return weighted(c, y_.data());
   };
-  ref::expert_forward(x.data(), W1.data(), W3.data(), W2.data(), D, F, u.data(), v.data(), act.data(), y.data());
-  ref::expert_backward(u.data(), v.data(), W1.data(), W3.data(), W2.data(), c.data(), D, F, du.data(), dv.data(),
+  ref::expert_forward(false, x.data(), W1.data(), W3.data(), W2.data(), D, F, u.data(), v.data(), act.data(), y.data());
+  ref::expert_backward(false, u.data(), v.data(), W1.data(), W3.data(), W2.data(), c.data(), D, F, du.data(), dv.data(),
                        dx.data());
   // du, dv: FD of the hidden-side map (u, v) -> L with act = silu(u) * v,
   // y = act W2, built from the ops' own silu and dot_col.
@@ -218,7 +218,7 @@ TEST_CASE("op fd: SwiGLU expert dx, du, dv, dW1, dW3, dW2 (rel.err <= 1e-7)") {
     std::vector<double> a_(F);
     for (int f = 0; f < F; ++f) a_[f] = ref::silu(u[f]) * v[f];
     double l = 0;
-    for (int j = 0; j < D; ++j) l += c[j] * ref::dot_col(a_.data(), W2.data(), D, j, F);
+    for (int j = 0; j < D; ++j) l += c[j] * ref::dot_col(false, a_.data(), W2.data(), D, j, F);
     return l;
   };
   // Weight gradients from the saved du, dv, act and dy = c (outer products,

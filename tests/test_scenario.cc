@@ -92,7 +92,7 @@ const char* kFull = R"({
             "eps": 1e-07, "weight_decay": 0.0, "grad_clip": 0.5,
             "eval_every": 0, "eval_batches": 2, "microbatches": 1},
   "data": {"path": "corpus.bin", "synthetic_bytes": 65536, "val_fraction": 0.25},
-  "numerics": {"leaf_samples": 4, "level": "local"}
+  "numerics": {"leaf_samples": 4, "level": "local", "precision": "bf16"}
 })";
 
 }  // namespace

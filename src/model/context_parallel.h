@@ -28,6 +28,8 @@
 // at every mesh.cp and either layout.
 #pragma once
 
+#include "ops/ops.h"
+
 #include <functional>
 #include <vector>
 
@@ -56,10 +58,10 @@ const RoundPlan& computed_expert_plan(const StepContext& ctx, const LayerActs& a
 // The stream's weight gradients, each a fold over the stream's tokens (its
 // leaves): at cp > 1 over rows gathered first (gather_stream_rows_held), split by
 // output column across the group (cp_weight_grad), so no rank folds another's
-// columns. stream_weight_grad: dW [in, out] = X^T dY (ops::weight_grad);
-// Reduces over the token index.
+// columns. stream_weight_grad: dW [in, out] = X^T dY (ops::weight_grad, its
+// operands at `operands`' precision). Reduces over the token index.
 void stream_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
-                        float* dW);
+                        float* dW, ops::Operands operands = ops::Operands::kRun);
 // The norm's dw (ops::rmsnorm_weight_grad) of x, r, dy [stream_tokens, D]. Reduces over the token index.
 void stream_rmsnorm_weight_grad(StepContext& ctx, const float* x, const float* r, const float* dy, float* dw);
 // The embeddings' gradients (ops::embedding_grad) of the stream's dh. Reduces over the token index.

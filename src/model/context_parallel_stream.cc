@@ -84,11 +84,11 @@ void gather_slot_rows_held(StepContext& ctx, const LayerActs& acts, float* rows,
 }
 
 void stream_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
-                        float* dW) {
+                        float* dW, ops::Operands operands) {
   const int64_t* leaf_off = ctx.ws.uniform_off.data();
-  if (ctx.cp() == 1) return ops::weight_grad(X, ldx, dY, ldy, in, out, leaf_off, ctx.stream_leaves, dW);
+  if (ctx.cp() == 1) return ops::weight_grad(X, ldx, dY, ldy, in, out, leaf_off, ctx.stream_leaves, dW, operands);
   cp_columns(ctx, out, {{dW, in}}, [&](int first, int count, const std::vector<float*>& parts) {
-    ops::weight_grad(X, ldx, dY + first, ldy, in, count, leaf_off, ctx.stream_leaves, parts[0]);
+    ops::weight_grad(X, ldx, dY + first, ldy, in, count, leaf_off, ctx.stream_leaves, parts[0], operands);
   });
 }
 

@@ -142,8 +142,8 @@ int64_t experts_round_hidden(const RoundPlan& plan, int r, ExpertSlots& slots, E
                                        [&](const Segment&, int64_t, int64_t n, int64_t slot, int64_t row,
                                            const float* w1, const float* w3, const float*) {
     float *u = &rows.u[row * F], *v = &rows.v[row * F];
-    ops::gemm(n, F, D, {&slots.x[slot * D], D, 1}, {w1, F, 1}, u, F, false, 1);
-    ops::gemm(n, F, D, {&slots.x[slot * D], D, 1}, {w3, F, 1}, v, F, false, 1);
+    ops::matmul(n, F, D, {&slots.x[slot * D], D, 1}, {w1, F, 1}, u, F, false, 1);
+    ops::matmul(n, F, D, {&slots.x[slot * D], D, 1}, {w3, F, 1}, v, F, false, 1);
     ops::swiglu(u, v, &rows.sg[row * F], &slots.act[slots.hidden(slot) * F], n * F);
   });
   return 2 * tasks;  // GEMM calls: u, v per task
@@ -154,7 +154,7 @@ int64_t experts_round_output(const std::vector<Segment>& segs, const ExpertSlots
   return for_each_block(segs, rows, nullptr, nullptr, W2, D, F,
                         [&](const Segment& s, int64_t b, int64_t n, int64_t slot, int64_t, const float*, const float*,
                             const float* w2) {
-    ops::gemm(n, D, F, {&slots.act[slots.hidden(slot) * F], F, 1}, {w2, D, 1}, y.at(rows, s, b, D), D, accumulate, 1);
+    ops::matmul(n, D, F, {&slots.act[slots.hidden(slot) * F], F, 1}, {w2, D, 1}, y.at(rows, s, b, D), D, accumulate, 1);
   });
 }
 
@@ -167,7 +167,7 @@ int64_t experts_round_backward_hidden(const RoundPlan& plan, int r, ExpertSlots&
     const int64_t h = slots.hidden(slot);
     float *act = &slots.act[h * F], *dact = &slots.dact[h * F];
     ops::swiglu_product(u, sg, v, act, n * F);  // the forward's act, for W2's gradient
-    ops::gemm(n, F, D, {dy.at(rows, s, b, D), D, 1}, {w2, 1, D}, dact, F, false, 1);
+    ops::matmul(n, F, D, {dy.at(rows, s, b, D), D, 1}, {w2, 1, D}, dact, F, false, 1);
     ops::swiglu_backward(u, v, sg, dact, &slots.du[h * F], &slots.dv[h * F], n * F);
   });
 }
@@ -181,7 +181,7 @@ int64_t experts_round_input_grad(const std::vector<Segment>& segs, const ExpertS
     float* dxr = dx.at(rows, s, b, D);
     for (int pass = first_pass; pass < first_pass + count; ++pass) {
       const float* dhidden = pass == 0 ? &slots.du[slots.hidden(slot) * F] : &slots.dv[slots.hidden(slot) * F];
-      ops::gemm(n, D, F, {dhidden, F, 1}, {pass == 0 ? w1 : w3, 1, F}, dxr, D, accumulate || pass > first_pass, 1);
+      ops::matmul(n, D, F, {dhidden, F, 1}, {pass == 0 ? w1 : w3, 1, F}, dxr, D, accumulate || pass > first_pass, 1);
     }
   });
   return count * tasks;

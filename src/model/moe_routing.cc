@@ -56,7 +56,7 @@ class MoeRouting : public LayerBlock {
     stream_rows(ctx, StreamOp::kRouter, [&](int64_t row, int count) {
       const int64_t s = row - first;
       float* logits = acts.router_logits.data() + s * E;
-      ops::linear(moe_in + s * D, count, D, router, E, logits);
+      ops::linear(moe_in + s * D, count, D, router, E, logits, ops::Operands::kFp32);  // the router: fp32
       if (c.router_skew != 0) ops::add_row_vector(logits, count, E, std::max(1, E / 4), ws.row_vector.data());
       ops::softmax_rows(logits, E, acts.gates.data() + s * E, E, count, E, 0, acts.router_lse.data() + s);
       ops::route_topk(acts.gates.data() + s * E, count, E, K, sel + s * K);
@@ -112,11 +112,12 @@ class MoeRouting : public LayerBlock {
                                  E, 0);
       ops::z_loss_grad(acts.gates.data() + s * E, acts.router_lse.data() + s, count, E, c.z_loss_weight * 2.0f,
                        ctx.global_tokens, ws.dz.data() + s * E);
-      ops::linear_input_grad(ws.dz.data() + s * E, count, E, router, D, ws.dtmp.data() + s * D, false);
+      ops::linear_input_grad(ws.dz.data() + s * E, count, E, router, D, ws.dtmp.data() + s * D, false,
+                             ops::Operands::kFp32);
     });
     ctx.trace_tensor("bwd", layer_, "router", "dz", ws.dz.data(), {N, E}, {TraceRows::kStream});
     gather_stream_rows_held(ctx, ws.dz.data(), E);
-    stream_weight_grad(ctx, moe_in, D, ws.dz.data(), E, D, E, ctx.layer_grad(layer_, "router"));
+    stream_weight_grad(ctx, moe_in, D, ws.dz.data(), E, D, E, ctx.layer_grad(layer_, "router"), ops::Operands::kFp32);
     const float* norm = ctx.layer_weight(layer_, "moe_norm");
     stream_rows(ctx, StreamOp::kMoeNorm, [&](int64_t row, int count) {
       const int64_t s = row - first;

@@ -19,6 +19,7 @@
 #include <atomic>
 
 #include "common/numerics_level.h"
+#include "common/precision.h"
 #include "ops/device_memory.h"
 #include "ops/hooks.h"
 
@@ -45,6 +46,7 @@ struct ExecutionTarget {
   const MemoryHooks* memory = nullptr;   // what DeviceVectors hold; nullptr: the heap
   const MemoryHooks* staging = nullptr;  // what StagingVectors hold; nullptr: the heap
   NumericsLevel level = NumericsLevel::kPortable;
+  Precision precision = Precision::kFp32;  // numerics.precision
   const char* device = "";  // the GPU it runs on (`cuda`), for the summary
 };
 
@@ -53,6 +55,7 @@ inline void install(const ExecutionTarget& t) {
   memory_hooks_slot(MemoryKind::kDevice).store(t.memory, std::memory_order_relaxed);
   memory_hooks_slot(MemoryKind::kStaging).store(t.staging, std::memory_order_relaxed);
   numerics_level_slot().store((int)t.level, std::memory_order_relaxed);
+  precision_slot().store((int)t.precision, std::memory_order_relaxed);
 }
 
 // Installs a target for a scope; however the scope ends, the process is back

@@ -6,10 +6,16 @@
 
 #include "common/op_profile.h"
 #include "common/parallel.h"
+#include "contract.h"
 #include "ops/dispatch.h"
 #include "ops/vmath.h"
 
 namespace ls::ops {
+
+void round_to_bf16(const float* x, int64_t ldx, int64_t rows, int cols, float* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) out[r * cols + c] = ls::from_bf16(ls::to_bf16(x[r * ldx + c]));
+}
 
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
   const OpTimer op_timer(OpKind::kSwiglu);

@@ -209,9 +209,21 @@ const Bf16Kernel& kernel_for(Bf16Path p) {
 // Grow-only 64-byte aligned scratch, one per thread.
 using Scratch = AlignedScratch<uint32_t>;
 
-// Element (r, c) of a view, or +0 outside rows x cols.
-inline uint16_t at(const ConstMatBf16& m, int64_t r, int64_t c, int64_t rows, int64_t cols) {
-  return r < rows && c < cols ? m.p[r * m.rs + c * m.cs] : uint16_t(0);
+// Where packing reads an operand's bf16: stored bits (ConstMatBf16), or
+// fp32 values rounded (ls::to_bf16) as they are read (ConstMat): the same
+// bits as rounding the whole operand first, without a copy of it.
+inline uint16_t bf16_at(const ConstMatBf16& m, int64_t off) { return m.p[off]; }
+inline uint16_t bf16_at(const ConstMat& m, int64_t off) { return ls::to_bf16(m.p[off]); }
+
+// One pair (k = 2j in lo, 2j+1 in hi) into line l of a packed pair row.
+inline void put_pair(bool pairs, int width, int64_t j, int l, uint16_t lo, uint16_t hi, uint32_t* dst) {
+  if (pairs) {
+    dst[j * width + l] = uint32_t(lo) | uint32_t(hi) << 16;
+  } else {
+    float* f = reinterpret_cast<float*>(dst);
+    f[(2 * j) * width + l] = ls::bf16_in(lo);
+    f[(2 * j + 1) * width + l] = ls::bf16_in(hi);
+  }
 }
 
 // One operand tile into its packed form: `width` lines (rows of A, columns
@@ -224,70 +236,42 @@ void pack_tile(bool pairs, int width, int64_t lines, int64_t kp, int64_t k0, int
     for (int l = 0; l < width; ++l) {
       const uint16_t lo = l < lines && k < K ? get(l, k) : uint16_t(0);
       const uint16_t hi = l < lines && k + 1 < K ? get(l, k + 1) : uint16_t(0);
-      if (pairs) {
-        dst[j * width + l] = uint32_t(lo) | uint32_t(hi) << 16;
-      } else {
-        float* f = reinterpret_cast<float*>(dst);
-        f[(2 * j) * width + l] = ls::bf16_in(lo);
-        f[(2 * j + 1) * width + l] = ls::bf16_in(hi);
-      }
+      put_pair(pairs, width, j, l, lo, hi, dst);
     }
   }
-}
-
-// A pair of bf16 that lie side by side in memory, as one uint32.
-inline uint32_t load_pair(const uint16_t* p) {
-  uint32_t v;
-  memcpy(&v, p, 4);
-  return v;
 }
 
 // MR rows of A from row i0 (mv of them real), k block [k0, k0 + 2kp).
-void pack_a(const ConstMatBf16& A, int64_t i0, int64_t mv, const Bf16Kernel& uk, int64_t k0, int64_t kp,
-            int64_t K, uint32_t* dst) {
-  const uint16_t* base = A.p + i0 * A.rs;
-  if (A.cs == 1 && mv == uk.mr && k0 + 2 * kp <= K) {  // row-major, full strip: rows read 32 bits at a time
-    const int mr = uk.mr;
-    float* f = reinterpret_cast<float*>(dst);
-    for (int r = 0; r < mr; ++r) {
-      const uint16_t* row = base + r * A.rs + k0;
-      for (int64_t j = 0; j < kp; ++j) {
-        const uint32_t v = load_pair(row + 2 * j);
-        if (uk.pairs) {
-          dst[j * mr + r] = v;
-        } else {
-          f[(2 * j) * mr + r] = ls::bf16_in(static_cast<uint16_t>(v));
-          f[(2 * j + 1) * mr + r] = ls::bf16_in(static_cast<uint16_t>(v >> 16));
-        }
-      }
+template <class Mat>
+void pack_a(const Mat& A, int64_t i0, int64_t mv, const Bf16Kernel& uk, int64_t k0, int64_t kp, int64_t K,
+            uint32_t* dst) {
+  const int64_t base = i0 * A.rs;
+  if (A.cs == 1 && mv == uk.mr && k0 + 2 * kp <= K) {  // row-major, full strip: rows read in order
+    for (int r = 0; r < uk.mr; ++r) {
+      const int64_t row = base + r * A.rs + k0;
+      for (int64_t j = 0; j < kp; ++j)
+        put_pair(uk.pairs, uk.mr, j, r, bf16_at(A, row + 2 * j), bf16_at(A, row + 2 * j + 1), dst);
     }
     return;
   }
-  pack_tile(uk.pairs, uk.mr, mv, kp, k0, K, [&](int l, int64_t k) { return base[l * A.rs + k * A.cs]; }, dst);
+  pack_tile(uk.pairs, uk.mr, mv, kp, k0, K, [&](int l, int64_t k) { return bf16_at(A, base + l * A.rs + k * A.cs); },
+            dst);
 }
 
 // NR columns of B from column j0 (nv of them real), k block [k0, k0 + 2kp).
-void pack_b(const ConstMatBf16& B, int64_t j0, int64_t nv, const Bf16Kernel& uk, int64_t k0, int64_t kp,
-            int64_t K, uint32_t* dst) {
-  const uint16_t* base = B.p + j0 * B.cs;
+template <class Mat>
+void pack_b(const Mat& B, int64_t j0, int64_t nv, const Bf16Kernel& uk, int64_t k0, int64_t kp, int64_t K,
+            uint32_t* dst) {
+  const int64_t base = j0 * B.cs;
   if (B.cs == 1 && nv == uk.nr && k0 + 2 * kp <= K) {  // row-major, full panel: two rows interleaved
-    const int nr = uk.nr;
-    float* f = reinterpret_cast<float*>(dst);
     for (int64_t j = 0; j < kp; ++j) {
-      const uint16_t* lo = base + (k0 + 2 * j) * B.rs;
-      const uint16_t* hi = lo + B.rs;
-      for (int l = 0; l < nr; ++l) {
-        if (uk.pairs) {
-          dst[j * nr + l] = uint32_t(lo[l]) | uint32_t(hi[l]) << 16;
-        } else {
-          f[(2 * j) * nr + l] = ls::bf16_in(lo[l]);
-          f[(2 * j + 1) * nr + l] = ls::bf16_in(hi[l]);
-        }
-      }
+      const int64_t lo = base + (k0 + 2 * j) * B.rs, hi = lo + B.rs;
+      for (int l = 0; l < uk.nr; ++l) put_pair(uk.pairs, uk.nr, j, l, bf16_at(B, lo + l), bf16_at(B, hi + l), dst);
     }
     return;
   }
-  pack_tile(uk.pairs, uk.nr, nv, kp, k0, K, [&](int l, int64_t k) { return base[k * B.rs + l * B.cs]; }, dst);
+  pack_tile(uk.pairs, uk.nr, nv, kp, k0, K, [&](int l, int64_t k) { return bf16_at(B, base + k * B.rs + l * B.cs); },
+            dst);
 }
 
 // One micro-tile; partial tiles go through an MR x NR buffer so the kernel
@@ -340,8 +324,12 @@ void gemm_bf16_naive(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf
     }
 }
 
-void gemm_bf16(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C, int64_t ldc,
-               bool accumulate, int threads) {
+namespace {
+
+// gemm_bf16 over either kind of operand (stored bf16, or fp32 rounded as packed).
+template <class Mat>
+void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, const Mat& A, const Mat& B, float* C, int64_t ldc,
+                      bool accumulate, int threads) {
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
     if (!accumulate)
@@ -409,6 +397,18 @@ void gemm_bf16(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, 
       for (int64_t t; job.next(&t);) run_task(t, k0, kp, load, apack);
     });
   }
+}
+
+}  // namespace
+
+void gemm_bf16(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C, int64_t ldc,
+               bool accumulate, int threads) {
+  gemm_bf16_packed(M, N, K, A, B, C, ldc, accumulate, threads);
+}
+
+void gemm_bf16_rounded(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc,
+                       bool accumulate, int threads) {
+  gemm_bf16_packed(M, N, K, A, B, C, ldc, accumulate, threads);
 }
 
 }  // namespace ops

@@ -4,10 +4,13 @@
 // product added with one rounding, denormals flushed in and out. Its bits
 // are those of the plain loop whatever the path, tiling or thread count.
 // The avx512_bf16 path is that fold in hardware (vdpbf16ps); the others
-// replay it. Not used by the model yet (numerics.precision=bf16 will).
+// replay it. numerics.precision=bf16 runs the model's feature folds on it
+// (ops::matmul, ops/ops.h).
 #pragma once
 
 #include <stdint.h>
+
+#include "ops/gemm.h"
 
 namespace ls {
 namespace ops {
@@ -27,6 +30,11 @@ struct ConstMatBf16 {
 // or 1 inside a parallel region; parallel over output tiles, never over k.
 void gemm_bf16(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C, int64_t ldc,
                bool accumulate, int threads = 0);
+
+// gemm_bf16 of fp32 operands, each element rounded to bf16 (ls::to_bf16)
+// as it is packed: the bits of rounding A and B first, without the copies.
+void gemm_bf16_rounded(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc,
+                       bool accumulate, int threads = 0);
 
 // The plain loop over ls::bf16_dot: the definition gemm_bf16 must match, for tests.
 void gemm_bf16_naive(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C,

@@ -13,34 +13,42 @@
 #include "contract.h"
 #include "ops/dispatch.h"
 #include "ops/gemm.h"
+#include "ops/gemm_bf16.h"
 #include "ops/leaf_grad.h"
 #include "ops/local.h"
 #include "ops/vec_avx2.h"
 
 namespace ls::ops {
 
-void linear(const float* X, int64_t N, int in, const float* W, int out, float* Y) {
+void matmul(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc, bool accumulate,
+            int threads, Operands operands) {
+  if (operands == Operands::kFp32 || !bf16_matmuls()) return gemm(M, N, K, A, B, C, ldc, accumulate, threads);
   const OpTimer op_timer(OpKind::kGemm);
-  gemm(N, out, in, ConstMat{X, in, 1}, ConstMat{W, out, 1}, Y, out, false);
+  gemm_bf16_rounded(M, N, K, A, B, C, ldc, accumulate, threads);
+}
+
+void linear(const float* X, int64_t N, int in, const float* W, int out, float* Y, Operands operands) {
+  const OpTimer op_timer(OpKind::kGemm);
+  matmul(N, out, in, ConstMat{X, in, 1}, ConstMat{W, out, 1}, Y, out, false, 0, operands);
 }
 
 void linear_input_grad(const float* dY, int64_t N, int out, const float* W, int in, float* dX,
-                       bool accumulate) {
+                       bool accumulate, Operands operands) {
   const OpTimer op_timer(OpKind::kGemm);
   // B(j, i) = W[i][j]: the transposed view of W.
-  gemm(N, in, out, ConstMat{dY, out, 1}, ConstMat{W, 1, out}, dX, in, accumulate);
+  matmul(N, in, out, ConstMat{dY, out, 1}, ConstMat{W, 1, out}, dX, in, accumulate, 0, operands);
 }
 
 void linear_strided(const float* X, int64_t ldx, int64_t N, int in, const float* W, int64_t ldw, int out, float* Y,
                     int64_t ldy, bool accumulate) {
   const OpTimer op_timer(OpKind::kGemm);
-  gemm(N, out, in, ConstMat{X, ldx, 1}, ConstMat{W, ldw, 1}, Y, ldy, accumulate);
+  matmul(N, out, in, ConstMat{X, ldx, 1}, ConstMat{W, ldw, 1}, Y, ldy, accumulate);
 }
 
 void linear_input_grad_strided(const float* dY, int64_t lddy, int64_t N, int out, const float* W, int64_t ldw, int in,
                                float* dX, int64_t lddx, bool accumulate) {
   const OpTimer op_timer(OpKind::kGemm);
-  gemm(N, in, out, ConstMat{dY, lddy, 1}, ConstMat{W, 1, ldw}, dX, lddx, accumulate);
+  matmul(N, in, out, ConstMat{dY, lddy, 1}, ConstMat{W, 1, ldw}, dX, lddx, accumulate);
 }
 
 namespace internal {
@@ -88,15 +96,10 @@ void weight_grad_by_leaf_gemm(const float* X, int64_t ldx, const float* dY, int6
   });
 }
 
-}  // namespace
-
-void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
-                 const int64_t* leaf_off, int64_t leaves, float* dW) {
-  const OpTimer op_timer(OpKind::kWeightGrad);
-  if (auto k = kernel(&OpHooks::weight_grad)) return k(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
-  if (local_numerics())
-    return local::weight_grad(X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy, ldy, in, out,
-                              leaf_off[leaves] - leaf_off[0], dW, false);
+// The contract's weight gradient on the engine (weight_grad without the
+// backend, level and precision choices).
+void weight_grad_contract(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                          const int64_t* leaf_off, int64_t leaves, float* dW) {
   const GemmPath path = gemm_path();
   if (path == GemmPath::kScalar) return weight_grad_by_leaf_gemm(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   // Register tiles (leaf_grad.h), each running its whole leaf tree, so bits do
@@ -127,6 +130,30 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
       leaf_grad::column_tiles<internal::Avx2, 6, 2>(X, ldx, dY, ldy, leaf_off, leaves, i0, i1, j0, j1, dW, out,
                                                     scratch.data());
   });
+}
+
+
+}  // namespace
+
+void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                 const int64_t* leaf_off, int64_t leaves, float* dW, Operands operands) {
+  const OpTimer op_timer(OpKind::kWeightGrad);
+  if (auto k = kernel(&OpHooks::weight_grad)) return k(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
+  if (local_numerics())
+    return local::weight_grad(X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy, ldy, in, out,
+                              leaf_off[leaves] - leaf_off[0], dW, false);
+  if (operands == Operands::kFp32 || !bf16_matmuls()) return weight_grad_contract(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
+  // bf16: the same fold over the operands rounded, rows leaf_off[0] .. copied.
+  thread_local std::vector<float> x16, dy16;
+  thread_local std::vector<int64_t> off;
+  const int64_t first = leaf_off[0], rows = leaf_off[leaves] - first;
+  x16.resize((size_t)(rows * in));
+  dy16.resize((size_t)(rows * out));
+  round_to_bf16(X + first * ldx, ldx, rows, in, x16.data());
+  round_to_bf16(dY + first * ldy, ldy, rows, out, dy16.data());
+  off.assign(leaf_off, leaf_off + leaves + 1);
+  for (int64_t& o : off) o -= first;
+  weight_grad_contract(x16.data(), in, dy16.data(), out, in, out, off.data(), leaves, dW);
 }
 
 }  // namespace ls::ops

@@ -6,15 +6,34 @@
 
 #include <cstdint>
 
+#include "ops/gemm.h"
+
 namespace ls::ops {
 
+// The precision a matrix product's operands take: the run's
+// (numerics.precision), or fp32 at every precision (the router's products:
+// docs/NUMERICS.md §10).
+enum class Operands { kRun, kFp32 };
+
+// C (+)= A·B for a product that reduces over a feature index k (a layer's
+// forward or input gradient): the contract GEMM (ops/gemm.h) at
+// numerics.precision=fp32; at bf16 the bf16 fold over A and B rounded to
+// bf16 (gemm_bf16_rounded, ops/gemm_bf16.h). Reduces over k.
+void matmul(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc, bool accumulate,
+            int threads = 0, Operands operands = Operands::kRun);
+
+// out[r][c] = x[r][c] rounded to bf16 (ls::to_bf16), as fp32: the operands
+// of a bf16 run's token folds. No reduction.
+void round_to_bf16(const float* x, int64_t ldx, int64_t rows, int cols, float* out);
+
 // Y[n][j] = sum_i X[n][i] W[i][j]; W is [in, out]. Reduces over the input feature i.
-void linear(const float* X, int64_t N, int in, const float* W, int out, float* Y);
+void linear(const float* X, int64_t N, int in, const float* W, int out, float* Y,
+            Operands operands = Operands::kRun);
 
 // dX[n][i] (+)= sum_j dY[n][j] W[i][j]. Reduces over the output feature j; with
 // accumulate the fold continues from dX's current value.
 void linear_input_grad(const float* dY, int64_t N, int out, const float* W, int in, float* dX,
-                       bool accumulate);
+                       bool accumulate, Operands operands = Operands::kRun);
 
 // Both on strided operands (a block of a wider X, dY or W, e.g. the columns
 // or rows a tensor-parallel rank holds), writing Y or dX (ldy / ldx wide)
@@ -27,9 +46,12 @@ void linear_input_grad_strided(const float* dY, int64_t lddy, int64_t N, int out
                                float* dX, int64_t lddx, bool accumulate);
 
 // dW[i][j] = sum_n X[n][i] dY[n][j]. Reduces over the global token index n:
-// fma fold inside each leaf, the canonical tree over leaves.
+// fma fold inside each leaf, the canonical tree over leaves. At bf16 the
+// same fold over X and dY rounded to bf16 (exact products in fp32): a fold
+// over tokens continues across rounds, microbatches and ranks at any row,
+// where the bf16 pair fold would need even boundaries.
 void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
-                 const int64_t* leaf_off, int64_t leaves, float* dW);
+                 const int64_t* leaf_off, int64_t leaves, float* dW, Operands operands = Operands::kRun);
 
 // y = (x * r) * w with r = 1/sqrt(sum_i x_i^2 / D + eps). Reduces over the feature i.
 void rmsnorm(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps);

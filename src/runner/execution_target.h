@@ -5,13 +5,15 @@
 #pragma once
 
 #include "common/numerics_level.h"
+#include "common/precision.h"
 #include "ops/dispatch.h"
 #include "runner/runner.h"
 
 namespace ls {
 
 // Throws UserError for a combination that does not exist (local on the
-// reference or on the emulated kernels) and, for `cuda`, without a usable GPU.
-ops::ExecutionTarget execution_target(Backend backend, NumericsLevel level);
+// reference or on the emulated kernels; bf16 off the engine and the
+// reference, or at level local, so far) and, for `cuda`, without a usable GPU.
+ops::ExecutionTarget execution_target(Backend backend, NumericsLevel level, Precision precision = Precision::kFp32);
 
 }  // namespace ls

@@ -32,6 +32,7 @@ ref::Config reference_config(const Scenario& s) {
   c.aux_per_sample = m.aux_scope == AuxScope::kSequence;
   c.batch = s.batch;
   c.leaf_samples = s.leaf_samples;
+  c.bf16 = s.precision == "bf16";
   const OptimConfig& o = s.optim;
   c.lr = o.lr;
   c.min_lr_ratio = o.min_lr_ratio;

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "common/error.h"
+#include "common/precision.h"
 #include "contract.h"
 #include "runner/cluster_trainer.h"
 #include "runner/engine_trainer.h"
@@ -81,6 +82,11 @@ nlohmann::json mesh_json(const MeshConfig& m, int microbatches) {
 
 std::unique_ptr<Trainer> make_trainer(const Scenario& s, Backend b) {
   // cuda-emulated and cuda train the engine's model; run_scenario installs the kernels for the run.
+  // The engine's ops read the precision process-wide (ops::install): a trainer made outside run_scenario
+  // must install it first, or it would train the other precision silently.
+  if (b != Backend::kReference && precision_of(s.precision) != precision())
+    throw std::logic_error("make_trainer: numerics.precision=" + s.precision +
+                           " is not the installed precision (ops::ScopedExecutionTarget)");
   if (b != Backend::kReference && s.mesh.multi_rank(s.microbatches)) return std::make_unique<ClusterTrainer>(s);
   if (b != Backend::kReference) return new_engine_trainer(s);
   if (s.mesh.multi_rank(s.microbatches) || s.model.moe_policy == MoePolicy::kDrop)
@@ -96,6 +102,7 @@ nlohmann::json result_json(const RunResult& r) {
   j["backend"] = r.backend;
   if (!r.device.empty()) j["device"] = r.device;
   j["level"] = r.level;
+  j["precision"] = r.precision;
   if (!r.local_gemm.empty()) j["local_gemm"] = r.local_gemm;
   // A planted fault changes the bits by design: a reader of the summary must see it.
   if (!r.debug_mesh_fault.empty()) j["debug_mesh_fault"] = r.debug_mesh_fault;

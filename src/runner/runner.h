@@ -102,6 +102,7 @@ struct RunResult {
   std::string backend;
   std::string device;                    // --backend cuda: the GPU it ran on
   std::string level = "portable";        // numerics.level of the run
+  std::string precision = "fp32";        // numerics.precision of the run
   std::string local_gemm;                // level local: the library its GEMMs call (ops/local.h)
   std::string debug_mesh_fault;          // --debug-mesh-fault KIND planted in the run ("" for none)
   int threads = 1;

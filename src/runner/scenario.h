@@ -36,6 +36,7 @@ struct Scenario {
   int eval_batches = 4;      // train.eval_batches
   int leaf_samples = 1;      // numerics.leaf_samples: samples per leaf of the token-reduction tree
   std::string level = "portable";  // numerics.level: portable | local (common/numerics_level.h)
+  std::string precision = "fp32";  // numerics.precision: fp32 | bf16 (common/precision.h)
   DataConfig data;           // data.path, data.synthetic_bytes, data.val_fraction
   MeshConfig mesh;           // mesh.dp, mesh.ep, mesh.fsdp, mesh.replicate
   CheckpointConfig ckpt;     // ckpt.*

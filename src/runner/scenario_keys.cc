@@ -263,6 +263,26 @@ std::vector<Row> data_rows() {
   };
 }
 
+// At bf16 a feature fold that continues from an earlier part (a rank's
+// slice of a chained fold, an expert's v half after its u half) equals one
+// fold only when the earlier part has an even width (docs/NUMERICS.md §3).
+Rule<std::string> even_fold_widths() {
+  return {"even fold widths at bf16", [](const S& s, std::string v) -> std::string {
+            if (v != "bf16") return "";
+            const ModelConfig& m = s.model;
+            const int etp = s.mesh.expert_tp();
+            if (m.n_heads > 0 && m.head_dim() % 2 != 0)
+              return "needs an even head width at bf16: model.d_model / model.n_heads = " + show(m.head_dim());
+            if (etp > 0 && m.d_ff % (2 * etp) != 0)
+              return "needs an even expert hidden slice at bf16: model.d_ff / mesh.etp = " + show(m.d_ff) + " / " +
+                     show(etp);
+            if (m.shared_expert && s.mesh.tp > 0 && m.d_ff % (2 * s.mesh.tp) != 0)
+              return "needs an even shared-expert hidden slice at bf16: model.d_ff / mesh.tp = " + show(m.d_ff) +
+                     " / " + show(s.mesh.tp);
+            return "";
+          }};
+}
+
 // The numerics contract's constants and level.
 std::vector<Row> numerics_rows() {
   return {
@@ -277,6 +297,12 @@ std::vector<Row> numerics_rows() {
             "left to right): the same bits run to run at a fixed thread count and mesh, in one process or under "
             "--launcher mpi; another thread count or mesh may change them (docs/NUMERICS.md section 8).",
             {one_of({"portable", "local"})}),
+      field("numerics.precision", [](S& s) -> std::string& { return s.precision; },
+            "fp32: every matrix product in binary32; bf16: mixed precision as Megatron's --bf16 runs it, the "
+            "operands of the model's matrix products (weights, activations and their gradients) rounded to bf16 "
+            "and their products summed in fp32, the router, norms, softmax, attention scores, loss, optimizer and "
+            "every cross-rank reduction in fp32 (docs/NUMERICS.md section 10).",
+            {one_of({"fp32", "bf16"}), even_fold_widths()}),
   };
 }
 

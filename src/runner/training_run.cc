@@ -585,7 +585,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   // Backend and level, process-wide for the run (the ranks of an in-process mesh are threads of this run);
   // however the run ends, other work in this process is portable, on the engine's ops. Throws for a combination
   // that does not exist.
-  const ops::ExecutionTarget target = execution_target(opt.backend, level);
+  const ops::ExecutionTarget target = execution_target(opt.backend, level, precision_of(r.precision = s.precision));
   const ops::ScopedExecutionTarget installed(target);
   r.device = target.device;
   TrainingRun run(s, opt, r);
