@@ -17,8 +17,10 @@ using lstest::run_split;
 
 namespace {
 
+// The split scenario at bf16, widened so that every fold part on tp and etp
+// up to 4 is a multiple of 32 wide (the loader refuses less).
 std::vector<std::string> with_bf16(std::vector<std::string> sets) {
-  sets.push_back("numerics.precision=bf16");
+  for (const char* s : {"numerics.precision=bf16", "model.d_model=128", "model.d_ff=128"}) sets.push_back(s);
   return sets;
 }
 
@@ -33,7 +35,7 @@ double bytes_sent(const ls::RunResult& r) {
 TEST_SUITE("bf16") {
   TEST_CASE("every mesh dimension ends on the one-process bf16 hash, which is not fp32's; the meshes really send") {
     const ls::RunResult one = run_split(with_bf16({}), 1);
-    const ls::RunResult fp32 = run_split({}, 1);
+    const ls::RunResult fp32 = run_split({"model.d_model=128", "model.d_ff=128"}, 1);
     CHECK(one.precision == "bf16");
     CHECK(one.final_state_hash != fp32.final_state_hash);
     // dp, fsdp, hsdp, ep, tp +- sp, etp narrower and wider than tp, pp under each schedule, cp; the split
@@ -66,7 +68,9 @@ TEST_SUITE("bf16") {
 
   TEST_CASE("under mpirun, one process per rank, the bf16 run ends on its one-process hash") {
     const auto sc = lstest::write_temp("bf16_tiny.json", lstest::tiny_scenario(true));
-    const std::string run = "run " + sc.string() + " --json --quiet --threads 1 --set numerics.precision=bf16";
+    const std::string run = "run " + sc.string() +
+                            " --json --quiet --threads 1 --set numerics.precision=bf16 --set model.d_model=64"
+                            " --set model.d_ff=64";
     const auto one = lstest::run_cli(run);
     REQUIRE(one.rc == 0);
     const auto mpi = lstest::run_cli(run + " --launcher mpi --set mesh.dp=2 --set mesh.tp=2 --set mesh.sp=true");
@@ -78,16 +82,29 @@ TEST_SUITE("bf16") {
     CHECK(b.at("loss_bits") == a.at("loss_bits"));
   }
 
-  TEST_CASE("refused by name: an odd fold width, the local level, the CUDA kernels") {
+  TEST_CASE("refused by name: fold parts that are not whole blocks, the local level, the CUDA kernels") {
     const auto sc = lstest::write_temp("bf16_refused.json", lstest::tiny_scenario());
+    const std::string bf16 = "--set numerics.precision=bf16 --set model.d_model=64 --set model.d_ff=64 ";
     lstest::check_refused(sc.string(), {
-        {"--set numerics.precision=bf16 --set model.d_model=18 --set model.n_heads=2",
-         "numerics.precision: needs an even head width at bf16: model.d_model / model.n_heads = 9"},
-        {"--set numerics.precision=bf16 --set model.d_ff=12 --set mesh.tp=2 --set mesh.etp=4 --set mesh.dp=2",
-         "model.d_ff / mesh.etp = 12 / 4"},
-        {"--set numerics.precision=bf16 --set numerics.level=local", "numerics.level=portable only so far"},
-        {"--set numerics.precision=bf16 --backend cuda-emulated", "--backend engine and --backend reference only"},
+        {"--set numerics.precision=bf16",
+         "numerics.precision: needs fold parts a multiple of 32 wide at bf16: model.d_model / mesh.tp = 16 / 1"},
+        {bf16 + "--set mesh.tp=2 --set mesh.etp=4 --set mesh.dp=2", "model.d_ff / mesh.etp = 64 / 4"},
+        {bf16 + "--set model.shared_expert=true --set mesh.tp=2 --set mesh.etp=1 --set model.d_ff=32",
+         "model.d_ff / mesh.tp (the shared expert) = 32 / 2"},
+        {bf16 + "--set numerics.level=local", "numerics.level=portable only so far"},
+        {bf16 + "--backend cuda-emulated", "--backend engine and --backend reference only"},
         {"--set numerics.precision=fp16", "must be fp32 or bf16"},
     });
+  }
+
+  TEST_CASE("lockstep bisect names numerics.precision and the first op it changes") {
+    const auto sc = lstest::write_temp("bf16_bisect.json", lstest::tiny_scenario());
+    const auto r = lstest::run_cli("bisect " + sc.string() +
+                                   " --set-a model.d_model=64 --set-a model.d_ff=64 --set-b model.d_model=64"
+                                   " --set-b model.d_ff=64 --set-b numerics.precision=bf16 --steps 1");
+    CAPTURE(r.out);
+    CHECK(r.rc == 1);
+    CHECK(r.out.find("numerics.precision=\"bf16\" alone changes the bits at step 1, fwd, layer 0, op qkv") !=
+          std::string::npos);
   }
 }

@@ -264,21 +264,22 @@ std::vector<Row> data_rows() {
 }
 
 // At bf16 a feature fold that continues from an earlier part (a rank's
-// slice of a chained fold, an expert's v half after its u half) equals one
-// fold only when the earlier part has an even width (docs/NUMERICS.md §3).
-Rule<std::string> even_fold_widths() {
-  return {"even fold widths at bf16", [](const S& s, std::string v) -> std::string {
+// slice of a chained fold, the q, k and v parts of QKV's input gradient, an
+// expert's v half after its u half) equals one fold only when every earlier
+// part is a whole number of the fold's blocks (docs/NUMERICS.md §10).
+constexpr int kBf16PartMultiple = 32;
+
+Rule<std::string> bf16_fold_parts() {
+  return {"fold parts a multiple of 32 wide at bf16", [](const S& s, std::string v) -> std::string {
             if (v != "bf16") return "";
             const ModelConfig& m = s.model;
-            const int etp = s.mesh.expert_tp();
-            if (m.n_heads > 0 && m.head_dim() % 2 != 0)
-              return "needs an even head width at bf16: model.d_model / model.n_heads = " + show(m.head_dim());
-            if (etp > 0 && m.d_ff % (2 * etp) != 0)
-              return "needs an even expert hidden slice at bf16: model.d_ff / mesh.etp = " + show(m.d_ff) + " / " +
-                     show(etp);
-            if (m.shared_expert && s.mesh.tp > 0 && m.d_ff % (2 * s.mesh.tp) != 0)
-              return "needs an even shared-expert hidden slice at bf16: model.d_ff / mesh.tp = " + show(m.d_ff) +
-                     " / " + show(s.mesh.tp);
+            const int tp = std::max(1, s.mesh.tp), etp = std::max(1, s.mesh.expert_tp()), q = kBf16PartMultiple;
+            const std::string need = "needs fold parts a multiple of " + show(q) + " wide at bf16: ";
+            if (m.d_model % (tp * q) != 0)
+              return need + "model.d_model / mesh.tp = " + show(m.d_model) + " / " + show(tp);
+            if (m.d_ff % (etp * q) != 0) return need + "model.d_ff / mesh.etp = " + show(m.d_ff) + " / " + show(etp);
+            if (m.shared_expert && m.d_ff % (tp * q) != 0)
+              return need + "model.d_ff / mesh.tp (the shared expert) = " + show(m.d_ff) + " / " + show(tp);
             return "";
           }};
 }
@@ -302,7 +303,7 @@ std::vector<Row> numerics_rows() {
             "operands of the model's matrix products (weights, activations and their gradients) rounded to bf16 "
             "and their products summed in fp32, the router, norms, softmax, attention scores, loss, optimizer and "
             "every cross-rank reduction in fp32 (docs/NUMERICS.md section 10).",
-            {one_of({"fp32", "bf16"}), even_fold_widths()}),
+            {one_of({"fp32", "bf16"}), bf16_fold_parts()}),
   };
 }
 
