@@ -85,8 +85,9 @@ T operand(bool bf16, T x) {
 
 // The feature fold of a matrix product: start + sum over i < n of
 // x[i*xs] * w[i*ws], reducing over the feature index i. fp32: the fma fold,
-// i ascending. bf16: the contract's bf16 fold (ls::bf16_dot: pairs, the odd
-// member first, denormals flushed) of both operands rounded to bf16.
+// i ascending. bf16: the contract's bf16 fold (ls::bf16_dot: 32-k blocks,
+// even and odd products apart, denormals flushed) of both operands rounded
+// to bf16.
 template <class T>
 T product_fold(bool bf16, const T* x, int64_t xs, const T* w, int64_t ws, int n, T start = T(0)) {
   if (!bf16) {
@@ -116,20 +117,25 @@ T dot_col(bool bf16, const T* x, const T* W, int64_t ld, int j, int n) {
 
 // C[M x N] = A[M x K] · B[K x N], row-major, A and B bf16 (ls::to_bf16
 // bits): each output the contract's bf16 fold (docs/NUMERICS.md, "The bf16
-// fold"), from +0: k in pairs, the odd member's product first (an odd K's
-// last pair has a +0 odd member), each step ls::bf16_fold_step on flushed
-// inputs; a NaN result canonical.
+// fold"), from +0: k in blocks of 32 (past K, +0 products); per block E over
+// the even k and O over the odd k, each from +0 by ls::bf16_fold_step on
+// flushed inputs, then C = (E + O) + C by ls::bf16_add_step; a NaN result
+// canonical.
 inline void matmul_bf16(const uint16_t* A, const uint16_t* B, float* C, int64_t M, int64_t N, int64_t K) {
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < K; k += 2) {
-        const bool odd = k + 1 < K;
-        acc = ls::bf16_fold_step(acc, odd ? ls::bf16_in(A[i * K + k + 1]) : 0.0f,
-                                 odd ? ls::bf16_in(B[(k + 1) * N + j]) : 0.0f);
-        acc = ls::bf16_fold_step(acc, ls::bf16_in(A[i * K + k]), ls::bf16_in(B[k * N + j]));
+      float c = 0.0f;
+      for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        float e = 0.0f, o = 0.0f;
+        for (int64_t k = k0; k < k0 + 32; k += 2) {
+          const bool in_e = k < K, in_o = k + 1 < K;
+          e = ls::bf16_fold_step(e, in_e ? ls::bf16_in(A[i * K + k]) : 0.0f, in_e ? ls::bf16_in(B[k * N + j]) : 0.0f);
+          o = ls::bf16_fold_step(o, in_o ? ls::bf16_in(A[i * K + k + 1]) : 0.0f,
+                                 in_o ? ls::bf16_in(B[(k + 1) * N + j]) : 0.0f);
+        }
+        c = ls::bf16_add_step(ls::bf16_add_step(e, o), c);
       }
-      C[i * N + j] = ls::bf16_canonical_nan(acc);
+      C[i * N + j] = ls::bf16_canonical_nan(c);
     }
 }
 

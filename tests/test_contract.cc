@@ -148,30 +148,42 @@ TEST_SUITE("contract") {
   // fold"): each expected value is worked out here from the rule, not from
   // ls::bf16_dot. tests/test_gemm_bf16.cc holds the hardware and every GEMM
   // path to bf16_dot.
-  TEST_CASE("bf16 fold: pair order, one rounding per step, +0 start, odd K padded with +0") {
+  TEST_CASE("bf16 fold: 32-k blocks, E and O apart, one rounding per step, +0 starts") {
     auto h = [](float x) { return ls::to_bf16(x); };
-    const uint16_t one = h(1.0f), m1 = h(-1.0f), e24 = h(0x1p-24f), zero = 0, nzero = 0x8000;
-    const uint16_t ones[4] = {one, one, one, one};
-    // k = 0..3 products 1, 0, -1, 2^-24. Pair (0,1): 0 then +1 = 1. Pair
-    // (2,3): k = 3 first, 1 + 2^-24 is a tie and rounds to 1; then -1: +0.
-    // Ascending k (the fp32 fold's order) would give 1, 1, 0, 2^-24.
-    const uint16_t a[4] = {one, zero, m1, e24};
-    CHECK(ls::bits(ls::bf16_dot(a, 1, ones, 1, 4, 0.0f)) == 0u);
-    float asc = 0.0f;
-    for (int k = 0; k < 4; ++k) asc = ls::fma(ls::from_bf16(a[k]), 1.0f, asc);
-    CHECK(asc == 0x1p-24f);
-    // Each step rounds: 1 + 2^-24 + 2^-24 in two steps is 1 (two ties to
-    // even); one rounding of the exact sum would be 1 + 2^-23.
+    const uint16_t one = h(1.0f), e24 = h(0x1p-24f), zero = 0, nzero = 0x8000;
+    std::vector<uint16_t> ones(64, one);
+    // Products 2^-24 (k = 0, E) and 2^-24 (k = 1, O) from 1: E + O = 2^-23
+    // first, then 1 + 2^-23 exactly. Folded one by one onto 1 (the fp32
+    // fold, or vdpbf16ps's pairs) each would be a tie back to 1.
     const uint16_t b[2] = {e24, e24};
-    CHECK(ls::bf16_dot(b, 1, ones, 1, 2, 1.0f) == 1.0f);
-    // Start +0; an odd K's padding step adds +0 first: a -0 start becomes +0
-    // before the last member's -0 product (-0 + -0 would have stayed -0).
+    CHECK(ls::bf16_dot(b, 1, ones.data(), 1, 2, 1.0f) == 1.0f + 0x1p-23f);
+    // Each step rounds: 1, 2^-24, 2^-24 in E (k = 0, 2, 4) is 1 (two ties to
+    // even); one rounding of the exact sum would be 1 + 2^-23.
+    const uint16_t c[5] = {one, zero, e24, zero, e24};
+    CHECK(ls::bf16_dot(c, 1, ones.data(), 1, 5, 0.0f) == 1.0f);
+    // Blocks: 1 at k = 0 and 2^-24 at k = 1 and 31 (both O of block 0) give
+    // 1 + 2^-23; with the second 2^-24 at k = 33 (O of block 1), each block's
+    // S is added to C on its own: 1 + 2^-24 ties to 1, twice.
+    std::vector<uint16_t> d(34, zero);
+    d[0] = one;
+    d[1] = e24;
+    d[31] = e24;
+    CHECK(ls::bf16_dot(d.data(), 1, ones.data(), 1, 32, 0.0f) == 1.0f + 0x1p-23f);
+    d[31] = zero;
+    d[33] = e24;
+    CHECK(ls::bf16_dot(d.data(), 1, ones.data(), 1, 34, 0.0f) == 1.0f);
+    // Signed zeros: E and O start at +0, so -0 products give +0, and +0 + a
+    // -0 start is +0; only E = O = -0 (flushed negative tinies, a full block:
+    // a padding step's +0 + -0 is +0) with a -0 start stays -0.
     const uint16_t nz[2] = {nzero, nzero};
-    CHECK(ls::bits(ls::bf16_dot(nz, 1, ones, 1, 1, -0.0f)) == 0u);
-    CHECK(ls::bits(ls::bf16_dot(nz, 1, ones, 1, 2, -0.0f)) == 0x80000000u);
-    CHECK(ls::bits(ls::bf16_dot(nz, 1, ones, 1, 2, 0.0f)) == 0u);
+    const std::vector<uint16_t> tiny(32, h(-0x1p-100f)), u(32, h(0x1p-30f));
+    CHECK(ls::bits(ls::bf16_dot(nz, 1, ones.data(), 1, 1, -0.0f)) == 0u);
+    CHECK(ls::bits(ls::bf16_dot(nz, 1, ones.data(), 1, 2, -0.0f)) == 0u);
+    CHECK(ls::bits(ls::bf16_dot(tiny.data(), 1, u.data(), 1, 32, -0.0f)) == 0x80000000u);
+    CHECK(ls::bits(ls::bf16_dot(tiny.data(), 1, u.data(), 1, 32, 0.0f)) == 0u);
+    CHECK(ls::bits(ls::bf16_dot(tiny.data(), 1, u.data(), 1, 31, -0.0f)) == 0u);  // padded
     // K = 0: the start untouched (not flushed, NaN payload kept).
-    CHECK(ls::bits(ls::bf16_dot(a, 1, ones, 1, 0, ls::from_bits(0x7fc12345u))) == 0x7fc12345u);
+    CHECK(ls::bits(ls::bf16_dot(b, 1, ones.data(), 1, 0, ls::from_bits(0x7fc12345u))) == 0x7fc12345u);
     // Stride: a column of a row-major 2 x 2.
     const uint16_t w[4] = {h(3.0f), h(5.0f), h(2.0f), h(7.0f)}, x[2] = {h(0.5f), h(0.25f)};
     CHECK(ls::bf16_dot(x, 1, w + 1, 2, 2, 0.0f) == 0.25f * 7.0f + 0.5f * 5.0f);
@@ -179,39 +191,42 @@ TEST_SUITE("contract") {
 
   TEST_CASE("bf16 fold: denormals flushed in (DAZ) and out (FTZ), tininess after rounding") {
     auto h = [](float x) { return ls::to_bf16(x); };
-    const uint16_t one = h(1.0f), zero = 0;
+    const uint16_t zero = 0, m63 = h(0x1p-63f);
     // DAZ on inputs: a bf16 subnormal (2^-133) times 2^100 counts as 0, not 2^-33.
     const uint16_t den[1] = {0x0001}, big[1] = {h(0x1p100f)};
     CHECK(ls::bits(ls::bf16_dot(den, 1, big, 1, 1, 0.0f)) == 0u);
-    // DAZ on the start: 2^-127 counts as +0, so + 2^-126 (the k = 1
-    // product, added first) gives 2^-126, not 1.5 * 2^-126.
-    const uint16_t p[2] = {zero, h(0x1p-63f)};
+    // DAZ on the start: 2^-127 counts as +0, so + 2^-126 (S, from the k = 1
+    // product) gives 2^-126, not 1.5 * 2^-126.
+    const uint16_t p[2] = {zero, m63};
     CHECK(ls::bf16_dot(p, 1, p, 1, 2, 0x1p-127f) == 0x1p-126f);
-    // FTZ: a subnormal product from +0 gives a zero of its sign.
-    const uint16_t t[1] = {h(-0x1p-100f)}, u[1] = {h(0x1p-30f)};
-    CHECK(ls::bits(ls::bf16_dot(t, 1, u, 1, 1, 0.0f)) == 0x80000000u);
-    // FTZ on a sum: 1.5 * 2^-126 - 2^-126 = 2^-127 is flushed to +0.
-    const uint16_t v[2] = {h(-0x1p-63f), zero}, vv[2] = {h(0x1p-63f), zero};
+    // FTZ on a step: two 2^-127 products (E, O) are each flushed: 0, not 2^-126.
+    const uint16_t q[2] = {m63, m63}, q2[2] = {h(0x1p-64f), h(0x1p-64f)};
+    CHECK(ls::bits(ls::bf16_dot(q, 1, q2, 1, 2, 0.0f)) == 0u);
+    // A tiny addend joins a normal E unflushed: 2^-125 + 2^-127.
+    const uint16_t r[3] = {h(0x1p-62f), zero, m63}, r2[3] = {m63, zero, h(0x1p-64f)};
+    CHECK(ls::bf16_dot(r, 1, r2, 1, 3, 0.0f) == 0x1.4p-125f);
+    // FTZ on an add: E = 2^-126, O = -1.5 * 2^-126, S = -2^-127 (exact) is
+    // flushed to -0; -0 + a -0 start stays -0. The C add likewise:
+    // 1.5 * 2^-126 - 2^-126 = 2^-127 gives +0.
+    const uint16_t s[2] = {m63, h(-0x1.8p-63f)}, s2[2] = {m63, m63};
+    CHECK(ls::bits(ls::bf16_dot(s, 1, s2, 1, 2, -0.0f)) == 0x80000000u);
+    const uint16_t v[2] = {h(-0x1p-63f), zero}, vv[2] = {m63, zero};
     CHECK(ls::bits(ls::bf16_dot(v, 1, vv, 1, 2, 0x1.8p-126f)) == 0u);
-    // At the boundary, as vdpbf16ps does: 2^-126 - 2^-150 is a 24-bit value
+    // At the boundary, in E (k = 0 then 2): 2^-126 - 2^-150 is a 24-bit value
     // below 2^-126, so it flushes, although fma rounds it (on the subnormal
     // grid, a tie) up to 2^-126. 2^-126 - 2^-151 rounds to 2^-126 at 24 bits.
-    const uint16_t a75[2] = {zero, h(0x1p-75f)}, n75[2] = {zero, h(-0x1p-75f)}, n76[2] = {zero, h(-0x1p-76f)};
+    const uint16_t a75[3] = {m63, zero, h(0x1p-75f)}, n75[3] = {m63, zero, h(-0x1p-75f)};
+    const uint16_t n76[3] = {m63, zero, h(-0x1p-76f)};
     CHECK(ls::fma(0x1p-75f, -0x1p-75f, 0x1p-126f) == 0x1p-126f);
-    CHECK(ls::bits(ls::bf16_dot(a75, 1, n75, 1, 2, 0x1p-126f)) == 0u);
-    // (in the even member, the pair's last step: after it in the odd one, +0 + -0 would give +0)
-    const uint16_t e75[2] = {h(0x1p-75f), zero};
-    CHECK(ls::bits(ls::bf16_dot(e75, 1, e75, 1, 2, -0x1p-126f)) == 0x80000000u);
-    CHECK(ls::bits(ls::bf16_dot(a75, 1, a75, 1, 2, -0x1p-126f)) == 0u);
-    CHECK(ls::bf16_dot(a75, 1, n76, 1, 2, 0x1p-126f) == 0x1p-126f);
+    CHECK(ls::bits(ls::bf16_dot(a75, 1, n75, 1, 3, 0.0f)) == 0u);
+    CHECK(ls::bf16_dot(a75, 1, n76, 1, 3, 0.0f) == 0x1p-126f);
     // Between the two: 2^-126 - 2^-150 + 2^-158 rounds at 24 bits to
     // 2^-126 - 2^-150 (tiny, flushed).
-    const uint16_t c63[2] = {zero, h(0x1p-63f)}, c88[2] = {zero, h(-0x1.fep-88f)};
-    CHECK(ls::bits(ls::bf16_dot(c63, 1, c88, 1, 2, 0x1p-126f)) == 0u);
+    const uint16_t c63[3] = {m63, zero, m63}, c88[3] = {m63, zero, h(-0x1.fep-88f)};
+    CHECK(ls::bits(ls::bf16_dot(c63, 1, c88, 1, 3, 0.0f)) == 0u);
     // Not tiny: 2^-126 plus a product below its ulp stays 2^-126.
-    const uint16_t s[2] = {zero, h(-0x1p-125f)}, s2[2] = {zero, h(0x1p-125f)};
-    CHECK(ls::bf16_dot(s, 1, s2, 1, 2, 0x1p-126f) == 0x1p-126f);
-    (void)one;
+    const uint16_t t[3] = {m63, zero, h(-0x1p-125f)}, t2[3] = {m63, zero, h(0x1p-125f)};
+    CHECK(ls::bf16_dot(t, 1, t2, 1, 3, 0.0f) == 0x1p-126f);
   }
 
   TEST_CASE("bf16 fold: infinities, and every NaN result is 0x7fc00000") {

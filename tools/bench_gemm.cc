@@ -1,7 +1,7 @@
 // lockstep-bench-gemm: the contract GEMM against Eigen and against the
 // machine's measured fp32 FMA peak, side by side in one run. --bf16: the
-// contract's bf16 GEMM (each path) against the fp32 one at one thread, and
-// the measured vdpbf16ps peak.
+// contract's bf16 GEMM (the best path, then each path) against the fp32 one
+// at one thread.
 //
 //   lockstep-bench-gemm [--quick] [--bf16]
 #include <immintrin.h>
@@ -109,37 +109,17 @@ struct Shape {
   bool square;
 };
 
-// Peak bf16 rate of one thread: 12 independent vdpbf16ps chains (4 flops a
-// lane: two products, two adds).
-// Stores its sum (a side effect: a pure function's calls could be hoisted
-// out of the timing loop).
-__attribute__((target("avx512f,avx512bf16"), noinline)) void dpbf16_loop(int64_t iters) {
-  __m512 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
-  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f7f3f7f), b = (__m512bh)_mm512_set1_epi32(0x33d633d6);
-  for (int64_t it = 0; it < iters; ++it)
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-  __m512 s = acc[0];
-  for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
-  g_sink = _mm512_reduce_add_ps(s);
-}
-
 // --bf16: the bf16 GEMM on each path beside the fp32 contract GEMM, square
-// shapes, one thread, row-major operands, fp32 peak and bf16 peak measured now.
+// shapes, one thread, row-major operands, fp32 peak measured now.
 int bench_bf16(double min_s, int reps) {
   using ls::ops::Bf16Path;
   const bool avx512 = ls::ops::gemm_path_supported(ls::ops::GemmPath::kAvx512);
   const double fma_peak = peak_gflops(1, avx512, min_s);
-  const bool has_bf16 = ls::ops::gemm_bf16_path_supported(Bf16Path::kAvx512Bf16);
-  const int64_t iters = 1 << 22;
-  const double bf16_peak =
-      has_bf16 ? best_gflops(static_cast<double>(iters) * 12 * 16 * 4, min_s, 3, [&] { dpbf16_loop(iters); }) : 0.0;
   printf("lockstep-bench-gemm --bf16  fp32 path=%s  bf16 path=%s  1 thread\n", ls::ops::gemm_path_name(),
          ls::ops::bf16_path_name(ls::ops::gemm_bf16_path()));
-  printf("peaks: fp32 FMA %.1f GFLOP/s, vdpbf16ps %.1f GFLOP/s\n\n", fma_peak, bf16_peak);
-  printf("%-16s  %10s  %10s  %7s  %8s  %8s\n", "shape MxKxN", "fp32", "bf16", "bf16/", "fp32", "bf16");
-  printf("%-16s  %10s  %10s  %7s  %8s  %8s\n", "", "GFLOP/s", "GFLOP/s", "fp32", "%fmapk", "%bf16pk");
+  printf("peak: fp32 FMA %.1f GFLOP/s\n\n", fma_peak);
+  printf("%-16s  %10s  %10s  %7s  %8s\n", "shape MxKxN", "fp32", "bf16", "bf16/", "fp32");
+  printf("%-16s  %10s  %10s  %7s  %8s\n", "", "GFLOP/s", "GFLOP/s", "fp32", "%fmapk");
   for (int64_t n : {256, 384, 512, 768, 1024}) {
     std::vector<float> af(n * n), bf(n * n), c(n * n);
     std::vector<uint16_t> ah(n * n), bh(n * n);
@@ -152,16 +132,15 @@ int bench_bf16(double min_s, int reps) {
         [&] { ls::ops::gemm(n, n, n, {af.data(), n, 1}, {bf.data(), n, 1}, c.data(), n, false, 1); },
         [&] { ls::ops::gemm_bf16(n, n, n, {ah.data(), n, 1}, {bh.data(), n, 1}, c.data(), n, false, 1); });
     std::string name = std::to_string(n) + "x" + std::to_string(n) + "x" + std::to_string(n);
-    printf("%-16s  %10.1f  %10.1f  %7.2f  %7.1f%%  %7.1f%%\n", name.c_str(), g32, g16, g16 / g32,
-           100.0 * g32 / fma_peak, bf16_peak > 0 ? 100.0 * g16 / bf16_peak : 0.0);
+    printf("%-16s  %10.1f  %10.1f  %7.2f  %7.1f%%\n", name.c_str(), g32, g16, g16 / g32, 100.0 * g32 / fma_peak);
     fflush(stdout);
   }
-  // The replays (same bits, fp32 lanes), for reference.
+  // Every path (same bits), for reference.
   const int64_t n = 512;
   std::vector<uint16_t> ah(n * n, 0x3f80), bh(n * n, 0x3c00);
   std::vector<float> c(n * n);
-  printf("\nbf16 replays, 512x512x512, 1 thread:");
-  for (Bf16Path p : {Bf16Path::kAvx512, Bf16Path::kAvx2, Bf16Path::kScalar}) {
+  printf("\nbf16 paths, 512x512x512, 1 thread:");
+  for (Bf16Path p : {Bf16Path::kAmx, Bf16Path::kAvx512, Bf16Path::kAvx2, Bf16Path::kScalar}) {
     if (!ls::ops::gemm_bf16_path_supported(p)) continue;
     ls::ops::set_gemm_bf16_path(p);
     double g = best_gflops(2.0 * n * n * n, min_s, 2, [&] {

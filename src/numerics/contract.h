@@ -15,7 +15,8 @@
 //  5. Randomness: Philox4x32-10 keyed by (seed, purpose, logical index).
 //  6. State hash: XXH3-128 over the canonical serialization (StateHasher).
 //  7. bf16 (contract_bf16.h): ls::to_bf16 rounds to nearest even; the bf16
-//     fold over k is vdpbf16ps's pair order with its flushing, emulated.
+//     fold over k is AMX TDPBF16PS's order (32-k blocks, even and odd k
+//     in two accumulators) with its flushing, emulated.
 #pragma once
 
 #include <stdint.h>

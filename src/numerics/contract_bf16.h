@@ -2,21 +2,21 @@
 // (docs/NUMERICS.md, "The bf16 fold"). Included by contract.h after LS_HD,
 // ls::bits, ls::from_bits and ls::fma are defined.
 //
-// The fold is the one AVX512_BF16's vdpbf16ps computes, so that instruction
-// runs it at full rate; every other path (and the CUDA kernels) replays it
-// with the steps below. Per output, from +0 (or a start value):
-//   k in pairs (2j, 2j+1), ascending j; inside a pair, k = 2j+1 first;
-//   each step: acc = round(acc + a*b), the product exact (one rounding: an
-//   fma), round-to-nearest-even to 24 significant bits;
+// The fold is the one AMX's TDPBF16PS computes (verified bit for bit on
+// 10 M random lanes and the directed edge cases, /work/notes/amx_probe), so
+// that instruction runs it at full rate; every other path (and the CUDA
+// kernels) replays it with the steps below. Per output, from the start value
+// (a GEMM's +0, or C):
+//   k in blocks of 32 (one tile op: 16 pairs), ascending; past K, a = b = +0
+//   (so every block is full); per block, E folds the even k and O the odd k,
+//   each from +0, ascending: step = round(acc + a*b), the product exact (one
+//   rounding: an fma), round-to-nearest-even to 24 significant bits; then
+//   S = round(E + O) and C = round(S + C);
 //   flushing: an input (a, b, or the start value) below 2^-126 in magnitude
-//   counts as a zero of its sign (DAZ); a step whose rounded result is below
-//   2^-126 in magnitude gives a zero of its sign (FTZ), where "rounded" is to
-//   24 bits with an unbounded exponent (tininess after rounding, as x86 does);
-//   an odd K is padded with one pair member a = b = +0 (so the last pair's
-//   first step adds +0: a -0 accumulator becomes +0);
+//   counts as a zero of its sign (DAZ); a step or add whose rounded result is
+//   below 2^-126 in magnitude gives a zero of its sign (FTZ), where "rounded"
+//   is to 24 bits with an unbounded exponent (tininess after rounding);
 //   a NaN result is the canonical quiet NaN 0x7fc00000.
-// Verified against vdpbf16ps lane by lane (tests/test_gemm_bf16.cc, and on
-// 48 M random lanes biased to the 2^-126 boundary).
 #pragma once
 
 namespace ls {
@@ -59,12 +59,14 @@ LS_HD float bf16_fold_step(float acc, float a, float b) {
   return (bits(g) & 0x7fffffffu) < 0x20800000u ? from_bits(bits(g) & 0x80000000u) : r;  // 2^-62
 }
 
-// One pair of the fold (one vdpbf16ps lane): the odd member's product, then
-// the even member's, onto a flushed accumulator.
-LS_HD float bf16_fold_pair(float acc, uint16_t a_even, uint16_t b_even, uint16_t a_odd, uint16_t b_odd) {
-  acc = bf16_fold_step(acc, bf16_in(a_odd), bf16_in(b_odd));
-  return bf16_fold_step(acc, bf16_in(a_even), bf16_in(b_even));
-}
+// The fold's adds (S = E + O, C = S + C): x + y rounded once, flushed when
+// tiny. x and y are flushed fp32 values, multiples of 2^-149, so a sum below
+// 2^-126 in magnitude is exact (a subnormal fp32 holds it): flushing the fp32
+// add's subnormal result is tininess after rounding, with no boundary case.
+LS_HD float bf16_add_step(float x, float y) { return bf16_flush(x + y); }
+
+// k per block of the fold: one TDPBF16PS tile op (16 pairs).
+constexpr int64_t kBf16FoldBlock = 32;
 
 // A NaN result of the fold is this one NaN: which input NaN's payload
 // hardware passes on differs between instructions and devices.
@@ -76,17 +78,21 @@ LS_HD float bf16_canonical_nan(float x) {
 // product of a[k*as] and b[k*bs] over k = 0..K-1, from `start` (a GEMM's +0,
 // or C when it accumulates). K = 0 gives `start` untouched. Continuing a fold
 // (start = an earlier result) equals one fold over both ranges only when the
-// first range has even length.
+// first range's length is a multiple of 32 (kBf16FoldBlock): else its last
+// block was padded and the next range's k fall into other blocks.
 LS_HD float bf16_dot(const uint16_t* a, int64_t as, const uint16_t* b, int64_t bs, int64_t K,
                      float start) {
   if (K <= 0) return start;
-  float acc = bf16_flush(start);
-  for (int64_t k = 0; k < K; k += 2) {
-    const uint16_t a_odd = k + 1 < K ? a[(k + 1) * as] : 0;  // odd K: padded with +0
-    const uint16_t b_odd = k + 1 < K ? b[(k + 1) * bs] : 0;
-    acc = bf16_fold_pair(acc, a[k * as], b[k * bs], a_odd, b_odd);
+  float c = bf16_flush(start);
+  for (int64_t k0 = 0; k0 < K; k0 += kBf16FoldBlock) {
+    float e = 0.0f, o = 0.0f;
+    for (int64_t k = k0; k < k0 + kBf16FoldBlock; k += 2) {  // past K: +0 * +0
+      e = bf16_fold_step(e, k < K ? bf16_in(a[k * as]) : 0.0f, k < K ? bf16_in(b[k * bs]) : 0.0f);
+      o = bf16_fold_step(o, k + 1 < K ? bf16_in(a[(k + 1) * as]) : 0.0f, k + 1 < K ? bf16_in(b[(k + 1) * bs]) : 0.0f);
+    }
+    c = bf16_add_step(bf16_add_step(e, o), c);
   }
-  return bf16_canonical_nan(acc);
+  return bf16_canonical_nan(c);
 }
 
 }  // namespace ls

@@ -1,27 +1,34 @@
 // Contract bf16 GEMM: the fp32 GEMM's blocking (gemm.cc) with both operands
 // packed, since every path wants them in another form than they lie in.
 //
-// Loop nest: k blocks of KC (an even count, so no pair straddles two
-// blocks; the last block of an odd K is padded with one +0 k, the fold's own
-// padding); B packed into column panels of NR, A into strips of MR rows per
-// row block of MC; a micro-kernel per MR x NR tile of C. Between k blocks
-// the fp32 partial sums are stored to C and reloaded: a flushed binary32
-// stored and reloaded is the same value, and a fold continued from an even
-// number of k is the one fold. Threads split output tiles only.
+// Loop nest: k blocks of KC (a multiple of 32, the fold's block, so no
+// block straddles two; the last block of K is padded with +0 k up to a
+// multiple of 32, the fold's own padding); B packed into column panels of
+// NR, A into strips of MR rows per row block of MC; a micro-kernel per
+// MR x NR tile of C. Between k blocks the fp32 partial sums are stored to C
+// and reloaded: a flushed binary32 stored and reloaded is the same value,
+// and a fold continued after a multiple of 32 k is the one fold. Threads
+// split output tiles only.
 //
-// Packed forms (kp = pairs in the block, padding rows, columns and k are +0):
-//   pairs (avx512_bf16): A strip uint32[kp][MR], B panel uint32[kp][NR], each
-//     uint32 the bf16 of k = 2j in its low half and of 2j+1 in its high half:
-//     what vdpbf16ps multiplies lane by lane;
+// Packed forms (kp = pairs in the block, a multiple of 16; padding rows,
+// columns and k are +0):
+//   tiles (amx): A strip uint32[kp/16][MR][16] (each row of a 16-pair block
+//     64 bytes: a tile row), B panel uint32[kp][NR] (VNNI: pair row j of
+//     all columns), each uint32 the bf16 of k = 2j in its low half and of
+//     2j+1 in its high half: what TDPBF16PS multiplies;
 //   fp32 (scalar, avx2, avx512): A strip float[2kp][MR], B panel
 //     float[2kp][NR], every value ls::bf16_in (flushed): the kernels then
-//     run ls::bf16_fold_step on each lane, k = 2j+1 before 2j.
+//     run ls::bf16_fold_step on each lane, per 32-k block the even k into E
+//     and the odd k into O, then add E + O and C with ls::bf16_add_step.
 #include "ops/gemm_bf16.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -36,19 +43,19 @@ namespace ops {
 namespace internal {
 
 // A micro-kernel: the C tile (mr x nr, row stride ldc) gets the fold over kp
-// k pairs of a packed A strip and a packed B panel, from C (flushed) when
-// `load`, else from +0; NaNs stored canonical.
+// k pairs (a multiple of 16) of a packed A strip and a packed B panel, from
+// C (flushed) when `load`, else from +0; NaNs stored canonical.
 using Bf16KernelFn = void (*)(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
 struct Bf16Kernel {
   int mr;
   int nr;
-  bool pairs;  // packed as bf16 pairs (else as flushed fp32)
+  bool tiles;  // packed as AMX tiles of bf16 pairs (else as flushed fp32)
   Bf16KernelFn fn;
 };
-// gemm_bf16_avx512.cc (AVX-512 flags) and gemm_bf16_avx512bf16.cc (plus
-// -mavx512bf16): called only when the CPU has them.
+// gemm_bf16_avx512.cc (AVX-512 flags) and gemm_bf16_amx.cc (plus AMX):
+// called only when the CPU (and, for AMX, the kernel) allows them.
 void gemm_bf16_ukernel_avx512_8x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
-void gemm_bf16_ukernel_dpbf16_8x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
+void gemm_bf16_ukernel_amx_32x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
 
 // The contract step out of line, for the lanes the SIMD emulations hand
 // back (a result of exactly +-2^-126), so no contract.h inline is compiled
@@ -63,21 +70,26 @@ using internal::Bf16Kernel;
 
 // ------------------------------------------------------------ kernels ----
 
-// Scalar: ls::bf16_fold_step per (row, column, k), k = 2j+1 then 2j.
+// Scalar: per 32-k block, ls::bf16_fold_step per (row, column, k) into E
+// (even k) and O (odd k), then C = (E + O) + C with ls::bf16_add_step.
 template <int MR, int NR>
 void ukernel_scalar(int64_t kp, const void* av, const void* bv, float* c, int64_t ldc, bool load) {
   const float* a = static_cast<const float*>(av);
   const float* b = static_cast<const float*>(bv);
-  float acc[MR][NR];
+  float acc[MR][NR], e[MR][NR], o[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j] = load ? ls::bf16_flush(c[r * ldc + j]) : 0.0f;
-  for (int64_t k = 0; k < 2 * kp; k += 2) {
-    for (int odd = 1; odd >= 0; --odd) {
-      const float* ak = a + (k + odd) * MR;
-      const float* bk = b + (k + odd) * NR;
+  for (int64_t k0 = 0; k0 < 2 * kp; k0 += ls::kBf16FoldBlock) {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NR; ++j) e[r][j] = o[r][j] = 0.0f;
+    for (int64_t k = k0; k < k0 + ls::kBf16FoldBlock; k += 2)
       for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < NR; ++j) acc[r][j] = ls::bf16_fold_step(acc[r][j], ak[r], bk[j]);
-    }
+        for (int j = 0; j < NR; ++j) {
+          e[r][j] = ls::bf16_fold_step(e[r][j], a[k * MR + r], b[k * NR + j]);
+          o[r][j] = ls::bf16_fold_step(o[r][j], a[(k + 1) * MR + r], b[(k + 1) * NR + j]);
+        }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NR; ++j) acc[r][j] = ls::bf16_add_step(ls::bf16_add_step(e[r][j], o[r][j]), acc[r][j]);
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) c[r * ldc + j] = ls::bf16_canonical_nan(acc[r][j]);
@@ -120,45 +132,79 @@ inline __m256 canonical8(__m256 x) {
   return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
-// 6 x 16 in 12 ymm accumulators, as the fp32 AVX2 kernel.
+// One accumulator run of a 32-k block for the AVX2 kernel: k = k0, k0 + 2,
+// ... from +0, MR x 16 lanes.
+template <int MR>
+inline void fold_half8(const float* a, const float* b, int64_t k0, __m256 (&acc)[MR][2]) {
+  constexpr int NR = 16;
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = k0; k < (k0 & ~(kBf16FoldBlock - 1)) + kBf16FoldBlock; k += 2) {
+    const float* ak = a + k * MR;
+    const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(ak + r);
+      acc[r][0] = step8(acc[r][0], ar, b0);
+      acc[r][1] = step8(acc[r][1], ar, b1);
+    }
+  }
+}
+
+// 6 x 16 in 12 ymm accumulators, as the fp32 AVX2 kernel. Per 32-k block:
+// the even k from +0, stashed as E; the odd k from +0 (O); then
+// C = flush(flush(E + O) + C), C kept in a buffer across blocks.
 void ukernel_avx2(int64_t kp, const void* av, const void* bv, float* c, int64_t ldc, bool load) {
   constexpr int MR = 6, NR = 16;
   const float* a = static_cast<const float*>(av);
   const float* b = static_cast<const float*>(bv);
-  __m256 acc[MR][2];
+  alignas(32) float cbuf[MR][NR], ebuf[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h)
+      _mm256_store_ps(&cbuf[r][8 * h], load ? flush8(_mm256_loadu_ps(c + r * ldc + 8 * h)) : _mm256_setzero_ps());
+  for (int64_t k0 = 0; k0 < 2 * kp; k0 += kBf16FoldBlock) {
+    __m256 acc[MR][2];
+    fold_half8<MR>(a, b, k0, acc);
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    acc[r][0] = load ? flush8(_mm256_loadu_ps(c + r * ldc)) : _mm256_setzero_ps();
-    acc[r][1] = load ? flush8(_mm256_loadu_ps(c + r * ldc + 8)) : _mm256_setzero_ps();
-  }
-  for (int64_t k = 0; k < 2 * kp; k += 2) {
-#pragma GCC unroll 2
-    for (int odd = 1; odd >= 0; --odd) {
-      const float* ak = a + (k + odd) * MR;
-      const __m256 b0 = _mm256_loadu_ps(b + (k + odd) * NR), b1 = _mm256_loadu_ps(b + (k + odd) * NR + 8);
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_store_ps(&ebuf[r][8 * h], acc[r][h]);
+    fold_half8<MR>(a, b, k0 + 1, acc);
 #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const __m256 ar = _mm256_broadcast_ss(ak + r);
-        acc[r][0] = step8(acc[r][0], ar, b0);
-        acc[r][1] = step8(acc[r][1], ar, b1);
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = flush8(_mm256_add_ps(_mm256_load_ps(&ebuf[r][8 * h]), acc[r][h]));
+        _mm256_store_ps(&cbuf[r][8 * h], flush8(_mm256_add_ps(s, _mm256_load_ps(&cbuf[r][8 * h]))));
       }
-    }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(c + r * ldc, canonical8(acc[r][0]));
-    _mm256_storeu_ps(c + r * ldc + 8, canonical8(acc[r][1]));
-  }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(c + r * ldc + 8 * h, canonical8(_mm256_load_ps(&cbuf[r][8 * h])));
 }
 
 const Bf16Kernel kScalarKernel = {4, 8, false, ukernel_scalar<4, 8>};
 const Bf16Kernel kAvx2Kernel = {6, 16, false, ukernel_avx2};
 const Bf16Kernel kAvx512Kernel = {8, 32, false, internal::gemm_bf16_ukernel_avx512_8x32};
-const Bf16Kernel kDpbf16Kernel = {8, 32, true, internal::gemm_bf16_ukernel_dpbf16_8x32};
+const Bf16Kernel kAmxKernel = {32, 32, true, internal::gemm_bf16_ukernel_amx_32x32};
 
 // ------------------------------------------------------------ dispatch ----
 
 std::atomic<int> g_forced{static_cast<int>(Bf16Path::kAuto)};
+
+// AMX: the CPU's AMX-TILE and AMX-BF16 (cpuid 7.0 EDX bits 24, 22), the OS's
+// tile state in XCR0 (bits 17, 18), and the kernel's permission for this
+// process (Linux keeps tile data off until asked, per process). Asked once.
+bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c >> 27 & 1)) return false;  // OSXSAVE, for xgetbv
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1) || !(d >> 24 & 1)) return false;
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo >> 17 & 3u) != 3u) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
 
 bool cpu_has(Bf16Path p) {
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -171,14 +217,14 @@ bool cpu_has(Bf16Path p) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case Bf16Path::kAvx512:
       return avx512;
-    case Bf16Path::kAvx512Bf16:
-      return avx512 && __builtin_cpu_supports("avx512bf16");
+    case Bf16Path::kAmx:
+      return avx512 && amx_usable();
   }
   return false;
 }
 
 Bf16Path best_path() {
-  static const Bf16Path best = cpu_has(Bf16Path::kAvx512Bf16) ? Bf16Path::kAvx512Bf16
+  static const Bf16Path best = cpu_has(Bf16Path::kAmx)        ? Bf16Path::kAmx
                                : cpu_has(Bf16Path::kAvx512)   ? Bf16Path::kAvx512
                                : cpu_has(Bf16Path::kAvx2)     ? Bf16Path::kAvx2
                                                               : Bf16Path::kScalar;
@@ -193,8 +239,8 @@ Bf16Path effective_path() {
 
 const Bf16Kernel& kernel_for(Bf16Path p) {
   switch (p) {
-    case Bf16Path::kAvx512Bf16:
-      return kDpbf16Kernel;
+    case Bf16Path::kAmx:
+      return kAmxKernel;
     case Bf16Path::kAvx512:
       return kAvx512Kernel;
     case Bf16Path::kAvx2:
@@ -215,10 +261,14 @@ using Scratch = AlignedScratch<uint32_t>;
 inline uint16_t bf16_at(const ConstMatBf16& m, int64_t off) { return m.p[off]; }
 inline uint16_t bf16_at(const ConstMat& m, int64_t off) { return ls::to_bf16(m.p[off]); }
 
-// One pair (k = 2j in lo, 2j+1 in hi) into line l of a packed pair row.
-inline void put_pair(bool pairs, int width, int64_t j, int l, uint16_t lo, uint16_t hi, uint32_t* dst) {
-  if (pairs) {
-    dst[j * width + l] = uint32_t(lo) | uint32_t(hi) << 16;
+// One pair (k = 2j in lo, 2j+1 in hi) into line l of a packed operand of
+// `width` lines: two flushed fp32 rows (k = 2j, 2j+1), or one uint32: for
+// A (a_side) in tile rows of 16 pairs, for B in VNNI rows of all columns.
+inline void put_pair(bool tiles, bool a_side, int width, int64_t j, int l, uint16_t lo, uint16_t hi,
+                     uint32_t* dst) {
+  if (tiles) {
+    const int64_t at = a_side ? ((j >> 4) * width + l) * 16 + (j & 15) : j * width + l;
+    dst[at] = uint32_t(lo) | uint32_t(hi) << 16;
   } else {
     float* f = reinterpret_cast<float*>(dst);
     f[(2 * j) * width + l] = ls::bf16_in(lo);
@@ -230,13 +280,14 @@ inline void put_pair(bool pairs, int width, int64_t j, int l, uint16_t lo, uint1
 // of B) of kp pairs from k0; line l of the operand is its element (l0 + l, k)
 // through get(l, k), +0 past `lines` or past K.
 template <class Get>
-void pack_tile(bool pairs, int width, int64_t lines, int64_t kp, int64_t k0, int64_t K, Get get, uint32_t* dst) {
+void pack_tile(bool tiles, bool a_side, int width, int64_t lines, int64_t kp, int64_t k0, int64_t K, Get get,
+               uint32_t* dst) {
   for (int64_t j = 0; j < kp; ++j) {
     const int64_t k = k0 + 2 * j;
     for (int l = 0; l < width; ++l) {
       const uint16_t lo = l < lines && k < K ? get(l, k) : uint16_t(0);
       const uint16_t hi = l < lines && k + 1 < K ? get(l, k + 1) : uint16_t(0);
-      put_pair(pairs, width, j, l, lo, hi, dst);
+      put_pair(tiles, a_side, width, j, l, lo, hi, dst);
     }
   }
 }
@@ -250,12 +301,12 @@ void pack_a(const Mat& A, int64_t i0, int64_t mv, const Bf16Kernel& uk, int64_t 
     for (int r = 0; r < uk.mr; ++r) {
       const int64_t row = base + r * A.rs + k0;
       for (int64_t j = 0; j < kp; ++j)
-        put_pair(uk.pairs, uk.mr, j, r, bf16_at(A, row + 2 * j), bf16_at(A, row + 2 * j + 1), dst);
+        put_pair(uk.tiles, true, uk.mr, j, r, bf16_at(A, row + 2 * j), bf16_at(A, row + 2 * j + 1), dst);
     }
     return;
   }
-  pack_tile(uk.pairs, uk.mr, mv, kp, k0, K, [&](int l, int64_t k) { return bf16_at(A, base + l * A.rs + k * A.cs); },
-            dst);
+  pack_tile(uk.tiles, true, uk.mr, mv, kp, k0, K,
+            [&](int l, int64_t k) { return bf16_at(A, base + l * A.rs + k * A.cs); }, dst);
 }
 
 // NR columns of B from column j0 (nv of them real), k block [k0, k0 + 2kp).
@@ -266,12 +317,13 @@ void pack_b(const Mat& B, int64_t j0, int64_t nv, const Bf16Kernel& uk, int64_t 
   if (B.cs == 1 && nv == uk.nr && k0 + 2 * kp <= K) {  // row-major, full panel: two rows interleaved
     for (int64_t j = 0; j < kp; ++j) {
       const int64_t lo = base + (k0 + 2 * j) * B.rs, hi = lo + B.rs;
-      for (int l = 0; l < uk.nr; ++l) put_pair(uk.pairs, uk.nr, j, l, bf16_at(B, lo + l), bf16_at(B, hi + l), dst);
+      for (int l = 0; l < uk.nr; ++l)
+        put_pair(uk.tiles, false, uk.nr, j, l, bf16_at(B, lo + l), bf16_at(B, hi + l), dst);
     }
     return;
   }
-  pack_tile(uk.pairs, uk.nr, nv, kp, k0, K, [&](int l, int64_t k) { return bf16_at(B, base + k * B.rs + l * B.cs); },
-            dst);
+  pack_tile(uk.tiles, false, uk.nr, nv, kp, k0, K,
+            [&](int l, int64_t k) { return bf16_at(B, base + k * B.rs + l * B.cs); }, dst);
 }
 
 // One micro-tile; partial tiles go through an MR x NR buffer so the kernel
@@ -289,9 +341,11 @@ inline void run_tile(const Bf16Kernel& uk, int64_t kp, const uint32_t* a, const 
   for (int64_t r = 0; r < mv; ++r) memcpy(c + r * ldc, tile + r * uk.nr, sizeof(float) * nv);
 }
 
-// k block (even): a packed B panel of 32 KB stays in L1, as the fp32 GEMM's
-// (256 k x 32 fp32): 512 k as bf16 pairs, 256 k as replayed fp32.
+// k block (a multiple of the fold's 32): a packed B panel of 32 KB stays in
+// L1, as the fp32 GEMM's (256 k x 32 fp32): 512 k as bf16 pairs, 256 k as
+// replayed fp32.
 constexpr int64_t kKCPairs = 512, kKCFp32 = 256;
+static_assert(kKCPairs % kBf16FoldBlock == 0 && kKCFp32 % kBf16FoldBlock == 0, "k blocks hold whole fold blocks");
 constexpr int64_t kMC = 192;  // rows per A block (rounded to MR)
 
 }  // namespace
@@ -302,8 +356,8 @@ bool gemm_bf16_path_supported(Bf16Path path) { return cpu_has(path); }
 
 const char* bf16_path_name(Bf16Path p) {
   switch (p) {
-    case Bf16Path::kAvx512Bf16:
-      return "avx512_bf16";
+    case Bf16Path::kAmx:
+      return "amx";
     case Bf16Path::kAvx512:
       return "avx512";
     case Bf16Path::kAvx2:
@@ -338,7 +392,8 @@ void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, const Mat& A, const Mat& 
   }
   const Bf16Kernel& uk = kernel_for(effective_path());
   const int MR = uk.mr, NR = uk.nr;
-  const int64_t KC = std::min((K + 1) / 2 * 2, uk.pairs ? kKCPairs : kKCFp32);  // even
+  const int64_t K32 = (K + kBf16FoldBlock - 1) / kBf16FoldBlock * kBf16FoldBlock;  // K padded
+  const int64_t KC = std::min(K32, uk.tiles ? kKCPairs : kKCFp32);
   const int64_t MC = std::max<int64_t>(MR, kMC / MR * MR);
   const int64_t panels = (N + NR - 1) / NR;
   const int64_t mblocks = (M + MC - 1) / MC;
@@ -354,7 +409,7 @@ void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, const Mat& A, const Mat& 
   T = static_cast<int>(std::min<int64_t>(T, tasks));
 
   // Words per packed k pair of one line: 1 (pairs) or 2 (two fp32).
-  const int64_t wpp = uk.pairs ? 1 : 2;
+  const int64_t wpp = uk.tiles ? 1 : 2;
   static thread_local Scratch b_scratch;
   uint32_t* bpack = b_scratch.get(static_cast<size_t>(KC / 2 * wpp * panels * NR));
   auto pack_panel = [&](int64_t p, int64_t k0, int64_t kp) {
@@ -381,7 +436,7 @@ void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, const Mat& A, const Mat& 
   static thread_local Scratch a_scratch;
   const size_t a_words = static_cast<size_t>(KC / 2 * wpp * (MC + MR));
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    const int64_t kp = (std::min(KC, K - k0) + 1) / 2;
+    const int64_t kp = std::min(KC, K32 - k0) / 2;  // a multiple of 16
     const bool load = accumulate || k0 > 0;
     if (T == 1) {
       uint32_t* apack = a_scratch.get(a_words);

@@ -1,10 +1,10 @@
 // The contract's bf16 GEMM: C (fp32) = A (bf16) · B (bf16), or C += A·B,
 // where every output element is the contract's bf16 fold over k
-// (ls::bf16_dot, contract_bf16.h): k in pairs, the odd member first, each
-// product added with one rounding, denormals flushed in and out. Its bits
-// are those of the plain loop whatever the path, tiling or thread count.
-// The avx512_bf16 path is that fold in hardware (vdpbf16ps); the others
-// replay it. numerics.precision=bf16 runs the model's feature folds on it
+// (ls::bf16_dot, contract_bf16.h): k in blocks of 32, per block the even
+// and the odd products in two accumulators, added, then added to C, each
+// step rounded once, denormals flushed in and out. Its bits are those of
+// the plain loop whatever the path, tiling or thread count. The amx path is
+// that fold in hardware (TDPBF16PS); the others replay it. numerics.precision=bf16 runs the model's feature folds on it
 // (ops::matmul, ops/ops.h).
 #pragma once
 
@@ -26,7 +26,7 @@ struct ConstMatBf16 {
 // C[i*ldc + j] = ls::bf16_dot over k = 0..K-1 of A(i,k), B(k,j), from
 // (accumulate ? C[i*ldc+j] : +0.0f). K = 0 leaves C (accumulate) or zeroes
 // it. A continued fold (accumulate) equals one fold over both ranges only when
-// the earlier K was even. threads as ops::gemm: 0 is omp_get_max_threads(),
+// the earlier K was a multiple of 32. threads as ops::gemm: 0 is omp_get_max_threads(),
 // or 1 inside a parallel region; parallel over output tiles, never over k.
 void gemm_bf16(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C, int64_t ldc,
                bool accumulate, int threads = 0);
@@ -41,13 +41,13 @@ void gemm_bf16_naive(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf
                      int64_t ldc, bool accumulate);
 
 // Instruction-set path of gemm_bf16, process-wide, for tests and benchmarks.
-// kAuto picks the best the CPU supports (avx512_bf16, else avx512, avx2,
-// scalar); forcing a path the CPU lacks falls back to kAuto's choice.
-// Independent of set_gemm_path.
-enum class Bf16Path { kAuto, kScalar, kAvx2, kAvx512, kAvx512Bf16 };
+// kAuto picks the best the CPU (and, for amx, the OS) supports (amx, else
+// avx512, avx2, scalar); forcing a path the CPU lacks falls back to kAuto's
+// choice. Independent of set_gemm_path.
+enum class Bf16Path { kAuto, kScalar, kAvx2, kAvx512, kAmx };
 void set_gemm_bf16_path(Bf16Path path);
 Bf16Path gemm_bf16_path();              // the path in use
-const char* bf16_path_name(Bf16Path p);  // "scalar", "avx2", "avx512", "avx512_bf16" (kAuto: "auto")
+const char* bf16_path_name(Bf16Path p);  // "scalar", "avx2", "avx512", "amx" (kAuto: "auto")
 bool gemm_bf16_path_supported(Bf16Path path);
 
 }  // namespace ops

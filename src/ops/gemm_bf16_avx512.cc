@@ -1,7 +1,8 @@
 // AVX-512 micro-kernel of the bf16 GEMM's portable path (built with -mavx512f
-// and picked at run time where the CPU lacks AVX512_BF16): the contract's
-// bf16 fold replayed on fp32 lanes, one fma per step, k = 2j+1 before 2j,
-// so each lane equals ls::bf16_dot bit for bit. The operands come packed as
+// and picked at run time where the CPU lacks AMX): the contract's bf16 fold
+// replayed on fp32 lanes, one fma per step, per 32-k block the even k and
+// the odd k in two runs, then two flushed adds, so each lane equals
+// ls::bf16_dot bit for bit. The operands come packed as
 // flushed fp32 (gemm_bf16.cc). contract.h is not included here: its inline
 // functions compiled with AVX-512 flags could be the copy the linker keeps.
 #include <immintrin.h>
@@ -56,35 +57,58 @@ inline __m512 canonical16(__m512 x) {
                             _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
 }
 
-// MR x 16*NV tile; A strip float[2kp][MR], B panel float[2kp][16*NV].
+constexpr int kBlock = 32;  // ls::kBf16FoldBlock
+
+// One accumulator run of a 32-k block: k = k0, k0 + 2, ... from +0.
+template <int MR, int NV>
+inline void fold_half(const float* a, const float* b, int64_t k0, __m512 (&acc)[MR][NV]) {
+  constexpr int NR = 16 * NV;
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < (k0 & ~int64_t(kBlock - 1)) + kBlock; k += 2) {
+    const float* ak = a + k * MR;
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + k * NR + 16 * v);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512 ar = _mm512_set1_ps(ak[r]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = step16(acc[r][v], ar, bv[v]);
+    }
+  }
+}
+
+// MR x 16*NV tile; A strip float[2kp][MR], B panel float[2kp][16*NV]. Per
+// 32-k block: the even k from +0 into the accumulators, stashed as E; the odd
+// k from +0 (O); then C = flush(flush(E + O) + C), C in a buffer across blocks.
 template <int MR, int NV>
 void ukernel(int64_t kp, const float* a, const float* b, float* c, int64_t ldc, bool load) {
   constexpr int NR = 16 * NV;
-  __m512 acc[MR][NV];
-#pragma GCC unroll 16
+  alignas(64) float cbuf[MR][NR], ebuf[MR][NR];
   for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v)
-      acc[r][v] = load ? flush16(_mm512_loadu_ps(c + r * ldc + 16 * v)) : _mm512_setzero_ps();
-  for (int64_t k = 0; k < 2 * kp; k += 2) {
-#pragma GCC unroll 2
-    for (int odd = 1; odd >= 0; --odd) {
-      const float* ak = a + (k + odd) * MR;
-      __m512 bv[NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + (k + odd) * NR + 16 * v);
+      _mm512_store_ps(&cbuf[r][16 * v], load ? flush16(_mm512_loadu_ps(c + r * ldc + 16 * v)) : _mm512_setzero_ps());
+  for (int64_t k0 = 0; k0 < 2 * kp; k0 += kBlock) {
+    __m512 acc[MR][NV];
+    fold_half<MR, NV>(a, b, k0, acc);
 #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        const __m512 ar = _mm512_set1_ps(ak[r]);
+    for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[r][v] = step16(acc[r][v], ar, bv[v]);
+      for (int v = 0; v < NV; ++v) _mm512_store_ps(&ebuf[r][16 * v], acc[r][v]);
+    fold_half<MR, NV>(a, b, k0 + 1, acc);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const __m512 s = flush16(_mm512_add_ps(_mm512_load_ps(&ebuf[r][16 * v]), acc[r][v]));
+        _mm512_store_ps(&cbuf[r][16 * v], flush16(_mm512_add_ps(s, _mm512_load_ps(&cbuf[r][16 * v]))));
       }
-    }
   }
-#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, canonical16(acc[r][v]));
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, canonical16(_mm512_load_ps(&cbuf[r][16 * v])));
 }
 
 }  // namespace

@@ -49,7 +49,7 @@ void linear_input_grad_strided(const float* dY, int64_t lddy, int64_t N, int out
 // fma fold inside each leaf, the canonical tree over leaves. At bf16 the
 // same fold over X and dY rounded to bf16 (exact products in fp32): a fold
 // over tokens continues across rounds, microbatches and ranks at any row,
-// where the bf16 pair fold would need even boundaries.
+// where the bf16 fold would need boundaries at multiples of 32.
 void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                  const int64_t* leaf_off, int64_t leaves, float* dW, Operands operands = Operands::kRun);
 
