@@ -3,7 +3,8 @@
 // ls::bits, ls::from_bits and ls::fma are defined.
 //
 // The fold is the one AMX's TDPBF16PS computes (verified bit for bit on
-// 10 M random lanes and the directed edge cases, /work/notes/amx_probe), so
+// 10 M random lanes by a probe; the gemm_bf16 suite runs the directed edge
+// cases on the amx path wherever the CPU has AMX), so
 // that instruction runs it at full rate; every other path (and the CUDA
 // kernels) replays it with the steps below. Per output, from the start value
 // (a GEMM's +0, or C):

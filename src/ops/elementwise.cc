@@ -13,8 +13,16 @@
 namespace ls::ops {
 
 void round_to_bf16(const float* x, int64_t ldx, int64_t rows, int cols, float* out) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int c = 0; c < cols; ++c) out[r * cols + c] = ls::from_bf16(ls::to_bf16(x[r * ldx + c]));
+  // ls::to_bf16 written without a branch, so that the loop vectorizes.
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* in = reinterpret_cast<const uint32_t*>(x + r * ldx);
+    uint32_t* o = reinterpret_cast<uint32_t*>(out + r * cols);
+    for (int c = 0; c < cols; ++c) {
+      const uint32_t u = in[c];
+      const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u), quiet = u | 0x00400000u;
+      o[c] = ((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded) & 0xffff0000u;
+    }
+  }
 }
 
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {

@@ -56,6 +56,15 @@ struct Bf16Kernel {
 // called only when the CPU (and, for AMX, the kernel) allows them.
 void gemm_bf16_ukernel_avx512_8x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
 void gemm_bf16_ukernel_amx_32x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
+// The amx path's packing of a full strip or panel (kp a multiple of 16):
+// A rows k-contiguous; B rows column-contiguous (amx_pack_b) or columns
+// k-contiguous (amx_pack_bt, a transposed view).
+void amx_pack_a(const float* src, int64_t rs, int64_t kp, uint32_t* dst);
+void amx_pack_a(const uint16_t* src, int64_t rs, int64_t kp, uint32_t* dst);
+void amx_pack_b(const float* src, int64_t rs, int64_t kp, uint32_t* dst);
+void amx_pack_b(const uint16_t* src, int64_t rs, int64_t kp, uint32_t* dst);
+void amx_pack_bt(const float* src, int64_t cs, int64_t kp, uint32_t* dst);
+void amx_pack_bt(const uint16_t* src, int64_t cs, int64_t kp, uint32_t* dst);
 
 // The contract step out of line, for the lanes the SIMD emulations hand
 // back (a result of exactly +-2^-126), so no contract.h inline is compiled
@@ -297,7 +306,9 @@ template <class Mat>
 void pack_a(const Mat& A, int64_t i0, int64_t mv, const Bf16Kernel& uk, int64_t k0, int64_t kp, int64_t K,
             uint32_t* dst) {
   const int64_t base = i0 * A.rs;
-  if (A.cs == 1 && mv == uk.mr && k0 + 2 * kp <= K) {  // row-major, full strip: rows read in order
+  const bool full = mv == uk.mr && k0 + 2 * kp <= K;
+  if (uk.tiles && full && A.cs == 1) return internal::amx_pack_a(A.p + base + k0, A.rs, kp, dst);
+  if (A.cs == 1 && full) {  // row-major, full strip: rows read in order
     for (int r = 0; r < uk.mr; ++r) {
       const int64_t row = base + r * A.rs + k0;
       for (int64_t j = 0; j < kp; ++j)
@@ -314,7 +325,10 @@ template <class Mat>
 void pack_b(const Mat& B, int64_t j0, int64_t nv, const Bf16Kernel& uk, int64_t k0, int64_t kp, int64_t K,
             uint32_t* dst) {
   const int64_t base = j0 * B.cs;
-  if (B.cs == 1 && nv == uk.nr && k0 + 2 * kp <= K) {  // row-major, full panel: two rows interleaved
+  const bool full = nv == uk.nr && k0 + 2 * kp <= K;
+  if (uk.tiles && full && B.cs == 1) return internal::amx_pack_b(B.p + base + k0 * B.rs, B.rs, kp, dst);
+  if (uk.tiles && full && B.rs == 1) return internal::amx_pack_bt(B.p + base + k0, B.cs, kp, dst);
+  if (B.cs == 1 && full) {  // row-major, full panel: two rows interleaved
     for (int64_t j = 0; j < kp; ++j) {
       const int64_t lo = base + (k0 + 2 * j) * B.rs, hi = lo + B.rs;
       for (int l = 0; l < uk.nr; ++l)

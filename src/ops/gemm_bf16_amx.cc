@@ -88,6 +88,87 @@ void gemm_bf16_ukernel_amx_32x32(int64_t kp, const void* av, const void* bv, flo
   canonicalize(c, ldc);
 }
 
+// ------------------------------------------------------------- packing ----
+// The AMX path's packing of full strips and panels, 16 lanes at a time:
+// packing, not TDPBF16PS, bounds this GEMM (every call packs both operands).
+
+namespace {
+
+// Shifts of all 16 lanes. (The zero-masked forms: gcc 12 warns that the plain
+// ones' undefined pass-through may be used uninitialized.)
+inline __m512i shr16(__m512i x) { return _mm512_maskz_srli_epi32(0xffff, x, 16); }
+inline __m512i shl16(__m512i x) { return _mm512_maskz_slli_epi32(0xffff, x, 16); }
+
+// Each lane's bf16 (ls::to_bf16: round to nearest even, a NaN kept quiet) in
+// its high 16 bits; the low 16 bits are left over.
+inline __m512i bf16_high(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(shr16(u), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x00400000));
+}
+inline __m512i bf16_high(const float* p) { return bf16_high(_mm512_loadu_ps(p)); }
+inline __m512i bf16_high(const uint16_t* p) {
+  return shl16(_mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+
+// 32 consecutive elements as 16 pairs, one uint32 each (k = 2j low, 2j+1
+// high): the high 16 bits of the 32 lanes of two vectors, in order.
+template <class T>
+inline __m512i pairs_of_run(const T* p) {
+  const __m512i high_halves = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
+                                               27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_permutex2var_epi16(bf16_high(p), high_halves, bf16_high(p + 16));
+}
+
+// 16 pairs of two rows, column by column (row0's element low, row1's high).
+template <class T>
+inline __m512i pairs_of_rows(const T* row0, const T* row1) {
+  return _mm512_or_si512(shr16(bf16_high(row0)),
+                         _mm512_and_si512(bf16_high(row1), _mm512_set1_epi32(int(0xffff0000u))));
+}
+
+// A strip: 32 rows (row r at src + r*rs, k contiguous) x kp pairs, as
+// uint32[kp/16][32][16] (one 16-row tile per half).
+template <class T>
+void pack_a_rows(const T* src, int64_t rs, int64_t kp, uint32_t* dst) {
+  for (int64_t jb = 0; jb < kp / 16; ++jb)
+    for (int r = 0; r < 32; ++r)
+      _mm512_storeu_si512(dst + (jb * 32 + r) * 16, pairs_of_run(src + r * rs + jb * 32));
+}
+
+// B panel: 32 columns, B row k at src + k*rs (columns contiguous), as VNNI
+// rows uint32[kp][32].
+template <class T>
+void pack_b_rows(const T* src, int64_t rs, int64_t kp, uint32_t* dst) {
+  for (int64_t j = 0; j < kp; ++j) {
+    const T* lo = src + 2 * j * rs;
+    _mm512_storeu_si512(dst + j * 32, pairs_of_rows(lo, lo + rs));
+    _mm512_storeu_si512(dst + j * 32 + 16, pairs_of_rows(lo + 16, lo + rs + 16));
+  }
+}
+
+// B panel of a transposed view: column l's k run contiguous at src + l*cs.
+template <class T>
+void pack_b_columns(const T* src, int64_t cs, int64_t kp, uint32_t* dst) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(32));
+  for (int64_t jb = 0; jb < kp / 16; ++jb)
+    for (int l = 0; l < 32; ++l)
+      _mm512_i32scatter_epi32(dst + jb * 16 * 32 + l, rows, pairs_of_run(src + l * cs + jb * 32), 4);
+}
+
+}  // namespace
+
+void amx_pack_a(const float* src, int64_t rs, int64_t kp, uint32_t* dst) { pack_a_rows(src, rs, kp, dst); }
+void amx_pack_a(const uint16_t* src, int64_t rs, int64_t kp, uint32_t* dst) { pack_a_rows(src, rs, kp, dst); }
+void amx_pack_b(const float* src, int64_t rs, int64_t kp, uint32_t* dst) { pack_b_rows(src, rs, kp, dst); }
+void amx_pack_b(const uint16_t* src, int64_t rs, int64_t kp, uint32_t* dst) { pack_b_rows(src, rs, kp, dst); }
+void amx_pack_bt(const float* src, int64_t cs, int64_t kp, uint32_t* dst) { pack_b_columns(src, cs, kp, dst); }
+void amx_pack_bt(const uint16_t* src, int64_t cs, int64_t kp, uint32_t* dst) {
+  pack_b_columns(src, cs, kp, dst);
+}
+
 }  // namespace internal
 }  // namespace ops
 }  // namespace ls
