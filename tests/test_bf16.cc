@@ -97,6 +97,22 @@ TEST_SUITE("bf16") {
     });
   }
 
+  TEST_CASE("the bf16 golden file holds; lockstep check on the CUDA kernels skips it by name, never passes it") {
+    const std::string sc = std::string(LOCKSTEP_SOURCE_DIR) + "/scenarios/top2_bf16.json";
+    const std::string golden = std::string(LOCKSTEP_SOURCE_DIR) + "/golden";
+    const auto engine = lstest::run_cli("check " + sc + " --golden-dir " + golden + " --threads 2");
+    CAPTURE(engine.out);
+    CHECK(engine.rc == 0);
+    CHECK(engine.out.find("check: 1 scenario, 0 failed\n") != std::string::npos);
+    const auto kernels = lstest::run_cli("check " + sc + " --golden-dir " + golden + " --backend cuda-emulated --json");
+    CAPTURE(kernels.out);
+    CHECK(kernels.rc == 0);
+    const nlohmann::json j = lstest::last_json(kernels.out);
+    CHECK(j.at("skipped") == 1);
+    CHECK(j.at("failed") == 0);
+    CHECK(j.at("results")[0].at("skipped").get<std::string>().find("bf16 fold is not built yet") != std::string::npos);
+  }
+
   TEST_CASE("lockstep bisect names numerics.precision and the first op it changes") {
     const auto sc = lstest::write_temp("bf16_bisect.json", lstest::tiny_scenario());
     const auto r = lstest::run_cli("bisect " + sc.string() +

@@ -428,7 +428,8 @@ TEST_SUITE("cli") {
     const fs::path some = far / "some";
     fs::create_directories(some);
     for (const char* n :
-         {"aux_seq.json", "aux_z.json", "long_seq.json", "long_wide.json", "many_experts.json", "top1.json"})
+         {"aux_seq.json", "aux_z.json", "long_seq.json", "long_wide.json", "many_experts.json", "many_experts_bf16.json",
+          "top1.json"})
       fs::copy_file(kRoot / "scenarios" / n, some / n);
     r = run("check --golden-dir " + golden + " --scenario-dir " + some.string());
     CHECK(r.rc == 2);

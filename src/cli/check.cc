@@ -212,6 +212,7 @@ struct Checking {
   int name_w = 4, file_w = 8;
   CheckOutcome outcome;
   int failed = 0;
+  int skipped = 0;
 };
 
 // How a supervised fault scenario's end differs from its twin's golden file
@@ -347,6 +348,23 @@ void check_golden_scenario(Checking& c, const Work& w, const Scenario& s, const 
   }
 }
 
+// A bf16 scenario on the CUDA kernels, which have no bf16 fold yet (issue
+// 52): said by name, counted as skipped, never as passed.
+bool skip_on_backend(Checking& c, const Work& w, const Scenario& s) {
+  if (s.precision != "bf16" || (c.backend != Backend::kCudaEmulated && c.backend != Backend::kCuda)) return false;
+  const std::string why = "numerics.precision=bf16: the CUDA kernels' bf16 fold is not built yet";
+  const std::string file = fs::path(w.spath).filename().string();
+  ++c.skipped;
+  if (!c.a.json) std::printf("skip  %-*s %-*s %s\n", c.name_w, w.name.c_str(), c.file_w, file.c_str(), why.c_str());
+  c.outcome.results.push_back({{"name", s.name}, {"scenario", w.spath}, {"golden", w.gpath}, {"skipped", why}});
+  JUnitCase jc;
+  jc.classname = "lockstep.check." + s.name;
+  jc.name = file;
+  jc.skipped = why;
+  c.outcome.cases.push_back(jc);
+  return true;
+}
+
 int cmd_check(const CheckArgs& a) {
   if (a.launcher != "threads" && a.launcher != "mpi")
     throw UserError("--launcher: 'threads' or 'mpi', got '" + a.launcher + "'");
@@ -375,15 +393,20 @@ int cmd_check(const CheckArgs& a) {
     if (c.tty) std::fprintf(stderr, "check [%zu/%zu] %s\n", index, work.size(), fs::path(w.spath).filename().c_str());
     const nlohmann::json g = read_json_file(w.gpath);
     const Scenario s = load_scenario(w.spath, {});
+    if (skip_on_backend(c, w, s)) continue;
     if (!s.faults.empty()) check_fault_scenario(c, w, s, g, t0);
     else check_golden_scenario(c, w, s, g, t0);
   }
   if (a.json)
-    std::printf("%s\n", nlohmann::json{{"scenarios", work.size()}, {"failed", c.failed}, {"results", c.outcome.results}}
+    std::printf("%s\n", nlohmann::json{{"scenarios", work.size()},
+                                       {"failed", c.failed},
+                                       {"skipped", c.skipped},
+                                       {"results", c.outcome.results}}
                              .dump()
                              .c_str());
   else
-    std::printf("check: %zu scenario%s, %d failed\n", work.size(), work.size() == 1 ? "" : "s", c.failed);
+    std::printf("check: %zu scenario%s, %d failed%s\n", work.size(), work.size() == 1 ? "" : "s", c.failed,
+                c.skipped ? (", " + std::to_string(c.skipped) + " skipped").c_str() : "");
   if (!a.junit.empty()) write_junit(a.junit, "lockstep check", c.outcome.cases);
   return c.failed ? 1 : 0;
 }

@@ -47,20 +47,25 @@ std::string seconds_text(double s) {
 }  // namespace
 
 std::string junit_xml(const std::string& suite, const std::vector<JUnitCase>& cases) {
-  size_t failures = 0;
+  size_t failures = 0, skipped = 0;
   double total = 0;
   for (const JUnitCase& c : cases) {
     failures += c.failed;
+    skipped += !c.skipped.empty();
     total += c.seconds;
   }
   const std::string counts = " tests=\"" + std::to_string(cases.size()) + "\" failures=\"" +
                              std::to_string(failures) + "\" errors=\"0\" time=\"" + seconds_text(total) + "\"";
   std::string x = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
   x += "<testsuites name=\"" + xml_text(suite) + "\"" + counts + ">\n";
-  x += "  <testsuite name=\"" + xml_text(suite) + "\"" + counts + " skipped=\"0\">\n";
+  x += "  <testsuite name=\"" + xml_text(suite) + "\"" + counts + " skipped=\"" + std::to_string(skipped) + "\">\n";
   for (const JUnitCase& c : cases) {
     x += "    <testcase classname=\"" + xml_text(c.classname) + "\" name=\"" + xml_text(c.name) + "\" time=\"" +
          seconds_text(c.seconds) + "\"";
+    if (!c.skipped.empty()) {
+      x += ">\n      <skipped message=\"" + xml_text(c.skipped) + "\"/>\n    </testcase>\n";
+      continue;
+    }
     if (!c.failed) {
       x += "/>\n";
       continue;

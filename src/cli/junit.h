@@ -15,6 +15,7 @@ struct JUnitCase {
   std::string failure_type;     // e.g. the field that differs: "loss_bits"
   std::string failure_message;  // one line
   std::string failure_text;     // the details, several lines
+  std::string skipped;          // non-empty: not run, and why (one line)
 };
 
 // The document for one suite (`suite` names it, e.g. "lockstep check").

@@ -4,8 +4,9 @@
 // and the odd products in two accumulators, added, then added to C, each
 // step rounded once, denormals flushed in and out. Its bits are those of
 // the plain loop whatever the path, tiling or thread count. The amx path is
-// that fold in hardware (TDPBF16PS); the others replay it. numerics.precision=bf16 runs the model's feature folds on it
-// (ops::matmul, ops/ops.h).
+// that fold in hardware (TDPBF16PS); the others replay it.
+// numerics.precision=bf16 runs the model's feature folds on it (ops::matmul,
+// ops/ops.h).
 #pragma once
 
 #include <stdint.h>
@@ -25,9 +26,10 @@ struct ConstMatBf16 {
 
 // C[i*ldc + j] = ls::bf16_dot over k = 0..K-1 of A(i,k), B(k,j), from
 // (accumulate ? C[i*ldc+j] : +0.0f). K = 0 leaves C (accumulate) or zeroes
-// it. A continued fold (accumulate) equals one fold over both ranges only when
-// the earlier K was a multiple of 32. threads as ops::gemm: 0 is omp_get_max_threads(),
-// or 1 inside a parallel region; parallel over output tiles, never over k.
+// it. A continued fold (accumulate) equals one fold over both ranges only
+// when the earlier K was a multiple of 32. threads as ops::gemm: 0 is
+// omp_get_max_threads(), or 1 inside a parallel region; parallel over output
+// tiles, never over k.
 void gemm_bf16(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C, int64_t ldc,
                bool accumulate, int threads = 0);
 
