@@ -548,6 +548,10 @@ void Supervision::back_off(int attempt) {
 // After a stop signal, once no process of the job is left: clean up, say
 // so, and die of the signal, as a shell expects of an interrupted command.
 void Supervision::die_of_signal(int sig, const std::string& what) {
+  // Every process of the job is gone (stop_job, or between attempts), so
+  // the stderr relay reads its end now: waited for, it does not outlive the
+  // supervisor (a forked copy of it, it names the job's checkpoint URL too).
+  mpirun_stderr_.reset();
   std::error_code ec;
   fs::remove_all(dir_, ec);
   lease_->release();
