@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "common/op_profile.h"
 #include "common/parallel.h"
@@ -23,6 +24,16 @@ void round_to_bf16(const float* x, int64_t ldx, int64_t rows, int cols, float* o
       o[c] = ((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded) & 0xffff0000u;
     }
   }
+}
+
+RoundedRows round_rows_to_bf16(const float* X, int64_t ldx, int in, const float* dY, int64_t ldy, int out,
+                               int64_t rows) {
+  thread_local std::vector<float> x16, dy16;
+  x16.resize((size_t)(rows * in));
+  dy16.resize((size_t)(rows * out));
+  round_to_bf16(X, ldx, rows, in, x16.data());
+  round_to_bf16(dY, ldy, rows, out, dy16.data());
+  return {x16.data(), dy16.data()};
 }
 
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <stdexcept>
-#include <vector>
 
 #include "contract.h"
 #include "ops/gemm.h"
@@ -52,12 +51,8 @@ void LeafFold::add(const float* X, int64_t ldx, const float* dY, int64_t ldy, co
     return;
   }
   if (bf16_matmuls() && rows > 0) {  // the same fold over the operands rounded to bf16 (ops.h, weight_grad)
-    thread_local std::vector<float> x16, dy16;
-    x16.resize((size_t)(rows * in_));
-    dy16.resize((size_t)(rows * out_));
-    round_to_bf16(X, ldx, rows, in_, x16.data());
-    round_to_bf16(dY, ldy, rows, out_, dy16.data());
-    X = x16.data(), ldx = in_, dY = dy16.data(), ldy = out_;
+    const RoundedRows r = round_rows_to_bf16(X, ldx, in_, dY, ldy, out_, rows);
+    X = r.x, ldx = in_, dY = r.dy, ldy = out_;
   }
   for (int64_t r0 = 0; r0 < rows;) {
     const int64_t lf = leaf[r0];

@@ -144,16 +144,12 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
                               leaf_off[leaves] - leaf_off[0], dW, false);
   if (operands == Operands::kFp32 || !bf16_matmuls()) return weight_grad_contract(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   // bf16: the same fold over the operands rounded, rows leaf_off[0] .. copied.
-  thread_local std::vector<float> x16, dy16;
   thread_local std::vector<int64_t> off;
   const int64_t first = leaf_off[0], rows = leaf_off[leaves] - first;
-  x16.resize((size_t)(rows * in));
-  dy16.resize((size_t)(rows * out));
-  round_to_bf16(X + first * ldx, ldx, rows, in, x16.data());
-  round_to_bf16(dY + first * ldy, ldy, rows, out, dy16.data());
+  const RoundedRows r = round_rows_to_bf16(X + first * ldx, ldx, in, dY + first * ldy, ldy, out, rows);
   off.assign(leaf_off, leaf_off + leaves + 1);
   for (int64_t& o : off) o -= first;
-  weight_grad_contract(x16.data(), in, dy16.data(), out, in, out, off.data(), leaves, dW);
+  weight_grad_contract(r.x, in, r.dy, out, in, out, off.data(), leaves, dW);
 }
 
 }  // namespace ls::ops

@@ -26,6 +26,16 @@ void matmul(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, i
 // of a bf16 run's token folds. No reduction.
 void round_to_bf16(const float* x, int64_t ldx, int64_t rows, int cols, float* out);
 
+// The operands of a bf16 run's token fold: `rows` rows of X (in wide) and of
+// dY (out wide), rounded (round_to_bf16) into this thread's scratch,
+// contiguous (ldx = in, ldy = out). Valid until the thread's next call.
+struct RoundedRows {
+  const float* x;
+  const float* dy;
+};
+RoundedRows round_rows_to_bf16(const float* X, int64_t ldx, int in, const float* dY, int64_t ldy, int out,
+                               int64_t rows);
+
 // Y[n][j] = sum_i X[n][i] W[i][j]; W is [in, out]. Reduces over the input feature i.
 void linear(const float* X, int64_t N, int in, const float* W, int out, float* Y,
             Operands operands = Operands::kRun);
