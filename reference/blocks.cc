@@ -32,8 +32,8 @@ std::vector<T>& layer_output(Step<T>& st, int l) {
 
 // Weight gradient: dW[i][j] = sum over tokens of X[n][i] * dY[n][j]
 // (reduces over the global token index: fma fold per leaf, canonical tree).
-// At bf16 the same fold over X and dY rounded to bf16, unless fp32 (the
-// router's).
+// At bf16, unless fp32 (the router's), each leaf's fold is the bf16 fold
+// (token_product_reduce).
 template <class T>
 void weight_grad(const Config& c, int64_t N, T* dW, const std::vector<T>& X, int64_t ldx, const std::vector<T>& dY,
                  int64_t ldy, int rows, int cols, bool fp32 = false) {
@@ -41,8 +41,9 @@ void weight_grad(const Config& c, int64_t N, T* dW, const std::vector<T>& X, int
   const bool bf16 = c.bf16 && !fp32;
   for (int i = 0; i < rows; ++i)
     for (int j = 0; j < cols; ++j)
-      dW[(int64_t)i * cols + j] = token_reduce<T>(N, leaf, [&](int64_t n, T acc) {
-        return FMA(operand(bf16, X[n * ldx + i]), operand(bf16, dY[n * ldy + j]), acc);
+      dW[(int64_t)i * cols + j] = token_product_reduce<T>(bf16, N, leaf, [&](int64_t n, T* x, T* y) {
+        *x = X[n * ldx + i], *y = dY[n * ldy + j];
+        return true;
       });
 }
 
@@ -349,23 +350,24 @@ void moe_experts_backward(Model<T>& m, Step<T>& st, int l) {
         if (acts.sel[n * K + s] == e) return s;
       return -1;
     };
-    auto reduce_routed = [&](auto term) {
-      return token_reduce<T>(N, leaf, [&](int64_t n, T acc) {
-        int s = slot_of(n);
-        return s < 0 ? acc : term(n * K + s, acc);
+    // Over the tokens routed to e: X[ns][i] = x(ns, i) and dY[ns][j] = y(ns, j), ns its (token, slot) row.
+    auto reduce_routed = [&](const std::vector<T>& X, int64_t ldx, int64_t i, const std::vector<T>& dY, int64_t ldy,
+                             int64_t j) {
+      return token_product_reduce<T>(c.bf16, N, leaf, [&](int64_t n, T* x, T* y) {
+        const int s = slot_of(n);
+        if (s < 0) return false;
+        *x = X[(n * K + s) * ldx + i], *y = dY[(n * K + s) * ldy + j];
+        return true;
       });
     };
     for (int i = 0; i < D; ++i)
       for (int f = 0; f < F; ++f) {
-        W1.g[((int64_t)e * D + i) * F + f] =
-            reduce_routed([&](int64_t ns, T acc) { return FMA(operand(c.bf16, acts.xe[ns * D + i]), operand(c.bf16, du[ns * F + f]), acc); });
-        W3.g[((int64_t)e * D + i) * F + f] =
-            reduce_routed([&](int64_t ns, T acc) { return FMA(operand(c.bf16, acts.xe[ns * D + i]), operand(c.bf16, dv[ns * F + f]), acc); });
+        W1.g[((int64_t)e * D + i) * F + f] = reduce_routed(acts.xe, D, i, du, F, f);
+        W3.g[((int64_t)e * D + i) * F + f] = reduce_routed(acts.xe, D, i, dv, F, f);
       }
     for (int f = 0; f < F; ++f)
       for (int j = 0; j < D; ++j)
-        W2.g[((int64_t)e * F + f) * D + j] =
-            reduce_routed([&](int64_t ns, T acc) { return FMA(operand(c.bf16, acts.act[ns * F + f]), operand(c.bf16, st.dye[ns * D + j]), acc); });
+        W2.g[((int64_t)e * F + f) * D + j] = reduce_routed(acts.act, F, f, st.dye, D, j);
   }
 }
 

@@ -109,6 +109,40 @@ T product_fold(bool bf16, const T* x, int64_t xs, const T* w, int64_t ws, int n,
   }
 }
 
+// The token fold of a weight gradient: sum over the global token index n of
+// x * y, where pair(n, &x, &y) gives token n's factors or false when it has
+// none (a token not routed to the expert). fp32: token_reduce's fma fold.
+// bf16: per leaf the contract's bf16 fold (ls::bf16_dot from +0) over the
+// leaf's contributing tokens in order, both factors rounded to bf16; the
+// canonical tree over leaves.
+template <class T, class Pair>
+T token_product_reduce(bool bf16, int64_t N, int64_t leaf_tokens, Pair pair) {
+  if (!bf16)
+    return token_reduce<T>(N, leaf_tokens, [&](int64_t n, T acc) {
+      T x, y;
+      return pair(n, &x, &y) ? FMA(x, y, acc) : acc;
+    });
+  if constexpr (sizeof(T) == sizeof(float)) {
+    const int64_t leaves = N / leaf_tokens;
+    std::vector<T> part((size_t)leaves);
+    std::vector<uint16_t> a, b;
+    for (int64_t l = 0; l < leaves; ++l) {
+      a.clear();
+      b.clear();
+      for (int64_t n = l * leaf_tokens; n < (l + 1) * leaf_tokens; ++n) {
+        T x, y;
+        if (!pair(n, &x, &y)) continue;
+        a.push_back(ls::to_bf16(x));
+        b.push_back(ls::to_bf16(y));
+      }
+      part[(size_t)l] = ls::bf16_dot(a.data(), 1, b.data(), 1, (int64_t)a.size(), 0.0f);
+    }
+    return tree(part.data(), leaves);
+  } else {
+    throw std::logic_error("ref: bf16 products are the float model's");
+  }
+}
+
 // y[j] = sum_i x[i] * W[i*ld + j]: reduces over the feature index i.
 template <class T>
 T dot_col(bool bf16, const T* x, const T* W, int64_t ld, int j, int n) {

@@ -5,7 +5,10 @@
 // the CPU has AMX, the directed cases check the contract against hardware.
 #include <doctest/doctest.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -14,6 +17,8 @@
 #include "ops.h"  // the reference's ops (reference/ops.h)
 #include "ops/gemm.h"
 #include "ops/gemm_bf16.h"
+#include "ops/leaf_fold.h"
+#include "common/precision.h"
 
 using ls::ops::Bf16Path;
 using ls::ops::ConstMatBf16;
@@ -128,6 +133,24 @@ void check_case(int64_t M, int64_t N, int64_t K, int la, int lb, bool accumulate
                 << " threads=" << t << " path=" << std::string(ls::ops::bf16_path_name(ls::ops::gemm_bf16_path())));
       CHECK_SAME_BITS(got, want);
     }
+  }
+}
+
+// fp32 values for rounded operands: exact bf16 ties, subnormals, ordinary
+// values, no inf or NaN (the edge-value case has those). `bounded`: no
+// magnitude above 2^40 either, so no product or sum overflows: the leaf
+// tree's fp32 adds pass a NaN on as the CPU's add does, which the contract
+// leaves open (only the bf16 fold's NaN is canonical).
+void fill_fp32(std::vector<float>& v, uint64_t seed, bool bounded = false) {
+  uint64_t x = seed;
+  for (float& f : v) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    uint32_t u = static_cast<uint32_t>(x >> 32);
+    if ((x >> 20) % 7 == 0) u = (u & 0xffff0000u) | 0x8000u;        // an exact tie
+    if ((x >> 20) % 11 == 0) u &= 0x807fffffu;                     // a subnormal
+    if ((x >> 20) % 13 == 0) u = (u & 0x3fffffffu) | 0x3c000000u;  // an ordinary value
+    if (bounded && (u >> 23 & 0xffu) > 127 + 40) u = (u & 0x807fffffu) | ((127 + (u >> 23) % 40) << 23);
+    f = ls::from_bits((u & 0x7f800000u) == 0x7f800000u ? (u & 0x3fffffffu) : u);
   }
 }
 
@@ -365,16 +388,8 @@ TEST_SUITE("gemm_bf16") {
           ++seed;
           // fp32 operands: exact ties, subnormals, ordinary values (no inf or NaN: see the edge-value case).
           std::vector<float> a(static_cast<size_t>(M * K)), b(static_cast<size_t>(K * N));
-          uint64_t x = seed;
-          for (std::vector<float>* v : {&a, &b})
-            for (float& f : *v) {
-              x = x * 6364136223846793005ull + 1442695040888963407ull;
-              uint32_t u = static_cast<uint32_t>(x >> 32);
-              if ((x >> 20) % 7 == 0) u = (u & 0xffff0000u) | 0x8000u;        // an exact tie
-              if ((x >> 20) % 11 == 0) u &= 0x807fffffu;                     // a subnormal
-              if ((x >> 20) % 13 == 0) u = (u & 0x3fffffffu) | 0x3c000000u;  // an ordinary value
-              f = ls::from_bits((u & 0x7f800000u) == 0x7f800000u ? (u & 0x3fffffffu) : u);
-            }
+          fill_fp32(a, seed);
+          fill_fp32(b, seed + 500);
           std::vector<uint16_t> a16(a.size()), b16(b.size());
           for (size_t i = 0; i < a.size(); ++i) a16[i] = ls::to_bf16(a[i]);
           for (size_t i = 0; i < b.size(); ++i) b16[i] = ls::to_bf16(b[i]);
@@ -403,5 +418,80 @@ TEST_SUITE("gemm_bf16") {
             }
           }
         }
+  }
+
+  TEST_CASE("weight_grad_bf16: a bf16 fold per leaf from the leaf's first row, the leaf tree; every path and thread count") {
+    PathGuard guard;
+    // Leaves of 0, 1, 31, 32, 33 and 70 rows: blocks start at each leaf's first row, the last padded.
+    const std::vector<int64_t> off = {0, 0, 1, 32, 64, 97, 97, 167, 168};
+    const int64_t leaves = (int64_t)off.size() - 1, rows = off.back();
+    const int shapes[][2] = {{13, 37}, {32, 32}, {64, 96}, {70, 33}};
+    uint64_t seed = 91000;
+    for (auto& sh : shapes) {
+      const int in = sh[0], out = sh[1], ldx = in + 3, ldy = out + 5;  // rows of wider tensors
+      std::vector<float> X(static_cast<size_t>(rows * ldx)), dY(static_cast<size_t>(rows * ldy));
+      fill_fp32(X, ++seed, true);
+      fill_fp32(dY, ++seed, true);
+      std::vector<float> want(static_cast<size_t>(in * out));
+      ls::ops::weight_grad_bf16_naive(X.data(), ldx, dY.data(), ldy, in, out, off.data(), leaves, want.data());
+      // Not the fp32 fold over the rounded operands (the rule before the bf16 fold went over tokens).
+      std::vector<float> fma_fold(want.size());
+      for (int i = 0; i < in; ++i)
+        for (int j = 0; j < out; ++j) {
+          std::vector<float> part(static_cast<size_t>(leaves));
+          for (int64_t l = 0; l < leaves; ++l) {
+            float acc = 0.0f;
+            for (int64_t n = off[l]; n < off[l + 1]; ++n)
+              acc = ls::fma(ls::from_bf16(ls::to_bf16(X[n * ldx + i])), ls::from_bf16(ls::to_bf16(dY[n * ldy + j])), acc);
+            part[static_cast<size_t>(l)] = acc;
+          }
+          fma_fold[static_cast<size_t>(i * out + j)] = ls::tree_sum(part.data(), leaves);
+        }
+      CHECK(std::memcmp(fma_fold.data(), want.data(), sizeof(float) * want.size()) != 0);
+      for (Bf16Path p : paths_to_test()) {
+        ls::ops::set_gemm_bf16_path(p);
+        for (int t : {1, 2}) {
+          omp_set_num_threads(t);
+          std::vector<float> got(want.size(), 9.0f);
+          ls::ops::weight_grad_bf16(X.data(), ldx, dY.data(), ldy, in, out, off.data(), leaves, got.data());
+          INFO("in=" << in << " out=" << out << " threads=" << t << " path=" << std::string(ls::ops::bf16_path_name(p)));
+          CHECK_SAME_BITS(got, want);
+        }
+      }
+      omp_set_num_threads(1);
+    }
+  }
+
+  TEST_CASE("LeafFold at bf16 fed in pieces of any size equals one weight_grad_bf16: the open block waits") {
+    PathGuard guard;
+    ls::precision_slot().store(static_cast<int>(ls::Precision::kBf16));
+    struct Restore {
+      ~Restore() { ls::precision_slot().store(static_cast<int>(ls::Precision::kFp32)); }
+    } restore;
+    const int in = 40, out = 33;
+    const std::vector<int64_t> cuts = {0, 0, 7, 45, 110, 110, 111, 150};  // leaves 0 and 4 empty
+    const int64_t leaves = (int64_t)cuts.size() - 1, rows = cuts.back();
+    std::vector<int64_t> leaf(static_cast<size_t>(rows));
+    for (int64_t lf = 0; lf < leaves; ++lf)
+      for (int64_t r = cuts[lf]; r < cuts[lf + 1]; ++r) leaf[r] = lf;
+    std::vector<float> X(static_cast<size_t>(rows * in)), dY(static_cast<size_t>(rows * out));
+    fill_fp32(X, 5, true);
+    fill_fp32(dY, 6, true);
+    std::vector<float> want(static_cast<size_t>(in * out));
+    ls::ops::weight_grad_bf16_naive(X.data(), in, dY.data(), out, in, out, cuts.data(), leaves, want.data());
+    for (Bf16Path p : paths_to_test()) {
+      ls::ops::set_gemm_bf16_path(p);
+      for (int64_t piece : {1, 5, 31, 32, 33, 64, 150}) {
+        INFO("piece=" << piece << " path=" << std::string(ls::ops::bf16_path_name(p)));
+        ls::ops::DeviceVector<float> state;
+        std::vector<float> got(want.size(), 7.0f);
+        ls::ops::LeafFold fold;
+        fold.begin(in, out, leaves, &state);
+        for (int64_t r = 0; r < rows; r += piece)
+          fold.add(&X[r * in], in, &dY[r * out], out, &leaf[r], std::min(piece, rows - r));
+        fold.finish(got.data());
+        CHECK_SAME_BITS(got, want);
+      }
+    }
   }
 }

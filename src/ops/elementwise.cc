@@ -13,29 +13,6 @@
 
 namespace ls::ops {
 
-void round_to_bf16(const float* x, int64_t ldx, int64_t rows, int cols, float* out) {
-  // ls::to_bf16 written without a branch, so that the loop vectorizes.
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint32_t* in = reinterpret_cast<const uint32_t*>(x + r * ldx);
-    uint32_t* o = reinterpret_cast<uint32_t*>(out + r * cols);
-    for (int c = 0; c < cols; ++c) {
-      const uint32_t u = in[c];
-      const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u), quiet = u | 0x00400000u;
-      o[c] = ((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded) & 0xffff0000u;
-    }
-  }
-}
-
-RoundedRows round_rows_to_bf16(const float* X, int64_t ldx, int in, const float* dY, int64_t ldy, int out,
-                               int64_t rows) {
-  thread_local std::vector<float> x16, dy16;
-  x16.resize((size_t)(rows * in));
-  dy16.resize((size_t)(rows * out));
-  round_to_bf16(X, ldx, rows, in, x16.data());
-  round_to_bf16(dY, ldy, rows, out, dy16.data());
-  return {x16.data(), dy16.data()};
-}
-
 void swiglu(const float* u, const float* v, float* s, float* act, int64_t n) {
   const OpTimer op_timer(OpKind::kSwiglu);
   if (auto k = kernel(&OpHooks::swiglu)) return k(u, v, s, act, n);

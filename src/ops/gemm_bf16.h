@@ -42,6 +42,28 @@ void gemm_bf16_rounded(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, 
 void gemm_bf16_naive(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C,
                      int64_t ldc, bool accumulate);
 
+// The contract's bf16 weight gradient, dW = X^T dY over token rows (X is
+// rows x in at ldx, dY rows x out at ldy, dW in x out): per leaf l, each
+// output the ls::bf16_dot fold over the leaf's rows leaf_off[l] ..
+// leaf_off[l+1]-1 in order from +0 (its 32-row blocks start at the leaf's
+// first row), operands rounded to bf16 (ls::to_bf16); then the canonical
+// leaf tree (contract.h's LeafTree, fp32 adds) over leaves. An empty leaf is
+// +0. Reduces over the token index. The amx path packs both operands once
+// and runs each 32 x 32 tile's whole tree on the tile registers; the other
+// paths fold a leaf at a time with gemm_bf16_rounded.
+void weight_grad_bf16(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                      const int64_t* leaf_off, int64_t leaves, float* dW);
+// One leaf's fold over `rows` rows into C (in x out), from +0 or, with
+// accumulate, continuing from C: one fold over all the rows given so far
+// only when the earlier ones were a multiple of 32 (ops::LeafFold keeps the
+// rest of a block back). Reduces over the token index.
+void weight_grad_bf16_fold(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out, int64_t rows,
+                           float* C, bool accumulate);
+// The definition weight_grad_bf16 must match (ls::bf16_dot per leaf, the
+// leaf tree), a plain loop, for tests.
+void weight_grad_bf16_naive(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                            const int64_t* leaf_off, int64_t leaves, float* dW);
+
 // Instruction-set path of gemm_bf16, process-wide, for tests and benchmarks.
 // kAuto picks the best the CPU (and, for amx, the OS) supports (amx, else
 // avx512, avx2, scalar); forcing a path the CPU lacks falls back to kAuto's

@@ -9,6 +9,7 @@
 // uint32[kp/16][32][16], B panel uint32[kp][32], uint32 = a bf16 pair.
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 namespace ls {
 namespace ops {
@@ -158,7 +159,88 @@ void pack_b_columns(const T* src, int64_t cs, int64_t kp, uint32_t* dst) {
       _mm512_i32scatter_epi32(dst + jb * 16 * 32 + l, rows, pairs_of_run(src + l * cs + jb * 32), 4);
 }
 
+// A weight gradient's operand, both X and dY having the token index k in
+// their rows: row k's first `lines` elements (at src + k*rs), the rest of
+// 32 and the rows past `rows` +0 (the fold's padding), 16 lanes per half.
+inline __m512i pairs_of_token_rows(const float* src, int64_t rs, int64_t rows, int lines, int64_t k, int half) {
+  const __mmask16 m = lines >= 16 * (half + 1) ? 0xffff : lines <= 16 * half ? 0 : __mmask16((1u << (lines - 16 * half)) - 1);
+  const __mmask16 m0 = k < rows ? m : 0, m1 = k + 1 < rows ? m : 0;
+  const __m512i lo = bf16_high(_mm512_maskz_loadu_ps(m0, src + k * rs + 16 * half));
+  const __m512i hi = bf16_high(_mm512_maskz_loadu_ps(m1, src + (k + 1) * rs + 16 * half));
+  return _mm512_or_si512(shr16(lo), _mm512_and_si512(hi, _mm512_set1_epi32(int(0xffff0000u))));
+}
+
 }  // namespace
+
+void amx_pack_token_a(const float* src, int64_t rs, int64_t rows, int lines, int64_t kp, uint32_t* dst) {
+  // Line l (a feature of X) is A's row: its pair j lands at [j/16][l][j%16].
+  const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                        _mm512_set1_epi32(16));
+  for (int64_t j = 0; j < kp; ++j)
+    for (int h = 0; h < 2; ++h)
+      _mm512_i32scatter_epi32(dst + ((j >> 4) * 32 + 16 * h) * 16 + (j & 15), at,
+                              pairs_of_token_rows(src, rs, rows, lines, 2 * j, h), 4);
+}
+
+void amx_pack_token_b(const float* src, int64_t rs, int64_t rows, int lines, int64_t kp, uint32_t* dst) {
+  for (int64_t j = 0; j < kp; ++j)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_si512(dst + j * 32 + 16 * h, pairs_of_token_rows(src, rs, rows, lines, 2 * j, h));
+}
+
+void weight_grad_bf16_amx_32x32(const void* av, const void* bv, const int64_t* leaf_kp, int64_t leaves,
+                                const int* merges, float* stack, float* c, int64_t ldc, bool load) {
+  const uint32_t* a = static_cast<const uint32_t*>(av);
+  const uint32_t* b = static_cast<const uint32_t*>(bv);
+  constexpr int kTile = 32 * 32;
+  configure_tiles();
+  int depth = 0;
+  for (int64_t l = 0; l < leaves; ++l) {
+    float* top = stack + (int64_t)depth * kTile;
+    if (load) {  // a continued fold (one leaf): from C, which the hardware flushes
+      for (int r = 0; r < 32; ++r) memcpy(top + r * 32, c + r * ldc, 32 * sizeof(float));
+      _tile_loadd(0, top, 128);
+      _tile_loadd(1, top + 16, 128);
+      _tile_loadd(2, top + 16 * 32, 128);
+      _tile_loadd(3, top + 16 * 32 + 16, 128);
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t j = leaf_kp[l]; j < leaf_kp[l + 1]; j += 16) {
+      _tile_loadd(4, a + j * 32, 64);
+      _tile_loadd(5, a + j * 32 + 16 * 16, 64);
+      _tile_loadd(6, b + j * 32, 128);
+      _tile_loadd(7, b + j * 32 + 16, 128);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, top, 128);
+    _tile_stored(1, top + 16, 128);
+    _tile_stored(2, top + 16 * 32, 128);
+    _tile_stored(3, top + 16 * 32 + 16, 128);
+    canonicalize(top, 32);
+    // Push the leaf (LeafTree::push): left = left + right, as many times as the canonical tree says.
+    for (int m = merges[l]; m > 0; --m, --depth) {
+      float* left = stack + (int64_t)(depth - 1) * kTile;
+      const float* right = left + kTile;
+      for (int v = 0; v < kTile; v += 16)
+        _mm512_store_ps(left + v, _mm512_add_ps(_mm512_load_ps(left + v), _mm512_load_ps(right + v)));
+    }
+    ++depth;
+  }
+  // LeafTree::finish: the stack folded right to left; no leaves give +0.
+  if (depth == 0) memset(stack, 0, kTile * sizeof(float));
+  for (int d = depth - 2; d >= 0; --d) {
+    float* left = stack + (int64_t)d * kTile;
+    for (int v = 0; v < kTile; v += 16)
+      _mm512_store_ps(left + v, _mm512_add_ps(_mm512_load_ps(left + v), _mm512_load_ps(left + kTile + v)));
+  }
+  for (int r = 0; r < 32; ++r) memcpy(c + r * ldc, stack + r * 32, 32 * sizeof(float));
+}
 
 void amx_pack_a(const float* src, int64_t rs, int64_t kp, uint32_t* dst) { pack_a_rows(src, rs, kp, dst); }
 void amx_pack_a(const uint16_t* src, int64_t rs, int64_t kp, uint32_t* dst) { pack_a_rows(src, rs, kp, dst); }

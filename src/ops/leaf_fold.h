@@ -25,7 +25,10 @@ class LeafFold {
   // Adds rows 0..rows-1 of X (ldx) and dY (ldy); row r belongs to leaf
   // leaf[r]. Leaves never decrease, within a call or from one call to the
   // next. Reduces over the token index: fma fold inside the leaf, in row
-  // order, continuing the open leaf's fold from the last call.
+  // order, continuing the open leaf's fold from the last call. At bf16 the
+  // leaf's fold is the bf16 fold (gemm_bf16.h, weight_grad_bf16), which
+  // continues only after whole 32-row blocks: the open leaf's last rows
+  // short of a block wait in `pending_` for the next call or the leaf's end.
   void add(const float* X, int64_t ldx, const float* dY, int64_t ldy, const int64_t* leaf, int64_t rows);
   // Closes the remaining leaves (empty ones are +0) and writes dW (in x out).
   void finish(float* dW);
@@ -34,6 +37,9 @@ class LeafFold {
 
  private:
   void close_open_leaf();
+  // bf16: rows of the open leaf, through the pending block.
+  void add_bf16_rows(const float* X, int64_t ldx, const float* dY, int64_t ldy, int64_t rows);
+  void fold_bf16(const float* X, int64_t ldx, const float* dY, int64_t ldy, int64_t rows);
   // The stack merge left = left + right as ops::add (a kernel on a kernel backend).
   void merge(int d);
   int in_ = 0, out_ = 0;
@@ -43,6 +49,10 @@ class LeafFold {
   // stack's next free entry, tree_.next_leaf().
   LeafTree tree_{nullptr, 0};
   bool open_has_rows_ = false;  // the open leaf's entry holds a fold (else it is not yet written)
+  // bf16: the open leaf's rows past its last whole 32-row block (X rows in
+  // wide, then dY rows out wide), pending_rows_ < 32 of them.
+  DeviceVector<float> pending_;
+  int64_t pending_rows_ = 0;
 };
 
 }  // namespace ops

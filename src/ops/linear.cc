@@ -142,14 +142,9 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
   if (local_numerics())
     return local::weight_grad(X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy, ldy, in, out,
                               leaf_off[leaves] - leaf_off[0], dW, false);
-  if (operands == Operands::kFp32 || !bf16_matmuls()) return weight_grad_contract(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
-  // bf16: the same fold over the operands rounded, rows leaf_off[0] .. copied.
-  thread_local std::vector<int64_t> off;
-  const int64_t first = leaf_off[0], rows = leaf_off[leaves] - first;
-  const RoundedRows r = round_rows_to_bf16(X + first * ldx, ldx, in, dY + first * ldy, ldy, out, rows);
-  off.assign(leaf_off, leaf_off + leaves + 1);
-  for (int64_t& o : off) o -= first;
-  weight_grad_contract(r.x, in, r.dy, out, in, out, off.data(), leaves, dW);
+  if (operands == Operands::kFp32 || !bf16_matmuls())
+    return weight_grad_contract(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
+  weight_grad_bf16(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
 }
 
 }  // namespace ls::ops

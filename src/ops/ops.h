@@ -22,20 +22,6 @@ enum class Operands { kRun, kFp32 };
 void matmul(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc, bool accumulate,
             int threads = 0, Operands operands = Operands::kRun);
 
-// out[r][c] = x[r][c] rounded to bf16 (ls::to_bf16), as fp32: the operands
-// of a bf16 run's token folds. No reduction.
-void round_to_bf16(const float* x, int64_t ldx, int64_t rows, int cols, float* out);
-
-// The operands of a bf16 run's token fold: `rows` rows of X (in wide) and of
-// dY (out wide), rounded (round_to_bf16) into this thread's scratch,
-// contiguous (ldx = in, ldy = out). Valid until the thread's next call.
-struct RoundedRows {
-  const float* x;
-  const float* dy;
-};
-RoundedRows round_rows_to_bf16(const float* X, int64_t ldx, int in, const float* dY, int64_t ldy, int out,
-                               int64_t rows);
-
 // Y[n][j] = sum_i X[n][i] W[i][j]; W is [in, out]. Reduces over the input feature i.
 void linear(const float* X, int64_t N, int in, const float* W, int out, float* Y,
             Operands operands = Operands::kRun);
@@ -56,10 +42,10 @@ void linear_input_grad_strided(const float* dY, int64_t lddy, int64_t N, int out
                                float* dX, int64_t lddx, bool accumulate);
 
 // dW[i][j] = sum_n X[n][i] dY[n][j]. Reduces over the global token index n:
-// fma fold inside each leaf, the canonical tree over leaves. At bf16 the
-// same fold over X and dY rounded to bf16 (exact products in fp32): a fold
-// over tokens continues across rounds, microbatches and ranks at any row,
-// where the bf16 fold would need boundaries at multiples of 32.
+// fma fold inside each leaf, the canonical tree over leaves. At bf16 (unless
+// Operands::kFp32, the router's) the leaf's fold is the bf16 fold over X and
+// dY rounded to bf16, its 32-row blocks starting at the leaf's first row
+// (weight_grad_bf16, ops/gemm_bf16.h).
 void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                  const int64_t* leaf_off, int64_t leaves, float* dW, Operands operands = Operands::kRun);
 
