@@ -66,6 +66,27 @@ TEST_SUITE("bf16") {
     }
   }
 
+  TEST_CASE("expert parallel: rows to the experts travel as bf16 (half their bytes), rows back as fp32") {
+    // Every step sends each routed row once to its expert's owner and once
+    // back, forward (x out, y back) and backward (dy out, dx back), whatever
+    // the routing; the routing metadata's size is fixed too. So the two runs'
+    // all-to-all bytes (all ranks) differ by exactly the 2 bytes saved per
+    // element of the rows going out: 2 directions x tokens x top_k x d_model x layers.
+    const std::vector<std::string> mesh = {"mesh.dp=2", "mesh.ep=2", "model.d_model=128", "model.d_ff=128"};
+    std::vector<std::string> bf16 = mesh;
+    bf16.push_back("numerics.precision=bf16");
+    const ls::RunResult a = run_split(mesh), b = run_split(bf16);
+    const ls::Scenario sc = lstest::split_scenario(bf16);
+    const int64_t saved = 2 * int64_t(sc.batch) * sc.model.seq_len * sc.model.top_k * sc.model.d_model *
+                          sc.model.n_layers * 2;
+    REQUIRE(a.moe_all_to_all_bytes.size() == b.moe_all_to_all_bytes.size());
+    for (size_t step = 0; step < a.moe_all_to_all_bytes.size(); ++step) {
+      CAPTURE(step);
+      CHECK(b.moe_all_to_all_bytes[step] > 0);
+      CHECK(a.moe_all_to_all_bytes[step] - b.moe_all_to_all_bytes[step] == saved);
+    }
+  }
+
   TEST_CASE("under mpirun, one process per rank, the bf16 run ends on its one-process hash") {
     const auto sc = lstest::write_temp("bf16_tiny.json", lstest::tiny_scenario(true));
     const std::string run = "run " + sc.string() +

@@ -5,12 +5,16 @@
 // same calls copy rows between the dispatch order and the slots directly.
 #include "model/expert_parallel.h"
 
+#include <string.h>
+
 #include <algorithm>
 #include <string>
 #include <vector>
 
 #include "cluster/message_label.h"
 #include "common/op_profile.h"
+#include "common/precision.h"
+#include "contract.h"
 #include "model/context_parallel.h"
 #include "ops/ops.h"
 
@@ -55,6 +59,28 @@ void source_part(const StepContext& ctx, const LayerActs& acts, int src, int own
     first_row[e] = 0;
     for (int earlier = 0; earlier < src; ++earlier) first_row[e] += acts.counts[(size_t)earlier * E + owner * El + e];
     rows[e] = acts.counts[(size_t)src * E + owner * El + e];
+  }
+}
+
+// n floats rewritten as their bf16 (ls::to_bf16) in the first 2n bytes,
+// and back: element i never overwrites one not yet read. (Bytes through
+// memcpy: the buffer's type is float.)
+void pack_bf16_in_place(float* p, int64_t n) {
+  char* bytes = reinterpret_cast<char*>(p);
+  for (int64_t i = 0; i < n; ++i) {
+    float f;
+    memcpy(&f, bytes + 4 * i, 4);
+    const uint16_t b = ls::to_bf16(f);
+    memcpy(bytes + 2 * i, &b, 2);
+  }
+}
+void unpack_bf16_in_place(float* p, int64_t n) {
+  char* bytes = reinterpret_cast<char*>(p);
+  for (int64_t i = n - 1; i >= 0; --i) {
+    uint16_t b;
+    memcpy(&b, bytes + 2 * i, 2);
+    const float f = ls::from_bf16(b);
+    memcpy(bytes + 4 * i, &f, 4);
   }
 }
 
@@ -236,7 +262,6 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
   const OpTimer op_timer(OpKind::kMoeDispatch);
   StepWorkspace& ws = ctx.ws;
   const int ep = ctx.ep(), El = ctx.local_experts, me = ctx.ep_rank();
-  const size_t row_bytes = sizeof(float) * width;
   const RoundPlan& own = ctx.own_plan(acts);
   std::vector<int64_t>& first_row = ws.piece_first_row;
   std::vector<int64_t>& rows = ws.piece_rows;
@@ -260,6 +285,12 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
     else ops::copy_rows(slot_buf, ws.from_row.data(), disp_out, ws.to_row.data(), (int64_t)ws.to_row.size(), width);
     return;
   }
+  // At bf16 the rows sent to the experts' owner (x forward, dy backward) are
+  // read there only as operands of bf16 products, which round them anyway:
+  // they travel as bf16, half the bytes, and the bits are those of one rank.
+  // The rows coming back (y, dx) are fp32 outputs and stay fp32.
+  const bool bf16_rows = to_owner && bf16_matmuls();
+  const size_t row_bytes = (bf16_rows ? sizeof(uint16_t) : sizeof(float)) * width;
   std::vector<size_t> send_bytes(ep, 0), recv_bytes(ep, 0);
   // Pack: a source walks each owner's pieces; an owner walks each source's.
   for (int d = 0; d < ep; ++d) {
@@ -276,6 +307,10 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
   }
   ops::copy_rows(to_owner ? src : slot_buf, ws.from_row.data(), ws.send.data(), nullptr, (int64_t)ws.from_row.size(),
                  width);
+  if (bf16_rows) {
+    ops::synchronize();
+    pack_bf16_in_place(ws.send.data(), (int64_t)ws.from_row.size() * width);
+  }
   // Unpack what arrives, in the sender's walk order.
   for (int d = 0; d < ep; ++d) {
     const RoundPlan& plan = to_owner ? own : acts.plans[d];
@@ -296,9 +331,10 @@ void exchange_rows(StepContext& ctx, const LayerActs& acts, int r, int width, bo
   }
   ops::synchronize();  // the packed rows, read by the host's all-to-all
   // What arrives, into place (the index lists stay in ws until the next exchange).
-  auto unpack = [&ws, to_owner, width, slot_buf, keep, disp_out] {
+  auto unpack = [&ws, to_owner, width, slot_buf, keep, disp_out, bf16_rows] {
     const OpTimer unpacking(OpKind::kMoeDispatch);
     const int64_t arrived = (int64_t)ws.to_row.size();
+    if (bf16_rows) unpack_bf16_in_place(ws.recv.data(), arrived * width);
     if (to_owner) {
       ops::copy_rows(ws.recv.data(), nullptr, slot_buf, ws.to_row.data(), arrived, width);
       if (keep) ops::copy_rows(ws.recv.data(), nullptr, keep, ws.keep_row.data(), arrived, width);
