@@ -395,6 +395,27 @@ TEST_SUITE("kernels") {
     CHECK(gemm_bf16_hook(1, 1, 33, a, {a.data(), 33, 1}, b, {b.data(), 1, 1}, {0.0f}, 1, false)[0] == inf);
   }
 
+  TEST_CASE("ops::matmul at numerics.precision=bf16 runs the gemm_bf16 kernel where kernels are installed, the engine's bits") {
+    const int64_t M = 37, N = 45, K = 70;
+    const std::vector<float> a = bf16_test_floats((size_t)(M * K), 501, Bf16Values::kEdges),
+                             b = bf16_test_floats((size_t)(K * N), 502, Bf16Values::kEdges),
+                             c0 = bf16_test_floats((size_t)(M * N), 503, Bf16Values::kPlain);
+    std::vector<float> want = c0;
+    ls::ops::gemm_bf16_rounded(M, N, K, {a.data(), K, 1}, {b.data(), 1, K}, want.data(), N, true);
+    ls::ops::ExecutionTarget emulated;
+    emulated.kernels = &ls::emu::kernel_hooks();
+    emulated.memory = &ls::emu::registered_memory();
+    emulated.precision = ls::Precision::kBf16;
+    const ls::ops::ScopedExecutionTarget installed(emulated);
+    const ls::ops::DeviceVector<float> da = on_device(a), db = on_device(b);
+    ls::ops::DeviceVector<float> dc = on_device(c0);
+    const int64_t before = ls::emu::kernel_launches();
+    ls::ops::matmul(M, N, K, {da.data(), K, 1}, {db.data(), 1, K}, dc.data(), N, true);
+    ls::ops::synchronize();
+    CHECK(ls::emu::kernel_launches() == before + 1);
+    CHECK_SAME_BITS(on_host(dc), want);
+  }
+
   TEST_CASE("bf16 weight-gradient kernel (weight_grad_bf16 hook): per leaf the bf16 fold from +0, leaves by the leaf tree, bit for bit the scalar rule") {
     struct Case {
       int in, out;
