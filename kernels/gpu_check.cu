@@ -18,9 +18,11 @@
 #include "attention.cuh"
 #include "elementwise.cuh"
 #include "gemm.cuh"
+#include "gemm_bf16.cuh"
 #include "moe.cuh"
 #include "ops/attention.h"
 #include "ops/gemm.h"
+#include "ops/gemm_bf16.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
 #include "rmsnorm.cuh"
@@ -117,6 +119,70 @@ void check_weight_grad() {
     ls::kernels::weight_grad_leaves<<<dim3(blocks_for(out, block.x), blocks_for(in, block.y)), block>>>(
         dx.p, in, ddy.p, out, in, out, doff.p, leaves, dw.p);
     expect_bits("weight_grad_leaves block " + std::to_string(block.x) + "x" + std::to_string(block.y), dw.host(), want);
+  }
+}
+
+// numerics.precision=bf16: the bf16 GEMM against the engine's
+// ops::gemm_bf16_rounded, with edge values (subnormals, ties, +-0) mixed in.
+void check_gemm_bf16() {
+  struct Shape {
+    int64_t M, N, K;
+  };
+  auto edgy = [](std::vector<float> v) {
+    for (size_t i = 0; i < v.size(); i += 5) {
+      const uint32_t u = ls::bits(v[i]);
+      const uint32_t kinds[] = {u & 0x807fffffu, (u & 0xffff0000u) | 0x8000u, u & 0x80000000u,
+                                (u & 0x807fffffu) | (uint32_t)(40 + i % 40) << 23};
+      v[i] = ls::from_bits(kinds[i / 5 % 4]);
+    }
+    return v;
+  };
+  for (const Shape& s : {Shape{5, 7, 3}, Shape{33, 65, 17}, Shape{128, 96, 257}, Shape{512, 512, 512}}) {
+    const auto a = edgy(random_floats(s.M * s.K, 41)), b = edgy(random_floats(s.K * s.N, 42)),
+               c0 = edgy(random_floats(s.M * s.N, 43));
+    for (bool accumulate : {false, true}) {
+      std::vector<float> want = c0;
+      ls::ops::gemm_bf16_rounded(s.M, s.N, s.K, {a.data(), s.K, 1}, {b.data(), 1, s.K}, want.data(), s.N, accumulate);
+      Dev<float> da(a), db(b), dc(c0);
+      ls::kernels::contract_gemm_bf16<<<ls::kernels::contract_gemm_bf16_grid(s.M, s.N),
+                                        ls::kernels::contract_gemm_bf16_block()>>>(
+          s.M, s.N, s.K, {da.p, s.K, 1}, {db.p, 1, s.K}, dc.p, s.N, accumulate);
+      expect_bits("contract_gemm_bf16 " + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" +
+                      std::to_string(s.K) + (accumulate ? " accumulate" : ""),
+                  dc.host(), want);
+    }
+  }
+}
+
+// The bf16 weight gradient against its rule, written out on the host: per
+// leaf ls::bf16_dot of the rounded rows from +0, leaves by ls::LeafTree.
+void check_weight_grad_bf16() {
+  const int in = 40, out = 24;
+  const std::vector<int64_t> off = {0, 5, 5, 38, 71, 135};
+  const int64_t leaves = (int64_t)off.size() - 1, rows = off.back();
+  const auto X = random_floats(rows * in, 44), dY = random_floats(rows * out, 45);
+  std::vector<uint16_t> x16(X.size()), dy16(dY.size());
+  for (size_t i = 0; i < X.size(); ++i) x16[i] = ls::to_bf16(X[i]);
+  for (size_t i = 0; i < dY.size(); ++i) dy16[i] = ls::to_bf16(dY[i]);
+  std::vector<float> scratch((size_t)ls::LeafTree::levels_for(leaves) * in * out);
+  ls::LeafTree tree(scratch.data(), (int64_t)in * out);
+  for (int64_t l = 0; l < leaves; ++l) {
+    float* leaf = tree.next_leaf();
+    for (int i = 0; i < in; ++i)
+      for (int j = 0; j < out; ++j)
+        leaf[i * out + j] = ls::bf16_dot(x16.data() + off[l] * in + i, in, dy16.data() + off[l] * out + j, out,
+                                         off[l + 1] - off[l], 0.0f);
+    tree.push();
+  }
+  const float* sum = tree.finish();
+  const std::vector<float> want(sum, sum + (size_t)in * out);
+  for (dim3 block : {dim3(1, 1), dim3(16, 8)}) {
+    Dev<float> dx(X), ddy(dY), dw((size_t)in * out);
+    Dev<int64_t> doff(off);
+    ls::kernels::weight_grad_leaves_bf16<<<dim3(blocks_for(out, block.x), blocks_for(in, block.y)), block>>>(
+        dx.p, in, ddy.p, out, in, out, doff.p, leaves, dw.p);
+    expect_bits("weight_grad_leaves_bf16 block " + std::to_string(block.x) + "x" + std::to_string(block.y),
+                dw.host(), want);
   }
 }
 
@@ -381,7 +447,7 @@ int main(int argc, char** argv) {
     if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--no-speed") with_speed = false;
     else {
-      std::fprintf(stderr, "usage: lockstep-gpu-check [--only gemm|weight_grad|norms|attention|adamw|moe|dispatch] [--no-speed]\n");
+      std::fprintf(stderr, "usage: lockstep-gpu-check [--only gemm|weight_grad|gemm_bf16|weight_grad_bf16|norms|attention|adamw|moe|dispatch] [--no-speed]\n");
       return 2;
     }
   }
@@ -394,6 +460,8 @@ int main(int argc, char** argv) {
   std::printf("gpu-check on %s (sm_%d%d), kernels vs the CPU engine, bit for bit\n", prop.name, prop.major, prop.minor);
   if (only.empty() || only == "gemm") check_gemm();
   if (only.empty() || only == "weight_grad") check_weight_grad();
+  if (only.empty() || only == "gemm_bf16") check_gemm_bf16();
+  if (only.empty() || only == "weight_grad_bf16") check_weight_grad_bf16();
   if (only.empty() || only == "norms") check_norms_and_elementwise();
   if (only.empty() || only == "attention") check_attention();
   if (only.empty() || only == "attention") check_attention_ranges();

@@ -13,6 +13,7 @@
 #include <functional>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <utility>
 #include <vector>
@@ -25,11 +26,13 @@
 #include "elementwise.cuh"
 #include "embedding.cuh"
 #include "gemm.cuh"
+#include "gemm_bf16.cuh"
 #include "loss.cuh"
 #include "moe.cuh"
 #include "ops/attention.h"
 #include "ops/dispatch.h"
 #include "ops/gemm.h"
+#include "ops/gemm_bf16.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
 #include "ops.h"  // reference/ops.h: the reference's own ops
@@ -64,6 +67,123 @@ __global__ void early_exit_before_barrier(int* out) {
   if (threadIdx.x == 0) return;  // thread 0 never reaches the barrier
   __syncthreads();
   out[threadIdx.x] = 1;
+}
+
+// fp32 inputs for the bf16 kernels, which round them to bf16 as they read.
+enum class Bf16Values {
+  kPlain,     // N(0, 1)
+  kEdges,     // one in two: an fp32 subnormal, +-0, a tiny normal (products near or below 2^-126),
+              // an exact bf16 rounding tie (one that carries into the exponent too)
+  kSpecials,  // kEdges, and rarely +-inf, a quiet or signalling NaN, or a finite fp32 whose bf16 is inf
+  kBoundary,  // exponents 2^-87..2^-48: products and sums around 2^-126
+};
+
+float bf16_edge_value(uint64_t u, float plain, bool specials) {
+  const uint32_t pb = ls::bits(plain), sign = (uint32_t)(u >> 40) & 0x80000000u, r = (uint32_t)(u >> 8);
+  switch (u % 24) {
+    case 0: return ls::from_bits(sign | (1 + r % 0x7fffff));                  // an fp32 subnormal
+    case 1: return ls::from_bits(sign | (0x7f0000u + r % 0x10000));           // rounds to 2^-126 or just below
+    case 2: return -0.0f;
+    case 3: return 0.0f;
+    case 4:
+    case 5: return ls::from_bits(sign | ((27 + r % 40) << 23) | (r >> 9 & 0x7fffff));  // 2^-100..2^-61
+    case 6:
+    case 7: return ls::from_bits((pb & 0xffff0000u) | 0x8000u);               // a tie: RNE picks the even one
+    case 8: return ls::from_bits((pb & 0xff800000u) | 0x7f8000u);             // a tie that carries into the exponent
+    case 9: return specials && r % 4 == 0 ? ls::from_bits(sign | 0x7f7f8000u | (r >> 4 & 0x7fff)) : plain;  // bf16 inf
+    case 10: return specials && r % 8 == 0 ? ls::from_bits(sign | 0x7f800000u) : plain;                     // +-inf
+    case 11: return specials && r % 16 == 0 ? ls::from_bits(0x7fc00000u | (r & 0x3fffff)) : plain;          // quiet NaN
+    case 12: return specials && r % 16 == 0 ? ls::from_bits(0xff800001u | (r & 0x3fffff)) : plain;          // signalling NaN
+    default: return plain;
+  }
+}
+
+std::vector<float> bf16_test_floats(size_t n, uint64_t seed, Bf16Values kind) {
+  std::mt19937_64 rng(seed * 7919 + 17);
+  std::vector<float> v = random_floats(n, seed);
+  for (float& x : v) {
+    const uint64_t u = rng();
+    if (kind == Bf16Values::kEdges || kind == Bf16Values::kSpecials)
+      x = u % 2 ? bf16_edge_value(u >> 1, x, kind == Bf16Values::kSpecials) : x;
+    if (kind == Bf16Values::kBoundary) x = ls::from_bits((uint32_t)(u & 0x807fffffu) | (uint32_t)(40 + (u >> 24) % 40) << 23);
+  }
+  return v;
+}
+
+std::vector<uint16_t> rounded_to_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = ls::to_bf16(v[i]);
+  return out;
+}
+
+// The bf16 weight-gradient rule, scalar: per leaf, per (i, j), ls::bf16_dot
+// over the leaf's rows of the rounded X[n][i], dY[n][j] from +0; leaves
+// combined by the contract's LeafTree (fp32 adds).
+std::vector<float> weight_grad_bf16_scalar(const std::vector<float>& X, int64_t ldx, const std::vector<float>& dY,
+                                           int64_t ldy, int in, int out, const std::vector<int64_t>& leaf_off) {
+  const std::vector<uint16_t> x16 = rounded_to_bf16(X), dy16 = rounded_to_bf16(dY);
+  const int64_t leaves = (int64_t)leaf_off.size() - 1, width = (int64_t)in * out;
+  std::vector<float> scratch((size_t)(ls::LeafTree::levels_for(leaves) * width));
+  ls::LeafTree tree(scratch.data(), width);
+  for (int64_t l = 0; l < leaves; ++l) {
+    const int64_t n0 = leaf_off[l], rows = leaf_off[l + 1] - n0;
+    float* leaf = tree.next_leaf();
+    for (int i = 0; i < in; ++i)
+      for (int j = 0; j < out; ++j)
+        leaf[i * out + j] = ls::bf16_dot(x16.data() + n0 * ldx + i, ldx, dy16.data() + n0 * ldy + j, ldy, rows, 0.0f);
+    tree.push();
+  }
+  const float* sum = tree.finish();
+  return std::vector<float>(sum, sum + width);
+}
+
+// The kernels' hooks on the emulated device, its memory installed, so every
+// launch also proves its pointers are the device's.
+struct EmulatedDevice {
+  ls::ops::ExecutionTarget target;
+  std::unique_ptr<ls::ops::ScopedExecutionTarget> installed;
+  EmulatedDevice() {
+    target.kernels = &ls::emu::kernel_hooks();
+    target.memory = &ls::emu::registered_memory();
+    installed = std::make_unique<ls::ops::ScopedExecutionTarget>(target);
+  }
+  const ls::ops::OpHooks& hooks() const { return *target.kernels; }
+};
+
+template <class T>
+ls::ops::DeviceVector<T> on_device(const std::vector<T>& v) {
+  return ls::ops::DeviceVector<T>(v.begin(), v.end());
+}
+template <class T>
+std::vector<T> on_host(const ls::ops::DeviceVector<T>& v) {
+  return std::vector<T>(v.begin(), v.end());
+}
+
+// C after the emulated device's gemm_bf16 hook: the operands and C copied
+// into its memory, the views' offsets and strides kept.
+std::vector<float> gemm_bf16_hook(int64_t M, int64_t N, int64_t K, const std::vector<float>& a, ls::ops::ConstMat A,
+                                  const std::vector<float>& b, ls::ops::ConstMat B, const std::vector<float>& c,
+                                  int64_t ldc, bool accumulate) {
+  const EmulatedDevice device;
+  const ls::ops::DeviceVector<float> da = on_device(a), db = on_device(b);
+  ls::ops::DeviceVector<float> dc = on_device(c);
+  device.hooks().gemm_bf16(M, N, K, {da.data() + (A.p - a.data()), A.rs, A.cs},
+                           {db.data() + (B.p - b.data()), B.rs, B.cs}, dc.data(), ldc, accumulate);
+  device.hooks().synchronize();
+  return on_host(dc);
+}
+
+// dW after the emulated device's weight_grad_bf16 hook.
+std::vector<float> weight_grad_bf16_hook(const std::vector<float>& X, int64_t ldx, const std::vector<float>& dY,
+                                         int64_t ldy, int in, int out, const std::vector<int64_t>& leaf_off) {
+  const EmulatedDevice device;
+  const ls::ops::DeviceVector<float> dx = on_device(X), ddy = on_device(dY);
+  const ls::ops::DeviceVector<int64_t> doff = on_device(leaf_off);
+  ls::ops::DeviceVector<float> dw((size_t)in * out, -1.0f);
+  device.hooks().weight_grad_bf16(dx.data(), ldx, ddy.data(), ldy, in, out, doff.data(),
+                                  (int64_t)leaf_off.size() - 1, dw.data());
+  device.hooks().synchronize();
+  return on_host(dw);
 }
 
 }  // namespace
@@ -183,6 +303,171 @@ TEST_SUITE("kernels") {
         CHECK_SAME_BITS(got, want);
       }
     }
+  }
+
+  TEST_CASE("bf16 GEMM kernel (gemm_bf16 hook): bit for bit ops::gemm_bf16_naive on the rounded operands, at every shape, stride and edge value") {
+    struct Shape {
+      int64_t M, N, K;
+    };
+    const Bf16Values kinds[] = {Bf16Values::kPlain, Bf16Values::kEdges, Bf16Values::kSpecials, Bf16Values::kBoundary};
+    for (const Shape& sh : {Shape{1, 1, 1}, Shape{5, 7, 3}, Shape{32, 32, 32}, Shape{33, 65, 17}, Shape{3, 5, 33},
+                            Shape{31, 33, 64}, Shape{64, 48, 100}, Shape{40, 37, 257}, Shape{8, 130, 0}})
+      for (Bf16Values kind : kinds)
+        for (int layout = 0; layout < 4; ++layout)
+          for (bool accumulate : {false, true}) {
+            CAPTURE(sh.M);
+            CAPTURE(sh.N);
+            CAPTURE(sh.K);
+            CAPTURE((int)kind);
+            CAPTURE(layout);
+            CAPTURE(accumulate);
+            const bool ta = layout & 1, tb = layout & 2;
+            const int64_t K1 = std::max<int64_t>(sh.K, 1), lda = K1 + 3, ldb = sh.N + 5, ldc = sh.N + 2;
+            const uint64_t seed = 100 + (uint64_t)(sh.M * 7 + sh.N * 3 + sh.K) * 16 + (uint64_t)kind * 4 + layout;
+            // A: row-major M x K with padded rows, or the transposed view of a K x M matrix;
+            // B: row-major K x N with padded rows, or the transposed view of an N x K matrix.
+            const std::vector<float> a = bf16_test_floats((size_t)(ta ? K1 * sh.M : sh.M * lda), seed, kind),
+                                     b = bf16_test_floats((size_t)(tb ? sh.N * K1 : K1 * ldb), seed + 1, kind),
+                                     c0 = bf16_test_floats((size_t)(sh.M * ldc), seed + 2, kind);
+            const ls::ops::ConstMat A = ta ? ls::ops::ConstMat{a.data(), 1, sh.M} : ls::ops::ConstMat{a.data(), lda, 1};
+            const ls::ops::ConstMat B = tb ? ls::ops::ConstMat{b.data(), 1, K1} : ls::ops::ConstMat{b.data(), ldb, 1};
+            const std::vector<uint16_t> a16 = rounded_to_bf16(a), b16 = rounded_to_bf16(b);
+            std::vector<float> want = c0, engine = c0;
+            ls::ops::gemm_bf16_naive(sh.M, sh.N, sh.K, {a16.data(), A.rs, A.cs}, {b16.data(), B.rs, B.cs}, want.data(),
+                                     ldc, accumulate);
+            ls::ops::gemm_bf16_rounded(sh.M, sh.N, sh.K, A, B, engine.data(), ldc, accumulate);
+            REQUIRE_SAME_BITS(engine, want);  // the definition and the engine agree: the kernel must give both
+            // ... every element, the padding of C's rows (never written) included.
+            CHECK_SAME_BITS(gemm_bf16_hook(sh.M, sh.N, sh.K, a, A, b, B, c0, ldc, accumulate), want);
+          }
+  }
+
+  TEST_CASE("bf16 GEMM kernel: the fold's directed cases (tests/test_gemm_bf16.cc), rounding as read, K = 0, padding past K") {
+    const float inf = std::numeric_limits<float>::infinity(), sub = ls::from_bits(0x00400000u);
+    struct Case {
+      const char* what;
+      std::vector<float> a, b;  // k = 0, 1, ...: even k to E, odd k to O
+      float start;              // accumulate from it
+      uint32_t want;
+    };
+    const Case cases[] = {
+        {"E = O = 2^-24 with C = 1: E + O first", {0x1p-24f, 0x1p-24f}, {1, 1}, 1.0f, ls::bits(1.0f + 0x1p-23f)},
+        {"a tiny addend joins a normal E unflushed", {0x1p-62f, 0, 0x1p-63f}, {0x1p-63f, 0, 0x1p-64f}, 0.0f,
+         ls::bits(0x1.4p-125f)},
+        {"two 2^-127 products (E, O) give 0", {0x1p-63f, 0x1p-63f}, {0x1p-64f, 0x1p-64f}, 0.0f, 0u},
+        {"E = 2^-126, O = -2^-127: O flushed", {0x1p-63f, -0x1p-63f}, {0x1p-63f, 0x1p-64f}, 0.0f, ls::bits(0x1p-126f)},
+        {"a subnormal C counts as 0", {0x1p-63f}, {0x1p-63f}, sub, ls::bits(0x1p-126f)},
+        {"tininess after rounding: 2^-126 - 2^-150 in E flushes (fma gives 2^-126)", {0x1p-63f, 0, 0x1p-75f},
+         {0x1p-63f, 0, -0x1p-75f}, 0.0f, 0u},
+        {"32 tiny negative products flush to -0 in E and O (no +0 pad), onto C = -0: -0",
+         std::vector<float>(32, -0x1.fep-64f), std::vector<float>(32, 0x1p-63f), -0.0f, 0x80000000u},
+        {"all products -0 from -0: +0", {-0.0f, -0.0f, -0.0f}, {1, 1, 1}, -0.0f, 0u},
+        {"+2^254 in E, -2^254 in O: inf - inf, canonical NaN", {0x1p127f, 0x1p127f}, {0x1p127f, -0x1p127f}, 0.0f,
+         0x7fc00000u},
+        {"a NaN input: canonical NaN", {ls::from_bits(0x7fc5abcdu), 1}, {1, 1}, 0.0f, 0x7fc00000u},
+        {"a signalling NaN input: canonical NaN", {ls::from_bits(0xff800001u)}, {1}, 0.0f, 0x7fc00000u},
+        {"operands round to nearest even as read: 1 + 2^-8 is 1", {1.0f + 0x1p-8f}, {1}, 0.0f, ls::bits(1.0f)},
+        {"1 + 3 * 2^-8 is 1 + 2^-6", {1.0f + 3 * 0x1p-8f}, {1}, 0.0f, ls::bits(1.0f + 0x1p-6f)},
+        {"a finite fp32 above bf16's largest rounds to inf", {ls::from_bits(0x7f7fc000u)}, {1}, 0.0f, ls::bits(inf)},
+        {"an fp32 subnormal operand counts as 0 (else 2^-127 * 2^126 would count)", {ls::from_bits(0x003fffffu), 1},
+         {0x1p126f, 2}, 0.0f, ls::bits(2.0f)},
+        {"K = 0 leaves the start untouched (a subnormal too)", {}, {}, sub, ls::bits(sub)},
+    };
+    for (const Case& c : cases) {
+      INFO(c.what);
+      const int64_t K = (int64_t)c.a.size();
+      // A 33 x 33 tile of the same dot product: two blocks' edges, rows and columns past the first 32.
+      const int64_t M = 33, N = 33, K1 = std::max<int64_t>(K, 1);
+      std::vector<float> a((size_t)(M * K1), 0.0f), b((size_t)(K1 * N), 0.0f), c0((size_t)(M * N), c.start);
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t k = 0; k < K; ++k) a[i * K1 + k] = c.a[k], b[k * N + i] = c.b[k];
+      const std::vector<float> got = gemm_bf16_hook(M, N, K, a, {a.data(), K1, 1}, b, {b.data(), N, 1}, c0, N, true);
+      CHECK(ls::bits(got[0]) == c.want);
+      CHECK(ls::bits(got[M * N - 1]) == c.want);
+      CHECK(ls::bits(gemm_bf16_hook(1, 1, K, a, {a.data(), K1, 1}, b, {b.data(), N, 1}, {c.start}, 1, true)[0]) ==
+            c.want);
+    }
+    // K = 0 without accumulate: +0. K = 33: the second block holds one real pair, padded with +0 * +0, so an
+    // infinite b there never meets a zero pad.
+    std::vector<float> a(33, 1.0f), b(33, 1.0f);
+    CHECK(ls::bits(gemm_bf16_hook(1, 1, 0, a, {a.data(), 1, 1}, b, {b.data(), 1, 1}, {-3.0f}, 1, false)[0]) == 0u);
+    b[32] = inf;
+    CHECK(gemm_bf16_hook(1, 1, 33, a, {a.data(), 33, 1}, b, {b.data(), 1, 1}, {0.0f}, 1, false)[0] == inf);
+  }
+
+  TEST_CASE("ops::matmul at numerics.precision=bf16 runs the gemm_bf16 kernel where kernels are installed, the engine's bits") {
+    const int64_t M = 37, N = 45, K = 70;
+    const std::vector<float> a = bf16_test_floats((size_t)(M * K), 501, Bf16Values::kEdges),
+                             b = bf16_test_floats((size_t)(K * N), 502, Bf16Values::kEdges),
+                             c0 = bf16_test_floats((size_t)(M * N), 503, Bf16Values::kPlain);
+    std::vector<float> want = c0;
+    ls::ops::gemm_bf16_rounded(M, N, K, {a.data(), K, 1}, {b.data(), 1, K}, want.data(), N, true);
+    ls::ops::ExecutionTarget emulated;
+    emulated.kernels = &ls::emu::kernel_hooks();
+    emulated.memory = &ls::emu::registered_memory();
+    emulated.precision = ls::Precision::kBf16;
+    const ls::ops::ScopedExecutionTarget installed(emulated);
+    const ls::ops::DeviceVector<float> da = on_device(a), db = on_device(b);
+    ls::ops::DeviceVector<float> dc = on_device(c0);
+    const int64_t before = ls::emu::kernel_launches();
+    ls::ops::matmul(M, N, K, {da.data(), K, 1}, {db.data(), 1, K}, dc.data(), N, true);
+    ls::ops::synchronize();
+    CHECK(ls::emu::kernel_launches() == before + 1);
+    CHECK_SAME_BITS(on_host(dc), want);
+  }
+
+  TEST_CASE("bf16 weight-gradient kernel (weight_grad_bf16 hook): per leaf the bf16 fold from +0, leaves by the leaf tree, bit for bit the scalar rule") {
+    struct Case {
+      int in, out;
+      std::vector<int64_t> leaf_off;
+    };
+    std::vector<int64_t> many(38);  // 37 leaves of 0..9 rows
+    for (size_t l = 1; l < many.size(); ++l) many[l] = many[l - 1] + (int64_t)((l * 7) % 10);
+    const Bf16Values kinds[] = {Bf16Values::kPlain, Bf16Values::kEdges, Bf16Values::kSpecials, Bf16Values::kBoundary};
+    for (const Case& c : {Case{3, 5, {0, 4}}, Case{16, 16, {0, 33, 33, 70, 71, 135}}, Case{33, 17, {7, 40, 41, 100}},
+                          Case{8, 40, {0, 0, 0, 45}}, Case{5, 9, many}, Case{4, 3, {0, 64, 96, 97}}, Case{3, 4, {5}}})
+      for (Bf16Values kind : kinds) {
+        CAPTURE(c.in);
+        CAPTURE(c.out);
+        CAPTURE(c.leaf_off.size());
+        CAPTURE((int)kind);
+        const int64_t rows = std::max<int64_t>(c.leaf_off.back(), 1);
+        const int64_t ldx = c.in + 3, ldy = c.out + 1;  // strided rows, as the engine hands them over
+        const std::vector<float> X = bf16_test_floats((size_t)(rows * ldx), 300 + (uint64_t)kind, kind),
+                                 dY = bf16_test_floats((size_t)(rows * ldy), 400 + (uint64_t)kind, kind);
+        std::vector<float> want = weight_grad_bf16_scalar(X, ldx, dY, ldy, c.in, c.out, c.leaf_off),
+                           got = weight_grad_bf16_hook(X, ldx, dY, ldy, c.in, c.out, c.leaf_off);
+        if (c.leaf_off.size() > 2) {
+          // A NaN through the tree's merges (plain fp32 adds: +inf + -inf, or two NaNs) has the payload and
+          // sign of whichever operand the compiler or the GPU picks (x86 0xffc00000 or the first operand's,
+          // CUDA 0x7fffffff): compared as the canonical NaN there. One leaf has no merge: its NaN is the
+          // fold's 0x7fc00000, compared as is.
+          for (std::vector<float>* v : {&want, &got})
+            for (float& x : *v) x = ls::bf16_canonical_nan(x);
+        }
+        CHECK_SAME_BITS(got, want);
+        if (kind == Bf16Values::kPlain && c.leaf_off.size() > 2) {
+          // Not the fp32 rule: the same leaves' fma folds over the unrounded values differ.
+          std::vector<float> fp32((size_t)c.in * c.out);
+          ls::ops::weight_grad(X.data(), ldx, dY.data(), ldy, c.in, c.out, c.leaf_off.data(),
+                               (int64_t)c.leaf_off.size() - 1, fp32.data());
+          CHECK_FALSE(lstest::same_bits(fp32, want));
+        }
+      }
+  }
+
+  TEST_CASE("bf16 weight-gradient kernel: the fold's blocks start at each leaf's first row") {
+    // One column, 40 rows of 2^-12 * 2^-12 onto a first row of 1: as one leaf the 33rd..40th products
+    // fall in a second block; split as {0, 8, 40} they fold with other neighbours. Both equal the rule, and differ.
+    const int64_t rows = 40;
+    std::vector<float> X(rows, 0x1p-12f), dY(rows, 0x1p-12f);
+    X[0] = 1.0f, dY[0] = 1.0f;
+    const std::vector<int64_t> one_leaf = {0, 40}, two_leaves = {0, 8, 40};
+    const std::vector<float> w1 = weight_grad_bf16_hook(X, 1, dY, 1, 1, 1, one_leaf),
+                             w2 = weight_grad_bf16_hook(X, 1, dY, 1, 1, 1, two_leaves);
+    CHECK_SAME_BITS(w1, weight_grad_bf16_scalar(X, 1, dY, 1, 1, 1, one_leaf));
+    CHECK_SAME_BITS(w2, weight_grad_bf16_scalar(X, 1, dY, 1, 1, 1, two_leaves));
+    CHECK_FALSE(lstest::same_bits(w1, w2));
   }
 
   TEST_CASE("SwiGLU kernels: bit for bit ops::swiglu and its backward") {

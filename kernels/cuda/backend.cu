@@ -34,6 +34,7 @@
 #include "elementwise.cuh"
 #include "embedding.cuh"
 #include "gemm.cuh"
+#include "gemm_bf16.cuh"
 #include "loss.cuh"
 #include "moe.cuh"
 #include "rmsnorm.cuh"

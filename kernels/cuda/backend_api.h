@@ -12,7 +12,7 @@
 
 namespace ls::cuda {
 
-constexpr int kBackendAbi = 1;  // bumped whenever this struct or the hook tables change
+constexpr int kBackendAbi = 2;  // bumped whenever this struct or the hook tables change
 
 struct Backend {
   int abi = 0;

@@ -19,6 +19,7 @@
 #include "elementwise.cuh"
 #include "embedding.cuh"
 #include "gemm.cuh"
+#include "gemm_bf16.cuh"
 #include "loss.cuh"
 #include "moe.cuh"
 #include "ops/device_memory.h"
@@ -113,7 +114,7 @@ void check_arg(const char* kernel, int index, const T& arg) {
 }
 
 // A launch: its pointers checked now, the kernel queued (its arguments
-// copied) until the next synchronize(). Only the GEMM has barriers; the
+// copied) until the next synchronize(). Only the GEMMs have barriers; the
 // other kernels' threads run as plain calls (the emulator refuses a barrier
 // there).
 template <class... Args>

@@ -17,6 +17,15 @@ struct OpHooks {
   void (*gemm)(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc, bool accumulate) = nullptr;
   void (*weight_grad)(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                       const int64_t* leaf_off, int64_t leaves, float* dW) = nullptr;
+  // numerics.precision=bf16. gemm_bf16: the bits of ops::gemm_bf16_rounded
+  // (fp32 operands rounded to bf16 as read; each output the ls::bf16_dot fold
+  // over k from +0, or from C when accumulate). weight_grad_bf16: the leaf
+  // tree of weight_grad, each leaf the ls::bf16_dot fold over its rows of the
+  // rounded X[n][i] and dY[n][j] from +0 (an empty leaf +0); merges are fp32 adds.
+  void (*gemm_bf16)(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc,
+                    bool accumulate) = nullptr;
+  void (*weight_grad_bf16)(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
+                           const int64_t* leaf_off, int64_t leaves, float* dW) = nullptr;
   void (*rmsnorm)(const float* x, const float* w, float* y, float* r, int64_t N, int D, float eps) = nullptr;
   void (*rmsnorm_backward)(const float* x, const float* w, const float* r, const float* dy, float* dh, int64_t N,
                            int D, bool accumulate) = nullptr;

@@ -24,6 +24,7 @@ void matmul(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, i
             int threads, Operands operands) {
   if (operands == Operands::kFp32 || !bf16_matmuls()) return gemm(M, N, K, A, B, C, ldc, accumulate, threads);
   const OpTimer op_timer(OpKind::kGemm);
+  if (auto k = kernel(&OpHooks::gemm_bf16)) return k(M, N, K, A, B, C, ldc, accumulate);  // cuda, cuda-emulated
   gemm_bf16_rounded(M, N, K, A, B, C, ldc, accumulate, threads);
 }
 
