@@ -103,7 +103,7 @@ TEST_SUITE("bf16") {
     CHECK(b.at("loss_bits") == a.at("loss_bits"));
   }
 
-  TEST_CASE("refused by name: fold parts that are not whole blocks, the local level, the CUDA kernels") {
+  TEST_CASE("refused by name: fold parts that are not whole blocks, the local level") {
     const auto sc = lstest::write_temp("bf16_refused.json", lstest::tiny_scenario());
     const std::string bf16 = "--set numerics.precision=bf16 --set model.d_model=64 --set model.d_ff=64 ";
     lstest::check_refused(sc.string(), {
@@ -113,12 +113,11 @@ TEST_SUITE("bf16") {
         {bf16 + "--set model.shared_expert=true --set mesh.tp=2 --set mesh.etp=1 --set model.d_ff=32",
          "model.d_ff / mesh.tp (the shared expert) = 32 / 2"},
         {bf16 + "--set numerics.level=local", "numerics.level=portable only so far"},
-        {bf16 + "--backend cuda-emulated", "--backend engine and --backend reference only"},
         {"--set numerics.precision=fp16", "must be fp32 or bf16"},
     });
   }
 
-  TEST_CASE("the bf16 golden file holds; lockstep check on the CUDA kernels skips it by name, never passes it") {
+  TEST_CASE("the bf16 golden file holds on the engine and on the emulated CUDA kernels") {
     const std::string sc = std::string(LOCKSTEP_SOURCE_DIR) + "/scenarios/top2_bf16.json";
     const std::string golden = std::string(LOCKSTEP_SOURCE_DIR) + "/golden";
     const auto engine = lstest::run_cli("check " + sc + " --golden-dir " + golden + " --threads 2");
@@ -129,9 +128,9 @@ TEST_SUITE("bf16") {
     CAPTURE(kernels.out);
     CHECK(kernels.rc == 0);
     const nlohmann::json j = lstest::last_json(kernels.out);
-    CHECK(j.at("skipped") == 1);
+    CHECK(j.at("skipped") == 0);
     CHECK(j.at("failed") == 0);
-    CHECK(j.at("results")[0].at("skipped").get<std::string>().find("bf16 fold is not built yet") != std::string::npos);
+    CHECK(j.at("results")[0].at("ok") == true);
   }
 
   TEST_CASE("lockstep bisect names numerics.precision and the first op it changes") {

@@ -348,23 +348,6 @@ void check_golden_scenario(Checking& c, const Work& w, const Scenario& s, const 
   }
 }
 
-// A bf16 scenario on the CUDA kernels, which have no bf16 fold yet (issue
-// 52): said by name, counted as skipped, never as passed.
-bool skip_on_backend(Checking& c, const Work& w, const Scenario& s) {
-  if (s.precision != "bf16" || (c.backend != Backend::kCudaEmulated && c.backend != Backend::kCuda)) return false;
-  const std::string why = "numerics.precision=bf16: the CUDA kernels' bf16 fold is not built yet";
-  const std::string file = fs::path(w.spath).filename().string();
-  ++c.skipped;
-  if (!c.a.json) std::printf("skip  %-*s %-*s %s\n", c.name_w, w.name.c_str(), c.file_w, file.c_str(), why.c_str());
-  c.outcome.results.push_back({{"name", s.name}, {"scenario", w.spath}, {"golden", w.gpath}, {"skipped", why}});
-  JUnitCase jc;
-  jc.classname = "lockstep.check." + s.name;
-  jc.name = file;
-  jc.skipped = why;
-  c.outcome.cases.push_back(jc);
-  return true;
-}
-
 int cmd_check(const CheckArgs& a) {
   if (a.launcher != "threads" && a.launcher != "mpi")
     throw UserError("--launcher: 'threads' or 'mpi', got '" + a.launcher + "'");
@@ -393,7 +376,6 @@ int cmd_check(const CheckArgs& a) {
     if (c.tty) std::fprintf(stderr, "check [%zu/%zu] %s\n", index, work.size(), fs::path(w.spath).filename().c_str());
     const nlohmann::json g = read_json_file(w.gpath);
     const Scenario s = load_scenario(w.spath, {});
-    if (skip_on_backend(c, w, s)) continue;
     if (!s.faults.empty()) check_fault_scenario(c, w, s, g, t0);
     else check_golden_scenario(c, w, s, g, t0);
   }

@@ -139,12 +139,13 @@ void weight_grad_contract(const float* X, int64_t ldx, const float* dY, int64_t 
 void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                  const int64_t* leaf_off, int64_t leaves, float* dW, Operands operands) {
   const OpTimer op_timer(OpKind::kWeightGrad);
-  if (auto k = kernel(&OpHooks::weight_grad)) return k(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
+  const bool bf16 = operands != Operands::kFp32 && bf16_matmuls();
+  if (auto k = kernel(bf16 ? &OpHooks::weight_grad_bf16 : &OpHooks::weight_grad))  // cuda, cuda-emulated
+    return k(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   if (local_numerics())
     return local::weight_grad(X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy, ldy, in, out,
                               leaf_off[leaves] - leaf_off[0], dW, false);
-  if (operands == Operands::kFp32 || !bf16_matmuls())
-    return weight_grad_contract(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
+  if (!bf16) return weight_grad_contract(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   weight_grad_bf16(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
 }
 

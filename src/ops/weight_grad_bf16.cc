@@ -19,6 +19,7 @@
 #include "common/parallel.h"
 #include "numerics/contract.h"
 #include "ops/aligned_scratch.h"
+#include "ops/dispatch.h"
 
 namespace ls {
 namespace ops {
@@ -109,6 +110,8 @@ void weight_grad_bf16(const float* X, int64_t ldx, const float* dY, int64_t ldy,
 void weight_grad_bf16_fold(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out, int64_t rows,
                            float* C, bool accumulate) {
   if (in <= 0 || out <= 0 || (rows <= 0 && accumulate)) return;
+  if (auto k = kernel(&OpHooks::gemm_bf16))  // cuda, cuda-emulated: the contract's bf16 GEMM kernel
+    return k(in, out, rows, x_transposed(X, ldx), dy_rows(dY, ldy), C, out, accumulate);
   if (gemm_bf16_path() == Bf16Path::kAmx) {
     const int64_t off[2] = {0, rows};
     return weight_grad_amx(X, ldx, dY, ldy, in, out, off, 1, C, accumulate);

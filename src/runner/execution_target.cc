@@ -15,9 +15,6 @@ ops::ExecutionTarget execution_target(Backend backend, NumericsLevel level, Prec
     if (local)
       throw UserError("numerics.precision=bf16 runs at numerics.level=portable only so far (the local level's bf16 "
                       "GEMM, oneDNN's, is not built yet)");
-    if (backend == Backend::kCudaEmulated || backend == Backend::kCuda)
-      throw UserError("numerics.precision=bf16 runs on --backend engine and --backend reference only so far (the "
-                      "CUDA kernels' bf16 fold is not built yet)");
   }
   switch (backend) {
     case Backend::kReference:  // runs none of the engine's ops
