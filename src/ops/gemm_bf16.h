@@ -42,6 +42,15 @@ void gemm_bf16_rounded(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, 
 void gemm_bf16_naive(int64_t M, int64_t N, int64_t K, ConstMatBf16 A, ConstMatBf16 B, float* C,
                      int64_t ldc, bool accumulate);
 
+// The amx path's tile configuration is per-thread state that another
+// library's AMX kernels (oneDNN's, at numerics.level=local) reconfigure or
+// release: whoever calls such a library reports it here after each call
+// (it runs no AMX instruction itself), and the amx path loads its
+// configuration again before its next tile op on each thread.
+namespace internal {
+void amx_tiles_clobbered();
+}  // namespace internal
+
 // Instruction-set path of gemm_bf16, process-wide, for tests and benchmarks.
 // kAuto picks the best the CPU (and, for amx, the OS) supports (amx, else
 // avx512, avx2, scalar); forcing a path the CPU lacks falls back to kAuto's

@@ -24,6 +24,7 @@ void matmul(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, i
             int threads, Operands operands) {
   if (operands == Operands::kFp32 || !bf16_matmuls()) return gemm(M, N, K, A, B, C, ldc, accumulate, threads);
   const OpTimer op_timer(OpKind::kGemm);
+  if (local_numerics()) return local::gemm_bf16(M, N, K, A, B, C, ldc, accumulate);  // oneDNN's bf16 matmul
   gemm_bf16_rounded(M, N, K, A, B, C, ldc, accumulate, threads);
 }
 
@@ -140,8 +141,8 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
   const OpTimer op_timer(OpKind::kWeightGrad);
   if (auto k = kernel(&OpHooks::weight_grad)) return k(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   if (local_numerics())
-    return local::weight_grad(X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy, ldy, in, out,
-                              leaf_off[leaves] - leaf_off[0], dW, false);
+    return (operands == Operands::kFp32 || !bf16_matmuls() ? local::weight_grad : local::weight_grad_bf16)(
+        X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy, ldy, in, out, leaf_off[leaves] - leaf_off[0], dW, false);
   if (operands == Operands::kFp32 || !bf16_matmuls()) return weight_grad_contract(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   // bf16: the same fold over the operands rounded, rows leaf_off[0] .. copied.
   thread_local std::vector<int64_t> off;

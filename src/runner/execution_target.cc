@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "emu/backend.h"
+#include "ops/local.h"
 #include "runner/cuda_backend.h"
 
 namespace ls {
@@ -12,9 +13,11 @@ ops::ExecutionTarget execution_target(Backend backend, NumericsLevel level, Prec
   t.level = level;
   t.precision = precision;
   if (precision == Precision::kBf16) {
-    if (local)
-      throw UserError("numerics.precision=bf16 runs at numerics.level=portable only so far (the local level's bf16 "
-                      "GEMM, oneDNN's, is not built yet)");
+    // The local level's bf16 products are oneDNN's matmul (ops/local.h).
+    if (local && backend == Backend::kEngine && !ops::local::have_gemm_bf16())
+      throw UserError("numerics.level=local with numerics.precision=bf16 needs oneDNN's bf16 matmul, and this build "
+                      "has no oneDNN (install libdnnl-dev, scripts/install-deps.sh, and rebuild); run "
+                      "numerics.level=portable or numerics.precision=fp32");
     if (backend == Backend::kCudaEmulated || backend == Backend::kCuda)
       throw UserError("numerics.precision=bf16 runs on --backend engine and --backend reference only so far (the "
                       "CUDA kernels' bf16 fold is not built yet)");

@@ -586,6 +586,8 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   // however the run ends, other work in this process is portable, on the engine's ops. Throws for a combination
   // that does not exist.
   const ops::ExecutionTarget target = execution_target(opt.backend, level, precision_of(r.precision = s.precision));
+  if (level == NumericsLevel::kLocal && target.precision == Precision::kBf16)
+    r.local_gemm_bf16 = ops::local::gemm_bf16_library();
   const ops::ScopedExecutionTarget installed(target);
   r.device = target.device;
   TrainingRun run(s, opt, r);
