@@ -49,4 +49,10 @@ ops::ExecutionTarget execution_target(Backend backend, NumericsLevel level, Prec
   return t;
 }
 
+void name_local_libraries(const ops::ExecutionTarget& t, RunResult& r) {
+  if (t.level != NumericsLevel::kLocal) return;
+  r.local_gemm = ops::local::gemm_library();
+  if (t.precision == Precision::kBf16) r.local_gemm_bf16 = ops::local::gemm_bf16_library();
+}
+
 }  // namespace ls
