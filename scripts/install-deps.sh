@@ -21,6 +21,7 @@ PKGS=(meson ninja-build g++ pkg-config libeigen3-dev nlohmann-json3-dev libcli11
       libopenmpi-dev openmpi-bin    # the MPI communicator (src/cluster/mpi.cc); the build works without it
       libopenblas-openmp-dev        # numerics.level=local's GEMMs (src/ops/local.cc); Eigen without it
       libopenblas0-pthread          # the BLAS numpy (and PyTorch, for tools/bench) load: not the reference BLAS
+      libdnnl-dev                   # numerics.level=local's bf16 products, oneDNN's matmul (src/ops/local_bf16.cc)
       ceph-mon ceph-osd radosgw ceph-common)  # a one-node Ceph RADOS Gateway for the rgw suite (tests/rgw/)
 missing=()
 for p in "${PKGS[@]}"; do

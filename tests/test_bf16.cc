@@ -103,7 +103,7 @@ TEST_SUITE("bf16") {
     CHECK(b.at("loss_bits") == a.at("loss_bits"));
   }
 
-  TEST_CASE("refused by name: fold parts that are not whole blocks, the local level") {
+  TEST_CASE("refused by name: fold parts that are not whole blocks, the local level on the emulated kernels") {
     const auto sc = lstest::write_temp("bf16_refused.json", lstest::tiny_scenario());
     const std::string bf16 = "--set numerics.precision=bf16 --set model.d_model=64 --set model.d_ff=64 ";
     lstest::check_refused(sc.string(), {
@@ -112,7 +112,7 @@ TEST_SUITE("bf16") {
         {bf16 + "--set mesh.tp=2 --set mesh.etp=4 --set mesh.dp=2", "model.d_ff / mesh.etp = 64 / 4"},
         {bf16 + "--set model.shared_expert=true --set mesh.tp=2 --set mesh.etp=1 --set model.d_ff=32",
          "model.d_ff / mesh.tp (the shared expert) = 32 / 2"},
-        {bf16 + "--set numerics.level=local", "numerics.level=portable only so far"},
+        {bf16 + "--backend cuda-emulated --set numerics.level=local", "the emulated kernels are portable only"},
         {"--set numerics.precision=fp16", "must be fp32 or bf16"},
     });
   }

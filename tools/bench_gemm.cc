@@ -1,7 +1,8 @@
 // lockstep-bench-gemm: the contract GEMM against Eigen and against the
-// machine's measured fp32 FMA peak, side by side in one run. --bf16: the
-// contract's bf16 GEMM (the best path, then each path) against the fp32 one
-// at one thread.
+// machine's measured fp32 FMA peak, side by side in one run, and the
+// machine's bf16 matrix peak (AMX TDPBF16PS, else AVX512-BF16) for the MFU
+// of bf16 runs. --bf16: the contract's bf16 GEMM (the best path, then each
+// path) against the fp32 one at one thread.
 //
 //   lockstep-bench-gemm [--quick] [--bf16]
 #include <immintrin.h>
@@ -92,6 +93,72 @@ __attribute__((noinline)) float fma_loop_avx2(int64_t iters) {
 
 volatile float g_sink;
 
+// Peak bf16 rate of one thread on AMX: TDPBF16PS into 4 independent C tiles
+// (16 x 16 fp32 each, 16 x 32 bf16 A and B tiles: 16384 flops per op).
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  uint8_t reserved2[16] = {};
+};
+__attribute__((target("amx-tile,amx-bf16"), noinline)) void amx_loop(int64_t iters) {
+  static const AmxConfig config;
+  alignas(64) static uint16_t ones[16 * 32];
+  for (uint16_t& x : ones) x = 0x3f80;  // 1.0: the sums stay far from overflow (32 per op and element)
+  _tile_loadconfig(&config);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, ones, 64);
+  _tile_loadd(5, ones, 64);
+  _tile_loadd(6, ones, 64);
+  _tile_loadd(7, ones, 64);
+  for (int64_t it = 0; it < iters; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_release();
+}
+// Without AMX, AVX512-BF16: 12 independent VDPBF16PS chains (64 flops each).
+__attribute__((target("avx512f,avx512bf16"), noinline)) float dpbf16_loop(int64_t iters) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3380);
+  for (int64_t it = 0; it < iters; ++it)
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  __m512 s = acc[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+
+// The machine's bf16 matrix peak at `threads` threads, GFLOP/s, and the
+// instruction measured; 0 where the CPU has neither.
+double bf16_peak_gflops(int threads, double min_s, const char** what) {
+  const bool amx = ls::ops::gemm_bf16_path_supported(ls::ops::Bf16Path::kAmx);  // also asks the OS for the tiles
+  const bool dp = __builtin_cpu_supports("avx512bf16");
+  *what = amx ? "AMX TDPBF16PS" : dp ? "AVX512-BF16 VDPBF16PS" : "none";
+  if (!amx && !dp) return 0;
+  const int64_t iters = amx ? 1 << 16 : 1 << 22;
+  const double flops_per_thread = amx ? (double)iters * 4 * 16384 : (double)iters * 12 * 64;
+  const double g = best_gflops(flops_per_thread * threads, min_s, 3, [&] {
+#pragma omp parallel num_threads(threads)
+    {
+      if (amx) {
+        amx_loop(iters);
+      } else {
+        float r = dpbf16_loop(iters);
+        if (r == 12345.0f) g_sink = r;
+      }
+    }
+  });
+  if (amx) ls::ops::internal::amx_tiles_clobbered();  // the contract's amx path reloads its tiles
+  return g;
+}
+
 double peak_gflops(int threads, bool avx512, double min_s) {
   const int64_t iters = 1 << 22;
   const double flops_per_thread = static_cast<double>(iters) * 12 * (avx512 ? 16 : 8) * 2;
@@ -117,7 +184,9 @@ int bench_bf16(double min_s, int reps) {
   const double fma_peak = peak_gflops(1, avx512, min_s);
   printf("lockstep-bench-gemm --bf16  fp32 path=%s  bf16 path=%s  1 thread\n", ls::ops::gemm_path_name(),
          ls::ops::bf16_path_name(ls::ops::gemm_bf16_path()));
-  printf("peak: fp32 FMA %.1f GFLOP/s\n\n", fma_peak);
+  const char* what = "";
+  const double bf16_peak = bf16_peak_gflops(1, min_s, &what);
+  printf("peak: fp32 FMA %.1f GFLOP/s, bf16 %.1f GFLOP/s (%s)\n\n", fma_peak, bf16_peak, what);
   printf("%-16s  %10s  %10s  %7s  %8s\n", "shape MxKxN", "fp32", "bf16", "bf16/", "fp32");
   printf("%-16s  %10s  %10s  %7s  %8s\n", "", "GFLOP/s", "GFLOP/s", "fp32", "%fmapk");
   for (int64_t n : {256, 384, 512, 768, 1024}) {
@@ -181,6 +250,13 @@ int main(int argc, char** argv) {
   printf("fp32 FMA peak (%s loop): 1 thread %.1f GFLOP/s", avx512 ? "AVX-512" : "AVX2",
          peak[1]);
   if (max_threads >= 2) printf(", 2 threads %.1f GFLOP/s", peak[2]);
+  printf("\n");
+  // The bf16 matrix peak, for the MFU of bf16 runs (tools/bench).
+  const char* what = "";
+  double bf16_peak[3] = {0, 0, 0};
+  for (int t = 1; t <= max_threads; ++t) bf16_peak[t] = bf16_peak_gflops(t, min_s, &what);
+  printf("bf16 peak (%s): 1 thread %.1f GFLOP/s", what, bf16_peak[1]);
+  if (max_threads >= 2) printf(", 2 threads %.1f GFLOP/s", bf16_peak[2]);
   printf("\n\n");
 
   std::vector<Shape> shapes = {{256, 256, 256, true},     {512, 512, 512, true},

@@ -81,10 +81,11 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
               r.threads == 1 ? "" : "s");
   if (!r.device.empty()) std::printf("device          %s\n", r.device.c_str());
   if (!r.local_gemm.empty())
-    std::printf("numerics        local: %s; GEMMs by %s\n",
+    std::printf("numerics        local: %s; GEMMs by %s%s%s\n",
                 launcher == "mpi" ? "the ranks' sums in the MPI library's order; not bitwise across threads or meshes"
                                   : "the same bits run to run at this thread count and mesh only",
-                r.local_gemm.c_str());
+                r.local_gemm.c_str(), r.local_gemm_bf16.empty() ? "" : ", bf16 products by ",
+                r.local_gemm_bf16.c_str());
   std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
               s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
               s.batch);

@@ -63,6 +63,14 @@ void weight_grad_bf16_fold(const float* X, int64_t ldx, const float* dY, int64_t
 // leaf tree), a plain loop, for tests.
 void weight_grad_bf16_naive(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
                             const int64_t* leaf_off, int64_t leaves, float* dW);
+// The amx path's tile configuration is per-thread state that another
+// library's AMX kernels (oneDNN's, at numerics.level=local) reconfigure or
+// release: whoever calls such a library reports it here after each call
+// (it runs no AMX instruction itself), and the amx path loads its
+// configuration again before its next tile op on each thread.
+namespace internal {
+void amx_tiles_clobbered();
+}  // namespace internal
 
 // Instruction-set path of gemm_bf16, process-wide, for tests and benchmarks.
 // kAuto picks the best the CPU (and, for amx, the OS) supports (amx, else

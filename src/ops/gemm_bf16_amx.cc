@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <atomic>
+
 namespace ls {
 namespace ops {
 namespace internal {
@@ -28,14 +30,20 @@ struct alignas(64) TileConfig {
   uint8_t reserved2[16] = {};
 };
 
-// The tile configuration is per thread state: loaded once on each thread
-// that runs the kernel (nothing else in the process configures tiles).
+// Bumped by amx_tiles_clobbered (gemm_bf16.h): another library's AMX
+// kernels ran and may have reconfigured or released some thread's tiles.
+std::atomic<uint32_t> tile_generation{0};
+
+// The tile configuration is per thread state: loaded on each thread that
+// runs the kernel, and again after another library's AMX kernels ran
+// (oneDNN's at numerics.level=local release the tiles when they finish).
 inline void configure_tiles() {
-  static thread_local bool configured = false;
-  if (configured) return;
+  static thread_local uint32_t loaded = ~0u;
+  const uint32_t now = tile_generation.load(std::memory_order_acquire);
+  if (loaded == now) return;
   static const TileConfig config;
   _tile_loadconfig(&config);
-  configured = true;
+  loaded = now;
 }
 
 // A NaN stored as the fold's canonical one (hardware passes payloads on and
@@ -51,6 +59,8 @@ inline void canonicalize(float* c, int64_t ldc) {
 }
 
 }  // namespace
+
+void amx_tiles_clobbered() { tile_generation.fetch_add(1, std::memory_order_release); }
 
 // 32 x 32 tile of C as 2 x 2 C tiles, one TDPBF16PS per C tile per 32-k
 // block; C loaded as is when `load` (the hardware flushes a subnormal C).

@@ -81,6 +81,8 @@ void LeafFold::add(const float* X, int64_t ldx, const float* dY, int64_t ldy, co
   if (local_numerics()) {  // every row at once into one accumulator, whatever its leaf
     if (auto k = kernel(&OpHooks::gemm))  // the backend's local level: cuBLAS on the GPU
       k(in_, out_, rows, ConstMat{X, 1, ldx}, ConstMat{dY, ldy, 1}, tree_.slots, out_, open_has_rows_);
+    else if (bf16_matmuls())  // the experts' weights: bf16 operands, oneDNN's matmul
+      local::weight_grad_bf16(X, ldx, dY, ldy, in_, out_, rows, tree_.slots, open_has_rows_);
     else
       local::weight_grad(X, ldx, dY, ldy, in_, out_, rows, tree_.slots, open_has_rows_);
     open_has_rows_ = open_has_rows_ || rows > 0;

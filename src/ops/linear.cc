@@ -25,6 +25,7 @@ void matmul(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, i
   if (operands == Operands::kFp32 || !bf16_matmuls()) return gemm(M, N, K, A, B, C, ldc, accumulate, threads);
   const OpTimer op_timer(OpKind::kGemm);
   if (auto k = kernel(&OpHooks::gemm_bf16)) return k(M, N, K, A, B, C, ldc, accumulate);  // cuda, cuda-emulated
+  if (local_numerics()) return local::gemm_bf16(M, N, K, A, B, C, ldc, accumulate);  // oneDNN's bf16 matmul
   gemm_bf16_rounded(M, N, K, A, B, C, ldc, accumulate, threads);
 }
 
@@ -143,8 +144,8 @@ void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int 
   if (auto k = kernel(bf16 ? &OpHooks::weight_grad_bf16 : &OpHooks::weight_grad))  // cuda, cuda-emulated
     return k(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   if (local_numerics())
-    return local::weight_grad(X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy, ldy, in, out,
-                              leaf_off[leaves] - leaf_off[0], dW, false);
+    return (bf16 ? local::weight_grad_bf16 : local::weight_grad)(X + leaf_off[0] * ldx, ldx, dY + leaf_off[0] * ldy,
+                                                                 ldy, in, out, leaf_off[leaves] - leaf_off[0], dW, false);
   if (!bf16) return weight_grad_contract(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
   weight_grad_bf16(X, ldx, dY, ldy, in, out, leaf_off, leaves, dW);
 }

@@ -1,11 +1,12 @@
 // The ops of the `local` numerics level (common/numerics_level.h): the same
 // math as the contract ops, computed the way an ordinary fast trainer does.
-// OpenBLAS's (or Eigen's) GEMM, weight gradients over all tokens at once, the C library's
-// expf, reductions vectorised and split over threads in whatever order is
-// fastest for that thread count (fixed for it: never the order threads finish).
-// This translation unit alone is compiled with contraction allowed
-// (-ffp-contract=fast). The portable ops call these when the level is local;
-// nothing here obeys docs/NUMERICS.md.
+// OpenBLAS's (or Eigen's) GEMM, at bf16 oneDNN's, weight gradients over all
+// tokens at once, the C library's expf, reductions vectorised and split over
+// threads in whatever order is fastest for that thread count (fixed for it:
+// never the order threads finish). These translation units alone (local.cc,
+// local_bf16.cc) are compiled with contraction allowed (-ffp-contract=fast).
+// The portable ops call these when the level is local; nothing here obeys
+// docs/NUMERICS.md.
 #pragma once
 
 #include <stdint.h>
@@ -25,6 +26,21 @@ std::string gemm_library();
 // dW (+)= X^T dY over `rows` rows at once (no leaves). Reduces over the token index.
 void weight_grad(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out, int64_t rows,
                  float* dW, bool accumulate);
+
+// numerics.precision=bf16 (local_bf16.cc): C (+)= A·B with A and B rounded
+// to bf16 (ls::to_bf16) and oneDNN's bf16 matmul, fp32 accumulation and
+// output in the library's order. Only in a build with oneDNN
+// (have_gemm_bf16(); execution_target refuses local at bf16 without it).
+bool have_gemm_bf16();
+void gemm_bf16(int64_t M, int64_t N, int64_t K, ConstMat A, ConstMat B, float* C, int64_t ldc, bool accumulate);
+// weight_grad on gemm_bf16: X and dY rounded to bf16. Reduces over the token index.
+void weight_grad_bf16(const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out, int64_t rows,
+                      float* dW, bool accumulate);
+// What gemm_bf16 calls: "oneDNN 2.6.3 bf16 matmul (IMPL)" with the
+// implementation oneDNN chose for this CPU; "" in a build without oneDNN.
+std::string gemm_bf16_library();
+// gemm_bf16's calls (with K > 0) in this process so far: tests check oneDNN ran.
+int64_t gemm_bf16_calls();
 // y = exp(x), the C library's.
 void exp_n(const float* x, float* y, int64_t n);
 void sigmoid_n(const float* x, float* y, int64_t n);

@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "emu/backend.h"
+#include "ops/local.h"
 #include "runner/cuda_backend.h"
 
 namespace ls {
@@ -12,9 +13,14 @@ ops::ExecutionTarget execution_target(Backend backend, NumericsLevel level, Prec
   t.level = level;
   t.precision = precision;
   if (precision == Precision::kBf16) {
-    if (local)
-      throw UserError("numerics.precision=bf16 runs at numerics.level=portable only so far (the local level's bf16 "
-                      "GEMM, oneDNN's, is not built yet)");
+    // The local level's bf16 products are oneDNN's matmul (ops/local.h), on the engine only.
+    if (local && backend == Backend::kEngine && !ops::local::have_gemm_bf16())
+      throw UserError("numerics.level=local with numerics.precision=bf16 needs oneDNN's bf16 matmul, and this build "
+                      "has no oneDNN (install libdnnl-dev, scripts/install-deps.sh, and rebuild); run "
+                      "numerics.level=portable or numerics.precision=fp32");
+    if (local && backend == Backend::kCuda)
+      throw UserError("numerics.level=local with numerics.precision=bf16 runs on --backend engine only (the cuda "
+                      "backend's local level has cuBLAS fp32 GEMMs, no bf16 path)");
   }
   switch (backend) {
     case Backend::kReference:  // runs none of the engine's ops
@@ -41,6 +47,12 @@ ops::ExecutionTarget execution_target(Backend backend, NumericsLevel level, Prec
     }
   }
   return t;
+}
+
+void name_local_libraries(const ops::ExecutionTarget& t, RunResult& r) {
+  if (t.level != NumericsLevel::kLocal) return;
+  r.local_gemm = ops::local::gemm_library();
+  if (t.precision == Precision::kBf16) r.local_gemm_bf16 = ops::local::gemm_bf16_library();
 }
 
 }  // namespace ls

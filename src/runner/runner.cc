@@ -104,6 +104,7 @@ nlohmann::json result_json(const RunResult& r) {
   j["level"] = r.level;
   j["precision"] = r.precision;
   if (!r.local_gemm.empty()) j["local_gemm"] = r.local_gemm;
+  if (!r.local_gemm_bf16.empty()) j["local_gemm_bf16"] = r.local_gemm_bf16;
   // A planted fault changes the bits by design: a reader of the summary must see it.
   if (!r.debug_mesh_fault.empty()) j["debug_mesh_fault"] = r.debug_mesh_fault;
   j["threads"] = r.threads;

@@ -104,6 +104,7 @@ struct RunResult {
   std::string level = "portable";        // numerics.level of the run
   std::string precision = "fp32";        // numerics.precision of the run
   std::string local_gemm;                // level local: the library its GEMMs call (ops/local.h)
+  std::string local_gemm_bf16;           // level local at bf16: the library its bf16 products call
   std::string debug_mesh_fault;          // --debug-mesh-fault KIND planted in the run ("" for none)
   int threads = 1;
   int steps = 0;

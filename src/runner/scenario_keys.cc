@@ -293,8 +293,8 @@ std::vector<Row> numerics_rows() {
             {at_least(1)}),
       field("numerics.level", [](S& s) -> std::string& { return s.level; },
             "portable: the numerics contract, the same bits on every mesh, thread count and backend; local: an "
-            "ordinary fast trainer's numerics (OpenBLAS sgemm, or Eigen in a build without OpenBLAS; the C "
-            "library's exp; reductions in fixed orders that are not the contract's, e.g. the ranks' partials added "
+            "ordinary fast trainer's numerics (OpenBLAS sgemm, or Eigen in a build without OpenBLAS; at "
+            "numerics.precision=bf16 oneDNN's bf16 matmul; the C library's exp; reductions in fixed orders that are not the contract's, e.g. the ranks' partials added "
             "left to right): the same bits run to run at a fixed thread count and mesh, in one process or under "
             "--launcher mpi; another thread count or mesh may change them (docs/NUMERICS.md section 8).",
             {one_of({"portable", "local"})}),

@@ -20,7 +20,6 @@
 #include "contract.h"
 #include "data/corpus.h"
 #include "faults/injector.h"
-#include "ops/local.h"
 #include "runner/cluster_trainer.h"
 #include "runner/execution_target.h"
 #include "runner/lifeline.h"
@@ -581,11 +580,11 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.level = s.level;
   // The scenario's string (the loader accepts portable or local), compared once.
   const NumericsLevel level = s.level == "local" ? NumericsLevel::kLocal : NumericsLevel::kPortable;
-  if (level == NumericsLevel::kLocal) r.local_gemm = ops::local::gemm_library();
   // Backend and level, process-wide for the run (the ranks of an in-process mesh are threads of this run);
   // however the run ends, other work in this process is portable, on the engine's ops. Throws for a combination
   // that does not exist.
   const ops::ExecutionTarget target = execution_target(opt.backend, level, precision_of(r.precision = s.precision));
+  name_local_libraries(target, r);
   const ops::ScopedExecutionTarget installed(target);
   r.device = target.device;
   TrainingRun run(s, opt, r);
