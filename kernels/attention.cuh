@@ -36,9 +36,11 @@ __host__ __device__ inline int64_t attention_probs_floats_range(int Q, int U) {
 
 // Local query row i of one head: its scores, probabilities and output. q,
 // o: the range's rows; k, v: every key's.
+// bf16_probs (numerics.precision=bf16): P rounded to bf16 (ls::to_bf16)
+// before P V, which reads it so, as the backward does.
 __device__ inline void attention_forward_row(int i, int t_off, const float* q, int64_t ldq, const float* k,
                                              const float* v, int64_t ldkv, int U, int hd, float scale, float* P,
-                                             float* o, int64_t ldo) {
+                                             float* o, int64_t ldo, bool bf16_probs) {
   const int t = t_off + i;
   const float* qt = q + (int64_t)i * ldq;
   float m = 0.0f;
@@ -56,7 +58,10 @@ __device__ inline void attention_forward_row(int i, int t_off, const float* q, i
     P[attn_index(U, i, u)] = e;
     sum = sum + e;
   }
-  for (int u = 0; u <= t; ++u) P[attn_index(U, i, u)] = P[attn_index(U, i, u)] / sum;
+  for (int u = 0; u <= t; ++u) {
+    const float p = P[attn_index(U, i, u)] / sum;
+    P[attn_index(U, i, u)] = bf16_probs ? ls::from_bf16(ls::to_bf16(p)) : p;
+  }
   for (int u = t + 1; u < U && u < t_off + (i / kAttnBlock + 1) * kAttnBlock; ++u) P[attn_index(U, i, u)] = 0.0f;
   for (int j = 0; j < hd; ++j) {
     float acc = 0.0f;
@@ -66,9 +71,9 @@ __device__ inline void attention_forward_row(int i, int t_off, const float* q, i
 }
 
 __global__ void attention_forward_rows(const float* q, const float* k, const float* v, int64_t ld, int S, int hd,
-                                       float scale, float* P, float* o, int64_t ldo) {
+                                       float scale, float* P, float* o, int64_t ldo, bool bf16_probs) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t < S) attention_forward_row(t, 0, q, ld, k, v, ld, S, hd, scale, P, o, ldo);
+  if (t < S) attention_forward_row(t, 0, q, ld, k, v, ld, S, hd, scale, P, o, ldo, bf16_probs);
 }
 
 // dS (blocked, the caller's buffer of the range's P size) and dq of local query row i.
@@ -140,13 +145,15 @@ __device__ inline AttnHead attn_head(int bh, int H, int S, int hd) {
   return AttnHead{b * S * 3 * D + h * hd, b * S * D + h * hd, bh * attention_probs_floats(S)};
 }
 
-__global__ void attention_forward_heads(const float* qkv, int H, int S, int hd, float scale, float* P, float* o) {
+__global__ void attention_forward_heads(const float* qkv, int H, int S, int hd, float scale, float* P, float* o,
+                                        bool bf16_probs) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= S) return;
   const int D = H * hd;
   const AttnHead a = attn_head(blockIdx.y, H, S, hd);
   const float* base = qkv + a.in;
-  attention_forward_row(t, 0, base, 3 * D, base + D, base + 2 * D, 3 * D, S, hd, scale, P + a.probs, o + a.out, D);
+  attention_forward_row(t, 0, base, 3 * D, base + D, base + 2 * D, 3 * D, S, hd, scale, P + a.probs, o + a.out, D,
+                        bf16_probs);
 }
 
 __global__ void attention_backward_heads_rows(const float* qkv, int H, int S, int hd, float scale, const float* P,
@@ -173,14 +180,16 @@ __global__ void attention_backward_heads_cols(const float* qkv, int H, int S, in
 // [first, first + count) of every (sample, head), blockIdx.y = b * H + h;
 // head bh keeps the range's P at P + bh * probs_stride + p_off.
 __global__ void attention_forward_range_heads(const float* qkv, int H, int S, int hd, float scale, int first,
-                                              int count, float* P, int64_t probs_stride, int64_t p_off, float* o) {
+                                              int count, float* P, int64_t probs_stride, int64_t p_off, float* o,
+                                              bool bf16_probs) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= count) return;
   const int D = H * hd;
   const AttnHead a = attn_head(blockIdx.y, H, S, hd);
   const float* base = qkv + a.in;
   attention_forward_row(i, first, base + (int64_t)first * 3 * D, 3 * D, base + D, base + 2 * D, 3 * D, first + count,
-                        hd, scale, P + blockIdx.y * probs_stride + p_off, o + a.out + (int64_t)first * D, D);
+                        hd, scale, P + blockIdx.y * probs_stride + p_off, o + a.out + (int64_t)first * D, D,
+                        bf16_probs);
 }
 
 // One range of sample b, blockIdx.y = h: the rows (dS, dq), then the columns

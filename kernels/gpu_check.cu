@@ -256,7 +256,7 @@ void check_attention() {
     Dev<float> dqkv(qkv), ddO(dO), dP(pf), ddS(pf), dov((size_t)(S * hd)), ddq((size_t)(S * hd)),
         ddk((size_t)(S * hd)), ddv((size_t)(S * hd));
     ls::kernels::attention_forward_rows<<<blocks_for(S, 32), 32>>>(dqkv.p, dqkv.p + hd, dqkv.p + 2 * hd, ld, S, hd,
-                                                                    scale, dP.p, dov.p, hd);
+                                                                    scale, dP.p, dov.p, hd, false);
     ls::kernels::attention_backward_rows<<<blocks_for(S, 32), 32>>>(dqkv.p + hd, dqkv.p + 2 * hd, ld, S, hd, scale,
                                                                      dP.p, ddO.p, hd, ddS.p, ddq.p, hd);
     ls::kernels::attention_backward_cols<<<blocks_for(S, 32), 32>>>(dqkv.p, ld, S, hd, dP.p, ddS.p, ddO.p, hd, ddk.p,
@@ -285,17 +285,17 @@ void check_attention_ranges() {
   Dev<float> dS(ds_floats);
   int64_t p_off = 0;
   for (int f : firsts) {
-    ls::ops::attention_forward_range_heads(qkv.data(), B, H, S, hd, scale, f, count, P.data(), per_head, p_off,
+    ls::ops::attention_forward_range_heads(qkv.data(), B, H, S, hd, scale, f, count, {P.data()}, per_head, p_off,
                                            o.data());
     ls::kernels::attention_forward_range_heads<<<dim3(blocks_for(count, 32), B * H), 32>>>(
-        dq.p, H, S, hd, scale, f, count, dP.p, per_head, p_off, dov.p);
+        dq.p, H, S, hd, scale, f, count, dP.p, per_head, p_off, dov.p, false);
     p_off += ls::ops::attention_range_probs_floats(count, f);
   }
   p_off = 0;
   for (int k = 0; k < 4; ++k) {
     const int f = firsts[k];
     for (int b = 0; b < B; ++b) {
-      ls::ops::attention_backward_range_heads(qkv.data(), b, H, S, hd, scale, f, count, P.data(), per_head, p_off,
+      ls::ops::attention_backward_range_heads(qkv.data(), b, H, S, hd, scale, f, count, {P.data()}, per_head, p_off,
                                               dO.data(), dqkv.data(), k > 0);
       ls::kernels::attention_backward_range_rows<<<dim3(blocks_for(count, 32), H), 32>>>(
           dq.p, b, H, S, hd, scale, f, count, dP.p, per_head, p_off, ddO.p, dS.p, dd.p);

@@ -158,7 +158,7 @@ void attention_forward(Model<T>& m, Step<T>& st, int l, Losses<T>&) {
     for (int head = 0; head < H; ++head) {
       const T* base = &acts.qkv[(int64_t)b * S * 3 * D + head * hd];
       attention_head(base, base + D, base + 2 * D, 3 * D, S, hd, scale, &acts.att[((int64_t)b * H + head) * S * S],
-                     &acts.o[(int64_t)b * S * D + head * hd], D);
+                     &acts.o[(int64_t)b * S * D + head * hd], D, c.bf16);
     }
   trace(m, st, "fwd", l, "attention", "out", acts.o, {N, D});
   acts.xm.resize(N * D);

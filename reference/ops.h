@@ -239,10 +239,11 @@ void expert_backward(bool bf16, const T* u, const T* v, const T* W1, const T* W3
 
 // Causal attention of one (sample, head) over S positions; q, k, v rows have
 // stride ld; P (S x S, row t holds u <= t) and o (stride ldo) are written.
+// bf16: P rounded to bf16 after the softmax; P V and the backward read it so.
 // Scores reduce over the head feature j; outputs over the key position u.
 template <class T>
 void attention_head(const T* q, const T* k, const T* v, int64_t ld, int S, int hd, T scale, T* P, T* o,
-                    int64_t ldo) {
+                    int64_t ldo, bool bf16 = false) {
   std::vector<T> s(S);
   for (int t = 0; t < S; ++t) {
     for (int u = 0; u <= t; ++u) {
@@ -251,6 +252,7 @@ void attention_head(const T* q, const T* k, const T* v, int64_t ld, int S, int h
       s[u] = acc * scale;
     }
     softmax(s.data(), &P[(int64_t)t * S], t + 1);  // over key position u
+    for (int u = 0; u <= t; ++u) P[(int64_t)t * S + u] = operand(bf16, P[(int64_t)t * S + u]);
     for (int j = 0; j < hd; ++j) {
       T acc = 0;  // reduces over the key position u
       for (int u = 0; u <= t; ++u) acc = FMA(P[(int64_t)t * S + u], v[u * ld + j], acc);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "bits.h"
+#include "common/precision.h"
 #include "contract.h"
 #include "data/corpus.h"
 #include "ops.h"  // reference/ops.h
@@ -353,21 +354,100 @@ TEST_SUITE("engine") {
             const int first = cuts[c], count = cuts[c + 1] - cuts[c], end = cuts[c + 1];
             const int64_t per = ls::ops::attention_range_probs_floats(count, first);
             std::vector<float> P((size_t)(H * per)), dS((size_t)per);
-            ls::ops::attention_forward_range_heads(qkv.data(), 1, H, S, hd, scale, first, count, P.data(), per, 0,
+            ls::ops::attention_forward_range_heads(qkv.data(), 1, H, S, hd, scale, first, count, {P.data()}, per, 0,
                                                    o.data());
-            ls::ops::attention_backward_range_heads(qkv.data(), 0, H, S, hd, scale, first, count, P.data(), per, 0,
+            ls::ops::attention_backward_range_heads(qkv.data(), 0, H, S, hd, scale, first, count, {P.data()}, per, 0,
                                                     dO.data(), whole.data(), c > 0);
             for (int h = 0; h < H; ++h) {
               ls::ops::attention_backward_range_dq_heads(qkv.data(), 0, H, h, h + 1, S, hd, scale, first, count,
-                                                         P.data(), per, 0, dO.data(), dS.data(), split.data());
+                                                         {P.data()}, per, 0, dO.data(), dS.data(), split.data());
               for (int u0 = 0; u0 < end; u0 += 16)
-                ls::ops::attention_backward_range_dkv_heads(qkv.data(), 0, H, h, h + 1, S, hd, first, count, P.data(),
+                ls::ops::attention_backward_range_dkv_heads(qkv.data(), 0, H, h, h + 1, S, hd, first, count, {P.data()},
                                                             per, 0, dS.data(), dO.data(), split.data(), u0,
                                                             std::min(end, u0 + 16));
             }
           }
           for (size_t i = 0; i < whole.size(); ++i) REQUIRE(ls::bits(split[i]) == ls::bits(whole[i]));
         }
+      }
+    });
+  }
+
+  TEST_CASE("at bf16 P is rounded to bf16, and keeping it as bf16 a chunk at a time gives the fp32 store's bits") {
+    // numerics.precision=bf16 rounds P before P V (ops/attention.h, ProbsStore). The CPU engine keeps it in
+    // 16 bits, running kProbsChunk queries at a time: the whole batch's and a context-parallel chain's
+    // outputs and gradients must be the fp32 store's bits, and the stored values its entries.
+    struct Restore {
+      ~Restore() { ls::precision_slot().store(static_cast<int>(ls::Precision::kFp32)); }
+    } restore;
+    on_every_gemm_path([&](const std::string&) {
+      for (int S : {37, 300}) {  // 300: three chunks, the last with a part block
+        CAPTURE(S);
+        const int B = 2, H = 2, hd = 16, D = H * hd;
+        const float scale = 1.0f / ls::sqrt((float)hd);
+        const auto qkv = random_vec((size_t)B * S * 3 * D, 7100 + S, 2.0f), dO = random_vec((size_t)B * S * D, 7200 + S);
+        const int64_t per = ls::ops::attention_probs_floats(S), n = B * H * per;
+        std::vector<float> o32((size_t)B * S * D), o16(o32.size()), d32((size_t)B * S * 3 * D), d16(d32.size());
+        // At fp32 P holds values bf16 cannot: the rounding below is a real one.
+        std::vector<float> Pfp32((size_t)n);
+        ls::ops::attention_forward_heads(qkv.data(), B, H, S, hd, scale, {Pfp32.data()}, o32.data());
+        int64_t unrounded = 0;
+        for (float p : Pfp32) unrounded += ls::from_bf16(ls::to_bf16(p)) != p;
+        CHECK(unrounded > 0);
+        ls::precision_slot().store(static_cast<int>(ls::Precision::kBf16));
+        std::vector<float> P32((size_t)n);
+        std::vector<uint16_t> P16((size_t)n, 0);
+        ls::ops::attention_forward_heads(qkv.data(), B, H, S, hd, scale, {P32.data()}, o32.data());
+        ls::ops::attention_forward_heads(qkv.data(), B, H, S, hd, scale, {nullptr, P16.data()}, o16.data());
+        for (int bh = 0; bh < B * H; ++bh)
+          for (int t = 0; t < S; ++t)
+            for (int u = 0; u <= t; ++u) {
+              const float p = ls::ops::attention_prob(P32.data() + bh * per, S, t, u);
+              REQUIRE(ls::bits(p) == ls::bits(ls::from_bf16(ls::to_bf16(p))));
+            }
+        std::vector<float> P16f((size_t)n);
+        for (int64_t i = 0; i < n; ++i) P16f[(size_t)i] = ls::from_bf16(P16[(size_t)i]);
+        for (int bh = 0; bh < B * H; ++bh)
+          for (int t = 0; t < S; ++t)
+            for (int u = 0; u <= t; ++u)
+              REQUIRE(ls::bits(ls::ops::attention_prob(P16f.data() + bh * per, S, t, u)) ==
+                      ls::bits(ls::ops::attention_prob(P32.data() + bh * per, S, t, u)));
+        for (size_t i = 0; i < o32.size(); ++i) REQUIRE(ls::bits(o16[i]) == ls::bits(o32[i]));
+        ls::ops::attention_backward_heads(qkv.data(), B, H, S, hd, scale, {P32.data()}, dO.data(), d32.data());
+        std::fill(d16.begin(), d16.end(), 1.0f);  // what a reused buffer holds: the bf16 store zeroes dk, dv itself
+        ls::ops::attention_backward_heads(qkv.data(), B, H, S, hd, scale, {nullptr, P16.data()}, dO.data(), d16.data());
+        for (size_t i = 0; i < d32.size(); ++i) REQUIRE(ls::bits(d16[i]) == ls::bits(d32[i]));
+        // A context-parallel chain over query ranges of sample 0: the whole-range backward, and dq then dk, dv
+        // a block of 16 keys at a time, each from a bf16 store, against the fp32 store.
+        const std::vector<int> cuts = {0, S / 3, S};
+        std::vector<float> whole((size_t)S * 3 * D, 0.0f), split(whole.size(), 0.0f), ref(whole.size(), 0.0f);
+        for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+          const int first = cuts[c], count = cuts[c + 1] - cuts[c], end = cuts[c + 1];
+          const int64_t rp = ls::ops::attention_range_probs_floats(count, first);
+          std::vector<float> R32((size_t)(H * rp)), dS((size_t)rp), o((size_t)S * D);
+          std::vector<uint16_t> R16((size_t)(H * rp), 0);
+          ls::ops::attention_forward_range_heads(qkv.data(), 1, H, S, hd, scale, first, count, {R32.data()}, rp, 0,
+                                                 o.data());
+          ls::ops::attention_forward_range_heads(qkv.data(), 1, H, S, hd, scale, first, count, {nullptr, R16.data()},
+                                                 rp, 0, o.data());
+          ls::ops::attention_backward_range_heads(qkv.data(), 0, H, S, hd, scale, first, count, {R32.data()}, rp, 0,
+                                                  dO.data(), ref.data(), c > 0);
+          ls::ops::attention_backward_range_heads(qkv.data(), 0, H, S, hd, scale, first, count, {nullptr, R16.data()},
+                                                  rp, 0, dO.data(), whole.data(), c > 0);
+          for (int h = 0; h < H; ++h) {
+            ls::ops::attention_backward_range_dq_heads(qkv.data(), 0, H, h, h + 1, S, hd, scale, first, count,
+                                                       {nullptr, R16.data()}, rp, 0, dO.data(), dS.data(), split.data());
+            for (int u0 = 0; u0 < end; u0 += 16)
+              ls::ops::attention_backward_range_dkv_heads(qkv.data(), 0, H, h, h + 1, S, hd, first, count,
+                                                          {nullptr, R16.data()}, rp, 0, dS.data(), dO.data(),
+                                                          split.data(), u0, std::min(end, u0 + 16));
+          }
+        }
+        for (size_t i = 0; i < ref.size(); ++i) {
+          REQUIRE(ls::bits(whole[i]) == ls::bits(ref[i]));
+          REQUIRE(ls::bits(split[i]) == ls::bits(ref[i]));
+        }
+        ls::precision_slot().store(static_cast<int>(ls::Precision::kFp32));
       }
     });
   }

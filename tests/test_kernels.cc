@@ -663,7 +663,7 @@ TEST_SUITE("kernels") {
           CAPTURE(block);
           const dim3 grid((unsigned)((S + block - 1) / block));
           ls::emu::run_grid(grid, dim3(block), [&] {
-            ls::kernels::attention_forward_rows(q, k, v, ld, S, hd, scale, kP.data(), ko.data(), ldo);
+            ls::kernels::attention_forward_rows(q, k, v, ld, S, hd, scale, kP.data(), ko.data(), ldo, false);
           });
           ls::emu::run_grid(grid, dim3(block), [&] {
             ls::kernels::attention_backward_rows(k, v, ld, S, hd, scale, kP.data(), dO.data(), ldo, kdS.data(),
@@ -696,11 +696,11 @@ TEST_SUITE("kernels") {
       const size_t pf = (size_t)(B * H) * (size_t)ls::ops::attention_probs_floats(S);
       std::vector<float> P(pf, 0.0f), o(B * S * D), dqkv(B * S * 3 * D), kP(pf, 0.0f), ko(B * S * D), kdS(pf),
           kdqkv(B * S * 3 * D);
-      ls::ops::attention_forward_heads(qkv.data(), B, H, S, hd, scale, P.data(), o.data());
-      ls::ops::attention_backward_heads(qkv.data(), B, H, S, hd, scale, P.data(), dO.data(), dqkv.data());
+      ls::ops::attention_forward_heads(qkv.data(), B, H, S, hd, scale, {P.data()}, o.data());
+      ls::ops::attention_backward_heads(qkv.data(), B, H, S, hd, scale, {P.data()}, dO.data(), dqkv.data());
       const dim3 grid((unsigned)((S + 7) / 8), (unsigned)(B * H));
       ls::emu::run_grid(grid, dim3(8), [&] {
-        ls::kernels::attention_forward_heads(qkv.data(), H, S, hd, scale, kP.data(), ko.data());
+        ls::kernels::attention_forward_heads(qkv.data(), H, S, hd, scale, kP.data(), ko.data(), false);
       }, 1, false);
       ls::emu::run_grid(grid, dim3(8), [&] {
         ls::kernels::attention_backward_heads_rows(qkv.data(), H, S, hd, scale, kP.data(), dO.data(), kdS.data(),
@@ -817,7 +817,7 @@ TEST_SUITE("kernels") {
     std::vector<float> P((size_t)ls::kernels::attention_probs_floats(S)), o(S * hd), Pref(S * S), oref(S * hd);
     ls::emu::run_grid(grid(S, 4), dim3(4), [&] {
       ls::kernels::attention_forward_rows(qkv.data(), qkv.data() + hd, qkv.data() + 2 * hd, 3 * hd, S, hd, scale,
-                                          P.data(), o.data(), hd);
+                                          P.data(), o.data(), hd, false);
     }, 1, false);
     ref::attention_head(qkv.data(), qkv.data() + hd, qkv.data() + 2 * hd, (int64_t)3 * hd, S, hd, scale, Pref.data(),
                         oref.data(), (int64_t)hd);

@@ -135,6 +135,24 @@ void cp_project_qkv(StepContext& ctx, const float* attn_in, const float* wqkv, L
 
 }  // namespace
 
+bool probs_as_bf16() { return bf16_matmuls() && !ops::installed_kernels(); }
+
+ops::ProbsStore probs_store(LayerActs& acts, int64_t entries) {
+  if (probs_as_bf16()) {
+    acts.attn_probs_bf16.resize((size_t)entries);
+    return {nullptr, acts.attn_probs_bf16.data()};
+  }
+  acts.attn_probs.resize((size_t)entries);
+  return {acts.attn_probs.data(), nullptr};
+}
+
+ops::ProbsStore probs_kept(const LayerActs& acts) {
+  // The backward only reads P; the store's pointers are the forward's.
+  LayerActs& a = const_cast<LayerActs&>(acts);
+  if (probs_as_bf16()) return {nullptr, a.attn_probs_bf16.data()};
+  return {a.attn_probs.data(), nullptr};
+}
+
 void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, const float* wqkv, LayerActs& acts) {
   const ModelConfig& c = ctx.cfg;
   const int D = c.d_model, S = c.seq_len, Dh = ctx.width_held(), Hh = ctx.heads_held(), hd = D / c.n_heads;
@@ -143,8 +161,9 @@ void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, c
   if (ctx.cp() > 1) {  // this rank's positions' queries against every token's K and V
     cp_project_qkv(ctx, attn_in, wqkv, acts);
     ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D}, {TraceRows::kHeld, 3});
-    acts.attn_probs.resize((size_t)ctx.batch * Hh * cp_probs_floats(S, ctx.cp(), ctx.cp_rank(), ctx.cp_zigzag()));
-    cp_attention_forward(ctx, acts.qkv.data(), Hh, hd, scale, acts.attn_probs.data(), acts.attn_out.data());
+    const ops::ProbsStore P =
+        probs_store(acts, (int64_t)ctx.batch * Hh * cp_probs_floats(S, ctx.cp(), ctx.cp_rank(), ctx.cp_zigzag()));
+    cp_attention_forward(ctx, acts.qkv.data(), Hh, hd, scale, P, acts.attn_out.data());
     ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D}, {TraceRows::kHeld, 1});
     return;
   }
@@ -152,8 +171,8 @@ void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, c
     ops::linear(x, count, D, wqkv, 3 * Dh, acts.qkv.data() + row * 3 * Dh);
   });
   ctx.trace_tensor("fwd", layer, "qkv", "out", acts.qkv.data(), {N, 3 * D}, {TraceRows::kTokens, 3});
-  acts.attn_probs.resize((size_t)ctx.batch * Hh * ops::attention_probs_floats(S));
-  ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, hd, scale, acts.attn_probs.data(),
+  ops::attention_forward_heads(acts.qkv.data(), ctx.batch, Hh, S, hd, scale,
+                               probs_store(acts, (int64_t)ctx.batch * Hh * ops::attention_probs_floats(S)),
                                acts.attn_out.data());
   ctx.trace_tensor("fwd", layer, "attention", "out", acts.attn_out.data(), {N, D}, {TraceRows::kTokens, 1});
 }
@@ -162,10 +181,10 @@ void attention_backward_held(StepContext& ctx, const LayerActs& acts, const floa
   const ModelConfig& c = ctx.cfg;
   const int hd = c.d_model / c.n_heads, Hh = ctx.heads_held();
   if (ctx.cp() > 1)
-    return cp_attention_backward(ctx, acts.qkv.data(), Hh, hd, attention_scale(c), acts.attn_probs.data(), dattn_out,
+    return cp_attention_backward(ctx, acts.qkv.data(), Hh, hd, attention_scale(c), probs_kept(acts), dattn_out,
                                  dqkv);
-  ops::attention_backward_heads(acts.qkv.data(), ctx.batch, Hh, c.seq_len, hd, attention_scale(c),
-                                acts.attn_probs.data(), dattn_out, dqkv);
+  ops::attention_backward_heads(acts.qkv.data(), ctx.batch, Hh, c.seq_len, hd, attention_scale(c), probs_kept(acts),
+                                dattn_out, dqkv);
 }
 
 void token_weight_grad(StepContext& ctx, const float* X, int64_t ldx, const float* dY, int64_t ldy, int in, int out,
@@ -280,7 +299,7 @@ int64_t cp_probs_floats(int S, int cp, int rank, bool zigzag) {
   return probs_offset(ranges, ranges.size());
 }
 
-void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, float* P,
+void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
                           float* attn_out) {
   const int S = ctx.cfg.seq_len;
   const bool zz = ctx.cp_zigzag();
@@ -326,7 +345,7 @@ void for_each_my_link(const StepContext& ctx, Fn&& fn) {
 // The chain of a sample's dK, dV folds, a whole link at a time: receive the
 // keys [0, first) from the previous link's rank, run the range's backward,
 // send the keys [0, end) on. Kernel backends (one launch per link).
-void chain_whole_links(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
+void chain_whole_links(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
                        const float* dattn_out, float* dqkv) {
   const int S = ctx.cfg.seq_len, Dh = heads * hd;
   const int64_t ld = 3 * (int64_t)Dh;
@@ -372,7 +391,7 @@ void chain_whole_links(StepContext& ctx, const float* qkv, int heads, int hd, fl
 // on block i while this one works on block i + 1, inside one sample too.
 // Each key's fold runs over the queries in ascending order as in the
 // whole-link chain: the same bits.
-void chain_key_blocks(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
+void chain_key_blocks(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
                       const float* dattn_out, float* dqkv) {
   const int S = ctx.cfg.seq_len, Dh = heads * hd, kb = cp_chain_key_block(S, ctx.cp());
   const int group = std::max(1, std::min(heads, omp_get_max_threads()));
@@ -426,7 +445,7 @@ void chain_key_blocks(StepContext& ctx, const float* qkv, int heads, int hd, flo
 // queries from +0 (its ranges in ascending order), and the group's partials
 // are summed by an all-reduce in the library's order, so every rank holds
 // every key's dK, dV. Its bits move with mesh.cp.
-void local_partials_summed(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
+void local_partials_summed(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
                            const float* dattn_out, float* dqkv) {
   const int S = ctx.cfg.seq_len, Dh = heads * hd;
   const int64_t ld = 3 * (int64_t)Dh, rows = (int64_t)ctx.batch * S;
@@ -453,7 +472,7 @@ void local_partials_summed(StepContext& ctx, const float* qkv, int heads, int hd
 
 }  // namespace
 
-void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
+void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
                            const float* dattn_out, float* dqkv) {
   const int S = ctx.cfg.seq_len, Dh = heads * hd;
   const int64_t ld = 3 * (int64_t)Dh;

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "model/step_context.h"
+#include "ops/attention.h"
 #include "model/rows.h"
 #include "model/tensor_parallel.h"
 
@@ -49,6 +50,13 @@ namespace ls {
 void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, const float* wqkv, LayerActs& acts);
 // dattn_out [N, Dh] of this rank's rows -> dqkv [N, 3*Dh] (cp_attention_backward at cp > 1).
 void attention_backward_held(StepContext& ctx, const LayerActs& acts, const float* dattn_out, float* dqkv);
+// Where a layer keeps P: as bf16 when numerics.precision=bf16 rounds it so and
+// the CPU engine runs (half the bytes, the same values; ops::ProbsStore), else
+// fp32. probs_store sizes it for `entries` and the forward writes it;
+// probs_kept is the same store for the backward.
+bool probs_as_bf16();
+ops::ProbsStore probs_store(LayerActs& acts, int64_t entries);
+ops::ProbsStore probs_kept(const LayerActs& acts);
 
 // The experts' plan this rank computes: its EP rank's, or at cp > 1 its
 // block of those experts (cp_own_experts, kept in `scratch`). Points the
@@ -173,7 +181,7 @@ void gather_expert_grads(StepContext& ctx, const LayerActs& acts, float* grad, i
 
 // qkv [N, 3*Dh]: this rank's rows' q, every token's k and v. Forward: P gets
 // this rank's ranges of every (sample, head), attn_out [N, Dh] their rows.
-void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, float* P,
+void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
                           float* attn_out);
 
 // Backward: dattn_out [N, Dh] of this rank's rows -> dqkv [N, 3*Dh]: dq
@@ -181,7 +189,7 @@ void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd,
 // along cp_chain, the last link's rank handing each rank its own rows and
 // every row's columns of its wqkv gradient share (cp_share of 3*Dh).
 // Those, and dq, are what a rank reads; its other dk, dv entries are stale.
-void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, const float* P,
+void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
                            const float* dattn_out, float* dqkv);
 
 }  // namespace ls

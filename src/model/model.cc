@@ -176,14 +176,14 @@ const ParamInfo& MoeTransformer::param(const std::string& name) const {
 // Keep in step with LayerActs, StepWorkspace (model/step_context.h) and the
 // resize calls of the blocks and experts.cc; the memory test (tests/test_memory.cc) holds the sum to the
 // measured peak RSS.
-WorkspaceEstimate estimate_workspace(const ModelConfig& c, int batch, int ep_size) {
+WorkspaceEstimate estimate_workspace(const ModelConfig& c, int batch, int ep_size, int probs_bytes) {
   const int64_t B = batch, S = c.seq_len, D = c.d_model, F = c.d_ff, E = c.experts, V = c.vocab, H = c.n_heads;
   const int64_t N = B * S, NK = N * c.top_k, L = c.n_layers;
   const int64_t f = sizeof(float), i64 = sizeof(int64_t);
   WorkspaceEstimate w;
   // Per layer: x, xm, a, o, a2 and qkv; attention probabilities; r1, r2, lse;
   // router logits and gates; routing indices; the shared expert.
-  int64_t layer = (8 * N * D + B * H * ops::attention_probs_floats((int)S) + 3 * N + 2 * N * E) * f +
+  int64_t layer = (8 * N * D + 3 * N + 2 * N * E) * f + B * H * ops::attention_probs_floats((int)S) * probs_bytes +
                   NK * (sizeof(int) + 2 * i64) + (2 * E + 1) * i64;
   if (c.shared_expert) layer += (4 * N * F + N * D) * f;
   // Whole-model scratch: h, af, dh, dtmp, da2, dO; dqkv; logits, prob, dlogits;

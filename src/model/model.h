@@ -110,7 +110,9 @@ struct WorkspaceEstimate {
   int64_t expert_buffers = 0;    // rows kept per routed row, and the capacity-sized expert slots
   int64_t dispatch_buffers = 0;  // expert parallel: one round's send and receive buffers
 };
-WorkspaceEstimate estimate_workspace(const ModelConfig& cfg, int batch, int ep_size);
+// probs_bytes: the bytes of each entry of attention's P as kept, 4 or (the
+// CPU engine at numerics.precision=bf16, model/context_parallel.h) 2.
+WorkspaceEstimate estimate_workspace(const ModelConfig& cfg, int batch, int ep_size, int probs_bytes = 4);
 // Model FLOPs per token of one training step (forward + backward ~ 3x the
 // forward), counting the k routed experts evaluated and causal attention.
 double train_flops_per_token(const ModelConfig& cfg);

@@ -87,7 +87,7 @@ int64_t StepWorkspace::allocated_bytes() const {
                           &a.moe_inv_rms, &a.router_logits, &a.gates, &a.router_lse, &a.ye, &a.shared_u, &a.shared_v,
                           &a.shared_gate, &a.shared_act, &a.shared_out, &a.rows.x, &a.rows.u, &a.rows.v, &a.rows.sg})
       n += allocated(*v);
-    n += allocated(a.sel) + allocated(a.row_of);
+    n += allocated(a.sel) + allocated(a.row_of) + allocated(a.attn_probs_bf16);
   }
   for (const auto* v : {&h, &final_out, &final_inv_rms, &logits, &prob, &lse, &loss, &dh, &dtmp, &dlogits, &dye, &dxe,
                         &dg, &dz, &dmoe_in, &dattn_out, &dqkv, &shared_dact, &shared_du, &shared_dv, &shared_dx,

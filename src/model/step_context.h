@@ -27,6 +27,7 @@ struct LayerActs {
   ops::DeviceVector<float> attn_inv_rms;    // [N] that norm's 1/rms
   ops::DeviceVector<float> qkv;             // [N, 3D]
   ops::DeviceVector<float> attn_probs;      // per (sample, head): the causal softmax P
+  ops::DeviceVector<uint16_t> attn_probs_bf16;  // or P kept as bf16 (probs_store, model/context_parallel.h)
   ops::DeviceVector<float> attn_out;        // [N, D] P V, before the output projection
   ops::DeviceVector<float> mid;             // [N, D] x + attention: the stream the MoE block reads
   // MoE routing.

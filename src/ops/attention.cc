@@ -6,8 +6,10 @@
 #include <algorithm>
 
 #include "common/parallel.h"
+#include "common/precision.h"
 #include "contract.h"
 #include "ops/attention_kernels.h"
+#include "ops/bf16_store.h"
 #include "ops/gemm.h"
 #include "common/numerics_level.h"
 #include "ops/local.h"
@@ -177,11 +179,22 @@ void softmax_backward_blocks(const float* P, float* dp, int Q, int t_off, float 
   softmax_backward_blocks_scalar(P, dp, Q, t_off, scale);
 }
 
-// The contract's attention of a query range (attention.h).
+// fn(first, n) for each block of 16 queries of a query range's blocked P:
+// the n entries from `first` that hold its keys u < min(U, t0 + 16), the
+// only ones any op reads (the rest lie above every row's diagonal).
+template <class Fn>
+void for_each_probs_block(int Q, int t_off, Fn fn) {
+  const int U = t_off + Q;
+  for (int i0 = 0; i0 < Q; i0 += kBlock) fn((int64_t)i0 * U, (int64_t)std::min(U, t_off + i0 + kBlock) * kBlock);
+}
+
+// The contract's attention of a query range (attention.h). At bf16 P is
+// rounded to bf16 before P V, which reads it so, as the backward does.
 void forward_range(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q, int t_off,
                    int hd, float scale, float* P, float* o, int64_t ldo, AttentionScratch& sc) {
   scores(q, ldq, k, ldkv, Q, t_off, hd, P, sc.t1);  // s(t, u) over the feature j
   softmax_blocks(P, Q, t_off, scale);               // row t over u <= t
+  if (bf16_matmuls()) for_each_probs_block(Q, t_off, [&](int64_t first, int64_t n) { round_bf16_n(P + first, n); });
   causal<true>(P, Q, t_off, v, ldkv, o, ldo, hd);   // o over u <= t
 }
 
@@ -209,6 +222,7 @@ constexpr int kLocalRows = 128;
 void forward_range_local(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q,
                          int t_off, int hd, float scale, float* P, float* o, int64_t ldo, AttentionScratch& sc) {
   const int U = t_off + Q;
+  const bool bf16 = bf16_matmuls();
   std::fill(P, P + attention_range_probs_floats(Q, t_off), 0.0f);
   for (int i0 = 0; i0 < Q; i0 += kLocalRows) {
     const int n = std::min(kLocalRows, Q - i0), Ub = t_off + i0 + n;  // the block's keys: u < Ub
@@ -224,7 +238,10 @@ void forward_range_local(const float* q, int64_t ldq, const float* k, const floa
       local::exp_n(row, row, t + 1);
       float sum = 0.0f;
       for (int u = 0; u <= t; ++u) sum += row[u];
-      for (int u = 0; u <= t; ++u) P[blocked_index(U, i, u)] = row[u] = row[u] / sum;
+      for (int u = 0; u <= t; ++u) {
+        const float p = row[u] / sum;
+        P[blocked_index(U, i, u)] = row[u] = bf16 ? ls::from_bf16(ls::to_bf16(p)) : p;  // bf16: P V reads it rounded
+      }
       std::fill(row + t + 1, row + Ub, 0.0f);
     }
     local::gemm(n, hd, Ub, ConstMat{z, Ub, 1}, ConstMat{v, ldkv, 1}, o + (int64_t)i0 * ldo, ldo, false);
@@ -321,75 +338,154 @@ void attention_backward_range(const float* q, int64_t ldq, const float* k, const
                                 continue_kv, sc);
   backward_range(q, ldq, k, v, ldkv, Q, t_off, hd, scale, P, dO, ldo, dq, lddq, dk, dv, lddkv, continue_kv, sc);
 }
-void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, float scale, float* P, float* o) {
-  if (auto k = kernel(&OpHooks::attention_forward_heads)) {
-    const OpTimer op_timer(OpKind::kAttention);
-    return k(qkv, B, H, S, hd, scale, P, o);
-  }
-  const int D = H * hd;
-  const int64_t probs = attention_probs_floats(S);
-  parallel_tasks_with<AttentionScratch>((int64_t)B * H, [&](AttentionScratch& scratch, int64_t bh) {
-    const int b = (int)(bh / H), hh = (int)(bh % H);
-    const float* base = qkv + (int64_t)b * S * 3 * D + (int64_t)hh * hd;
-    attention_forward(base, base + D, base + 2 * D, 3 * D, S, hd, scale, P + bh * probs,
-                      o + (int64_t)b * S * D + (int64_t)hh * hd, D, scratch);
+namespace {
+
+// A bf16 store's P of a query range (Q queries from t_off, its entries from
+// `at`) as fp32 in `out` (the range's layout): every entry read, or the keys
+// [u0, u1) of each block.
+void unpack_probs(const uint16_t* at, int Q, int t_off, float* out, int u0 = 0, int u1 = -1) {
+  for_each_probs_block(Q, t_off, [&](int64_t first, int64_t n) {
+    const int64_t lo = std::min<int64_t>(n, (int64_t)u0 * kBlock), hi = u1 < 0 ? n : std::min<int64_t>(n, (int64_t)u1 * kBlock);
+    if (hi > lo) from_bf16_n(at + first + lo, out + first + lo, hi - lo);
   });
 }
 
-void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, const float* P,
+// Chunk c of a range (the queries [c, c + n) of Q from t_off) kept in the
+// range's layout, and that chunk as a range of its own: block b of the chunk
+// is block c / 16 + b of the range, with fewer keys per block. to_store:
+// chunk -> store (rounded, already bf16 values), else store -> chunk.
+void move_chunk(uint16_t* store, int Q, int t_off, int c, int n, float* chunk, bool to_store) {
+  const int64_t U = t_off + Q, Uc = t_off + c + n;
+  for_each_probs_block(n, t_off + c, [&](int64_t first, int64_t count) {
+    uint16_t* at = store + (int64_t)c * U + first / Uc * U;  // first / Uc: the chunk's query offset of the block
+    if (to_store) to_bf16_n(chunk + first, at, count);
+    else from_bf16_n(at, chunk + first, count);
+  });
+}
+
+// attention_forward_range keeping P in a store (from `at` entries): a bf16
+// store a chunk at a time, the chunk's P in scratch.
+void forward_range_stored(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q, int t_off,
+                          int hd, float scale, ProbsStore P, int64_t at, float* o, int64_t ldo, AttentionScratch& sc) {
+  if (!P.bf16) return attention_forward_range(q, ldq, k, v, ldkv, Q, t_off, hd, scale, P.f32 + at, o, ldo, sc);
+  for (int c = 0; c < Q; c += kProbsChunk) {
+    const int n = std::min(kProbsChunk, Q - c);
+    sc.probs.resize((size_t)attention_range_probs_floats(n, t_off + c));
+    attention_forward_range(q + c * ldq, ldq, k, v, ldkv, n, t_off + c, hd, scale, sc.probs.data(), o + c * ldo, ldo,
+                            sc);
+    move_chunk(P.bf16 + at, Q, t_off, c, n, sc.probs.data(), true);
+  }
+}
+
+// attention_backward_range reading P from a store: a bf16 one a chunk at a
+// time, each chunk continuing the keys' folds (chained in ascending t_off,
+// the whole range's bits), from rows zeroed first unless continue_kv.
+void backward_range_stored(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q, int t_off,
+                           int hd, float scale, ProbsStore P, int64_t at, const float* dO, int64_t ldo, float* dq,
+                           int64_t lddq, float* dk, float* dv, int64_t lddkv, bool continue_kv, AttentionScratch& sc) {
+  if (!P.bf16)
+    return attention_backward_range(q, ldq, k, v, ldkv, Q, t_off, hd, scale, P.f32 + at, dO, ldo, dq, lddq, dk, dv,
+                                    lddkv, continue_kv, sc);
+  if (!continue_kv)
+    for (int u = 0; u < t_off + Q; ++u) {
+      std::fill(dk + (int64_t)u * lddkv, dk + (int64_t)u * lddkv + hd, 0.0f);
+      std::fill(dv + (int64_t)u * lddkv, dv + (int64_t)u * lddkv + hd, 0.0f);
+    }
+  for (int c = 0; c < Q; c += kProbsChunk) {
+    const int n = std::min(kProbsChunk, Q - c);
+    sc.probs.resize((size_t)attention_range_probs_floats(n, t_off + c));
+    move_chunk(P.bf16 + at, Q, t_off, c, n, sc.probs.data(), false);
+    attention_backward_range(q + c * ldq, ldq, k, v, ldkv, n, t_off + c, hd, scale, sc.probs.data(), dO + c * ldo, ldo,
+                             dq + c * lddq, lddq, dk, dv, lddkv, true, sc);
+  }
+}
+
+// The fp32 P of a query range from `at` in a store: the store's own, or a
+// bf16 store's (the keys [u0, u1) of each block; u1 < 0: all) in `scratch`.
+const float* probs_f32(ProbsStore P, int64_t at, int Q, int t_off, std::vector<float>& scratch, int u0 = 0,
+                       int u1 = -1) {
+  if (!P.bf16) return P.f32 + at;
+  scratch.resize((size_t)attention_range_probs_floats(Q, t_off));
+  unpack_probs(P.bf16 + at, Q, t_off, scratch.data(), u0, u1);
+  return scratch.data();
+}
+
+// A kernel backend keeps P in fp32 (its hooks take floats).
+float* kernel_probs(ProbsStore P) {
+  if (P.bf16) throw std::logic_error("attention: a kernel backend keeps P in fp32, not bf16");
+  return P.f32;
+}
+
+}  // namespace
+
+void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, float scale, ProbsStore P, float* o) {
+  if (auto k = kernel(&OpHooks::attention_forward_heads)) {
+    const OpTimer op_timer(OpKind::kAttention);
+    return k(qkv, B, H, S, hd, scale, kernel_probs(P), o, bf16_matmuls());
+  }
+  const int D = H * hd;
+  const int64_t probs = attention_probs_floats(S), ld = 3 * (int64_t)D;
+  parallel_tasks_with<AttentionScratch>((int64_t)B * H, [&](AttentionScratch& scratch, int64_t bh) {
+    const int b = (int)(bh / H), hh = (int)(bh % H);
+    const float* base = qkv + (int64_t)b * S * ld + (int64_t)hh * hd;
+    forward_range_stored(base, ld, base + D, base + 2 * D, ld, S, 0, hd, scale, P, bh * probs,
+                         o + (int64_t)b * S * D + (int64_t)hh * hd, D, scratch);
+  });
+}
+
+void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, ProbsStore P,
                               const float* dO, float* dqkv) {
   if (auto k = kernel(&OpHooks::attention_backward_heads)) {
     const OpTimer op_timer(OpKind::kAttention);
-    return k(qkv, B, H, S, hd, scale, P, dO, dqkv);
+    return k(qkv, B, H, S, hd, scale, kernel_probs(P), dO, dqkv);
   }
   const int D = H * hd;
-  const int64_t probs = attention_probs_floats(S);
+  const int64_t probs = attention_probs_floats(S), ld = 3 * (int64_t)D;
   parallel_tasks_with<AttentionScratch>((int64_t)B * H, [&](AttentionScratch& scratch, int64_t bh) {
     const int b = (int)(bh / H), hh = (int)(bh % H);
-    const int64_t in = (int64_t)b * S * 3 * D + (int64_t)hh * hd;
-    attention_backward(qkv + in, qkv + in + D, qkv + in + 2 * D, 3 * D, S, hd, scale, P + bh * probs,
-                       dO + (int64_t)b * S * D + (int64_t)hh * hd, D, dqkv + in, dqkv + in + D, dqkv + in + 2 * D,
-                       3 * D, scratch);
+    const int64_t in = (int64_t)b * S * ld + (int64_t)hh * hd;
+    backward_range_stored(qkv + in, ld, qkv + in + D, qkv + in + 2 * D, ld, S, 0, hd, scale, P, bh * probs,
+                          dO + (int64_t)b * S * D + (int64_t)hh * hd, D, dqkv + in, ld, dqkv + in + D,
+                          dqkv + in + 2 * D, ld, false, scratch);
   });
 }
 
 void attention_forward_range_heads(const float* qkv, int B, int H, int S, int hd, float scale, int first, int count,
-                                   float* P, int64_t probs_stride, int64_t p_off, float* o) {
+                                   ProbsStore P, int64_t probs_stride, int64_t p_off, float* o) {
   if (auto k = kernel(&OpHooks::attention_forward_range_heads)) {
     const OpTimer op_timer(OpKind::kAttention);
-    return k(qkv, B, H, S, hd, scale, first, count, P, probs_stride, p_off, o);
+    return k(qkv, B, H, S, hd, scale, first, count, kernel_probs(P), probs_stride, p_off, o, bf16_matmuls());
   }
   const int D = H * hd;
   const int64_t ld = 3 * (int64_t)D;
   parallel_tasks_with<AttentionScratch>((int64_t)B * H, [&](AttentionScratch& scratch, int64_t bh) {
     const int b = (int)(bh / H), hh = (int)(bh % H);
     const float* base = qkv + (int64_t)b * S * ld + (int64_t)hh * hd;  // row 0 of sample b, head hh
-    attention_forward_range(base + first * ld, ld, base + D, base + 2 * D, ld, count, first, hd, scale,
-                            P + bh * probs_stride + p_off, o + ((int64_t)b * S + first) * D + (int64_t)hh * hd, D,
-                            scratch);
+    forward_range_stored(base + first * ld, ld, base + D, base + 2 * D, ld, count, first, hd, scale, P,
+                         bh * probs_stride + p_off, o + ((int64_t)b * S + first) * D + (int64_t)hh * hd, D, scratch);
   });
 }
 
 void attention_backward_range_heads(const float* qkv, int b, int H, int S, int hd, float scale, int first, int count,
-                                    const float* P, int64_t probs_stride, int64_t p_off, const float* dO, float* dqkv,
+                                    ProbsStore P, int64_t probs_stride, int64_t p_off, const float* dO, float* dqkv,
                                     bool continue_kv) {
   if (auto k = kernel(&OpHooks::attention_backward_range_heads)) {
     const OpTimer op_timer(OpKind::kAttention);
-    return k(qkv, b, H, S, hd, scale, first, count, P, probs_stride, p_off, dO, dqkv, continue_kv);
+    return k(qkv, b, H, S, hd, scale, first, count, kernel_probs(P), probs_stride, p_off, dO, dqkv, continue_kv);
   }
   const int D = H * hd;
   const int64_t ld = 3 * (int64_t)D, row0 = (int64_t)b * S;
   parallel_tasks_with<AttentionScratch>(H, [&](AttentionScratch& scratch, int64_t hh) {
     const float* base = qkv + row0 * ld + hh * hd;
     float* dbase = dqkv + row0 * ld + hh * hd;
-    attention_backward_range(base + first * ld, ld, base + D, base + 2 * D, ld, count, first, hd, scale,
-                             P + ((int64_t)b * H + hh) * probs_stride + p_off, dO + (row0 + first) * D + hh * hd, D,
-                             dbase + first * ld, ld, dbase + D, dbase + 2 * D, ld, continue_kv, scratch);
+    backward_range_stored(base + first * ld, ld, base + D, base + 2 * D, ld, count, first, hd, scale, P,
+                          ((int64_t)b * H + hh) * probs_stride + p_off, dO + (row0 + first) * D + hh * hd, D,
+                          dbase + first * ld, ld, dbase + D, dbase + 2 * D, ld, continue_kv, scratch);
   });
 }
 
 void attention_backward_range_dq_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, float scale,
-                                       int first, int count, const float* P, int64_t probs_stride, int64_t p_off,
+                                       int first, int count, ProbsStore P, int64_t probs_stride, int64_t p_off,
                                        const float* dO, float* dS, float* dqkv) {
   const OpTimer op_timer(OpKind::kAttention);
   const int D = H * hd;
@@ -398,26 +494,27 @@ void attention_backward_range_dq_heads(const float* qkv, int b, int H, int h0, i
     const int64_t hh = h0 + i;
     const float* base = qkv + row0 * ld + hh * hd;
     float* ds = dS + i * per_head;
+    const float* p = probs_f32(P, ((int64_t)b * H + hh) * probs_stride + p_off, count, first, scratch.probs);
     scores(dO + (row0 + first) * D + hh * hd, D, base + 2 * D, ld, count, first, hd, ds, scratch.t1);  // dp over j
-    softmax_backward_blocks(P + ((int64_t)b * H + hh) * probs_stride + p_off, ds, count, first, scale);
+    softmax_backward_blocks(p, ds, count, first, scale);
     causal<true>(ds, count, first, base + D, ld, dqkv + (row0 + first) * ld + hh * hd, ld, hd);  // dq over u <= t
   });
 }
 
 void attention_backward_range_dkv_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, int first,
-                                        int count, const float* P, int64_t probs_stride, int64_t p_off,
+                                        int count, ProbsStore P, int64_t probs_stride, int64_t p_off,
                                         const float* dS, const float* dO, float* dqkv, int u0, int u1) {
   const OpTimer op_timer(OpKind::kAttention);
   const int D = H * hd;
   const int64_t ld = 3 * (int64_t)D, row0 = (int64_t)b * S, per_head = attention_range_probs_floats(count, first);
-  parallel_tasks(h1 - h0, [&](int64_t i) {
+  parallel_tasks_with<AttentionScratch>(h1 - h0, [&](AttentionScratch& scratch, int64_t i) {
     const int64_t hh = h0 + i;
     const float* base = qkv + row0 * ld + hh * hd;
     float* dbase = dqkv + row0 * ld + hh * hd;
+    const float* p = probs_f32(P, ((int64_t)b * H + hh) * probs_stride + p_off, count, first, scratch.probs, u0, u1);
     // dk and dv over t >= u, continuing each key's fold (+0 where nothing came before).
     causal<false>(dS + i * per_head, count, first, base + first * ld, ld, dbase + D, ld, hd, true, u0, u1);
-    causal<false>(P + ((int64_t)b * H + hh) * probs_stride + p_off, count, first, dO + (row0 + first) * D + hh * hd, D,
-                  dbase + 2 * D, ld, hd, true, u0, u1);
+    causal<false>(p, count, first, dO + (row0 + first) * D + hh * hd, D, dbase + 2 * D, ld, hd, true, u0, u1);
   });
 }
 

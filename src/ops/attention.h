@@ -14,7 +14,17 @@ namespace ls::ops {
 
 // Scratch reused across calls by one thread.
 struct AttentionScratch {
-  std::vector<float> t0, t1;
+  std::vector<float> t0, t1, probs;
+};
+
+// Where a batch's P is kept between the forward and the backward: fp32
+// entries, or bf16 ones. numerics.precision=bf16 rounds every entry of P to
+// bf16 (ls::to_bf16) on every backend, so 16 bits hold the same values in
+// half the bytes; the CPU engine keeps them so (kernel backends keep fp32).
+// The layout is the same either way; strides and offsets count entries.
+struct ProbsStore {
+  float* f32 = nullptr;
+  uint16_t* bf16 = nullptr;
 };
 
 // Floats of P for a sequence of S positions.
@@ -60,14 +70,18 @@ void attention_backward_range(const float* q, int64_t ldq, const float* k, const
                               float* dq, int64_t lddq, float* dk, float* dv, int64_t lddkv, bool continue_kv,
                               AttentionScratch& scratch);
 
+// The _heads functions below run a bf16 store a chunk of kProbsChunk queries at a time (each chunk one query
+// range, so every row's bits are the whole sequence's), keeping only a chunk's P in fp32 at once.
+constexpr int kProbsChunk = 128;
+
 // Every (sample, head) of a batch in the model's layout: q, k, v of head h
 // of sample b are rows b*S.. of qkv [B*S, 3D] at columns h*hd, D + h*hd and
 // 2D + h*hd (D = H*hd); head b*H + h keeps its P at P + (b*H + h) *
 // attention_probs_floats(S); o and dO are [B*S, D] at columns h*hd. Heads in
 // parallel, each as attention_forward / attention_backward (one kernel
 // launch for all of them on a kernel backend).
-void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, float scale, float* P, float* o);
-void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, const float* P,
+void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, float scale, ProbsStore P, float* o);
+void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, ProbsStore P,
                               const float* dO, float* dqkv);
 
 // Context parallel, in the model's layout (as the _heads functions above):
@@ -75,12 +89,12 @@ void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, flo
 // head bh keeps the range's P at P + bh * probs_stride + p_off. Heads in
 // parallel (one launch on a kernel backend).
 void attention_forward_range_heads(const float* qkv, int B, int H, int S, int hd, float scale, int first, int count,
-                                   float* P, int64_t probs_stride, int64_t p_off, float* o);
+                                   ProbsStore P, int64_t probs_stride, int64_t p_off, float* o);
 // The same range of sample b, every head: its dq rows, and dk, dv of keys
 // 0 .. first+count-1 in dqkv, continuing their folds when continue_kv
 // (attention_backward_range).
 void attention_backward_range_heads(const float* qkv, int b, int H, int S, int hd, float scale, int first, int count,
-                                    const float* P, int64_t probs_stride, int64_t p_off, const float* dO, float* dqkv,
+                                    ProbsStore P, int64_t probs_stride, int64_t p_off, const float* dO, float* dqkv,
                                     bool continue_kv);
 // The same backward in two parts, for a dK/dV chain pipelined over key
 // blocks (model/context_parallel.cc), with attention_backward_range_heads'
@@ -91,10 +105,10 @@ void attention_backward_range_heads(const float* qkv, int b, int H, int S, int h
 // where none). The engine's code only: a kernel backend runs
 // attention_backward_range_heads.
 void attention_backward_range_dq_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, float scale,
-                                       int first, int count, const float* P, int64_t probs_stride, int64_t p_off,
+                                       int first, int count, ProbsStore P, int64_t probs_stride, int64_t p_off,
                                        const float* dO, float* dS, float* dqkv);
 void attention_backward_range_dkv_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, int first,
-                                        int count, const float* P, int64_t probs_stride, int64_t p_off,
+                                        int count, ProbsStore P, int64_t probs_stride, int64_t p_off,
                                         const float* dS, const float* dO, float* dqkv, int u0, int u1);
 
 }  // namespace ls::ops

@@ -46,16 +46,16 @@ struct OpHooks {
   void (*add_row_vector)(float* x, int64_t N, int64_t ld, int cols, const float* vec) = nullptr;
   void (*z_loss_grad)(const float* g, const float* lse, int64_t N, int E, float two_zw, float Ng, float* dz) = nullptr;
   float (*param_sumsq)(const float* v, int64_t n) = nullptr;
-  // Every head of a batch at once (ops::attention_forward_heads).
+  // Every head of a batch at once (ops::attention_forward_heads); bf16_probs: P rounded to bf16 (precision bf16).
   void (*attention_forward_heads)(const float* qkv, int B, int H, int S, int hd, float scale, float* P,
-                                  float* o) = nullptr;
+                                  float* o, bool bf16_probs) = nullptr;
   void (*attention_backward_heads)(const float* qkv, int B, int H, int S, int hd, float scale, const float* P,
                                    const float* dO, float* dqkv) = nullptr;
   // Context parallel: a query range of every head (ops::attention_forward_range_heads,
   // ops::attention_backward_range_heads).
   void (*attention_forward_range_heads)(const float* qkv, int B, int H, int S, int hd, float scale, int first,
                                         int count, float* P, int64_t probs_stride, int64_t p_off,
-                                        float* o) = nullptr;
+                                        float* o, bool bf16_probs) = nullptr;
   void (*attention_backward_range_heads)(const float* qkv, int b, int H, int S, int hd, float scale, int first,
                                          int count, const float* P, int64_t probs_stride, int64_t p_off,
                                          const float* dO, float* dqkv, bool continue_kv) = nullptr;

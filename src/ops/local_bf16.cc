@@ -22,6 +22,7 @@
 
 #include "common/parallel.h"
 #include "contract.h"
+#include "ops/bf16_store.h"
 #include "ops/gemm_bf16.h"
 
 namespace ls::ops::local {
@@ -49,26 +50,6 @@ struct Bf16View {
   memory::dims strides;
 };
 
-// y[i] = ls::to_bf16(x[i]) (the same bits), sixteen at a time with AVX2.
-void round_n(const float* x, uint16_t* y, int64_t n) {
-  const __m256i lsb = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff), quiet = _mm256_set1_epi32(0x40);
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-  auto round8 = [&](__m256i u) {
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, half),
-                                                         _mm256_and_si256(_mm256_srli_epi32(u, 16), lsb)), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
-    return _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet), nan);
-  };
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i lo = round8(_mm256_loadu_si256((const __m256i*)(x + i)));
-    const __m256i hi = round8(_mm256_loadu_si256((const __m256i*)(x + i + 8)));
-    // packus interleaves 128-bit lanes: put them back in order.
-    _mm256_storeu_si256((__m256i*)(y + i), _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8));
-  }
-  for (; i < n; ++i) y[i] = ls::to_bf16(x[i]);
-}
-
 // Rounds m (rows x cols) into buf, keeping its orientation where one stride
 // is 1 (the transposed operands of the weight and input gradients), so that
 // the copy reads memory in order.
@@ -76,12 +57,12 @@ Bf16View round_operand(ConstMat m, int64_t rows, int64_t cols, std::vector<uint1
   buf.resize((size_t)(rows * cols));
   uint16_t* out = buf.data();
   if (m.rs == 1 && m.cs != 1) {  // column-major: copy each column whole
-    for (int64_t c = 0; c < cols; ++c) round_n(m.p + c * m.cs, out + c * rows, rows);
+    for (int64_t c = 0; c < cols; ++c) to_bf16_n(m.p + c * m.cs, out + c * rows, rows);
     return {out, {1, rows}};
   }
   for (int64_t r = 0; r < rows; ++r) {
     if (m.cs == 1) {
-      round_n(m.p + r * m.rs, out + r * cols, cols);
+      to_bf16_n(m.p + r * m.rs, out + r * cols, cols);
     } else {
       for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = ls::to_bf16(m.p[r * m.rs + c * m.cs]);
     }

@@ -55,7 +55,7 @@ uint64_t corpus_bytes(const DataConfig& d) {
 // attention's P cut to a context-parallel rank's query ranges. A pipeline's
 // figure is its stages' together, or with `one_stage` the largest stage's
 // (under MPI, one process's).
-WorkspaceEstimate copy_workspace(const Scenario& s, int lanes, bool one_stage = false) {
+WorkspaceEstimate copy_workspace(const Scenario& s, int lanes, int probs_bytes, bool one_stage = false) {
   const ModelConfig& c = s.model;
   const int dp = s.mesh.dp, ep = s.mesh.ep, cp = std::max(1, s.mesh.cp);
   const int pp = std::max(1, s.mesh.pp), m = std::max(1, s.microbatches);
@@ -64,7 +64,7 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes, bool one_stage = 
   // each holding the stage's layers (about n_layers / pp) and the backward
   // scratch; 1F1B keeps pp - s in flight on stage s unless the aux loss over
   // the batch makes every stage hold all m (runner/pipeline.h); GPipe and interleaved: m.
-  WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes / m, ep);
+  WorkspaceEstimate w = estimate_workspace(c, s.batch / dp / lanes / m, ep, probs_bytes);
   if (ep > 1) {
     // An expert-parallel owner keeps the rows its experts were sent, and its
     // buffers grow to the busiest layer and step that routing gives it, not
@@ -107,7 +107,7 @@ WorkspaceEstimate copy_workspace(const Scenario& s, int lanes, bool one_stage = 
     int64_t held = 0;
     for (int r = 0; r < cp; ++r) held += cp_probs_floats(c.seq_len, cp, r, zz);
     const int64_t whole = ops::attention_probs_floats(c.seq_len);
-    w.activations = w.activations - (uint64_t)(L * BH * whole) * f + (uint64_t)(L * BH * held / cp) * f +
+    w.activations = w.activations - (uint64_t)(L * BH * whole) * probs_bytes + (uint64_t)(L * BH * held / cp) * probs_bytes +
                     (uint64_t)(s.batch / dp) * c.seq_len * 4 * c.d_model * f;
   }
   return w;
@@ -292,7 +292,9 @@ MemoryEstimate estimate_run_memory(const Scenario& s, const RunOptions& opt, boo
           std::string(per_process ? " (each process's own)" : ""));
   add("corpus", corpus_bytes(s.data), s.data.path.empty() ? "the synthetic corpus" : "data.path, read whole");
   add_state_parts(e, s, copies_of_state, lanes, ranks);
-  const WorkspaceEstimate w = copy_workspace(s, lanes, per_process);
+  // P as bf16 where the CPU engine keeps it so (model/context_parallel.h, probs_as_bf16).
+  const int probs_bytes = s.precision == "bf16" && opt.backend == Backend::kEngine ? 2 : 4;
+  const WorkspaceEstimate w = copy_workspace(s, lanes, probs_bytes, per_process);
   // A pipeline's stages are in w already (copy_workspace): copies count the
   // other axes, the text the world's ranks.
   const uint64_t copies = per_process ? 1 : (uint64_t)dp * lanes * cp * tp;
