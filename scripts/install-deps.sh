@@ -17,6 +17,8 @@ esac
 PKGS=(meson ninja-build g++ pkg-config libeigen3-dev nlohmann-json3-dev libcli11-dev
       doctest-dev libxxhash-dev python3 python3-numpy chromium libcurl4-openssl-dev
       libssl-dev python3-botocore python3-boto3 python3-xxhash
+      zlib1g-dev                    # data.path in gzip format (src/data/corpus.cc)
+      jargon-text                   # scenarios/realtext.json's corpus: the Jargon File, 650 KB installed
       clang-14 libclang-rt-14-dev   # clang-14 + its runtime: libFuzzer, ASan, UBSan (fuzz/)
       libopenmpi-dev openmpi-bin    # the MPI communicator (src/cluster/mpi.cc); the build works without it
       libopenblas-openmp-dev        # numerics.level=local's GEMMs (src/ops/local.cc); Eigen without it

@@ -100,6 +100,34 @@ TEST_SUITE("cli") {
     CHECK(ja["loss_bits"] == jb["loss_bits"]);
   }
 
+  TEST_CASE("scenarios/realtext.json trains on the Jargon File, read from Debian's .gz; engine == reference") {
+    // The corpus comes from the jargon-text package (scripts/install-deps.sh);
+    // without it the case says so and counts as skipped.
+    const fs::path corpus = "/usr/share/doc/jargon-text/jargon.txt.gz";
+    if (!fs::exists(corpus)) {
+      std::printf("lockstep-skip: realtext: %s is missing (scripts/install-deps.sh installs jargon-text)\n",
+                  corpus.c_str());
+      return;
+    }
+    const std::string sc = (kRoot / "scenarios" / "realtext.json").string();
+    Result a = run("run " + sc + " --steps 2 --threads 1");
+    REQUIRE(a.rc == 0);
+    CHECK(a.out.find("data            " + corpus.string() + "\n") != std::string::npos);
+    Result e = run("run " + sc + " --steps 2 --json --quiet --threads 1");
+    Result r = run("run " + sc + " --steps 2 --json --quiet --backend reference");
+    REQUIRE(e.rc == 0);
+    REQUIRE(r.rc == 0);
+    const nlohmann::json je = nlohmann::json::parse(last_line(e.out)), jr = nlohmann::json::parse(last_line(r.out));
+    CHECK(je["final_state_hash"] == jr["final_state_hash"]);
+    // Held out after 2 steps: near the 8 bits of a uniform guess over bytes.
+    const double bpb = je["eval_bpb"].get<double>();
+    CHECK(bpb > 7.0);
+    CHECK(bpb < 8.5);
+    // The plan holds the decompressed 1.68 MB, not the 648 KB file.
+    Result p = run("plan " + sc);
+    CHECK(p.out.find("1.6 MiB  data.path, read whole") != std::string::npos);
+  }
+
   TEST_CASE("--progress writes step, loss, tokens/s and ETA to stderr; --out writes files") {
     fs::path sc = write("tiny.json", kTiny);
     fs::path out = temp_dir() / "outdir";

@@ -12,10 +12,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
 #include <vector>
+
+#include <zlib.h>
 
 #include "common/error.h"
 #include "numerics/contract.h"
@@ -276,21 +279,30 @@ class Generator {
   size_t topic_ = 0;
 };
 
+// The file's bytes. A file in gzip format (a Debian package's .gz, a
+// dictzip .dz; found by its magic bytes, not its name) is decompressed:
+// zlib's gzread passes any other file through as it is. Decompression is
+// lossless, so the bytes are the same on every machine.
 std::vector<uint8_t> read_file(const std::string& path) {
-  FILE* f = fopen(path.c_str(), "rb");
+  gzFile f = gzopen(path.c_str(), "rb");
   if (!f) {
     throw UserError("data.path: cannot open '" + path + "': " + strerror(errno));
   }
   std::vector<uint8_t> bytes;
   uint8_t buf[1 << 16];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
-  bool failed = ferror(f) != 0;
-  int err = errno;
-  fclose(f);
-  if (failed) {
-    throw UserError("data.path: cannot read '" + path + "': " + strerror(err));
+  int n;
+  while ((n = gzread(f, buf, sizeof buf)) > 0) bytes.insert(bytes.end(), buf, buf + n);
+  const int saved = errno;
+  // A gzip stream cut short ends as if whole, with Z_BUF_ERROR left to ask for.
+  int code = Z_OK;
+  std::string why = gzerror(f, &code);  // "PATH: what" for a format error
+  if (code == Z_ERRNO) {
+    why = strerror(saved);
+  } else if (why.compare(0, path.size() + 2, path + ": ") == 0) {
+    why.erase(0, path.size() + 2);
   }
+  gzclose(f);
+  if (n < 0 || code != Z_OK) throw UserError("data.path: cannot read '" + path + "': " + why);
   return bytes;
 }
 
@@ -315,6 +327,22 @@ void fill_batch(const Corpus& c, uint64_t seed, Purpose purpose, int64_t first, 
 }
 
 }  // namespace
+
+uint64_t corpus_file_bytes(const std::string& path) {
+  std::error_code ec;
+  uint64_t bytes = std::filesystem::file_size(path, ec);  // fails on a folder
+  if (ec) return 0;
+  FILE* f = fopen(path.c_str(), "rb");
+  if (!f) return 0;
+  uint8_t magic[2] = {0, 0}, isize[4] = {0, 0, 0, 0};
+  if (bytes >= 18 && fread(magic, 1, 2, f) == 2 && magic[0] == 0x1f && magic[1] == 0x8b &&
+      fseek(f, -4, SEEK_END) == 0 && fread(isize, 1, 4, f) == 4) {
+    bytes = (uint64_t)isize[0] | (uint64_t)isize[1] << 8 | (uint64_t)isize[2] << 16 |
+            (uint64_t)isize[3] << 24;
+  }
+  fclose(f);
+  return bytes;
+}
 
 std::vector<uint8_t> synthetic_corpus(uint64_t seed, size_t bytes) {
   std::string text;

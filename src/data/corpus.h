@@ -26,6 +26,12 @@ struct Corpus {
 // "data.synthetic_bytes" when the synthetic corpus is too short.
 Corpus load_corpus(const DataConfig& cfg, uint64_t seed, int seq_len);
 
+// How many bytes load_corpus holds for the file at `path`: its size, or for a
+// file in gzip format the size its trailer records (ISIZE: the last member's
+// uncompressed size modulo 2^32, exact for one member under 4 GiB). 0 when the
+// file cannot be read (load_corpus names the problem). For the memory plan.
+uint64_t corpus_file_bytes(const std::string& path);
+
 // `bytes` bytes of ASCII text, deterministic in `seed` (Philox,
 // Purpose::kCorpus). It has structure at several ranges: spelling of a
 // Zipfian lexicon of pseudo-words, number agreement inside sentences,

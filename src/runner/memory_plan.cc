@@ -6,12 +6,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <string>
 
 #include "common/error.h"
 #include "contract.h"
+#include "data/corpus.h"
 #include "model/context_parallel.h"
 #include "model/model.h"
 #include "ops/attention.h"
@@ -41,12 +41,11 @@ uint64_t read_cgroup_value(const char* path) {
   return std::strtoull(v.c_str(), nullptr, 10);
 }
 
-// The corpus held in memory: the synthetic one's size, or data.path's.
+// The corpus held in memory: the synthetic one's size, or data.path's (a
+// gzip file's decompressed size).
 uint64_t corpus_bytes(const DataConfig& d) {
   if (d.path.empty()) return d.synthetic_bytes;
-  std::error_code ec;
-  const uint64_t bytes = std::filesystem::file_size(d.path, ec);
-  return ec ? 0 : bytes;  // the loader names the missing file
+  return corpus_file_bytes(d.path);  // 0 when unreadable: the loader names the file
 }
 
 // The workspace of one copy of the model (a rank, or a data lane) running its

@@ -253,7 +253,8 @@ std::vector<Row> eval_rows() {
 std::vector<Row> data_rows() {
   return {
       field("data.path", [](S& s) -> std::string& { return s.data.path; },
-            "File of training bytes; empty = the built-in synthetic corpus."),
+            "File of training bytes (a gzip file is read decompressed); empty = the built-in "
+            "synthetic corpus."),
       field("data.synthetic_bytes", [](S& s) -> uint64_t& { return s.data.synthetic_bytes; },
             "Size of the synthetic corpus in bytes (used when data.path is empty).",
             {in_range<uint64_t>(4096, uint64_t{1} << 32)}),
