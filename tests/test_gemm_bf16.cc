@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <cmath>
 #include <vector>
 
 #include "bits.h"
@@ -32,7 +33,7 @@ struct PathGuard {
 
 std::vector<Bf16Path> paths_to_test() {
   std::vector<Bf16Path> out = {Bf16Path::kScalar};
-  for (Bf16Path p : {Bf16Path::kAvx2, Bf16Path::kAvx512, Bf16Path::kAmx}) {
+  for (Bf16Path p : {Bf16Path::kAvx2, Bf16Path::kAvx512, Bf16Path::kAvx512Bf16, Bf16Path::kAmx}) {
     if (ls::ops::gemm_bf16_path_supported(p)) {
       out.push_back(p);
     } else {
@@ -460,6 +461,62 @@ TEST_SUITE("gemm_bf16") {
       }
       omp_set_num_threads(1);
     }
+  }
+
+  TEST_CASE("avx512-bf16: vdpbf16ps gives the fold's bits on edge values down to 2^-62, and hands smaller ones on") {
+    // The path's precondition (gemm_bf16.h): no nonzero operand below 2^-62. Within it, the edge values
+    // (+-0, +-inf, NaN, huge values whose products overflow, bf16 magnitudes from 2^-62 whose products and
+    // sums land below 2^-126 and flush) must run on vdpbf16ps itself and give ls::bf16_dot's bits; an
+    // operand below 2^-62 makes the call run on avx512, with the same bits.
+    if (!ls::ops::gemm_bf16_path_supported(Bf16Path::kAvx512Bf16)) {
+      MESSAGE("CPU lacks avx512-bf16: that path is not tested here");
+      return;
+    }
+    PathGuard guard;
+    ls::ops::set_gemm_bf16_path(Bf16Path::kAvx512Bf16);
+    const int64_t M = 19, N = 45, K = 150;
+    uint64_t x = 99;
+    auto value = [&]() -> uint16_t {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      const uint32_t r = static_cast<uint32_t>(x >> 33);
+      const uint16_t sign = (r & 1) ? 0x8000 : 0, mant = (r >> 1) & 0x7f;
+      switch (r % 16) {
+        case 0: return sign;                           // +-0
+        case 1: return sign | 0x7f80;                  // +-inf
+        case 2: return 0x7fc0 | mant;                  // NaN
+        case 3: return sign | (uint16_t)((127 + 60) << 7) | mant;  // products overflow
+        default: {
+          // magnitudes 2^-62 .. 2^-56 (products 2^-124 .. 2^-112: sums cancel below 2^-126), or ordinary ones
+          const int e = (r % 16) < 12 ? 127 - 62 + (int)(r >> 8) % 7 : 127 - 3 + (int)(r >> 8) % 6;
+          return sign | (uint16_t)(e << 7) | mant;
+        }
+      }
+    };
+    std::vector<uint16_t> a((size_t)(M * K)), b((size_t)(K * N));
+    for (auto& v : a) v = value();
+    for (auto& v : b) v = value();
+    // The first rows of A and columns of B: magnitudes 2^-62 .. 2^-60 only, so their products are tiny.
+    for (int64_t i = 0; i < M / 2; ++i)
+      for (int64_t k = 0; k < K; ++k) a[(size_t)(i * K + k)] = (uint16_t)((a[(size_t)(i * K + k)] & 0x8000) | ((127 - 62 + k % 3) << 7) | (k * 37 & 0x7f));
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < N / 2; ++j)
+        b[(size_t)(k * N + j)] = (uint16_t)((b[(size_t)(k * N + j)] & 0x8000) | ((127 - 62 + j % 2) << 7) | (j * 11 + k & 0x7f));
+    const ls::ops::ConstMatBf16 A{a.data(), K, 1}, B{b.data(), N, 1};
+    std::vector<float> want((size_t)(M * N)), got(want.size());
+    ls::ops::gemm_bf16_naive(M, N, K, A, B, want.data(), N, false);
+    const int64_t before = ls::ops::gemm_bf16_tiny_fallbacks();
+    ls::ops::gemm_bf16(M, N, K, A, B, got.data(), N, false, 1);
+    CHECK(ls::ops::gemm_bf16_tiny_fallbacks() == before);  // vdpbf16ps ran it
+    CHECK_SAME_BITS(got, want);
+    int64_t tiny = 0;  // outputs of tiny products only: their steps pass below 2^-126, where flushing acts
+    for (float f : want) tiny += std::fabs(f) < 0x1p-110f;
+    CHECK(tiny > 0);
+    // One operand below 2^-62: the call runs on avx512, the same bits.
+    a[5] = (uint16_t)((127 - 70) << 7);
+    ls::ops::gemm_bf16_naive(M, N, K, A, B, want.data(), N, false);
+    ls::ops::gemm_bf16(M, N, K, A, B, got.data(), N, false, 1);
+    CHECK(ls::ops::gemm_bf16_tiny_fallbacks() == before + 1);
+    CHECK_SAME_BITS(got, want);
   }
 
   TEST_CASE("LeafFold at bf16 fed in pieces of any size equals one weight_grad_bf16: the open block waits") {

@@ -209,7 +209,7 @@ int bench_bf16(double min_s, int reps) {
   std::vector<uint16_t> ah(n * n, 0x3f80), bh(n * n, 0x3c00);
   std::vector<float> c(n * n);
   printf("\nbf16 paths, 512x512x512, 1 thread:");
-  for (Bf16Path p : {Bf16Path::kAmx, Bf16Path::kAvx512, Bf16Path::kAvx2, Bf16Path::kScalar}) {
+  for (Bf16Path p : {Bf16Path::kAmx, Bf16Path::kAvx512Bf16, Bf16Path::kAvx512, Bf16Path::kAvx2, Bf16Path::kScalar}) {
     if (!ls::ops::gemm_bf16_path_supported(p)) continue;
     ls::ops::set_gemm_bf16_path(p);
     double g = best_gflops(2.0 * n * n * n, min_s, 2, [&] {

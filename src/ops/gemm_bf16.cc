@@ -16,6 +16,10 @@
 //     64 bytes: a tile row), B panel uint32[kp][NR] (VNNI: pair row j of
 //     all columns), each uint32 the bf16 of k = 2j in its low half and of
 //     2j+1 in its high half: what TDPBF16PS multiplies;
+//   pairs (avx512-bf16): A strip uint32[kp][MR], B panel uint32[kp][NR],
+//     per 32-k block from k0 16 pair rows: E's 8 (row p: k0 + 4p in the high
+//     half, k0 + 4p + 2 in the low), then O's 8 (k0 + 4p + 1, k0 + 4p + 3):
+//     what vdpbf16ps folds, high half first (gemm_bf16_avx512bf16.cc);
 //   fp32 (scalar, avx2, avx512): A strip float[2kp][MR], B panel
 //     float[2kp][NR], every value ls::bf16_in (flushed): the kernels then
 //     run ls::bf16_fold_step on each lane, per 32-k block the even k into E
@@ -31,8 +35,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <new>
+#include <type_traits>
 
 #include "common/thread_pool.h"
 #include "numerics/contract.h"
@@ -46,16 +52,25 @@ namespace internal {
 // k pairs (a multiple of 16) of a packed A strip and a packed B panel, from
 // C (flushed) when `load`, else from +0; NaNs stored canonical.
 using Bf16KernelFn = void (*)(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
+// How a kernel wants its operands packed (the forms below).
+enum class Packed { kFp32, kTiles, kPairs };
 struct Bf16Kernel {
   int mr;
   int nr;
-  bool tiles;  // packed as AMX tiles of bf16 pairs (else as flushed fp32)
+  Packed form;
   Bf16KernelFn fn;
+  bool tiles() const { return form == Packed::kTiles; }
 };
 // gemm_bf16_avx512.cc (AVX-512 flags) and gemm_bf16_amx.cc (plus AMX):
 // called only when the CPU (and, for AMX, the kernel) allows them.
 void gemm_bf16_ukernel_avx512_8x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
 void gemm_bf16_ukernel_amx_32x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
+void gemm_bf16_ukernel_avx512bf16_8x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
+// Whether a rows x cols operand holds a value the avx512-bf16 path cannot take
+// (gemm_bf16.h): nonzero and below 2^-62 once rounded to bf16; fp32 values
+// are judged before rounding, conservatively (below 2^-61).
+bool has_tiny(const ConstMatBf16& m, int64_t rows, int64_t cols);
+bool has_tiny(const ConstMat& m, int64_t rows, int64_t cols);
 // The amx path's packing of a full strip or panel (kp a multiple of 16):
 // A rows k-contiguous; B rows column-contiguous (amx_pack_b) or columns
 // k-contiguous (amx_pack_bt, a transposed view).
@@ -76,6 +91,7 @@ float bf16_fold_step_out_of_line(float acc, float a, float b) { return ls::bf16_
 namespace {
 
 using internal::Bf16Kernel;
+using internal::Packed;
 
 // ------------------------------------------------------------ kernels ----
 
@@ -189,14 +205,16 @@ void ukernel_avx2(int64_t kp, const void* av, const void* bv, float* c, int64_t 
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(c + r * ldc + 8 * h, canonical8(_mm256_load_ps(&cbuf[r][8 * h])));
 }
 
-const Bf16Kernel kScalarKernel = {4, 8, false, ukernel_scalar<4, 8>};
-const Bf16Kernel kAvx2Kernel = {6, 16, false, ukernel_avx2};
-const Bf16Kernel kAvx512Kernel = {8, 32, false, internal::gemm_bf16_ukernel_avx512_8x32};
-const Bf16Kernel kAmxKernel = {32, 32, true, internal::gemm_bf16_ukernel_amx_32x32};
+const Bf16Kernel kScalarKernel = {4, 8, Packed::kFp32, ukernel_scalar<4, 8>};
+const Bf16Kernel kAvx2Kernel = {6, 16, Packed::kFp32, ukernel_avx2};
+const Bf16Kernel kAvx512Kernel = {8, 32, Packed::kFp32, internal::gemm_bf16_ukernel_avx512_8x32};
+const Bf16Kernel kAvx512Bf16Kernel = {8, 32, Packed::kPairs, internal::gemm_bf16_ukernel_avx512bf16_8x32};
+const Bf16Kernel kAmxKernel = {32, 32, Packed::kTiles, internal::gemm_bf16_ukernel_amx_32x32};
 
 // ------------------------------------------------------------ dispatch ----
 
 std::atomic<int> g_forced{static_cast<int>(Bf16Path::kAuto)};
+std::atomic<int64_t> g_tiny_fallbacks{0};
 
 // AMX: the CPU's AMX-TILE and AMX-BF16 (cpuid 7.0 EDX bits 24, 22), the OS's
 // tile state in XCR0 (bits 17, 18), and the kernel's permission for this
@@ -226,6 +244,8 @@ bool cpu_has(Bf16Path p) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case Bf16Path::kAvx512:
       return avx512;
+    case Bf16Path::kAvx512Bf16:
+      return avx512 && __builtin_cpu_supports("avx512bf16");
     case Bf16Path::kAmx:
       return avx512 && amx_usable();
   }
@@ -233,8 +253,9 @@ bool cpu_has(Bf16Path p) {
 }
 
 Bf16Path best_path() {
-  static const Bf16Path best = cpu_has(Bf16Path::kAmx)        ? Bf16Path::kAmx
-                               : cpu_has(Bf16Path::kAvx512)   ? Bf16Path::kAvx512
+  static const Bf16Path best = cpu_has(Bf16Path::kAmx)          ? Bf16Path::kAmx
+                               : cpu_has(Bf16Path::kAvx512Bf16) ? Bf16Path::kAvx512Bf16
+                               : cpu_has(Bf16Path::kAvx512)     ? Bf16Path::kAvx512
                                : cpu_has(Bf16Path::kAvx2)     ? Bf16Path::kAvx2
                                                               : Bf16Path::kScalar;
   return best;
@@ -252,6 +273,8 @@ const Bf16Kernel& kernel_for(Bf16Path p) {
       return kAmxKernel;
     case Bf16Path::kAvx512:
       return kAvx512Kernel;
+    case Bf16Path::kAvx512Bf16:
+      return kAvx512Bf16Kernel;
     case Bf16Path::kAvx2:
       return kAvx2Kernel;
     default:
@@ -301,22 +324,89 @@ void pack_tile(bool tiles, bool a_side, int width, int64_t lines, int64_t kp, in
   }
 }
 
+// The pairs form (avx512-bf16): `width` lines, kp pair rows from k0 (a
+// multiple of 32), pair row 16b + 8h + p of fold block b holding k = k0 +
+// 32b + 4p + h in its high half and that k + 2 in its low half; +0 past
+// `lines` or past K. Element (l, k) of the operand is m at base + l * ls +
+// k * ks.
+inline int64_t pair_first_k(int64_t k0, int64_t pr) { return k0 + 32 * (pr >> 4) + 4 * (pr & 7) + (pr >> 3 & 1); }
+
+// Eight fp32 lanes rounded to bf16 (ls::to_bf16), each in its lane's high half, the low half zero.
+inline __m256i bf16_high8(__m256i u) {
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i v = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+  return _mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u));
+}
+
+// pack_pairs of fp32 lines whose k lie side by side (ks = 1, every k of the
+// range below K): per line, a fold block's 32 k rounded eight at a time; in
+// each eight, lanes 0 and 4 start E pairs and lanes 1 and 5 O pairs, whose
+// second k is two lanes on.
+void pack_pairs_k_contiguous(const float* p, int64_t ls, int width, int64_t lines, int64_t kp, uint32_t* dst) {
+  const __m256i two_on = _mm256_setr_epi32(2, 3, 4, 5, 6, 7, 0, 0);
+  for (int64_t l = 0; l < lines; ++l) {
+    const float* x = p + l * ls;
+    for (int64_t b = 0; b < kp / 16; ++b)
+      for (int i = 0; i < 4; ++i) {
+        const __m256i v = bf16_high8(_mm256_loadu_si256((const __m256i*)(x + 32 * b + 8 * i)));
+        const __m256i t = _mm256_or_si256(v, _mm256_srli_epi32(_mm256_permutevar8x32_epi32(v, two_on), 16));
+        uint32_t* e = dst + (16 * b + 2 * i) * width + l;
+        e[0] = (uint32_t)_mm256_extract_epi32(t, 0);
+        e[width] = (uint32_t)_mm256_extract_epi32(t, 4);
+        e[8 * width] = (uint32_t)_mm256_extract_epi32(t, 1);
+        e[9 * width] = (uint32_t)_mm256_extract_epi32(t, 5);
+      }
+  }
+  for (int64_t pr = 0; pr < kp; ++pr)
+    for (int64_t l = lines; l < width; ++l) dst[pr * width + l] = 0;
+}
+
+template <class Mat>
+void pack_pairs(const Mat& m, int64_t base, int64_t ls, int64_t ks, int width, int64_t lines, int64_t kp, int64_t k0,
+                int64_t K, uint32_t* dst) {
+  if constexpr (std::is_same_v<Mat, ConstMat>) {
+    if (ks == 1 && k0 + 2 * kp <= K) return pack_pairs_k_contiguous(m.p + base + k0, ls, width, lines, kp, dst);
+  }
+  for (int64_t pr = 0; pr < kp; ++pr) {
+    const int64_t first = pair_first_k(k0, pr), second = first + 2;
+    uint32_t* row = dst + pr * width;
+    int l = 0;
+    if constexpr (std::is_same_v<Mat, ConstMat>) {
+      if (ls == 1 && second < K)  // lines side by side: eight at a time
+        for (; l + 8 <= lines; l += 8) {
+          const __m256i hi = bf16_high8(_mm256_loadu_si256((const __m256i*)(m.p + base + first * ks + l)));
+          const __m256i lo = bf16_high8(_mm256_loadu_si256((const __m256i*)(m.p + base + second * ks + l)));
+          _mm256_storeu_si256((__m256i*)(row + l), _mm256_or_si256(hi, _mm256_srli_epi32(lo, 16)));
+        }
+    }
+    for (; l < width; ++l) {
+      const uint16_t hi = l < lines && first < K ? bf16_at(m, base + l * ls + first * ks) : uint16_t(0);
+      const uint16_t lo = l < lines && second < K ? bf16_at(m, base + l * ls + second * ks) : uint16_t(0);
+      row[l] = uint32_t(lo) | uint32_t(hi) << 16;
+    }
+  }
+}
+
 // MR rows of A from row i0 (mv of them real), k block [k0, k0 + 2kp).
 template <class Mat>
 void pack_a(const Mat& A, int64_t i0, int64_t mv, const Bf16Kernel& uk, int64_t k0, int64_t kp, int64_t K,
             uint32_t* dst) {
   const int64_t base = i0 * A.rs;
   const bool full = mv == uk.mr && k0 + 2 * kp <= K;
-  if (uk.tiles && full && A.cs == 1) return internal::amx_pack_a(A.p + base + k0, A.rs, kp, dst);
+  if (uk.form == Packed::kPairs)
+    return pack_pairs(A, base, A.rs, A.cs, uk.mr, mv, kp, k0, K, dst);
+  if (uk.tiles() && full && A.cs == 1) return internal::amx_pack_a(A.p + base + k0, A.rs, kp, dst);
   if (A.cs == 1 && full) {  // row-major, full strip: rows read in order
     for (int r = 0; r < uk.mr; ++r) {
       const int64_t row = base + r * A.rs + k0;
       for (int64_t j = 0; j < kp; ++j)
-        put_pair(uk.tiles, true, uk.mr, j, r, bf16_at(A, row + 2 * j), bf16_at(A, row + 2 * j + 1), dst);
+        put_pair(uk.tiles(), true, uk.mr, j, r, bf16_at(A, row + 2 * j), bf16_at(A, row + 2 * j + 1), dst);
     }
     return;
   }
-  pack_tile(uk.tiles, true, uk.mr, mv, kp, k0, K,
+  pack_tile(uk.tiles(), true, uk.mr, mv, kp, k0, K,
             [&](int l, int64_t k) { return bf16_at(A, base + l * A.rs + k * A.cs); }, dst);
 }
 
@@ -326,17 +416,19 @@ void pack_b(const Mat& B, int64_t j0, int64_t nv, const Bf16Kernel& uk, int64_t 
             uint32_t* dst) {
   const int64_t base = j0 * B.cs;
   const bool full = nv == uk.nr && k0 + 2 * kp <= K;
-  if (uk.tiles && full && B.cs == 1) return internal::amx_pack_b(B.p + base + k0 * B.rs, B.rs, kp, dst);
-  if (uk.tiles && full && B.rs == 1) return internal::amx_pack_bt(B.p + base + k0, B.cs, kp, dst);
+  if (uk.form == Packed::kPairs)
+    return pack_pairs(B, base, B.cs, B.rs, uk.nr, nv, kp, k0, K, dst);
+  if (uk.tiles() && full && B.cs == 1) return internal::amx_pack_b(B.p + base + k0 * B.rs, B.rs, kp, dst);
+  if (uk.tiles() && full && B.rs == 1) return internal::amx_pack_bt(B.p + base + k0, B.cs, kp, dst);
   if (B.cs == 1 && full) {  // row-major, full panel: two rows interleaved
     for (int64_t j = 0; j < kp; ++j) {
       const int64_t lo = base + (k0 + 2 * j) * B.rs, hi = lo + B.rs;
       for (int l = 0; l < uk.nr; ++l)
-        put_pair(uk.tiles, false, uk.nr, j, l, bf16_at(B, lo + l), bf16_at(B, hi + l), dst);
+        put_pair(uk.tiles(), false, uk.nr, j, l, bf16_at(B, lo + l), bf16_at(B, hi + l), dst);
     }
     return;
   }
-  pack_tile(uk.tiles, false, uk.nr, nv, kp, k0, K,
+  pack_tile(uk.tiles(), false, uk.nr, nv, kp, k0, K,
             [&](int l, int64_t k) { return bf16_at(B, base + k * B.rs + l * B.cs); }, dst);
 }
 
@@ -367,6 +459,7 @@ constexpr int64_t kMC = 192;  // rows per A block (rounded to MR)
 void set_gemm_bf16_path(Bf16Path path) { g_forced.store(static_cast<int>(path)); }
 Bf16Path gemm_bf16_path() { return effective_path(); }
 bool gemm_bf16_path_supported(Bf16Path path) { return cpu_has(path); }
+int64_t gemm_bf16_tiny_fallbacks() { return g_tiny_fallbacks.load(std::memory_order_relaxed); }
 
 const char* bf16_path_name(Bf16Path p) {
   switch (p) {
@@ -374,6 +467,8 @@ const char* bf16_path_name(Bf16Path p) {
       return "amx";
     case Bf16Path::kAvx512:
       return "avx512";
+    case Bf16Path::kAvx512Bf16:
+      return "avx512-bf16";
     case Bf16Path::kAvx2:
       return "avx2";
     case Bf16Path::kScalar:
@@ -404,10 +499,13 @@ void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, const Mat& A, const Mat& 
       for (int64_t i = 0; i < M; ++i) memset(C + i * ldc, 0, sizeof(float) * N);
     return;
   }
-  const Bf16Kernel& uk = kernel_for(effective_path());
+  const Bf16Path path = effective_path();
+  const bool fall_back = path == Bf16Path::kAvx512Bf16 && (internal::has_tiny(A, M, K) || internal::has_tiny(B, K, N));
+  if (fall_back) g_tiny_fallbacks.fetch_add(1, std::memory_order_relaxed);
+  const Bf16Kernel& uk = fall_back ? kAvx512Kernel : kernel_for(path);
   const int MR = uk.mr, NR = uk.nr;
   const int64_t K32 = (K + kBf16FoldBlock - 1) / kBf16FoldBlock * kBf16FoldBlock;  // K padded
-  const int64_t KC = std::min(K32, uk.tiles ? kKCPairs : kKCFp32);
+  const int64_t KC = std::min(K32, uk.form != Packed::kFp32 ? kKCPairs : kKCFp32);
   const int64_t MC = std::max<int64_t>(MR, kMC / MR * MR);
   const int64_t panels = (N + NR - 1) / NR;
   const int64_t mblocks = (M + MC - 1) / MC;
@@ -423,7 +521,7 @@ void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, const Mat& A, const Mat& 
   T = static_cast<int>(std::min<int64_t>(T, tasks));
 
   // Words per packed k pair of one line: 1 (pairs) or 2 (two fp32).
-  const int64_t wpp = uk.tiles ? 1 : 2;
+  const int64_t wpp = uk.form != Packed::kFp32 ? 1 : 2;
   static thread_local Scratch b_scratch;
   uint32_t* bpack = b_scratch.get(static_cast<size_t>(KC / 2 * wpp * panels * NR));
   auto pack_panel = [&](int64_t p, int64_t k0, int64_t kp) {
