@@ -519,6 +519,54 @@ TEST_SUITE("gemm_bf16") {
     CHECK_SAME_BITS(got, want);
   }
 
+  TEST_CASE("avx512-bf16: the check for operands below 2^-62 finds one wherever it lies, in either layout") {
+    // The check reads 16 or 32 values at a time along the stride-1 side and
+    // the rest one by one: a tiny value in the vector body, in the tail, in
+    // A or in B, row-major or transposed, stored bf16 or fp32, must each send
+    // the call to avx512 (one fallback); values at the limit must not.
+    if (!ls::ops::gemm_bf16_path_supported(Bf16Path::kAvx512Bf16)) {
+      MESSAGE("CPU lacks avx512-bf16: that path is not tested here");
+      return;
+    }
+    PathGuard guard;
+    ls::ops::set_gemm_bf16_path(Bf16Path::kAvx512Bf16);
+    const int64_t M = 7, N = 37, K = 70;  // 70 = 2 x 32 + 6 and 4 x 16 + 6: body and tail
+    std::vector<float> c((size_t)(M * N));
+    for (bool transposed : {false, true}) {
+      // A is M x K and B is K x N; transposed: stored column-major (stride 1 along the other side).
+      const int64_t ars = transposed ? 1 : K, acs = transposed ? M : 1, brs = transposed ? 1 : N, bcs = transposed ? K : 1;
+      for (int64_t at : {int64_t(0), int64_t(17), int64_t(33), int64_t(M * K - 1), int64_t(M * K + 40)}) {
+        std::vector<uint16_t> a((size_t)(M * K), 0x3f80), b((size_t)(K * N), 0x3f80);  // 1.0
+        std::vector<float> af((size_t)(M * K), 1.0f), bf((size_t)(K * N), 1.0f);
+        const bool in_a = at < M * K;
+        const size_t i = (size_t)(in_a ? at : at - M * K);
+        const ls::ops::ConstMatBf16 A{a.data(), ars, acs}, B{b.data(), brs, bcs};
+        const ls::ops::ConstMat Af{af.data(), ars, acs}, Bf{bf.data(), brs, bcs};
+        auto fallbacks = [&](auto run) {
+          const int64_t before = ls::ops::gemm_bf16_tiny_fallbacks();
+          run();
+          return ls::ops::gemm_bf16_tiny_fallbacks() - before;
+        };
+        auto bf16_run = [&] { ls::ops::gemm_bf16(M, N, K, A, B, c.data(), N, false, 1); };
+        auto fp32_run = [&] { ls::ops::gemm_bf16_rounded(M, N, K, Af, Bf, c.data(), N, false, 1); };
+        CAPTURE(transposed);
+        CAPTURE(at);
+        CHECK(fallbacks(bf16_run) == 0);
+        CHECK(fallbacks(fp32_run) == 0);
+        (in_a ? a : b)[i] = (uint16_t)(0x8000 | (127 - 63) << 7 | 0x7f);  // -2^-63 x 1.99: tiny
+        (in_a ? af : bf)[i] = -0x1.fp-62f;
+        CHECK(fallbacks(bf16_run) == 1);
+        CHECK(fallbacks(fp32_run) == 1);
+        (in_a ? a : b)[i] = (uint16_t)((127 - 62) << 7);  // exactly 2^-62 (bf16) and 2^-61 (fp32): not tiny
+        (in_a ? af : bf)[i] = 0x1p-61f;
+        CHECK(fallbacks(bf16_run) == 0);
+        CHECK(fallbacks(fp32_run) == 0);
+        (in_a ? af : bf)[i] = 0x1p-140f;  // an fp32 subnormal: below the limit too
+        CHECK(fallbacks(fp32_run) == 1);
+      }
+    }
+  }
+
   TEST_CASE("LeafFold at bf16 fed in pieces of any size equals one weight_grad_bf16: the open block waits") {
     PathGuard guard;
     ls::precision_slot().store(static_cast<int>(ls::Precision::kBf16));

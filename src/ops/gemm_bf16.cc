@@ -43,6 +43,7 @@
 #include "common/thread_pool.h"
 #include "numerics/contract.h"
 #include "ops/aligned_scratch.h"
+#include "ops/flush_to_zero.h"
 
 namespace ls {
 namespace ops {
@@ -529,6 +530,7 @@ void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, const Mat& A, const Mat& 
   };
   // One task: its row block's A strips packed, then its panels' tiles.
   auto run_task = [&](int64_t t, int64_t k0, int64_t kp, bool load, uint32_t* apack) {
+    const FlushToZero ftz(uk.form == Packed::kPairs);  // once per task, not per kernel call
     const int64_t ib = t / groups, g = t % groups;
     const int64_t i0 = ib * MC, mc = std::min(MC, M - i0);
     const int64_t strips = (mc + MR - 1) / MR, strip_words = kp * wpp * MR;

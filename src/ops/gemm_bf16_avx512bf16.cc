@@ -15,14 +15,16 @@
 #include <cmath>
 #include <cstdint>
 
+#include "ops/flush_to_zero.h"
 #include "ops/gemm_bf16.h"
 
 namespace ls::ops::internal {
 
 namespace {
 
+// A subnormal lane (vfpclassps category 0x20) becomes the zero of its sign.
 inline __m512 flush16(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(0x1p-126f), _CMP_LT_OQ);
+  const __mmask16 tiny = _mm512_fpclass_ps_mask(x, 0x20);
   return _mm512_mask_and_ps(x, tiny, x, _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN)));
 }
 
@@ -35,86 +37,114 @@ inline __m512bh pairs(__m512i x) { return (__m512bh)x; }
 
 }  // namespace
 
-// One of E or O over a 32-k block: 8 pair rows from `a` and `b`, MR x 32
-// lanes from +0.
-template <int MR>
-inline void fold_half(const uint32_t* a, const uint32_t* b, __m512 (&acc)[MR][2]) {
-  constexpr int NR = 32;
+// Four of the panel's eight rows (from row `r0`) x 32 lanes: per 32-k block
+// (16 pair rows: E's 8, then O's 8) E and O each fold from +0 in registers,
+// both at once (each accumulator still takes its own steps in order), and
+// C = flush(flush(E + O) + C) stays in registers across the blocks: 24
+// accumulators, so nothing is stored until the end.
+template <int R0>
+inline void fold_rows4(int64_t kp, const uint32_t* a, const uint32_t* b, float* c, int64_t ldc, bool load) {
+  constexpr int MR = 8, NR = 32, R = 4;
+  __m512 acc[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      acc[r][h] = load ? flush16(_mm512_loadu_ps(c + (R0 + r) * ldc + 16 * h)) : _mm512_setzero_ps();
+  for (int64_t pr0 = 0; pr0 < kp; pr0 += 16) {
+    __m512 e[R][2], o[R][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) e[r][0] = e[r][1] = o[r][0] = o[r][1] = _mm512_setzero_ps();
+    const uint32_t* ae = a + pr0 * MR + R0;
+    const uint32_t* be = b + pr0 * NR;
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-  for (int p = 0; p < 8; ++p) {
-    const __m512bh b0 = pairs(_mm512_loadu_si512(b + p * NR)), b1 = pairs(_mm512_loadu_si512(b + p * NR + 16));
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh x = pairs(_mm512_set1_epi32((int)a[p * MR + r]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+    for (int p = 0; p < 8; ++p) {
+      const __m512bh e0 = pairs(_mm512_loadu_si512(be + p * NR)), e1 = pairs(_mm512_loadu_si512(be + p * NR + 16));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = pairs(_mm512_set1_epi32((int)ae[p * MR + r]));
+        e[r][0] = _mm512_dpbf16_ps(e[r][0], x, e0);
+        e[r][1] = _mm512_dpbf16_ps(e[r][1], x, e1);
+      }
+      const __m512bh o0 = pairs(_mm512_loadu_si512(be + (p + 8) * NR)),
+                     o1 = pairs(_mm512_loadu_si512(be + (p + 8) * NR + 16));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = pairs(_mm512_set1_epi32((int)ae[(p + 8) * MR + r]));
+        o[r][0] = _mm512_dpbf16_ps(o[r][0], x, o0);
+        o[r][1] = _mm512_dpbf16_ps(o[r][1], x, o1);
+      }
     }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) acc[r][h] = _mm512_add_ps(_mm512_add_ps(e[r][h], o[r][h]), acc[r][h]);  // flushed: FTZ
   }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + (R0 + r) * ldc + 16 * h, canonical16(acc[r][h]));
 }
 
-// 8 x 32: per 32-k block (16 pair rows: E's 8, then O's 8) E in 16 zmm from
-// +0, kept aside, then O; C = flush(flush(E + O) + C), C kept in a buffer.
+// 8 x 32, as two passes of four rows over the same packed B (from L1).
 void gemm_bf16_ukernel_avx512bf16_8x32(int64_t kp, const void* av, const void* bv, float* c, int64_t ldc, bool load) {
-  constexpr int MR = 8, NR = 32;
   const uint32_t* a = static_cast<const uint32_t*>(av);
   const uint32_t* b = static_cast<const uint32_t*>(bv);
-  alignas(64) float cbuf[MR][NR], ebuf[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int h = 0; h < 2; ++h)
-      _mm512_store_ps(&cbuf[r][16 * h], load ? flush16(_mm512_loadu_ps(c + r * ldc + 16 * h)) : _mm512_setzero_ps());
-  for (int64_t pr0 = 0; pr0 < kp; pr0 += 16) {
-    __m512 acc[MR][2];
-    fold_half<MR>(a + pr0 * MR, b + pr0 * NR, acc);
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r)
-      for (int h = 0; h < 2; ++h) _mm512_store_ps(&ebuf[r][16 * h], acc[r][h]);
-    fold_half<MR>(a + (pr0 + 8) * MR, b + (pr0 + 8) * NR, acc);
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r)
-      for (int h = 0; h < 2; ++h) {
-        const __m512 s = flush16(_mm512_add_ps(_mm512_load_ps(&ebuf[r][16 * h]), acc[r][h]));
-        _mm512_store_ps(&cbuf[r][16 * h], flush16(_mm512_add_ps(s, _mm512_load_ps(&cbuf[r][16 * h]))));
-      }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + r * ldc + 16 * h, canonical16(_mm512_load_ps(&cbuf[r][16 * h])));
+  const FlushToZero ftz;  // the adds' flush (flush_to_zero.h): their operands are never subnormal (vdpbf16ps
+                          // flushes its results, C is flushed as loaded), so a tiny sum is exact and FTZ
+                          // makes it the zero of its sign, the contract's flushed add; vdpbf16ps ignores MXCSR
+  fold_rows4<0>(kp, a, b, c, ldc, load);
+  fold_rows4<4>(kp, a, b, c, ldc, load);
 }
 
-// gemm_bf16.cc's check before it picks this path (called only where it may).
-bool has_tiny(const ConstMatBf16& m, int64_t rows, int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint16_t e = m.p[r * m.rs + c * m.cs] >> 7 & 0xff;  // biased exponent; 0: zero or (flushed) subnormal
-      if (e != 0 && e < 127 - 62) return true;
-    }
-  return false;
-}
-bool has_tiny(const ConstMat& m, int64_t rows, int64_t cols) {
-  // Walk the operand along whichever of its strides is 1, eight values at a time.
-  const bool by_rows = m.cs == 1 || m.rs != 1;
+// gemm_bf16.cc's check before it picks this path (called only where it may):
+// a nonzero magnitude below 2^-62 (bf16) or 2^-61 (fp32, before rounding),
+// read off the exponent bits. Each walks the operand along whichever of its
+// strides is 1, sixteen or thirty-two values at a time.
+namespace {
+
+template <class T, class Lanes>
+bool any_tiny(const T* base, int64_t rows, int64_t cols, int64_t rs, int64_t cs, int lanes, Lanes lanes_tiny,
+              bool (*one_tiny)(T)) {
+  const bool by_rows = cs == 1 || rs != 1;
   const int64_t outer = by_rows ? rows : cols, inner = by_rows ? cols : rows;
-  const int64_t os = by_rows ? m.rs : m.cs, is = by_rows ? m.cs : m.rs;
-  const __m256 limit = _mm256_set1_ps(0x1p-61f), abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const int64_t os = by_rows ? rs : cs, is = by_rows ? cs : rs;
   for (int64_t o = 0; o < outer; ++o) {
-    const float* p = m.p + o * os;
+    const T* p = base + o * os;
     int64_t i = 0;
     if (is == 1) {
-      __m256 any = _mm256_setzero_ps();
-      for (; i + 8 <= inner; i += 8) {
-        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(p + i), abs_mask);
-        any = _mm256_or_ps(any, _mm256_and_ps(_mm256_cmp_ps(a, limit, _CMP_LT_OQ),
-                                              _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_OQ)));
-      }
-      if (_mm256_movemask_ps(any)) return true;
+      uint64_t any = 0;
+      for (; i + lanes <= inner; i += lanes) any |= lanes_tiny(p + i);
+      if (any) return true;
     }
-    for (; i < inner; ++i) {
-      const float a = std::fabs(p[i * is]);
-      if (a != 0.0f && a < 0x1p-61f) return true;
-    }
+    for (; i < inner; ++i)
+      if (one_tiny(p[i * is])) return true;
   }
   return false;
+}
+
+}  // namespace
+
+bool has_tiny(const ConstMatBf16& m, int64_t rows, int64_t cols) {
+  const __m512i exp_mask = _mm512_set1_epi16(0x7f80), limit = _mm512_set1_epi16((127 - 62) << 7);
+  auto lanes = [&](const uint16_t* p) -> uint64_t {
+    const __m512i e = _mm512_and_si512(_mm512_loadu_si512(p), exp_mask);  // biased exponent, in place
+    return _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(e, e), e, limit);
+  };
+  return any_tiny<uint16_t>(m.p, rows, cols, m.rs, m.cs, 32, lanes, [](uint16_t v) {
+    const int e = v >> 7 & 0xff;  // biased exponent; 0: zero or (flushed) subnormal
+    return e != 0 && e < 127 - 62;
+  });
+}
+bool has_tiny(const ConstMat& m, int64_t rows, int64_t cols) {
+  // |x|'s bits, less one, below 2^-61's bits less one: 0 < |x| < 2^-61.
+  const __m512i abs = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1);
+  const __m512i limit = _mm512_set1_epi32(((127 - 61) << 23) - 1);
+  auto lanes = [&](const float* p) -> uint64_t {
+    const __m512i a = _mm512_sub_epi32(_mm512_and_si512(_mm512_loadu_si512(p), abs), one);
+    return _mm512_cmplt_epu32_mask(a, limit);
+  };
+  return any_tiny<float>(m.p, rows, cols, m.rs, m.cs, 16, lanes, [](float v) {
+    const float a = std::fabs(v);
+    return a != 0.0f && a < 0x1p-61f;
+  });
 }
 
 }  // namespace ls::ops::internal
