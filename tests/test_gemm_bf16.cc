@@ -463,11 +463,12 @@ TEST_SUITE("gemm_bf16") {
     }
   }
 
-  TEST_CASE("avx512-bf16: vdpbf16ps gives the fold's bits on edge values down to 2^-62, and hands smaller ones on") {
-    // The path's precondition (gemm_bf16.h): no nonzero operand below 2^-62. Within it, the edge values
-    // (+-0, +-inf, NaN, huge values whose products overflow, bf16 magnitudes from 2^-62 whose products and
-    // sums land below 2^-126 and flush) must run on vdpbf16ps itself and give ls::bf16_dot's bits; an
-    // operand below 2^-62 makes the call run on avx512, with the same bits.
+  TEST_CASE("avx512-bf16: vdpbf16ps gives the fold's bits on edge values down to the limit, and hands smaller ones on") {
+    // The path's precondition (gemm_bf16.h): the smallest nonzero exponents of A and B sum to -135 or more.
+    // Within it, the edge values (+-0, +-inf, NaN, huge values whose products overflow, small magnitudes
+    // whose products and sums land below 2^-126 and flush) must run on vdpbf16ps itself and give
+    // ls::bf16_dot's bits: with both operands' smallest exponents at -62, and at the limit, A's at -100
+    // and B's at -35. Past the limit the call runs on avx512, with the same bits.
     if (!ls::ops::gemm_bf16_path_supported(Bf16Path::kAvx512Bf16)) {
       MESSAGE("CPU lacks avx512-bf16: that path is not tested here");
       return;
@@ -475,55 +476,62 @@ TEST_SUITE("gemm_bf16") {
     PathGuard guard;
     ls::ops::set_gemm_bf16_path(Bf16Path::kAvx512Bf16);
     const int64_t M = 19, N = 45, K = 150;
-    uint64_t x = 99;
-    auto value = [&]() -> uint16_t {
-      x = x * 6364136223846793005ull + 1442695040888963407ull;
-      const uint32_t r = static_cast<uint32_t>(x >> 33);
-      const uint16_t sign = (r & 1) ? 0x8000 : 0, mant = (r >> 1) & 0x7f;
-      switch (r % 16) {
-        case 0: return sign;                           // +-0
-        case 1: return sign | 0x7f80;                  // +-inf
-        case 2: return 0x7fc0 | mant;                  // NaN
-        case 3: return sign | (uint16_t)((127 + 60) << 7) | mant;  // products overflow
-        default: {
-          // magnitudes 2^-62 .. 2^-56 (products 2^-124 .. 2^-112: sums cancel below 2^-126), or ordinary ones
-          const int e = (r % 16) < 12 ? 127 - 62 + (int)(r >> 8) % 7 : 127 - 3 + (int)(r >> 8) % 6;
-          return sign | (uint16_t)(e << 7) | mant;
+    for (const auto& [a_lo, b_lo] : {std::pair{-62, -62}, std::pair{-100, -35}}) {
+      CAPTURE(a_lo);
+      uint64_t x = 99;
+      auto value = [&](int lo) -> uint16_t {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        const uint32_t r = static_cast<uint32_t>(x >> 33);
+        const uint16_t sign = (r & 1) ? 0x8000 : 0, mant = (r >> 1) & 0x7f;
+        switch (r % 16) {
+          case 0: return sign;                           // +-0
+          case 1: return sign | 0x7f80;                  // +-inf
+          case 2: return 0x7fc0 | mant;                  // NaN
+          case 3: return sign | (uint16_t)((127 + 60) << 7) | mant;  // products overflow
+          default: {
+            // magnitudes 2^lo .. 2^(lo+6) (products near the limit: sums cancel below 2^-126), or ordinary ones
+            const int e = (r % 16) < 12 ? 127 + lo + (int)(r >> 8) % 7 : 127 - 3 + (int)(r >> 8) % 6;
+            return sign | (uint16_t)(e << 7) | mant;
+          }
         }
-      }
-    };
-    std::vector<uint16_t> a((size_t)(M * K)), b((size_t)(K * N));
-    for (auto& v : a) v = value();
-    for (auto& v : b) v = value();
-    // The first rows of A and columns of B: magnitudes 2^-62 .. 2^-60 only, so their products are tiny.
-    for (int64_t i = 0; i < M / 2; ++i)
-      for (int64_t k = 0; k < K; ++k) a[(size_t)(i * K + k)] = (uint16_t)((a[(size_t)(i * K + k)] & 0x8000) | ((127 - 62 + k % 3) << 7) | (k * 37 & 0x7f));
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < N / 2; ++j)
-        b[(size_t)(k * N + j)] = (uint16_t)((b[(size_t)(k * N + j)] & 0x8000) | ((127 - 62 + j % 2) << 7) | (j * 11 + k & 0x7f));
-    const ls::ops::ConstMatBf16 A{a.data(), K, 1}, B{b.data(), N, 1};
-    std::vector<float> want((size_t)(M * N)), got(want.size());
-    ls::ops::gemm_bf16_naive(M, N, K, A, B, want.data(), N, false);
-    const int64_t before = ls::ops::gemm_bf16_tiny_fallbacks();
-    ls::ops::gemm_bf16(M, N, K, A, B, got.data(), N, false, 1);
-    CHECK(ls::ops::gemm_bf16_tiny_fallbacks() == before);  // vdpbf16ps ran it
-    CHECK_SAME_BITS(got, want);
-    int64_t tiny = 0;  // outputs of tiny products only: their steps pass below 2^-126, where flushing acts
-    for (float f : want) tiny += std::fabs(f) < 0x1p-110f;
-    CHECK(tiny > 0);
-    // One operand below 2^-62: the call runs on avx512, the same bits.
-    a[5] = (uint16_t)((127 - 70) << 7);
-    ls::ops::gemm_bf16_naive(M, N, K, A, B, want.data(), N, false);
-    ls::ops::gemm_bf16(M, N, K, A, B, got.data(), N, false, 1);
-    CHECK(ls::ops::gemm_bf16_tiny_fallbacks() == before + 1);
-    CHECK_SAME_BITS(got, want);
+      };
+      std::vector<uint16_t> a((size_t)(M * K)), b((size_t)(K * N));
+      for (auto& v : a) v = value(a_lo);
+      for (auto& v : b) v = value(b_lo);
+      // The first rows of A and columns of B: magnitudes 2^lo .. 2^(lo+5) only, so their products are tiny.
+      for (int64_t i = 0; i < M / 2; ++i)
+        for (int64_t k = 0; k < K; ++k)
+          a[(size_t)(i * K + k)] = (uint16_t)((a[(size_t)(i * K + k)] & 0x8000) | ((127 + a_lo + k % 6) << 7) | (k * 37 & 0x7f));
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < N / 2; ++j)
+          b[(size_t)(k * N + j)] = (uint16_t)((b[(size_t)(k * N + j)] & 0x8000) | ((127 + b_lo + j % 6) << 7) | (j * 11 + k & 0x7f));
+      const ls::ops::ConstMatBf16 A{a.data(), K, 1}, B{b.data(), N, 1};
+      std::vector<float> want((size_t)(M * N)), got(want.size());
+      ls::ops::gemm_bf16_naive(M, N, K, A, B, want.data(), N, false);
+      const int64_t before = ls::ops::gemm_bf16_tiny_fallbacks();
+      ls::ops::gemm_bf16(M, N, K, A, B, got.data(), N, false, 1);
+      CHECK(ls::ops::gemm_bf16_tiny_fallbacks() == before);  // vdpbf16ps ran it
+      CHECK_SAME_BITS(got, want);
+      int64_t tiny = 0;  // outputs of tiny products only: their steps pass below 2^-126, where flushing acts
+      for (float f : want) tiny += f != 0.0f && std::fabs(f) < 0x1p-110f;
+      CHECK(tiny > 0);
+      // A product with bits below 2^-149 (a value 20 binades below A's smallest): the call runs on avx512,
+      // the same bits.
+      a[5] = (uint16_t)((127 + a_lo - 20) << 7);
+      ls::ops::gemm_bf16_naive(M, N, K, A, B, want.data(), N, false);
+      ls::ops::gemm_bf16(M, N, K, A, B, got.data(), N, false, 1);
+      CHECK(ls::ops::gemm_bf16_tiny_fallbacks() == before + 1);
+      CHECK_SAME_BITS(got, want);
+    }
   }
 
-  TEST_CASE("avx512-bf16: the check for operands below 2^-62 finds one wherever it lies, in either layout") {
+  TEST_CASE("avx512-bf16: the check for products below 2^-149 finds a small value wherever it lies") {
     // The check reads 16 or 32 values at a time along the stride-1 side and
-    // the rest one by one: a tiny value in the vector body, in the tail, in
-    // A or in B, row-major or transposed, stored bf16 or fp32, must each send
-    // the call to avx512 (one fallback); values at the limit must not.
+    // the rest one by one. With every other value 2^-20, a value whose
+    // exponent is below -115 (the exponents sum below -135) in the vector
+    // body, in the tail, in A or in B, row-major or transposed, stored bf16
+    // or fp32, must send the call to avx512 (one fallback); one at -115 must
+    // not, nor a bf16 subnormal (the fold reads it as zero).
     if (!ls::ops::gemm_bf16_path_supported(Bf16Path::kAvx512Bf16)) {
       MESSAGE("CPU lacks avx512-bf16: that path is not tested here");
       return;
@@ -531,13 +539,14 @@ TEST_SUITE("gemm_bf16") {
     PathGuard guard;
     ls::ops::set_gemm_bf16_path(Bf16Path::kAvx512Bf16);
     const int64_t M = 7, N = 37, K = 70;  // 70 = 2 x 32 + 6 and 4 x 16 + 6: body and tail
+    const uint16_t small = (uint16_t)((127 - 20) << 7);
     std::vector<float> c((size_t)(M * N));
     for (bool transposed : {false, true}) {
       // A is M x K and B is K x N; transposed: stored column-major (stride 1 along the other side).
       const int64_t ars = transposed ? 1 : K, acs = transposed ? M : 1, brs = transposed ? 1 : N, bcs = transposed ? K : 1;
       for (int64_t at : {int64_t(0), int64_t(17), int64_t(33), int64_t(M * K - 1), int64_t(M * K + 40)}) {
-        std::vector<uint16_t> a((size_t)(M * K), 0x3f80), b((size_t)(K * N), 0x3f80);  // 1.0
-        std::vector<float> af((size_t)(M * K), 1.0f), bf((size_t)(K * N), 1.0f);
+        std::vector<uint16_t> a((size_t)(M * K), small), b((size_t)(K * N), small);
+        std::vector<float> af((size_t)(M * K), 0x1p-20f), bf((size_t)(K * N), 0x1p-20f);
         const bool in_a = at < M * K;
         const size_t i = (size_t)(in_a ? at : at - M * K);
         const ls::ops::ConstMatBf16 A{a.data(), ars, acs}, B{b.data(), brs, bcs};
@@ -553,15 +562,17 @@ TEST_SUITE("gemm_bf16") {
         CAPTURE(at);
         CHECK(fallbacks(bf16_run) == 0);
         CHECK(fallbacks(fp32_run) == 0);
-        (in_a ? a : b)[i] = (uint16_t)(0x8000 | (127 - 63) << 7 | 0x7f);  // -2^-63 x 1.99: tiny
-        (in_a ? af : bf)[i] = -0x1.fp-62f;
+        (in_a ? a : b)[i] = (uint16_t)(0x8000 | (127 - 116) << 7 | 0x7f);  // -1.99 x 2^-116
+        (in_a ? af : bf)[i] = -0x1.fp-116f;
         CHECK(fallbacks(bf16_run) == 1);
         CHECK(fallbacks(fp32_run) == 1);
-        (in_a ? a : b)[i] = (uint16_t)((127 - 62) << 7);  // exactly 2^-62 (bf16) and 2^-61 (fp32): not tiny
-        (in_a ? af : bf)[i] = 0x1p-61f;
+        (in_a ? a : b)[i] = (uint16_t)((127 - 115) << 7);  // 2^-115: at the limit
+        (in_a ? af : bf)[i] = 0x1p-115f;
         CHECK(fallbacks(bf16_run) == 0);
         CHECK(fallbacks(fp32_run) == 0);
-        (in_a ? af : bf)[i] = 0x1p-140f;  // an fp32 subnormal: below the limit too
+        (in_a ? a : b)[i] = (uint16_t)0x0041;  // a bf16 subnormal: read as zero
+        CHECK(fallbacks(bf16_run) == 0);
+        (in_a ? af : bf)[i] = 0x1p-140f;  // an fp32 subnormal: may round to 2^-126, so it counts
         CHECK(fallbacks(fp32_run) == 1);
       }
     }

@@ -67,11 +67,13 @@ struct Bf16Kernel {
 void gemm_bf16_ukernel_avx512_8x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
 void gemm_bf16_ukernel_amx_32x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
 void gemm_bf16_ukernel_avx512bf16_8x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
-// Whether a rows x cols operand holds a value the avx512-bf16 path cannot take
-// (gemm_bf16.h): nonzero and below 2^-62 once rounded to bf16; fp32 values
-// are judged before rounding, conservatively (below 2^-61).
-bool has_tiny(const ConstMatBf16& m, int64_t rows, int64_t cols);
-bool has_tiny(const ConstMat& m, int64_t rows, int64_t cols);
+// The smallest biased exponent of a rows x cols operand's nonzero values as
+// the fold reads them (255 when there is none): what decides whether the
+// avx512-bf16 path can take a call (gemm_bf16.h). bf16 subnormals read as
+// zeros and are skipped; fp32 values are judged before rounding, which can
+// only raise an exponent, an fp32 subnormal counting as 0.
+int min_exponent(const ConstMatBf16& m, int64_t rows, int64_t cols);
+int min_exponent(const ConstMat& m, int64_t rows, int64_t cols);
 // The amx path's packing of a full strip or panel (kp a multiple of 16):
 // A rows k-contiguous; B rows column-contiguous (amx_pack_b) or columns
 // k-contiguous (amx_pack_bt, a transposed view).
@@ -501,7 +503,10 @@ void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, const Mat& A, const Mat& 
     return;
   }
   const Bf16Path path = effective_path();
-  const bool fall_back = path == Bf16Path::kAvx512Bf16 && (internal::has_tiny(A, M, K) || internal::has_tiny(B, K, N));
+  // Every product a multiple of 2^-149: unbiased exponents summing to -135 or more (each product's last
+  // bit is 14 places below its exponents' sum).
+  const bool fall_back = path == Bf16Path::kAvx512Bf16 &&
+                         internal::min_exponent(A, M, K) + internal::min_exponent(B, K, N) - 2 * 127 < -135;
   if (fall_back) g_tiny_fallbacks.fetch_add(1, std::memory_order_relaxed);
   const Bf16Kernel& uk = fall_back ? kAvx512Kernel : kernel_for(path);
   const int MR = uk.mr, NR = uk.nr;

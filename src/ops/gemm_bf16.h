@@ -76,17 +76,18 @@ void amx_tiles_clobbered();
 // kAuto picks the best the CPU (and, for amx, the OS) supports (amx, else
 // avx512-bf16, avx512, avx2, scalar); forcing a path the CPU lacks falls back
 // to kAuto's choice. Independent of set_gemm_path. avx512-bf16 (vdpbf16ps)
-// computes the contract's steps exactly while no operand's nonzero value lies
-// below 2^-62 in magnitude (every product then a multiple of 2^-138, so no
-// step lands between the two tininess rules); a call with such an operand
-// runs on avx512 instead, the same bits.
+// computes the contract's steps exactly while every product is a multiple of
+// 2^-149 (then every step's sum is one, and none lands between the two
+// tininess rules): while the smallest nonzero exponents of A and of B sum to
+// -135 or more. A call whose operands do not runs on avx512 instead, the
+// same bits.
 enum class Bf16Path { kAuto, kScalar, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 void set_gemm_bf16_path(Bf16Path path);
 Bf16Path gemm_bf16_path();              // the path in use
 const char* bf16_path_name(Bf16Path p);  // "scalar", "avx2", "avx512", "avx512-bf16", "amx" (kAuto: "auto")
 bool gemm_bf16_path_supported(Bf16Path path);
-// Calls the avx512-bf16 path handed to avx512 for an operand below 2^-62
-// (counted since the process began; for tests).
+// Calls the avx512-bf16 path handed to avx512 for operands that small
+// (counted since the process began; for tests and the run summary).
 int64_t gemm_bf16_tiny_fallbacks();
 
 }  // namespace ops

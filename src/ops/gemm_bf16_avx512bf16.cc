@@ -8,10 +8,14 @@
 // another: one instruction is two of the contract's steps of E, or of O, in
 // its order. Where a step's result is tiny, the hardware rounds onto the
 // subnormal grid before flushing and the contract rounds to 24 bits first;
-// they can differ only for operands below 2^-62 in magnitude, which
-// gemm_bf16.cc checks for before it picks this path (gemm_bf16.h).
+// they can differ only where a product has bits below 2^-149, which
+// gemm_bf16.cc rules out from the operands' smallest exponents before it
+// picks this path (gemm_bf16.h).
 #include <immintrin.h>
 
+#include <string.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -95,55 +99,55 @@ void gemm_bf16_ukernel_avx512bf16_8x32(int64_t kp, const void* av, const void* b
 }
 
 // gemm_bf16.cc's check before it picks this path (called only where it may):
-// a nonzero magnitude below 2^-62 (bf16) or 2^-61 (fp32, before rounding),
-// read off the exponent bits. Each walks the operand along whichever of its
-// strides is 1, sixteen or thirty-two values at a time.
+// the smallest biased exponent of the nonzero values, read off the bits.
+// Each walks the operand along whichever of its strides is 1, sixteen or
+// thirty-two values at a time.
 namespace {
 
 template <class T, class Lanes>
-bool any_tiny(const T* base, int64_t rows, int64_t cols, int64_t rs, int64_t cs, int lanes, Lanes lanes_tiny,
-              bool (*one_tiny)(T)) {
+int min_exponent_of(const T* base, int64_t rows, int64_t cols, int64_t rs, int64_t cs, int lanes, Lanes lanes_min,
+                    int (*one)(T)) {
   const bool by_rows = cs == 1 || rs != 1;
   const int64_t outer = by_rows ? rows : cols, inner = by_rows ? cols : rows;
   const int64_t os = by_rows ? rs : cs, is = by_rows ? cs : rs;
+  int least = 255;
+  __m512i m = _mm512_set1_epi32(255);
   for (int64_t o = 0; o < outer; ++o) {
     const T* p = base + o * os;
     int64_t i = 0;
-    if (is == 1) {
-      uint64_t any = 0;
-      for (; i + lanes <= inner; i += lanes) any |= lanes_tiny(p + i);
-      if (any) return true;
-    }
-    for (; i < inner; ++i)
-      if (one_tiny(p[i * is])) return true;
+    if (is == 1)
+      for (; i + lanes <= inner; i += lanes) m = lanes_min(p + i, m);
+    for (; i < inner; ++i) least = std::min(least, one(p[i * is]));
   }
-  return false;
+  return std::min(least, (int)_mm512_reduce_min_epu32(m));
 }
 
 }  // namespace
 
-bool has_tiny(const ConstMatBf16& m, int64_t rows, int64_t cols) {
-  const __m512i exp_mask = _mm512_set1_epi16(0x7f80), limit = _mm512_set1_epi16((127 - 62) << 7);
-  auto lanes = [&](const uint16_t* p) -> uint64_t {
-    const __m512i e = _mm512_and_si512(_mm512_loadu_si512(p), exp_mask);  // biased exponent, in place
-    return _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(e, e), e, limit);
+int min_exponent(const ConstMatBf16& m, int64_t rows, int64_t cols) {
+  // 32 bf16: exponent fields 0 (zeros, and subnormals the fold reads as zeros) raised to 255.
+  auto lanes = [](const uint16_t* p, __m512i m32) {
+    const __m512i e = _mm512_srli_epi16(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi16(0x7f80)), 7);
+    const __m512i f = _mm512_mask_mov_epi16(e, _mm512_testn_epi16_mask(e, e), _mm512_set1_epi16(255));
+    // the two 16-bit halves of each 32-bit lane, to the lane's minimum
+    const __m512i lo = _mm512_and_si512(f, _mm512_set1_epi32(0xffff)), hi = _mm512_srli_epi32(f, 16);
+    return _mm512_min_epu32(m32, _mm512_min_epu32(lo, hi));
   };
-  return any_tiny<uint16_t>(m.p, rows, cols, m.rs, m.cs, 32, lanes, [](uint16_t v) {
-    const int e = v >> 7 & 0xff;  // biased exponent; 0: zero or (flushed) subnormal
-    return e != 0 && e < 127 - 62;
+  return min_exponent_of<uint16_t>(m.p, rows, cols, m.rs, m.cs, 32, lanes, [](uint16_t v) {
+    const int e = v >> 7 & 0xff;
+    return e == 0 ? 255 : e;
   });
 }
-bool has_tiny(const ConstMat& m, int64_t rows, int64_t cols) {
-  // |x|'s bits, less one, below 2^-61's bits less one: 0 < |x| < 2^-61.
-  const __m512i abs = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1);
-  const __m512i limit = _mm512_set1_epi32(((127 - 61) << 23) - 1);
-  auto lanes = [&](const float* p) -> uint64_t {
-    const __m512i a = _mm512_sub_epi32(_mm512_and_si512(_mm512_loadu_si512(p), abs), one);
-    return _mm512_cmplt_epu32_mask(a, limit);
+int min_exponent(const ConstMat& m, int64_t rows, int64_t cols) {
+  // 16 fp32: zeros skipped; a subnormal's field, 0, kept.
+  auto lanes = [](const float* p, __m512i m32) {
+    const __m512i x = _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(0x7fffffff));
+    return _mm512_mask_min_epu32(m32, _mm512_test_epi32_mask(x, x), m32, _mm512_srli_epi32(x, 23));
   };
-  return any_tiny<float>(m.p, rows, cols, m.rs, m.cs, 16, lanes, [](float v) {
-    const float a = std::fabs(v);
-    return a != 0.0f && a < 0x1p-61f;
+  return min_exponent_of<float>(m.p, rows, cols, m.rs, m.cs, 16, lanes, [](float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & 0x7fffffffu) == 0 ? 255 : (int)(u >> 23 & 0xff);
   });
 }
 
