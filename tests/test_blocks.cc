@@ -67,7 +67,7 @@ using TraceRecords = std::map<TraceKey, std::vector<float>>;
 struct RecordingSink : ls::TraceSink {
   TraceRecords records;
   void tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
-              const std::vector<int64_t>& shape) override {
+              const std::vector<int64_t>& shape, ls::TraceDtype = ls::TraceDtype::kF32) override {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     records[{phase, layer, op, name}].assign(data, data + n);

@@ -453,3 +453,102 @@ TEST_SUITE("trace") {
                          ls::UserError);
   }
 }
+
+TEST_SUITE("trace") {
+  // Every tensor record says the dtype its backend holds the values in
+  // (docs/TRACE.md): at bf16 too every traced tensor is held as fp32.
+  TEST_CASE("a bf16 run's trace says dtype f32 on every tensor record, on one rank and on a mesh") {
+    const std::string bf16 = " --set numerics.precision=bf16 --set model.d_model=64 --set model.d_ff=64";
+    const fs::path one = tmp() / "bf16.jsonl", mesh = tmp() / "bf16_mesh.jsonl";
+    REQUIRE(lockstep("run " + scenario().string() + " --quiet --trace " + one.string() + bf16) == 0);
+    REQUIRE(lockstep("run " + scenario().string() + " --quiet --trace " + mesh.string() + bf16 +
+                     " --set mesh.tp=2 --set mesh.dp=2") == 0);
+    for (const fs::path& p : {one, mesh}) {
+      CAPTURE(p);
+      std::istringstream lines(slurp_text(p));
+      std::string line;
+      int tensors = 0;
+      while (std::getline(lines, line)) {
+        const nlohmann::json r = nlohmann::json::parse(line);
+        if (r.at("kind") == "header") CHECK(r.at("resolved").at("numerics").at("precision") == "bf16");
+        if (r.at("kind") != "tensor") continue;
+        ++tensors;
+        CHECK(r.at("dtype") == "f32");  // the writer's own line, not the reader's default
+      }
+      CHECK(tensors > 0);
+    }
+    CHECK(ls::diff_traces(ls::read_trace(one.string()), ls::read_trace(mesh.string())).identical);
+  }
+
+  TEST_CASE("the reader reads a tensor record without dtype (an older trace) as f32, and refuses a bad one") {
+    const fs::path full = tmp() / "dtype_full.jsonl";
+    REQUIRE(lockstep("run " + scenario().string() + " --quiet --steps 1 --trace " + full.string()) == 0);
+    const std::string text = slurp_text(full), field = "\"dtype\":\"f32\",";
+    REQUIRE(has(text, field));
+    std::string old = text;
+    for (size_t at; (at = old.find(field)) != std::string::npos;) old.erase(at, field.size());
+    const fs::path older = tmp() / "dtype_older.jsonl";
+    std::ofstream(older, std::ios::binary) << old;
+    const ls::Trace t = ls::read_trace(older.string());
+    REQUIRE(!t.tensors.empty());
+    for (const nlohmann::json& r : t.tensors) CHECK(r.at("dtype") == "f32");
+    const ls::TraceDiff d = ls::diff_traces(t, ls::read_trace(full.string()));
+    CHECK(d.identical);
+    CHECK(d.dtype_changes.is_null());
+    std::string bad = text;
+    bad.replace(bad.find(field), field.size(), "\"dtype\":16,");
+    const fs::path badp = tmp() / "dtype_bad.jsonl";
+    std::ofstream(badp, std::ios::binary) << bad;
+    CHECK_THROWS_WITH_AS(ls::read_trace(badp.string()), doctest::Contains("field 'dtype' must be a string"),
+                         ls::UserError);
+  }
+
+  TEST_CASE("diff names a record whose dtype differs, in text and --json, whether the bits agree or not") {
+    const fs::path a = tmp() / "dtype_a.jsonl";
+    REQUIRE(lockstep("run " + scenario().string() + " --quiet --steps 2 --trace " + a.string()) == 0);
+    // Step 2's fwd layer 0 qkv/out record said to be held as bf16 (its bits kept) in B, and in C its hash changed too.
+    std::vector<std::string> lines;
+    size_t qkv = 0;
+    {
+      std::istringstream in(slurp_text(a));
+      for (std::string line; std::getline(in, line); lines.push_back(line)) {
+        const nlohmann::json r = nlohmann::json::parse(line);
+        if (r.at("kind") == "tensor" && r.at("step") == 2 && r.at("phase") == "fwd" && r.at("layer") == 0 &&
+            r.at("op") == "qkv")
+          qkv = lines.size();
+      }
+    }
+    REQUIRE(qkv > 0);
+    auto written = [&](const std::string& name, const std::string& record) {
+      std::string text;
+      for (size_t i = 0; i < lines.size(); ++i) text += (i == qkv ? record : lines[i]) + "\n";
+      std::ofstream(tmp() / name, std::ios::binary) << text;
+      return tmp() / name;
+    };
+    std::string record = lines[qkv];
+    REQUIRE(has(record, "\"dtype\":\"f32\""));
+    record.replace(record.find("\"dtype\":\"f32\""), 13, "\"dtype\":\"bf16\"");
+    const fs::path b = written("dtype_b.jsonl", record);
+    record.replace(record.find("\"hash\":\"") + 8, 32, std::string(32, '0'));
+    const fs::path c = written("dtype_c.jsonl", record);
+    const std::string named = "step 2, fwd, layer 0, op qkv, tensor out: f32 in A, bf16 in B";
+    std::string out;
+    CHECK(lockstep("diff " + a.string() + " " + b.string(), &out) == 0);  // the bits agree
+    CAPTURE(out);
+    CHECK(has(out, "traces identical over steps 1-2"));
+    CHECK(has(out, "tensor dtypes that differ: 1 of "));
+    CHECK(has(out, named));
+    CHECK(lockstep("diff " + a.string() + " " + c.string(), &out) == 1);
+    CHECK(has(out, named));
+    CHECK(has(out, "first divergence: step 2, fwd, layer 0, op qkv, tensor out"));
+    CHECK(lockstep("diff --json " + a.string() + " " + b.string(), &out) == 0);
+    const nlohmann::json j = nlohmann::json::parse(out).at("dtype_changes");
+    CHECK(j.at("differing") == 1);
+    CHECK(j.at("total").get<int>() > 1);
+    const nlohmann::json want = {{"step", 2}, {"phase", "fwd"}, {"layer", 0}, {"op", "qkv"},
+                                 {"tensor", "out"}, {"a", "f32"}, {"b", "bf16"}};
+    CHECK(j.at("first") == nlohmann::json::array({want}));
+    CHECK(lockstep("diff --json " + a.string() + " " + a.string(), &out) == 0);
+    CHECK(nlohmann::json::parse(out).at("dtype_changes").is_null());
+  }
+}

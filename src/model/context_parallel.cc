@@ -146,11 +146,9 @@ ops::ProbsStore probs_store(LayerActs& acts, int64_t entries) {
   return {acts.attn_probs.data(), nullptr};
 }
 
-ops::ProbsStore probs_kept(const LayerActs& acts) {
-  // The backward only reads P; the store's pointers are the forward's.
-  LayerActs& a = const_cast<LayerActs&>(acts);
-  if (probs_as_bf16()) return {nullptr, a.attn_probs_bf16.data()};
-  return {a.attn_probs.data(), nullptr};
+ops::ProbsView probs_kept(const LayerActs& acts) {
+  if (probs_as_bf16()) return {nullptr, acts.attn_probs_bf16.data()};
+  return {acts.attn_probs.data(), nullptr};
 }
 
 void attention_forward_held(StepContext& ctx, int layer, const float* attn_in, const float* wqkv, LayerActs& acts) {
@@ -345,7 +343,7 @@ void for_each_my_link(const StepContext& ctx, Fn&& fn) {
 // The chain of a sample's dK, dV folds, a whole link at a time: receive the
 // keys [0, first) from the previous link's rank, run the range's backward,
 // send the keys [0, end) on. Kernel backends (one launch per link).
-void chain_whole_links(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
+void chain_whole_links(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsView P,
                        const float* dattn_out, float* dqkv) {
   const int S = ctx.cfg.seq_len, Dh = heads * hd;
   const int64_t ld = 3 * (int64_t)Dh;
@@ -391,7 +389,7 @@ void chain_whole_links(StepContext& ctx, const float* qkv, int heads, int hd, fl
 // on block i while this one works on block i + 1, inside one sample too.
 // Each key's fold runs over the queries in ascending order as in the
 // whole-link chain: the same bits.
-void chain_key_blocks(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
+void chain_key_blocks(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsView P,
                       const float* dattn_out, float* dqkv) {
   const int S = ctx.cfg.seq_len, Dh = heads * hd, kb = cp_chain_key_block(S, ctx.cp());
   const int group = std::max(1, std::min(heads, omp_get_max_threads()));
@@ -445,7 +443,7 @@ void chain_key_blocks(StepContext& ctx, const float* qkv, int heads, int hd, flo
 // queries from +0 (its ranges in ascending order), and the group's partials
 // are summed by an all-reduce in the library's order, so every rank holds
 // every key's dK, dV. Its bits move with mesh.cp.
-void local_partials_summed(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
+void local_partials_summed(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsView P,
                            const float* dattn_out, float* dqkv) {
   const int S = ctx.cfg.seq_len, Dh = heads * hd;
   const int64_t ld = 3 * (int64_t)Dh, rows = (int64_t)ctx.batch * S;
@@ -472,7 +470,7 @@ void local_partials_summed(StepContext& ctx, const float* qkv, int heads, int hd
 
 }  // namespace
 
-void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
+void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsView P,
                            const float* dattn_out, float* dqkv) {
   const int S = ctx.cfg.seq_len, Dh = heads * hd;
   const int64_t ld = 3 * (int64_t)Dh;

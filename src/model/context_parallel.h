@@ -53,10 +53,10 @@ void attention_backward_held(StepContext& ctx, const LayerActs& acts, const floa
 // Where a layer keeps P: as bf16 when numerics.precision=bf16 rounds it so and
 // the CPU engine runs (half the bytes, the same values; ops::ProbsStore), else
 // fp32. probs_store sizes it for `entries` and the forward writes it;
-// probs_kept is the same store for the backward.
+// probs_kept is the same store, read-only, for the backward.
 bool probs_as_bf16();
 ops::ProbsStore probs_store(LayerActs& acts, int64_t entries);
-ops::ProbsStore probs_kept(const LayerActs& acts);
+ops::ProbsView probs_kept(const LayerActs& acts);
 
 // The experts' plan this rank computes: its EP rank's, or at cp > 1 its
 // block of those experts (cp_own_experts, kept in `scratch`). Points the
@@ -189,7 +189,7 @@ void cp_attention_forward(StepContext& ctx, const float* qkv, int heads, int hd,
 // along cp_chain, the last link's rank handing each rank its own rows and
 // every row's columns of its wqkv gradient share (cp_share of 3*Dh).
 // Those, and dq, are what a rank reads; its other dk, dv entries are stale.
-void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsStore P,
+void cp_attention_backward(StepContext& ctx, const float* qkv, int heads, int hd, float scale, ops::ProbsView P,
                            const float* dattn_out, float* dqkv);
 
 }  // namespace ls

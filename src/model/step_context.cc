@@ -17,7 +17,7 @@ const ParamInfo& StepContext::param(const std::string& name) const {
 }
 
 void StepContext::trace_tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
-                               std::vector<int64_t> shape, TraceLayout layout) const {
+                               std::vector<int64_t> shape, TraceLayout layout, TraceDtype dtype) const {
   if (!trace) return;
   ops::synchronize();  // the host reads what kernels wrote
   // This rank's first token in the step's (sample, position) order: its
@@ -55,7 +55,7 @@ void StepContext::trace_tensor(const char* phase, int layer, const char* op, con
     piece.cols.push_back({0, 0, cols});
     piece.ld = cols;
   }
-  trace->piece(phase, layer, op, name, data, shape, piece);
+  trace->piece(phase, layer, op, name, data, shape, piece, dtype);
 }
 
 const float* StepContext::token_slot_order(const LayerActs& acts, const float* rows, int width) const {

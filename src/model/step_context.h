@@ -202,8 +202,9 @@ struct StepContext {
 
   // A tensor to the trace sink, if tracing: this rank's piece of it, as
   // `layout` says, shape[0] standing for the step's N. (One rank: the whole.)
+  // dtype: how this backend holds the values (data: their fp32 form).
   void trace_tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
-                    std::vector<int64_t> shape, TraceLayout layout = {}) const;
+                    std::vector<int64_t> shape, TraceLayout layout = {}, TraceDtype dtype = TraceDtype::kF32) const;
   // Expert rows in (token, slot) order, the layout the reference keeps (for the trace).
   const float* token_slot_order(const LayerActs& acts, const float* rows, int width) const;
 

@@ -352,14 +352,25 @@ void unpack_probs(const uint16_t* at, int Q, int t_off, float* out, int u0 = 0, 
 
 // Chunk c of a range (the queries [c, c + n) of Q from t_off) kept in the
 // range's layout, and that chunk as a range of its own: block b of the chunk
-// is block c / 16 + b of the range, with fewer keys per block. to_store:
-// chunk -> store (rounded, already bf16 values), else store -> chunk.
-void move_chunk(uint16_t* store, int Q, int t_off, int c, int n, float* chunk, bool to_store) {
+// is block c / 16 + b of the range, with fewer keys per block. Calls
+// fn(the block's first entry in the range's store, in the chunk, count).
+template <class Fn>
+void for_each_chunk_block(int Q, int t_off, int c, int n, Fn fn) {
   const int64_t U = t_off + Q, Uc = t_off + c + n;
   for_each_probs_block(n, t_off + c, [&](int64_t first, int64_t count) {
-    uint16_t* at = store + (int64_t)c * U + first / Uc * U;  // first / Uc: the chunk's query offset of the block
-    if (to_store) to_bf16_n(chunk + first, at, count);
-    else from_bf16_n(at, chunk + first, count);
+    fn((int64_t)c * U + first / Uc * U, first, count);  // first / Uc: the chunk's query offset of the block
+  });
+}
+// chunk -> store (rounded, already bf16 values).
+void store_chunk(uint16_t* store, int Q, int t_off, int c, int n, const float* chunk) {
+  for_each_chunk_block(Q, t_off, c, n, [&](int64_t at, int64_t first, int64_t count) {
+    to_bf16_n(chunk + first, store + at, count);
+  });
+}
+// store -> chunk.
+void load_chunk(const uint16_t* store, int Q, int t_off, int c, int n, float* chunk) {
+  for_each_chunk_block(Q, t_off, c, n, [&](int64_t at, int64_t first, int64_t count) {
+    from_bf16_n(store + at, chunk + first, count);
   });
 }
 
@@ -373,7 +384,7 @@ void forward_range_stored(const float* q, int64_t ldq, const float* k, const flo
     sc.probs.resize((size_t)attention_range_probs_floats(n, t_off + c));
     attention_forward_range(q + c * ldq, ldq, k, v, ldkv, n, t_off + c, hd, scale, sc.probs.data(), o + c * ldo, ldo,
                             sc);
-    move_chunk(P.bf16 + at, Q, t_off, c, n, sc.probs.data(), true);
+    store_chunk(P.bf16 + at, Q, t_off, c, n, sc.probs.data());
   }
 }
 
@@ -381,7 +392,7 @@ void forward_range_stored(const float* q, int64_t ldq, const float* k, const flo
 // time, each chunk continuing the keys' folds (chained in ascending t_off,
 // the whole range's bits), from rows zeroed first unless continue_kv.
 void backward_range_stored(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, int Q, int t_off,
-                           int hd, float scale, ProbsStore P, int64_t at, const float* dO, int64_t ldo, float* dq,
+                           int hd, float scale, ProbsView P, int64_t at, const float* dO, int64_t ldo, float* dq,
                            int64_t lddq, float* dk, float* dv, int64_t lddkv, bool continue_kv, AttentionScratch& sc) {
   if (!P.bf16)
     return attention_backward_range(q, ldq, k, v, ldkv, Q, t_off, hd, scale, P.f32 + at, dO, ldo, dq, lddq, dk, dv,
@@ -394,7 +405,7 @@ void backward_range_stored(const float* q, int64_t ldq, const float* k, const fl
   for (int c = 0; c < Q; c += kProbsChunk) {
     const int n = std::min(kProbsChunk, Q - c);
     sc.probs.resize((size_t)attention_range_probs_floats(n, t_off + c));
-    move_chunk(P.bf16 + at, Q, t_off, c, n, sc.probs.data(), false);
+    load_chunk(P.bf16 + at, Q, t_off, c, n, sc.probs.data());
     attention_backward_range(q + c * ldq, ldq, k, v, ldkv, n, t_off + c, hd, scale, sc.probs.data(), dO + c * ldo, ldo,
                              dq + c * lddq, lddq, dk, dv, lddkv, true, sc);
   }
@@ -402,7 +413,7 @@ void backward_range_stored(const float* q, int64_t ldq, const float* k, const fl
 
 // The fp32 P of a query range from `at` in a store: the store's own, or a
 // bf16 store's (the keys [u0, u1) of each block; u1 < 0: all) in `scratch`.
-const float* probs_f32(ProbsStore P, int64_t at, int Q, int t_off, std::vector<float>& scratch, int u0 = 0,
+const float* probs_f32(ProbsView P, int64_t at, int Q, int t_off, std::vector<float>& scratch, int u0 = 0,
                        int u1 = -1) {
   if (!P.bf16) return P.f32 + at;
   scratch.resize((size_t)attention_range_probs_floats(Q, t_off));
@@ -410,8 +421,13 @@ const float* probs_f32(ProbsStore P, int64_t at, int Q, int t_off, std::vector<f
   return scratch.data();
 }
 
-// A kernel backend keeps P in fp32 (its hooks take floats).
+// A kernel backend keeps P in fp32 (its hooks take floats): the forward's to
+// write, the backward's to read.
 float* kernel_probs(ProbsStore P) {
+  if (P.bf16) throw std::logic_error("attention: a kernel backend keeps P in fp32, not bf16");
+  return P.f32;
+}
+const float* kernel_probs(ProbsView P) {
   if (P.bf16) throw std::logic_error("attention: a kernel backend keeps P in fp32, not bf16");
   return P.f32;
 }
@@ -433,7 +449,7 @@ void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, floa
   });
 }
 
-void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, ProbsStore P,
+void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, ProbsView P,
                               const float* dO, float* dqkv) {
   if (auto k = kernel(&OpHooks::attention_backward_heads)) {
     const OpTimer op_timer(OpKind::kAttention);
@@ -467,7 +483,7 @@ void attention_forward_range_heads(const float* qkv, int B, int H, int S, int hd
 }
 
 void attention_backward_range_heads(const float* qkv, int b, int H, int S, int hd, float scale, int first, int count,
-                                    ProbsStore P, int64_t probs_stride, int64_t p_off, const float* dO, float* dqkv,
+                                    ProbsView P, int64_t probs_stride, int64_t p_off, const float* dO, float* dqkv,
                                     bool continue_kv) {
   if (auto k = kernel(&OpHooks::attention_backward_range_heads)) {
     const OpTimer op_timer(OpKind::kAttention);
@@ -485,7 +501,7 @@ void attention_backward_range_heads(const float* qkv, int b, int H, int S, int h
 }
 
 void attention_backward_range_dq_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, float scale,
-                                       int first, int count, ProbsStore P, int64_t probs_stride, int64_t p_off,
+                                       int first, int count, ProbsView P, int64_t probs_stride, int64_t p_off,
                                        const float* dO, float* dS, float* dqkv) {
   const OpTimer op_timer(OpKind::kAttention);
   const int D = H * hd;
@@ -502,7 +518,7 @@ void attention_backward_range_dq_heads(const float* qkv, int b, int H, int h0, i
 }
 
 void attention_backward_range_dkv_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, int first,
-                                        int count, ProbsStore P, int64_t probs_stride, int64_t p_off,
+                                        int count, ProbsView P, int64_t probs_stride, int64_t p_off,
                                         const float* dS, const float* dO, float* dqkv, int u0, int u1) {
   const OpTimer op_timer(OpKind::kAttention);
   const int D = H * hd;

@@ -22,9 +22,16 @@ struct AttentionScratch {
 // bf16 (ls::to_bf16) on every backend, so 16 bits hold the same values in
 // half the bytes; the CPU engine keeps them so (kernel backends keep fp32).
 // The layout is the same either way; strides and offsets count entries.
+// The forward writes a ProbsStore; the backward reads a ProbsView, the same
+// pointers read-only (a store converts to its view).
+struct ProbsView {
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+};
 struct ProbsStore {
   float* f32 = nullptr;
   uint16_t* bf16 = nullptr;
+  operator ProbsView() const { return {f32, bf16}; }
 };
 
 // Floats of P for a sequence of S positions.
@@ -81,7 +88,7 @@ constexpr int kProbsChunk = 128;
 // parallel, each as attention_forward / attention_backward (one kernel
 // launch for all of them on a kernel backend).
 void attention_forward_heads(const float* qkv, int B, int H, int S, int hd, float scale, ProbsStore P, float* o);
-void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, ProbsStore P,
+void attention_backward_heads(const float* qkv, int B, int H, int S, int hd, float scale, ProbsView P,
                               const float* dO, float* dqkv);
 
 // Context parallel, in the model's layout (as the _heads functions above):
@@ -94,7 +101,7 @@ void attention_forward_range_heads(const float* qkv, int B, int H, int S, int hd
 // 0 .. first+count-1 in dqkv, continuing their folds when continue_kv
 // (attention_backward_range).
 void attention_backward_range_heads(const float* qkv, int b, int H, int S, int hd, float scale, int first, int count,
-                                    ProbsStore P, int64_t probs_stride, int64_t p_off, const float* dO, float* dqkv,
+                                    ProbsView P, int64_t probs_stride, int64_t p_off, const float* dO, float* dqkv,
                                     bool continue_kv);
 // The same backward in two parts, for a dK/dV chain pipelined over key
 // blocks (model/context_parallel.cc), with attention_backward_range_heads'
@@ -105,10 +112,10 @@ void attention_backward_range_heads(const float* qkv, int b, int H, int S, int h
 // where none). The engine's code only: a kernel backend runs
 // attention_backward_range_heads.
 void attention_backward_range_dq_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, float scale,
-                                       int first, int count, ProbsStore P, int64_t probs_stride, int64_t p_off,
+                                       int first, int count, ProbsView P, int64_t probs_stride, int64_t p_off,
                                        const float* dO, float* dS, float* dqkv);
 void attention_backward_range_dkv_heads(const float* qkv, int b, int H, int h0, int h1, int S, int hd, int first,
-                                        int count, ProbsStore P, int64_t probs_stride, int64_t p_off,
+                                        int count, ProbsView P, int64_t probs_stride, int64_t p_off,
                                         const float* dS, const float* dO, float* dqkv, int u0, int u1);
 
 }  // namespace ls::ops

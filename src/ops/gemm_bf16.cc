@@ -43,6 +43,7 @@
 #include "common/thread_pool.h"
 #include "numerics/contract.h"
 #include "ops/aligned_scratch.h"
+#include "ops/bf16_round8.h"
 #include "ops/flush_to_zero.h"
 
 namespace ls {
@@ -334,15 +335,6 @@ void pack_tile(bool tiles, bool a_side, int width, int64_t lines, int64_t kp, in
 // k * ks.
 inline int64_t pair_first_k(int64_t k0, int64_t pr) { return k0 + 32 * (pr >> 4) + 4 * (pr & 7) + (pr >> 3 & 1); }
 
-// Eight fp32 lanes rounded to bf16 (ls::to_bf16), each in its lane's high half, the low half zero.
-inline __m256i bf16_high8(__m256i u) {
-  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
-                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-  const __m256i v = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
-  return _mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u));
-}
-
 // pack_pairs of fp32 lines whose k lie side by side (ks = 1, every k of the
 // range below K): per line, a fold block's 32 k rounded eight at a time; in
 // each eight, lanes 0 and 4 start E pairs and lanes 1 and 5 O pairs, whose
@@ -353,7 +345,7 @@ void pack_pairs_k_contiguous(const float* p, int64_t ls, int width, int64_t line
     const float* x = p + l * ls;
     for (int64_t b = 0; b < kp / 16; ++b)
       for (int i = 0; i < 4; ++i) {
-        const __m256i v = bf16_high8(_mm256_loadu_si256((const __m256i*)(x + 32 * b + 8 * i)));
+        const __m256i v = bf16_round8_high(_mm256_loadu_si256((const __m256i*)(x + 32 * b + 8 * i)));
         const __m256i t = _mm256_or_si256(v, _mm256_srli_epi32(_mm256_permutevar8x32_epi32(v, two_on), 16));
         uint32_t* e = dst + (16 * b + 2 * i) * width + l;
         e[0] = (uint32_t)_mm256_extract_epi32(t, 0);
@@ -379,8 +371,8 @@ void pack_pairs(const Mat& m, int64_t base, int64_t ls, int64_t ks, int width, i
     if constexpr (std::is_same_v<Mat, ConstMat>) {
       if (ls == 1 && second < K)  // lines side by side: eight at a time
         for (; l + 8 <= lines; l += 8) {
-          const __m256i hi = bf16_high8(_mm256_loadu_si256((const __m256i*)(m.p + base + first * ks + l)));
-          const __m256i lo = bf16_high8(_mm256_loadu_si256((const __m256i*)(m.p + base + second * ks + l)));
+          const __m256i hi = bf16_round8_high(_mm256_loadu_si256((const __m256i*)(m.p + base + first * ks + l)));
+          const __m256i lo = bf16_round8_high(_mm256_loadu_si256((const __m256i*)(m.p + base + second * ks + l)));
           _mm256_storeu_si256((__m256i*)(row + l), _mm256_or_si256(hi, _mm256_srli_epi32(lo, 16)));
         }
     }

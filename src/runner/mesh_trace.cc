@@ -66,16 +66,16 @@ class RankSink : public TraceSink {
  public:
   RankSink(MeshTrace& trace, int rank) : trace_(trace), rank_(rank) {}
   void tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
-              const std::vector<int64_t>& shape) override {
+              const std::vector<int64_t>& shape, TraceDtype dtype = TraceDtype::kF32) override {
     TracePiece whole;
     whole.rows.push_back({0, 0, shape.empty() ? 1 : shape[0]});
     whole.cols.push_back({0, 0, columns_of(shape)});
     whole.ld = columns_of(shape);
-    trace_.add(rank_, phase, layer, op, name, data, shape, whole);
+    trace_.add(rank_, phase, layer, op, name, data, shape, whole, dtype);
   }
   void piece(const char* phase, int layer, const char* op, const char* name, const float* data,
-             const std::vector<int64_t>& shape, const TracePiece& p) override {
-    trace_.add(rank_, phase, layer, op, name, data, shape, p);
+             const std::vector<int64_t>& shape, const TracePiece& p, TraceDtype dtype = TraceDtype::kF32) override {
+    trace_.add(rank_, phase, layer, op, name, data, shape, p, dtype);
   }
 
  private:
@@ -103,7 +103,7 @@ MeshTrace::~MeshTrace() = default;
 TraceSink* MeshTrace::rank_sink(int rank) { return sinks_.at((size_t)rank).get(); }
 
 void MeshTrace::add(int rank, const char* phase, int layer, const char* op, const char* name, const float* data,
-                    const std::vector<int64_t>& shape, const TracePiece& where) {
+                    const std::vector<int64_t>& shape, const TracePiece& where, TraceDtype dtype) {
   Piece p;
   p.rank = rank;
   p.where = where;
@@ -118,10 +118,13 @@ void MeshTrace::add(int rank, const char* phase, int layer, const char* op, cons
     rec.op = op;
     rec.name = name;
     rec.shape = shape;
+    rec.dtype = dtype;
     const auto t = tensor_index_.find(name);
     rec.seq = t == tensor_index_.end() ? 0 : t->second;
   } else if (rec.shape != shape) {
     throw InternalError(std::string("trace: ranks disagree on the shape of ") + phase + " " + op + "/" + name);
+  } else if (rec.dtype != dtype) {
+    throw InternalError(std::string("trace: ranks disagree on the dtype of ") + phase + " " + op + "/" + name);
   }
   rec.pieces.push_back(std::move(p));
 }
@@ -186,7 +189,7 @@ void MeshTrace::gather_to_first() {
   Packer p;
   p.i64((int64_t)records_.size());
   for (const auto& [k, r] : records_) {
-    p.str(r.phase), p.i64(r.layer), p.str(r.op), p.str(r.name), p.i64(r.seq);
+    p.str(r.phase), p.i64(r.layer), p.str(r.op), p.str(r.name), p.i64(r.seq), p.i64((int64_t)r.dtype);
     p.i64((int64_t)r.shape.size());
     for (int64_t d : r.shape) p.i64(d);
     p.i64((int64_t)r.pieces.size());
@@ -215,6 +218,7 @@ void MeshTrace::gather_to_first() {
     for (int64_t n = u.i64(); n > 0; --n) {
       Record r;
       r.phase = u.str(), r.layer = (int)u.i64(), r.op = u.str(), r.name = u.str(), r.seq = u.i64();
+      r.dtype = (TraceDtype)u.i64();
       r.shape.resize((size_t)u.i64());
       for (int64_t& d : r.shape) d = u.i64();
       r.pieces.resize((size_t)u.i64());
@@ -227,6 +231,8 @@ void MeshTrace::gather_to_first() {
         u.raw(x.data.data(), x.data.size() * sizeof(float));
       }
       Record& into = records_[{r.phase, r.layer, r.op, r.name}];
+      if (!into.pieces.empty() && into.dtype != r.dtype)
+        throw InternalError("trace: processes disagree on the dtype of " + r.phase + " " + r.op + "/" + r.name);
       if (into.pieces.empty()) {
         std::vector<Piece> pieces = std::move(r.pieces);
         into = std::move(r);
@@ -286,7 +292,7 @@ void MeshTrace::flush() {
                    "(the lowest rank's are written)\n", (long long)differ, r->phase.c_str(), r->layer, r->op.c_str(),
                    r->name.c_str());
     }
-    out_->tensor(r->phase.c_str(), r->layer, r->op.c_str(), r->name.c_str(), whole.data(), r->shape);
+    out_->tensor(r->phase.c_str(), r->layer, r->op.c_str(), r->name.c_str(), whole.data(), r->shape, r->dtype);
   }
   if (!ranks_written_ && !ranks_path_.empty()) write_ranks_file(in_order);
   ranks_written_ = true;

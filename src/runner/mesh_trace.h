@@ -35,9 +35,9 @@ class MeshTrace {
   TraceSink* rank_sink(int rank);
   // Under MPI: every process's pieces go to process 0 at flush, which alone writes.
   void set_processes(Communicator* procs) { procs_ = procs; }
-  // A piece from rank r (any thread).
+  // A piece from rank r (any thread), its values held as `dtype`.
   void add(int rank, const char* phase, int layer, const char* op, const char* name, const float* data,
-           const std::vector<int64_t>& shape, const TracePiece& piece);
+           const std::vector<int64_t>& shape, const TracePiece& piece, TraceDtype dtype = TraceDtype::kF32);
   // The step's records, assembled and written in the one-rank order; the
   // side file with the first step's. Throws InternalError naming a record
   // whose elements no rank wrote.
@@ -53,6 +53,7 @@ class MeshTrace {
     std::string phase, op, name;
     int layer = 0;
     std::vector<int64_t> shape;
+    TraceDtype dtype = TraceDtype::kF32;  // every rank's pieces say the same
     int64_t seq = 0;  // params and grad: the tensor's canonical index
     std::vector<Piece> pieces;
   };

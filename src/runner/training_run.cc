@@ -199,7 +199,8 @@ void TrainingRun::make_injector_and_tracer() {
       trainer_->set_trace(tracer_.get());
     } else {  // MPI: this process's pieces go to process 0, which writes
       struct Discard : TraceSink {
-        void tensor(const char*, int, const char*, const char*, const float*, const std::vector<int64_t>&) override {}
+        void tensor(const char*, int, const char*, const char*, const float*, const std::vector<int64_t>&,
+                    TraceDtype = TraceDtype::kF32) override {}
       };
       follower_sink_ = std::make_unique<Discard>();
       trainer_->set_trace(follower_sink_.get());

@@ -155,6 +155,39 @@ nlohmann::json config_changes_of(const Trace& a, const Trace& b) {
   return changes;
 }
 
+// Tensor record pairs whose dtype differs: every pair counted, the first
+// kShown named (TraceDiff::dtype_changes).
+struct DtypeChanges {
+  static constexpr int64_t kShown = 10;
+  nlohmann::json first = nlohmann::json::array();
+  int64_t differing = 0, total = 0;
+  void add(const nlohmann::json& a, const nlohmann::json& b) {
+    ++total;
+    const std::string da = a.value("dtype", "f32"), db = b.value("dtype", "f32");
+    if (da == db) return;
+    if (differing++ < kShown)
+      first.push_back({{"step", a.value("step", 0)}, {"phase", a.value("phase", "")}, {"layer", a.value("layer", -1)},
+                       {"op", a.value("op", "")}, {"tensor", a.value("tensor", "")}, {"a", da}, {"b", db}});
+  }
+  nlohmann::json json() const {
+    if (!differing) return nullptr;
+    return {{"differing", differing}, {"total", total}, {"first", first}};
+  }
+};
+
+// Per step with differences: {step, differing, total, ops} (the first six ops).
+nlohmann::json spread_of(const std::map<int, std::pair<int, int>>& per_step,
+                         std::map<int, std::vector<std::string>>& step_ops) {
+  nlohmann::json spread = nlohmann::json::array();
+  for (auto& [step, c] : per_step)
+    if (c.first) {
+      nlohmann::json ops = nlohmann::json::array();
+      for (size_t i = 0; i < step_ops[step].size() && i < 6; ++i) ops.push_back(step_ops[step][i]);
+      spread.push_back({{"step", step}, {"differing", c.first}, {"total", c.second}, {"ops", ops}});
+    }
+  return spread;
+}
+
 // The differing elements of the first divergent record pair {a, b}, both dumped whole.
 nlohmann::json element_differences(const nlohmann::json& pair) {
   if (pair.is_null() || !pair["a"].is_object() || !pair["b"].is_object() || pair.contains("shapes_differ") ||
@@ -218,11 +251,13 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
   std::map<int, std::pair<int, int>> per_step;  // step -> (differing, total)
   std::map<int, std::vector<std::string>> step_ops;
   std::map<std::pair<int, int>, int64_t> heat;
+  DtypeChanges dtypes;
   for (const auto& ra : a.tensors) {
     const int step = ra["step"];
     if (!compared(step)) continue;  // a step B does not hold
     ++a_common;
     auto it = bidx.find(key_of(ra));
+    if (it != bidx.end()) dtypes.add(ra, *it->second);
     per_step[step].second++;
     const bool shapes_differ = it != bidx.end() && (*it->second)["shape"] != ra["shape"];
     const bool differs = it == bidx.end() || shapes_differ || (*it->second)["hash"] != ra["hash"];
@@ -268,12 +303,8 @@ TraceDiff diff_traces(const Trace& a, const Trace& b) {
         break;
       }
   }
-  for (auto& [step, c] : per_step)
-    if (c.first) {
-      nlohmann::json ops = nlohmann::json::array();
-      for (size_t i = 0; i < step_ops[step].size() && i < 6; ++i) ops.push_back(step_ops[step][i]);
-      d.spread.push_back({{"step", step}, {"differing", c.first}, {"total", c.second}, {"ops", ops}});
-    }
+  d.dtype_changes = dtypes.json();
+  d.spread = spread_of(per_step, step_ops);
   for (auto& [k, v] : heat) d.heat.push_back({{"step", k.first}, {"layer", k.second}, {"max_ulp", v}});
 
   // Element level, when both sides kept the first divergent tensor whole.

@@ -23,6 +23,12 @@ struct TraceDiff {
   nlohmann::json first;                       // first divergent tensor record pair: {a, b}, or null
   nlohmann::json elements;                    // with dumps: first differing elements and error summary
   nlohmann::json spread = nlohmann::json::array();  // per step: {step, differing, total, ops}
+  // Tensor records both traces hold whose "dtype" differs (the dtype the
+  // backend held the values in; their fp32 bits may still agree, and alone
+  // this does not make the traces differ): {differing, total: the record
+  // pairs compared, first: the first few as {step, phase, layer, op, tensor,
+  // a, b}, a and b the dtypes}; null when every pair agrees.
+  nlohmann::json dtype_changes;
   // Per (step, layer) the largest ULP distance over the sampled elements of
   // the tensors of that layer (layer -1: outside the stack); -1 when hashes
   // differ but the samples agree. Rows: {step, layer, max_ulp}.

@@ -85,6 +85,22 @@ std::string config_text(const TraceDiff& d) {
   return o.str();
 }
 
+// The tensor records whose dtype differs (their bits may agree), the first
+// few named: "" when none does.
+std::string dtype_text(const TraceDiff& d) {
+  if (d.dtype_changes.is_null()) return "";
+  const nlohmann::json& c = d.dtype_changes;
+  std::ostringstream o;
+  o << "tensor dtypes that differ: " << c["differing"] << " of " << c["total"]
+    << " records both traces hold (the hashes compare the values' fp32 bits, whatever dtype held them)\n";
+  for (const auto& r : c["first"])
+    o << "  " << record_name(r) << ": " << r["a"].get<std::string>() << " in A, " << r["b"].get<std::string>()
+      << " in B\n";
+  if (c["differing"].get<int64_t>() > (int64_t)c["first"].size())
+    o << "  ... " << c["differing"].get<int64_t>() - (int64_t)c["first"].size() << " more\n";
+  return o.str();
+}
+
 // When the first divergence is a step's weights (params), where they parted:
 // at the first step both traces hold, they entered it different (a resumed
 // run's checkpoint); later, the previous step's update.
@@ -118,6 +134,7 @@ std::string format_diff(const TraceDiff& d) {
   if (d.identical) {
     if (d.compared.is_null()) o << "traces identical: every traced tensor, loss and state hash has the same bits\n";
     else o << "traces identical over " << compared << ": every traced tensor, loss and state hash has the same bits\n";
+    o << dtype_text(d);
     return o.str();
   }
   if (!d.truncated.is_null()) {
@@ -129,11 +146,12 @@ std::string format_diff(const TraceDiff& d) {
       else
         o << compared << (d.compared["first"] == d.compared["last"] ? " is" : " are")
           << " identical: every traced tensor and loss both traces hold has the same bits\n";
+      o << dtype_text(d);
       return o.str();
     }
   }
   if (!d.truncated.is_null() || !starts.empty()) o << "compared: " << compared << ", which both traces hold\n";
-  o << config_text(d);
+  o << config_text(d) << dtype_text(d);
   if (!d.first.is_null()) {
     const auto& a = d.first["a"];
     o << "first divergence: " << (a.value("kind", "") == "step" ? "step " + std::to_string(a.value("step", 0)) + " state"
@@ -207,7 +225,8 @@ nlohmann::json diff_json(const TraceDiff& d, bool with_dumps) {
   return {{"identical", d.identical}, {"truncated", d.truncated}, {"torn", d.torn},
           {"identical_until_truncation", d.identical_until_truncation()},
           {"held", d.held}, {"compared", d.compared},
-          {"config_changes", d.config_changes}, {"first_loss_step", d.first_loss_step},
+          {"config_changes", d.config_changes}, {"dtype_changes", d.dtype_changes},
+          {"first_loss_step", d.first_loss_step},
           {"first", first}, {"dumps_omitted", omitted}, {"elements", d.elements}, {"ranks", d.ranks},
           {"spread", d.spread}, {"heat", d.heat}};
 }

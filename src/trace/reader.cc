@@ -48,6 +48,18 @@ std::string check_bits(const nlohmann::json& r, const char* field) {
   return is_hex8(r[field]) ? "" : bad_field(field, "must be 8 hex digits (float bits)");
 }
 
+// A tensor record's "dtype", when present: a short name of lowercase letters
+// and digits ("f32", "bf16"; a later writer's new dtype reads as itself).
+std::string check_dtype(const nlohmann::json& r) {
+  if (!r.contains("dtype")) return "";
+  const nlohmann::json& v = r["dtype"];
+  if (!v.is_string()) return bad_field("dtype", "must be a string");
+  const std::string& s = v.get_ref<const std::string&>();
+  if (s.empty() || s.size() > 16 || s.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789") != std::string::npos)
+    return bad_field("dtype", "must be a dtype name such as \"f32\" or \"bf16\"");
+  return "";
+}
+
 std::string check_record(const nlohmann::json& r, const std::string& kind) {
   std::string e;
   auto first = [&](std::string x) {
@@ -68,6 +80,7 @@ std::string check_record(const nlohmann::json& r, const std::string& kind) {
     first(check_int(r, "step", 0, kMaxTraceStep));
     first(check_int(r, "layer", -1, 1 << 20));
     for (const char* f : {"phase", "op", "tensor", "hash"}) first(check_str(r, f));
+    first(check_dtype(r));
     if (!r.contains("shape") || !r["shape"].is_array()) {
       first(bad_field("shape", "must be an array of sizes"));
     } else {
@@ -181,6 +194,7 @@ Trace read_trace(const std::string& path) {
                         ", phase " + quote_for_message(j["phase"].get<std::string>()) + ", op " +
                         quote_for_message(j["op"].get<std::string>()) + ", tensor " +
                         quote_for_message(j["tensor"].get<std::string>()));
+      if (!j.contains("dtype")) j["dtype"] = "f32";  // an older trace: every tensor was held as fp32
       t.tensors.push_back(std::move(j));
     }
     else if (kind == "step") t.steps.push_back(std::move(j));

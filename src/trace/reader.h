@@ -14,7 +14,9 @@ namespace ls {
 
 struct Trace {
   nlohmann::json header;
-  std::vector<nlohmann::json> tensors;  // in emission order
+  // In emission order. Each has "dtype": an older trace's records, written
+  // before the field, get "f32" (every tensor was held so then).
+  std::vector<nlohmann::json> tensors;
   std::vector<nlohmann::json> steps;    // one per step
   nlohmann::json end;                   // null if the run did not finish
   // The line number of a last line cut mid-record (no newline, not JSON: a

@@ -93,15 +93,15 @@ std::vector<int64_t> trace_sample_indices(int64_t n) {
   return idx;
 }
 
-void TraceWriter::tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
-                         const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  const XXH128_hash_t h = XXH3_128bits(data, (size_t)n * 4);
-  char hex[33];
-  std::snprintf(hex, sizeof hex, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
-  // Summary stats in double over fixed chunks of 4096 elements, partials
-  // combined in chunk order: the same numbers for any thread count.
+namespace {
+
+struct TensorStats {
+  double min = INFINITY, max = -INFINITY, sum = 0, sq = 0;
+};
+
+// Summary stats of n floats in double over fixed chunks of 4096 elements,
+// partials combined in chunk order: the same numbers for any thread count.
+TensorStats stats_of(const float* data, int64_t n) {
   const int64_t chunk = 4096, chunks = (n + chunk - 1) / chunk;
   std::vector<double> cmn(chunks), cmx(chunks), csum(chunks), csq(chunks);
   // On the engine's own threads (common/parallel.h): an OpenMP team would
@@ -171,19 +171,34 @@ void TraceWriter::tensor(const char* phase, int layer, const char* op, const cha
 #else
   for (int64_t c = 0; c < chunks; ++c) stats_of_chunk(c);
 #endif
-  double mn = INFINITY, mx = -INFINITY, sum = 0, sq = 0;
+  TensorStats st;
   for (int64_t c = 0; c < chunks; ++c) {
-    mn = std::min(mn, cmn[c]);
-    mx = std::max(mx, cmx[c]);
-    sum += csum[c];
-    sq += csq[c];
+    st.min = std::min(st.min, cmn[c]);
+    st.max = std::max(st.max, cmx[c]);
+    st.sum += csum[c];
+    st.sq += csq[c];
   }
+  return st;
+}
+
+}  // namespace
+
+void TraceWriter::tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
+                         const std::vector<int64_t>& shape, TraceDtype dtype) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  // The hash is over the values' fp32 bits whatever dtype holds them, so a
+  // bf16-held tensor and an fp32 one of the same values hash alike.
+  const XXH128_hash_t h = XXH3_128bits(data, (size_t)n * 4);
+  char hex[33];
+  std::snprintf(hex, sizeof hex, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
+  const TensorStats st = stats_of(data, n);
   nlohmann::json j = {{"kind", "tensor"}, {"step", step_}, {"phase", phase}, {"layer", layer}, {"op", op},
-                      {"tensor", name}, {"shape", shape}, {"hash", hex}};
-  j["min"] = mn;
-  j["max"] = mx;
-  j["mean"] = n ? sum / (double)n : 0.0;
-  j["l2"] = std::sqrt(sq);
+                      {"tensor", name}, {"shape", shape}, {"dtype", trace_dtype_name(dtype)}, {"hash", hex}};
+  j["min"] = st.min;
+  j["max"] = st.max;
+  j["mean"] = n ? st.sum / (double)n : 0.0;
+  j["l2"] = std::sqrt(st.sq);
   std::vector<std::string> sample;
   for (int64_t i : trace_sample_indices(n)) sample.push_back(hex_bits(data[i]));
   j["sample"] = sample;

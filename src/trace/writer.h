@@ -1,7 +1,8 @@
 // Writes a trace: JSON Lines, one record per traced tensor plus one per step
 // (format: docs/TRACE.md). Each tensor record carries the XXH3-128 of its
-// bits, min/max/mean/L2 (in double) and 16 sampled elements' bits; with
-// --trace-dump the full tensor travels along as base64 little-endian fp32.
+// fp32 bits, the dtype the backend holds it in, min/max/mean/L2 (in double)
+// and 16 sampled elements' bits; with --trace-dump the full tensor travels
+// along as base64 little-endian fp32.
 #pragma once
 
 #include <cstdio>
@@ -43,7 +44,7 @@ class TraceWriter : public TraceSink {
 
   void begin_step(int step) { step_ = step; }  // 1-based
   void tensor(const char* phase, int layer, const char* op, const char* name, const float* data,
-              const std::vector<int64_t>& shape) override;
+              const std::vector<int64_t>& shape, TraceDtype dtype = TraceDtype::kF32) override;
   void end_step(float loss, float grad_norm, const std::string& state_hash);
   void finish(const std::string& final_state_hash, int steps);
   const std::string& path() const { return path_; }
