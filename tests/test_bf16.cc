@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli_run.h"
+#include "ops/gemm_bf16.h"
 #include "split_mesh.h"
 #include "tiny_scenario.h"
 
@@ -38,6 +39,10 @@ TEST_SUITE("bf16") {
     const ls::RunResult fp32 = run_split({"model.d_model=128", "model.d_ff=128"}, 1);
     CHECK(one.precision == "bf16");
     CHECK(one.final_state_hash != fp32.final_state_hash);
+    // The summary names the products' path; none of this run's calls was too small for it.
+    CHECK(one.gemm_bf16_path == ls::ops::bf16_path_name(ls::ops::gemm_bf16_path()));
+    CHECK(one.gemm_bf16_fallback_calls == 0);
+    CHECK(fp32.gemm_bf16_path.empty());
     // dp, fsdp, hsdp, ep, tp +- sp, etp narrower and wider than tp, pp under each schedule, cp; the split
     // scenario's capacity factor 0.5 runs its experts in several rounds on every one.
     const std::vector<std::vector<std::string>> meshes = {

@@ -86,6 +86,13 @@ void print_summary(const RunResult& r, const Scenario& s, const std::string& lau
                                   : "the same bits run to run at this thread count and mesh only",
                 r.local_gemm.c_str(), r.local_gemm_bf16.empty() ? "" : ", bf16 products by ",
                 r.local_gemm_bf16.c_str());
+  if (!r.gemm_bf16_path.empty())
+    std::printf("numerics        bf16 products on the %s path%s\n", r.gemm_bf16_path.c_str(),
+                r.gemm_bf16_fallback_calls == 0
+                    ? ""
+                    : ("; " + std::to_string(r.gemm_bf16_fallback_calls) +
+                       " calls with products below 2^-149 ran on avx512 (the same bits, slower)")
+                          .c_str());
   std::printf("model           d_model %d, %d layers, %d heads, %d experts top-%d, seq %d, batch %d\n",
               s.model.d_model, s.model.n_layers, s.model.n_heads, s.model.experts, s.model.top_k, s.model.seq_len,
               s.batch);

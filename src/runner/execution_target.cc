@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "emu/backend.h"
+#include "ops/gemm_bf16.h"
 #include "ops/local.h"
 #include "runner/cuda_backend.h"
 
@@ -49,10 +50,18 @@ ops::ExecutionTarget execution_target(Backend backend, NumericsLevel level, Prec
   return t;
 }
 
-void name_local_libraries(const ops::ExecutionTarget& t, RunResult& r) {
-  if (t.level != NumericsLevel::kLocal) return;
-  r.local_gemm = ops::local::gemm_library();
-  if (t.precision == Precision::kBf16) r.local_gemm_bf16 = ops::local::gemm_bf16_library();
+int64_t name_libraries(const ops::ExecutionTarget& t, Backend backend, RunResult& r) {
+  if (t.level == NumericsLevel::kLocal) {
+    r.local_gemm = ops::local::gemm_library();
+    if (t.precision == Precision::kBf16) r.local_gemm_bf16 = ops::local::gemm_bf16_library();
+  } else if (t.precision == Precision::kBf16 && backend == Backend::kEngine) {
+    r.gemm_bf16_path = ops::bf16_path_name(ops::gemm_bf16_path());
+  }
+  return ops::gemm_bf16_tiny_fallbacks();
+}
+
+void count_gemm_bf16_fallbacks(int64_t before, RunResult& r) {
+  if (!r.gemm_bf16_path.empty()) r.gemm_bf16_fallback_calls = ops::gemm_bf16_tiny_fallbacks() - before;
 }
 
 }  // namespace ls

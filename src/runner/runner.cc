@@ -105,6 +105,9 @@ nlohmann::json result_json(const RunResult& r) {
   j["precision"] = r.precision;
   if (!r.local_gemm.empty()) j["local_gemm"] = r.local_gemm;
   if (!r.local_gemm_bf16.empty()) j["local_gemm_bf16"] = r.local_gemm_bf16;
+  if (!r.gemm_bf16_path.empty())
+    j["gemm_bf16"] = {{"path", r.gemm_bf16_path}, {"fallback_calls", r.gemm_bf16_fallback_calls},
+                      {"scope", "this process"}};
   // A planted fault changes the bits by design: a reader of the summary must see it.
   if (!r.debug_mesh_fault.empty()) j["debug_mesh_fault"] = r.debug_mesh_fault;
   j["threads"] = r.threads;

@@ -105,6 +105,8 @@ struct RunResult {
   std::string precision = "fp32";        // numerics.precision of the run
   std::string local_gemm;                // level local: the library its GEMMs call (ops/local.h)
   std::string local_gemm_bf16;           // level local at bf16: the library its bf16 products call
+  std::string gemm_bf16_path;            // bf16 on the engine, portable: its bf16 products' path (ops/gemm_bf16.h)
+  int64_t gemm_bf16_fallback_calls = 0;  // of them, the calls too small for avx512-bf16, run on avx512 (this process)
   std::string debug_mesh_fault;          // --debug-mesh-fault KIND planted in the run ("" for none)
   int threads = 1;
   int steps = 0;

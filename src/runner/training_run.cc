@@ -581,11 +581,10 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   r.level = s.level;
   // The scenario's string (the loader accepts portable or local), compared once.
   const NumericsLevel level = s.level == "local" ? NumericsLevel::kLocal : NumericsLevel::kPortable;
-  // Backend and level, process-wide for the run (the ranks of an in-process mesh are threads of this run);
-  // however the run ends, other work in this process is portable, on the engine's ops. Throws for a combination
-  // that does not exist.
+  // Backend and level, process-wide for the run (an in-process mesh's ranks are its threads); however the run
+  // ends, other work in this process is portable, on the engine's ops. Throws for a combination that does not exist.
   const ops::ExecutionTarget target = execution_target(opt.backend, level, precision_of(r.precision = s.precision));
-  name_local_libraries(target, r);
+  const int64_t fallbacks_before = name_libraries(target, opt.backend, r);
   const ops::ScopedExecutionTarget installed(target);
   r.device = target.device;
   TrainingRun run(s, opt, r);
@@ -594,6 +593,7 @@ RunResult run_scenario(const Scenario& s, const RunOptions& opt) {
   run.open_writer();
   run.train();
   run.finish();
+  count_gemm_bf16_fallbacks(fallbacks_before, r);
   return r;
 }
 
