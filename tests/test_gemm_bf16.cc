@@ -531,7 +531,8 @@ TEST_SUITE("gemm_bf16") {
     // exponent is below -115 (the exponents sum below -135) in the vector
     // body, in the tail, in A or in B, row-major or transposed, stored bf16
     // or fp32, must send the call to avx512 (one fallback); one at -115 must
-    // not, nor a bf16 subnormal (the fold reads it as zero).
+    // not, nor a subnormal (the fold reads it as zero), unless it is an fp32
+    // value that rounds up to bf16's 2^-126: values are judged as packed.
     if (!ls::ops::gemm_bf16_path_supported(Bf16Path::kAvx512Bf16)) {
       MESSAGE("CPU lacks avx512-bf16: that path is not tested here");
       return;
@@ -572,7 +573,9 @@ TEST_SUITE("gemm_bf16") {
         CHECK(fallbacks(fp32_run) == 0);
         (in_a ? a : b)[i] = (uint16_t)0x0041;  // a bf16 subnormal: read as zero
         CHECK(fallbacks(bf16_run) == 0);
-        (in_a ? af : bf)[i] = 0x1p-140f;  // an fp32 subnormal: may round to 2^-126, so it counts
+        (in_a ? af : bf)[i] = 0x1p-140f;  // an fp32 subnormal: a bf16 subnormal, read as zero
+        CHECK(fallbacks(fp32_run) == 0);
+        (in_a ? af : bf)[i] = 0x1.fffffcp-127f;  // rounds up to 2^-126: -146 with the other's -20
         CHECK(fallbacks(fp32_run) == 1);
       }
     }

@@ -24,6 +24,10 @@
 //     float[2kp][NR], every value ls::bf16_in (flushed): the kernels then
 //     run ls::bf16_fold_step on each lane, per 32-k block the even k into E
 //     and the odd k into O, then add E + O and C with ls::bf16_add_step.
+// The packing itself: gemm_bf16_pack.cc. On avx512-bf16 each tile's packed
+// strip and panel say, by their smallest exponents, whether vdpbf16ps gives
+// the contract's bits (gemm_bf16.h); a tile for which it would not runs on
+// the avx512 replay, packed again in its form.
 #include "ops/gemm_bf16.h"
 
 #include <cpuid.h>
@@ -39,51 +43,23 @@
 #include <atomic>
 #include <new>
 #include <type_traits>
+#include <vector>
 
 #include "common/thread_pool.h"
 #include "numerics/contract.h"
 #include "ops/aligned_scratch.h"
-#include "ops/bf16_round8.h"
 #include "ops/flush_to_zero.h"
+#include "ops/gemm_bf16_pack.h"
 
 namespace ls {
 namespace ops {
 namespace internal {
 
-// A micro-kernel: the C tile (mr x nr, row stride ldc) gets the fold over kp
-// k pairs (a multiple of 16) of a packed A strip and a packed B panel, from
-// C (flushed) when `load`, else from +0; NaNs stored canonical.
-using Bf16KernelFn = void (*)(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
-// How a kernel wants its operands packed (the forms below).
-enum class Packed { kFp32, kTiles, kPairs };
-struct Bf16Kernel {
-  int mr;
-  int nr;
-  Packed form;
-  Bf16KernelFn fn;
-  bool tiles() const { return form == Packed::kTiles; }
-};
 // gemm_bf16_avx512.cc (AVX-512 flags) and gemm_bf16_amx.cc (plus AMX):
 // called only when the CPU (and, for AMX, the kernel) allows them.
 void gemm_bf16_ukernel_avx512_8x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
 void gemm_bf16_ukernel_amx_32x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
 void gemm_bf16_ukernel_avx512bf16_8x32(int64_t kp, const void* a, const void* b, float* c, int64_t ldc, bool load);
-// The smallest biased exponent of a rows x cols operand's nonzero values as
-// the fold reads them (255 when there is none): what decides whether the
-// avx512-bf16 path can take a call (gemm_bf16.h). bf16 subnormals read as
-// zeros and are skipped; fp32 values are judged before rounding, which can
-// only raise an exponent, an fp32 subnormal counting as 0.
-int min_exponent(const ConstMatBf16& m, int64_t rows, int64_t cols);
-int min_exponent(const ConstMat& m, int64_t rows, int64_t cols);
-// The amx path's packing of a full strip or panel (kp a multiple of 16):
-// A rows k-contiguous; B rows column-contiguous (amx_pack_b) or columns
-// k-contiguous (amx_pack_bt, a transposed view).
-void amx_pack_a(const float* src, int64_t rs, int64_t kp, uint32_t* dst);
-void amx_pack_a(const uint16_t* src, int64_t rs, int64_t kp, uint32_t* dst);
-void amx_pack_b(const float* src, int64_t rs, int64_t kp, uint32_t* dst);
-void amx_pack_b(const uint16_t* src, int64_t rs, int64_t kp, uint32_t* dst);
-void amx_pack_bt(const float* src, int64_t cs, int64_t kp, uint32_t* dst);
-void amx_pack_bt(const uint16_t* src, int64_t cs, int64_t kp, uint32_t* dst);
 
 // The contract step out of line, for the lanes the SIMD emulations hand
 // back (a result of exactly +-2^-126), so no contract.h inline is compiled
@@ -95,6 +71,8 @@ float bf16_fold_step_out_of_line(float acc, float a, float b) { return ls::bf16_
 namespace {
 
 using internal::Bf16Kernel;
+using internal::pack_a;
+using internal::pack_b;
 using internal::Packed;
 
 // ------------------------------------------------------------ kernels ----
@@ -291,141 +269,6 @@ const Bf16Kernel& kernel_for(Bf16Path p) {
 // Grow-only 64-byte aligned scratch, one per thread.
 using Scratch = AlignedScratch<uint32_t>;
 
-// Where packing reads an operand's bf16: stored bits (ConstMatBf16), or
-// fp32 values rounded (ls::to_bf16) as they are read (ConstMat): the same
-// bits as rounding the whole operand first, without a copy of it.
-inline uint16_t bf16_at(const ConstMatBf16& m, int64_t off) { return m.p[off]; }
-inline uint16_t bf16_at(const ConstMat& m, int64_t off) { return ls::to_bf16(m.p[off]); }
-
-// One pair (k = 2j in lo, 2j+1 in hi) into line l of a packed operand of
-// `width` lines: two flushed fp32 rows (k = 2j, 2j+1), or one uint32: for
-// A (a_side) in tile rows of 16 pairs, for B in VNNI rows of all columns.
-inline void put_pair(bool tiles, bool a_side, int width, int64_t j, int l, uint16_t lo, uint16_t hi,
-                     uint32_t* dst) {
-  if (tiles) {
-    const int64_t at = a_side ? ((j >> 4) * width + l) * 16 + (j & 15) : j * width + l;
-    dst[at] = uint32_t(lo) | uint32_t(hi) << 16;
-  } else {
-    float* f = reinterpret_cast<float*>(dst);
-    f[(2 * j) * width + l] = ls::bf16_in(lo);
-    f[(2 * j + 1) * width + l] = ls::bf16_in(hi);
-  }
-}
-
-// One operand tile into its packed form: `width` lines (rows of A, columns
-// of B) of kp pairs from k0; line l of the operand is its element (l0 + l, k)
-// through get(l, k), +0 past `lines` or past K.
-template <class Get>
-void pack_tile(bool tiles, bool a_side, int width, int64_t lines, int64_t kp, int64_t k0, int64_t K, Get get,
-               uint32_t* dst) {
-  for (int64_t j = 0; j < kp; ++j) {
-    const int64_t k = k0 + 2 * j;
-    for (int l = 0; l < width; ++l) {
-      const uint16_t lo = l < lines && k < K ? get(l, k) : uint16_t(0);
-      const uint16_t hi = l < lines && k + 1 < K ? get(l, k + 1) : uint16_t(0);
-      put_pair(tiles, a_side, width, j, l, lo, hi, dst);
-    }
-  }
-}
-
-// The pairs form (avx512-bf16): `width` lines, kp pair rows from k0 (a
-// multiple of 32), pair row 16b + 8h + p of fold block b holding k = k0 +
-// 32b + 4p + h in its high half and that k + 2 in its low half; +0 past
-// `lines` or past K. Element (l, k) of the operand is m at base + l * ls +
-// k * ks.
-inline int64_t pair_first_k(int64_t k0, int64_t pr) { return k0 + 32 * (pr >> 4) + 4 * (pr & 7) + (pr >> 3 & 1); }
-
-// pack_pairs of fp32 lines whose k lie side by side (ks = 1, every k of the
-// range below K): per line, a fold block's 32 k rounded eight at a time; in
-// each eight, lanes 0 and 4 start E pairs and lanes 1 and 5 O pairs, whose
-// second k is two lanes on.
-void pack_pairs_k_contiguous(const float* p, int64_t ls, int width, int64_t lines, int64_t kp, uint32_t* dst) {
-  const __m256i two_on = _mm256_setr_epi32(2, 3, 4, 5, 6, 7, 0, 0);
-  for (int64_t l = 0; l < lines; ++l) {
-    const float* x = p + l * ls;
-    for (int64_t b = 0; b < kp / 16; ++b)
-      for (int i = 0; i < 4; ++i) {
-        const __m256i v = bf16_round8_high(_mm256_loadu_si256((const __m256i*)(x + 32 * b + 8 * i)));
-        const __m256i t = _mm256_or_si256(v, _mm256_srli_epi32(_mm256_permutevar8x32_epi32(v, two_on), 16));
-        uint32_t* e = dst + (16 * b + 2 * i) * width + l;
-        e[0] = (uint32_t)_mm256_extract_epi32(t, 0);
-        e[width] = (uint32_t)_mm256_extract_epi32(t, 4);
-        e[8 * width] = (uint32_t)_mm256_extract_epi32(t, 1);
-        e[9 * width] = (uint32_t)_mm256_extract_epi32(t, 5);
-      }
-  }
-  for (int64_t pr = 0; pr < kp; ++pr)
-    for (int64_t l = lines; l < width; ++l) dst[pr * width + l] = 0;
-}
-
-template <class Mat>
-void pack_pairs(const Mat& m, int64_t base, int64_t ls, int64_t ks, int width, int64_t lines, int64_t kp, int64_t k0,
-                int64_t K, uint32_t* dst) {
-  if constexpr (std::is_same_v<Mat, ConstMat>) {
-    if (ks == 1 && k0 + 2 * kp <= K) return pack_pairs_k_contiguous(m.p + base + k0, ls, width, lines, kp, dst);
-  }
-  for (int64_t pr = 0; pr < kp; ++pr) {
-    const int64_t first = pair_first_k(k0, pr), second = first + 2;
-    uint32_t* row = dst + pr * width;
-    int l = 0;
-    if constexpr (std::is_same_v<Mat, ConstMat>) {
-      if (ls == 1 && second < K)  // lines side by side: eight at a time
-        for (; l + 8 <= lines; l += 8) {
-          const __m256i hi = bf16_round8_high(_mm256_loadu_si256((const __m256i*)(m.p + base + first * ks + l)));
-          const __m256i lo = bf16_round8_high(_mm256_loadu_si256((const __m256i*)(m.p + base + second * ks + l)));
-          _mm256_storeu_si256((__m256i*)(row + l), _mm256_or_si256(hi, _mm256_srli_epi32(lo, 16)));
-        }
-    }
-    for (; l < width; ++l) {
-      const uint16_t hi = l < lines && first < K ? bf16_at(m, base + l * ls + first * ks) : uint16_t(0);
-      const uint16_t lo = l < lines && second < K ? bf16_at(m, base + l * ls + second * ks) : uint16_t(0);
-      row[l] = uint32_t(lo) | uint32_t(hi) << 16;
-    }
-  }
-}
-
-// MR rows of A from row i0 (mv of them real), k block [k0, k0 + 2kp).
-template <class Mat>
-void pack_a(const Mat& A, int64_t i0, int64_t mv, const Bf16Kernel& uk, int64_t k0, int64_t kp, int64_t K,
-            uint32_t* dst) {
-  const int64_t base = i0 * A.rs;
-  const bool full = mv == uk.mr && k0 + 2 * kp <= K;
-  if (uk.form == Packed::kPairs)
-    return pack_pairs(A, base, A.rs, A.cs, uk.mr, mv, kp, k0, K, dst);
-  if (uk.tiles() && full && A.cs == 1) return internal::amx_pack_a(A.p + base + k0, A.rs, kp, dst);
-  if (A.cs == 1 && full) {  // row-major, full strip: rows read in order
-    for (int r = 0; r < uk.mr; ++r) {
-      const int64_t row = base + r * A.rs + k0;
-      for (int64_t j = 0; j < kp; ++j)
-        put_pair(uk.tiles(), true, uk.mr, j, r, bf16_at(A, row + 2 * j), bf16_at(A, row + 2 * j + 1), dst);
-    }
-    return;
-  }
-  pack_tile(uk.tiles(), true, uk.mr, mv, kp, k0, K,
-            [&](int l, int64_t k) { return bf16_at(A, base + l * A.rs + k * A.cs); }, dst);
-}
-
-// NR columns of B from column j0 (nv of them real), k block [k0, k0 + 2kp).
-template <class Mat>
-void pack_b(const Mat& B, int64_t j0, int64_t nv, const Bf16Kernel& uk, int64_t k0, int64_t kp, int64_t K,
-            uint32_t* dst) {
-  const int64_t base = j0 * B.cs;
-  const bool full = nv == uk.nr && k0 + 2 * kp <= K;
-  if (uk.form == Packed::kPairs)
-    return pack_pairs(B, base, B.cs, B.rs, uk.nr, nv, kp, k0, K, dst);
-  if (uk.tiles() && full && B.cs == 1) return internal::amx_pack_b(B.p + base + k0 * B.rs, B.rs, kp, dst);
-  if (uk.tiles() && full && B.rs == 1) return internal::amx_pack_bt(B.p + base + k0, B.cs, kp, dst);
-  if (B.cs == 1 && full) {  // row-major, full panel: two rows interleaved
-    for (int64_t j = 0; j < kp; ++j) {
-      const int64_t lo = base + (k0 + 2 * j) * B.rs, hi = lo + B.rs;
-      for (int l = 0; l < uk.nr; ++l)
-        put_pair(uk.tiles(), false, uk.nr, j, l, bf16_at(B, lo + l), bf16_at(B, hi + l), dst);
-    }
-    return;
-  }
-  pack_tile(uk.tiles(), false, uk.nr, nv, kp, k0, K,
-            [&](int l, int64_t k) { return bf16_at(B, base + k * B.rs + l * B.cs); }, dst);
-}
 
 // One micro-tile; partial tiles go through an MR x NR buffer so the kernel
 // always sees a full tile (padding lanes are computed and dropped).
@@ -448,6 +291,28 @@ inline void run_tile(const Bf16Kernel& uk, int64_t kp, const uint32_t* a, const 
 constexpr int64_t kKCPairs = 512, kKCFp32 = 256;
 static_assert(kKCPairs % kBf16FoldBlock == 0 && kKCFp32 % kBf16FoldBlock == 0, "k blocks hold whole fold blocks");
 constexpr int64_t kMC = 192;  // rows per A block (rounded to MR)
+
+
+// Whether vdpbf16ps gives the contract's bits for a tile whose A strip and B
+// panel have these smallest exponents (gemm_bf16.h): every product then a
+// multiple of 2^-149, its last bit being 14 places below its exponents' sum.
+bool vdpbf16ps_exact(int a_exp, int b_exp) { return a_exp + b_exp - 2 * 127 >= -135; }
+
+// A tile the avx512-bf16 path cannot take, on the avx512 replay: its strip
+// and panel packed in the replay's form, MXCSR's flush-to-zero cleared (the
+// replay flushes as the contract says itself, and must see the subnormals).
+template <class Mat>
+void replay_tile(const Mat& A, const Mat& B, int64_t i0, int64_t mv, int64_t j0, int64_t nv, int64_t k0, int64_t kp,
+                 int64_t K, float* c, int64_t ldc, bool load) {
+  const Bf16Kernel& uk = kAvx512Kernel;
+  static thread_local Scratch a_fp32, b_fp32;
+  uint32_t* a = a_fp32.get(static_cast<size_t>(2 * kp * uk.mr));
+  uint32_t* b = b_fp32.get(static_cast<size_t>(2 * kp * uk.nr));
+  pack_a(A, i0, mv, uk, k0, kp, K, a);
+  pack_b(B, j0, nv, uk, k0, kp, K, b);
+  const FlushToZero no_ftz(false);
+  run_tile(uk, kp, a, b, c, ldc, mv, nv, load);
+}
 
 }  // namespace
 
@@ -494,13 +359,8 @@ void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, const Mat& A, const Mat& 
       for (int64_t i = 0; i < M; ++i) memset(C + i * ldc, 0, sizeof(float) * N);
     return;
   }
-  const Bf16Path path = effective_path();
-  // Every product a multiple of 2^-149: unbiased exponents summing to -135 or more (each product's last
-  // bit is 14 places below its exponents' sum).
-  const bool fall_back = path == Bf16Path::kAvx512Bf16 &&
-                         internal::min_exponent(A, M, K) + internal::min_exponent(B, K, N) - 2 * 127 < -135;
-  if (fall_back) g_tiny_fallbacks.fetch_add(1, std::memory_order_relaxed);
-  const Bf16Kernel& uk = fall_back ? kAvx512Kernel : kernel_for(path);
+  const Bf16Kernel& uk = kernel_for(effective_path());
+  const bool pairs = uk.form == Packed::kPairs;  // avx512-bf16: each tile checked (vdpbf16ps_exact)
   const int MR = uk.mr, NR = uk.nr;
   const int64_t K32 = (K + kBf16FoldBlock - 1) / kBf16FoldBlock * kBf16FoldBlock;  // K padded
   const int64_t KC = std::min(K32, uk.form != Packed::kFp32 ? kKCPairs : kKCFp32);
@@ -522,24 +382,39 @@ void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, const Mat& A, const Mat& 
   const int64_t wpp = uk.form != Packed::kFp32 ? 1 : 2;
   static thread_local Scratch b_scratch;
   uint32_t* bpack = b_scratch.get(static_cast<size_t>(KC / 2 * wpp * panels * NR));
-  auto pack_panel = [&](int64_t p, int64_t k0, int64_t kp) {
-    pack_b(B, p * NR, std::min<int64_t>(NR, N - p * NR), uk, k0, kp, K, bpack + p * kp * wpp * NR);
+  // avx512-bf16: the smallest exponent in each packed panel and strip of this k block.
+  static thread_local std::vector<int> panel_exponents;
+  if (pairs) panel_exponents.resize(static_cast<size_t>(panels));
+  int* panel_exp = panel_exponents.data();  // the caller's, filled by every thread
+  auto pack_panels = [&](int64_t p0, int64_t p1, int64_t k0, int64_t kp) {
+    internal::pack_b_panels(B, N, p0, p1, uk, k0, kp, K, bpack);
+    if (pairs)
+      for (int64_t p = p0; p < p1; ++p) panel_exp[p] = internal::packed_min_exponent(bpack + p * kp * NR, kp * NR);
   };
+  std::atomic<bool> fell_back{false};
   // One task: its row block's A strips packed, then its panels' tiles.
   auto run_task = [&](int64_t t, int64_t k0, int64_t kp, bool load, uint32_t* apack) {
-    const FlushToZero ftz(uk.form == Packed::kPairs);  // once per task, not per kernel call
+    const FlushToZero ftz(pairs);  // once per task, not per kernel call
     const int64_t ib = t / groups, g = t % groups;
     const int64_t i0 = ib * MC, mc = std::min(MC, M - i0);
     const int64_t strips = (mc + MR - 1) / MR, strip_words = kp * wpp * MR;
-    for (int64_t s = 0; s < strips; ++s)
+    int strip_exp[kMC];  // strips <= kMC / MR + 1
+    for (int64_t s = 0; s < strips; ++s) {
       pack_a(A, i0 + s * MR, std::min<int64_t>(MR, mc - s * MR), uk, k0, kp, K, apack + s * strip_words);
+      if (pairs) strip_exp[s] = internal::packed_min_exponent(apack + s * strip_words, kp * MR);
+    }
     const int64_t p_end = std::min(panels, (g + 1) * per_group);
     for (int64_t p = g * per_group; p < p_end; ++p) {
       const int64_t nv = std::min<int64_t>(NR, N - p * NR);
       for (int64_t s = 0; s < strips; ++s) {
         float* c = C + (i0 + s * MR) * ldc + p * NR;
-        run_tile(uk, kp, apack + s * strip_words, bpack + p * kp * wpp * NR, c, ldc,
-                 std::min<int64_t>(MR, mc - s * MR), nv, load);
+        const int64_t mv = std::min<int64_t>(MR, mc - s * MR);
+        if (pairs && !vdpbf16ps_exact(strip_exp[s], panel_exp[p])) {
+          replay_tile(A, B, i0 + s * MR, mv, p * NR, nv, k0, kp, K, c, ldc, load);
+          fell_back.store(true, std::memory_order_relaxed);
+          continue;
+        }
+        run_tile(uk, kp, apack + s * strip_words, bpack + p * kp * wpp * NR, c, ldc, mv, nv, load);
       }
     }
   };
@@ -551,18 +426,20 @@ void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, const Mat& A, const Mat& 
     const bool load = accumulate || k0 > 0;
     if (T == 1) {
       uint32_t* apack = a_scratch.get(a_words);
-      for (int64_t p = 0; p < panels; ++p) pack_panel(p, k0, kp);
+      pack_panels(0, panels, k0, kp);
       for (int64_t t = 0; t < tasks; ++t) run_task(t, k0, kp, load, apack);
       continue;
     }
-    run_on_threads(T, panels, [&](JobIndices& job) {
-      for (int64_t p; job.next(&p);) pack_panel(p, k0, kp);
+    const int64_t per_pack = (panels + T - 1) / T;  // each thread a run of panels
+    run_on_threads(T, (panels + per_pack - 1) / per_pack, [&](JobIndices& job) {
+      for (int64_t j; job.next(&j);) pack_panels(j * per_pack, std::min(panels, (j + 1) * per_pack), k0, kp);
     });
     run_on_threads(T, tasks, [&](JobIndices& job) {
       uint32_t* apack = a_scratch.get(a_words);
       for (int64_t t; job.next(&t);) run_task(t, k0, kp, load, apack);
     });
   }
+  if (fell_back.load(std::memory_order_relaxed)) g_tiny_fallbacks.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace

@@ -79,15 +79,16 @@ void amx_tiles_clobbered();
 // computes the contract's steps exactly while every product is a multiple of
 // 2^-149 (then every step's sum is one, and none lands between the two
 // tininess rules): while the smallest nonzero exponents of A and of B sum to
-// -135 or more. A call whose operands do not runs on avx512 instead, the
-// same bits.
+// -135 or more. That is checked per output tile and k block, on the packed
+// bf16 strip and panel; a tile that fails it runs on the avx512 replay
+// instead, the same bits.
 enum class Bf16Path { kAuto, kScalar, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 void set_gemm_bf16_path(Bf16Path path);
 Bf16Path gemm_bf16_path();              // the path in use
 const char* bf16_path_name(Bf16Path p);  // "scalar", "avx2", "avx512", "avx512-bf16", "amx" (kAuto: "auto")
 bool gemm_bf16_path_supported(Bf16Path path);
-// Calls the avx512-bf16 path handed to avx512 for operands that small
-// (counted since the process began; for tests and the run summary).
+// Calls of which the avx512-bf16 path handed a tile to avx512, operands that
+// small (counted since the process began; for tests and the run summary).
 int64_t gemm_bf16_tiny_fallbacks();
 
 }  // namespace ops

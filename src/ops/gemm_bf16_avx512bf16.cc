@@ -9,14 +9,10 @@
 // its order. Where a step's result is tiny, the hardware rounds onto the
 // subnormal grid before flushing and the contract rounds to 24 bits first;
 // they can differ only where a product has bits below 2^-149, which
-// gemm_bf16.cc rules out from the operands' smallest exponents before it
-// picks this path (gemm_bf16.h).
+// gemm_bf16.cc rules out for each tile from its packed operands' smallest
+// exponents before it runs this kernel on it (gemm_bf16.h).
 #include <immintrin.h>
 
-#include <string.h>
-
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 
 #include "ops/flush_to_zero.h"
@@ -96,59 +92,6 @@ void gemm_bf16_ukernel_avx512bf16_8x32(int64_t kp, const void* av, const void* b
                           // makes it the zero of its sign, the contract's flushed add; vdpbf16ps ignores MXCSR
   fold_rows4<0>(kp, a, b, c, ldc, load);
   fold_rows4<4>(kp, a, b, c, ldc, load);
-}
-
-// gemm_bf16.cc's check before it picks this path (called only where it may):
-// the smallest biased exponent of the nonzero values, read off the bits.
-// Each walks the operand along whichever of its strides is 1, sixteen or
-// thirty-two values at a time.
-namespace {
-
-template <class T, class Lanes>
-int min_exponent_of(const T* base, int64_t rows, int64_t cols, int64_t rs, int64_t cs, int lanes, Lanes lanes_min,
-                    int (*one)(T)) {
-  const bool by_rows = cs == 1 || rs != 1;
-  const int64_t outer = by_rows ? rows : cols, inner = by_rows ? cols : rows;
-  const int64_t os = by_rows ? rs : cs, is = by_rows ? cs : rs;
-  int least = 255;
-  __m512i m = _mm512_set1_epi32(255);
-  for (int64_t o = 0; o < outer; ++o) {
-    const T* p = base + o * os;
-    int64_t i = 0;
-    if (is == 1)
-      for (; i + lanes <= inner; i += lanes) m = lanes_min(p + i, m);
-    for (; i < inner; ++i) least = std::min(least, one(p[i * is]));
-  }
-  return std::min(least, (int)_mm512_reduce_min_epu32(m));
-}
-
-}  // namespace
-
-int min_exponent(const ConstMatBf16& m, int64_t rows, int64_t cols) {
-  // 32 bf16: exponent fields 0 (zeros, and subnormals the fold reads as zeros) raised to 255.
-  auto lanes = [](const uint16_t* p, __m512i m32) {
-    const __m512i e = _mm512_srli_epi16(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi16(0x7f80)), 7);
-    const __m512i f = _mm512_mask_mov_epi16(e, _mm512_testn_epi16_mask(e, e), _mm512_set1_epi16(255));
-    // the two 16-bit halves of each 32-bit lane, to the lane's minimum
-    const __m512i lo = _mm512_and_si512(f, _mm512_set1_epi32(0xffff)), hi = _mm512_srli_epi32(f, 16);
-    return _mm512_min_epu32(m32, _mm512_min_epu32(lo, hi));
-  };
-  return min_exponent_of<uint16_t>(m.p, rows, cols, m.rs, m.cs, 32, lanes, [](uint16_t v) {
-    const int e = v >> 7 & 0xff;
-    return e == 0 ? 255 : e;
-  });
-}
-int min_exponent(const ConstMat& m, int64_t rows, int64_t cols) {
-  // 16 fp32: zeros skipped; a subnormal's field, 0, kept.
-  auto lanes = [](const float* p, __m512i m32) {
-    const __m512i x = _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(0x7fffffff));
-    return _mm512_mask_min_epu32(m32, _mm512_test_epi32_mask(x, x), m32, _mm512_srli_epi32(x, 23));
-  };
-  return min_exponent_of<float>(m.p, rows, cols, m.rs, m.cs, 16, lanes, [](float v) {
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    return (u & 0x7fffffffu) == 0 ? 255 : (int)(u >> 23 & 0xff);
-  });
 }
 
 }  // namespace ls::ops::internal
