@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <omp.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <cstring>
@@ -509,7 +510,9 @@ TEST_SUITE("gemm_bf16") {
       std::vector<float> want((size_t)(M * N)), got(want.size());
       ls::ops::gemm_bf16_naive(M, N, K, A, B, want.data(), N, false);
       const int64_t before = ls::ops::gemm_bf16_tiny_fallbacks();
+      const unsigned csr = _mm_getcsr();  // the path's FTZ scope leaves MXCSR as it found it
       ls::ops::gemm_bf16(M, N, K, A, B, got.data(), N, false, 1);
+      CHECK(_mm_getcsr() == csr);
       CHECK(ls::ops::gemm_bf16_tiny_fallbacks() == before);  // vdpbf16ps ran it
       CHECK_SAME_BITS(got, want);
       int64_t tiny = 0;  // outputs of tiny products only: their steps pass below 2^-126, where flushing acts
@@ -520,6 +523,7 @@ TEST_SUITE("gemm_bf16") {
       a[5] = (uint16_t)((127 + a_lo - 20) << 7);
       ls::ops::gemm_bf16_naive(M, N, K, A, B, want.data(), N, false);
       ls::ops::gemm_bf16(M, N, K, A, B, got.data(), N, false, 1);
+      CHECK(_mm_getcsr() == csr);  // and around the tiles it replayed
       CHECK(ls::ops::gemm_bf16_tiny_fallbacks() == before + 1);
       CHECK_SAME_BITS(got, want);
     }
