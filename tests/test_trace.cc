@@ -452,6 +452,23 @@ TEST_SUITE("trace") {
     CHECK_THROWS_WITH_AS(ls::read_trace(bad.string()), doctest::Contains("before the header's first_step 2"),
                          ls::UserError);
   }
+
+  TEST_CASE("a second step record for one step is refused: diff pairs step records by number") {
+    // The fuzz finding duplicate-step-record-self-diff: two step-2 records
+    // with different losses made `diff A A` report a divergence.
+    const fs::path good = tmp() / "steps.jsonl";
+    REQUIRE(lockstep("run " + scenario().string() + " --quiet --steps 2 --trace " + good.string()) == 0);
+    std::string text = slurp_text(good);
+    const size_t at = text.find("\"kind\":\"step\"");
+    REQUIRE(at != std::string::npos);
+    const size_t begin = text.rfind('\n', at) + 1, end = text.find('\n', at) + 1;
+    text.insert(end, text.substr(begin, end - begin));  // step 1's record twice
+    const fs::path bad = tmp() / "steps-twice.jsonl";
+    std::ofstream(bad, std::ios::binary) << text;
+    CHECK_NOTHROW(ls::read_trace(good.string()));
+    CHECK_THROWS_WITH_AS(ls::read_trace(bad.string()), doctest::Contains("a second step record for step 1"),
+                         ls::UserError);
+  }
 }
 
 TEST_SUITE("trace") {

@@ -161,6 +161,7 @@ Trace read_trace(const std::string& path) {
   int64_t lineno = 0;
   // diff pairs records by (step, phase, layer, op, tensor): each must be unique.
   std::set<std::string> seen_tensors;
+  std::set<int64_t> seen_steps;
   bool terminated = false;
   while (read_bounded_line(in, line, kMaxTraceLine, path + ":" + std::to_string(lineno + 1), terminated)) {
     ++lineno;
@@ -197,8 +198,12 @@ Trace read_trace(const std::string& path) {
       if (!j.contains("dtype")) j["dtype"] = "f32";  // an older trace: every tensor was held as fp32
       t.tensors.push_back(std::move(j));
     }
-    else if (kind == "step") t.steps.push_back(std::move(j));
-    else t.end = std::move(j);
+    else if (kind == "step") {
+      // One per step: diff pairs step records by number, so a second one would pair with the wrong twin.
+      if (!seen_steps.insert(j["step"].get<int64_t>()).second)
+        throw UserError(where + ": a second step record for step " + std::to_string(j["step"].get<int64_t>()));
+      t.steps.push_back(std::move(j));
+    } else t.end = std::move(j);
   }
   if (in.bad()) throw UserError(path + ": read error");
   if (t.header.is_null() || t.header.value("format", "") != "lockstep-trace-1")
