@@ -6,6 +6,13 @@ Same shape and work as Lockstep's model: byte embedding + learned positions,
 pre-norm RMSNorm, causal MHA, top-k softmax-gated SwiGLU experts in every
 layer (loop over experts with index_select / index_add_, as eager MoE code
 does), Switch aux loss and router z-loss, AdamW. Prints one JSON line.
+
+With --precision bf16 the forward runs under torch.autocast(device_type=
+"cpu", dtype=torch.bfloat16), what a PyTorch user runs for mixed precision
+on a CPU: the matrix products in bf16 (oneDNN), fp32 master weights and
+AdamW; the router kept in fp32 as Lockstep's recipe keeps it (autocast
+disabled around it), softmax and norms fp32 as autocast leaves them. The
+JSON names the GEMM libraries the process mapped.
 """
 import argparse
 import json
@@ -37,7 +44,8 @@ class MoE(nn.Module):
         self.experts, self.top_k = experts, top_k
 
     def forward(self, x):
-        z = self.router(x)
+        with torch.autocast(device_type="cpu", enabled=False):  # the router in fp32 at bf16 too
+            z = self.router(x.float())
         g = z.softmax(-1)
         gate, sel = g.topk(self.top_k, dim=-1)
         out = torch.zeros_like(x)
@@ -100,7 +108,10 @@ def main():
     for name, default in [("d_model", 64), ("n_layers", 2), ("n_heads", 4), ("seq_len", 64), ("d_ff", 128),
                           ("experts", 8), ("top_k", 2), ("batch", 16), ("steps", 20), ("threads", 1)]:
         p.add_argument("--" + name, type=int, default=default)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: the forward under torch.autocast(cpu, bfloat16)")
     a = p.parse_args()
+    bf16 = a.precision == "bf16"
     torch.set_num_threads(a.threads)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
@@ -111,7 +122,8 @@ def main():
     for s in range(a.steps + 2):
         t0 = time.perf_counter()
         x, y = data[s, :, :-1], data[s, :, 1:]
-        loss = model(x, y)
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x, y)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -120,18 +132,19 @@ def main():
             seconds += time.perf_counter() - t0
     tps = a.steps * a.batch * a.seq_len / seconds
     print(json.dumps({"peer": "pytorch-eager", "torch": torch.__version__, "threads": a.threads,
-                      "tokens_per_second": tps, "blas": loaded_blas(),
+                      "precision": a.precision, "tokens_per_second": tps, "blas": loaded_blas(),
                       "openblas_env": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")}}))
 
 
 def loaded_blas():
-    """The BLAS libraries this process mapped (after training ran its matmuls): what PyTorch's GEMMs call."""
+    """The GEMM libraries this process mapped (after training ran its matmuls): what PyTorch's GEMMs call
+    (a BLAS for fp32; oneDNN, `dnnl`, for autocast's bf16 products where libtorch links it apart)."""
     libs = set()
     with open("/proc/self/maps") as maps:
         for line in maps:
             path = line.split()[-1]
             name = os.path.basename(path)
-            if "blas" in name or "mkl" in name:
+            if "blas" in name or "mkl" in name or "dnnl" in name:
                 libs.add(os.path.realpath(path))
     return sorted(libs)
 
