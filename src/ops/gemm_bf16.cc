@@ -42,7 +42,6 @@
 #include <cmath>
 #include <atomic>
 #include <new>
-#include <type_traits>
 #include <vector>
 
 #include "common/thread_pool.h"
